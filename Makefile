@@ -1,0 +1,46 @@
+# tokenmill: two commands on a fresh machine.
+#   make run   -> install, then serve the default model with a streamed demo
+#   make test  -> install, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/tokenmill/v1/*.proto)
+PROTO_OUT := services/common/pb
+PROTO_STAMP := $(PROTO_OUT)/.generated
+
+.PHONY: install proto run test test-fast bench bench-quick clean lint
+
+install: $(STAMP) $(PROTO_STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) scripts/gen_protos.py $(STAMP)
+	$(PY) scripts/gen_protos.py
+	touch $@
+
+run: install
+	$(VENV)/bin/tokenmill up
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(VENV)/bin/tokenmill bench --preset headline
+
+bench-quick: install
+	$(VENV)/bin/tokenmill bench --preset quick
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT) .pytest_cache

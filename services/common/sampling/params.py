@@ -1,0 +1,85 @@
+"""Per-request sampling parameters: a value object, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Upper bounds on user-controlled sizes; each is named in the error it produces.
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How the next token is drawn from the model's distribution.
+
+    Defaults reproduce plain sampling at temperature 1.0. ``temperature == 0`` means greedy.
+    """
+
+    temperature: float = 1.0
+    """0 = greedy (argmax); otherwise logits are divided by it before softmax."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set whose probability mass reaches top_p; 1.0 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's; 0 disables."""
+    repetition_penalty: float = 1.0
+    """CTRL-style: logits of tokens seen in prompt or output are divided (if >0) or multiplied (if <0) by it."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (output only)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated (output only)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of the given token ids before anything else."""
+    seed: int | None = None
+    """When set, the draws for this request depend only on the seed and the token position,
+    never on the rest of the batch."""
+    logprobs: int | None = None
+    """None: no logprobs. n >= 0: the sampled token's logprob plus the n most likely alternatives."""
+    min_tokens: int = 0
+    """The stop token ids below cannot be sampled before this many tokens were generated."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids (EOS included unless ignore_eos) banned while fewer than min_tokens were generated."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the offending field and the accepted range."""
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not (0 <= token_id < vocab_size):
+                raise ValueError(f"logit_bias token id {token_id} is outside [0, {vocab_size})")
+            if not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias value {bias} for token {token_id} is outside [-100, 100]")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit is {MAX_STOP_TOKEN_IDS}"
+            )
+        for token_id in self.stop_token_ids:
+            if not (0 <= token_id < vocab_size):
+                raise ValueError(f"stop_token_ids entry {token_id} is outside [0, {vocab_size})")

@@ -1,0 +1,95 @@
+"""The step contract between the scheduler (who decides) and the executor (who computes).
+
+Pure Python values, no torch and no protobuf: the in-process engine hands these objects to
+the model runner directly; the services convert them to packed protobuf arrays at the edge.
+
+A step is a diff against the executor's state. New sequences come in full; running ones
+send only what changed (how many tokens to compute now, newly appended block ids);
+``finished_seq_ids`` lists sequences the executor must forget (finished, aborted or
+preempted). Every sequence obeys one rule: ``num_computed_tokens`` catches up with the
+number of known tokens. A prompt, a prefill chunk, a decode token and k+1 speculative
+tokens are the same thing of different sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the executor has not seen (or forgot after a preemption)."""
+
+    seq_id: int
+    token_ids: list[int]
+    """Every known token: the prompt, plus tokens generated before a preemption."""
+    prompt_len: int
+    """How many of token_ids are prompt (the rest are output, for the penalties)."""
+    num_computed_tokens: int
+    """Tokens whose K/V already sit in the blocks (prefix-cache hit); computation starts here."""
+    num_scheduled_tokens: int
+    """Tokens to compute this step, starting at num_computed_tokens."""
+    block_ids: list[int]
+    """The block table: physical block ids, in order, covering at least the computed + scheduled tokens."""
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class RunningSequence:
+    """A sequence the executor already holds: only the delta."""
+
+    seq_id: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+    """Blocks appended to the end of its block table this step."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative tokens to verify after the last known token (num_scheduled_tokens = 1 + len)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new: list[NewSequence] = field(default_factory=list)
+    running: list[RunningSequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.new) + sum(
+            s.num_scheduled_tokens for s in self.running
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new and not self.running
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of one sampled token and the top alternatives (ids and logprobs, best first)."""
+
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one scheduled sequence produced this step.
+
+    ``token_ids`` is empty for a prefill chunk that did not reach the end of the known tokens.
+    After speculative verification it holds the accepted draft tokens plus one sampled token.
+    """
+
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    outputs: list[SequenceOutput] = field(default_factory=list)
+    """One entry per scheduled sequence, in plan order (new first, then running)."""
