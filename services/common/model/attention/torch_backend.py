@@ -1,0 +1,93 @@
+"""Attention in plain PyTorch over the paged KV cache: gather through block tables, then attend.
+
+Correct on CPU and GPU and fast enough on a CPU, where it is the default. Decode-only
+sequences (one query each) are handled together: their contexts are gathered into one
+padded tensor and attended with a length mask, so a decode step costs a few batched ops
+per layer instead of one per sequence. Sequences with several new tokens (prompts,
+chunks, speculative verification) go one by one through scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.common.model.attention.base import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        # k, v: [T, KH, D]; caches: [NB, BS, KH, D] viewed as [NB*BS, KH, D] slots
+        kh, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, H, D] -> [T, H, D]
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale)
+        out = torch.empty_like(q)
+        decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=q.device)
+            token_index = meta.query_start_loc[rows].long()
+            max_ctx = max(meta.context_lens_cpu[i] for i in decode_rows)
+            out[token_index] = self._decode(
+                q[token_index], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], max_ctx, scale
+            )
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            if q_len == 1:
+                continue
+            start = starts[i]
+            out[start : start + q_len] = self._extend(
+                q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size, scale
+            )
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+        num_blocks = -(-num_tokens // block_size)
+        # [nb, BS, KH, D] -> [ctx, KH, D]
+        return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+
+    def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float):
+        # q: [L, H, D]; the L new tokens sit at positions [ctx_len - L, ctx_len).
+        q_len, num_heads = q.shape[0], q.shape[1]
+        k = self._gather(k_cache, block_table, ctx_len, block_size).to(q.dtype)
+        v = self._gather(v_cache, block_table, ctx_len, block_size).to(q.dtype)
+        group = num_heads // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L|C, D]
+        if q_len == ctx_len:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            # query i sees keys [0, ctx_len - q_len + i]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float):
+        # q: [B, H, D]; one query per sequence at position context_len - 1.
+        b, h, d = q.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = h // kv_heads
+        num_blocks = -(-max_ctx // block_size)
+        table = block_tables[:, :num_blocks].long()
+        k = k_cache[table].view(b, num_blocks * block_size, kv_heads, d).to(q.dtype)  # [B, S, KH, D]
+        v = v_cache[table].view(b, num_blocks * block_size, kv_heads, d).to(q.dtype)
+        qg = q.view(b, kv_heads, group, d)
+        scores = torch.einsum("bkgd,bskd->bkgs", qg, k).float() * scale  # [B, KH, G, S]
+        positions = torch.arange(num_blocks * block_size, device=q.device)
+        valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = torch.einsum("bkgs,bskd->bkgd", probs, v)
+        return out.reshape(b, h, d)

@@ -1,0 +1,137 @@
+"""The Llama family (Llama, Mistral, Qwen2) as one forward over a flattened varlen batch.
+
+Every sequence in a step contributes any number of new tokens (a prompt, a prefill chunk,
+one decode token, k+1 speculative tokens); the batch is flattened to T tokens and the
+attention backend reads each sequence's context out of the paged KV cache.
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.model.attention.base import AttentionBackend, AttentionMetadata
+from services.common.model.config import ModelConfig
+from services.common.model.layers import RotaryEmbedding, rms_norm
+from services.common.model.weights import load_checkpoint
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        w = lambda name: weights.pop(prefix + name)  # noqa: E731 - local shorthand
+        self.qkv_weight = nn.Parameter(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            requires_grad=False,
+        )
+        self.qkv_bias = (
+            nn.Parameter(
+                torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]),
+                requires_grad=False,
+            )
+            if config.attention_bias
+            else None
+        )
+        self.o_weight = nn.Parameter(w("self_attn.o_proj.weight"), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(
+            torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(w("mlp.down_proj.weight"), requires_grad=False)
+        self.input_norm = nn.Parameter(w("input_layernorm.weight"), requires_grad=False)
+        self.post_norm = nn.Parameter(w("post_attention_layernorm.weight"), requires_grad=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        # hidden: [T, D]
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary.apply(q.view(t, self.num_heads, self.head_dim), positions)
+        k = rotary.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
+        hidden = hidden + F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each
+        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        backend: AttentionBackend,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        weights = dict(weights)
+        self.embed = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
+        lm_head = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(lm_head, requires_grad=False)
+        assert not weights, f"unused weights: {sorted(weights)[:5]}"
+        self.to(device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        backend: AttentionBackend,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        config: ModelConfig | None = None,
+    ) -> "LlamaForCausalLM":
+        config = config or ModelConfig.from_model_dir(model_dir)
+        dtype = dtype or config.dtype
+        weights = load_checkpoint(model_dir, config, dtype)
+        return cls(config, weights, backend, torch.device(device))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, positions, kv_cache, meta, self.rotary, self.backend)
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> logits [N, V] in fp32 (sampling and logprobs want full precision)."""
+        return F.linear(hidden, self.lm_head).float()

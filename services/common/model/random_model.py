@@ -1,0 +1,151 @@
+"""Deterministic random-weight Llama-family checkpoints, for benchmarks and tests.
+
+No model can be downloaded, so larger shapes are made here: the same seed always gives
+the same bytes. Weights are scaled like a trained network's (std 0.02, norms at 1) so
+activations stay in range and greedy decoding does not collapse to one token at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@dataclass(frozen=True, slots=True)
+class RandomModelSpec:
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int = 4
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    seed: int = 0
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_parameters(self) -> int:
+        d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + head + self.num_layers * per_layer + d
+
+
+PRESETS: dict[str, RandomModelSpec] = {
+    # ~100M parameters: the benchmark model.
+    "llama-100m": RandomModelSpec(),
+    # ~1B parameters: GPU end-to-end decode timing.
+    "llama-1b": RandomModelSpec(hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=32,
+                                num_kv_heads=8, max_position_embeddings=4096, dtype="bfloat16"),
+    "tiny": RandomModelSpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, max_position_embeddings=512),
+}
+
+
+def _config_json(spec: RandomModelSpec) -> dict:
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+    if spec.architecture not in model_type:
+        raise ValueError(f"unsupported architecture {spec.architecture!r}")
+    cfg = {
+        "architectures": [spec.architecture],
+        "model_type": model_type[spec.architecture],
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": spec.rope_theta,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": spec.dtype,
+    }
+    if spec.architecture == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    if spec.architecture == "Qwen2ForCausalLM":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
+    """Write config.json and model.safetensors (and copy tokenizer files, when given)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(spec.seed)
+    d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        # Around 1 but not exactly, so a norm weight that is dropped or misplaced shows.
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+
+    tensors = {"model.embed_tokens.weight": rand(spec.vocab_size, d), "model.norm.weight": ones(d)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(spec.num_heads * hd, d),
+            p + "self_attn.k_proj.weight": rand(spec.num_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": rand(spec.num_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": rand(d, spec.num_heads * hd),
+            p + "mlp.gate_proj.weight": rand(f, d),
+            p + "mlp.up_proj.weight": rand(f, d),
+            p + "mlp.down_proj.weight": rand(d, f),
+            p + "input_layernorm.weight": ones(d),
+            p + "post_attention_layernorm.weight": ones(d),
+        }
+        if spec.architecture == "Qwen2ForCausalLM":
+            tensors |= {
+                p + "self_attn.q_proj.bias": rand(spec.num_heads * hd) * 10,
+                p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,
+                p + "self_attn.v_proj.bias": rand(spec.num_kv_heads * hd) * 10,
+            }
+    if not spec.tie_word_embeddings:
+        tensors["lm_head.weight"] = rand(spec.vocab_size, d)
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_config_json(spec), indent=2) + "\n")
+    (out / "random_model_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            src = Path(tokenizer_from) / name
+            if src.is_file():
+                shutil.copy(src, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write a deterministic random-weight Llama-family model directory.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-100m")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    spec = PRESETS[args.preset]
+    spec = RandomModelSpec(**{**asdict(spec), "seed": args.seed})
+    build_random_model(spec, args.out)
+    print(f"wrote {args.out} ({spec.num_parameters() / 1e6:.1f}M parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
