@@ -1,0 +1,1 @@
+"""Conversions between protobuf messages and the dataclasses the services use inside."""

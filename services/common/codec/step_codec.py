@@ -1,0 +1,283 @@
+"""StepPlan / StepResult <-> executor.proto StepRequest / StepResponse, and SamplingParams.
+
+Protobuf stays at the edge: the scheduler and the executor speak the dataclasses of
+services/common/step.py; only their gRPC adapters call these functions.
+
+Speed matters because this runs twice per step on each side of the hop. Running sequences
+and outputs travel as packed parallel arrays (one repeated field per attribute, ragged lists
+flattened with a count per row), so a 256-sequence decode step is a handful of repeated
+fields instead of 256 sub-messages. Encoding builds plain Python lists with append/extend
+and hands them to the message constructor in one call; decoding copies each repeated field
+into a list once (indexing a protobuf container element by element is several times
+slower) and slices it with running offsets.
+
+Lossy corners, on purpose:
+- logprobs travel as float32 (the sampler computes them in float32, so nothing is lost in
+  practice; a Python float that is not float32-representable comes back rounded).
+- an output whose logprobs is an empty list comes back as None (count 0 means "none").
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+from services.common.errors import InvalidArgumentError
+from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
+from services.common.sampling.params import SamplingParams
+from services.common.step import (
+    NewSequence,
+    RunningSequence,
+    SequenceOutput,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+__all__ = [
+    "plan_from_proto",
+    "plan_to_proto",
+    "result_from_proto",
+    "result_to_proto",
+    "sampling_from_proto",
+    "sampling_to_proto",
+]
+
+_DEFAULT_SAMPLING = SamplingParams()
+
+
+# --- sampling ------------------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field is written explicitly, so the receiver never falls back to a default.
+
+    min_tokens and stop_token_ids are not part of the proto SamplingParams (the public API
+    carries them in StopConditions, the executor in NewSequence); callers move them.
+    """
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams,
+    *,
+    min_tokens: int = 0,
+    stop_token_ids: tuple[int, ...] | list[int] = (),
+) -> SamplingParams:
+    """Absent optional fields take the SamplingParams defaults (temperature 1.0, not greedy)."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else _DEFAULT_SAMPLING.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else _DEFAULT_SAMPLING.top_p,
+        min_p=msg.min_p,
+        repetition_penalty=(
+            msg.repetition_penalty
+            if msg.HasField("repetition_penalty")
+            else _DEFAULT_SAMPLING.repetition_penalty
+        ),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=dict(msg.logit_bias),
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+    )
+
+
+# --- StepPlan <-> StepRequest --------------------------------------------------------------
+
+
+def _new_sequence_to_proto(seq: NewSequence) -> executor_pb2.NewSequence:
+    return executor_pb2.NewSequence(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_ids,
+        prompt_len=seq.prompt_len,
+        num_computed_tokens=seq.num_computed_tokens,
+        num_scheduled_tokens=seq.num_scheduled_tokens,
+        block_ids=seq.block_ids,
+        sampling=sampling_to_proto(seq.sampling),
+        min_tokens=seq.sampling.min_tokens,
+        stop_token_ids=seq.sampling.stop_token_ids,
+    )
+
+
+def _new_sequence_from_proto(msg: executor_pb2.NewSequence) -> NewSequence:
+    return NewSequence(
+        seq_id=msg.seq_id,
+        token_ids=list(msg.token_ids),
+        prompt_len=msg.prompt_len,
+        num_computed_tokens=msg.num_computed_tokens,
+        num_scheduled_tokens=msg.num_scheduled_tokens,
+        block_ids=list(msg.block_ids),
+        sampling=sampling_from_proto(
+            msg.sampling, min_tokens=msg.min_tokens, stop_token_ids=msg.stop_token_ids
+        ),
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> executor_pb2.StepRequest:
+    running = plan.running
+    block_counts: list[int] = []
+    block_ids: list[int] = []
+    draft_counts: list[int] = []
+    draft_ids: list[int] = []
+    for seq in running:
+        new_blocks = seq.new_block_ids
+        block_counts.append(len(new_blocks))
+        if new_blocks:
+            block_ids.extend(new_blocks)
+        drafts = seq.draft_token_ids
+        draft_counts.append(len(drafts))
+        if drafts:
+            draft_ids.extend(drafts)
+    return executor_pb2.StepRequest(
+        step_id=plan.step_id,
+        new_sequences=[_new_sequence_to_proto(seq) for seq in plan.new],
+        running_seq_ids=[seq.seq_id for seq in running],
+        running_num_scheduled_tokens=[seq.num_scheduled_tokens for seq in running],
+        running_new_block_counts=block_counts,
+        running_new_block_ids=block_ids,
+        running_draft_counts=draft_counts,
+        running_draft_token_ids=draft_ids,
+        finished_seq_ids=plan.finished_seq_ids,
+    )
+
+
+def _check_parallel(field: str, values: list, expected_len: int, per: str = "sequence") -> None:
+    if len(values) != expected_len:
+        raise InvalidArgumentError(f"{field} has {len(values)} entries; expected {expected_len} (one per {per})")
+
+
+def _check_flat(flat_field: str, flat_len: int, counts_field: str, counts: list[int]) -> None:
+    total = sum(counts)
+    if total != flat_len or (counts and min(counts) < 0):
+        raise InvalidArgumentError(
+            f"{flat_field} has {flat_len} entries but {counts_field} sums to {total}"
+            + (" and has negative entries" if counts and min(counts) < 0 else "")
+        )
+
+
+def _split(flat: list, counts: list[int]) -> list[list]:
+    """Cut a flat array into consecutive pieces of the given lengths (sum(counts) == len(flat))."""
+    if not flat:  # the common decode step: no new blocks, no drafts
+        return [[] for _ in counts]
+    ends = accumulate(counts)
+    return [flat[end - count : end] for count, end in zip(counts, ends)]
+
+
+def plan_from_proto(msg: executor_pb2.StepRequest) -> StepPlan:
+    """Raises InvalidArgumentError when the packed arrays disagree in length."""
+    seq_ids = list(msg.running_seq_ids)
+    num_running = len(seq_ids)
+    num_scheduled = list(msg.running_num_scheduled_tokens)
+    block_counts = list(msg.running_new_block_counts)
+    block_ids = list(msg.running_new_block_ids)
+    draft_counts = list(msg.running_draft_counts)
+    draft_ids = list(msg.running_draft_token_ids)
+    _check_parallel("running_num_scheduled_tokens", num_scheduled, num_running)
+    _check_parallel("running_new_block_counts", block_counts, num_running)
+    _check_parallel("running_draft_counts", draft_counts, num_running)
+    _check_flat("running_new_block_ids", len(block_ids), "running_new_block_counts", block_counts)
+    _check_flat("running_draft_token_ids", len(draft_ids), "running_draft_counts", draft_counts)
+
+    running = list(
+        map(RunningSequence, seq_ids, num_scheduled, _split(block_ids, block_counts), _split(draft_ids, draft_counts))
+    )
+    return StepPlan(
+        step_id=msg.step_id,
+        new=[_new_sequence_from_proto(seq) for seq in msg.new_sequences],
+        running=running,
+        finished_seq_ids=list(msg.finished_seq_ids),
+    )
+
+
+# --- StepResult <-> StepResponse -----------------------------------------------------------
+
+
+def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
+    seq_ids: list[int] = []
+    token_counts: list[int] = []
+    token_ids: list[int] = []
+    logprob_counts: list[int] = []
+    sampled_logprobs: list[float] = []
+    top_counts: list[int] = []
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for out in result.outputs:
+        seq_ids.append(out.seq_id)
+        tokens = out.token_ids
+        token_counts.append(len(tokens))
+        token_ids.extend(tokens)
+        logprobs = out.logprobs
+        if not logprobs:
+            logprob_counts.append(0)
+            continue
+        logprob_counts.append(len(logprobs))
+        for entry in logprobs:
+            if len(entry.top_token_ids) != len(entry.top_logprobs):
+                raise InvalidArgumentError(
+                    f"seq {out.seq_id}: top_token_ids has {len(entry.top_token_ids)} entries "
+                    f"but top_logprobs has {len(entry.top_logprobs)}"
+                )
+            sampled_logprobs.append(entry.logprob)
+            top_counts.append(len(entry.top_token_ids))
+            top_token_ids.extend(entry.top_token_ids)
+            top_logprobs.extend(entry.top_logprobs)
+    return executor_pb2.StepResponse(
+        step_id=result.step_id,
+        seq_ids=seq_ids,
+        token_counts=token_counts,
+        token_ids=token_ids,
+        logprob_counts=logprob_counts,
+        sampled_logprobs=sampled_logprobs,
+        top_counts=top_counts,
+        top_token_ids=top_token_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
+    """Raises InvalidArgumentError when the packed arrays disagree in length."""
+    seq_ids = list(msg.seq_ids)
+    token_counts = list(msg.token_counts)
+    token_ids = list(msg.token_ids)
+    logprob_counts = list(msg.logprob_counts)
+    _check_parallel("token_counts", token_counts, len(seq_ids))
+    _check_flat("token_ids", len(token_ids), "token_counts", token_counts)
+    # Older or logprob-free senders may leave logprob_counts empty: that means "none anywhere".
+    if logprob_counts:
+        _check_parallel("logprob_counts", logprob_counts, len(seq_ids))
+    else:
+        logprob_counts = [0] * len(seq_ids)
+    sampled_logprobs = list(msg.sampled_logprobs)
+    _check_flat("sampled_logprobs", len(sampled_logprobs), "logprob_counts", logprob_counts)
+    top_counts = list(msg.top_counts)
+    _check_parallel("top_counts", top_counts, len(sampled_logprobs), per="sampled logprob")
+    top_token_ids = list(msg.top_token_ids)
+    top_logprobs = list(msg.top_logprobs)
+    _check_flat("top_token_ids", len(top_token_ids), "top_counts", top_counts)
+    _check_parallel("top_logprobs", top_logprobs, len(top_token_ids), per="top token id")
+
+    if sampled_logprobs:
+        per_token = list(
+            map(TokenLogprobs, sampled_logprobs, _split(top_token_ids, top_counts), _split(top_logprobs, top_counts))
+        )
+        logprobs = [rows or None for rows in _split(per_token, logprob_counts)]
+    else:
+        logprobs = [None] * len(seq_ids)
+    outputs = list(map(SequenceOutput, seq_ids, _split(token_ids, token_counts), logprobs))
+    return StepResult(step_id=msg.step_id, outputs=outputs)

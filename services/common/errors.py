@@ -1,0 +1,171 @@
+"""Typed errors raised inside the services, and the one place they become gRPC status codes.
+
+Code inside a service raises plain Python errors that say what went wrong; it never calls
+``context.abort`` itself. ``ErrorMappingInterceptor`` (installed by
+services/common/server.py on every server) turns them into status codes:
+
+    InvalidArgumentError, ValueError   -> INVALID_ARGUMENT
+    NotFoundError                      -> NOT_FOUND
+    ResourceExhaustedError             -> RESOURCE_EXHAUSTED
+    UnavailableError                   -> UNAVAILABLE
+    DeadlineExceededError              -> DEADLINE_EXCEEDED
+    NotImplementedError                -> UNIMPLEMENTED
+    grpc.aio.AioRpcError (a downstream call failed) -> the downstream code, passed on
+    anything else                      -> INTERNAL, with the traceback logged
+
+``error_from_rpc`` goes the other way, for a client that wants the typed error back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import structlog
+
+_log = structlog.get_logger("tokenmill.errors")
+
+
+class TokenmillError(Exception):
+    """Base of the typed errors; ``code`` is the gRPC status the interceptor sends."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(TokenmillError, ValueError):
+    """The request is malformed or out of range; retrying it unchanged will fail again."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(TokenmillError):
+    """The named entity (request id, sequence id, stream id) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhaustedError(TokenmillError):
+    """A capacity limit was hit (queue full, prompt longer than the KV cache)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(TokenmillError):
+    """A dependency is down or the service is shutting down; retrying later may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(TokenmillError):
+    """The work did not finish within its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[TokenmillError]] = {
+    cls.code: cls
+    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, DeadlineExceededError)
+}
+
+
+def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a handler's exception is reported with."""
+    if isinstance(exc, TokenmillError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def error_from_rpc(err: grpc.RpcError) -> TokenmillError:
+    """The typed error matching a failed call's status (TokenmillError for other codes)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _ERROR_BY_CODE.get(code)
+    if cls is not None:
+        return cls(details)
+    error = TokenmillError(f"{code.name}: {details}")
+    error.code = code
+    return error
+
+
+async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    code, details = status_for_exception(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        _log.exception("rpc_internal_error", method=method)
+    else:
+        _log.info("rpc_error", method=method, code=code.name, details=details)
+    await context.abort(code, details)
+
+
+def _wrap_unary_response(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request_or_iterator, context)
+        except grpc.aio.AbortError:
+            raise  # the handler already chose its status
+        except Exception as exc:  # noqa: BLE001 - this is the one place errors are mapped
+            await _abort_with(exc, context, method)
+
+    return handler
+
+
+def _wrap_async_generator(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in behavior(request_or_iterator, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort_with(exc, context, method)
+
+    return handler
+
+
+def _wrap(behavior: Callable[..., Any] | None, method: str) -> Callable[..., Any] | None:
+    # grpc.aio picks the calling convention from the function type (a coroutine function
+    # that writes with context.write, or an async generator), so the wrapper must keep the
+    # type of what it wraps. Synchronous handlers run in a thread pool where an awaitable
+    # abort is out of reach; none of our services have them, so they pass through.
+    if behavior is None:
+        return None
+    if inspect.isasyncgenfunction(behavior):
+        return _wrap_async_generator(behavior, method)
+    if inspect.iscoroutinefunction(behavior):
+        return _wrap_unary_response(behavior, method)
+    return behavior
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping any async handler (unary or streaming) to status codes."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        common = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **common)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **common)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), **common)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), **common)
+        return handler
