@@ -1,0 +1,248 @@
+"""Command-line flags and environment variables from one config dataclass.
+
+Every service and the launcher describe their configuration once, as a dataclass whose
+fields carry their help text and environment variable::
+
+    @dataclass
+    class ExecutorConfig:
+        port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)",
+                                                   "env": "TOKENMILL_EXECUTOR_PORT"})
+        model: str = field(default="", metadata={"help": "checkpoint directory",
+                                                 "env": "TOKENMILL_MODEL"})
+
+    config = parse_config(ExecutorConfig, description="tokenmill executor")
+
+Precedence: command-line flag > environment variable > dataclass default. ``--help``
+shows each flag's environment variable and the default in effect (the environment's when
+it is set). ``to_argv`` turns a config back into flags, so a launcher can hand its
+settings to a child process.
+
+Supported field types: str, int, float, bool (``--flag`` / ``--no-flag``), Path, Enum
+(by value), ``X | None`` (the string "none" or an empty value means None), and
+``list[X]`` / ``tuple[X, ...]`` (comma-separated, in flags and env alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FieldSpec:
+    name: str
+    flag: str
+    dest: str
+    parse: Callable[[str], Any]
+    kind: str  # "scalar", "bool", "sequence"
+    sequence_type: type | None
+    optional: bool
+    enum_type: type[enum.Enum] | None
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+        raise TypeError(f"unsupported union type {tp!r}; only X | None is allowed")
+    return tp, False
+
+
+def _scalar_parser(tp: Any, field_name: str) -> Callable[[str], Any]:
+    if tp is bool:
+        return _parse_bool
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return lambda text: _parse_enum(tp, text)
+    if tp in (str, int, float, Path):
+        return tp
+    raise TypeError(f"field {field_name!r}: unsupported type {tp!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false/1/0/yes/no/on/off), got {text!r}")
+
+
+def _parse_enum(enum_type: type[enum.Enum], text: str) -> enum.Enum:
+    for member in enum_type:
+        if str(member.value) == text or member.name.lower() == text.lower():
+            return member
+    choices = ", ".join(str(m.value) for m in enum_type)
+    raise ValueError(f"expected one of {choices}, got {text!r}")
+
+
+def _field_spec(field: dataclasses.Field, tp: Any, prefix: str) -> _FieldSpec:
+    inner, optional = _unwrap_optional(tp)
+    origin = typing.get_origin(inner)
+    flag = "--" + (prefix + field.name).replace("_", "-")
+    dest = (prefix + field.name).replace("-", "_")
+    enum_type = inner if isinstance(inner, type) and issubclass(inner, enum.Enum) else None
+    if origin in (list, tuple):
+        args = typing.get_args(inner)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            raise TypeError(f"field {field.name!r}: only tuple[X, ...] is supported, got {inner!r}")
+        item_parser = _scalar_parser(args[0] if args else str, field.name)
+        return _FieldSpec(field.name, flag, dest, item_parser, "sequence", origin, optional, None)
+    kind = "bool" if inner is bool else "scalar"
+    return _FieldSpec(field.name, flag, dest, _scalar_parser(inner, field.name), kind, None, optional, enum_type)
+
+
+def _convert(spec: _FieldSpec, text: str) -> Any:
+    """Turn one flag or env string into the field's value."""
+    if spec.optional and text.strip().lower() in ("", "none"):
+        return None
+    if spec.kind == "sequence":
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        return spec.sequence_type(spec.parse(item) for item in items)
+    return spec.parse(text)
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not _MISSING:
+        return field.default
+    if field.default_factory is not _MISSING:
+        return field.default_factory()
+    return _MISSING
+
+
+def _fields_with_types(config_cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    if not dataclasses.is_dataclass(config_cls):
+        raise TypeError(f"{config_cls!r} is not a dataclass")
+    hints = typing.get_type_hints(config_cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(config_cls) if f.init]
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    config_cls: type,
+    *,
+    prefix: str = "",
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Add one flag per field of config_cls; defaults come from env, then the dataclass.
+
+    prefix is prepended to the flag and dest names ("executor_" -> --executor-port), so a
+    launcher can hold several configs in one parser. Environment variable names come from
+    metadata["env"] unchanged.
+    """
+    environ = os.environ if env is None else env
+    group = parser.add_argument_group(config_cls.__name__)
+    for field, tp in _fields_with_types(config_cls):
+        spec = _field_spec(field, tp, prefix)
+        env_name = field.metadata.get("env")
+        help_text = field.metadata.get("help", "")
+        default = _field_default(field)
+        from_env = False
+        if env_name and env_name in environ:
+            try:
+                default = _convert(spec, environ[env_name])
+            except ValueError as exc:
+                raise ValueError(f"environment variable {env_name}={environ[env_name]!r} for {spec.flag}: {exc}") from None
+            from_env = True
+        notes = []
+        if default is not _MISSING:
+            notes.append(f"default: {_format_value(default) or '(empty)'}" + (f" from {env_name}" if from_env else ""))
+        if env_name and not from_env:
+            notes.append(f"env: {env_name}")
+        full_help = f"{help_text} ({'; '.join(notes)})" if notes else help_text
+        full_help = full_help.replace("%", "%%")  # argparse formats help with %
+        kwargs: dict[str, Any] = {"dest": spec.dest, "help": full_help}
+        if default is _MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+        if spec.kind == "bool" and not spec.optional:
+            group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        kwargs["type"] = _argparse_type(spec)
+        kwargs["metavar"] = _metavar(spec)
+        group.add_argument(spec.flag, **kwargs)
+
+
+def _argparse_type(spec: _FieldSpec) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return _convert(spec, text)
+        except ValueError as exc:
+            # argparse reports ArgumentTypeError messages verbatim, naming the flag.
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = spec.name
+    return parse
+
+
+def _metavar(spec: _FieldSpec) -> str:
+    if spec.enum_type is not None:
+        return "{" + ",".join(str(m.value) for m in spec.enum_type) + "}"
+    return spec.name.upper() + ("[,...]" if spec.kind == "sequence" else "")
+
+
+def config_from_args(config_cls: type[T], args: argparse.Namespace, *, prefix: str = "") -> T:
+    """Build config_cls from the namespace add_config_arguments filled in."""
+    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_")) for f, _ in _fields_with_types(config_cls)}
+    return config_cls(**values)
+
+
+def parse_config(
+    config_cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    description: str | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Parse argv (sys.argv[1:] when None) and the environment into a config_cls instance."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description or config_cls.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_config_arguments(parser, config_cls, env=env)
+    return config_from_args(config_cls, parser.parse_args(argv))
+
+
+def to_argv(config: Any, *, prefix: str = "", only_changed: bool = True) -> list[str]:
+    """Flags that reproduce config when parsed (by parse_config of the same class and prefix).
+
+    only_changed leaves out fields equal to their dataclass default, keeping command lines
+    short; the child's own environment could then supply a different value, so pass
+    only_changed=False when the child must see exactly this config.
+    """
+    argv: list[str] = []
+    for field, tp in _fields_with_types(type(config)):
+        spec = _field_spec(field, tp, prefix)
+        value = getattr(config, field.name)
+        if only_changed and value == _field_default(field):
+            continue
+        if spec.kind == "bool" and not spec.optional:
+            argv.append(spec.flag if value else "--no-" + spec.flag[2:])
+            continue
+        argv.extend([spec.flag, _format_value(value)])
+    return argv
+
+
+def _format_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(_format_value(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
