@@ -1,0 +1,224 @@
+"""Which KV-cache blocks each request uses, with prefix caching over full blocks.
+
+The scheduler owns block accounting, the executor owns the memory: this class decides block
+ids; the executor writes K/V where the plan says.
+
+Prefix caching: once every token of a full block has been computed, the block is registered
+under a hash of its token ids chained with the hash of the block before it, so a hash names
+the whole prefix up to the end of the block. A later request whose prompt starts with the same
+full blocks reuses them (ref counts > 1) instead of recomputing. When a request finishes, its
+blocks go back to the free queue but keep their hash: they stay reusable until the allocator
+needs them for something else (eviction, least recently freed first).
+
+Block 0 is an ordinary block. No "null" block is reserved: padding entries of a block table
+are never read (context lengths bound every gather) and padded slots use slot id -1, so the
+executor needs no dummy block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of (parent hash, token ids of one full block): names the whole prefix.
+
+    SHA-256 rather than Python's hash(): hash() of int tuples is not randomized, so a client
+    could craft a prompt colliding with another client's prefix and read attention over K/V it
+    never sent. The digest is process-local (native byte order), never persisted.
+    """
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Allocates blocks to requests, shares cached prefix blocks, evicts LRU cached blocks.
+
+    Every request's block table is ``request.block_ids``; this class is the only writer.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self._free_queue = FreeBlockQueue(self.blocks)
+        self._cached_blocks: dict[bytes, KVBlock] = {}
+        """Prefix hash -> the block holding that prefix's last block of K/V."""
+        self._block_hashes: dict[str, list[bytes]] = {}
+        """Per request: hash chain of its full blocks, computed lazily as tokens arrive."""
+        self._num_registered_blocks: dict[str, int] = {}
+        """Per request: how many leading blocks cache_full_blocks already handled."""
+        self.prefix_cache_queries = 0
+        """Tokens looked up in the prefix cache (request length at each first allocation)."""
+        self.prefix_cache_hits = 0
+        """Tokens of those lookups served from the cache."""
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they can be evicted)."""
+        return len(self._free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+        return (self.num_blocks - len(self._free_queue)) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached_blocks)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (next handed out first). O(n): tests, debugging."""
+        return self._free_queue.block_ids()
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request, in full blocks: (block ids, tokens covered).
+
+        Never the whole sequence: at least the last token is left to compute, so the step
+        produces logits to sample from. Pure lookup: nothing is claimed until allocate_slots.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes_for(request, max_hit_blocks)
+        hit_block_ids = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self._cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hit_block_ids.append(block.block_id)
+        return hit_block_ids, len(hit_block_ids) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's fully computed blocks in the prefix cache.
+
+        Call after request.num_computed_tokens advanced. When another block already caches the
+        same prefix (two requests computed it at once), the first one stays the cached copy and
+        this one remains private.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_registered_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes_for(request, num_full)
+        for index in range(start, num_full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already cached under this very hash
+            block_hash = hashes[index]
+            if block_hash not in self._cached_blocks:
+                block.block_hash = block_hash
+                self._cached_blocks[block_hash] = block
+        self._num_registered_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (e.g. after weights changed). Returns how many were dropped.
+
+        Safe while requests run: their blocks stay theirs, only unshareable from now on.
+        """
+        dropped = len(self._cached_blocks)
+        for block in self._cached_blocks.values():
+            block.block_hash = None
+        self._cached_blocks.clear()
+        return dropped
+
+    def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        token_ids = request.all_token_ids
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_block_ids: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
+
+        ``computed_block_ids``: prefix-cache hits from get_computed_blocks, claimed now; only for
+        a request that holds no blocks yet, before its num_computed_tokens is set to the hit.
+        Returns the newly allocated block ids (appended to request.block_ids after the hits),
+        or None, changing nothing, when there are not enough free blocks.
+        """
+        if computed_block_ids and (request.block_ids or request.num_computed_tokens):
+            raise ValueError(
+                f"computed_block_ids given for request {request.request_id!r} that already holds "
+                f"{len(request.block_ids)} blocks / {request.num_computed_tokens} computed tokens"
+            )
+        is_first_allocation = not request.block_ids
+        num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
+        num_required = _cdiv(num_computed + num_new_tokens, self.block_size)
+        num_to_allocate = max(0, num_required - len(request.block_ids) - len(computed_block_ids))
+        # A hit on a free (cached, unreferenced) block takes it out of the free pool too.
+        num_free_hits = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
+        if num_to_allocate + num_free_hits > len(self._free_queue):
+            return None
+
+        for block_id in computed_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._free_queue.remove(block)
+            block.ref_count += 1
+        new_block_ids = [self._take_free_block().block_id for _ in range(num_to_allocate)]
+        request.block_ids.extend(computed_block_ids)
+        request.block_ids.extend(new_block_ids)
+
+        if is_first_allocation and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_block_ids) * self.block_size
+        return new_block_ids
+
+    def _take_free_block(self) -> KVBlock:
+        block = self._free_queue.popleft()
+        if block.block_hash is not None:  # evict: its prefix is no longer cached
+            if self._cached_blocks.get(block.block_hash) is block:
+                del self._cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; blocks nobody else holds return to the free queue.
+
+        In reverse order: the tail of a sequence is its least shareable part, so it is appended
+        first and evicted before the prefix blocks that other prompts are likelier to reuse.
+        """
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue.append(block)
+        request.block_ids = []
+        self._block_hashes.pop(request.request_id, None)
+        self._num_registered_blocks.pop(request.request_id, None)

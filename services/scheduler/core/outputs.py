@@ -1,0 +1,47 @@
+"""What the scheduler hands back to its caller: per-request updates and gauges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.step import TokenLogprobs
+from services.scheduler.core.request import FinishReason
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step changed for one request the caller must hear about."""
+
+    request_id: str
+    seq_id: int
+    new_token_ids: list[int]
+    """Tokens appended this step, cut after a stop. Never empty: a step that only advanced a
+    prefill chunk produces no update."""
+    new_logprobs: list[TokenLogprobs] | None
+    """Parallel to new_token_ids when the request asked for logprobs, else None."""
+    finish_reason: FinishReason | None
+    """Set when the request finished this step; its blocks are already free."""
+    stop_reason: int | str | None = None
+    """The stop token id that matched (FinishReason.STOP only)."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    """Preemptions since start (counter)."""
+    kv_cache_usage: float
+    """Fraction of KV blocks held by requests, in [0, 1]."""
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    """Tokens looked up in the prefix cache since start (counter)."""
+    prefix_cache_hits: int
+    """Tokens of those served from the cache (counter)."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
