@@ -1,0 +1,269 @@
+"""The gRPC server bootstrap every tokenmill service uses, and the process entry point.
+
+A service's ``main`` is three lines::
+
+    async def serve(config: TokenizerConfig) -> RunningServer:
+        servicer = TokenizerServicer(...)
+        def add(server):
+            tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
+            return [tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name]
+        running = await start_server("tokenizer", add, host=config.host, port=config.port)
+        running.on_stop(servicer.close)
+        return running
+
+    run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
+
+Every server gets the error-mapping interceptor (services/common/errors.py), the standard
+health service (each registered service and "" report SERVING once started), server
+reflection (grpcurl works without .proto files), 64 MiB message limits and keepalive
+settings that match ``create_channel``'s, so long-lived step streams survive idle periods
+and dead peers are noticed within tens of seconds.
+
+Stopping, in order: health flips to NOT_SERVING (watchers and load balancers see it),
+an optional drain period while still accepting calls, then the server refuses new calls
+and gives in-flight ones ``grace`` seconds before cancelling them, then the ``on_stop``
+callbacks run (newest first). ``run_service`` does this on SIGINT/SIGTERM; a second
+signal cuts the grace period short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorMappingInterceptor, UnavailableError
+
+_log = structlog.get_logger("tokenmill.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest message either way; a step of thousands of sequences is well under 1 MiB."""
+
+KEEPALIVE_TIME_MS = 30_000
+"""Clients ping an idle connection this often, so a dead peer is noticed without traffic."""
+
+KEEPALIVE_TIMEOUT_MS = 10_000
+"""A ping unanswered for this long closes the connection."""
+
+MIN_PING_INTERVAL_MS = 10_000
+"""Servers accept client pings this often (must be below KEEPALIVE_TIME_MS, or the server
+answers the pings with GOAWAY "too_many_pings")."""
+
+Servicers = Callable[[grpc.aio.Server], Sequence[str]]
+"""Registers servicers on the server; returns the full names of the services it added."""
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Without this, two servers can bind the same fixed port and split its traffic;
+        # a clash must fail loudly instead.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def create_channel(address: str, *, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """An insecure asyncio channel with the options our servers expect ("host:port")."""
+    return grpc.aio.insecure_channel(address, options=list(options) if options is not None else channel_options())
+
+
+def format_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+@dataclass(eq=False)
+class RunningServer:
+    """A started server. Create with start_server; stop with stop()."""
+
+    name: str
+    server: grpc.aio.Server
+    host: str
+    port: int
+    """The bound port (the one the OS chose when started with port 0)."""
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    """The application's services (health and reflection not included)."""
+    _on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+    _stop_task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        """Where clients connect; a wildcard host is reported as loopback."""
+        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return format_address(host, self.port)
+
+    def on_stop(self, callback: Callable[[], Awaitable[None] | None]) -> None:
+        """Run callback (sync or async) after the server stopped; newest registered runs first."""
+        self._on_stop.append(callback)
+
+    async def set_serving(self, serving: bool = True) -> None:
+        """Report every service and "" as SERVING (or NOT_SERVING) to health checks."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service_name in (*self.service_names, health.OVERALL_HEALTH):
+            await self.health.set(service_name, status)
+
+    async def stop(self, grace: float = 5.0, *, drain_seconds: float = 0.0) -> None:
+        """Stop gracefully; safe to call more than once (later calls wait for the first).
+
+        drain_seconds: keep accepting calls this long after health turns NOT_SERVING, for
+        load balancers that poll health. grace: how long in-flight calls may still run.
+        """
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(grace, drain_seconds))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, grace: float, drain_seconds: float) -> None:
+        _log.info("server_stopping", server=self.name, grace_s=grace, drain_s=drain_seconds)
+        await self.health.enter_graceful_shutdown()
+        if drain_seconds > 0:
+            await asyncio.sleep(drain_seconds)
+        await self.server.stop(grace)
+        for callback in reversed(self._on_stop):
+            try:
+                result = callback()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - one failing cleanup must not skip the others
+                _log.exception("on_stop_callback_failed", server=self.name, callback=repr(callback))
+        _log.info("server_stopped", server=self.name)
+
+    async def wait_for_termination(self) -> None:
+        """Return once the server stopped. Safe to cancel.
+
+        grpc.aio's own wait_for_termination awaits the server's internal shutdown future
+        directly, so cancelling it cancels that future and makes a later stop() cancel
+        every in-flight call at once; the shield keeps the cancellation out.
+        """
+        await asyncio.shield(self.server.wait_for_termination())
+
+
+async def start_server(
+    name: str,
+    add_servicers: Servicers,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] | None = None,
+    serving: bool = True,
+) -> RunningServer:
+    """Build, bind and start a server; with serving=True health reports SERVING on return.
+
+    name: for logs. add_servicers: registers the application's servicers and returns their
+    full service names ("tokenmill.v1.Tokenizer"). port: 0 lets the OS pick a free port
+    (read it from the result). interceptors run inside the error-mapping interceptor, so
+    their exceptions are mapped too. options replace server_options() entirely.
+    serving=False starts with every service NOT_SERVING, for a service that must finish
+    warming up after binding; call set_serving() when ready.
+    """
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        options=list(options) if options is not None else server_options(),
+    )
+    service_names = tuple(add_servicers(server))
+    if not all(isinstance(n, str) and n for n in service_names):
+        raise ValueError(f"add_servicers must return full service names, got {service_names!r}")
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    address = format_address(host, port)
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises when the bind fails
+        raise UnavailableError(f"{name}: cannot listen on {address}: {exc}") from exc
+    if bound_port == 0:  # older grpc versions report a failed bind as port 0
+        raise UnavailableError(f"{name}: cannot listen on {address}")
+
+    running = RunningServer(name, server, host, bound_port, health_servicer, service_names)
+    await running.set_serving(False)
+    await server.start()
+    if serving:
+        await running.set_serving(True)
+    _log.info("server_started", server=name, address=format_address(host, bound_port), services=list(service_names))
+    return running
+
+
+MainFunction = Callable[[], Awaitable[RunningServer]] | Coroutine[Any, Any, RunningServer]
+
+
+def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float = 0.0, use_uvloop: bool = True) -> None:
+    """Run a service process until SIGINT/SIGTERM or server termination, then stop gracefully.
+
+    main: a coroutine (or a function returning one) that starts the server and returns
+    it; everything else the service owns is cleaned up by its on_stop callbacks. Objects
+    alive after start-up (weights, tables) are frozen out of the garbage collector, so
+    later collections do not walk them on the step path.
+    """
+
+    async def runner() -> None:
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        running: RunningServer | None = None
+        signals_seen = 0
+
+        def on_signal(sig: signal.Signals) -> None:
+            nonlocal signals_seen
+            signals_seen += 1
+            _log.info("signal_received", signal=sig.name, count=signals_seen)
+            stop_requested.set()
+            if signals_seen > 1 and running is not None:
+                # A second signal means "now": cancel the calls still inside their grace.
+                asyncio.ensure_future(running.server.stop(0))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            running = await (main() if callable(main) else main)
+            gc.freeze()
+            if stop_requested.is_set():  # a signal arrived during start-up
+                await running.stop(grace, drain_seconds=drain_seconds)
+                return
+            waiters = {
+                asyncio.ensure_future(stop_requested.wait()),
+                asyncio.ensure_future(running.wait_for_termination()),
+            }
+            _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await running.stop(grace, drain_seconds=drain_seconds)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    if use_uvloop:
+        import uvloop
+
+        uvloop.run(runner())
+    else:
+        asyncio.run(runner())
