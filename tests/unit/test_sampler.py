@@ -155,6 +155,8 @@ def test_penalty_stages_hand_computed():
         # top-p after top-k 3 sees renormalized probs 0.507, 0.307, 0.186: 0.6 needs two
         (SamplingParams(top_k=3, top_p=0.6), {3, 0}),
         (SamplingParams(top_k=2, top_p=1.0), {3, 0}),
+        # rounds to 1.0 in float32: top-p keeps the whole (top-k masked) tail, top-k must still hold
+        (SamplingParams(top_k=2, top_p=0.99999999), {3, 0}),
     ],
 )
 def test_truncation_hand_computed_and_reference(params, expected_kept):
@@ -185,6 +187,15 @@ def test_top_p_keeps_every_token_tied_at_the_boundary():
     assert_matches_reference(processed.logits[0], ref_top_p(logits, 0.7))
 
 
+def test_top_p_that_rounds_to_one_keeps_the_whole_tail():
+    # The leading token's probability rounds to 1.0 in float32, so the tail's prefix mass
+    # equals 1.0; a top_p that also rounds to 1.0 must not drop the (tiny but nonzero) tail.
+    logits = torch.tensor([[20.0] + [0.0] * 15])
+    batch = make_batch([SamplingParams(top_p=0.99999999)])
+    assert batch.flags.top_p
+    assert kept(process_logits(logits, batch).logits[0]) == set(range(16))
+
+
 def test_full_pipeline_matches_reference_on_a_mixed_batch():
     rng = np.random.default_rng(7)
     vocab = 50
@@ -200,6 +211,7 @@ def test_full_pipeline_matches_reference_on_a_mixed_batch():
     outputs = [rng.integers(0, vocab, n).tolist() for n in (5, 8, 3, 2, 0, 6)]
     logits = rng.normal(0.0, 2.0, (len(params), vocab)).astype(np.float32)
     batch = SamplingBatch.build(params, prompts, outputs, vocab, CPU)
+    assert batch.top_p_rows.tolist() == [0, 1]  # only those rows are sorted
     processed = process_logits(torch.from_numpy(logits), batch)
     for row, p in enumerate(params):
         reference = ref_process(logits[row].astype(np.float64), p, prompts[row], outputs[row])

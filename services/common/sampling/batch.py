@@ -114,6 +114,9 @@ class SamplingBatch:
     """[N_seen] int64: prompt + output tokens of rows with a repetition penalty (repeats allowed)."""
     output_index: torch.Tensor | None
     """[N_out] int64: output tokens of rows with a frequency/presence penalty, once per occurrence."""
+    top_p_rows: torch.Tensor | None
+    """[R] int64 rows that need top-p (a full-vocabulary sort), so only those are sorted;
+    None when every row needs it or none does (``flags.top_p`` tells which)."""
 
     # Host-side per-row values the sampler needs as Python ints (generator seeding, slicing).
     positions: tuple[int, ...]
@@ -156,7 +159,7 @@ class SamplingBatch:
         scalars = np.array(
             [
                 [1.0 if greedy[row] else p.temperature for row, p in enumerate(params)],
-                [p.top_k for p in params],
+                [min(p.top_k, vocab_size) for p in params],
                 [p.top_p for p in params],
                 [p.min_p for p in params],
                 [p.repetition_penalty for p in params],
@@ -165,7 +168,7 @@ class SamplingBatch:
                 greedy,
             ],
             dtype=np.float32,
-        )  # [8, B]; top_k is exact in float32 for any vocab below 2^24
+        )  # [8, B]; top_k (clamped to V) is exact in float32 for any vocab below 2^24
 
         bias_rows = [row for row, p in enumerate(params) if p.logit_bias]
         bias_ids = [list(params[row].logit_bias) for row in bias_rows]
@@ -181,6 +184,7 @@ class SamplingBatch:
         count_rows = [
             row for row, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         ]
+        top_p_rows = [row for row in sampling_rows if params[row].top_p < 1.0]
 
         index_parts = [
             _flat_indices(bias_rows, bias_ids, vocab_size, "logit_bias"),
@@ -193,13 +197,16 @@ class SamplingBatch:
                 lengths=[len(prompt_token_ids[row]) + positions[row] for row in repetition_rows],
             ),
             _flat_indices(count_rows, [output_token_ids[row] for row in count_rows], vocab_size, "output_token_ids"),
+            np.asarray(top_p_rows if len(top_p_rows) < size else [], dtype=np.int64),
         ]
         scalars_dev = _upload(np.concatenate([scalars.reshape(-1), bias_values]), device)
         indices_dev = _upload(np.concatenate(index_parts), device)
         (temperature, top_k, top_p, min_p, repetition, presence, frequency, is_greedy) = (
             scalars_dev[: 8 * size].view(8, size).unbind(0)
         )
-        bias_index, ban_index, seen_index, output_index = _split(indices_dev, [len(part) for part in index_parts])
+        bias_index, ban_index, seen_index, output_index, top_p_row_index = _split(
+            indices_dev, [len(part) for part in index_parts]
+        )
 
         top_k_max = min(max((params[row].top_k for row in sampling_rows), default=0), vocab_size)
         seeded_rows = tuple(row for row in sampling_rows if params[row].seed is not None)
@@ -215,7 +222,7 @@ class SamplingBatch:
             temperature=any(params[row].temperature != 1.0 for row in sampling_rows),
             min_p=any(params[row].min_p > 0.0 for row in sampling_rows),
             top_k=top_k_max > 0,
-            top_p=any(params[row].top_p < 1.0 for row in sampling_rows),
+            top_p=bool(top_p_rows),
             max_logprobs=max(requested) if requested else None,
         )
         return cls(
@@ -236,6 +243,7 @@ class SamplingBatch:
             ban_index=ban_index,
             seen_index=seen_index,
             output_index=output_index,
+            top_p_rows=top_p_row_index,
             positions=positions,
             seeded_rows=seeded_rows,
             seeded_row_seeds=tuple(derive_row_seed(params[row].seed, positions[row]) for row in seeded_rows),
