@@ -64,7 +64,7 @@ def random_output(rng: random.Random, tok: TextTokenizer, length: int) -> list[i
         if kind < 0.5:
             ids.append(rng.randrange(tok.vocab_size))
         elif kind < 0.6:
-            ids.append(rng.choice(tok.all_special_ids))
+            ids.append(rng.choice(sorted(tok.skipped_special_ids)))
         elif kind < 0.85:
             char = rng.choice(MULTIBYTE)
             ids.extend(byte_ids(tok, char) if bytes_ else tok.encode(char, add_special_tokens=False))
@@ -161,6 +161,34 @@ def test_keep_leading_space_continues_the_prompt_text(llama):
     assert "".join(deltas) == llama.decode(prompt + output)[len(llama.decode(prompt)) :]
 
 
+@pytest.mark.parametrize("style", ["llama", "metaspace", "byte_level", "stories260K"])
+def test_keep_leading_space_random_outputs_continue_the_prompt(tokenizers, style):
+    tok = tokenizers[style]
+    rng = random.Random(style)
+    prompts = ["Once upon a time", "He was a big dog and", "x y z ! 42", "中文 the"]
+    for _ in range(40):
+        prompt = tok.encode(rng.choice(prompts))
+        output = random_output(rng, tok, rng.randrange(1, 30))
+        deltas = stream(tok, prompt, output, [rng.randrange(1, 4)], keep_leading_space=True)
+        assert "".join(deltas) == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
+
+
+def test_keep_leading_space_without_context_when_the_prompt_ends_mid_character(llama):
+    prompt = llama.encode("a") + byte_ids(llama, "中")[:1]
+    output = byte_ids(llama, "中")[1:] + [llama.token_to_id("▁a")]
+    assert "".join(stream(llama, prompt, output, [1], keep_leading_space=True)) == llama.decode(output)
+
+
+def test_an_eos_id_that_is_a_normal_token_is_decoded_as_text(tmp_path):
+    # generation_config may list stop ids that tokenizer.json does not mark special; decode keeps them.
+    bang = llama_style().token_to_id("!")
+    tok = TextTokenizer.from_dir(write_model_dir(tmp_path, llama_style(), LLAMA_CONFIG, {"eos_token_id": [2, bang]}))
+    assert bang in tok.eos_token_ids and bang not in tok.skipped_special_ids
+    output = [tok.token_to_id("▁a"), bang, EOS_ID]
+    assert stream(tok, [], output, [1]) == ["a", "!", "", ""]
+    assert tok.decode(output) == "a!"
+
+
 def test_special_tokens_are_skipped_or_kept(llama):
     output = [llama.token_to_id("▁Once"), EOS_ID, llama.token_to_id("▁upon"), EOS_ID]
     assert stream(llama, [], output, [1]) == ["Once", "", " upon", "", ""]
@@ -174,7 +202,7 @@ class CountingTokenizer:
     def __init__(self, inner: TextTokenizer) -> None:
         self.inner = inner
         self.decoded_ids = 0
-        self.all_special_ids = inner.all_special_ids
+        self.skipped_special_ids = inner.skipped_special_ids
         self.byte_token_ids = inner.byte_token_ids
 
     def decode(self, ids, skip_special_tokens=True):

@@ -74,6 +74,7 @@ def test_generation_config_adds_eos_ids_after_the_tokenizers(tmp_path):
     )
     assert tok.eos_token_ids == [EOS_ID, 7, 9]
     assert tok.all_special_ids == [0, 1, 2, 7, 9]
+    assert tok.skipped_special_ids == frozenset({0, 1, 2})  # what decode(skip_special_tokens=True) drops
 
 
 def test_unset_model_max_length_is_none(tmp_path):

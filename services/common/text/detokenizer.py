@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        self._special_ids = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
         self._byte_ids = tokenizer.byte_token_ids
         context = _prompt_context(prompt_token_ids, self._byte_ids) if keep_leading_space else []
         self._window: list[int] = context
@@ -136,7 +136,13 @@ class IncrementalDetokenizer:
 
 
 def _prompt_context(prompt_token_ids: Sequence[int], byte_ids: frozenset[int]) -> list[int]:
-    """The prompt's last few ids, starting where a window may start (not inside a byte run)."""
+    """The prompt's last few ids, starting where a window may start (not inside a byte run).
+
+    A prompt that ends inside a byte run (token ids sent by a client, cut mid-character) gets no
+    context: the output would change the text the context decodes to.
+    """
+    if prompt_token_ids and prompt_token_ids[-1] in byte_ids:
+        return []
     start = max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS)
     lowest = max(0, len(prompt_token_ids) - MAX_PROMPT_CONTEXT_TOKENS)
     while start > lowest and prompt_token_ids[start - 1] in byte_ids:

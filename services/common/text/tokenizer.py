@@ -131,6 +131,7 @@ class TextTokenizer:
         self.chat_template: str | None = chat_template
 
         special = {token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+        self._skipped_special_ids = frozenset(special)
         for token_id in (self._bos_token_id, self._lookup(self.unk_token, "unk_token"), *eos_ids):
             if token_id is not None:
                 special.add(token_id)
@@ -215,6 +216,11 @@ class TextTokenizer:
     def all_special_ids(self) -> list[int]:
         """Ids that skip_special_tokens removes from decoded text, plus bos/eos/unk, sorted."""
         return list(self._all_special_ids)
+
+    @property
+    def skipped_special_ids(self) -> frozenset[int]:
+        """Exactly the ids decode(skip_special_tokens=True) removes: added tokens marked special."""
+        return self._skipped_special_ids
 
     @property
     def byte_token_ids(self) -> frozenset[int]:
