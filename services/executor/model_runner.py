@@ -88,8 +88,7 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(
             self.model_config, self._num_blocks(), self.block_size, self.dtype, self.device
         )
-        self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(seed=config.seed)
         self.sequences: dict[int, SequenceState] = {}
 
     def _num_blocks(self) -> int:
@@ -215,7 +214,6 @@ class ModelRunner:
                 [s.token_ids[s.prompt_len :] for s in states],
                 self.model_config.vocab_size,
                 self.device,
-                generator=self.generator,
             )
             sampled = self.sampler(logits, batch).to_lists(batch)
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):

@@ -31,6 +31,8 @@ class RandomModelSpec:
     rope_theta: float = 10000.0
     seed: int = 0
     dtype: str = "float32"
+    init_std: float = 0.02
+    """Std of the random matrices. Tests raise it so logits spread and greedy choices are far from ties."""
 
     @property
     def head_dim(self) -> int:
@@ -94,7 +96,7 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+        return (torch.randn(*shape, generator=gen) * spec.init_std).to(dtype)
 
     def ones(n: int) -> torch.Tensor:
         # Around 1 but not exactly, so a norm weight that is dropped or misplaced shows.

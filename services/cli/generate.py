@@ -1,0 +1,85 @@
+"""``tokenmill generate "PROMPT"``: stream a completion to stdout.
+
+From a running stack over the public gRPC API (address by --address or TOKENMILL_ADDRESS),
+or with --in-process from a model directory loaded in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", default="", help="prompt text; empty = start from BOS alone")
+    p.add_argument("--in-process", action="store_true", help="load the model here instead of calling a stack")
+    p.add_argument("--model", default=os.environ.get("TOKENMILL_MODEL", DEFAULT_MODEL),
+                   help="model directory for --in-process (env TOKENMILL_MODEL; default: the shipped stories260K)")
+    p.add_argument("--address", default=os.environ.get("TOKENMILL_ADDRESS", "127.0.0.1:50051"),
+                   help="public API address of a running stack (env TOKENMILL_ADDRESS; default 127.0.0.1:50051)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", default="auto", help="--in-process: fp32, bf16, fp16 or auto")
+    p.add_argument("--device", default="auto", help="--in-process: cpu, cuda or auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="--in-process: attention implementation (auto = triton on CUDA, torch on CPU)")
+    p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
+    return p
+
+
+def _run_in_process(args) -> int:
+    from services.common.sampling.params import SamplingParams
+    from services.common.sampling.stop import StopConditions
+    from services.executor.config import ExecutorConfig
+    from services.inprocess.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(ExecutorConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                                attention_backend=args.attention_backend)))
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)
+    stop = StopConditions(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    final = None
+    for _, delta in engine.generate([args.prompt or None], sampling, stop):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        if delta.finished:
+            final = delta
+    sys.stdout.write("\n")
+    if args.stats and final is not None and final.timings is not None:
+        _print_stats(final.usage.completion_tokens, final.timings.time_to_first_token_ms,
+                     final.timings.decode_time_ms, final.finish_reason)
+    return 0
+
+
+def _print_stats(tokens: int, ttft_ms: float, decode_ms: float, reason: str) -> None:
+    tps = (tokens - 1) / (decode_ms / 1000.0) if decode_ms > 0 and tokens > 1 else float("nan")
+    print(f"[{tokens} tokens, finish={reason}, TTFT {ttft_ms:.1f} ms, {tps:.1f} tokens/s]", file=sys.stderr)
+
+
+def _run_remote(args) -> int:
+    from services.cli.client import stream_generate
+
+    return stream_generate(args)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run_in_process(args) if args.in_process else _run_remote(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tokenmill generate: error: {exc}", file=sys.stderr)
+        return 2

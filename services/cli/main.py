@@ -1,0 +1,51 @@
+"""``tokenmill``: one command line for the whole project.
+
+    tokenmill up                         start the four services with the default model and stream a demo
+    tokenmill generate "PROMPT"          stream a completion from a running stack (or --in-process)
+    tokenmill serve SERVICE              run one service (tokenizer, scheduler, executor, drafter)
+    tokenmill convert llama2c ...        convert a llama2.c checkpoint to a Hugging Face-style directory
+    tokenmill random-model ...           write a deterministic random-weight model (benchmarks)
+    tokenmill bench ...                  serving benchmark against Hugging Face baselines
+    tokenmill profile                    print the live latency profile of a running stack
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, help). Modules are imported lazily so `tokenmill --help` is instant
+# and a subcommand never pays for another's imports (torch, grpc, triton).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.cli.up", "start all four services locally, stream a demo, serve until Ctrl-C"),
+    "generate": ("services.cli.generate", "stream a completion (from a running stack, or --in-process)"),
+    "serve": ("services.cli.serve", "run one service: tokenizer, scheduler, executor or drafter"),
+    "convert": ("services.cli.convert", "convert a checkpoint into tokenmill's model directory format"),
+    "random-model": ("services.common.model.random_model", "write a deterministic random-weight model"),
+    "bench": ("services.cli.bench", "serving benchmark against Hugging Face baselines"),
+    "profile": ("services.cli.profile", "print the live latency profile of a running stack"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: tokenmill COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `tokenmill COMMAND --help` for a command's flags and environment variables."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"tokenmill: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

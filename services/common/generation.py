@@ -1,0 +1,47 @@
+"""What a client gets back for a generation, as plain values (protobuf lives at the edges)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.step import TokenLogprobs
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose K/V came from the prefix cache."""
+
+
+@dataclass(slots=True)
+class Timings:
+    queue_time_ms: float
+    """Arrival until first scheduled."""
+    time_to_first_token_ms: float
+    """Arrival until the first output token was produced."""
+    decode_time_ms: float
+    """First output token until the last."""
+    e2e_ms: float
+    """Arrival until finish."""
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """One event of one request's stream: new text and tokens, and, on the last, how it ended."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    """None while running; then one of length, stop, eos, abort, error."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it, for finish_reason == "stop"."""
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,198 @@
+"""The in-process engine: scheduler core + model runner + local detokenization, no gRPC.
+
+The same scheduler core and model runner the services use, driven by a plain loop:
+``step()`` is schedule → execute → update → detokenize/stop strings. It is the reference
+the four-service stack is compared against (outputs and throughput), and the engine behind
+``tokenmill generate --in-process``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from services.common.generation import GenerationDelta
+from services.common.sampling.params import SamplingParams
+from services.common.sampling.stop import StopConditions
+from services.common.text.detokenizer import IncrementalDetokenizer
+from services.common.text.tokenizer import TextTokenizer
+from services.executor.config import ExecutorConfig
+from services.executor.model_runner import ModelRunner
+from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.request import FinishReason, Request, StopParams
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.output import OutputState
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    executor: ExecutorConfig
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks and decodes together)."""
+    max_waiting_requests: int = 4096
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def scheduler_config(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+            max_waiting_requests=self.max_waiting_requests,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            vocab_size=vocab_size,
+        )
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    """Kept after the scheduler forgets it: its timings and cache hits feed the final delta."""
+    output: OutputState
+    detokenizer: IncrementalDetokenizer
+
+
+def build_stop_params(stop: StopConditions, eos_token_ids: Sequence[int]) -> StopParams:
+    return StopParams(
+        max_tokens=stop.max_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids),
+        eos_token_ids=tuple(eos_token_ids),
+        ignore_eos=stop.ignore_eos,
+        min_tokens=stop.min_tokens,
+    )
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.runner = ModelRunner(config.executor)
+        info = self.runner.info()
+        self.info = info
+        self.tokenizer = TextTokenizer.from_dir(config.executor.model)
+        eos = tuple(self.tokenizer.eos_token_ids) or info.eos_token_ids
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(
+            config.scheduler_config(info.num_blocks, info.block_size, info.max_model_len, info.vocab_size)
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt: str | Sequence[int] | None, add_special_tokens: bool = True) -> list[int]:
+        if prompt is None or (isinstance(prompt, str) and prompt == ""):
+            # Generation from BOS alone.
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise ValueError("prompt is empty and the model has no BOS token to start from")
+            return [bos]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | None,
+        sampling: SamplingParams | None = None,
+        stop: StopConditions | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        stop = stop or StopConditions()
+        vocab = self.info.vocab_size
+        sampling.validate(vocab)
+        stop.validate(vocab, self.info.max_model_len)
+        prompt_ids = self.encode_prompt(prompt, add_special_tokens)
+        request_id = request_id or f"req-{next(self._ids)}"
+        now = self.clock()
+        request = Request(request_id, prompt_ids, sampling, build_stop_params(stop, self.eos_token_ids),
+                          priority=priority, arrival_time=now)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(
+            request,
+            OutputState(request_id, len(prompt_ids), tuple(stop.stop), stop.include_stop_str_in_output, now),
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_leading_space=True),
+        )
+        return request_id
+
+    def abort(self, request_id: str) -> GenerationDelta | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        request = tracked.request
+        return tracked.output.abort(self.clock(), request.first_scheduled_time, request.num_cached_tokens)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[GenerationDelta]:
+        plan = self.scheduler.schedule(self.clock())
+        if plan.is_empty and not plan.finished_seq_ids:
+            return []
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result)
+        now = self.clock()
+        deltas: list[GenerationDelta] = []
+        for update in updates:
+            tracked = self._tracked.get(update.request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            text = tracked.detokenizer.append(update.new_token_ids)
+            if update.finish_reason is not None:
+                text += tracked.detokenizer.finish()
+            delta, matched = tracked.output.on_update(
+                update.new_token_ids, text, update.new_logprobs, update.finish_reason, update.stop_reason,
+                now, request.first_scheduled_time, request.num_cached_tokens,
+            )
+            if matched is not None and update.finish_reason is None:
+                self.scheduler.finish_request(update.request_id, FinishReason.STOP, matched)
+            if delta.finished:
+                del self._tracked[update.request_id]
+            deltas.append(delta)
+        return deltas
+
+    def generate(
+        self,
+        prompts: Iterable[str | Sequence[int] | None],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        stop: StopConditions | Sequence[StopConditions] | None = None,
+    ) -> Iterator[tuple[int, GenerationDelta]]:
+        """Run prompts to completion with continuous batching, yielding (prompt index, delta)."""
+        prompts = list(prompts)
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        stops = stop if isinstance(stop, (list, tuple)) else [stop] * len(prompts)
+        index = {}
+        for i, (prompt, s, st) in enumerate(zip(prompts, samplings, stops)):
+            index[self.add_request(prompt, s, st)] = i
+        while self.has_unfinished():
+            for delta in self.step():
+                if delta.request_id in index:
+                    yield index[delta.request_id], delta
+
+    def generate_all(self, prompts, sampling=None, stop=None) -> list[GenerationDelta]:
+        """Convenience: run to completion and return one merged delta (all text and tokens) per prompt."""
+        prompts = list(prompts)
+        merged = [GenerationDelta(request_id="") for _ in prompts]
+        for i, delta in self.generate(prompts, sampling, stop):
+            m = merged[i]
+            m.request_id = delta.request_id
+            m.text += delta.text
+            m.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + delta.logprobs
+            if delta.finished:
+                m.finish_reason, m.stop_reason = delta.finish_reason, delta.stop_reason
+                m.usage, m.timings = delta.usage, delta.timings
+        return merged
