@@ -356,6 +356,25 @@ def test_the_victim_is_the_lowest_priority_even_if_it_arrived_first():
     assert lazy.status is RequestStatus.PREEMPTED
 
 
+def test_a_more_urgent_request_joins_ahead_of_running_ones_and_is_spared():
+    scheduler = make_scheduler(max_model_len=16, num_blocks=4)
+    lazy = make_request("lazy", 4, priority=1, arrival_time=0.0)
+    add(scheduler, lazy)
+    step(scheduler)  # lazy [0]
+    urgent = make_request("urgent", 4, priority=0, arrival_time=1.0)
+    add(scheduler, urgent)
+    plan, _ = step(scheduler)  # lazy's position 4 -> [1]; urgent -> [2]
+    assert [(s.seq_id, s.new_block_ids) for s in plan.running] == [(lazy.seq_id, [1])]
+    assert [(s.seq_id, s.block_ids) for s in plan.new] == [(urgent.seq_id, [2])]
+    plan, _ = step(scheduler)  # urgent now runs first; its position 4 takes the last block
+    assert [(s.seq_id, s.new_block_ids) for s in plan.running] == [(urgent.seq_id, [3]), (lazy.seq_id, [])]
+    for _ in range(3):  # positions 5..7 for urgent, 6..8 for lazy: lazy needs a block first
+        plan, _ = step(scheduler)
+    assert plan.finished_seq_ids == [lazy.seq_id]
+    assert [s.seq_id for s in plan.running] == [urgent.seq_id]
+    assert lazy.status is RequestStatus.PREEMPTED
+
+
 def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_least_urgent():
     scheduler = make_scheduler(max_model_len=16, num_blocks=4)
     urgent = make_request("urgent", 9, priority=0, max_tokens=7)

@@ -157,9 +157,10 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Starting new work in a step that had to preempt would only preempt again next step.
+        # Starting new work in a step that had to preempt would only preempt again next step;
+        # it also keeps a victim out of `new` in the very plan that tells the executor to forget it.
         if self.num_preemptions == preemptions_before:
-            budget = self._schedule_waiting(plan, budget, now)
+            self._schedule_waiting(plan, budget, now)
 
         if self._in_flight:
             self._in_flight_step_id = plan.step_id
@@ -193,7 +194,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int, now: float | None) -> int:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, now: float | None) -> None:
         config = self.config
         manager = self.block_manager
         while budget > 0 and len(self.running) < config.max_num_seqs:
@@ -231,7 +232,6 @@ class Scheduler:
             )
             self._in_flight[request.seq_id] = _Scheduled(request, num_new)
             budget -= num_new
-        return budget
 
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop its blocks; it restarts from its known tokens.
