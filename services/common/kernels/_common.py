@@ -1,0 +1,95 @@
+"""Pieces shared by the kernel launchers: input checks for paged attention, the dot helper.
+
+Imports only torch and triton (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # log2(e) = 1/ln(2): softmax runs in base 2 so kernels can use exp2
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when ``kernel`` was decorated under TRITON_INTERPRET=1 (it runs on the CPU in numpy)."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+def dot_flags(dtype: torch.dtype, kernel: object) -> dict[str, object]:
+    """Constexprs for ``dot``: fp32 inputs get true fp32 products (tf32 would cost ~1e-3
+    relative error). The interpreter multiplies bfloat16 as raw uint16 bits (triton 3.9), so
+    there bf16 operands are widened to fp32 first: exact products, fp32 sums, as on the GPU."""
+    upcast = dtype == torch.bfloat16 and is_interpreted(kernel)
+    precision = "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return {"DOT_PRECISION": precision, "DOT_UPCAST": upcast}
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """tl.dot with an fp32 result; see ``dot_flags``."""
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+def check_paged_attention_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_seqs: int,
+    max_context_len: int,
+) -> None:
+    """q [T, H, D], caches [NB, BS, KH, D], block_tables [B, W] int32, context_lens [B] int32."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [tokens, heads, head_dim] with unit last stride, got "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim] with unit last "
+                             f"stride, got {tuple(cache.shape)} strides {cache.stride()}")
+        if cache.dtype != q.dtype or cache.device != q.device:
+            raise ValueError(f"{name} must match q ({q.dtype} on {q.device}), got {cache.dtype} on {cache.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,) or not context_lens.is_contiguous():
+        raise ValueError(f"context_lens must be contiguous int32 [{num_seqs}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {tensor.device}")
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    if not 1 <= max_context_len <= capacity:
+        raise ValueError(f"max_context_len must be in [1, {capacity}] (block table width x block size), "
+                         f"got {max_context_len}")
+
+
+def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(like.shape)} {like.dtype} on {like.device} with unit last stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
