@@ -113,6 +113,7 @@ class RunningServer:
     service_names: tuple[str, ...]
     """The application's services (health and reflection not included)."""
     _on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+    _on_stopping: list[Callable[[float], Awaitable[None] | None]] = field(default_factory=list)
     _stop_task: asyncio.Task | None = None
 
     @property
@@ -124,6 +125,11 @@ class RunningServer:
     def on_stop(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         """Run callback (sync or async) after the server stopped; newest registered runs first."""
         self._on_stop.append(callback)
+
+    def on_stopping(self, callback: Callable[[float], Awaitable[None] | None]) -> None:
+        """Run callback(grace) when a stop begins, after health turns NOT_SERVING and before
+        the server refuses calls: a service ends its long-lived streams cleanly here."""
+        self._on_stopping.append(callback)
 
     async def set_serving(self, serving: bool = True) -> None:
         """Report every service and "" as SERVING (or NOT_SERVING) to health checks."""
@@ -146,6 +152,13 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         if drain_seconds > 0:
             await asyncio.sleep(drain_seconds)
+        for callback in self._on_stopping:
+            try:
+                result = callback(grace)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - a failing hook must not block the stop
+                _log.exception("on_stopping_callback_failed", server=self.name, callback=repr(callback))
         await self.server.stop(grace)
         for callback in reversed(self._on_stop):
             try:

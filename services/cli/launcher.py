@@ -1,0 +1,187 @@
+"""Run the four services as local processes, keep them up, stop them cleanly.
+
+Internal services (tokenizer, executor, drafter) bind port 0 by default and report the port
+through a port file; after the first start a service keeps its port, so a restarted
+executor is found by the scheduler at the same address. The scheduler (the public API)
+binds the configured public port. A service that dies is restarted (with a back-off);
+stopping sends SIGTERM to the scheduler first, so client streams end cleanly, then to the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_ORDER = ("tokenizer", "executor", "drafter", "scheduler")
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    args: list[str]
+    port: int
+    port_file: Path
+    log_path: Path | None
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    log_handle: object = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class LaunchConfig:
+    model: str
+    public_host: str = "127.0.0.1"
+    public_port: int = 50051
+    internal_ports: dict[str, int] = field(default_factory=dict)
+    """Fixed ports for tokenizer / executor / drafter (missing = any free port)."""
+    executor_args: list[str] = field(default_factory=list)
+    """Extra flags for the executor (dtype, device, kv cache size, ...)."""
+    scheduler_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    """Each service's stderr goes to LOG_DIR/NAME.log (None = inherit the launcher's stderr)."""
+    start_timeout_s: float = 120.0
+    restart: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self._state_dir = Path(tempfile.mkdtemp(prefix="tokenmill-up-"))
+        self.services: dict[str, ServiceProcess] = {}
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.events: list[str] = []
+
+    # ------------------------------------------------------------------ start
+    def _command(self, name: str, port: int) -> list[str]:
+        c = self.config
+        base = [sys.executable, "-m", f"services.{name}", "--port", str(port),
+                "--port-file", str(self._state_dir / f"{name}.port")]
+        if name in ("tokenizer", "executor"):
+            base += ["--model", c.model]
+        if name == "executor":
+            base += c.executor_args
+        if name == "scheduler":
+            base += ["--host", c.public_host,
+                     "--executor-address", self.services["executor"].address,
+                     "--tokenizer-addresses", self.services["tokenizer"].address,
+                     "--drafter-address", self.services["drafter"].address] + c.scheduler_args
+        return base
+
+    def _spawn(self, svc: ServiceProcess) -> None:
+        svc.port_file.unlink(missing_ok=True)
+        env = {**os.environ, **self.config.env}
+        stderr = None
+        if svc.log_path is not None:
+            svc.log_handle = open(svc.log_path, "ab")
+            stderr = svc.log_handle
+        svc.process = subprocess.Popen(self._command(svc.name, svc.port), env=env, stdout=subprocess.DEVNULL,
+                                       stderr=stderr, start_new_session=True)
+
+    def _wait_serving(self, svc: ServiceProcess, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if svc.process.poll() is not None:
+                raise RuntimeError(f"{svc.name} exited with code {svc.process.returncode} while starting"
+                                   + (f"; see {svc.log_path}" if svc.log_path else ""))
+            if svc.port_file.is_file() and svc.port_file.read_text().strip():
+                svc.port = int(svc.port_file.read_text())
+                if health_status(svc.address, timeout=1.0) == "SERVING":
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"{svc.name} did not report SERVING within {timeout:.0f}s")
+
+    def start(self) -> None:
+        log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        for name in START_ORDER:
+            port = self.config.public_port if name == "scheduler" else self.config.internal_ports.get(name, 0)
+            svc = ServiceProcess(name, [], port, self._state_dir / f"{name}.port",
+                                 log_dir / f"{name}.log" if log_dir else None)
+            self.services[name] = svc
+        try:
+            # Tokenizer, executor and drafter load in parallel; the scheduler needs their addresses.
+            for name in START_ORDER[:3]:
+                self._spawn(self.services[name])
+            for name in START_ORDER[:3]:
+                self._wait_serving(self.services[name], self.config.start_timeout_s)
+            self._spawn(self.services["scheduler"])
+            self._wait_serving(self.services["scheduler"], self.config.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        if self.config.restart:
+            self._monitor = threading.Thread(target=self._supervise, name="tokenmill-supervisor", daemon=True)
+            self._monitor.start()
+
+    @property
+    def public_address(self) -> str:
+        return self.services["scheduler"].address
+
+    # ------------------------------------------------------------------ supervise
+    def _supervise(self) -> None:
+        backoff: dict[str, float] = {}
+        while not self._stopping.wait(0.2):
+            for svc in self.services.values():
+                if svc.process is None or svc.process.poll() is None:
+                    continue
+                if self._stopping.is_set():
+                    return
+                code = svc.process.returncode
+                self.events.append(f"{svc.name} exited with code {code}; restarting")
+                print(f"[tokenmill up] {svc.name} exited with code {code}; restarting", file=sys.stderr)
+                time.sleep(backoff.get(svc.name, 0.0))
+                backoff[svc.name] = min(2 * backoff.get(svc.name, 0.25), 5.0)
+                svc.restarts += 1
+                self._spawn(svc)  # same port as before: peers find it at the same address
+                try:
+                    self._wait_serving(svc, self.config.start_timeout_s)
+                    backoff[svc.name] = 0.0
+                    self.events.append(f"{svc.name} restarted")
+                except (RuntimeError, TimeoutError) as exc:
+                    self.events.append(f"{svc.name} restart failed: {exc}")
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, timeout: float = 15.0) -> None:
+        self._stopping.set()
+        for name in reversed(START_ORDER):
+            svc = self.services.get(name)
+            if svc is None or svc.process is None or svc.process.poll() is not None:
+                continue
+            svc.process.send_signal(signal.SIGTERM)
+            try:
+                svc.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                svc.process.kill()
+                svc.process.wait()
+        for svc in self.services.values():
+            if svc.log_handle is not None:
+                svc.log_handle.close()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=2)
+
+
+def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                            timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

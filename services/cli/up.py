@@ -1,0 +1,80 @@
+"""``tokenmill up``: start the four services locally with the default model, stream a demo
+generation, then serve until Ctrl-C and shut down gracefully. A crashed service is restarted."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from services.cli.client import build_request, stream_to_terminal
+from services.cli.launcher import LaunchConfig, Launcher
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = str(REPO_ROOT / "models" / "stories260K")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="tokenmill up", description=__doc__)
+    p.add_argument("--model", default=env("TOKENMILL_MODEL", DEFAULT_MODEL),
+                   help="model directory (env TOKENMILL_MODEL; default: the shipped stories260K)")
+    p.add_argument("--host", default=env("TOKENMILL_SCHEDULER_HOST", "127.0.0.1"),
+                   help="public API host (env TOKENMILL_SCHEDULER_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(env("TOKENMILL_SCHEDULER_PORT", "50051")),
+                   help="public API port (env TOKENMILL_SCHEDULER_PORT; default 50051)")
+    p.add_argument("--tokenizer-port", type=int, default=int(env("TOKENMILL_TOKENIZER_PORT", "0")),
+                   help="tokenizer port (env TOKENMILL_TOKENIZER_PORT; default 0 = any free port)")
+    p.add_argument("--executor-port", type=int, default=int(env("TOKENMILL_EXECUTOR_PORT", "0")),
+                   help="executor port (env TOKENMILL_EXECUTOR_PORT; default 0 = any free port)")
+    p.add_argument("--drafter-port", type=int, default=int(env("TOKENMILL_DRAFTER_PORT", "0")),
+                   help="drafter port (env TOKENMILL_DRAFTER_PORT; default 0 = any free port)")
+    p.add_argument("--log-dir", default=env("TOKENMILL_LOG_DIR", ".tokenmill/logs"),
+                   help="where each service writes its JSON log (env TOKENMILL_LOG_DIR; default .tokenmill/logs)")
+    p.add_argument("--executor-arg", action="append", default=[],
+                   help="extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 (repeatable)")
+    p.add_argument("--scheduler-arg", action="append", default=[],
+                   help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)")
+    p.add_argument("--demo-prompt", default="Once upon a time", help="prompt of the demo generation")
+    p.add_argument("--no-demo", action="store_true", help="skip the demo generation")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo instead of serving")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
+    launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
+                                     internal_ports={k: v for k, v in ports.items() if v},
+                                     executor_args=args.executor_arg, scheduler_args=args.scheduler_arg,
+                                     log_dir=args.log_dir))
+    print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
+          file=sys.stderr)
+    try:
+        launcher.start()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"[tokenmill up] failed to start: {exc}", file=sys.stderr)
+        return 1
+    for name, svc in launcher.services.items():
+        print(f"[tokenmill up] {name:<9} SERVING on {svc.address} (pid {svc.process.pid})", file=sys.stderr)
+    print(f"[tokenmill up] public API: {launcher.public_address}  (logs in {args.log_dir})", file=sys.stderr)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        if not args.no_demo:
+            print(f"[tokenmill up] demo (greedy, 96 tokens):\n", file=sys.stderr)
+            sys.stdout.write(args.demo_prompt)
+            stream_to_terminal(launcher.public_address,
+                               build_request(args.demo_prompt, max_tokens=96, temperature=0.0))
+        if not args.exit_after_demo:
+            print(f"[tokenmill up] serving on {launcher.public_address}; try `tokenmill generate \"Once upon\"`. "
+                  "Ctrl-C to stop.", file=sys.stderr)
+            stop.wait()
+    finally:
+        print("[tokenmill up] shutting down ...", file=sys.stderr)
+        launcher.stop()
+    return 0

@@ -1,0 +1,209 @@
+"""The scheduler's links to the executor and the tokenizers: one long-lived stream each.
+
+Each step is one message on each stream. Failures surface as UnavailableError, which the
+scheduler loop turns into UNAVAILABLE on the affected client streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from services.common.codec.step_codec import plan_to_proto, result_from_proto
+from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.server import create_channel
+from services.common.step import StepPlan, StepResult
+from services.executor.model_runner import ExecutorInfo
+
+
+async def wait_ready(channel: grpc.aio.Channel, address: str, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout)
+    except asyncio.TimeoutError:
+        raise UnavailableError(f"{address} did not become reachable within {timeout:.0f}s") from None
+
+
+def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
+    return ExecutorInfo(
+        num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size, dtype=msg.dtype, device=msg.device, attention_backend=msg.attention_backend,
+        model=msg.model_path, architecture=msg.architecture,
+        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )
+
+
+class ExecutorLink:
+    """One Step stream to the executor. The stream is a session: reconnecting starts clean."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self.info: ExecutorInfo | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def connect(self, timeout: float) -> ExecutorInfo:
+        await self.close()
+        self._channel = create_channel(self.address)
+        await wait_ready(self._channel, self.address, timeout)
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        try:
+            self.info = executor_info_from_proto(await stub.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(),
+                                                                            timeout=timeout))
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from None
+        self._call = stub.Step()
+        return self.info
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        if self._call is None:
+            raise UnavailableError(f"executor at {self.address} is not connected")
+        try:
+            await self._call.write(plan_to_proto(plan))
+            response = await self._call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._call = None
+            raise UnavailableError(f"executor at {self.address} failed: {_describe(exc)}") from None
+        if response is grpc.aio.EOF:
+            code = await self._call.code()
+            details = await self._call.details()
+            self._call = None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgumentError(f"executor rejected step {plan.step_id}: {details}")
+            raise UnavailableError(f"executor at {self.address} ended the step stream: {code.name}: {details}")
+        return result_from_proto(response)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+@dataclass(slots=True)
+class DetokenizeBatch:
+    """One step's detokenization work for one tokenizer stream."""
+
+    new_streams: list[tuple[int, list[int]]]
+    """(stream id, prompt tail for context)"""
+    appended: list[tuple[int, list[int]]]
+    closed: list[int]
+
+
+class TokenizerLink:
+    """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = create_channel(address)
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._detok = None
+        self._step_ids = itertools.count()
+
+    async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+        await wait_ready(self._channel, self.address, timeout)
+        try:
+            info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
+        self._detok = self._stub.Detokenize()
+        return info
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            reply = await self._stub.Encode(
+                tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30)
+        except grpc.RpcError as exc:
+            raise _map_rpc_error(exc, f"tokenizer at {self.address}") from None
+        return list(reply.token_ids)
+
+    async def render_chat(self, messages, add_generation_prompt: bool) -> str:
+        try:
+            reply = await self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
+                messages=messages, add_generation_prompt=add_generation_prompt), timeout=30)
+        except grpc.RpcError as exc:
+            raise _map_rpc_error(exc, f"tokenizer at {self.address}") from None
+        return reply.text
+
+    async def detokenize(self, batch: DetokenizeBatch) -> dict[int, str]:
+        if self._detok is None:
+            raise UnavailableError(f"tokenizer at {self.address} is not connected")
+        msg = tokenizer_pb2.DetokenizeRequest(step_id=next(self._step_ids))
+        for stream_id, prompt_tail in batch.new_streams:
+            msg.new_streams.add(stream_id=stream_id, prompt_token_ids=prompt_tail, skip_special_tokens=True)
+        for stream_id, ids in batch.appended:
+            msg.stream_ids.append(stream_id)
+            msg.token_counts.append(len(ids))
+            msg.token_ids.extend(ids)
+        msg.closed_stream_ids.extend(batch.closed)
+        try:
+            await self._detok.write(msg)
+            reply = await self._detok.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._detok = None
+            raise UnavailableError(f"tokenizer at {self.address} failed: {_describe(exc)}") from None
+        if reply is grpc.aio.EOF:
+            self._detok = None
+            raise UnavailableError(f"tokenizer at {self.address} ended the detokenize stream")
+        return dict(zip(reply.stream_ids, reply.text_deltas))
+
+    async def close(self) -> None:
+        if self._detok is not None:
+            self._detok.cancel()
+        await self._channel.close()
+
+
+class TokenizerPool:
+    """Several stateless tokenizer services: unary calls round-robin, each request's
+    detokenization pinned to one tokenizer's stream (its state lives there)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError("tokenizer_addresses must name at least one tokenizer service")
+        self.links = [TokenizerLink(a) for a in addresses]
+        self._next = itertools.cycle(range(len(self.links)))
+        self.info: tokenizer_pb2.TokenizerInfo | None = None
+
+    async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+        infos = await asyncio.gather(*(link.connect(timeout) for link in self.links))
+        self.info = infos[0]
+        return self.info
+
+    def pick(self) -> int:
+        return next(self._next)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.links[self.pick()].encode(text, add_special_tokens)
+
+    async def render_chat(self, messages, add_generation_prompt: bool) -> str:
+        return await self.links[self.pick()].render_chat(messages, add_generation_prompt)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
+
+
+def _map_rpc_error(exc: grpc.RpcError, who: str) -> Exception:
+    code = exc.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgumentError(exc.details())
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return InvalidArgumentError(exc.details())
+    return UnavailableError(f"{who}: {code.name}: {exc.details()}")

@@ -1,0 +1,281 @@
+"""The scheduler service's loop: one asyncio task owns the scheduler core.
+
+    schedule → Step (executor stream) → update → Detokenize (tokenizer streams) → publish
+
+RPC handlers call ``submit``/``abort`` (plain method calls on the same event loop, so no
+locks) and read their request's queue. Detokenization and publishing run in a second task
+fed in step order, so the next executor step is not held up by the tokenizer round trip;
+a stop string found there ends the request at the next step boundary (the extra token is
+never shown). When the executor stream breaks, every running request ends with
+UNAVAILABLE, the core is rebuilt empty and the loop reconnects in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from services.common.generation import GenerationDelta
+from services.common.sampling.params import SamplingParams
+from services.common.sampling.stop import StopConditions
+from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
+from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.outputs import RequestUpdate
+from services.scheduler.core.request import FinishReason, Request, StopParams
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.waiting_queue import QueueFullError
+from services.scheduler.output import OutputState
+
+_log = structlog.get_logger("tokenmill.scheduler")
+
+PROMPT_CONTEXT_TOKENS = 8
+"""Prompt tail sent with a new detokenize stream: enough to space the first output token."""
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    request_id: str
+    prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """GenerationDelta items, or an Exception that ends the stream."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    output: OutputState
+    handle: RequestHandle
+    tokenizer: int
+    stream_opened: bool = False
+
+
+@dataclass(slots=True)
+class _Published:
+    """One step's updates on their way to the detokenizers, in step order."""
+
+    updates: list[RequestUpdate]
+    closed: list[tuple[int, int]]
+    """(stream id = seq id, tokenizer index) of detokenize streams to close after this step."""
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler_config: Callable[[int, int, int, int], SchedulerConfig], executor: ExecutorLink,
+                 tokenizers: TokenizerPool, connect_timeout_s: float, on_finished=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._make_config = scheduler_config
+        self.executor = executor
+        self.tokenizers = tokenizers
+        self.connect_timeout_s = connect_timeout_s
+        self.clock = clock
+        self.on_finished = on_finished or (lambda delta, output: None)
+        self.core: Scheduler | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_close: list[tuple[int, int]] = []
+        self._wake = asyncio.Event()
+        self._publish_queue: asyncio.Queue[_Published | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._reconnecting: asyncio.Task | None = None
+        self.step_count = 0
+        self.last_step_time = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.tokenizers.connect(self.connect_timeout_s)
+        await self._connect_executor()
+        self._tasks = [asyncio.create_task(self._run(), name="scheduler-loop"),
+                       asyncio.create_task(self._publish(), name="scheduler-publisher")]
+
+    async def _connect_executor(self) -> None:
+        info = await self.executor.connect(self.connect_timeout_s)
+        self.core = Scheduler(self._make_config(info.num_blocks, info.block_size, info.max_model_len, info.vocab_size))
+        tokenizer_eos = tuple(self.tokenizers.info.eos_token_ids) if self.tokenizers.info else ()
+        self.eos_token_ids = tokenizer_eos or info.eos_token_ids
+        _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,
+                  block_size=info.block_size, max_model_len=info.max_model_len)
+
+    async def shutdown(self, grace: float) -> None:
+        """Refuse new requests, let running ones finish for up to ``grace`` seconds, then end
+        the rest with UNAVAILABLE, so no client stream hangs."""
+        self._stopping = True
+        deadline = self.clock() + grace
+        while self._tracked and self.clock() < deadline:
+            await asyncio.sleep(0.02)
+        self._fail_all(UnavailableError("the server is shutting down"))
+        for task in self._tasks + ([self._reconnecting] if self._reconnecting else []):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.executor.close()
+        await self.tokenizers.close()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def ready(self) -> bool:
+        return self.core is not None and self.executor.connected and not self._stopping
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
+               priority: int) -> RequestHandle:
+        if self._stopping:
+            raise UnavailableError("the server is shutting down")
+        if not self.ready:
+            raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
+        info = self.executor.info
+        sampling.validate(info.vocab_size)
+        stop.validate(info.vocab_size, info.max_model_len)
+        if request_id in self._tracked:
+            raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
+        now = self.clock()
+        request = Request(request_id, prompt_ids, sampling,
+                          StopParams(max_tokens=stop.max_tokens, stop_token_ids=tuple(stop.stop_token_ids),
+                                     eos_token_ids=self.eos_token_ids, ignore_eos=stop.ignore_eos,
+                                     min_tokens=stop.min_tokens),
+                          priority=priority, arrival_time=now)
+        try:
+            self.core.add_request(request)
+        except QueueFullError as exc:
+            raise ResourceExhaustedError(str(exc)) from None
+        handle = RequestHandle(request_id, len(prompt_ids))
+        self._tracked[request_id] = _Tracked(
+            request, OutputState(request_id, len(prompt_ids), tuple(stop.stop), stop.include_stop_str_in_output, now),
+            handle, self.tokenizers.pick())
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (client cancelled or Abort RPC); its blocks are freed now."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        if self.core is not None:
+            self.core.abort_request(request_id)
+        if tracked.stream_opened:
+            self._pending_close.append((tracked.request.seq_id, tracked.tokenizer))
+        request = tracked.request
+        delta = tracked.output.abort(self.clock(), request.first_scheduled_time, request.num_cached_tokens)
+        tracked.handle.queue.put_nowait(delta)
+        self.on_finished(delta, tracked.output)
+        self._wake.set()
+        return True
+
+    def stats(self):
+        return self.core.get_stats() if self.core is not None else None
+
+    # ------------------------------------------------------------------ the step loop
+    async def _run(self) -> None:
+        while True:
+            core = self.core
+            if core is None or not self.executor.connected:
+                await asyncio.sleep(0.05)
+                continue
+            plan = core.schedule(self.clock())
+            if plan.is_empty and not plan.finished_seq_ids:
+                self._wake.clear()
+                if self._pending_close:
+                    self._publish_queue.put_nowait(_Published([], self._take_pending_close()))
+                await self._wake.wait()
+                continue
+            try:
+                result = await self.executor.step(plan)
+            except (UnavailableError, InvalidArgumentError) as exc:
+                _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
+                self._fail_all(UnavailableError(str(exc)))
+                self.core = None
+                self._reconnecting = asyncio.create_task(self._reconnect())
+                continue
+            if self.core is not core:
+                continue
+            updates = core.update(plan, result)
+            self.step_count += 1
+            self.last_step_time = self.clock()
+            closed = self._take_pending_close()
+            for update in updates:
+                tracked = self._tracked.get(update.request_id)
+                if update.finish_reason is not None and tracked is not None:
+                    closed.append((update.seq_id, tracked.tokenizer))
+            self._publish_queue.put_nowait(_Published(updates, closed))
+            # Let RPC handlers and the publisher run between steps.
+            await asyncio.sleep(0)
+
+    def _take_pending_close(self) -> list[tuple[int, int]]:
+        closed, self._pending_close = self._pending_close, []
+        return closed
+
+    async def _reconnect(self) -> None:
+        delay = 0.2
+        while not self._stopping:
+            try:
+                await self._connect_executor()
+                self._wake.set()
+                return
+            except UnavailableError as exc:
+                _log.warning("executor_reconnect_failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            tracked.handle.queue.put_nowait(error)
+            if self.core is not None:
+                self.core.finish_request(request_id, FinishReason.ERROR)
+            if tracked.stream_opened:
+                self._pending_close.append((tracked.request.seq_id, tracked.tokenizer))
+        self._tracked.clear()
+
+    # ------------------------------------------------------------------ detokenize + publish
+    async def _publish(self) -> None:
+        while True:
+            item = await self._publish_queue.get()
+            try:
+                await self._publish_one(item)
+            except UnavailableError as exc:
+                _log.error("detokenize_failed", error=str(exc))
+                for update in item.updates:
+                    tracked = self._tracked.pop(update.request_id, None)
+                    if tracked is not None:
+                        tracked.handle.queue.put_nowait(UnavailableError(str(exc)))
+                        if self.core is not None:
+                            self.core.finish_request(update.request_id, FinishReason.ERROR)
+
+    async def _publish_one(self, item: _Published) -> None:
+        n = len(self.tokenizers.links)
+        batches = [DetokenizeBatch([], [], []) for _ in range(n)]
+        live: list[tuple[RequestUpdate, _Tracked]] = []
+        for update in item.updates:
+            tracked = self._tracked.get(update.request_id)
+            if tracked is None:
+                continue  # aborted meanwhile
+            batch = batches[tracked.tokenizer]
+            if not tracked.stream_opened:
+                tracked.stream_opened = True
+                batch.new_streams.append((update.seq_id, tracked.request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]))
+            batch.appended.append((update.seq_id, update.new_token_ids))
+            live.append((update, tracked))
+        for seq_id, index in item.closed:
+            batches[index].closed.append(seq_id)
+        active = [i for i, b in enumerate(batches) if b.new_streams or b.appended or b.closed]
+        replies = await asyncio.gather(*(self.tokenizers.links[i].detokenize(batches[i]) for i in active))
+        texts: dict[int, str] = {}
+        for reply in replies:
+            texts.update(reply)
+        now = self.clock()
+        for update, tracked in live:
+            if self._tracked.get(update.request_id) is not tracked:
+                continue
+            request = tracked.request
+            delta, matched = tracked.output.on_update(
+                update.new_token_ids, texts.get(update.seq_id, ""), update.new_logprobs, update.finish_reason,
+                update.stop_reason, now, request.first_scheduled_time, request.num_cached_tokens)
+            if matched is not None and update.finish_reason is None and self.core is not None:
+                self.core.finish_request(update.request_id, FinishReason.STOP, matched)
+                self._pending_close.append((update.seq_id, tracked.tokenizer))
+                self._wake.set()
+            tracked.handle.queue.put_nowait(delta)
+            if delta.finished:
+                del self._tracked[update.request_id]
+                self.on_finished(delta, tracked.output)

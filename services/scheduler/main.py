@@ -1,0 +1,53 @@
+"""Scheduler service entry point: ``python -m services.scheduler`` / ``tokenmill serve scheduler``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.logging import configure_logging
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import RunningServer, run_service, start_server
+from services.common.settings import parse_config
+from services.scheduler.clients import ExecutorLink, TokenizerPool
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.servicer import GenerationServicer
+
+
+def core_config_factory(config: SchedulerServiceConfig):
+    def make(num_blocks: int, block_size: int, max_model_len: int, vocab_size: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_waiting_requests=config.max_waiting_requests,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching, vocab_size=vocab_size)
+    return make
+
+
+async def serve(config: SchedulerServiceConfig) -> RunningServer:
+    loop = SchedulerLoop(core_config_factory(config), ExecutorLink(config.executor_address),
+                         TokenizerPool(config.tokenizer_addresses), config.connect_timeout_s)
+    await loop.start()
+    model_name = Path(loop.executor.info.model).name
+    servicer = GenerationServicer(loop, config.max_prompt_chars, model_name=model_name)
+
+    def add(server):
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
+
+    running = await start_server("scheduler", add, host=config.host, port=config.port)
+    running.on_stopping(loop.shutdown)
+    if config.port_file:
+        Path(config.port_file).write_text(str(running.port))
+    running.scheduler_loop = loop  # for in-process tests and metrics
+    return running
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(SchedulerServiceConfig, argv, description="tokenmill scheduler: the public Generation API")
+    configure_logging("scheduler", config.log_level)
+    run_service(lambda: serve(config), grace=config.shutdown_grace_s)
+    return 0

@@ -1,0 +1,154 @@
+"""The public Generation API: a thin adapter between protobuf and the scheduler loop."""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+
+from services.common.codec.step_codec import sampling_from_proto
+from services.common.errors import InvalidArgumentError
+from services.common.generation import GenerationDelta
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.sampling.stop import StopConditions
+from services.scheduler.loop import SchedulerLoop
+
+_log = structlog.get_logger("tokenmill.scheduler")
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_PROMPT_TOKEN_IDS = 1_000_000
+
+FINISH_REASONS = {
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "eos": common_pb2.FINISH_REASON_EOS,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def stop_from_proto(msg: common_pb2.StopConditions) -> StopConditions:
+    return StopConditions(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateResponse]:
+    out = []
+    if delta.text or delta.token_ids:
+        d = generation_pb2.Delta(text=delta.text, token_ids=delta.token_ids)
+        for lp in delta.logprobs or ():
+            d.logprobs.add(token_id=0, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                           top_logprobs=lp.top_logprobs)
+        for lp, token_id in zip(d.logprobs, delta.token_ids):
+            lp.token_id = token_id
+        out.append(generation_pb2.GenerateResponse(delta=d))
+    if delta.finished:
+        f = generation_pb2.Finished(finish_reason=FINISH_REASONS[delta.finish_reason])
+        if delta.stop_reason is not None:
+            f.stop_reason = str(delta.stop_reason)
+        if delta.usage is not None:
+            f.usage.prompt_tokens = delta.usage.prompt_tokens
+            f.usage.completion_tokens = delta.usage.completion_tokens
+            f.usage.cached_tokens = delta.usage.cached_tokens
+        if delta.timings is not None:
+            t = delta.timings
+            f.timings.queue_time_ms = t.queue_time_ms
+            f.timings.time_to_first_token_ms = t.time_to_first_token_ms
+            f.timings.decode_time_ms = t.decode_time_ms
+            f.timings.e2e_ms = t.e2e_ms
+        out.append(generation_pb2.GenerateResponse(finished=f))
+    return out
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int, profile=None, model_name: str = "") -> None:
+        self.loop = loop
+        self.max_prompt_chars = max_prompt_chars
+        self.profile = profile
+        self.model_name = model_name
+
+    async def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidArgumentError("prompt is empty: set one of text, token_ids or chat")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        tokenizers = self.loop.tokenizers
+        if kind == "text":
+            if not request.text:
+                raise InvalidArgumentError("prompt text is empty")
+            if len(request.text) > self.max_prompt_chars:
+                raise InvalidArgumentError(
+                    f"prompt text has {len(request.text)} characters; the limit is {self.max_prompt_chars}")
+            return await tokenizers.encode(request.text, True if add_special is None else add_special)
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidArgumentError("prompt token_ids is empty")
+            if len(ids) > MAX_PROMPT_TOKEN_IDS:
+                raise InvalidArgumentError(f"prompt token_ids has {len(ids)} ids; the limit is {MAX_PROMPT_TOKEN_IDS}")
+            return ids
+        chat = request.chat
+        if not chat.messages:
+            raise InvalidArgumentError("prompt chat has no messages")
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        text = await tokenizers.render_chat(chat.messages, add_prompt)
+        return await tokenizers.encode(text, False if add_special is None else add_special)
+
+    async def Generate(self, request, context):
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgumentError(f"request_id has {len(request.request_id)} characters; the limit is "
+                                       f"{MAX_REQUEST_ID_CHARS}")
+        request_id = request.request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        sampling = sampling_from_proto(request.sampling)
+        stop = stop_from_proto(request.stop)
+        prompt_ids = await self._prompt_ids(request)
+        handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority)
+        _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
+        finished = False
+        try:
+            yield generation_pb2.GenerateResponse(
+                started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
+            while not finished:
+                item = await handle.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    _log.warning("request_failed", error=str(item))
+                    raise item
+                for message in delta_to_protos(item):
+                    yield message
+                if item.finished:
+                    finished = True
+                    _log.info("request_finished", finish_reason=item.finish_reason,
+                              completion_tokens=item.usage.completion_tokens if item.usage else None)
+        finally:
+            if not finished:
+                # The client went away (cancelled, deadline): free its blocks now.
+                self.loop.abort(request_id)
+                _log.info("request_cancelled")
+
+    async def Abort(self, request, context):
+        return generation_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        info = self.loop.executor.info
+        msg = generation_pb2.ModelInfo(
+            model_name=self.model_name, model_path=info.model, architecture=info.architecture,
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
+            block_size=info.block_size, dtype=info.dtype, device=info.device,
+            attention_backend=info.attention_backend, eos_token_ids=list(self.loop.eos_token_ids))
+        if info.bos_token_id is not None:
+            msg.bos_token_id = info.bos_token_id
+        return msg
+
+    async def GetProfile(self, request, context):
+        if self.profile is None:
+            raise NotImplementedError("latency profiles are not enabled on this scheduler")
+        window = request.window_seconds if request.HasField("window_seconds") else None
+        return self.profile.to_proto(window, self.loop.stats())
