@@ -1,8 +1,23 @@
-"""Executor configuration: which model, where, in what precision, and how much KV memory."""
+"""Executor configuration: which model, where, in what precision, and how much KV memory.
+
+ExecutorConfig is the engine's (ModelRunner, in-process engine); ExecutorServiceConfig is the
+executor process's: the same fields as flags and TOKENMILL_EXECUTOR_* variables, plus where
+to listen.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from services.common.service_config import (
+    host_field,
+    log_level_field,
+    model_field,
+    port_field,
+    port_file_field,
+    shutdown_grace_field,
+)
 
 
 @dataclass(slots=True)
@@ -37,3 +52,45 @@ class ExecutorConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
+
+
+# --- the executor service's process configuration ------------------------------------------
+
+DEFAULT_PORT = 50053
+
+_ENGINE_DEFAULTS = ExecutorConfig(model="")
+
+
+def _engine_field(name: str, help_text: str) -> Any:
+    """A flag for one ExecutorConfig field, with ExecutorConfig's default (one source of truth)."""
+    return field(
+        default=getattr(_ENGINE_DEFAULTS, name),
+        metadata={"help": help_text, "env": f"TOKENMILL_EXECUTOR_{name.upper()}"},
+    )
+
+
+@dataclass(slots=True)
+class ExecutorServiceConfig:
+    """tokenmill executor: runs the model over the step batches the scheduler plans."""
+
+    host: str = host_field("executor")
+    port: int = port_field("executor", DEFAULT_PORT)
+    port_file: str = port_file_field()
+    log_level: str = log_level_field("executor")
+    shutdown_grace_seconds: float = shutdown_grace_field("executor")
+    model: str = model_field("model directory (config.json, *.safetensors)")
+    dtype: str = _engine_field("dtype", "fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU)")
+    device: str = _engine_field("device", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    attention_backend: str = _engine_field("attention_backend", "torch, triton, or auto (triton on CUDA, torch on CPU)")
+    block_size: int = _engine_field("block_size", "tokens per KV-cache block (a power of two)")
+    kv_cache_bytes: int = _engine_field("kv_cache_bytes", "KV-cache budget on CPU, in bytes")
+    gpu_memory_utilization: float = _engine_field(
+        "gpu_memory_utilization", "on CUDA, the share of device memory for weights, activations and KV cache"
+    )
+    num_blocks: int = _engine_field("num_blocks", "exact number of KV blocks (0 = size from the memory budget)")
+    max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
+    seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
+
+    def executor_config(self) -> ExecutorConfig:
+        """The engine's config: the fields ExecutorConfig has, taken from this one."""
+        return ExecutorConfig(**{f.name: getattr(self, f.name) for f in fields(ExecutorConfig)})

@@ -1,0 +1,132 @@
+"""What every service process shares: its common config fields and the port file.
+
+Each service describes its configuration as one dataclass (parsed by
+services/common/settings.py). The fields every service has are built here, so their flags,
+environment variables and help texts are spelled the same way everywhere::
+
+    @dataclass
+    class TokenizerConfig:
+        host: str = host_field("tokenizer")
+        port: int = port_field("tokenizer", 50052)
+        port_file: str = port_file_field()
+        log_level: str = log_level_field("tokenizer")
+        shutdown_grace_seconds: float = shutdown_grace_field("tokenizer")
+        model: str = model_field()
+
+The port file is how a launcher (or a test) learns the port the OS picked for ``--port 0``:
+it is written once the server reports SERVING, atomically (a reader sees either no file or
+the whole number), and removed again when the server stops.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from services.common.logging import LEVELS
+
+if TYPE_CHECKING:
+    from services.common.server import RunningServer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "stories260K"
+"""The model shipped with the repository (260K parameters), used when none is configured."""
+
+DEFAULT_HOST = "127.0.0.1"
+
+_log = structlog.get_logger("tokenmill.service")
+
+
+def _env_prefix(service: str) -> str:
+    return f"TOKENMILL_{service.upper()}_"
+
+
+def host_field(service: str) -> Any:
+    return field(
+        default=DEFAULT_HOST,
+        metadata={"help": "interface to listen on (0.0.0.0 = all)", "env": _env_prefix(service) + "HOST"},
+    )
+
+
+def port_field(service: str, default: int) -> Any:
+    return field(
+        default=default,
+        metadata={"help": "gRPC port (0 = any free port; see --port-file)", "env": _env_prefix(service) + "PORT"},
+    )
+
+
+def port_file_field() -> Any:
+    return field(
+        default="",
+        metadata={"help": "write the bound port to this file once SERVING (empty = don't)"},
+    )
+
+
+def log_level_field(service: str) -> Any:
+    return field(
+        default="info",
+        metadata={"help": f"least severe log level written: {', '.join(LEVELS)}", "env": _env_prefix(service) + "LOG_LEVEL"},
+    )
+
+
+def shutdown_grace_field(service: str) -> Any:
+    return field(
+        default=5.0,
+        metadata={
+            "help": "seconds in-flight calls may still run after SIGTERM",
+            "env": _env_prefix(service) + "SHUTDOWN_GRACE_SECONDS",
+        },
+    )
+
+
+def model_field(help_text: str = "model directory (Hugging Face layout)") -> Any:
+    return field(default=str(DEFAULT_MODEL_DIR), metadata={"help": help_text, "env": "TOKENMILL_MODEL"})
+
+
+def write_port_file(path: str | os.PathLike[str], port: int) -> None:
+    """Write `port` and a newline to `path` atomically (temp file in the same folder + rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            handle.write(f"{port}\n")
+        os.replace(temp_name, target)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+
+
+def remove_port_file(path: str | os.PathLike[str], port: int) -> None:
+    """Remove the port file if it still names `port` (a newer server may have replaced it)."""
+    target = Path(path)
+    try:
+        if target.read_text(encoding="ascii").strip() == str(port):
+            target.unlink()
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        _log.debug("port_file_not_removed", path=str(target), reason=str(exc))
+
+
+def read_port_file(path: str | os.PathLike[str]) -> int | None:
+    """The port in a port file, or None while it does not exist yet."""
+    try:
+        text = Path(path).read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    return int(text)
+
+
+def publish_port(running: RunningServer, port_file: str) -> None:
+    """Write the server's port to port_file (when set) and remove it again when the server stops.
+
+    Call once the server reports SERVING: whoever waits for the file may connect at once.
+    """
+    if not port_file:
+        return
+    write_port_file(port_file, running.port)
+    running.on_stop(lambda: remove_port_file(port_file, running.port))

@@ -1,0 +1,3 @@
+from services.drafter.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""The Executor gRPC servicer: executor.proto <-> ModelRunner.
+
+Step is a session. One bidirectional stream carries every step of one scheduler: each
+StepRequest yields exactly one StepResponse, in order, and the runner keeps the sequences'
+state between them. When the stream ends for any reason (the scheduler closed it, went away,
+was cancelled, or sent an invalid plan) every sequence is forgotten, so a restarted
+scheduler starts from a clean executor. The KV blocks need no freeing: the scheduler owns
+their accounting and a new one starts with all of them free.
+
+Only one session at a time: the sequence ids and block ids of two schedulers would collide
+in one runner, so a second concurrent Step call fails with FAILED_PRECONDITION.
+
+The model runs in one dedicated worker thread (``loop.run_in_executor``), never on the event
+loop, so health checks and GetExecutorInfo answer while a step computes. The same thread
+runs the model loading and the end-of-session cleanup, which orders them with the steps:
+a cleanup submitted while a cancelled session's last step still runs happens after it, and
+a new session's first step after the cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from typing import Protocol
+
+import grpc
+import structlog
+
+from services.common.codec.step_codec import plan_from_proto, result_to_proto
+from services.common.errors import TokenmillError, UnavailableError
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+from services.common.step import StepPlan, StepResult
+from services.executor.model_runner import ExecutorInfo
+
+_log = structlog.get_logger("tokenmill.executor")
+
+
+class StepSessionBusyError(TokenmillError):
+    """A Step stream was opened while another one still drives the executor."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StepRunner(Protocol):
+    """What the servicer needs of ModelRunner (tests substitute a slow fake)."""
+
+    sequences: dict
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def info(self) -> ExecutorInfo: ...
+
+
+def info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
+    message = executor_pb2.ExecutorInfo(
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+        model_path=info.model,
+        architecture=info.architecture,
+        eos_token_ids=info.eos_token_ids,
+    )
+    if info.bos_token_id is not None:
+        message.bos_token_id = info.bos_token_id
+    return message
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Serves one runner; `worker` must be a single-thread executor, the only thread touching it."""
+
+    def __init__(self, worker: Executor, runner: StepRunner | None = None) -> None:
+        self._worker = worker
+        self._runner: StepRunner | None = None
+        self._info: executor_pb2.ExecutorInfo | None = None
+        self._active_session: int | None = None
+        self._sessions_started = 0
+        if runner is not None:
+            self.attach(runner)
+
+    def attach(self, runner: StepRunner) -> None:
+        """Start serving `runner` (the server binds before the model finished loading)."""
+        self._runner = runner
+        self._info = info_to_proto(runner.info())
+
+    def _require_runner(self) -> StepRunner:
+        if self._runner is None:
+            raise UnavailableError("the executor is still loading its model; retry once health reports SERVING")
+        return self._runner
+
+    async def GetExecutorInfo(
+        self, request: executor_pb2.GetExecutorInfoRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorInfo:
+        self._require_runner()
+        return self._info
+
+    async def Step(
+        self, request_iterator: AsyncIterator[executor_pb2.StepRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[executor_pb2.StepResponse]:
+        runner = self._require_runner()
+        if self._active_session is not None:
+            raise StepSessionBusyError(
+                f"another Step stream (session {self._active_session}) is driving this executor; "
+                "it serves one scheduler at a time, so close that stream first"
+            )
+        self._sessions_started += 1
+        session = self._sessions_started
+        self._active_session = session
+        # The finally below covers ends the generator sees; the callback covers a call that
+        # ends while the generator is suspended and never resumed.
+        context.add_done_callback(lambda _context: self._end_session(session))
+        loop = asyncio.get_running_loop()
+        steps = 0
+        outcome = "client_closed"
+        started = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(rpc="Step", step_session=session):
+            _log.info("step_stream_started", peer=context.peer())
+            try:
+                async for request in request_iterator:
+                    plan = plan_from_proto(request)
+                    result = await loop.run_in_executor(self._worker, runner.execute, plan)
+                    steps += 1
+                    yield result_to_proto(result)
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
+            except Exception as exc:
+                outcome = f"error: {type(exc).__name__}"
+                raise
+            finally:
+                self._end_session(session)
+                _log.info("step_stream_ended", outcome=outcome, steps=steps,
+                          seconds=round(time.perf_counter() - started, 3))
+
+    def _end_session(self, session: int) -> None:
+        """Forget every sequence of `session`, once, in the worker thread after its last step."""
+        if self._active_session != session:
+            return
+        self._active_session = None
+        try:
+            self._worker.submit(self._runner.sequences.clear)
+        except RuntimeError:
+            pass  # the worker was shut down with the server; the state goes with the process

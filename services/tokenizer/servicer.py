@@ -1,0 +1,153 @@
+"""The Tokenizer gRPC servicer: tokenizer.proto <-> TextService and DetokenizerPool.
+
+Unary calls (Encode, Decode, RenderChat) on long inputs run in a worker thread, so one
+megabyte prompt does not stall the Detokenize streams that share this event loop; short
+inputs run inline, where the thread hop would cost more than the work.
+
+Detokenize is one long-lived stream per scheduler with a DetokenizerPool of its own. Each
+request message carries a whole step and gets exactly one response:
+
+1. new_streams are opened. A stream with prompt_token_ids decodes its output as the prompt's
+   continuation ("The cat" then "▁sat" gives " sat"), as the in-process engine does.
+2. the appended tokens of each of stream_ids are decoded into its text delta. Deltas never
+   end inside a UTF-8 character; together they are the stream's full text.
+3. closed_stream_ids are forgotten. A stream closed in the message that carries its last
+   tokens gets its held-back text (a character whose last byte token came this step, an
+   unfinished byte run) flushed into that delta. A stream closed without tokens in the
+   message (aborted, or stopped by a stop string on earlier text) is dropped as it is;
+   unknown ids are ignored, since finish and abort may both report one.
+
+A malformed message ends the stream with INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from services.common.codec.packed import split_packed
+from services.common.errors import InvalidArgumentError
+from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.text.detokenizer import DetokenizerPool
+from services.tokenizer.text_service import TextService, check_token_ids
+
+INLINE_WORK_LIMIT = 16_384
+"""Characters (Encode, RenderChat) or ids (Decode) handled on the event loop; more go to a thread."""
+
+_log = structlog.get_logger("tokenmill.tokenizer")
+
+T = TypeVar("T")
+
+
+async def _run(size: int, work: Callable[[], T]) -> T:
+    if size <= INLINE_WORK_LIMIT:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, service: TextService) -> None:
+        self._service = service
+        self._vocab_size = service.tokenizer.vocab_size
+        facts = service.facts
+        self._info = tokenizer_pb2.TokenizerInfo(
+            tokenizer_path=facts.tokenizer_path,
+            vocab_size=facts.vocab_size,
+            eos_token_ids=facts.eos_token_ids,
+            has_chat_template=facts.has_chat_template,
+        )
+        if facts.bos_token_id is not None:
+            self._info.bos_token_id = facts.bos_token_id
+        if facts.pad_token_id is not None:
+            self._info.pad_token_id = facts.pad_token_id
+        self._next_stream_number = 0
+
+    async def Encode(self, request: tokenizer_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeResponse:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        started = time.perf_counter()
+        ids = await _run(len(request.text), lambda: self._service.encode(request.text, add_special))
+        _log.debug("encoded", chars=len(request.text), tokens=len(ids), ms=_ms_since(started))
+        return tokenizer_pb2.EncodeResponse(token_ids=ids)
+
+    async def Decode(self, request: tokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.DecodeResponse:
+        ids = list(request.token_ids)
+        started = time.perf_counter()
+        text = await _run(len(ids), lambda: self._service.decode(ids, request.skip_special_tokens))
+        _log.debug("decoded", tokens=len(ids), chars=len(text), ms=_ms_since(started))
+        return tokenizer_pb2.DecodeResponse(text=text)
+
+    async def RenderChat(
+        self, request: tokenizer_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.RenderChatResponse:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        size = sum(len(m["content"]) for m in messages)
+        started = time.perf_counter()
+        rendered = await _run(size, lambda: self._service.render_chat(messages, add_prompt))
+        _log.debug("chat_rendered", messages=len(messages), tokens=len(rendered.token_ids), ms=_ms_since(started))
+        return tokenizer_pb2.RenderChatResponse(text=rendered.text, token_ids=rendered.token_ids)
+
+    async def GetTokenizerInfo(
+        self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerInfo:
+        return self._info
+
+    async def Detokenize(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
+        self._next_stream_number += 1
+        pool = self._service.new_detokenizer_pool()
+        messages = tokens = 0
+        outcome = "client_closed"
+        with structlog.contextvars.bound_contextvars(rpc="Detokenize", detokenize_call=self._next_stream_number):
+            _log.info("detokenize_stream_started", peer=context.peer())
+            try:
+                async for request in request_iterator:
+                    messages += 1
+                    tokens += len(request.token_ids)
+                    yield self._detokenize_step(pool, request)
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
+            except Exception as exc:
+                outcome = f"error: {type(exc).__name__}"
+                raise
+            finally:
+                _log.info("detokenize_stream_ended", outcome=outcome, messages=messages, tokens=tokens,
+                          open_streams=len(pool))
+
+    def _detokenize_step(self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+        for index, new in enumerate(request.new_streams):
+            prompt_ids = list(new.prompt_token_ids)
+            check_token_ids(f"new_streams[{index}].prompt_token_ids", prompt_ids, self._vocab_size)
+            if new.stream_id in pool:
+                raise InvalidArgumentError(f"new_streams[{index}].stream_id {new.stream_id} is already open")
+            pool.open(new.stream_id, prompt_ids, skip_special=new.skip_special_tokens, keep_leading_space=True)
+        appended = split_packed(
+            request.stream_ids, request.token_counts, request.token_ids,
+            ids_field="stream_ids", counts_field="token_counts", flat_field="token_ids",
+        )
+        check_token_ids("token_ids", request.token_ids, self._vocab_size)
+        for stream_id, _ in appended:
+            if stream_id not in pool:
+                raise InvalidArgumentError(f"stream_ids names {stream_id}, which is not open")
+        deltas = [pool.append(stream_id, ids) for stream_id, ids in appended]
+        closed = set(request.closed_stream_ids)
+        if closed:
+            for position, (stream_id, _) in enumerate(appended):
+                if stream_id in closed:
+                    deltas[position] += pool.close(stream_id)
+            for stream_id in closed:
+                pool.discard(stream_id)
+        return tokenizer_pb2.DetokenizeResponse(
+            step_id=request.step_id, stream_ids=request.stream_ids, text_deltas=deltas
+        )
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
