@@ -29,6 +29,7 @@ from services.scheduler.core.outputs import RequestUpdate
 from services.scheduler.core.request import FinishReason, Request, StopParams
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.waiting_queue import QueueFullError
+from services.scheduler.kv_slots import KVSlotUsage, kv_slot_usage
 from services.scheduler.output import OutputState
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -52,6 +53,21 @@ class _Tracked:
     handle: RequestHandle
     tokenizer: int
     stream_opened: bool = False
+
+
+@dataclass(slots=True)
+class StepTimeTotals:
+    """Where the loop's time goes, summed over the steps it sent (seconds): read by the
+    metrics collector and the benchmark's services-vs-in-process breakdown."""
+
+    steps: int = 0
+    sequences: int = 0
+    """Sequences scheduled, summed over steps (steps / sequences = mean batch size)."""
+    schedule_s: float = 0.0
+    executor_s: float = 0.0
+    """Awaiting executor.step: plan encoding, the gRPC round trip, the executor's compute, result
+    decoding, and whatever else the event loop runs meanwhile (publisher, RPC handlers)."""
+    update_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -84,6 +100,7 @@ class SchedulerLoop:
         self._reconnecting: asyncio.Task | None = None
         self.step_count = 0
         self.last_step_time = 0.0
+        self.step_times = StepTimeTotals()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -166,6 +183,10 @@ class SchedulerLoop:
     def stats(self):
         return self.core.get_stats() if self.core is not None else None
 
+    def kv_slots(self) -> KVSlotUsage | None:
+        core = self.core
+        return kv_slot_usage(core.running, core.config.block_size) if core is not None else None
+
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
         while True:
@@ -173,6 +194,7 @@ class SchedulerLoop:
             if core is None or not self.executor.connected:
                 await asyncio.sleep(0.05)
                 continue
+            started = time.perf_counter()
             plan = core.schedule(self.clock())
             if plan.is_empty and not plan.finished_seq_ids:
                 self._wake.clear()
@@ -180,6 +202,7 @@ class SchedulerLoop:
                     self._publish_queue.put_nowait(_Published([], self._take_pending_close()))
                 await self._wake.wait()
                 continue
+            scheduled = time.perf_counter()
             try:
                 result = await self.executor.step(plan)
             except (UnavailableError, InvalidArgumentError) as exc:
@@ -190,9 +213,16 @@ class SchedulerLoop:
                 continue
             if self.core is not core:
                 continue
+            stepped = time.perf_counter()
             updates = core.update(plan, result)
             self.step_count += 1
             self.last_step_time = self.clock()
+            totals = self.step_times
+            totals.steps += 1
+            totals.sequences += len(plan.new) + len(plan.running)
+            totals.schedule_s += scheduled - started
+            totals.executor_s += stepped - scheduled
+            totals.update_s += time.perf_counter() - stepped
             closed = self._take_pending_close()
             for update in updates:
                 tracked = self._tracked.get(update.request_id)

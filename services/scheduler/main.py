@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.logging import configure_logging
+from services.common.metrics import (
+    RpcMetricsInterceptor,
+    request_metrics,
+    scheduler_collector,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
 from services.common.settings import parse_config
@@ -12,6 +19,7 @@ from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.loop import SchedulerLoop
+from services.scheduler.profile import LatencyProfileRecorder
 from services.scheduler.servicer import GenerationServicer
 
 
@@ -27,19 +35,40 @@ def core_config_factory(config: SchedulerServiceConfig):
     return make
 
 
+PROFILE_RETENTION_S = 600.0
+"""GetProfile may ask for a window up to this long (or the configured one, if longer)."""
+
+
 async def serve(config: SchedulerServiceConfig) -> RunningServer:
+    profile = LatencyProfileRecorder(config.profile_window_s, retention_s=PROFILE_RETENTION_S)
+    observers = [profile.on_finished]
+    if config.metrics_port >= 0:
+        observers.append(request_metrics().observe_finished)
+
+    def on_finished(delta, output_state) -> None:
+        for observe in observers:
+            observe(delta, output_state)
+
     loop = SchedulerLoop(core_config_factory(config), ExecutorLink(config.executor_address),
-                         TokenizerPool(config.tokenizer_addresses), config.connect_timeout_s)
+                         TokenizerPool(config.tokenizer_addresses), config.connect_timeout_s,
+                         on_finished=on_finished)
     await loop.start()
     model_name = Path(loop.executor.info.model).name
-    servicer = GenerationServicer(loop, config.max_prompt_chars, model_name=model_name)
+    servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name)
 
     def add(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
-    running = await start_server("scheduler", add, host=config.host, port=config.port)
+    interceptors = []
+    if config.metrics_port >= 0:
+        scheduler_collector().source = loop
+        interceptors.append(RpcMetricsInterceptor())
+    running = await start_server("scheduler", add, host=config.host, port=config.port, interceptors=interceptors)
     running.on_stopping(loop.shutdown)
+    if config.metrics_port >= 0:
+        running.metrics_port = start_metrics_server(config.metrics_port, host=config.host)
+        running.on_stop(lambda: stop_metrics_server(running.metrics_port))
     if config.port_file:
         Path(config.port_file).write_text(str(running.port))
     running.scheduler_loop = loop  # for in-process tests and metrics

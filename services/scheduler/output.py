@@ -28,6 +28,8 @@ class OutputState:
         self.num_output_tokens = 0
         self.matcher = StopStringMatcher(stop, include_stop_str) if stop else None
         self.finished = False
+        self.token_times: list[float] = []
+        """When each delta with tokens was produced: the inter-token gaps of the metrics."""
 
     def on_update(
         self,
@@ -46,8 +48,10 @@ class OutputState:
         set. Returns (delta, matched stop string); on a match the delta is final (reason stop)
         and the caller must finish the request in the scheduler.
         """
-        if token_ids and self.first_token_time is None:
-            self.first_token_time = now
+        if token_ids:
+            self.token_times.append(now)
+            if self.first_token_time is None:
+                self.first_token_time = now
         self.num_output_tokens += len(token_ids)
         matched = None
         if self.matcher is not None:

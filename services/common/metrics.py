@@ -1,0 +1,302 @@
+"""Prometheus metrics shared by every tokenmill service.
+
+Names follow vLLM's (``vllm:time_to_first_token_seconds`` ...) with a ``tokenmill:`` prefix,
+so dashboards built for vLLM need only the prefix changed. Each service is its own process,
+so everything registers in prometheus_client's default registry unless a test passes its own.
+
+    start_metrics_server(port)          HTTP /metrics on a daemon thread; returns the bound port
+    RpcMetricsInterceptor()             tokenmill:rpc_latency_seconds{service,method}, every service
+    request_metrics().observe_finished  the scheduler's per-request histograms and token counters
+    SchedulerCollector                  gauges and counters read from the scheduler at scrape time
+    executor_metrics()                  the executor's compute time per step
+
+Gauges are read at scrape time by a custom collector rather than pushed after every step:
+the step loop pays nothing for them, and a scrape always sees the current state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "tokenmill:"
+
+# Buckets as vLLM's, so histograms are comparable across the two engines.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+RPC_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                       2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STEP_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                        1.0, 2.5, 5.0, 10.0)
+
+_lock = threading.Lock()
+_per_registry: dict[tuple[int, str], Any] = {}
+"""(id(registry), kind) -> metric set; a process (or a test run) creates each set once."""
+
+
+def _once(registry: CollectorRegistry, kind: str, make: Callable[[], Any]) -> Any:
+    # prometheus_client refuses a second metric of the same name in one registry; tests start
+    # several servers in one process, so every set is built once per registry and shared.
+    with _lock:
+        key = (id(registry), kind)
+        if key not in _per_registry:
+            _per_registry[key] = make()
+        return _per_registry[key]
+
+
+# ---------------------------------------------------------------------------- HTTP endpoint
+_servers: dict[int, Any] = {}
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> int:
+    """Serve ``/metrics`` over HTTP on a daemon thread; port 0 picks a free port. Returns the bound port."""
+    if port < 0 or port > 65535:
+        raise ValueError(f"metrics port must be in [0, 65535], got {port}")
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(httpd.server_address[1])
+    _servers[bound] = httpd
+    return bound
+
+
+def stop_metrics_server(port: int) -> None:
+    """Stop a server started by start_metrics_server (a no-op for an unknown port)."""
+    httpd = _servers.pop(port, None)
+    if httpd is not None:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+# ---------------------------------------------------------------------------- per-RPC latency
+def rpc_latency_histogram(registry: CollectorRegistry = REGISTRY) -> Histogram:
+    return _once(registry, "rpc", lambda: Histogram(
+        PREFIX + "rpc_latency_seconds",
+        "Server-side duration of one RPC: handler start to its last response (whole stream for streaming calls)",
+        ["service", "method"], buckets=RPC_LATENCY_BUCKETS, registry=registry))
+
+
+def split_method(full_method: str) -> tuple[str, str]:
+    """'/tokenmill.v1.Generation/Generate' -> ('tokenmill.v1.Generation', 'Generate')."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service or "unknown", method or full_method
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times every async handler (unary or streaming) into tokenmill:rpc_latency_seconds.
+
+    Pass it to start_server(interceptors=[...]); it runs inside the error-mapping interceptor,
+    so a failing call is timed up to the exception, before its status is sent.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.histogram = rpc_latency_histogram(registry)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        child = self.histogram.labels(*split_method(handler_call_details.method))
+        common = {"request_deserializer": handler.request_deserializer,
+                  "response_serializer": handler.response_serializer}
+        for kind, build in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                            ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return build(_timed(behavior, child), **common)
+        return handler
+
+
+def _timed(behavior: Callable[..., Any], child) -> Callable[..., Any]:
+    # grpc.aio picks the calling convention from the function type, so the wrapper keeps it.
+    if inspect.isasyncgenfunction(behavior):
+        async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            finally:
+                child.observe(time.perf_counter() - start)
+        return stream_handler
+    if inspect.iscoroutinefunction(behavior):
+        async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                return await behavior(request, context)
+            finally:
+                child.observe(time.perf_counter() - start)
+        return unary_handler
+    return behavior  # synchronous handlers run in a thread pool; no tokenmill service has one
+
+
+# ---------------------------------------------------------------------------- per-request (scheduler)
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    time_to_first_token: Histogram
+    time_per_output_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    request_queue_time: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+    def observe_finished(self, delta, output_state=None) -> None:
+        """The scheduler loop's on_finished callback: one finished (or aborted) request.
+
+        ``output_state.token_times`` (one timestamp per delta) gives the inter-token gaps;
+        without it only the per-request histograms move.
+        """
+        usage, timings = delta.usage, delta.timings
+        if usage is None or timings is None:
+            return
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.e2e_request_latency.observe(timings.e2e_ms / 1000.0)
+        self.request_queue_time.observe(timings.queue_time_ms / 1000.0)
+        if usage.completion_tokens == 0:
+            return  # aborted before its first token: it has no TTFT
+        self.time_to_first_token.observe(timings.time_to_first_token_ms / 1000.0)
+        if usage.completion_tokens > 1:
+            self.time_per_output_token.observe(timings.decode_time_ms / 1000.0 / (usage.completion_tokens - 1))
+        times = getattr(output_state, "token_times", None) or ()
+        for earlier, later in zip(times, times[1:]):
+            self.inter_token_latency.observe(later - earlier)
+
+
+def request_metrics(registry: CollectorRegistry = REGISTRY) -> RequestMetrics:
+    def make() -> RequestMetrics:
+        def hist(name: str, help_: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, help_, buckets=buckets, registry=registry)
+
+        return RequestMetrics(
+            hist("time_to_first_token_seconds", "Arrival to first output token", TTFT_BUCKETS),
+            hist("time_per_output_token_seconds", "Decode time / (output tokens - 1), per request",
+                 TOKEN_LATENCY_BUCKETS),
+            hist("inter_token_latency_seconds", "Gap between consecutive output deltas of one request",
+                 TOKEN_LATENCY_BUCKETS),
+            hist("e2e_request_latency_seconds", "Arrival to finish", REQUEST_LATENCY_BUCKETS),
+            hist("request_queue_time_seconds", "Arrival to first scheduled", REQUEST_LATENCY_BUCKETS),
+            Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=registry),
+            Counter(PREFIX + "generation_tokens", "Output tokens of finished requests", registry=registry),
+        )
+    return _once(registry, "request", make)
+
+
+# ---------------------------------------------------------------------------- scheduler gauges
+class SchedulerSource(Protocol):
+    """What the collector reads from the scheduler (SchedulerLoop satisfies it)."""
+
+    def stats(self): ...
+
+    def kv_slots(self): ...
+
+    @property
+    def step_times(self): ...
+
+
+class SchedulerCollector(Collector):
+    """Reads the scheduler's state at scrape time.
+
+    The scrape runs on the HTTP server's thread while the asyncio loop mutates the core; the
+    reads are of ints and list lengths (atomic under the GIL), so a scrape can be a step
+    stale but never sees a torn value.
+    """
+
+    def __init__(self) -> None:
+        self.source: SchedulerSource | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        source = self.source
+        stats = source.stats() if source is not None else None
+        if stats is None:
+            return
+        yield _gauge("num_requests_running", "Requests in the running batch", stats.num_running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests, in [0, 1]",
+                     stats.kv_cache_usage)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       stats.prefix_cache_queries)
+        yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", stats.prefix_cache_hits)
+        yield _counter("num_preemptions", "Requests preempted (blocks taken back, recomputed later)",
+                       stats.num_preemptions)
+        slots = source.kv_slots()
+        if slots is not None:
+            yield _gauge("kv_cache_waste_perc",
+                         "Allocated KV slots holding no token, over all allocated slots of running requests",
+                         slots.waste_fraction)
+        totals = source.step_times
+        yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
+        yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
+        phases = CounterMetricFamily(PREFIX + "scheduler_step_phase_seconds",
+                                     "Wall time of the step loop by phase, summed over steps", labels=["phase"])
+        phases.add_metric(["schedule"], totals.schedule_s)
+        phases.add_metric(["executor"], totals.executor_s)
+        phases.add_metric(["update"], totals.update_s)
+        yield phases
+
+
+def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_, value=float(value))
+
+
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, help_, value=float(value))
+
+
+def scheduler_collector(registry: CollectorRegistry = REGISTRY) -> SchedulerCollector:
+    """The registry's one scheduler collector; set ``.source`` to the loop to read."""
+    def make() -> SchedulerCollector:
+        collector = SchedulerCollector()
+        registry.register(collector)
+        return collector
+    return _once(registry, "scheduler", make)
+
+
+# ---------------------------------------------------------------------------- executor
+def executor_step_histogram(registry: CollectorRegistry = REGISTRY) -> Histogram:
+    return _once(registry, "executor", lambda: Histogram(
+        PREFIX + "executor_execute_seconds",
+        "Executor compute per step: plan to tensors, forward, sampling (no gRPC, no codec)",
+        buckets=STEP_LATENCY_BUCKETS, registry=registry))
+
+
+def timed_execute(execute: Callable[[Any], Any], histogram: Histogram) -> Callable[[Any], Any]:
+    """Wrap ModelRunner.execute so each call is observed into ``histogram``."""
+    def wrapper(plan):
+        start = time.perf_counter()
+        try:
+            return execute(plan)
+        finally:
+            histogram.observe(time.perf_counter() - start)
+    return wrapper
+
+
+# ---------------------------------------------------------------------------- reading /metrics
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value}; for tests and the benchmark."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
