@@ -20,16 +20,19 @@ import inspect
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 import grpc.aio
+import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "tokenmill:"
+
+_log = structlog.get_logger("tokenmill.metrics")
 
 # Buckets as vLLM's, so histograms are comparable across the two engines.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -78,6 +81,31 @@ def stop_metrics_server(port: int) -> None:
     if httpd is not None:
         httpd.shutdown()
         httpd.server_close()
+
+
+def metrics_port_field(service: str) -> Any:
+    """The ``metrics_port`` config field every service has (TOKENMILL_<SERVICE>_METRICS_PORT)."""
+    return field(default=-1, metadata={"help": "Prometheus metrics HTTP port (-1 = off, 0 = any free port)",
+                                       "env": f"TOKENMILL_{service.upper()}_METRICS_PORT"})
+
+
+def rpc_interceptors(metrics_port: int) -> list[grpc.aio.ServerInterceptor]:
+    """start_server's interceptors for a service: the RPC timer when metrics are on."""
+    return [RpcMetricsInterceptor()] if metrics_port >= 0 else []
+
+
+def serve_metrics(running, metrics_port: int) -> int | None:
+    """Start /metrics beside a started server (same host) and stop it with the server.
+
+    Returns the bound port (also set as ``running.metrics_port``), or None when metrics_port < 0.
+    """
+    if metrics_port < 0:
+        return None
+    port = start_metrics_server(metrics_port, host=running.host)
+    running.metrics_port = port
+    running.on_stop(lambda: stop_metrics_server(port))
+    _log.info("metrics_serving", server=running.name, port=port)
+    return port
 
 
 # ---------------------------------------------------------------------------- per-RPC latency

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.metrics import metrics_port_field
 from services.common.service_config import (
     host_field,
     log_level_field,
@@ -27,6 +28,7 @@ class DrafterConfig:
     port_file: str = port_file_field()
     log_level: str = log_level_field("drafter")
     shutdown_grace_seconds: float = shutdown_grace_field("drafter")
+    metrics_port: int = metrics_port_field("drafter")
     num_speculative_tokens: int = field(
         default=_NGRAM_DEFAULTS.num_speculative_tokens,
         metadata={"help": "default and largest number of draft tokens per sequence per step",

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.logging import configure_logging
+from services.common.metrics import rpc_interceptors, serve_metrics
 from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
 from services.common.service_config import publish_port
@@ -25,7 +26,9 @@ async def serve(config: DrafterConfig) -> RunningServer:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await start_server("drafter", add, host=config.host, port=config.port)
+    running = await start_server("drafter", add, host=config.host, port=config.port,
+                                 interceptors=rpc_interceptors(config.metrics_port))
+    serve_metrics(running, config.metrics_port)
     publish_port(running, config.port_file)
     return running
 

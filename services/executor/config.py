@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from services.common.metrics import metrics_port_field
 from services.common.service_config import (
     host_field,
     log_level_field,
@@ -78,6 +79,7 @@ class ExecutorServiceConfig:
     port_file: str = port_file_field()
     log_level: str = log_level_field("executor")
     shutdown_grace_seconds: float = shutdown_grace_field("executor")
+    metrics_port: int = metrics_port_field("executor")
     model: str = model_field("model directory (config.json, *.safetensors)")
     dtype: str = _engine_field("dtype", "fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU)")
     device: str = _engine_field("device", "cpu, cuda, cuda:N, or auto (cuda when available)")

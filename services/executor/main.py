@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from services.common.logging import configure_logging
+from services.common.metrics import executor_step_histogram, rpc_interceptors, serve_metrics, timed_execute
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
 from services.common.service_config import publish_port
@@ -40,7 +41,8 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         return [SERVICE_NAME]
 
     try:
-        running = await start_server("executor", add, host=config.host, port=config.port, serving=False)
+        running = await start_server("executor", add, host=config.host, port=config.port, serving=False,
+                                     interceptors=rpc_interceptors(config.metrics_port))
     except BaseException:
         worker.shutdown(wait=False)
         raise
@@ -50,11 +52,14 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
     except BaseException:
         await running.stop(grace=0)
         raise
+    if config.metrics_port >= 0:
+        runner.execute = timed_execute(runner.execute, executor_step_histogram())
     servicer.attach(runner)
     info = runner.info()
     _log.info("model_loaded", model=info.model, device=info.device, dtype=info.dtype,
               attention_backend=info.attention_backend, num_blocks=info.num_blocks,
               block_size=info.block_size, max_model_len=info.max_model_len)
+    serve_metrics(running, config.metrics_port)
     await running.set_serving(True)
     publish_port(running, config.port_file)
     return running

@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.logging import configure_logging
-from services.common.metrics import (
-    RpcMetricsInterceptor,
-    request_metrics,
-    scheduler_collector,
-    start_metrics_server,
-    stop_metrics_server,
-)
+from services.common.metrics import request_metrics, rpc_interceptors, scheduler_collector, serve_metrics
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
 from services.common.settings import parse_config
@@ -60,15 +54,12 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
 
-    interceptors = []
     if config.metrics_port >= 0:
         scheduler_collector().source = loop
-        interceptors.append(RpcMetricsInterceptor())
-    running = await start_server("scheduler", add, host=config.host, port=config.port, interceptors=interceptors)
+    running = await start_server("scheduler", add, host=config.host, port=config.port,
+                                 interceptors=rpc_interceptors(config.metrics_port))
     running.on_stopping(loop.shutdown)
-    if config.metrics_port >= 0:
-        running.metrics_port = start_metrics_server(config.metrics_port, host=config.host)
-        running.on_stop(lambda: stop_metrics_server(running.metrics_port))
+    serve_metrics(running, config.metrics_port)
     if config.port_file:
         Path(config.port_file).write_text(str(running.port))
     running.scheduler_loop = loop  # for in-process tests and metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.metrics import metrics_port_field
 from services.common.service_config import (
     host_field,
     log_level_field,
@@ -25,4 +26,5 @@ class TokenizerConfig:
     port_file: str = port_file_field()
     log_level: str = log_level_field("tokenizer")
     shutdown_grace_seconds: float = shutdown_grace_field("tokenizer")
+    metrics_port: int = metrics_port_field("tokenizer")
     model: str = model_field("model directory holding tokenizer.json (and tokenizer_config.json)")
