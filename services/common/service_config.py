@@ -70,7 +70,10 @@ def port_file_field() -> Any:
 def log_level_field(service: str) -> Any:
     return field(
         default="info",
-        metadata={"help": f"least severe log level written: {', '.join(LEVELS)}", "env": _env_prefix(service) + "LOG_LEVEL"},
+        metadata={
+            "help": f"least severe log level written: {', '.join(LEVELS)}",
+            "env": _env_prefix(service) + "LOG_LEVEL",
+        },
     )
 
 

@@ -53,7 +53,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._calls_started += 1
         state = DraftState(self._proposer)
         steps = drafted = 0
-        outcome = "client_closed"
+        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
         started = time.perf_counter()
         with structlog.contextvars.bound_contextvars(rpc="Propose", propose_call=self._calls_started):
             _log.info("propose_stream_started", peer=context.peer())

@@ -116,7 +116,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         context.add_done_callback(lambda _context: self._end_session(session))
         loop = asyncio.get_running_loop()
         steps = 0
-        outcome = "client_closed"
+        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
         started = time.perf_counter()
         with structlog.contextvars.bound_contextvars(rpc="Step", step_session=session):
             _log.info("step_stream_started", peer=context.peer())

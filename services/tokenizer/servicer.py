@@ -67,14 +67,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             self._info.pad_token_id = facts.pad_token_id
         self._next_stream_number = 0
 
-    async def Encode(self, request: tokenizer_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeResponse:
+    async def Encode(
+        self, request: tokenizer_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.EncodeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         started = time.perf_counter()
         ids = await _run(len(request.text), lambda: self._service.encode(request.text, add_special))
         _log.debug("encoded", chars=len(request.text), tokens=len(ids), ms=_ms_since(started))
         return tokenizer_pb2.EncodeResponse(token_ids=ids)
 
-    async def Decode(self, request: tokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.DecodeResponse:
+    async def Decode(
+        self, request: tokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DecodeResponse:
         ids = list(request.token_ids)
         started = time.perf_counter()
         text = await _run(len(ids), lambda: self._service.decode(ids, request.skip_special_tokens))
@@ -103,7 +107,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._next_stream_number += 1
         pool = self._service.new_detokenizer_pool()
         messages = tokens = 0
-        outcome = "client_closed"
+        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
         with structlog.contextvars.bound_contextvars(rpc="Detokenize", detokenize_call=self._next_stream_number):
             _log.info("detokenize_stream_started", peer=context.peer())
             try:
@@ -121,7 +125,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 _log.info("detokenize_stream_ended", outcome=outcome, messages=messages, tokens=tokens,
                           open_streams=len(pool))
 
-    def _detokenize_step(self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+    def _detokenize_step(
+        self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest
+    ) -> tokenizer_pb2.DetokenizeResponse:
         for index, new in enumerate(request.new_streams):
             prompt_ids = list(new.prompt_token_ids)
             check_token_ids(f"new_streams[{index}].prompt_token_ids", prompt_ids, self._vocab_size)

@@ -115,9 +115,11 @@ async def test_streams_are_independent_and_forget_on_close(stub) -> None:
 @pytest.mark.parametrize(
     ("request_fields", "details"),
     [
-        ({"new_sequences": [drafter_pb2.DraftSequence(seq_id=1, token_ids=[4])]}, "new_sequences[0].seq_id 1 is already open"),
+        ({"new_sequences": [drafter_pb2.DraftSequence(seq_id=1, token_ids=[4])]},
+         "new_sequences[0].seq_id 1 is already open"),
         ({"seq_ids": [1], "token_counts": [2], "token_ids": [4]}, "token_ids has 1 entries but token_counts sums to 2"),
-        ({"seq_ids": [1], "token_counts": [], "token_ids": []}, "token_counts has 0 entries; expected 1 (one per entry of seq_ids)"),
+        ({"seq_ids": [1], "token_counts": [], "token_ids": []},
+         "token_counts has 0 entries; expected 1 (one per entry of seq_ids)"),
         ({"seq_ids": [8], "token_counts": [1], "token_ids": [4]}, "seq_ids names 8, which is not open"),
         ({"num_speculative_tokens": -1}, "num_speculative_tokens must be >= 0 (0 = the default), got -1"),
     ],

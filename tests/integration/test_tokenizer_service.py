@@ -150,7 +150,8 @@ async def test_render_chat_with_a_template(tmp_path: Path, reference: TextTokeni
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             info = await stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=10)
             assert info.has_chat_template is True
-            messages = [common_pb2.ChatMessage(role="user", content="Hi"), common_pb2.ChatMessage(role="bot", content="Yo")]
+            messages = [common_pb2.ChatMessage(role="user", content="Hi"),
+                        common_pb2.ChatMessage(role="bot", content="Yo")]
             reply = await stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages), timeout=10)
             assert reply.text == "<s>[user] Hi</s>[bot] Yo</s>[assistant]"
             # The template's special-token text becomes the special ids; no second BOS is added.
@@ -283,12 +284,14 @@ async def test_detokenize_close_without_tokens_and_reuse_of_ids(stub, reference:
 @pytest.mark.parametrize(
     ("request_fields", "details"),
     [
-        ({"stream_ids": [1], "token_counts": [2], "token_ids": [5]}, "token_ids has 1 entries but token_counts sums to 2"),
+        ({"stream_ids": [1], "token_counts": [2], "token_ids": [5]},
+         "token_ids has 1 entries but token_counts sums to 2"),
         ({"stream_ids": [1, 1], "token_counts": [1, 1], "token_ids": [5, 6]}, "stream_ids lists 1 more than once"),
         ({"stream_ids": [1], "token_counts": [1, 1], "token_ids": [5, 6]},
          "token_counts has 2 entries; expected 1 (one per entry of stream_ids)"),
         ({"stream_ids": [9], "token_counts": [1], "token_ids": [5]}, "stream_ids names 9, which is not open"),
-        ({"stream_ids": [1], "token_counts": [1], "token_ids": [600]}, "token_ids holds 600, outside the vocabulary [0, 512)"),
+        ({"stream_ids": [1], "token_counts": [1], "token_ids": [600]},
+         "token_ids holds 600, outside the vocabulary [0, 512)"),
         ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=1)]}, "new_streams[0].stream_id 1 is already open"),
         ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=2, prompt_token_ids=[-1])]},
          "new_streams[0].prompt_token_ids holds -1, outside the vocabulary [0, 512)"),
