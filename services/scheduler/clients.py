@@ -21,6 +21,9 @@ from services.common.server import create_channel
 from services.common.step import StepPlan, StepResult
 from services.executor.model_runner import ExecutorInfo
 
+HANDSHAKE_STEP_ID = 2**64 - 1
+"""An empty step sent when a session opens; scheduler step ids count up from 0."""
+
 
 async def wait_ready(channel: grpc.aio.Channel, address: str, timeout: float) -> None:
     try:
@@ -62,8 +65,18 @@ class ExecutorLink:
                                                                             timeout=timeout))
         except grpc.RpcError as exc:
             raise UnavailableError(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from None
-        self._call = stub.Step()
-        return self.info
+        # The executor notices a previous session's end asynchronously and refuses a second
+        # concurrent session (FAILED_PRECONDITION); an empty step confirms this one is live.
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            self._call = stub.Step()
+            try:
+                await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
+                return self.info
+            except UnavailableError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def step(self, plan: StepPlan) -> StepResult:
         if self._call is None:
