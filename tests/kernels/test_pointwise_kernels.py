@@ -22,8 +22,8 @@ def _assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) ->
     torch.testing.assert_close(actual.float(), expected.float(), atol=step, rtol=step)
 
 
-@pytest.mark.parametrize("case", grid(strength=3, dtype=list(DTYPES), hidden=[64, 80, 1000, 4096], residual=[False, True]),
-                         ids=case_id)
+@pytest.mark.parametrize(
+    "case", grid(strength=3, dtype=list(DTYPES), hidden=[64, 80, 1000, 4096], residual=[False, True]), ids=case_id)
 def test_rms_norm(case, device):
     dtype, hidden = case["dtype"], case["hidden"]
     x = (3 * torch.randn(7, hidden, device=device)).to(dtype)

@@ -16,7 +16,7 @@ MIXED_BATCH = [
     (17, 17),  # whole prompt
     (97, 5),  # speculative verification over a cached prefix
     (257, 1),  # decode
-    (1025, 40),  # prefill chunk after 985 cached tokens
+    (1025, 16),  # prefill chunk after 1009 cached tokens
     (97, 64),  # prefix-cache hit: 33 cached tokens, 64 computed
 ]
 

@@ -73,7 +73,8 @@ def check_paged_attention_inputs(
                          f"{tuple(block_tables.shape)}")
     if block_tables.stride(1) != 1:
         raise ValueError(f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
-    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,) or not context_lens.is_contiguous():
+    if (context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,)
+            or not context_lens.is_contiguous()):
         raise ValueError(f"context_lens must be contiguous int32 [{num_seqs}], got {context_lens.dtype} "
                          f"{tuple(context_lens.shape)}")
     for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):

@@ -99,7 +99,8 @@ def rms_norm_reference(
 def _destination(tensor: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor:
     if tensor is None:
         return torch.empty_like(like)
-    if tensor.shape != like.shape or tensor.dtype != like.dtype or tensor.device != like.device or tensor.stride(-1) != 1:
+    if (tensor.shape != like.shape or tensor.dtype != like.dtype or tensor.device != like.device
+            or tensor.stride(-1) != 1):
         raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device} with unit last stride, "
                          f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} strides {tensor.stride()}")
     return tensor
