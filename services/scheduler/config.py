@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.service_config import (
+    host_field,
+    log_level_field,
+    port_field,
+    port_file_field,
+    shutdown_grace_field,
+)
+
 
 def _f(default, help_: str, env: str):
     return field(default=default, metadata={"help": help_, "env": env})
@@ -11,10 +19,11 @@ def _f(default, help_: str, env: str):
 
 @dataclass
 class SchedulerServiceConfig:
-    host: str = _f("127.0.0.1", "address to listen on (the public API)", "TOKENMILL_SCHEDULER_HOST")
-    port: int = _f(50051, "public API port (0 = any free port)", "TOKENMILL_SCHEDULER_PORT")
-    port_file: str = _f("", "write the bound port to this file once serving", "TOKENMILL_SCHEDULER_PORT_FILE")
-    log_level: str = _f("info", "debug, info, warning or error", "TOKENMILL_LOG_LEVEL")
+    host: str = host_field("scheduler")
+    port: int = port_field("scheduler", 50051)
+    port_file: str = port_file_field()
+    log_level: str = log_level_field("scheduler")
+    shutdown_grace_seconds: float = shutdown_grace_field("scheduler")
     executor_address: str = _f("127.0.0.1:50053", "executor service address", "TOKENMILL_EXECUTOR_ADDRESS")
     tokenizer_addresses: tuple[str, ...] = _f(
         ("127.0.0.1:50052",), "tokenizer service address(es), comma-separated; load is spread over them",
@@ -35,4 +44,3 @@ class SchedulerServiceConfig:
                                  "TOKENMILL_PROFILE_WINDOW_S")
     metrics_port: int = _f(-1, "Prometheus metrics HTTP port (-1 = off, 0 = any free port)",
                            "TOKENMILL_SCHEDULER_METRICS_PORT")
-    shutdown_grace_s: float = _f(5.0, "on SIGTERM, how long running requests may finish", "TOKENMILL_SHUTDOWN_GRACE_S")
