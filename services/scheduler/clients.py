@@ -142,13 +142,14 @@ class TokenizerLink:
             raise _map_rpc_error(exc, f"tokenizer at {self.address}") from None
         return list(reply.token_ids)
 
-    async def render_chat(self, messages, add_generation_prompt: bool) -> str:
+    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+        """Token ids of the rendered conversation (the template's special tokens recognised)."""
         try:
             reply = await self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
                 messages=messages, add_generation_prompt=add_generation_prompt), timeout=30)
         except grpc.RpcError as exc:
             raise _map_rpc_error(exc, f"tokenizer at {self.address}") from None
-        return reply.text
+        return list(reply.token_ids)
 
     async def detokenize(self, batch: DetokenizeBatch) -> dict[int, str]:
         if self._detok is None:
@@ -200,7 +201,7 @@ class TokenizerPool:
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.links[self.pick()].encode(text, add_special_tokens)
 
-    async def render_chat(self, messages, add_generation_prompt: bool) -> str:
+    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
         return await self.links[self.pick()].render_chat(messages, add_generation_prompt)
 
     async def close(self) -> None:

@@ -97,8 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not chat.messages:
             raise InvalidArgumentError("prompt chat has no messages")
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        text = await tokenizers.render_chat(chat.messages, add_prompt)
-        return await tokenizers.encode(text, False if add_special is None else add_special)
+        # The template writes its own BOS and turn markers; its ids come back as rendered.
+        return await tokenizers.render_chat(chat.messages, add_prompt)
 
     async def Generate(self, request, context):
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
