@@ -77,6 +77,9 @@ class Engine:
         info = self.runner.info()
         self.info = info
         self.tokenizer = TextTokenizer.from_dir(config.executor.model)
+        # Special-token text typed in a prompt ("<s>") stays text, as in sentencepiece and
+        # the tokenizer service; this tokenizer only encodes prompts and decodes outputs.
+        self.tokenizer.backend.encode_special_tokens = True
         eos = tuple(self.tokenizer.eos_token_ids) or info.eos_token_ids
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
