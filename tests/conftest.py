@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. This must be set before anything
+# imports triton, and the root conftest is loaded first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -89,5 +89,8 @@ class TorchAttentionBackend:
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
+        # Padding lanes read slots this sequence does not own; their probability is 0, but
+        # 0 * NaN is NaN, so whatever another sequence left there must not reach the sum.
+        v.masked_fill_(~valid[:, :, None, None], 0)
         out = torch.einsum("bkgs,bskd->bkgd", probs, v)
         return out.reshape(b, h, d)
