@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+from tokenizers.models import BPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +90,45 @@ def _config_json(spec: RandomModelSpec) -> dict:
     return cfg
 
 
+SPACE = "\u2581"  # sentencepiece's word-boundary marker
+# Ids 0..2 match the bos_token_id / eos_token_id written in config.json.
+SPECIAL_PIECES = ("<unk>", "<s>", "</s>")
+NUM_BYTE_PIECES = 256
+MIN_SYNTHETIC_VOCAB = len(SPECIAL_PIECES) + NUM_BYTE_PIECES
+
+
+def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+    """Write tokenizer.json + tokenizer_config.json with exactly ``vocab_size`` ids.
+
+    A random-weight model has no trained tokenizer, but the engine needs one to detokenize.
+    This one is a sentencepiece-style BPE with byte fallback and no merges: ids 0..2 are
+    <unk> <s> </s>, 3..258 the byte pieces <0x00>..<0xFF>, then "\u2581" and printable ASCII
+    (so ASCII text encodes one character per token), then filler pieces "\u2581w<id>" that
+    encoding never produces but decoding spells out, so any sampled id has visible text.
+    """
+    if vocab_size < MIN_SYNTHETIC_VOCAB:
+        raise ValueError(f"vocab_size {vocab_size} is below {MIN_SYNTHETIC_VOCAB}, the specials plus 256 byte pieces")
+    pieces = list(SPECIAL_PIECES) + [f"<0x{b:02X}>" for b in range(NUM_BYTE_PIECES)]
+    chars = [SPACE] + [c for c in string.printable if c.isprintable() and c != " "]
+    pieces += chars[: vocab_size - len(pieces)]
+    pieces += [f"{SPACE}w{i}" for i in range(len(pieces), vocab_size)]
+    tokenizer = Tokenizer(BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
+    ])
+    tokenizer.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in SPECIAL_PIECES])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", special_tokens=[("<s>", 1)])
+    out = Path(out_dir)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
-    """Write config.json and model.safetensors (and copy tokenizer files, when given)."""
+    """Write config.json and model.safetensors, plus tokenizer files: copied from
+    ``tokenizer_from`` when given, else a synthetic tokenizer (when the vocabulary has room for one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(spec.seed)
@@ -133,6 +173,8 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
             src = Path(tokenizer_from) / name
             if src.is_file():
                 shutil.copy(src, out / name)
+    elif spec.vocab_size >= MIN_SYNTHETIC_VOCAB:
+        write_synthetic_tokenizer(out, spec.vocab_size)
     return out
 
 
