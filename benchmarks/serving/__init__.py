@@ -1,0 +1,1 @@
+"""The serving benchmark behind `tokenmill bench` (see services/cli/bench.py)."""

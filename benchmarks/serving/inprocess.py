@@ -1,0 +1,142 @@
+"""System (b): the in-process Engine (scheduler core + model runner in this process, no gRPC).
+
+The driver adds requests as the workload allows (closed loop: keep ``concurrency`` in
+flight; Poisson: when their arrival time has passed, capped by ``concurrency``) and calls
+``engine.step()`` until everything finished. Each step is timed, and the model runner's
+execute() inside it, so the report can say how much of a step is compute and how much is
+the Python around it (schedule, update, detokenization, stop checks).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
+from benchmarks.serving.workload import BenchRequest
+from services.common.sampling.params import SamplingParams
+from services.common.sampling.stop import StopConditions
+from services.executor.config import ExecutorConfig
+from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.kv_slots import kv_slot_usage
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """Settings both tokenmill systems run with, so they hold the same KV pool and batch limits."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 2 * 1024**3
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    attention_backend: str = "torch"
+    enable_prefix_caching: bool = True
+
+    def executor_flags(self) -> list[str]:
+        return ["--dtype", "fp32", "--device", "cpu", "--attention-backend", self.attention_backend,
+                "--block-size", str(self.block_size), "--kv-cache-bytes", str(self.kv_cache_bytes)]
+
+    def scheduler_flags(self) -> list[str]:
+        return ["--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
+
+
+class _TimedExecute:
+    """Stands in for engine.runner.execute: sums its wall time and the sequences it ran."""
+
+    def __init__(self, execute) -> None:
+        self.execute = execute
+        self.seconds = 0.0
+        self.calls = 0
+        self.sequences = 0
+
+    def __call__(self, plan):
+        self.sequences += len(plan.new) + len(plan.running)
+        start = time.perf_counter()
+        try:
+            return self.execute(plan)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def greedy(output_len: int) -> tuple[SamplingParams, StopConditions]:
+    return SamplingParams(temperature=0.0), StopConditions(max_tokens=output_len, ignore_eos=True)
+
+
+def build_engine(model_dir: str, options: EngineOptions) -> Engine:
+    executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=options.attention_backend,
+                              block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes)
+    return Engine(EngineConfig(executor, max_num_seqs=options.max_num_seqs,
+                               max_num_batched_tokens=options.max_num_batched_tokens,
+                               enable_prefix_caching=options.enable_prefix_caching))
+
+
+def warm_up(engine: Engine) -> None:
+    """One short request, so first-call costs (allocator, kernels) stay out of the timings."""
+    sampling, stop = greedy(4)
+    engine.add_request([5, 6, 7, 8], sampling, stop, request_id="warmup")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_inprocess(model_dir: str, requests: list[BenchRequest], concurrency: int, options: EngineOptions,
+                  progress=None) -> SystemRun:
+    engine = build_engine(model_dir, options)
+    warm_up(engine)
+    timer = _TimedExecute(engine.runner.execute)
+    engine.runner.execute = timer
+    block_size = engine.scheduler.config.block_size
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    records: dict[str, RequestRecord] = {}
+    kv_samples: list[KVSample] = []
+    in_flight = steps = 0
+    step_seconds = 0.0
+    gc.collect()
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter()
+        while pending and in_flight < concurrency and pending[0].arrival_s <= now - start:
+            request = pending.popleft()
+            sampling, stop = greedy(request.output_len)
+            request_id = f"bench-{request.index}"
+            engine.add_request(list(request.prompt_ids), sampling, stop, request_id=request_id)
+            records[request_id] = RequestRecord(request.index, len(request.prompt_ids), request.output_len,
+                                                time.perf_counter())
+            in_flight += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
+            continue
+        step_start = time.perf_counter()
+        deltas = engine.step()
+        done = time.perf_counter()
+        step_seconds += done - step_start
+        steps += 1
+        for delta in deltas:
+            record = records[delta.request_id]
+            record.add_chunk(done, delta.token_ids)
+            if delta.finished:
+                record.finish_time = done
+                in_flight -= 1
+                if progress is not None:
+                    progress.update(1)
+        slots = kv_slot_usage(engine.scheduler.running, block_size)
+        kv_samples.append(KVSample(done, engine.scheduler.block_manager.usage, slots.waste_fraction,
+                                   len(engine.scheduler.running)))
+    end = time.perf_counter()
+    ordered = sorted(records.values(), key=lambda r: r.index)
+    extra = {"step_breakdown": {
+        "steps": steps,
+        "mean_batch_size": timer.sequences / timer.calls if timer.calls else 0.0,
+        "step_wall_ms_mean": 1000 * step_seconds / steps if steps else 0.0,
+        "execute_ms_mean": 1000 * timer.seconds / steps if steps else 0.0,
+        "engine_python_ms_mean": 1000 * (step_seconds - timer.seconds) / steps if steps else 0.0,
+        "driver_ms_mean": 1000 * ((end - start) - step_seconds) / steps if steps else 0.0,
+        "execute_fraction_of_wall": timer.seconds / (end - start) if end > start else 0.0,
+    }}
+    del engine
+    gc.collect()
+    return SystemRun("tokenmill in-process", ordered, start, end, kv_samples, extra=extra)

@@ -1,0 +1,181 @@
+"""System (a): tokenmill through the four services, driven over gRPC like any client.
+
+Either starts the stack with the Launcher (public port 0, the benchmark model, metrics on
+free ports) or uses a running one (``address``). Requests stream over one channel; a
+sampler polls GetProfile (KV usage, running, waiting) and, when the scheduler's metrics
+endpoint is known, its kv_cache_waste_perc gauge. Before and after the run the scheduler's
+and executor's /metrics are read: the differences give the step breakdown (steps, time by
+phase at the scheduler, compute time at the executor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
+from benchmarks.serving.workload import BenchRequest
+from services.cli.client import build_request
+from services.cli.launcher import LaunchConfig, Launcher
+from services.common.metrics import parse_samples
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import create_channel
+
+SAMPLE_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    address: str
+    scheduler_metrics: str | None
+    """http://host:port/metrics of the scheduler, when known."""
+    executor_metrics: str | None
+    log_dir: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def launched_stack(model_dir: str, executor_flags: list[str], scheduler_flags: list[str]):
+    """Start the four services (torn down on exit); yields a Stack."""
+    scheduler_port, executor_port = free_port(), free_port()
+    log_dir = tempfile.mkdtemp(prefix="tokenmill-bench-logs-")
+    launcher = Launcher(LaunchConfig(
+        model=model_dir, public_port=0, log_dir=log_dir, restart=False,
+        executor_args=executor_flags + ["--metrics-port", str(executor_port)],
+        scheduler_args=scheduler_flags + ["--metrics-port", str(scheduler_port)],
+        env={"TOKENMILL_LOG_LEVEL": "warning", "TOKENMILL_EXECUTOR_LOG_LEVEL": "warning",
+             "TOKENMILL_TOKENIZER_LOG_LEVEL": "warning", "TOKENMILL_DRAFTER_LOG_LEVEL": "warning"}))
+    launcher.start()
+    try:
+        yield Stack(launcher.public_address, f"http://127.0.0.1:{scheduler_port}/metrics",
+                    f"http://127.0.0.1:{executor_port}/metrics", log_dir)
+    finally:
+        launcher.stop()
+
+
+def scrape(url: str | None) -> dict[str, float]:
+    if url is None:
+        return {}
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return parse_samples(reply.read().decode())
+
+
+async def _one(stub, request: BenchRequest, record: RequestRecord) -> None:
+    message = build_request(list(request.prompt_ids), max_tokens=request.output_len, temperature=0.0,
+                            ignore_eos=True)
+    try:
+        async for reply in stub.Generate(message, timeout=3600):
+            kind = reply.WhichOneof("event")
+            if kind == "delta":
+                record.add_chunk(time.perf_counter(), list(reply.delta.token_ids))
+            elif kind == "finished":
+                record.finish_time = time.perf_counter()
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+
+
+async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=5)
+            waste = None
+            if stack.scheduler_metrics is not None:
+                metrics = await asyncio.to_thread(scrape, stack.scheduler_metrics)
+                waste = metrics.get("tokenmill:kv_cache_waste_perc")
+            samples.append(KVSample(time.perf_counter(), profile.kv_cache_usage, waste, profile.num_running))
+        except (grpc.aio.AioRpcError, OSError):
+            pass  # a missed sample is not worth failing the run for
+        try:
+            await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, progress) -> SystemRun:
+    async with create_channel(stack.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await _one(stub, BenchRequest(-1, (5, 6, 7, 8), 4, 0.0), RequestRecord(-1, 4, 4, time.perf_counter()))
+        before = [await asyncio.to_thread(scrape, url) for url in (stack.scheduler_metrics, stack.executor_metrics)]
+        records = {r.index: RequestRecord(r.index, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
+        slots = asyncio.Semaphore(concurrency)
+        samples: list[KVSample] = []
+        stop = asyncio.Event()
+        start = time.perf_counter()
+        sampler = asyncio.create_task(_sample(stub, stack, samples, stop))
+
+        async def send(request: BenchRequest) -> None:
+            delay = request.arrival_s - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with slots:
+                record = records[request.index]
+                record.send_time = time.perf_counter()
+                await _one(stub, request, record)
+                if progress is not None:
+                    progress.update(1)
+
+        await asyncio.gather(*(send(r) for r in sorted(requests, key=lambda r: r.arrival_s)))
+        end = time.perf_counter()
+        stop.set()
+        await sampler
+        after = [await asyncio.to_thread(scrape, url) for url in (stack.scheduler_metrics, stack.executor_metrics)]
+        # The window reaches back to just after `start`: the warm-up request stays out of it.
+        profile = await stub.GetProfile(
+            generation_pb2.GetProfileRequest(window_seconds=time.perf_counter() - start), timeout=10)
+    extra = {"server_profile": {
+        "num_requests": profile.num_requests, "ttft_p50_ms": profile.ttft_p50_ms, "ttft_p99_ms": profile.ttft_p99_ms,
+        "tpot_p50_ms": profile.tpot_p50_ms, "tpot_p99_ms": profile.tpot_p99_ms,
+        "tokens_per_second_total": profile.tokens_per_second_total,
+        "tokens_per_second_per_stream": profile.tokens_per_second_per_stream}}
+    breakdown = step_breakdown(before, after, end - start)
+    if breakdown is not None:
+        extra["step_breakdown"] = breakdown
+    return SystemRun("tokenmill services", [records[r.index] for r in sorted(requests, key=lambda r: r.index)],
+                     start, end, samples, extra=extra)
+
+
+def step_breakdown(before: list[dict], after: list[dict], duration_s: float) -> dict | None:
+    """Per-step figures from the scheduler's and executor's counters over the run."""
+    def moved(index: int, name: str) -> float:
+        return after[index].get(name, 0.0) - before[index].get(name, 0.0)
+
+    steps = moved(0, "tokenmill:scheduler_steps_total")
+    if steps <= 0:
+        return None
+    phase = 'tokenmill:scheduler_step_phase_seconds_total{phase="%s"}'
+    schedule_s, executor_s, update_s = (moved(0, phase % p) for p in ("schedule", "executor", "update"))
+    out = {
+        "steps": int(steps),
+        "mean_batch_size": moved(0, "tokenmill:scheduler_step_sequences_total") / steps,
+        "step_wall_ms_mean": 1000 * duration_s / steps,
+        "schedule_ms_mean": 1000 * schedule_s / steps,
+        "executor_round_trip_ms_mean": 1000 * executor_s / steps,
+        "update_ms_mean": 1000 * update_s / steps,
+        "loop_other_ms_mean": 1000 * (duration_s - schedule_s - executor_s - update_s) / steps,
+    }
+    executed = moved(1, "tokenmill:executor_execute_seconds_count")
+    if executed > 0:
+        execute_s = moved(1, "tokenmill:executor_execute_seconds_sum")
+        out["execute_ms_mean"] = 1000 * execute_s / executed
+        out["round_trip_overhead_ms_mean"] = 1000 * (executor_s - execute_s) / steps
+        out["execute_fraction_of_wall"] = execute_s / duration_s if duration_s > 0 else 0.0
+    return out
+
+
+def run_services(stack: Stack, requests: list[BenchRequest], concurrency: int, progress=None) -> SystemRun:
+    run = asyncio.run(_run(stack, requests, concurrency, progress))
+    if stack.log_dir:
+        run.notes.append(f"service logs: {stack.log_dir}")
+    return run
