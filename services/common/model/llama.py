@@ -16,7 +16,8 @@ from torch import nn
 
 from services.common.model.attention.base import AttentionBackend, AttentionMetadata
 from services.common.model.config import ModelConfig
-from services.common.model.layers import RotaryEmbedding, rms_norm
+from services.common.model.layers import RotaryEmbedding
+from services.common.model.ops import TorchOps, get_model_ops
 from services.common.model.weights import load_checkpoint
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -60,22 +61,23 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        ops: TorchOps,
     ) -> torch.Tensor:
         # hidden: [T, D]
         t = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, self.eps)
+        x = ops.rms_norm(hidden, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary.apply(q.view(t, self.num_heads, self.head_dim), positions)
-        k = rotary.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                          positions, rotary)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
-        hidden = hidden + F.linear(attn.reshape(t, self.q_size), self.o_weight)
-        x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, F] each
-        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+        attn_out = F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
+        gate_up = F.linear(x, self.gate_up_weight)  # [T, 2F]
+        return hidden + F.linear(ops.silu_and_mul(gate_up), self.down_weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -89,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
+        self.ops = get_model_ops(backend.name)
         weights = dict(weights)
         self.embed = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
@@ -128,8 +131,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
         hidden = F.embedding(input_ids, self.embed)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, positions, kv_cache, meta, self.rotary, self.backend)
-        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+            hidden = layer(hidden, positions, kv_cache, meta, self.rotary, self.backend, self.ops)
+        return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
