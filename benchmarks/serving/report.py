@@ -21,6 +21,17 @@ SYSTEM_KEYS = {
 GOALS = {"vs_hf_sequential": 8.0, "vs_hf_static": 1.5, "services_vs_inprocess": 0.9, "kv_waste": 0.04}
 
 
+def git_revision(repo: Path) -> dict:
+    """The commit the run measured, and whether the tree had uncommitted changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip() or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
+
+
 def machine_info() -> dict:
     import torch
 
@@ -143,6 +154,7 @@ def build_result(runs: dict[str, SystemRun], summaries: dict[str, dict], meta: d
     result = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **meta,
+        "git": git_revision(Path(__file__).resolve().parents[2]),
         "machine": machine_info(),
         "ratio_basis": "tokenmill_services" if "tokenmill_services" in systems else "tokenmill_inprocess",
         "throughput_ratio_vs_hf_sequential": _ratio(headline, systems.get("hf_sequential")),
