@@ -123,6 +123,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             try:
                 async for request in request_iterator:
                     plan = plan_from_proto(request)
+                    if plan.is_empty and not plan.finished_seq_ids:
+                        # Nothing to run (the scheduler's session handshake): answer without
+                        # a trip to the worker, and without counting a step.
+                        yield result_to_proto(StepResult(plan.step_id))
+                        continue
                     result = await loop.run_in_executor(self._worker, runner.execute, plan)
                     steps += 1
                     yield result_to_proto(result)
