@@ -108,6 +108,7 @@ def run_hf_sequential(model, requests: list[BenchRequest], progress=None) -> Sys
     _warm_up(model)
     gc.collect()
     records = []
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for request in sorted(requests, key=lambda r: r.arrival_s):
         _wait_for(request.arrival_s, start)
@@ -121,7 +122,7 @@ def run_hf_sequential(model, requests: list[BenchRequest], progress=None) -> Sys
             progress.update(1)
     end = time.perf_counter()
     return SystemRun("HF sequential", sorted(records, key=lambda r: r.index), start, end,
-                     extra={"kv_padding_waste_mean": 0.0})
+                     extra={"kv_padding_waste_mean": 0.0, "cpu_seconds": time.process_time() - cpu_start})
 
 
 def run_hf_static(model, requests: list[BenchRequest], batch_size: int, progress=None) -> SystemRun:
@@ -132,6 +133,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, progress
     waste_weighted = 0.0
     waste_steps = 0
     useful_tokens = computed_tokens = 0
+    cpu_start = time.process_time()
     start = time.perf_counter()
     while pending:
         _wait_for(pending[0].arrival_s, start)
@@ -157,6 +159,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, progress
             progress.update(len(batch))
     end = time.perf_counter()
     extra = {
+        "cpu_seconds": time.process_time() - cpu_start,
         "kv_padding_waste_mean": waste_weighted / waste_steps if waste_steps else 0.0,
         "useful_output_token_fraction": useful_tokens / computed_tokens if computed_tokens else 0.0,
     }

@@ -96,6 +96,7 @@ def run_inprocess(model_dir: str, requests: list[BenchRequest], concurrency: int
     in_flight = steps = 0
     step_seconds = 0.0
     gc.collect()
+    cpu_start = time.process_time()
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter()
@@ -128,7 +129,7 @@ def run_inprocess(model_dir: str, requests: list[BenchRequest], concurrency: int
                                    len(engine.scheduler.running)))
     end = time.perf_counter()
     ordered = sorted(records.values(), key=lambda r: r.index)
-    extra = {"step_breakdown": {
+    extra = {"cpu_seconds": time.process_time() - cpu_start, "step_breakdown": {
         "steps": steps,
         "mean_batch_size": timer.sequences / timer.calls if timer.calls else 0.0,
         "step_wall_ms_mean": 1000 * step_seconds / steps if steps else 0.0,

@@ -167,7 +167,13 @@ def summarize(run: SystemRun, slo: SLO) -> dict:
         "kv_cache": kv_summary(run.kv_samples),
         "notes": list(run.notes),
         **run.extra,
-    }
+    } | _cpu_efficiency(run.extra.get("cpu_seconds"), output_tokens)
+
+
+def _cpu_efficiency(cpu_seconds: float | None, output_tokens: int) -> dict:
+    if not cpu_seconds:
+        return {}
+    return {"output_tokens_per_cpu_second": output_tokens / cpu_seconds}
 
 
 def throughput_timeline(run: SystemRun, bin_s: float) -> tuple[list[float], list[float]]:

@@ -61,6 +61,13 @@ def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
     return numerator["output_throughput_tps"] / base if base > 0 else None
 
 
+def _cpu_ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+    if not numerator or not denominator:
+        return None
+    a, b = numerator.get("output_tokens_per_cpu_second"), denominator.get("output_tokens_per_cpu_second")
+    return a / b if a and b else None
+
+
 def output_match(runs: dict[str, SystemRun], reference: str = "tokenmill in-process") -> dict:
     """Per system: the fraction of requests whose greedy output ids equal the reference's.
 
@@ -163,6 +170,13 @@ def build_result(runs: dict[str, SystemRun], summaries: dict[str, dict], meta: d
                                                          systems.get("tokenmill_inprocess")),
         "inprocess_ratio_vs_hf_sequential": _ratio(systems.get("tokenmill_inprocess"), systems.get("hf_sequential")),
         "inprocess_ratio_vs_hf_static": _ratio(systems.get("tokenmill_inprocess"), systems.get("hf_static")),
+        # Output tokens per CPU second (all processes of the system): less sensitive than wall
+        # time to whatever else the machine was running.
+        "cpu_efficiency_ratios": {
+            "vs_hf_sequential": _cpu_ratio(headline, systems.get("hf_sequential")),
+            "vs_hf_static": _cpu_ratio(headline, systems.get("hf_static")),
+            "services_vs_inprocess": _cpu_ratio(systems.get("tokenmill_services"), systems.get("tokenmill_inprocess")),
+        },
         "systems": systems,
         "output_match_vs_inprocess": output_match(runs),
         "services_gap": services_gap(systems),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from benchmarks.serving.cpu_time import CpuMeter
 from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
 from services.cli.client import build_request
@@ -38,6 +39,8 @@ class Stack:
     """http://host:port/metrics of the scheduler, when known."""
     executor_metrics: str | None
     log_dir: str | None = None
+    pids: tuple[int, ...] = ()
+    """The service processes, when this benchmark started them (for their CPU time)."""
 
 
 def free_port() -> int:
@@ -47,20 +50,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def launched_stack(model_dir: str, executor_flags: list[str], scheduler_flags: list[str]):
-    """Start the four services (torn down on exit); yields a Stack."""
+def launched_stack(model_dir: str, executor_flags: list[str], scheduler_flags: list[str], torch_threads: int):
+    """Start the four services (torn down on exit); yields a Stack.
+
+    ``torch_threads`` goes to every service as OMP_NUM_THREADS / MKL_NUM_THREADS, the same
+    intra-op thread count the in-process systems get through torch.set_num_threads.
+    """
     scheduler_port, executor_port = free_port(), free_port()
     log_dir = tempfile.mkdtemp(prefix="tokenmill-bench-logs-")
     launcher = Launcher(LaunchConfig(
         model=model_dir, public_port=0, log_dir=log_dir, restart=False,
         executor_args=executor_flags + ["--metrics-port", str(executor_port)],
         scheduler_args=scheduler_flags + ["--metrics-port", str(scheduler_port)],
-        env={"TOKENMILL_LOG_LEVEL": "warning", "TOKENMILL_EXECUTOR_LOG_LEVEL": "warning",
-             "TOKENMILL_TOKENIZER_LOG_LEVEL": "warning", "TOKENMILL_DRAFTER_LOG_LEVEL": "warning"}))
+        env={"TOKENMILL_LOG_LEVEL": "warning", "TOKENMILL_SCHEDULER_LOG_LEVEL": "warning",
+             "TOKENMILL_EXECUTOR_LOG_LEVEL": "warning", "TOKENMILL_TOKENIZER_LOG_LEVEL": "warning",
+             "TOKENMILL_DRAFTER_LOG_LEVEL": "warning",
+             "OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)}))
     launcher.start()
     try:
         yield Stack(launcher.public_address, f"http://127.0.0.1:{scheduler_port}/metrics",
-                    f"http://127.0.0.1:{executor_port}/metrics", log_dir)
+                    f"http://127.0.0.1:{executor_port}/metrics", log_dir,
+                    tuple(svc.process.pid for svc in launcher.services.values()))
     finally:
         launcher.stop()
 
@@ -112,6 +122,8 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
         slots = asyncio.Semaphore(concurrency)
         samples: list[KVSample] = []
         stop = asyncio.Event()
+        cpu = CpuMeter(stack.pids)
+        cpu.start()
         start = time.perf_counter()
         sampler = asyncio.create_task(_sample(stub, stack, samples, stop))
 
@@ -128,6 +140,7 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
 
         await asyncio.gather(*(send(r) for r in sorted(requests, key=lambda r: r.arrival_s)))
         end = time.perf_counter()
+        cpu.stop()
         stop.set()
         await sampler
         after = [await asyncio.to_thread(scrape, url) for url in (stack.scheduler_metrics, stack.executor_metrics)]
@@ -139,6 +152,8 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
         "tpot_p50_ms": profile.tpot_p50_ms, "tpot_p99_ms": profile.tpot_p99_ms,
         "tokens_per_second_total": profile.tokens_per_second_total,
         "tokens_per_second_per_stream": profile.tokens_per_second_per_stream}}
+    if stack.pids:
+        extra["cpu_seconds"] = cpu.seconds
     breakdown = step_breakdown(before, after, end - start)
     if breakdown is not None:
         extra["step_breakdown"] = breakdown
@@ -167,8 +182,10 @@ def step_breakdown(before: list[dict], after: list[dict], duration_s: float) -> 
     }
     executed = moved(1, "tokenmill:executor_execute_seconds_count")
     if executed > 0:
+        # Per scheduler step, like every other figure here, so the parts add up to the wall time.
         execute_s = moved(1, "tokenmill:executor_execute_seconds_sum")
-        out["execute_ms_mean"] = 1000 * execute_s / executed
+        out["executor_steps"] = int(executed)
+        out["execute_ms_mean"] = 1000 * execute_s / steps
         out["round_trip_overhead_ms_mean"] = 1000 * (executor_s - execute_s) / steps
         out["execute_fraction_of_wall"] = execute_s / duration_s if duration_s > 0 else 0.0
     return out

@@ -53,6 +53,10 @@ def build_parser(preset_names: list[str]) -> argparse.ArgumentParser:
     s.add_argument("--executor-metrics-url", help="with --address: the executor's /metrics URL (compute time)")
     s.add_argument("--hf-sequential-requests", type=int,
                    help="run HF sequential on the first N requests only (0 = all; default: the preset's)")
+    s.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); "
+                        "1 is fair on a small shared machine: two spinning OpenMP threads on two busy cores "
+                        "slow every op down")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--kv-cache-bytes", type=int, help="KV pool of both tokenmill systems (default: the preset's)")
     s.add_argument("--max-num-seqs", type=int, default=256)
@@ -75,7 +79,7 @@ def _pick(value, default):
 
 def format_table(summaries: dict[str, dict]) -> str:
     header = (f"{'system':22s} {'req/s':>7s} {'out tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} "
-              f"{'TPOT p99':>9s} {'e2e p50':>8s} {'goodput':>8s} {'KV peak':>8s} {'KV waste':>8s}")
+              f"{'TPOT p99':>9s} {'e2e p50':>8s} {'goodput':>8s} {'KV peak':>8s} {'KV waste':>8s} {'tok/CPU-s':>9s}")
     lines = [header, "-" * len(header)]
     for name, s in summaries.items():
         kv = s.get("kv_cache") or {}
@@ -88,7 +92,8 @@ def format_table(summaries: dict[str, dict]) -> str:
             f"{s['ttft_ms']['p50']:7.0f}ms {s['ttft_ms']['p99']:7.0f}ms {s['tpot_ms']['p50']:7.1f}ms "
             f"{s['tpot_ms']['p99']:7.1f}ms {s['e2e_ms']['p50'] / 1000:7.2f}s {s['goodput_rps']:8.2f} "
             f"{'n/a' if peak is None else f'{100 * peak:.2f}%':>8s} "
-            f"{'n/a' if waste is None else f'{100 * waste:.1f}%':>8s}")
+            f"{'n/a' if waste is None else f'{100 * waste:.1f}%':>8s} "
+            f"{s.get('output_tokens_per_cpu_second', float('nan')):9.1f}")
     return "\n".join(lines)
 
 
@@ -106,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenmill bench: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEM_ORDER)}", file=sys.stderr)
         return 2
     try:
+        if args.torch_threads < 1:
+            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
         model_dir = resolve_model(_pick(args.model, preset.model))
         spec = WorkloadSpec(
             num_requests=_pick(args.num_requests, preset.num_requests),
@@ -152,6 +159,9 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     slo = SLO(_pick(args.slo_ttft_ms, preset.slo_ttft_ms), _pick(args.slo_tpot_ms, preset.slo_tpot_ms),
               args.slo_e2e_ms)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     runs, summaries = {}, {}
     hf_model = None
     print(f"tokenmill bench --preset {args.preset}: {len(requests)} requests, model {model_dir}, "
@@ -190,6 +200,7 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
                            "max_num_batched_tokens": options.max_num_batched_tokens,
                            "attention_backend": options.attention_backend, "dtype": "fp32", "device": "cpu"},
         "slo": slo.as_dict(),
+        "torch_threads": args.torch_threads,
         "hf_sequential_requests": hf_seq_n,
         "hf_sequential_subset": hf_seq_n is not None,
         "address": args.address,
@@ -220,7 +231,8 @@ def _run_one(system: str, args, model_dir: str, spec, requests, options, hf_mode
         if args.address:
             stack = Stack(args.address, args.scheduler_metrics_url, args.executor_metrics_url)
             return run_services(stack, requests, spec.concurrency, bar)
-        with launched_stack(model_dir, options.executor_flags(), options.scheduler_flags()) as stack:
+        with launched_stack(model_dir, options.executor_flags(), options.scheduler_flags(),
+                            args.torch_threads) as stack:
             return run_services(stack, requests, spec.concurrency, bar)
     from benchmarks.serving.hf import run_hf_sequential, run_hf_static
 

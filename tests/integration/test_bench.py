@@ -39,6 +39,7 @@ def test_result_names_every_headline_field(result):
     assert result["hf_sequential_requests"] == HF_SEQUENTIAL_REQUESTS and result["hf_sequential_subset"] is True
     assert result["summary"].startswith("tokenmill_services: ")
     assert f"first {HF_SEQUENTIAL_REQUESTS} requests" in result["summary"]
+    assert all(isinstance(v, float) and v > 0 for v in result["cpu_efficiency_ratios"].values())
     assert set(result["goals"]) == {"throughput_vs_hf_sequential", "throughput_vs_hf_static",
                                     "services_vs_inprocess", "kv_waste_mean"}
 
@@ -54,6 +55,7 @@ def test_every_system_measured_the_same_work(result):
             assert set(s[metric]) == DISTRIBUTION_KEYS, (name, metric)
             assert 0 < s[metric]["p50"] <= s[metric]["p99"] <= s[metric]["max"], (name, metric)
         assert s["request_throughput_rps"] > 0 and s["output_throughput_tps"] > 0
+        assert s["cpu_seconds"] > 0 and s["output_tokens_per_cpu_second"] > 0, name
         assert s["goodput_rps"] == pytest.approx(s["request_throughput_rps"])  # the SLO is loose: all good
     # Greedy, same prompts, same lengths: the same output tokens in every system.
     assert result["output_match_vs_inprocess"] == {"tokenmill_services": 1.0, "hf_sequential": 1.0, "hf_static": 1.0}
