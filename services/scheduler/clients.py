@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -43,13 +43,21 @@ def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
 
 
 class ExecutorLink:
-    """One Step stream to the executor. The stream is a session: reconnecting starts clean."""
+    """One Step stream to the executor. The stream is a session: reconnecting starts clean.
+
+    A session that ends between steps (the executor died while the scheduler was idle) is
+    noticed at once: the link drops the call and calls ``on_lost``, so the owner reconnects
+    before a request is sent into a dead stream.
+    """
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel: grpc.aio.Channel | None = None
         self._call = None
+        self._watcher: asyncio.Task | None = None
         self.info: ExecutorInfo | None = None
+        self.on_lost: Callable[[], None] = lambda: None
+        """Called when a confirmed session ends without a step failing on it."""
 
     @property
     def connected(self) -> bool:
@@ -72,24 +80,32 @@ class ExecutorLink:
             self._call = stub.Step()
             try:
                 await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
+                self._watcher = asyncio.create_task(self._watch(self._call), name="executor-session-watch")
                 return self.info
             except UnavailableError:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
 
+    async def _watch(self, call) -> None:
+        await call.code()  # returns when the call ends, whoever ends it
+        if self._call is call:  # not closed by us, and no step has failed on it yet
+            self._call = None
+            self.on_lost()
+
     async def step(self, plan: StepPlan) -> StepResult:
-        if self._call is None:
+        call = self._call  # the watcher may drop self._call while this step awaits
+        if call is None:
             raise UnavailableError(f"executor at {self.address} is not connected")
         try:
-            await self._call.write(plan_to_proto(plan))
-            response = await self._call.read()
+            await call.write(plan_to_proto(plan))
+            response = await call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._call = None
             raise UnavailableError(f"executor at {self.address} failed: {_describe(exc)}") from None
         if response is grpc.aio.EOF:
-            code = await self._call.code()
-            details = await self._call.details()
+            code = await call.code()
+            details = await call.details()
             self._call = None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgumentError(f"executor rejected step {plan.step_id}: {details}")
@@ -97,9 +113,12 @@ class ExecutorLink:
         return result_from_proto(response)
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        call, self._call = self._call, None  # first, so the watcher sees a closed link
+        if call is not None:
+            call.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

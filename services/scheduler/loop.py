@@ -85,6 +85,7 @@ class SchedulerLoop:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._make_config = scheduler_config
         self.executor = executor
+        executor.on_lost = self._on_executor_lost
         self.tokenizers = tokenizers
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
@@ -191,8 +192,14 @@ class SchedulerLoop:
     async def _run(self) -> None:
         while True:
             core = self.core
-            if core is None or not self.executor.connected:
-                await asyncio.sleep(0.05)
+            if core is None:
+                await asyncio.sleep(0.05)  # reconnecting
+                continue
+            if not self.executor.connected:
+                # The step stream ended between steps (the executor died while we were idle):
+                # handle it as a failed step now, not when the next request is sent into it.
+                _log.error("executor_stream_ended_while_idle", address=self.executor.address)
+                self._executor_lost(f"executor at {self.executor.address} ended the step stream")
                 continue
             started = time.perf_counter()
             plan = core.schedule(self.clock())
@@ -207,9 +214,7 @@ class SchedulerLoop:
                 result = await self.executor.step(plan)
             except (UnavailableError, InvalidArgumentError) as exc:
                 _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
-                self._fail_all(UnavailableError(str(exc)))
-                self.core = None
-                self._reconnecting = asyncio.create_task(self._reconnect())
+                self._executor_lost(str(exc))
                 continue
             if self.core is not core:
                 continue
@@ -235,6 +240,16 @@ class SchedulerLoop:
     def _take_pending_close(self) -> list[tuple[int, int]]:
         closed, self._pending_close = self._pending_close, []
         return closed
+
+    def _on_executor_lost(self) -> None:
+        self._wake.set()  # the step loop, if idle, finds the link disconnected and reconnects
+
+    def _executor_lost(self, error: str) -> None:
+        """End every request with UNAVAILABLE, drop the core (its block accounting described
+        the dead executor's memory) and reconnect in the background."""
+        self._fail_all(UnavailableError(error))
+        self.core = None
+        self._reconnecting = asyncio.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
         delay = 0.2
