@@ -64,6 +64,9 @@ class Launcher:
         self._state_dir = Path(tempfile.mkdtemp(prefix="tokenmill-up-"))
         self.services: dict[str, ServiceProcess] = {}
         self._stopping = threading.Event()
+        self._spawn_lock = threading.Lock()
+        """Held while the supervisor checks _stopping and spawns, and while stop() sets it: a
+        restart can then never start a process after stop() went past its service."""
         self._monitor: threading.Thread | None = None
         self.events: list[str] = []
 
@@ -87,6 +90,8 @@ class Launcher:
         svc.port_file.unlink(missing_ok=True)
         env = {**os.environ, **self.config.env}
         stderr = None
+        if svc.log_handle is not None:
+            svc.log_handle.close()  # the previous (dead) process's handle
         if svc.log_path is not None:
             svc.log_handle = open(svc.log_path, "ab")
             stderr = svc.log_handle
@@ -146,20 +151,26 @@ class Launcher:
                 code = svc.process.returncode
                 self.events.append(f"{svc.name} exited with code {code}; restarting")
                 print(f"[tokenmill up] {svc.name} exited with code {code}; restarting", file=sys.stderr)
-                time.sleep(backoff.get(svc.name, 0.0))
+                if self._stopping.wait(backoff.get(svc.name, 0.0)):
+                    return
                 backoff[svc.name] = min(2 * backoff.get(svc.name, 0.25), 5.0)
-                svc.restarts += 1
-                self._spawn(svc)  # same port as before: peers find it at the same address
+                with self._spawn_lock:
+                    if self._stopping.is_set():
+                        return
+                    svc.restarts += 1
+                    self._spawn(svc)  # same port as before: peers find it at the same address
                 try:
                     self._wait_serving(svc, self.config.start_timeout_s)
-                    backoff[svc.name] = 0.0
+                    # Forget the back-off (not 0.0: the doubling above would keep 0 forever).
+                    backoff.pop(svc.name, None)
                     self.events.append(f"{svc.name} restarted")
                 except (RuntimeError, TimeoutError) as exc:
                     self.events.append(f"{svc.name} restart failed: {exc}")
 
     # ------------------------------------------------------------------ stop
     def stop(self, timeout: float = 15.0) -> None:
-        self._stopping.set()
+        with self._spawn_lock:
+            self._stopping.set()
         for name in reversed(START_ORDER):
             svc = self.services.get(name)
             if svc is None or svc.process is None or svc.process.poll() is not None:
