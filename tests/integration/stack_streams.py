@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
+from services.cli.client import build_request
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.common.text.tokenizer import TextTokenizer
 
@@ -57,10 +58,17 @@ class StreamRecord:
 
     @property
     def finish_reason(self) -> str:
-        """"length", "eos", "stop", "abort", "error"; "" while no Finished arrived."""
+        """One of length, eos, stop, abort, error; empty when no Finished arrived."""
         if self.finished is None:
             return ""
         return common_pb2.FinishReason.Name(self.finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def greedy_request(prompt: str | list[int], max_tokens: int, *, request_id: str = "", ignore_eos: bool = True,
+                   stop: Sequence[str] = ()) -> generation_pb2.GenerateRequest:
+    request = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, stop=stop)
+    request.request_id = request_id
+    return request
 
 
 async def record_stream(stub, request: generation_pb2.GenerateRequest, *, timeout: float = STREAM_TIMEOUT_S,
@@ -99,7 +107,10 @@ def assert_framed(record: StreamRecord, *, prompt_tokens: int, request_id: str |
     assert kinds[0] == "started" and kinds[-1] == "finished", kinds
     assert set(kinds[1:-1]) <= {"delta"}, kinds
     assert record.started.prompt_tokens == prompt_tokens
-    assert record.started.request_id if request_id is None else record.started.request_id == request_id
+    if request_id is None:
+        assert record.started.request_id  # the server assigned one
+    else:
+        assert record.started.request_id == request_id
     usage = record.finished.usage
     assert usage.prompt_tokens == prompt_tokens
     assert usage.completion_tokens == len(record.token_ids)

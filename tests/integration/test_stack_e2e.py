@@ -23,7 +23,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.cli.client import build_request
 from services.common.generation import GenerationDelta
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling.params import SamplingParams
@@ -43,6 +42,7 @@ from stack_streams import (
     assert_framed,
     assert_no_stray_replacement_chars,
     continuation_text,
+    greedy_request,
     record_stream,
 )
 
@@ -103,11 +103,8 @@ class References:
         return self._cache[key]
 
 
-def greedy(prompt, max_tokens: int = PARITY_TOKENS, *, request_id: str = "", ignore_eos: bool = True,
-           stop: tuple[str, ...] = ()) -> generation_pb2.GenerateRequest:
-    request = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, stop=stop)
-    request.request_id = request_id
-    return request
+def greedy(prompt, max_tokens: int = PARITY_TOKENS, **kwargs) -> generation_pb2.GenerateRequest:
+    return greedy_request(prompt, max_tokens, **kwargs)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,7 +17,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.cli.client import build_request
 from services.cli.launcher import LaunchConfig, Launcher
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling.params import SamplingParams
@@ -27,7 +26,7 @@ from services.common.text.tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from service_harness import REPO_ROOT, STORIES_DIR
-from stack_streams import StreamRecord, assert_framed, continuation_text, record_stream
+from stack_streams import StreamRecord, assert_framed, continuation_text, greedy_request, record_stream
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -78,7 +77,7 @@ def reference_ids() -> list[int]:
 
 
 def greedy(prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> generation_pb2.GenerateRequest:
-    return build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return greedy_request(prompt, max_tokens)
 
 
 def service_log(launcher: Launcher, name: str) -> str:
@@ -92,6 +91,16 @@ async def start_running_streams(stub, n: int, max_tokens: int) -> list[asyncio.T
              for i, event in enumerate(running)]
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in running)), 30)
     return tasks
+
+
+async def generate_once_back(launcher: Launcher, stub, deadline: float, *, while_down: str = "") -> StreamRecord:
+    """Retry a greedy request until the stack answers it; until then each attempt must fail
+    with UNAVAILABLE (and say `while_down`)."""
+    while (record := await record_stream(stub, greedy(), timeout=RECONNECT_WITHIN_S)).code != grpc.StatusCode.OK:
+        assert record.code == grpc.StatusCode.UNAVAILABLE and while_down in record.details, record.details
+        assert time.monotonic() < deadline, (launcher.events, service_log(launcher, "scheduler"))
+        await asyncio.sleep(0.1)
+    return record
 
 
 async def test_a_request_succeeds(launcher, stub, reference_ids) -> None:
@@ -119,16 +128,7 @@ async def test_executor_killed_mid_stream_fails_streams_fast_and_the_stack_recov
 
     # The launcher restarts the executor on its old port; the scheduler reconnects in the
     # background and answers UNAVAILABLE until then.
-    deadline = time.monotonic() + RECONNECT_WITHIN_S
-    attempts: list[str] = []
-    while True:
-        record = await record_stream(stub, greedy(), timeout=RECONNECT_WITHIN_S)
-        if record.code == grpc.StatusCode.OK:
-            break
-        attempts.append(f"{record.code.name}: {record.details}")
-        assert record.code == grpc.StatusCode.UNAVAILABLE, attempts
-        assert time.monotonic() < deadline, (attempts[-3:], launcher.events, service_log(launcher, "scheduler"))
-        await asyncio.sleep(0.25)
+    record = await generate_once_back(launcher, stub, time.monotonic() + RECONNECT_WITHIN_S)
     assert record.token_ids == reference_ids
     assert executor.restarts == 1 and executor.process.pid != old_pid and executor.port == port
     assert "executor restarted" in launcher.events
@@ -147,11 +147,7 @@ async def test_executor_killed_while_idle_is_reconnected_before_a_request_needs_
     while launcher.events.count("executor restarted") == restarted:
         assert time.monotonic() < deadline, launcher.events
         await asyncio.sleep(0.05)
-    retry_later = "is unavailable; retry shortly"
-    while (record := await record_stream(stub, greedy(), timeout=RECONNECT_WITHIN_S)).code != grpc.StatusCode.OK:
-        assert record.code == grpc.StatusCode.UNAVAILABLE and retry_later in record.details, record.details
-        assert time.monotonic() < deadline, service_log(launcher, "scheduler")
-        await asyncio.sleep(0.1)
+    record = await generate_once_back(launcher, stub, deadline, while_down="is unavailable; retry shortly")
     assert record.token_ids == reference_ids
 
 
