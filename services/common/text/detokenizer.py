@@ -76,7 +76,9 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._special_ids = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
         self._byte_ids = tokenizer.byte_token_ids
-        context = _prompt_context(prompt_token_ids, self._byte_ids) if keep_leading_space else []
+        context = (
+            _prompt_context(prompt_token_ids, self._byte_ids, self._decode) if keep_leading_space else []
+        )
         self._window: list[int] = context
         """ids[prefix_offset:]; the first `_read` of them were already emitted (or are context)."""
         self._read = len(context)
@@ -135,19 +137,22 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
 
-def _prompt_context(prompt_token_ids: Sequence[int], byte_ids: frozenset[int]) -> list[int]:
+def _prompt_context(prompt_token_ids: Sequence[int], byte_ids: frozenset[int], decode) -> list[int]:
     """The prompt's last few ids, starting where a window may start (not inside a byte run).
 
-    A prompt that ends inside a byte run (token ids sent by a client, cut mid-character) gets no
-    context: the output would change the text the context decodes to.
+    A prompt ending in a byte run keeps it as context only when the run spells whole
+    characters ("мир" as bytes): the next token's space then decodes as in the full text. A
+    prompt cut mid-character (token ids sent by a client) gets no context: the output would
+    change the text the context decodes to.
     """
-    if prompt_token_ids and prompt_token_ids[-1] in byte_ids:
-        return []
     start = max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS)
     lowest = max(0, len(prompt_token_ids) - MAX_PROMPT_CONTEXT_TOKENS)
     while start > lowest and prompt_token_ids[start - 1] in byte_ids:
         start -= 1
-    return list(prompt_token_ids[start:])
+    context = list(prompt_token_ids[start:])
+    if context and context[-1] in byte_ids and REPLACEMENT_CHAR in decode(context):
+        return []
+    return context
 
 
 class DetokenizerPool:
