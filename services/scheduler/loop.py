@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -99,6 +99,8 @@ class SchedulerLoop:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._reconnecting: asyncio.Task | None = None
+        self.on_serving_change: Callable[[bool], Awaitable[None]] = _ignore_serving_change
+        """Told when the executor link goes down and comes back (the server's health follows it)."""
         self.step_count = 0
         self.last_step_time = 0.0
         self.step_times = StepTimeTotals()
@@ -252,16 +254,20 @@ class SchedulerLoop:
         self._reconnecting = asyncio.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
+        """Retry until the executor is back; health reports NOT_SERVING meanwhile."""
+        await self.on_serving_change(False)
         delay = 0.2
         while not self._stopping:
             try:
                 await self._connect_executor()
-                self._wake.set()
-                return
-            except UnavailableError as exc:
+            except Exception as exc:  # noqa: BLE001 - e.g. a config the core refuses: keep trying, loudly
                 _log.warning("executor_reconnect_failed", error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+                continue
+            await self.on_serving_change(True)
+            self._wake.set()
+            return
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, tracked in list(self._tracked.items()):
@@ -324,3 +330,7 @@ class SchedulerLoop:
             if delta.finished:
                 del self._tracked[update.request_id]
                 self.on_finished(delta, tracked.output)
+
+
+async def _ignore_serving_change(serving: bool) -> None:
+    return None

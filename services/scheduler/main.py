@@ -8,6 +8,7 @@ from services.common.logging import configure_logging
 from services.common.metrics import request_metrics, rpc_interceptors, scheduler_collector, serve_metrics
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
+from services.common.service_config import publish_port
 from services.common.settings import parse_config
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
@@ -60,14 +61,14 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                                  interceptors=rpc_interceptors(config.metrics_port))
     running.on_stopping(loop.shutdown)
     serve_metrics(running, config.metrics_port)
-    if config.port_file:
-        Path(config.port_file).write_text(str(running.port))
+    publish_port(running, config.port_file)
     running.scheduler_loop = loop  # for in-process tests and metrics
+    loop.on_serving_change = running.set_serving
     return running
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(SchedulerServiceConfig, argv, description="tokenmill scheduler: the public Generation API")
     configure_logging("scheduler", config.log_level)
-    run_service(lambda: serve(config), grace=config.shutdown_grace_s)
+    run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
     return 0
