@@ -35,6 +35,8 @@ class CpuMeter:
         self._start: dict[int, float] = {}
         self._self_start = 0.0
         self.seconds: float | None = None
+        self.own_seconds: float | None = None
+        """This process's share (the benchmark client, for the services)."""
 
     def _others(self) -> dict[int, float]:
         return {pid: s for pid in self.pids if (s := process_cpu_seconds(pid)) is not None}
@@ -45,7 +47,6 @@ class CpuMeter:
 
     def stop(self) -> float:
         others = self._others()
-        used = time.process_time() - self._self_start
-        used += sum(others[pid] - self._start[pid] for pid in self._start if pid in others)
-        self.seconds = used
-        return used
+        self.own_seconds = time.process_time() - self._self_start
+        self.seconds = self.own_seconds + sum(others[pid] - self._start[pid] for pid in self._start if pid in others)
+        return self.seconds

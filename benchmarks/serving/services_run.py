@@ -29,7 +29,7 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 
-SAMPLE_INTERVAL_S = 0.1
+SAMPLE_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +154,7 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
         "tokens_per_second_per_stream": profile.tokens_per_second_per_stream}}
     if stack.pids:
         extra["cpu_seconds"] = cpu.seconds
+        extra["client_cpu_seconds"] = cpu.own_seconds
     breakdown = step_breakdown(before, after, end - start)
     if breakdown is not None:
         extra["step_breakdown"] = breakdown
