@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
+from services.common.text.stop_strings import validate_stop_strings
+
 MAX_STOP_TOKEN_IDS = 64
 
 
@@ -33,13 +33,7 @@ class StopConditions:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
-        for s in self.stop:
-            if not s:
-                raise ValueError("stop strings must be non-empty")
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop string of {len(s)} characters exceeds the limit of {MAX_STOP_STRING_CHARS}")
+        validate_stop_strings(self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit is {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
