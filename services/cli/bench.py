@@ -100,7 +100,7 @@ def format_table(summaries: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _import_benchmarks()
-    from benchmarks.serving.presets import PRESETS, RESULTS_DIR, resolve_model
+    from benchmarks.serving.presets import PRESETS, resolve_model
     from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
 
     args = build_parser(sorted(PRESETS)).parse_args(argv)
@@ -150,6 +150,7 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
     from tqdm import tqdm
 
     from benchmarks.serving.inprocess import EngineOptions
+    from benchmarks.serving.presets import RESULTS_DIR
     from benchmarks.serving.records import SLO, summarize
     from benchmarks.serving.report import build_result, write_json, write_plot
 

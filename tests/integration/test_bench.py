@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from benchmarks.serving import presets
 from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
 from services.cli import bench
 
@@ -18,10 +19,13 @@ HF_SEQUENTIAL_REQUESTS = 3
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
-    code = bench.main(["--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
-                       "--prompt-len", "6:12", "--output-len", "16:24", "--hf-sequential-requests",
-                       str(HF_SEQUENTIAL_REQUESTS), "--out-dir", str(out), "--name", "tiny", "--no-progress",
-                       "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+    # The default output folder, redirected: the run must find it without --out-dir.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(presets, "RESULTS_DIR", out)
+        code = bench.main(["--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
+                           "--prompt-len", "6:12", "--output-len", "16:24", "--hf-sequential-requests",
+                           str(HF_SEQUENTIAL_REQUESTS), "--name", "tiny", "--no-progress",
+                           "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
     assert code == 0
     png = (out / "tiny.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -98,3 +102,12 @@ def test_workload_is_seeded_and_shares_prefixes():
         build_workload(spec, vocab_size=512, max_model_len=60)
     with pytest.raises(ValueError, match="--prompt-len"):
         LengthDist.parse("9:3", "--prompt-len")
+
+
+def test_bad_arguments_are_refused_before_running(capsys):
+    assert bench.main(["--preset", "quick", "--systems", "inprocess,bogus"]) == 2
+    assert "unknown systems ['bogus']" in capsys.readouterr().err
+    assert bench.main(["--preset", "quick", "--torch-threads", "0"]) == 2
+    assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
+    assert bench.main(["--preset", "quick", "--output-len", "600"]) == 2  # stories260K's context is 512
+    assert "does not fit max_model_len 512" in capsys.readouterr().err
