@@ -50,8 +50,9 @@ class TorchAttentionBackend:
     @staticmethod
     def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
         num_blocks = -(-num_tokens // block_size)
+        # index_select on the block dimension: several times faster than advanced indexing on CPU.
         # [nb, BS, KH, D] -> [ctx, KH, D]
-        return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:num_tokens]
 
     def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float):
         # q: [L, H, D]; the L new tokens sit at positions [ctx_len - L, ctx_len).
@@ -78,19 +79,20 @@ class TorchAttentionBackend:
         # q: [B, H, D]; one query per sequence at position context_len - 1.
         b, h, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = h // kv_heads
         num_blocks = -(-max_ctx // block_size)
-        table = block_tables[:, :num_blocks].long()
-        k = k_cache[table].view(b, num_blocks * block_size, kv_heads, d).to(q.dtype)  # [B, S, KH, D]
-        v = v_cache[table].view(b, num_blocks * block_size, kv_heads, d).to(q.dtype)
-        qg = q.view(b, kv_heads, group, d)
-        scores = torch.einsum("bkgd,bskd->bkgs", qg, k).float() * scale  # [B, KH, G, S]
-        positions = torch.arange(num_blocks * block_size, device=q.device)
+        span = num_blocks * block_size
+        table = block_tables[:, :num_blocks].long().flatten()
+        # One gather per pool into [B, S, KH, D], read by SDPA as a strided [B, KH, S, D] view
+        # (no second copy); GQA is SDPA's enable_gqa, so K/V are never repeated per query head.
+        k = k_cache.index_select(0, table).view(b, span, kv_heads, d).transpose(1, 2).to(q.dtype)
+        v = v_cache.index_select(0, table).view(b, span, kv_heads, d)
+        positions = torch.arange(span, device=q.device)
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
         # Padding lanes read slots this sequence does not own; their probability is 0, but
         # 0 * NaN is NaN, so whatever another sequence left there must not reach the sum.
         v.masked_fill_(~valid[:, :, None, None], 0)
-        out = torch.einsum("bkgs,bskd->bkgd", probs, v)
-        return out.reshape(b, h, d)
+        out = F.scaled_dot_product_attention(
+            q.view(b, h, 1, d), k, v.transpose(1, 2).to(q.dtype), attn_mask=valid[:, None, None, :],
+            scale=scale, enable_gqa=True,
+        )  # [B, H, 1, D]
+        return out.view(b, h, d)
