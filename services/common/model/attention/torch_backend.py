@@ -27,16 +27,16 @@ class TorchAttentionBackend:
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, H, D] -> [T, H, D]
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.context_lens_cpu, scale)
         out = torch.empty_like(q)
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
         if decode_rows:
             rows = torch.tensor(decode_rows, device=q.device)
             token_index = meta.query_start_loc[rows].long()
-            max_ctx = max(meta.context_lens_cpu[i] for i in decode_rows)
             out[token_index] = self._decode(
-                q[token_index], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], max_ctx, scale
+                q[token_index], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
+                [meta.context_lens_cpu[i] for i in decode_rows], scale,
             )
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
             if q_len == 1:
@@ -75,9 +75,10 @@ class TorchAttentionBackend:
         return o.transpose(0, 1)
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float):
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
         # q: [B, H, D]; one query per sequence at position context_len - 1.
         b, h, d = q.shape
+        max_ctx = max(context_lens_cpu)
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         num_blocks = -(-max_ctx // block_size)
         span = num_blocks * block_size
@@ -90,7 +91,10 @@ class TorchAttentionBackend:
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
         # Padding lanes read slots this sequence does not own; their probability is 0, but
         # 0 * NaN is NaN, so whatever another sequence left there must not reach the sum.
-        v.masked_fill_(~valid[:, :, None, None], 0)
+        # Zeroing each row's tail touches only the padding (a masked fill would rewrite all of V).
+        for row, n in enumerate(context_lens_cpu):
+            if n < span:
+                v[row, n:].zero_()
         out = F.scaled_dot_product_attention(
             q.view(b, h, 1, d), k, v.transpose(1, 2).to(q.dtype), attn_mask=valid[:, None, None, :],
             scale=scale, enable_gqa=True,
