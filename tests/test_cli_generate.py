@@ -12,6 +12,7 @@ than another subprocess), unless --ignore-eos is given.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,10 @@ def generate_command(model: Path, prompt: str | None, max_tokens: int, *flags: s
 
 
 def run(command: list[str]) -> str:
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    # One torch thread each: the commands run side by side, and on a small shared machine
+    # threads waiting for each other at every op make a run many times slower.
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{command[3:]} exited {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
 
