@@ -151,7 +151,7 @@ def test_prompts_of_1_5_100_300_tokens_in_one_step_match_each_alone(stories_dir,
 # ---------------------------------------------------------------------------- chunked prefill
 
 
-def test_chunked_prefill_matches_whole_prompts(stories_dir, engine16, long_story):
+def test_chunked_prefill_matches_whole_prompts(stories_dir, long_story):
     prompts = [long_story[:300], long_story[:5], long_story[:100] + [400, 371, 262]]
     whole = greedy_tokens(make_engine(stories_dir, enable_prefix_caching=False), prompts, 48)
     chunked_engine = make_engine(stories_dir, max_num_seqs=4, max_num_batched_tokens=32,
