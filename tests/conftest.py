@@ -11,6 +11,9 @@ import torch
 # imports triton, and the root conftest is loaded first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread: on a small shared CPU a second OpenMP thread makes small ops wait for
+    # a descheduled peer (measured up to 10x slower); results do not depend on it.
+    torch.set_num_threads(1)
 
 import pytest
 

@@ -46,9 +46,11 @@ class KVCache:
                 f"(one block needs {bytes_per_block(config, block_size, dtype)} bytes)"
             )
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # torch.zeros, not empty: a fresh pool must never feed NaN garbage into masked-out lanes.
+        # torch.empty: no backend lets a slot it does not own reach its output (the Triton
+        # kernels mask them, the torch backend zeroes V's padding lanes), and on a CPU untouched
+        # pages of a large pool cost nothing until written.
         layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
         return cls(layers, num_blocks, block_size)

@@ -38,12 +38,10 @@ def _step(batch, device) -> AttentionMetadata:
 def test_backend_matches_reference(backend_cls, step, dtype, device):
     context_lens, query_lens = zip(*STEPS[step])
     kv_heads, heads, head_dim = 2, 8, 64
-    # The torch backend attends over whole gathered blocks with masked scores, so a NaN in a slot it
-    # does not own would still reach its output (0 * NaN); the pool allocator zero-fills for it.
-    # Its unowned slots get finite garbage instead; the triton kernels must never read them at all.
-    poison = float("nan") if backend_cls is TritonAttentionBackend else 1000.0
+    # Slots a sequence does not own hold NaN: the triton kernels must never read them, and the
+    # torch backend (which gathers whole blocks) must keep them out of its sums.
     batch = build_paged_batch(list(context_lens), list(query_lens), kv_heads, head_dim, 16, dtype, device,
-                              poison=poison)
+                              poison=float("nan"))
     meta = _step(batch, device)
     assert meta.is_decode_only == (step == "decode-only")
     num_tokens = sum(query_lens)

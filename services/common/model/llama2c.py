@@ -342,7 +342,9 @@ def convert_llama2c(
     out_dir.mkdir(parents=True, exist_ok=True)
     outputs = [out_dir / name for name in ("config.json", "generation_config.json", "model.safetensors")]
     _write_json(outputs[0], hf_config(config))
-    _write_json(outputs[1], {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
+    # llama2.c's training data delimits stories with BOS, so its models end a story by emitting
+    # BOS, never EOS; run.c stops there. Listing BOS among the end tokens keeps that behaviour.
+    _write_json(outputs[1], {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, BOS_ID]})
     save_file(state_dict, str(outputs[2]), metadata={"format": "pt"})
     outputs.append(out_dir / "tokenizer.json")
     tokenizer.save(str(outputs[-1]), pretty=True)

@@ -85,18 +85,19 @@ class TorchAttentionBackend:
         table = block_tables[:, :num_blocks].long().flatten()
         # One gather per pool into [B, S, KH, D], read by SDPA as a strided [B, KH, S, D] view
         # (no second copy); GQA is SDPA's enable_gqa, so K/V are never repeated per query head.
-        k = k_cache.index_select(0, table).view(b, span, kv_heads, d).transpose(1, 2).to(q.dtype)
+        k = k_cache.index_select(0, table).view(b, span, kv_heads, d)
         v = v_cache.index_select(0, table).view(b, span, kv_heads, d)
-        positions = torch.arange(span, device=q.device)
-        valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
-        # Padding lanes read slots this sequence does not own; their probability is 0, but
-        # 0 * NaN is NaN, so whatever another sequence left there must not reach the sum.
-        # Zeroing each row's tail touches only the padding (a masked fill would rewrite all of V).
+        # Padding lanes read slots this sequence does not own. They are masked out of the
+        # softmax, but a NaN there would survive it (NaN - inf, 0 * NaN), so zero each row's
+        # tail: it touches only the padding, where a masked fill would rewrite all of K and V.
         for row, n in enumerate(context_lens_cpu):
             if n < span:
+                k[row, n:].zero_()
                 v[row, n:].zero_()
+        positions = torch.arange(span, device=q.device)
+        valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
         out = F.scaled_dot_product_attention(
-            q.view(b, h, 1, d), k, v.transpose(1, 2).to(q.dtype), attn_mask=valid[:, None, None, :],
-            scale=scale, enable_gqa=True,
+            q.view(b, h, 1, d), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return out.view(b, h, d)
