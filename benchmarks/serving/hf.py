@@ -3,7 +3,7 @@
 (c) sequential: one request at a time, batch 1, in arrival order.
 (d) static batching: batches of ``concurrency`` requests, left-padded to the longest
     prompt; each batch runs until its longest request has all its tokens
-    (max_new_tokens = min_new_tokens = the batch's largest output length), so shorter
+    (max_new_tokens = the batch's largest output length, no end token), so shorter
     requests ride along producing tokens nobody uses. Only each request's own output
     tokens count as useful.
 
@@ -39,7 +39,12 @@ def load_hf_model(model_dir: str):
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # No end token at all, like tokenmill's ignore_eos: generate() merges the model's own
+    # generation_config, so an eos_token_id=None passed per call does not clear it, and
+    # min_new_tokens would *ban* the end tokens, which ignore_eos does not.
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def _streamer():
@@ -73,8 +78,7 @@ def _generate(model, prompts: list[tuple[int, ...]], new_tokens: int):
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt):] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt):] = 1
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=PAD_ID)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
     clock = _streamer()
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,

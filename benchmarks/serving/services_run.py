@@ -29,7 +29,7 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 
-SAMPLE_INTERVAL_S = 0.25
+SAMPLE_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)

@@ -415,7 +415,7 @@ async def test_model_info_health_and_reflection(stack) -> None:
     assert (info.vocab_size, info.max_model_len, info.block_size, info.num_kv_blocks) == (
         VOCAB_SIZE, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS)
     assert info.model_name == "stories260K" and info.architecture == "LlamaForCausalLM"
-    assert list(info.eos_token_ids) == [EOS] and info.bos_token_id == BOS
+    assert list(info.eos_token_ids) == [EOS, BOS] and info.bos_token_id == BOS
     assert (info.device, info.attention_backend, info.dtype) == ("cpu", "torch", "float32")
     assert await health_status(stack.channel) == SERVING
     assert await health_status(stack.channel, GENERATION) == SERVING

@@ -79,7 +79,7 @@ async def test_health_reflection_and_info(server: RunningServer, stub, reference
     info = await stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=10)
     assert info.tokenizer_path == str(STORIES_DIR)
     assert info.vocab_size == 512
-    assert list(info.eos_token_ids) == [2]
+    assert list(info.eos_token_ids) == [2, 1]  # EOS, and BOS: llama2.c stories end at BOS
     assert info.HasField("bos_token_id") and info.bos_token_id == 1
     assert not info.HasField("pad_token_id")  # stories260K declares no pad token
     assert info.has_chat_template is False

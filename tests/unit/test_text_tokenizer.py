@@ -108,7 +108,7 @@ def test_stories260k_matches_sentencepiece():
 
     tok = TextTokenizer.from_dir(STORIES260K)
     sp = sentencepiece.SentencePieceProcessor(model_file=str(STORIES260K / "tokenizer.model"))
-    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (512, 1, [2])
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (512, 1, [2, 1])
     assert len(tok.byte_token_ids) == 256
     for text in ["Once upon a time, there was a little girl named Lily.", "中文🐶 naïve", "  two  spaces\nnewline"]:
         ids = tok.encode(text)
