@@ -10,13 +10,13 @@ PROTO_SRC := $(wildcard protos/tokenmill/v1/*.proto)
 PROTO_OUT := services/common/pb
 PROTO_STAMP := $(PROTO_OUT)/.generated
 
-.PHONY: install proto run test test-fast bench bench-quick clean lint
+.PHONY: install proto run test bench bench-quick bench-decode clean
 
 install: $(STAMP) $(PROTO_STAMP)
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip "setuptools>=68"
 	$(PIP) install -q -r requirements.txt -r requirements-test.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
@@ -33,14 +33,14 @@ run: install
 test: install
 	$(PY) -m pytest -q
 
-test-fast: install
-	$(PY) -m pytest -q -m "not slow"
-
 bench: install
 	$(VENV)/bin/tokenmill bench --preset headline
 
 bench-quick: install
 	$(VENV)/bin/tokenmill bench --preset quick
+
+bench-decode: install
+	$(PY) -m benchmarks.decode_bench --threads 1
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) .pytest_cache
