@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.sampling.params import MAX_STOP_TOKEN_IDS
 from services.common.text.stop_strings import validate_stop_strings
-
-MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(slots=True)
