@@ -9,16 +9,23 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/tokenmill/v1/*.proto)
 PROTO_OUT := services/common/pb
 PROTO_STAMP := $(PROTO_OUT)/.generated
+CPU_KERNELS := $(wildcard services/common/kernels/cpu/*.cpp) services/common/kernels/cpu/__init__.py
+CPU_KERNELS_STAMP := $(VENV)/.cpu-kernels
 
 .PHONY: install proto run test bench bench-quick bench-decode clean
 
-install: $(STAMP) $(PROTO_STAMP)
+install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP)
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68"
 	$(PIP) install -q -r requirements.txt -r requirements-test.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# The C++ CPU attention kernel, compiled for this machine (cached; rebuilt when its source changes).
+$(CPU_KERNELS_STAMP): $(CPU_KERNELS) $(STAMP)
+	$(PY) -m services.common.kernels.cpu
 	touch $@
 
 proto: $(PROTO_STAMP)

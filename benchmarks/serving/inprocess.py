@@ -31,7 +31,7 @@ class EngineOptions:
     kv_cache_bytes: int = 2 * 1024**3
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
 
     def executor_flags(self) -> list[str]:

@@ -58,6 +58,8 @@ def build_parser(preset_names: list[str]) -> argparse.ArgumentParser:
                         "1 is fair on a small shared machine: two spinning OpenMP threads on two busy cores "
                         "slow every op down")
     s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                   help="both tokenmill systems' attention (auto = cpu, the C++ paged decode kernel, when it builds)")
     s.add_argument("--kv-cache-bytes", type=int, help="KV pool of both tokenmill systems (default: the preset's)")
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -153,11 +155,13 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
     from benchmarks.serving.presets import RESULTS_DIR
     from benchmarks.serving.records import SLO, summarize
     from benchmarks.serving.report import build_result, write_json, write_plot
+    from services.common.model.attention.registry import resolve_backend_name
 
     # A preset's pool is sized for its own model; another model gets the engine's default pool.
     default_kv = preset.kv_cache_bytes if args.model is None else EngineOptions().kv_cache_bytes
     options = EngineOptions(block_size=args.block_size, kv_cache_bytes=_pick(args.kv_cache_bytes, default_kv),
-                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            attention_backend=args.attention_backend)
     slo = SLO(_pick(args.slo_ttft_ms, preset.slo_ttft_ms), _pick(args.slo_tpot_ms, preset.slo_tpot_ms),
               args.slo_e2e_ms)
     import torch
@@ -199,7 +203,10 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
         "engine_options": {"block_size": options.block_size, "kv_cache_bytes": options.kv_cache_bytes,
                            "max_num_seqs": options.max_num_seqs,
                            "max_num_batched_tokens": options.max_num_batched_tokens,
-                           "attention_backend": options.attention_backend, "dtype": "fp32", "device": "cpu"},
+                           "attention_backend": options.attention_backend,
+                           "attention_backend_resolved": resolve_backend_name(options.attention_backend,
+                                                                              torch.device("cpu")),
+                           "dtype": "fp32", "device": "cpu"},
         "slo": slo.as_dict(),
         "torch_threads": args.torch_threads,
         "hf_sequential_requests": hf_seq_n,

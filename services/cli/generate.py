@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="--in-process: fp32, bf16, fp16 or auto")
     p.add_argument("--device", default="auto", help="--in-process: cpu, cuda or auto")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="--in-process: attention implementation (auto = triton on CUDA, torch on CPU)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                   help="--in-process: attention implementation (auto = triton on CUDA, cpu on a CPU)")
     p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
     return p
 

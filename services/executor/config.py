@@ -30,7 +30,7 @@ class ExecutorConfig:
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """torch, triton, or auto (triton on CUDA, torch on CPU)."""
+    """torch, triton, cpu, or auto (triton on CUDA; on a CPU, cpu when its C++ kernel builds, else torch)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_bytes: int = 2 * 1024**3
@@ -83,7 +83,7 @@ class ExecutorServiceConfig:
     model: str = model_field("model directory (config.json, *.safetensors)")
     dtype: str = _engine_field("dtype", "fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU)")
     device: str = _engine_field("device", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    attention_backend: str = _engine_field("attention_backend", "torch, triton, or auto (triton on CUDA, torch on CPU)")
+    attention_backend: str = _engine_field("attention_backend", "torch, triton, cpu, or auto (triton on CUDA; cpu on a CPU, torch if its C++ kernel cannot be built)")
     block_size: int = _engine_field("block_size", "tokens per KV-cache block (a power of two)")
     kv_cache_bytes: int = _engine_field("kv_cache_bytes", "KV-cache budget on CPU, in bytes")
     gpu_memory_utilization: float = _engine_field(

@@ -8,6 +8,7 @@ import torch
 from kernel_cases import assert_matches_reference, build_paged_batch
 
 from services.common.model.attention.base import AttentionMetadata
+from services.common.model.attention.cpu_backend import CpuAttentionBackend
 from services.common.model.attention.reference_backend import ReferenceAttentionBackend
 from services.common.model.attention.torch_backend import TorchAttentionBackend
 from services.common.model.attention.triton_backend import TritonAttentionBackend
@@ -32,10 +33,13 @@ def _step(batch, device) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize("backend_cls", [TritonAttentionBackend, TorchAttentionBackend], ids=lambda c: c.name)
+@pytest.mark.parametrize("backend_cls", [TritonAttentionBackend, TorchAttentionBackend, CpuAttentionBackend],
+                         ids=lambda c: c.name)
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_backend_matches_reference(backend_cls, step, dtype, device):
+    if backend_cls is CpuAttentionBackend and device.type != "cpu":
+        pytest.skip("the cpu backend runs on the CPU only")
     context_lens, query_lens = zip(*STEPS[step])
     kv_heads, heads, head_dim = 2, 8, 64
     # Slots a sequence does not own hold NaN: the triton kernels must never read them, and the

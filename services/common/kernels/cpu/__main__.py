@@ -1,0 +1,3 @@
+from services.common.kernels.cpu import main
+
+raise SystemExit(main())

@@ -1,0 +1,153 @@
+// Paged decode attention for the CPU: one query token per sequence, read straight out of
+// the paged KV pool through the block table.
+//
+// The PyTorch path has to gather every sequence's blocks into a padded [B, S, KH, D] copy
+// before it can call SDPA, so it moves each K/V byte three times (read, write, read again)
+// plus the padding up to the longest context in the batch. Decode attention on a CPU is
+// memory-bound, so that copy is most of its cost. This kernel reads each cached K/V row
+// once and only the rows a sequence owns.
+//
+// Work item = one sequence. Two passes over its context: scores q.k for every query head
+// at every position (each slot's K row, all kv heads, read once and contiguously; a query
+// head reads kv head h / group, so GQA costs no copy), a softmax in a per-sequence buffer,
+// then the weighted sum of V (each V row read once). Arithmetic is in fp32 whatever the
+// storage dtype. Sequences run in parallel on torch's intra-op threads.
+//
+// Layouts (checked by the Python wrapper, which also holds the reference):
+//   out, q:        [B, H, D] contiguous
+//   k/v cache:     [num_blocks, block_size, KH, D] contiguous
+//   block_tables:  [B, max_blocks] int32 contiguous
+//   context_lens:  [B] int32
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, const scalar_t* v_cache,
+                     const int32_t* block_table, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, std::vector<float>& q_buf,
+                     std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t D = head_dim, H = num_heads, group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
+  const int64_t block_stride = block_size * token_stride;
+  q_buf.resize(H * D);
+  scores.resize(H * context_len);
+  acc.assign(H * D, 0.f);
+  for (int64_t i = 0; i < H * D; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
+
+  std::vector<float> row_max(H, -std::numeric_limits<float>::infinity());
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+
+  // Pass 1: scores. A slot's row holds every kv head contiguously, so the pass streams
+  // through each block once; query head h reads kv head h / group.
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const scalar_t* k_block = k_cache + static_cast<int64_t>(block_table[j]) * block_stride;
+    const int64_t n = std::min(block_size, context_len - j * block_size);
+    for (int64_t o = 0; o < n; ++o) {
+      const scalar_t* k_row = k_block + o * token_stride;
+      const int64_t t = j * block_size + o;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = q_buf.data() + h * D;
+        const scalar_t* k = k_row + (h / group) * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(k[d]);
+        scores[h * context_len + t] = s;
+        row_max[h] = std::max(row_max[h], s);
+      }
+    }
+  }
+
+  // Softmax numerators in place; the denominators divide the output at the end.
+  std::vector<float> row_sum(H, 0.f);
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = scores.data() + h * context_len;
+    const float m = row_max[h];
+    float total = 0.f;
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      total += s[t];
+    }
+    row_sum[h] = total;
+  }
+
+  // Pass 2: weighted sum of V.
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const scalar_t* v_block = v_cache + static_cast<int64_t>(block_table[j]) * block_stride;
+    const int64_t n = std::min(block_size, context_len - j * block_size);
+    for (int64_t o = 0; o < n; ++o) {
+      const scalar_t* v_row = v_block + o * token_stride;
+      const int64_t t = j * block_size + o;
+      for (int64_t h = 0; h < H; ++h) {
+        const float p = scores[h * context_len + t];
+        const scalar_t* v = v_row + (h / group) * D;
+        float* a = acc.data() + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / row_sum[h];
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+  }
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, H, D] of the same shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [NB, BS, KH, D]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "q, out and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens must be int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim differs from q's");
+  TORCH_CHECK(H % KH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "one block table and length per sequence");
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + block_size - 1) / block_size <= max_blocks,
+                "context_lens[", b, "] = ", lens[b], " does not fit its block table");
+  }
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q_buf, scores, acc;
+      for (int64_t b = begin; b < end; ++b) {
+        decode_sequence<scalar_t>(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, tables + b * max_blocks,
+                                  lens[b], H, KH, D, block_size, static_cast<float>(scale), q_buf, scores, acc);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def(
+      "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

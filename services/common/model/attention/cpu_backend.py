@@ -1,0 +1,30 @@
+"""The torch backend with decode attention done by a C++ kernel that reads the paged cache in place.
+
+Everything but decode rows is the torch backend's: K/V writes, and prompts or chunks through
+SDPA (compute-bound, where PyTorch is already efficient). Decode rows (one query per
+sequence: whole decode steps and the decode rows of mixed steps) go to
+``services.common.kernels.cpu.paged_decode``, which skips the torch backend's gather into a
+padded copy: the copy moved every K/V byte three times, plus padding to the batch's longest
+context, and was most of a CPU decode step's attention time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.kernels import cpu as cpu_kernels
+from services.common.model.attention.torch_backend import TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        cpu_kernels.load()  # raises CpuKernelsUnavailable with the reason
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
+        if q.device.type != "cpu" or not (q.dtype == k_cache.dtype == v_cache.dtype):
+            return TorchAttentionBackend._decode(q, k_cache, v_cache, block_tables, context_lens,
+                                                 context_lens_cpu, scale)
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
