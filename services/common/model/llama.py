@@ -17,6 +17,7 @@ from torch import nn
 from services.common.model.attention.base import AttentionBackend, AttentionMetadata
 from services.common.model.config import ModelConfig
 from services.common.model.layers import RotaryEmbedding
+from services.common.model.linear import Linear
 from services.common.model.ops import TorchOps, get_model_ops
 from services.common.model.weights import load_checkpoint
 
@@ -33,23 +34,15 @@ class LlamaLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         w = lambda name: weights.pop(prefix + name)  # noqa: E731 - local shorthand
-        self.qkv_weight = nn.Parameter(
+        self.qkv = Linear(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-            requires_grad=False,
-        )
-        self.qkv_bias = (
-            nn.Parameter(
-                torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]),
-                requires_grad=False,
-            )
+            torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
             if config.attention_bias
-            else None
+            else None,
         )
-        self.o_weight = nn.Parameter(w("self_attn.o_proj.weight"), requires_grad=False)
-        self.gate_up_weight = nn.Parameter(
-            torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), requires_grad=False
-        )
-        self.down_weight = nn.Parameter(w("mlp.down_proj.weight"), requires_grad=False)
+        self.o_proj = Linear(w("self_attn.o_proj.weight"))
+        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = Linear(w("mlp.down_proj.weight"))
         self.input_norm = nn.Parameter(w("input_layernorm.weight"), requires_grad=False)
         self.post_norm = nn.Parameter(w("post_attention_layernorm.weight"), requires_grad=False)
 
@@ -66,7 +59,7 @@ class LlamaLayer(nn.Module):
         # hidden: [T, D]
         t = hidden.shape[0]
         x = ops.rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
+        qkv = self.qkv(x)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                           positions, rotary)
@@ -74,10 +67,10 @@ class LlamaLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
-        attn_out = F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        attn_out = self.o_proj(attn.reshape(t, self.q_size))
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
-        gate_up = F.linear(x, self.gate_up_weight)  # [T, 2F]
-        return hidden + F.linear(ops.silu_and_mul(gate_up), self.down_weight)
+        gate_up = self.gate_up(x)  # [T, 2F]
+        return hidden + self.down(ops.silu_and_mul(gate_up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -87,6 +80,7 @@ class LlamaForCausalLM(nn.Module):
         weights: dict[str, torch.Tensor],
         backend: AttentionBackend,
         device: torch.device,
+        prepack_cpu_weights: bool = True,
     ):
         super().__init__()
         self.config = config
@@ -97,9 +91,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
         self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(lm_head, requires_grad=False)
+        # Tied: the same Parameter object, so moving the model moves one matrix.
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else lm_head)
         assert not weights, f"unused weights: {sorted(weights)[:5]}"
         self.to(device)
+        if device.type == "cpu" and prepack_cpu_weights:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
 
     @classmethod
@@ -110,11 +109,12 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         config: ModelConfig | None = None,
+        prepack_cpu_weights: bool = True,
     ) -> "LlamaForCausalLM":
         config = config or ModelConfig.from_model_dir(model_dir)
         dtype = dtype or config.dtype
         weights = load_checkpoint(model_dir, config, dtype)
-        return cls(config, weights, backend, torch.device(device))
+        return cls(config, weights, backend, torch.device(device), prepack_cpu_weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -137,4 +137,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] in fp32 (sampling and logprobs want full precision)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
