@@ -37,6 +37,8 @@ class CpuMeter:
         self.seconds: float | None = None
         self.own_seconds: float | None = None
         """This process's share (the benchmark client, for the services)."""
+        self.by_pid: dict[int, float] = {}
+        """Each other process's share."""
 
     def _others(self) -> dict[int, float]:
         return {pid: s for pid in self.pids if (s := process_cpu_seconds(pid)) is not None}
@@ -48,5 +50,6 @@ class CpuMeter:
     def stop(self) -> float:
         others = self._others()
         self.own_seconds = time.process_time() - self._self_start
-        self.seconds = self.own_seconds + sum(others[pid] - self._start[pid] for pid in self._start if pid in others)
+        self.by_pid = {pid: others[pid] - self._start[pid] for pid in self._start if pid in others}
+        self.seconds = self.own_seconds + sum(self.by_pid.values())
         return self.seconds

@@ -14,9 +14,10 @@ import asyncio
 import socket
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -29,7 +30,11 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 
-SAMPLE_INTERVAL_S = 0.1
+SAMPLE_INTERVAL_S = 0.5
+"""KV usage/waste sampling period. Sampling is work for the scheduler and this client, on the
+cores the executor computes on: at 0.1 s with full /metrics scrapes it took about a third of
+the scheduler's CPU and slowed the executor measurably with two threads."""
+KV_WASTE_METRIC = "tokenmill:kv_cache_waste_perc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +44,8 @@ class Stack:
     """http://host:port/metrics of the scheduler, when known."""
     executor_metrics: str | None
     log_dir: str | None = None
-    pids: tuple[int, ...] = ()
-    """The service processes, when this benchmark started them (for their CPU time)."""
+    pids: dict[str, int] = field(default_factory=dict)
+    """Service name -> process id, when this benchmark started them (for their CPU time)."""
 
 
 def free_port() -> int:
@@ -70,14 +75,18 @@ def launched_stack(model_dir: str, executor_flags: list[str], scheduler_flags: l
     try:
         yield Stack(launcher.public_address, f"http://127.0.0.1:{scheduler_port}/metrics",
                     f"http://127.0.0.1:{executor_port}/metrics", log_dir,
-                    tuple(svc.process.pid for svc in launcher.services.values()))
+                    {name: svc.process.pid for name, svc in launcher.services.items()})
     finally:
         launcher.stop()
 
 
-def scrape(url: str | None) -> dict[str, float]:
+def scrape(url: str | None, names: tuple[str, ...] = ()) -> dict[str, float]:
+    """The samples at a /metrics URL; only the named metrics when ``names`` is given (the
+    exposition's name[] filter), so sampling during a run costs the scheduler little."""
     if url is None:
         return {}
+    if names:
+        url += "?" + urllib.parse.urlencode([("name[]", name) for name in names])
     with urllib.request.urlopen(url, timeout=10) as reply:
         return parse_samples(reply.read().decode())
 
@@ -102,8 +111,8 @@ async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Eve
             profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=5)
             waste = None
             if stack.scheduler_metrics is not None:
-                metrics = await asyncio.to_thread(scrape, stack.scheduler_metrics)
-                waste = metrics.get("tokenmill:kv_cache_waste_perc")
+                metrics = await asyncio.to_thread(scrape, stack.scheduler_metrics, (KV_WASTE_METRIC,))
+                waste = metrics.get(KV_WASTE_METRIC)
             samples.append(KVSample(time.perf_counter(), profile.kv_cache_usage, waste, profile.num_running))
         except (grpc.aio.AioRpcError, OSError):
             pass  # a missed sample is not worth failing the run for
@@ -122,7 +131,7 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
         slots = asyncio.Semaphore(concurrency)
         samples: list[KVSample] = []
         stop = asyncio.Event()
-        cpu = CpuMeter(stack.pids)
+        cpu = CpuMeter(stack.pids.values())
         cpu.start()
         start = time.perf_counter()
         sampler = asyncio.create_task(_sample(stub, stack, samples, stop))
@@ -155,6 +164,7 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
     if stack.pids:
         extra["cpu_seconds"] = cpu.seconds
         extra["client_cpu_seconds"] = cpu.own_seconds
+        extra["cpu_seconds_by_service"] = {name: cpu.by_pid.get(pid) for name, pid in stack.pids.items()}
     breakdown = step_breakdown(before, after, end - start)
     if breakdown is not None:
         extra["step_breakdown"] = breakdown

@@ -251,6 +251,15 @@ class SchedulerCollector(Collector):
     def __init__(self) -> None:
         self.source: SchedulerSource | None = None
 
+    def describe(self) -> Iterable[Metric]:
+        """The metric names, valueless: the registry maps names to collectors with it, which a
+        filtered scrape (``/metrics?name[]=...``) needs even before a source is set."""
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_waste_perc"):
+            yield GaugeMetricFamily(PREFIX + name, "")
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "scheduler_steps",
+                     "scheduler_step_sequences", "scheduler_step_phase_seconds"):
+            yield CounterMetricFamily(PREFIX + name, "")
+
     def collect(self) -> Iterable[Metric]:
         source = self.source
         stats = source.stats() if source is not None else None

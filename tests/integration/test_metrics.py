@@ -34,9 +34,9 @@ PROMPTS = ([5, 6, 7, 8, 9], [30, 31, 32], [100, 101, 102, 103, 104, 105, 106])
 GENERATE = 'method="Generate",service="tokenmill.v1.Generation"'
 
 
-async def scrape(port: int) -> dict[str, float]:
+async def scrape(port: int, query: str = "") -> dict[str, float]:
     def get() -> tuple[int, str]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics{query}", timeout=10) as reply:
             return reply.status, reply.read().decode()
     status, text = await asyncio.to_thread(get)
     assert status == 200
@@ -106,6 +106,10 @@ async def test_endpoints_answer_and_counters_move(stack):
     assert after["tokenmill:kv_cache_usage_perc"] == 0.0
     assert after["tokenmill:kv_cache_waste_perc"] == 0.0
     assert after["tokenmill:num_preemptions_total"] == 0
+    # A filtered scrape (what the benchmark samples during a run) returns just the named gauges.
+    filtered = await scrape(
+        ports["scheduler"], "?name[]=tokenmill:kv_cache_waste_perc&name[]=tokenmill:num_requests_running")
+    assert filtered == {"tokenmill:kv_cache_waste_perc": 0.0, "tokenmill:num_requests_running": 0.0}
 
     # The executor's own endpoint: one timed execute per step the scheduler sent.
     executor_samples = await scrape(ports["executor"])
