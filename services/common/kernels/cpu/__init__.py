@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
 
