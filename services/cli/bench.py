@@ -53,10 +53,10 @@ def build_parser(preset_names: list[str]) -> argparse.ArgumentParser:
     s.add_argument("--executor-metrics-url", help="with --address: the executor's /metrics URL (compute time)")
     s.add_argument("--hf-sequential-requests", type=int,
                    help="run HF sequential on the first N requests only (0 = all; default: the preset's)")
-    s.add_argument("--torch-threads", type=int, default=1,
+    s.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
                    help="intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); "
-                        "1 is fair on a small shared machine: two spinning OpenMP threads on two busy cores "
-                        "slow every op down")
+                        "default: every core, as torch would use (%(default)s here). On a machine other jobs "
+                        "share, 1 is steadier: OpenMP threads that lose their core stall each other")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
                    help="both tokenmill systems' attention (auto = cpu, the C++ paged decode kernel, when it builds)")
