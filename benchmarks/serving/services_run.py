@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+import uvloop
 
 from benchmarks.serving.cpu_time import CpuMeter
 from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
@@ -203,7 +204,8 @@ def step_breakdown(before: list[dict], after: list[dict], duration_s: float) -> 
 
 
 def run_services(stack: Stack, requests: list[BenchRequest], concurrency: int, progress=None) -> SystemRun:
-    run = asyncio.run(_run(stack, requests, concurrency, progress))
+    # uvloop, as the services use: the client shares the cores with the stack it measures.
+    run = uvloop.run(_run(stack, requests, concurrency, progress))
     if stack.log_dir:
         run.notes.append(f"service logs: {stack.log_dir}")
     return run

@@ -25,7 +25,9 @@ def result(tmp_path_factory) -> dict:
         code = bench.main(["--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
                            "--prompt-len", "6:12", "--output-len", "16:24", "--hf-sequential-requests",
                            str(HF_SEQUENTIAL_REQUESTS), "--name", "tiny", "--no-progress",
-                           "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+                           "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
+                           # The suite runs single-threaded (root conftest); the default would be every core.
+                           "--torch-threads", "1"])
     assert code == 0
     png = (out / "tiny.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -63,7 +63,7 @@ def test_kernel_reads_only_through_the_block_table():
     torch.testing.assert_close(after, before[:1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bad", ["short_table", "zero_len", "dtype"])
+@pytest.mark.parametrize("bad", ["short_table", "zero_len", "dtype", "block_outside_pool", "negative_block"])
 def test_kernel_refuses_inconsistent_inputs(bad):
     k = torch.zeros(4, 16, 2, 64)
     q = torch.zeros(1, 4, 64)
@@ -73,9 +73,13 @@ def test_kernel_refuses_inconsistent_inputs(bad):
         lens = torch.tensor([33], dtype=torch.int32)  # needs 3 blocks, the table has 2
     elif bad == "zero_len":
         lens = torch.tensor([0], dtype=torch.int32)
+    elif bad == "block_outside_pool":
+        tables = torch.tensor([[0, 4]], dtype=torch.int32)  # the pool has blocks 0..3
+    elif bad == "negative_block":
+        tables = torch.tensor([[-1, 0]], dtype=torch.int32)
     else:
         q = q.half()
-    with pytest.raises(RuntimeError, match="context_lens|dtype"):
+    with pytest.raises(RuntimeError, match="context_lens|dtype|outside the pool"):
         cpu_kernels.paged_decode(q, k, k.clone(), tables, lens, 0.125)
 
 

@@ -146,9 +146,16 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t num_pool_blocks = k_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && (lens[b] + block_size - 1) / block_size <= max_blocks,
                 "context_lens[", b, "] = ", lens[b], " does not fit its block table");
+    // Raw pointer reads follow: a block id outside the pool must be an error, never a read.
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int32_t block = tables[b * max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_pool_blocks, "block_tables[", b, "][", j, "] = ", block,
+                  " is outside the pool of ", num_pool_blocks, " blocks");
+    }
   }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
