@@ -3,10 +3,11 @@
 On a CPU, F.linear calls MKL's sgemm, which repacks the weight into its blocked layout on
 every call. A serving step multiplies a few dozen rows (the decode tokens plus a prefill
 chunk) by each weight once, so that repacking is a large share of the step. Reordering the
-weight once at load into oneDNN's layout and calling oneDNN's matmul removes it; measured
-on one core of the benchmark machine (hidden 768, 12 layers' projections): 1.6x faster at
-32 rows, 1.4x at 66, 1.1x at 2048; with two threads 1.5-1.7x (MKL splits small matrices
-across threads poorly). This is what torch.compile's CPU backend and IPEX do for inference.
+weight once at load into oneDNN's layout and calling oneDNN's matmul removes it. Measured
+on one core of the benchmark machine, all four projections of the 100M model's 12 layers:
+1.46x faster at 32 rows, 1.36x at 66; with two threads 1.5-1.7x (MKL splits small products
+across threads poorly). docs/benchmarks.md has the numbers. torch.compile's CPU backend and
+IPEX prepack weights the same way for inference.
 
 The packed weight replaces the plain one (no second copy), except for a tied LM head,
 whose plain matrix is still the embedding table.
