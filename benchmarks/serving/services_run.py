@@ -35,6 +35,10 @@ SAMPLE_INTERVAL_S = 0.5
 """KV usage/waste sampling period. Sampling is work for the scheduler and this client, on the
 cores the executor computes on: at 0.1 s with full /metrics scrapes it took about a third of
 the scheduler's CPU and slowed the executor measurably with two threads."""
+FIRST_SAMPLES_INTERVAL_S = 0.1
+FIRST_SAMPLES_WINDOW_S = 2.0
+"""The first seconds are sampled densely, so a run shorter than SAMPLE_INTERVAL_S (a smoke
+test) still sees its requests running; it costs a long run nothing that shows."""
 KV_WASTE_METRIC = "tokenmill:kv_cache_waste_perc"
 
 
@@ -107,6 +111,7 @@ async def _one(stub, request: BenchRequest, record: RequestRecord) -> None:
 
 
 async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Event) -> None:
+    started = time.perf_counter()
     while not stop.is_set():
         try:
             profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=5)
@@ -118,7 +123,8 @@ async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Eve
         except (grpc.aio.AioRpcError, OSError):
             pass  # a missed sample is not worth failing the run for
         try:
-            await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+            early = time.perf_counter() - started < FIRST_SAMPLES_WINDOW_S
+            await asyncio.wait_for(stop.wait(), FIRST_SAMPLES_INTERVAL_S if early else SAMPLE_INTERVAL_S)
         except asyncio.TimeoutError:
             pass
 
