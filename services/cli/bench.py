@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from services.common.model.attention.names import BACKEND_NAMES
 from services.common.service_config import REPO_ROOT
 
 SYSTEM_ORDER = ("inprocess", "services", "hf-static", "hf-sequential")
@@ -58,7 +59,7 @@ def build_parser(preset_names: list[str]) -> argparse.ArgumentParser:
                         "default: every core, as torch would use (%(default)s here). On a machine other jobs "
                         "share, 1 is steadier: OpenMP threads that lose their core stall each other")
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+    s.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
                    help="both tokenmill systems' attention (auto = cpu, the C++ paged decode kernel, when it builds)")
     s.add_argument("--kv-cache-bytes", type=int, help="KV pool of both tokenmill systems (default: the preset's)")
     s.add_argument("--max-num-seqs", type=int, default=256)

@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from services.common.model.attention.names import BACKEND_NAMES
+
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
 
 
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="--in-process: fp32, bf16, fp16 or auto")
     p.add_argument("--device", default="auto", help="--in-process: cpu, cuda or auto")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+    p.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
                    help="--in-process: attention implementation (auto = triton on CUDA, cpu on a CPU)")
     p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
     return p

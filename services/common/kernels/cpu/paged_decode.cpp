@@ -30,44 +30,57 @@
 
 namespace {
 
+// Calls visit(t, row) for the context's slots t = 0 .. context_len - 1 in order, where row
+// points at slot t's K (or V) row (all kv heads) in its block.
+template <typename scalar_t, typename Visit>
+inline void for_each_slot(const scalar_t* cache, const int32_t* block_table, int64_t context_len,
+                          int64_t block_size, int64_t token_stride, Visit&& visit) {
+  const int64_t block_stride = block_size * token_stride;
+  for (int64_t start = 0, j = 0; start < context_len; start += block_size, ++j) {
+    const scalar_t* block = cache + static_cast<int64_t>(block_table[j]) * block_stride;
+    const int64_t n = std::min(block_size, context_len - start);
+    for (int64_t o = 0; o < n; ++o) visit(start + o, block + o * token_stride);
+  }
+}
+
+// Per-thread buffers, reused from one sequence to the next.
+struct Scratch {
+  std::vector<float> q, scores, acc, row_max, row_sum;
+};
+
 template <typename scalar_t>
 void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, const scalar_t* v_cache,
                      const int32_t* block_table, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, std::vector<float>& q_buf,
-                     std::vector<float>& scores, std::vector<float>& acc) {
+                     int64_t head_dim, int64_t block_size, float scale, Scratch& scratch) {
   const int64_t D = head_dim, H = num_heads, group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
-  const int64_t block_stride = block_size * token_stride;
+  std::vector<float>& q_buf = scratch.q;
+  std::vector<float>& scores = scratch.scores;
+  std::vector<float>& acc = scratch.acc;
+  std::vector<float>& row_max = scratch.row_max;
+  std::vector<float>& row_sum = scratch.row_sum;
   q_buf.resize(H * D);
   scores.resize(H * context_len);
   acc.assign(H * D, 0.f);
+  row_max.assign(H, -std::numeric_limits<float>::infinity());
+  row_sum.assign(H, 0.f);
   for (int64_t i = 0; i < H * D; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
-
-  std::vector<float> row_max(H, -std::numeric_limits<float>::infinity());
-  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
 
   // Pass 1: scores. A slot's row holds every kv head contiguously, so the pass streams
   // through each block once; query head h reads kv head h / group.
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const scalar_t* k_block = k_cache + static_cast<int64_t>(block_table[j]) * block_stride;
-    const int64_t n = std::min(block_size, context_len - j * block_size);
-    for (int64_t o = 0; o < n; ++o) {
-      const scalar_t* k_row = k_block + o * token_stride;
-      const int64_t t = j * block_size + o;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = q_buf.data() + h * D;
-        const scalar_t* k = k_row + (h / group) * D;
-        float s = 0.f;
+  for_each_slot(k_cache, block_table, context_len, block_size, token_stride, [&](int64_t t, const scalar_t* k_row) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q_buf.data() + h * D;
+      const scalar_t* k = k_row + (h / group) * D;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(k[d]);
-        scores[h * context_len + t] = s;
-        row_max[h] = std::max(row_max[h], s);
-      }
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(k[d]);
+      scores[h * context_len + t] = s;
+      row_max[h] = std::max(row_max[h], s);
     }
-  }
+  });
 
   // Softmax numerators in place; the denominators divide the output at the end.
-  std::vector<float> row_sum(H, 0.f);
   for (int64_t h = 0; h < H; ++h) {
     float* s = scores.data() + h * context_len;
     const float m = row_max[h];
@@ -80,21 +93,15 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, 
   }
 
   // Pass 2: weighted sum of V.
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const scalar_t* v_block = v_cache + static_cast<int64_t>(block_table[j]) * block_stride;
-    const int64_t n = std::min(block_size, context_len - j * block_size);
-    for (int64_t o = 0; o < n; ++o) {
-      const scalar_t* v_row = v_block + o * token_stride;
-      const int64_t t = j * block_size + o;
-      for (int64_t h = 0; h < H; ++h) {
-        const float p = scores[h * context_len + t];
-        const scalar_t* v = v_row + (h / group) * D;
-        float* a = acc.data() + h * D;
+  for_each_slot(v_cache, block_table, context_len, block_size, token_stride, [&](int64_t t, const scalar_t* v_row) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = scores[h * context_len + t];
+      const scalar_t* v = v_row + (h / group) * D;
+      float* a = acc.data() + h * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
     }
-  }
+  });
 
   for (int64_t h = 0; h < H; ++h) {
     const float inv = 1.f / row_sum[h];
@@ -116,12 +123,12 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_pt
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), B));
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q_buf, scores, acc;
+    Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < B; ++i) {
       const int64_t b = order[i];
       decode_sequence<scalar_t>(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, tables + b * max_blocks,
-                                lens[b], H, KH, D, block_size, scale, q_buf, scores, acc);
+                                lens[b], H, KH, D, block_size, scale, scratch);
     }
   }
 }

@@ -12,8 +12,7 @@ import structlog
 import torch
 
 from services.common.model.attention.base import AttentionBackend
-
-BACKEND_NAMES = ("auto", "torch", "triton", "cpu")
+from services.common.model.attention.names import BACKEND_NAMES
 
 log = structlog.get_logger(__name__)
 
