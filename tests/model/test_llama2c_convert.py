@@ -7,6 +7,7 @@ transformers' LlamaForCausalLM on the shipped directory (the thing under test).
 
 from __future__ import annotations
 
+import hashlib
 import random
 import struct
 from pathlib import Path
@@ -28,8 +29,10 @@ from services.common.model.llama2c_tokenizer import (
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "models" / "stories260K"
-# The llama2.c originals live in the shared data folder, inside or beside the checkout.
-SOURCE_CANDIDATES = [REPO / "shared" / "models" / "stories260K", REPO.parent / "shared" / "models" / "stories260K"]
+# The llama2.c originals, with their provenance (SOURCE.txt) and licence, ship as a test fixture:
+# a clone of the repository converts and checks the model with nothing beside it.
+SOURCE_DIR = REPO / "tests" / "fixtures" / "llama2c-stories260K"
+SOURCE_FILES = ("stories260K.bin", "tok512.bin", "tok512.model")
 
 # Greedy continuation of BOS, 64 tokens, as produced by the numpy llama2.c reference below.
 EXPECTED_GREEDY_TEXT = (
@@ -38,12 +41,29 @@ EXPECTED_GREEDY_TEXT = (
 )
 
 
+def recorded_sha256(source_note: Path) -> dict[str, str]:
+    """file name -> sha256, from the provenance table of SOURCE.txt."""
+    recorded = {}
+    for line in source_note.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] in SOURCE_FILES and len(fields[2]) == 64:
+            recorded[fields[0]] = fields[2]
+    return recorded
+
+
+def test_conversion_inputs_ship_with_the_repository():
+    # The tests below must run from a clone alone, with no shared data folder beside it.
+    assert SOURCE_DIR.is_relative_to(REPO)
+    recorded = recorded_sha256(SOURCE_DIR / "SOURCE.txt")
+    assert sorted(recorded) == sorted(SOURCE_FILES)
+    for name in SOURCE_FILES:
+        assert hashlib.sha256((SOURCE_DIR / name).read_bytes()).hexdigest() == recorded[name], name
+    assert "MIT" in (SOURCE_DIR / "LICENSE").read_text()
+
+
 @pytest.fixture(scope="module")
 def source_dir() -> Path:
-    for candidate in SOURCE_CANDIDATES:
-        if (candidate / "stories260K.bin").is_file():
-            return candidate
-    raise FileNotFoundError(f"llama2.c stories260K inputs not found in any of {SOURCE_CANDIDATES}")
+    return SOURCE_DIR
 
 
 @pytest.fixture(scope="module")
