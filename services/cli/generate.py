@@ -42,11 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_in_process(args) -> int:
+    from services.common.logging import configure_logging
     from services.common.sampling.params import SamplingParams
     from services.common.sampling.stop import StopConditions
     from services.executor.config import ExecutorConfig
     from services.inprocess.engine import Engine, EngineConfig
 
+    # stdout carries the text alone; the engine's log lines (warnings and up) go to stderr.
+    configure_logging("generate", level="warning", json=False)
     engine = Engine(EngineConfig(ExecutorConfig(model=args.model, dtype=args.dtype, device=args.device,
                                                 attention_backend=args.attention_backend)))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -11,25 +11,58 @@ IPEX prepack weights the same way for inference.
 
 The packed weight replaces the plain one (no second copy), except for a tied LM head,
 whose plain matrix is still the embedding table.
+
+Whether the packed path works depends on the CPU as well as the dtype: oneDNN's bf16 path
+needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT, and on an AVX2-only CPU the reorder or the first
+product raises. So each dtype is probed once per process with one tiny reorder and product
+(``packed_path_works``); a dtype whose probe fails keeps the plain F.linear path, and the
+choice is logged once per dtype.
 """
 
 from __future__ import annotations
 
+import functools
+
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 
+_log = structlog.get_logger("tokenmill.model")
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def packed_path_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs on this CPU in ``dtype``: one tiny reorder and product.
+
+    Cached per dtype: the answer is a property of the CPU and the torch build, not of a weight.
+    """
+    if dtype not in PREPACK_DTYPES or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        reason = "oneDNN's prepacked linear is not in this torch build" if dtype in PREPACK_DTYPES \
+            else "dtype not supported by oneDNN prepacking"
+        _log.info("cpu linear path", dtype=str(dtype), path="plain", reason=reason)
+        return False
+    weight = torch.ones(4, 8, dtype=dtype)
+    x = torch.ones(2, 8, dtype=dtype)
+    try:
+        out = _packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight), None)
+        works = bool(torch.equal(out.float(), torch.full((2, 4), 8.0)))
+        reason = "probe ran" if works else "probe gave a wrong product"
+    except RuntimeError as exc:  # e.g. bf16 on a CPU without AVX-512: "bf16 path needs the cpu support ..."
+        works, reason = False, str(exc).splitlines()[0]
+    _log.info("cpu linear path", dtype=str(dtype), path="prepacked" if works else "plain", reason=reason)
+    return works
+
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in PREPACK_DTYPES
-        and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    return weight.device.type == "cpu" and weight.dim() == 2 and packed_path_works(weight.dtype)
 
 
 class Linear(nn.Module):
@@ -55,7 +88,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
