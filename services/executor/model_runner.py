@@ -119,6 +119,13 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ state diffs
+    def _check_block_ids(self, seq_id: int, block_ids) -> None:
+        # Kernels index the pool with these ids: one outside it must never reach a kernel.
+        num_blocks = self.kv_cache.num_blocks
+        for block in block_ids:
+            if not 0 <= block < num_blocks:
+                raise ValueError(f"sequence {seq_id}: block id {block} is outside the KV pool of {num_blocks} blocks")
+
     def _apply_plan(self, plan: StepPlan) -> list[tuple[SequenceState, int]]:
         for seq_id in plan.finished_seq_ids:
             self.sequences.pop(seq_id, None)
@@ -126,6 +133,7 @@ class ModelRunner:
         for new in plan.new:
             if new.seq_id in self.sequences:
                 raise ValueError(f"sequence {new.seq_id} is already running in the executor")
+            self._check_block_ids(new.seq_id, new.block_ids)
             state = SequenceState(
                 new.seq_id, list(new.token_ids), new.prompt_len, list(new.block_ids),
                 new.num_computed_tokens, new.sampling,
@@ -138,6 +146,7 @@ class ModelRunner:
                 raise ValueError(f"step {plan.step_id} continues unknown sequence {running.seq_id}")
             if running.draft_token_ids:
                 raise ValueError("speculative draft tokens are not supported by this executor yet")
+            self._check_block_ids(running.seq_id, running.new_block_ids)
             state.block_ids.extend(running.new_block_ids)
             scheduled.append((state, running.num_scheduled_tokens))
         for state, n in scheduled:

@@ -228,6 +228,10 @@ PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time"
         (decode_request(1, 99), "step 1 continues unknown sequence 99"),
         (new_sequence_request(1, 5, list(range(3, 23)), [0]),
          "sequence 5: 20 tokens need 3 blocks, its block table has 1"),
+        # Block ids index the pool inside kernels: one outside it is refused before any kernel runs.
+        (new_sequence_request(1, 5, PROMPT, [NUM_BLOCKS]),
+         f"sequence 5: block id {NUM_BLOCKS} is outside the KV pool of {NUM_BLOCKS} blocks"),
+        (new_sequence_request(1, 5, PROMPT, [-1]), f"sequence 5: block id -1 is outside the KV pool of {NUM_BLOCKS} blocks"),
         (executor_pb2.StepRequest(step_id=1, running_seq_ids=[5]),
          "running_num_scheduled_tokens has 0 entries; expected 1 (one per sequence)"),
     ],

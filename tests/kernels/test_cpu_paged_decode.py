@@ -8,6 +8,10 @@ supports, a C++ compiler is part of the install.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from kernel_cases import assert_matches_reference, build_paged_batch
@@ -15,6 +19,7 @@ from kernel_cases import assert_matches_reference, build_paged_batch
 from services.common.kernels import cpu as cpu_kernels
 from services.common.kernels.paged_decode import paged_decode_reference
 from services.common.model.attention.registry import get_attention_backend, resolve_backend_name
+from tests.conftest import REPO_ROOT
 
 CASES = [
     # (context lens, kv_heads, heads, head_dim, block_size)
@@ -63,8 +68,17 @@ def test_kernel_reads_only_through_the_block_table():
     torch.testing.assert_close(after, before[:1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bad", ["short_table", "zero_len", "dtype", "block_outside_pool", "negative_block"])
-def test_kernel_refuses_inconsistent_inputs(bad):
+BAD_INPUTS = ["short_table", "zero_len", "dtype", "block_outside_pool", "negative_block"]
+BAD_INPUT_ERRORS = {
+    "short_table": r"context_lens\[0\] = 33 does not fit its block table",
+    "zero_len": r"context_lens\[0\] = 0 does not fit its block table",
+    "dtype": "must share a dtype",
+    "block_outside_pool": r"block_tables\[0\]\[1\] = 4 is outside the pool of 4 blocks",
+    "negative_block": r"block_tables\[0\]\[0\] = -1 is outside the pool of 4 blocks",
+}
+
+
+def bad_inputs(bad: str):
     k = torch.zeros(4, 16, 2, 64)
     q = torch.zeros(1, 4, 64)
     tables = torch.zeros(1, 2, dtype=torch.int32)
@@ -79,8 +93,63 @@ def test_kernel_refuses_inconsistent_inputs(bad):
         tables = torch.tensor([[-1, 0]], dtype=torch.int32)
     else:
         q = q.half()
+    return q, k, k.clone(), tables, lens
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS)
+def test_kernel_refuses_inconsistent_inputs_before_entering_cpp(bad):
+    # Checked in Python: an exception thrown inside the C++ kernel does not reach Python on every
+    # torch build (one takes the process down with SIGSEGV instead).
+    q, k, v, tables, lens = bad_inputs(bad)
+    with pytest.raises(ValueError, match=BAD_INPUT_ERRORS[bad]):
+        cpu_kernels.check_paged_decode_inputs(q, k, v, tables, lens)
+    with pytest.raises(ValueError, match=BAD_INPUT_ERRORS[bad]):
+        cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS)
+def test_kernel_own_checks_remain_a_second_line(bad):
+    # Past the Python checks (a caller that claims it checked), the kernel still refuses.
+    q, k, v, tables, lens = bad_inputs(bad)
     with pytest.raises(RuntimeError, match="context_lens|dtype|outside the pool"):
-        cpu_kernels.paged_decode(q, k, k.clone(), tables, lens, 0.125)
+        cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125, inputs_checked=True)
+
+
+def test_bad_input_leaves_the_process_alive():
+    # A crash cannot be caught in-process: run every refused input in a child and require a clean exit.
+    script = (
+        "import pytest, sys\n"
+        "sys.path.insert(0, 'tests/kernels')\n"
+        "from test_cpu_paged_decode import BAD_INPUTS, bad_inputs\n"
+        "from services.common.kernels import cpu\n"
+        "for bad in BAD_INPUTS:\n"
+        "    with pytest.raises(ValueError):\n"
+        "        cpu.paged_decode(*bad_inputs(bad), 0.125)\n"
+        "print('survived')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+def test_backend_checks_the_step_tables_once_per_step():
+    from services.common.model.attention.base import AttentionMetadata
+
+    backend = get_attention_backend("cpu", torch.device("cpu"))
+    k = torch.randn(4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+
+    def meta(table):
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([19]), block_tables=torch.tensor([table], dtype=torch.int32),
+            context_lens=torch.tensor([20], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            query_lens_cpu=[1], context_lens_cpu=[20], max_query_len=1, max_context_len=20, block_size=16)
+
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[1\] = 9 is outside the pool of 4 blocks"):
+        backend.attend(q, k, k.clone(), meta([0, 9]), 0.125)
+    good = meta([0, 1])
+    first = backend.attend(q, k, k.clone(), good, 0.125)
+    torch.testing.assert_close(backend.attend(q, k, k.clone(), good, 0.125), first)  # the next layer, same step
 
 
 def test_auto_backend_on_cpu_is_the_cpu_kernel():

@@ -81,6 +81,61 @@ def available() -> bool:
     return True
 
 
+def check_paged_decode_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Refuse inputs the kernel would misread, with a ValueError naming the field and the limit.
+
+    The C++ kernel checks the same things, but an exception thrown there does not reach Python
+    on every torch build (one build takes the process down with SIGSEGV instead), and the kernel
+    reads raw pointers through the block table: bad input must be stopped here. A few vectorised
+    ops over the tables, so a caller checks once per step, not once per layer.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v cache must be [num_blocks, block_size, kv_heads, head_dim] of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads of dim {head_dim}; the cache holds {kv_heads} kv heads of dim "
+                         f"{cache_head_dim} (heads must be a multiple of kv heads, dims equal)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(f"block_tables must be [B, max_blocks] and context_lens [B] with B = {batch}, got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if block_tables.dtype.is_floating_point or context_lens.dtype.is_floating_point:
+        raise ValueError("block_tables and context_lens must hold integers")
+    check_block_tables(block_tables, context_lens, num_blocks, block_size)
+
+
+def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every sequence's length fits its table, and every block it reads lies in the pool."""
+    if context_lens.numel() == 0:
+        return
+    lens = context_lens.long()
+    blocks_needed = (lens + block_size - 1) // block_size
+    too_short = (lens < 1) | (blocks_needed > block_tables.shape[1])
+    if bool(too_short.any()):
+        b = int(too_short.nonzero()[0, 0])
+        raise ValueError(f"context_lens[{b}] = {int(lens[b])} does not fit its block table: it must be >= 1 and "
+                         f"need at most {block_tables.shape[1]} blocks of {block_size}")
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < blocks_needed[:, None]
+    outside = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(outside.any()):
+        b, j = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"block_tables[{b}][{j}] = {int(block_tables[b, j])} is outside the pool of "
+                         f"{num_blocks} blocks")
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -88,13 +143,18 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    inputs_checked: bool = False,
 ) -> torch.Tensor:
     """Decode attention, one query per sequence, over the paged cache. q: [B, H, D] -> [B, H, D].
 
     k/v cache: [num_blocks, block_size, KH, D]; block_tables [B, max_blocks] and context_lens
     [B] are int32 (converted if not). Only the first ``context_lens[b]`` slots of a sequence's
-    blocks are read.
+    blocks are read. ``inputs_checked=True`` skips ``check_paged_decode_inputs`` for a caller
+    that already ran it on these tables this step (the attention backend, once per step).
     """
+    if not inputs_checked:
+        check_paged_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     ops = load()
     q = q.contiguous()
     out = torch.empty_like(q)
