@@ -32,7 +32,7 @@ FIRST_NORMAL_ID = FIRST_BYTE_ID + 256
 
 # sentencepiece.ModelProto.SentencePiece.Type
 _NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
-_ALL_LEADING = 2**31 - 1  # decoders.Strip count meaning "every leading space"
+_ALL_LEADING = 2**31 - 1  # decoders.Strip count meaning "every leading one"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,10 +213,21 @@ def build_tokenizer(vocab: Llama2cVocab, whitespace: WhitespaceHandling = Whites
     of spaces and drop trailing "▁". There is no pre-tokenizer: sentencepiece BPE merges over the
     whole normalized text.
 
-    Known differences, none of which an encoding of text produces: decoding <unk> (sentencepiece
-    prints the unk_surface, here it is skipped as special), a byte piece <0x20> before any text
-    (stripped here), and byte runs that are not valid UTF-8 (sentencepiece replaces each bad byte
-    and keeps the valid characters around it, tokenizers' ByteFallback replaces the whole run).
+    Decoding follows sentencepiece's rule for the start of the text: it drops the leading "▁" of
+    pieces while the decoded text is still empty (every such "▁" with remove_extra_whitespaces, the
+    first one without), but never a space spelled by a byte piece (<0x20>): [<0x20>, "▁upon"] is
+    "  upon". Hence the decoder's order: ByteFallback and Fuse first, then Strip("▁") on the fused
+    text (byte-spelled spaces are already " " and survive), then "▁" -> " ".
+
+    Known differences, none of which an encoding of text produces (a model's output can):
+    - <unk>: sentencepiece prints the unk_surface (" ⁇ "), here it is skipped as special.
+    - A byte run that spells U+2581 itself (<0xE2><0x96><0x81>): sentencepiece keeps "▁", here it
+      becomes a space (Replace runs after ByteFallback), or nothing at the start of the text.
+    - Byte runs that are not valid UTF-8: sentencepiece replaces each bad byte and keeps the valid
+      characters around it ([E4 B8 AD 80] is "中" and one U+FFFD), tokenizers' ByteFallback
+      replaces the whole run (four U+FFFD).
+    - Special tokens inside a byte run: tokenizers skips them before the decoder runs, so the run
+      continues across them; sentencepiece ends the run at the special token.
     Special tokens' text in the input ("<s>") is matched as the token unless the caller sets
     `Tokenizer.encode_special_tokens = True`; sentencepiece always reads it as text.
     """
@@ -247,10 +258,17 @@ def build_tokenizer(vocab: Llama2cVocab, whitespace: WhitespaceHandling = Whites
     )
     # sentencepiece drops the leading "▁" of the first piece. With remove_extra_whitespaces it does
     # so for every piece while the decoded text is still empty; no piece starts with "▁▁" (checked
-    # above), so that is exactly "strip every leading space": a run of "▁" pieces plus the dummy
-    # prefix of the first word.
+    # above), so that is exactly "strip every leading ▁": a run of "▁" pieces plus the dummy prefix
+    # of the first word. Without it (Llama 2 style, pieces such as "▁▁▁") only one "▁" goes.
+    # Strip runs after ByteFallback and Fuse, on the whole text and before "▁" becomes " ", so it
+    # only ever removes piece spaces: a leading <0x20> byte is a space in sentencepiece's output too.
     leading = _ALL_LEADING if whitespace.remove_extra_whitespaces else 1
     tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", leading, 0)]
+        [
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(SPACE_SYMBOL, leading, 0),
+            decoders.Replace(SPACE_SYMBOL, " "),
+        ]
     )
     return tokenizer
