@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers.models import WordLevel
 
 from services.common.text.tokenizer import TextTokenizer
 from tiny_bpe import BOS_ID, EOS_ID, FIRST_BYTE_ID, LLAMA_CONFIG, byte_level_style, llama_style, write_model_dir
@@ -66,6 +68,26 @@ def test_vocabulary_facts(llama):
 def test_byte_level_decoder_has_no_byte_fallback_pieces(tmp_path):
     tok = TextTokenizer.from_dir(write_model_dir(tmp_path, byte_level_style()))
     assert tok.byte_token_ids == frozenset()
+
+
+def test_anchor_token_decodes_to_plain_text(tmp_path, llama):
+    # The detokenizer decodes mid-text windows behind this token; "a" where the vocabulary has it.
+    assert llama.id_to_token(llama.anchor_token_id) == "▁a" and llama.anchor_text == "a"
+    assert llama.decode([llama.anchor_token_id, llama.token_to_id("▁")]) == "a "  # the strip is spent on it
+    byte_level = TextTokenizer.from_dir(write_model_dir(tmp_path / "bl", byte_level_style()))
+    assert byte_level.id_to_token(byte_level.anchor_token_id) == "a"
+    stories = TextTokenizer.from_dir(STORIES260K)
+    assert (stories.anchor_token_id, stories.anchor_text) == (261, "a")
+
+
+def test_anchor_falls_back_to_another_plain_token(tmp_path):
+    # No "a" (nor the other preferred characters) in the vocabulary: the first plain piece.
+    pieces = {"<unk>": 0, "▁": 1, "▁▁": 2, "zz": 3, "▁q": 4}
+    tokenizer = Tokenizer(WordLevel(pieces, unk_token="<unk>"))
+    tokenizer.add_special_tokens([AddedToken("<unk>", special=True, normalized=False)])
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok = TextTokenizer.from_dir(write_model_dir(tmp_path, tokenizer))
+    assert (tok.anchor_token_id, tok.anchor_text) == (3, "zz")
 
 
 def test_generation_config_adds_eos_ids_after_the_tokenizers(tmp_path):

@@ -27,6 +27,10 @@ from tokenizers import Tokenizer
 # transformers writes int(1e30) as model_max_length when a model declares none.
 _UNSET_MAX_LENGTH_THRESHOLD = 10**12
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Texts tried, in order, for the anchor token (see TextTokenizer.anchor_token_id); then the first
+# _ANCHOR_SCAN ids of the vocabulary.
+_ANCHOR_TEXTS = ("a", "e", "o", "x", "A", "0", "1", ".", ",")
+_ANCHOR_SCAN = 1024
 
 
 def _token_content(value: Any) -> str | None:
@@ -143,6 +147,8 @@ class TextTokenizer:
             self._byte_token_ids = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
         else:
             self._byte_token_ids = frozenset()
+        self._anchor_token_id = self._choose_anchor()
+        self._anchor_text = "" if self._anchor_token_id is None else self.decode([self._anchor_token_id])
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TextTokenizer:
@@ -169,6 +175,27 @@ class TextTokenizer:
         if token_id is None:
             raise ValueError(f"tokenizer_config.json: {field} {token!r} is not in the vocabulary")
         return token_id
+
+    def _choose_anchor(self) -> int | None:
+        """A token that decodes alone to plain text and keeps that text when more follows."""
+        candidates = []
+        for text in _ANCHOR_TEXTS:
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            if len(ids) == 1:
+                candidates.append(ids[0])
+        candidates.extend(range(min(self._vocab_size, _ANCHOR_SCAN)))
+        added = set(self._tokenizer.get_added_tokens_decoder())  # matched before the model, text as is
+        excluded = added | set(self._all_special_ids) | self._byte_token_ids
+        for token_id in candidates:
+            if token_id in excluded:
+                continue
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if not text or text != text.strip() or "\ufffd" in text:
+                continue
+            doubled = self._tokenizer.decode([token_id, token_id], skip_special_tokens=False)
+            if len(doubled) > len(text) and doubled.startswith(text):
+                return token_id
+        return None
 
     # -- encode / decode ------------------------------------------------------------------------
 
@@ -231,6 +258,25 @@ class TextTokenizer:
         know where such runs start and end.
         """
         return self._byte_token_ids
+
+    @property
+    def anchor_token_id(self) -> int | None:
+        """A plain token ("a" where the vocabulary has it) for decoding text in the middle of a sequence.
+
+        Decoders treat the start of the text specially (sentencepiece conversions strip the
+        leading space of the first piece, or of every piece while nothing has been written yet).
+        Decoding ``[anchor, *ids]`` and dropping ``decode([anchor])`` gives the text `ids` add
+        after earlier text, whatever that rule is. The anchor is a vocabulary piece (not an added
+        or special token, not a byte piece) that decodes alone to non-empty text without surrounding whitespace and
+        whose text stays a prefix when another token follows (checked with itself). None when no
+        token qualifies.
+        """
+        return self._anchor_token_id
+
+    @property
+    def anchor_text(self) -> str:
+        """decode([anchor_token_id]) ("" without an anchor)."""
+        return self._anchor_text
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary piece of `token_id` (e.g. "▁the", "<0xE4>"), None when out of range."""
