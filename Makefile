@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/tokenmill/v1/*.proto)
 PROTO_OUT := services/common/pb
 PROTO_STAMP := $(PROTO_OUT)/.generated
-CPU_KERNELS := $(wildcard services/common/kernels/cpu/*.cpp) services/common/kernels/cpu/__init__.py
+CPU_KERNELS := $(wildcard services/runtime/kernels/cpu/*.cpp) services/runtime/kernels/cpu/__init__.py
 CPU_KERNELS_STAMP := $(VENV)/.cpu-kernels
 
 .PHONY: install proto run test bench bench-quick bench-decode clean
@@ -25,7 +25,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 
 # The C++ CPU attention kernel, compiled for this machine (cached; rebuilt when its source changes).
 $(CPU_KERNELS_STAMP): $(CPU_KERNELS) $(STAMP)
-	$(PY) -m services.common.kernels.cpu
+	$(PY) -m services.runtime.kernels.cpu
 	touch $@
 
 proto: $(PROTO_STAMP)

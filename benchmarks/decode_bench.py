@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from services.common.model.random_model import PRESETS, RandomModelSpec, build_random_model
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.stop import StopConditions
+from services.tools.random_model import PRESETS, RandomModelSpec, build_random_model
+from services.common.sampling_params import SamplingParams
+from services.common.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 

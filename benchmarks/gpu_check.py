@@ -1,6 +1,6 @@
 """One-shot GPU check of the Triton kernels (meant for an H200; finishes in under 8 minutes).
 
-  (a) runs ``pytest tests/kernels`` on CUDA over the full grid (TOKENMILL_FULL_KERNEL_GRID=1);
+  (a) runs ``pytest tests/runtime/kernels`` on CUDA over the full grid (TOKENMILL_FULL_KERNEL_GRID=1);
   (b) measures the two ceilings (HBM bandwidth from a large device copy, bf16 matmul rate), then
       times paged decode and prefill attention against them and against
       torch.nn.functional.scaled_dot_product_attention on the same shapes (dense K/V);
@@ -123,9 +123,9 @@ class Timer:
 
 # ---------------------------------------------------------------------------------------- (a)
 def run_kernel_tests(report: Report, shapes: Shapes, on_gpu: bool, timeout_s: float) -> None:
-    command = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "tests/runtime/kernels", "-q", "-p", "no:cacheprovider",
                # tests/conftest.py builds model fixtures with engine imports the kernel tests do not need
-               "--confcutdir", "tests/kernels", *shapes.test_selection]
+               "--confcutdir", "tests/runtime/kernels", *shapes.test_selection]
     if shapes.test_workers and _has_module("xdist"):
         command += ["-n", str(shapes.test_workers)]  # kernels compile in parallel processes
     # the repository is not pip-installed on the GPU image: put its root on the path
@@ -206,7 +206,7 @@ def bench_decode(report: Report, shapes: Shapes, device, timer: Timer, ceilings:
     import torch
     import torch.nn.functional as F
 
-    from services.common.kernels.paged_decode import choose_num_partitions, paged_decode_attention
+    from services.runtime.kernels.paged_decode import choose_num_partitions, paged_decode_attention
 
     heads, kv_heads, head_dim, block_size = shapes.heads, shapes.kv_heads, shapes.head_dim, shapes.block_size
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -254,7 +254,7 @@ def bench_prefill(report: Report, shapes: Shapes, device, timer: Timer, ceilings
     import torch
     import torch.nn.functional as F
 
-    from services.common.kernels.prefill_attention import prefill_attention
+    from services.runtime.kernels.prefill_attention import prefill_attention
 
     heads, kv_heads, head_dim, block_size = shapes.heads, shapes.kv_heads, shapes.head_dim, shapes.block_size
     report.note("bf16, same heads; causal FLOPs = 4 * heads * head_dim * (visible keys summed over queries). "
@@ -320,8 +320,8 @@ def _free(device) -> None:
 # ---------------------------------------------------------------------------------------- (c)
 def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) -> None:
     try:
-        from services.common.model.random_model import PRESETS, build_random_model
-        from services.common.sampling.params import SamplingParams
+        from services.tools.random_model import PRESETS, build_random_model
+        from services.common.sampling_params import SamplingParams
         from services.common.step import NewSequence, RunningSequence, StepPlan
         from services.executor.config import ExecutorConfig
         from services.executor.model_runner import ModelRunner

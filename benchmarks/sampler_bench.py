@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from services.common.sampling.batch import SamplingBatch
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.sampler import Sampler
+from services.runtime.sampling.batch import SamplingBatch
+from services.common.sampling_params import SamplingParams
+from services.runtime.sampling.sampler import Sampler
 
 VOCAB_SIZE = 32000
 PROMPT_LEN = 512

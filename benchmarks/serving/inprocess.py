@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.stop import StopConditions
+from services.common.sampling_params import SamplingParams
+from services.common.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.kv_slots import kv_slot_usage

@@ -1,7 +1,7 @@
 """Named benchmark configurations (``tokenmill bench --preset NAME``) and the models they use.
 
 The random models are built on first use into benchmarks/.cache/ (git-ignored) by
-services.common.model.random_model, deterministic from their preset and seed.
+services.tools.random_model, deterministic from their preset and seed.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def resolve_model(model: str) -> str:
         if not (Path(model) / "config.json").is_file():
             raise ValueError(f"model {model!r} is not a model directory (no config.json)")
         return model
-    from services.common.model.random_model import PRESETS as RANDOM_PRESETS, build_random_model
+    from services.tools.random_model import PRESETS as RANDOM_PRESETS, build_random_model
 
     name = model.removeprefix("random:")
     if name not in RANDOM_PRESETS:

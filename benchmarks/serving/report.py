@@ -90,7 +90,7 @@ def output_match(runs: dict[str, SystemRun], reference: str = "tokenmill in-proc
 
 def codec_ms_per_step(batch_size: float, iters: int = 200) -> float:
     """Python cost of one step through the codec and wire format, both directions, at this batch size."""
-    from services.common.codec.bench_step_codec import decode_step, time_us
+    from benchmarks.step_codec_bench import decode_step, time_us
     from services.common.codec.step_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
     from services.common.pb.tokenmill.v1 import executor_pb2
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.model.attention.names import BACKEND_NAMES
+from services.runtime.model.attention.names import BACKEND_NAMES
 from services.common.service_config import REPO_ROOT
 
 SYSTEM_ORDER = ("inprocess", "services", "hf-static", "hf-sequential")
@@ -138,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _workload(model_dir: str, spec, build_workload):
-    from services.common.model.config import ModelConfig
+    from services.runtime.model.config import ModelConfig
 
     config = ModelConfig.from_model_dir(model_dir)
     tokenizer = None
     if spec.prompts_file:
-        from services.common.text.tokenizer import TextTokenizer
+        from services.tokenizer.text_tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer.from_dir(model_dir)
     return build_workload(spec, config.vocab_size, config.max_model_len, tokenizer)
@@ -156,7 +156,7 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
     from benchmarks.serving.presets import RESULTS_DIR
     from benchmarks.serving.records import SLO, summarize
     from benchmarks.serving.report import build_result, write_json, write_plot
-    from services.common.model.attention.registry import resolve_backend_name
+    from services.runtime.model.attention.registry import resolve_backend_name
 
     # A preset's pool is sized for its own model; another model gets the engine's default pool.
     default_kv = preset.kv_cache_bytes if args.model is None else EngineOptions().kv_cache_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-FORMATS = {"llama2c": "services.common.model.llama2c"}
+FORMATS = {"llama2c": "services.tools.llama2c"}
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from services.common.model.attention.names import BACKEND_NAMES
+from services.runtime.model.attention.names import BACKEND_NAMES
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
 
@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_in_process(args) -> int:
     from services.common.logging import configure_logging
-    from services.common.sampling.params import SamplingParams
-    from services.common.sampling.stop import StopConditions
+    from services.common.sampling_params import SamplingParams
+    from services.common.stop import StopConditions
     from services.executor.config import ExecutorConfig
     from services.inprocess.engine import Engine, EngineConfig
 

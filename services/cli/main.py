@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.cli.generate", "stream a completion (from a running stack, or --in-process)"),
     "serve": ("services.cli.serve", "run one service: tokenizer, scheduler, executor or drafter"),
     "convert": ("services.cli.convert", "convert a checkpoint into tokenmill's model directory format"),
-    "random-model": ("services.common.model.random_model", "write a deterministic random-weight model"),
+    "random-model": ("services.tools.random_model", "write a deterministic random-weight model"),
     "bench": ("services.cli.bench", "serving benchmark against Hugging Face baselines"),
     "profile": ("services.cli.profile", "print the live latency profile of a running stack"),
 }

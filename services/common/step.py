@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.sampling.params import SamplingParams
+from services.common.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -93,3 +93,20 @@ class StepResult:
     step_id: int
     outputs: list[SequenceOutput] = field(default_factory=list)
     """One entry per scheduled sequence, in plan order (new first, then running)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorInfo:
+    """What the executor tells the scheduler once per session: its KV pool and the model's limits."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    attention_backend: str
+    model: str
+    architecture: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.model.attention.base import AttentionMetadata
-from services.common.model.attention.registry import get_attention_backend, resolve_backend_name
-from services.common.model.config import ModelConfig, dtype_name, parse_dtype
-from services.common.model.llama import LlamaForCausalLM
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.sampler import Sampler, SamplingBatch
-from services.common.step import SequenceOutput, StepPlan, StepResult
+from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
+from services.runtime.model.config import ModelConfig, dtype_name, parse_dtype
+from services.runtime.model.llama import LlamaForCausalLM
+from services.common.sampling_params import SamplingParams
+from services.runtime.sampling.sampler import Sampler, SamplingBatch
+from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult
 from services.executor.config import ExecutorConfig
-from services.executor.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
+from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 
 
 @dataclass(slots=True)
@@ -30,21 +30,6 @@ class SequenceState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorInfo:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    dtype: str
-    device: str
-    attention_backend: str
-    model: str
-    architecture: str
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
 
 
 def resolve_device(name: str) -> torch.device:

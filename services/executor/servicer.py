@@ -28,11 +28,10 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.common.codec.step_codec import plan_from_proto, result_to_proto
+from services.common.codec.step_codec import executor_info_to_proto, plan_from_proto, result_to_proto
 from services.common.errors import TokenmillError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
-from services.common.step import StepPlan, StepResult
-from services.executor.model_runner import ExecutorInfo
+from services.common.step import ExecutorInfo, StepPlan, StepResult
 
 _log = structlog.get_logger("tokenmill.executor")
 
@@ -53,24 +52,6 @@ class StepRunner(Protocol):
     def info(self) -> ExecutorInfo: ...
 
 
-def info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
-    message = executor_pb2.ExecutorInfo(
-        num_blocks=info.num_blocks,
-        block_size=info.block_size,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        dtype=info.dtype,
-        device=info.device,
-        attention_backend=info.attention_backend,
-        model_path=info.model,
-        architecture=info.architecture,
-        eos_token_ids=info.eos_token_ids,
-    )
-    if info.bos_token_id is not None:
-        message.bos_token_id = info.bos_token_id
-    return message
-
-
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Serves one runner; `worker` must be a single-thread executor, the only thread touching it."""
 
@@ -86,7 +67,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def attach(self, runner: StepRunner) -> None:
         """Start serving `runner` (the server binds before the model finished loading)."""
         self._runner = runner
-        self._info = info_to_proto(runner.info())
+        self._info = executor_info_to_proto(runner.info())
 
     def _require_runner(self) -> StepRunner:
         if self._runner is None:

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from services.common.generation import GenerationDelta
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.stop import StopConditions
-from services.common.text.detokenizer import IncrementalDetokenizer
-from services.common.text.tokenizer import TextTokenizer
+from services.common.sampling_params import SamplingParams
+from services.common.stop import StopConditions
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.scheduler.core.config import SchedulerConfig

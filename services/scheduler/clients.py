@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from services.common.codec.step_codec import plan_to_proto, result_from_proto
+from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import create_channel
 from services.common.step import StepPlan, StepResult
-from services.executor.model_runner import ExecutorInfo
 
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens; scheduler step ids count up from 0."""
@@ -30,16 +29,6 @@ async def wait_ready(channel: grpc.aio.Channel, address: str, timeout: float) ->
         await asyncio.wait_for(channel.channel_ready(), timeout)
     except asyncio.TimeoutError:
         raise UnavailableError(f"{address} did not become reachable within {timeout:.0f}s") from None
-
-
-def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
-    return ExecutorInfo(
-        num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
-        vocab_size=msg.vocab_size, dtype=msg.dtype, device=msg.device, attention_backend=msg.attention_backend,
-        model=msg.model_path, architecture=msg.architecture,
-        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
-        eos_token_ids=tuple(msg.eos_token_ids),
-    )
 
 
 class ExecutorLink:

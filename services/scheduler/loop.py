@@ -21,8 +21,8 @@ import structlog
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from services.common.generation import GenerationDelta
-from services.common.sampling.params import SamplingParams
-from services.common.sampling.stop import StopConditions
+from services.common.sampling_params import SamplingParams
+from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.outputs import RequestUpdate

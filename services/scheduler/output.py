@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.common.generation import GenerationDelta, Timings, Usage
 from services.common.step import TokenLogprobs
-from services.common.text.stop_strings import StopStringMatcher
+from services.scheduler.stop_strings import StopStringMatcher
 from services.scheduler.core.request import FinishReason
 
 

@@ -10,7 +10,7 @@ from services.common.codec.step_codec import sampling_from_proto
 from services.common.errors import InvalidArgumentError
 from services.common.generation import GenerationDelta
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.common.sampling.stop import StopConditions
+from services.common.stop import StopConditions
 from services.scheduler.loop import SchedulerLoop
 
 _log = structlog.get_logger("tokenmill.scheduler")

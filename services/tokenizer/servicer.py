@@ -33,7 +33,7 @@ import structlog
 from services.common.codec.packed import split_packed
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.text.detokenizer import DetokenizerPool
+from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_service import TextService, check_token_ids
 
 INLINE_WORK_LIMIT = 16_384

@@ -12,7 +12,7 @@ so RenderChat encodes with the default copy, as transformers' apply_chat_templat
 Limits (each error names the request field and the limit):
 - MAX_TEXT_BYTES: Encode.text, in UTF-8 bytes;
 - MAX_DECODE_TOKENS: Decode.token_ids;
-- chat messages and templates: the limits of services/common/text/chat_template.py.
+- chat messages and templates: the limits of services/tokenizer/chat_template.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import grpc
 import structlog
 
 from services.common.errors import InvalidArgumentError, TokenmillError
-from services.common.text.chat_template import ChatTemplate, ChatTemplateError
-from services.common.text.detokenizer import DetokenizerPool
-from services.common.text.tokenizer import TextTokenizer
+from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.detokenizer import DetokenizerPool
+from services.tokenizer.text_tokenizer import TextTokenizer
 
 MAX_TEXT_BYTES = 1 << 20
 """Largest Encode.text (1 MiB of UTF-8, some 250K tokens of English)."""

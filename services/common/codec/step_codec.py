@@ -23,8 +23,9 @@ from itertools import accumulate
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
-from services.common.sampling.params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from services.common.step import (
+    ExecutorInfo,
     NewSequence,
     RunningSequence,
     SequenceOutput,
@@ -281,3 +282,31 @@ def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
         logprobs = [None] * len(seq_ids)
     outputs = list(map(SequenceOutput, seq_ids, _split(token_ids, token_counts), logprobs))
     return StepResult(step_id=msg.step_id, outputs=outputs)
+
+
+def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
+    message = executor_pb2.ExecutorInfo(
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+        model_path=info.model,
+        architecture=info.architecture,
+        eos_token_ids=info.eos_token_ids,
+    )
+    if info.bos_token_id is not None:
+        message.bos_token_id = info.bos_token_id
+    return message
+
+
+def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
+    return ExecutorInfo(
+        num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size, dtype=msg.dtype, device=msg.device, attention_backend=msg.attention_backend,
+        model=msg.model_path, architecture=msg.architecture,
+        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.sampling.params import SamplingParams
+from services.common.sampling_params import SamplingParams
 from services.common.step import TokenLogprobs
 
 

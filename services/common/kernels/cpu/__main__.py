@@ -1,3 +1,0 @@
-from services.common.kernels.cpu import main
-
-raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""C++ kernels for the CPU path, compiled on first use with torch.utils.cpp_extension.
+
+Decode attention over the paged cache is memory-bound on a CPU, and PyTorch cannot read a
+block table without first copying the blocks out; ``paged_decode.cpp`` reads them in place.
+The build (about a minute, ``make install`` does it ahead of time) is cached per source,
+flags and CPU, since it is compiled for the machine it runs on (``-march=native``).
+
+``load()`` returns None when the kernels cannot be built here (no C++ compiler, say); the
+caller falls back to the PyTorch path and says so. ``paged_decode_reference`` in
+services/runtime/kernels/paged_decode.py is the reference both are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+_SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """Unique per source, flags, CPU and torch, so a build never runs where it was not made for."""
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    digest.update(torch.__version__.encode())
+    return f"tokenmill_cpu_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> object:
+    """Build (or reuse) and load the extension; returns ``torch.ops.tokenmill_cpu``.
+
+    Raises CpuKernelsUnavailable with the reason when it cannot be built.
+    """
+    from torch.utils import cpp_extension
+
+    # The ninja that pip installs sits beside this interpreter, which may not be on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(
+            name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False,
+        )
+    except Exception as exc:  # compiler missing or failing: the reason goes to the caller
+        raise CpuKernelsUnavailable(f"could not build the CPU attention kernels: {exc}") from exc
+    return torch.ops.tokenmill_cpu
+
+
+def available() -> bool:
+    try:
+        load()
+    except CpuKernelsUnavailable:
+        return False
+    return True
+
+
+def check_paged_decode_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Refuse inputs the kernel would misread, with a ValueError naming the field and the limit.
+
+    The C++ kernel checks the same things, but an exception thrown there does not reach Python
+    on every torch build (one build takes the process down with SIGSEGV instead), and the kernel
+    reads raw pointers through the block table: bad input must be stopped here. A few vectorised
+    ops over the tables, so a caller checks once per step, not once per layer.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v cache must be [num_blocks, block_size, kv_heads, head_dim] of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads of dim {head_dim}; the cache holds {kv_heads} kv heads of dim "
+                         f"{cache_head_dim} (heads must be a multiple of kv heads, dims equal)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(f"block_tables must be [B, max_blocks] and context_lens [B] with B = {batch}, got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if block_tables.dtype.is_floating_point or context_lens.dtype.is_floating_point:
+        raise ValueError("block_tables and context_lens must hold integers")
+    check_block_tables(block_tables, context_lens, num_blocks, block_size)
+
+
+def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every sequence's length fits its table, and every block it reads lies in the pool."""
+    if context_lens.numel() == 0:
+        return
+    lens = context_lens.long()
+    blocks_needed = (lens + block_size - 1) // block_size
+    too_short = (lens < 1) | (blocks_needed > block_tables.shape[1])
+    if bool(too_short.any()):
+        b = int(too_short.nonzero()[0, 0])
+        raise ValueError(f"context_lens[{b}] = {int(lens[b])} does not fit its block table: it must be >= 1 and "
+                         f"need at most {block_tables.shape[1]} blocks of {block_size}")
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < blocks_needed[:, None]
+    outside = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(outside.any()):
+        b, j = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"block_tables[{b}][{j}] = {int(block_tables[b, j])} is outside the pool of "
+                         f"{num_blocks} blocks")
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    inputs_checked: bool = False,
+) -> torch.Tensor:
+    """Decode attention, one query per sequence, over the paged cache. q: [B, H, D] -> [B, H, D].
+
+    k/v cache: [num_blocks, block_size, KH, D]; block_tables [B, max_blocks] and context_lens
+    [B] are int32 (converted if not). Only the first ``context_lens[b]`` slots of a sequence's
+    blocks are read. ``inputs_checked=True`` skips ``check_paged_decode_inputs`` for a caller
+    that already ran it on these tables this step (the attention backend, once per step).
+    """
+    if not inputs_checked:
+        check_paged_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    ops = load()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    ops.paged_decode(
+        out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(), float(scale),
+    )
+    return out
+
+
+def main() -> int:
+    """``python -m services.runtime.kernels.cpu``: build now (``make install`` calls it)."""
+    try:
+        load()
+    except CpuKernelsUnavailable as exc:
+        print(f"warning: {exc}; the CPU path will use PyTorch attention", file=sys.stderr)
+        return 0
+    print(f"CPU kernels ready ({build_name()})")
+    return 0

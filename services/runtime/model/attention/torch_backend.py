@@ -1,0 +1,103 @@
+"""Attention in plain PyTorch over the paged KV cache: gather through block tables, then attend.
+
+Correct on CPU and GPU and fast enough on a CPU, where it is the default. Decode-only
+sequences (one query each) are handled together: their contexts are gathered into one
+padded tensor and attended with a length mask, so a decode step costs a few batched ops
+per layer instead of one per sequence. Sequences with several new tokens (prompts,
+chunks, speculative verification) go one by one through scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.runtime.model.attention.base import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        # k, v: [T, KH, D]; caches: [NB, BS, KH, D] viewed as [NB*BS, KH, D] slots
+        kh, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, H, D] -> [T, H, D]
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.context_lens_cpu, scale)
+        out = torch.empty_like(q)
+        decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=q.device)
+            token_index = meta.query_start_loc[rows].long()
+            out[token_index] = self._decode(
+                q[token_index], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
+                [meta.context_lens_cpu[i] for i in decode_rows], scale,
+            )
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            if q_len == 1:
+                continue
+            start = starts[i]
+            out[start : start + q_len] = self._extend(
+                q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size, scale
+            )
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+        num_blocks = -(-num_tokens // block_size)
+        # index_select on the block dimension: several times faster than advanced indexing on CPU.
+        # [nb, BS, KH, D] -> [ctx, KH, D]
+        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:num_tokens]
+
+    def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float):
+        # q: [L, H, D]; the L new tokens sit at positions [ctx_len - L, ctx_len).
+        q_len, num_heads = q.shape[0], q.shape[1]
+        k = self._gather(k_cache, block_table, ctx_len, block_size).to(q.dtype)
+        v = self._gather(v_cache, block_table, ctx_len, block_size).to(q.dtype)
+        group = num_heads // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L|C, D]
+        if q_len == ctx_len:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            # query i sees keys [0, ctx_len - q_len + i]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
+        # q: [B, H, D]; one query per sequence at position context_len - 1.
+        b, h, d = q.shape
+        max_ctx = max(context_lens_cpu)
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_blocks = -(-max_ctx // block_size)
+        span = num_blocks * block_size
+        table = block_tables[:, :num_blocks].long().flatten()
+        # One gather per pool into [B, S, KH, D], read by SDPA as a strided [B, KH, S, D] view
+        # (no second copy); GQA is SDPA's enable_gqa, so K/V are never repeated per query head.
+        k = k_cache.index_select(0, table).view(b, span, kv_heads, d)
+        v = v_cache.index_select(0, table).view(b, span, kv_heads, d)
+        # Padding lanes read slots this sequence does not own. They are masked out of the
+        # softmax, but a NaN there would survive it (NaN - inf, 0 * NaN), so zero each row's
+        # tail: it touches only the padding, where a masked fill would rewrite all of K and V.
+        for row, n in enumerate(context_lens_cpu):
+            if n < span:
+                k[row, n:].zero_()
+                v[row, n:].zero_()
+        positions = torch.arange(span, device=q.device)
+        valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
+        out = F.scaled_dot_product_attention(
+            q.view(b, h, 1, d), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # [B, H, 1, D]
+        return out.view(b, h, d)

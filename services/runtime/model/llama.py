@@ -1,0 +1,140 @@
+"""The Llama family (Llama, Mistral, Qwen2) as one forward over a flattened varlen batch.
+
+Every sequence in a step contributes any number of new tokens (a prompt, a prefill chunk,
+one decode token, k+1 speculative tokens); the batch is flattened to T tokens and the
+attention backend reads each sequence's context out of the paged KV cache.
+Projections are fused (q|k|v and gate|up) so a layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.runtime.model.attention.base import AttentionBackend, AttentionMetadata
+from services.runtime.model.config import ModelConfig
+from services.runtime.model.layers import RotaryEmbedding
+from services.runtime.model.linear import Linear
+from services.runtime.model.ops import TorchOps, get_model_ops
+from services.runtime.model.weights import load_checkpoint
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        w = lambda name: weights.pop(prefix + name)  # noqa: E731 - local shorthand
+        self.qkv = Linear(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            if config.attention_bias
+            else None,
+        )
+        self.o_proj = Linear(w("self_attn.o_proj.weight"))
+        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = Linear(w("mlp.down_proj.weight"))
+        self.input_norm = nn.Parameter(w("input_layernorm.weight"), requires_grad=False)
+        self.post_norm = nn.Parameter(w("post_attention_layernorm.weight"), requires_grad=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: TorchOps,
+    ) -> torch.Tensor:
+        # hidden: [T, D]
+        t = hidden.shape[0]
+        x = ops.rms_norm(hidden, self.input_norm, self.eps)
+        qkv = self.qkv(x)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = ops.rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                          positions, rotary)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
+        attn_out = self.o_proj(attn.reshape(t, self.q_size))
+        x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
+        gate_up = self.gate_up(x)  # [T, 2F]
+        return hidden + self.down(ops.silu_and_mul(gate_up))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        backend: AttentionBackend,
+        device: torch.device,
+        prepack_cpu_weights: bool = True,
+    ):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.ops = get_model_ops(backend.name)
+        weights = dict(weights)
+        self.embed = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
+        lm_head = weights.pop("lm_head.weight", None)
+        # Tied: the same Parameter object, so moving the model moves one matrix.
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else lm_head)
+        assert not weights, f"unused weights: {sorted(weights)[:5]}"
+        self.to(device)
+        if device.type == "cpu" and prepack_cpu_weights:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.prepack()
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        backend: AttentionBackend,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        config: ModelConfig | None = None,
+        prepack_cpu_weights: bool = True,
+    ) -> "LlamaForCausalLM":
+        config = config or ModelConfig.from_model_dir(model_dir)
+        dtype = dtype or config.dtype
+        weights = load_checkpoint(model_dir, config, dtype)
+        return cls(config, weights, backend, torch.device(device), prepack_cpu_weights)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, positions, kv_cache, meta, self.rotary, self.backend, self.ops)
+        return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> logits [N, V] in fp32 (sampling and logprobs want full precision)."""
+        return self.lm_head(hidden).float()

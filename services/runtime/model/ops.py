@@ -1,0 +1,69 @@
+"""The model's pointwise ops, chosen with the attention backend.
+
+``TorchOps`` is plain PyTorch (CPU, and the reference on GPU). ``TritonOps`` runs the fused
+Triton kernels of services/runtime/kernels: residual add + RMSNorm in one pass, rotary in
+place on the q/k views of the fused projection, SiLU-and-mul. Both compute the same math
+with the same rounding points as Hugging Face's Llama.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.runtime.model.layers import RotaryEmbedding, rms_norm
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(rms_norm(residual + x), residual + x)"""
+        hidden = residual + x
+        return rms_norm(hidden, weight, eps), hidden
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
+        # q: [T, H, D], k: [T, KH, D]
+        return rotary.apply(q, positions), rotary.apply(k, positions)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2F] = gate | up -> [T, F]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here: triton is only needed when this backend is chosen.
+        from services.runtime.kernels.rms_norm import rms_norm as fused_rms_norm
+        from services.runtime.kernels.rotary import apply_rotary
+        from services.runtime.kernels.silu_and_mul import silu_and_mul
+
+        self._rms_norm = fused_rms_norm
+        self._rotary = apply_rotary
+        self._silu_and_mul = silu_and_mul
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rms_norm(x, weight, eps, residual=residual)
+
+    def rotary(self, q, k, positions, rotary: RotaryEmbedding):
+        return self._rotary(q, k, positions, rotary.cos, rotary.sin)
+
+    def silu_and_mul(self, x):
+        return self._silu_and_mul(x)
+
+
+def get_model_ops(backend_name: str):
+    return TritonOps() if backend_name == "triton" else TorchOps()

@@ -1,0 +1,294 @@
+"""One step's sampling parameters as device tensors, built once per step from per-row data.
+
+The sampler never looks at ``SamplingParams`` objects: it reads the packed tensors below and
+the stage flags that say which transforms any row needs, so a batch that needs nothing but
+an argmax pays for nothing else.
+
+Host-to-device traffic is two copies per step: every per-row scalar goes up in one float
+tensor ``[NUM_SCALARS, B]`` (plus the logit-bias values), every token index in one int64
+tensor, and the fields below are views into those. Token indices are flat offsets into the
+``[B, V]`` logits (``row * V + token``), so each sparse stage is a single ``index_put_``.
+
+Cost: loops over rows only; the token histories are concatenated by NumPy. The histories
+are re-sent every step (the interface takes lists); a caller that keeps them on the device
+can skip that later without changing the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from services.common.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing logits by a denormal temperature
+# overflows to inf and the softmax turns into NaN. Same threshold as vLLM's _SAMPLING_EPS.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+_MASK_63 = (1 << 63) - 1
+_MASK_64 = (1 << 64) - 1
+# 2^64 / golden ratio (odd): consecutive user seeds land far apart before the position is added.
+_SEED_MULTIPLIER = 0x9E3779B97F4A7C15
+
+
+def derive_row_seed(seed: int, position: int) -> int:
+    """The generator seed for one seeded draw: a function of (seed, position) only.
+
+    ``seed * odd + position`` makes (seed, position) pairs distinct for any realistic
+    position; the splitmix64 finalizer then spreads neighbouring values over all bits so
+    that generators whose seeding is weak for close seeds still give unrelated streams.
+    Masked to 63 bits because ``torch.Generator.manual_seed`` takes a non-negative int64.
+    """
+    x = (seed * _SEED_MULTIPLIER + position) & _MASK_64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK_64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK_64
+    x ^= x >> 31
+    return x & _MASK_63
+
+
+@dataclass(frozen=True, slots=True)
+class StageFlags:
+    """Which stages at least one row needs; a stage no row needs is skipped entirely."""
+
+    any_sampling: bool
+    """Some row is not greedy, so temperature, truncation and the random draw run."""
+    any_greedy: bool
+    logit_bias: bool
+    min_tokens_ban: bool
+    repetition_penalty: bool
+    frequency_presence: bool
+    temperature: bool
+    """Some sampling row has a temperature other than 1."""
+    min_p: bool
+    top_k: bool
+    top_p: bool
+    max_logprobs: int | None
+    """Largest ``logprobs`` over the rows that asked; None when no row did."""
+
+    @property
+    def any_penalty(self) -> bool:
+        return self.logit_bias or self.min_tokens_ban or self.repetition_penalty or self.frequency_presence
+
+    @property
+    def argmax_only(self) -> bool:
+        """All rows greedy with nothing to apply first and no logprobs: a bare argmax."""
+        return not (self.any_sampling or self.any_penalty or self.max_logprobs is not None)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling state for one step. Build it with :meth:`build`."""
+
+    size: int
+    vocab_size: int
+    device: torch.device
+    flags: StageFlags
+
+    # Per-row scalars, each [B] float32 on the device (views into one uploaded tensor).
+    temperature: torch.Tensor
+    """Greedy rows hold 1.0 so the division is harmless; ``is_greedy`` picks their argmax."""
+    top_k: torch.Tensor
+    """[B] int64; 0 disables."""
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    is_greedy: torch.Tensor
+    """[B] bool."""
+
+    # Sparse stages as flat indices into the [B, V] logits (None when no row needs the stage).
+    bias_index: torch.Tensor | None
+    """[N_bias] int64 flat indices; each (row, token) at most once since biases are dicts."""
+    bias_value: torch.Tensor | None
+    """[N_bias] float32 added at bias_index."""
+    ban_index: torch.Tensor | None
+    """[N_ban] int64: stop tokens of rows that have generated fewer than min_tokens."""
+    seen_index: torch.Tensor | None
+    """[N_seen] int64: prompt + output tokens of rows with a repetition penalty (repeats allowed)."""
+    output_index: torch.Tensor | None
+    """[N_out] int64: output tokens of rows with a frequency/presence penalty, once per occurrence."""
+    top_p_rows: torch.Tensor | None
+    """[R] int64 rows that need top-p (a full-vocabulary sort), so only those are sorted;
+    None when every row needs it or none does (``flags.top_p`` tells which)."""
+
+    # Host-side per-row values the sampler needs as Python ints (generator seeding, slicing).
+    positions: tuple[int, ...]
+    """len(output_token_ids[row]): the index of the token drawn this step."""
+    seeded_rows: tuple[int, ...]
+    """Rows with a seed that sample (greedy rows draw nothing)."""
+    seeded_row_seeds: tuple[int, ...]
+    """derive_row_seed(seed, position) for each of seeded_rows."""
+    logprobs_per_row: tuple[int | None, ...]
+    top_k_max: int
+    """Largest enabled top_k (clamped to V); 0 when no row uses top_k."""
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[Sequence[int]],
+        output_token_ids: list[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        """Pack one step's rows. ``params`` must already be validated (``SamplingParams.validate``)."""
+        size = len(params)
+        if size == 0:
+            raise ValueError("params is empty: a sampling batch needs at least one row")
+        if len(prompt_token_ids) != size or len(output_token_ids) != size:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt_token_ids)} rows) and output_token_ids "
+                f"({len(output_token_ids)} rows) must have one row per params entry ({size})"
+            )
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        device = torch.device(device)
+
+        positions = tuple(len(out) for out in output_token_ids)
+        greedy = [p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
+        sampling_rows = [row for row in range(size) if not greedy[row]]
+
+        # Scalar rows of the packed upload; the order is the unpack order below.
+        scalars = np.array(
+            [
+                [1.0 if greedy[row] else p.temperature for row, p in enumerate(params)],
+                [min(p.top_k, vocab_size) for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                greedy,
+            ],
+            dtype=np.float32,
+        )  # [8, B]; top_k (clamped to V) is exact in float32 for any vocab below 2^24
+
+        bias_rows = [row for row, p in enumerate(params) if p.logit_bias]
+        bias_ids = [list(params[row].logit_bias) for row in bias_rows]
+        bias_values = np.fromiter(
+            chain.from_iterable(params[row].logit_bias.values() for row in bias_rows), dtype=np.float32
+        )
+        ban_rows = [
+            row
+            for row, p in enumerate(params)
+            if p.stop_token_ids and positions[row] < p.min_tokens
+        ]
+        repetition_rows = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
+        count_rows = [
+            row for row, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        ]
+        top_p_rows = [row for row in sampling_rows if params[row].top_p < 1.0]
+
+        index_parts = [
+            _flat_indices(bias_rows, bias_ids, vocab_size, "logit_bias"),
+            _flat_indices(ban_rows, [params[row].stop_token_ids for row in ban_rows], vocab_size, "stop_token_ids"),
+            _flat_indices(
+                repetition_rows,
+                [chain(prompt_token_ids[row], output_token_ids[row]) for row in repetition_rows],
+                vocab_size,
+                "prompt_token_ids/output_token_ids",
+                lengths=[len(prompt_token_ids[row]) + positions[row] for row in repetition_rows],
+            ),
+            _flat_indices(count_rows, [output_token_ids[row] for row in count_rows], vocab_size, "output_token_ids"),
+            np.asarray(top_p_rows if len(top_p_rows) < size else [], dtype=np.int64),
+        ]
+        scalars_dev = _upload(np.concatenate([scalars.reshape(-1), bias_values]), device)
+        indices_dev = _upload(np.concatenate(index_parts), device)
+        (temperature, top_k, top_p, min_p, repetition, presence, frequency, is_greedy) = (
+            scalars_dev[: 8 * size].view(8, size).unbind(0)
+        )
+        bias_index, ban_index, seen_index, output_index, top_p_row_index = _split(
+            indices_dev, [len(part) for part in index_parts]
+        )
+
+        top_k_max = min(max((params[row].top_k for row in sampling_rows), default=0), vocab_size)
+        seeded_rows = tuple(row for row in sampling_rows if params[row].seed is not None)
+        logprobs_per_row = tuple(p.logprobs for p in params)
+        requested = [n for n in logprobs_per_row if n is not None]
+        flags = StageFlags(
+            any_sampling=bool(sampling_rows),
+            any_greedy=len(sampling_rows) < size,
+            logit_bias=bool(bias_rows),
+            min_tokens_ban=bool(ban_rows),
+            repetition_penalty=bool(repetition_rows),
+            frequency_presence=bool(count_rows),
+            temperature=any(params[row].temperature != 1.0 for row in sampling_rows),
+            min_p=any(params[row].min_p > 0.0 for row in sampling_rows),
+            top_k=top_k_max > 0,
+            top_p=bool(top_p_rows),
+            max_logprobs=max(requested) if requested else None,
+        )
+        return cls(
+            size=size,
+            vocab_size=vocab_size,
+            device=device,
+            flags=flags,
+            temperature=temperature,
+            top_k=top_k.to(torch.int64),
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            is_greedy=is_greedy > 0.5,
+            bias_index=bias_index,
+            bias_value=scalars_dev[8 * size :] if bias_rows else None,
+            ban_index=ban_index,
+            seen_index=seen_index,
+            output_index=output_index,
+            top_p_rows=top_p_row_index,
+            positions=positions,
+            seeded_rows=seeded_rows,
+            seeded_row_seeds=tuple(derive_row_seed(params[row].seed, positions[row]) for row in seeded_rows),
+            logprobs_per_row=logprobs_per_row,
+            top_k_max=top_k_max,
+        )
+
+
+def _flat_indices(
+    rows: list[int],
+    token_ids_per_row: Sequence,
+    vocab_size: int,
+    field_name: str,
+    lengths: list[int] | None = None,
+) -> np.ndarray:
+    """[sum of lengths] int64 ``row * V + token`` for each row's tokens, checked against [0, V).
+
+    ``lengths`` is required when the per-row token ids are iterators rather than sequences.
+    """
+    if not rows:
+        return np.empty(0, dtype=np.int64)
+    if lengths is None:
+        lengths = [len(ids) for ids in token_ids_per_row]
+    total = sum(lengths)
+    token_ids = np.fromiter(chain.from_iterable(token_ids_per_row), dtype=np.int64, count=total)
+    if total and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
+        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+        raise ValueError(f"{field_name} holds token id {bad}, outside [0, {vocab_size})")
+    row_of_token = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    return row_of_token * vocab_size + token_ids
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy; pinned and asynchronous when the target is a GPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _split(packed: torch.Tensor, lengths: list[int]) -> list[torch.Tensor | None]:
+    """Views into ``packed`` of the given lengths, None for an empty part."""
+    parts: list[torch.Tensor | None] = []
+    start = 0
+    for length in lengths:
+        parts.append(packed[start : start + length] if length else None)
+        start += length
+    return parts

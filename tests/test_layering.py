@@ -1,0 +1,151 @@
+"""The layering contract: which part of the code may import which.
+
+    cli, benchmarks                      entry points and measurement: may import anything below
+    inprocess, stack, tools              engine in one process; launching and calling a stack;
+                                         model conversion and building
+    scheduler | tokenizer | executor | drafter
+                                         the four services: never import each other
+    runtime                              model, kernels, sampler, KV layout (torch): executor, drafter
+    common                               the torch-free contract and service plumbing
+
+Imports point down, never up or sideways between services. The processes that run no model
+(scheduler, tokenizer) and everything they import stay torch-free: the second test imports
+them in a fresh interpreter and looks for torch in sys.modules.
+
+Every import counts, including those inside functions: a lazy import is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+ALLOWED: dict[str, set[str]] = {
+    "common": {"common"},
+    "runtime": {"common", "runtime"},
+    "tokenizer": {"common", "tokenizer"},
+    "scheduler": {"common", "scheduler"},
+    "executor": {"common", "runtime", "executor"},
+    "drafter": {"common", "runtime", "drafter"},
+    "tools": {"common", "runtime", "tools"},
+    "stack": {"common", "stack"},
+    "inprocess": {"common", "runtime", "scheduler", "tokenizer", "executor", "inprocess"},
+    "cli": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack", "inprocess",
+            "cli"},
+    "benchmarks": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack",
+                   "inprocess", "benchmarks"},
+}
+TORCH_FREE = {"common", "tokenizer", "scheduler", "stack"}
+TORCH_MODULES = {"torch", "triton"}
+
+
+def component(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "benchmarks":
+        return "benchmarks"
+    if parts[0] == "services" and len(parts) > 1 and parts[1] in ALLOWED:
+        return parts[1]
+    return None
+
+
+def module_name(path: Path, root: Path = REPO_ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, module: str) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+    return found
+
+
+def source_files(root: Path = REPO_ROOT) -> list[Path]:
+    files = sorted((root / "services").rglob("*.py")) + sorted((root / "benchmarks").rglob("*.py"))
+    generated = root / "services" / "common" / "pb"
+    return [f for f in files if not f.is_relative_to(generated) and f != root / "services" / "__init__.py"]
+
+
+def layering_violations(root: Path = REPO_ROOT) -> list[str]:
+    violations = []
+    for path in source_files(root):
+        where_file = path.relative_to(root)
+        module = module_name(path, root)
+        source = component(module)
+        if source is None:
+            violations.append(f"{where_file} belongs to no layer: add it to the contract")
+            continue
+        for line, target in imported_modules(path, module):
+            where = f"{where_file}:{line} imports {target}"
+            if source in TORCH_FREE and target.split(".")[0] in TORCH_MODULES:
+                violations.append(f"{where} (a torch-free part)")
+            dest = component(target)
+            if dest is not None and dest not in ALLOWED[source]:
+                violations.append(f"{where} ({source} may import only {', '.join(sorted(ALLOWED[source]))})")
+    return violations
+
+
+def test_imports_point_down_the_layers():
+    violations = layering_violations()
+    assert not violations, "layering contract broken:\n" + "\n".join(violations)
+
+
+def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
+    files = {
+        "services/scheduler/bad_sideways.py": "from services.executor.model_runner import ModelRunner\n",
+        "services/common/bad_up.py": "def f():\n    import services.scheduler.loop\n",
+        "services/tokenizer/bad_torch.py": "import torch\n",
+        "services/executor/fine.py": "from services.runtime.model import llama\nfrom ..common import step\n",
+        "services/runtime/bad_relative.py": "from ..executor import model_runner\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "benchmarks").mkdir()
+    found = layering_violations(tmp_path)
+    assert [v.split(" (")[0] for v in found] == [
+        "services/common/bad_up.py:2 imports services.scheduler.loop",
+        "services/runtime/bad_relative.py:1 imports services.executor",
+        "services/scheduler/bad_sideways.py:1 imports services.executor.model_runner",
+        "services/tokenizer/bad_torch.py:1 imports torch",
+    ]
+
+
+@pytest.mark.parametrize("modules", [
+    ["services.scheduler.main", "services.scheduler.loop", "services.scheduler.servicer"],
+    ["services.tokenizer.main", "services.tokenizer.servicer"],
+    ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.stop"],
+    ["services.stack.launcher", "services.stack.client"],
+])
+def test_torch_free_processes_never_load_torch(modules):
+    code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules) + \
+        "loaded = sorted(m for m in ('torch', 'triton') if m in sys.modules)\nprint(loaded)\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"{modules} loaded {result.stdout.strip()}"
+
+
+def test_root_conftest_imports_no_torch():
+    # Pure-Python tests (scheduler, tokenizer, common) run without paying for torch.
+    code = "import sys; import tests.conftest; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
