@@ -18,13 +18,14 @@ services/common/server.py on every server) turns them into status codes:
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import grpc.aio
 import structlog
+
+from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
 
 _log = structlog.get_logger("tokenmill.errors")
 
@@ -105,67 +106,28 @@ async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method:
     await context.abort(code, details)
 
 
-def _wrap_unary_response(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behavior(request_or_iterator, context)
-        except grpc.aio.AbortError:
-            raise  # the handler already chose its status
-        except Exception as exc:  # noqa: BLE001 - this is the one place errors are mapped
-            await _abort_with(exc, context, method)
-
-    return handler
-
-
-def _wrap_async_generator(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
-    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for response in behavior(request_or_iterator, context):
-                yield response
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort_with(exc, context, method)
-
-    return handler
-
-
-def _wrap(behavior: Callable[..., Any] | None, method: str) -> Callable[..., Any] | None:
-    # grpc.aio picks the calling convention from the function type (a coroutine function
-    # that writes with context.write, or an async generator), so the wrapper must keep the
-    # type of what it wraps. Synchronous handlers run in a thread pool where an awaitable
-    # abort is out of reach; none of our services have them, so they pass through.
-    if behavior is None:
-        return None
-    if inspect.isasyncgenfunction(behavior):
-        return _wrap_async_generator(behavior, method)
-    if inspect.iscoroutinefunction(behavior):
-        return _wrap_unary_response(behavior, method)
-    return behavior
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(BehaviorInterceptor):
     """Maps exceptions escaping any async handler (unary or streaming) to status codes."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        common = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **common)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **common)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), **common)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), **common)
+    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request_or_iterator, context)
+            except grpc.aio.AbortError:
+                raise  # the handler already chose its status
+            except Exception as exc:  # noqa: BLE001 - this is the one place errors are mapped
+                await _abort_with(exc, context, method)
+
+        return handler
+
+    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(request_or_iterator, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _abort_with(exc, context, method)
+
         return handler

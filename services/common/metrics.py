@@ -16,10 +16,9 @@ the step loop pays nothing for them, and a scrape always sees the current state.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +28,8 @@ import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
 
 PREFIX = "tokenmill:"
 
@@ -122,7 +123,7 @@ def split_method(full_method: str) -> tuple[str, str]:
     return service or "unknown", method or full_method
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+class RpcMetricsInterceptor(BehaviorInterceptor):
     """Times every async handler (unary or streaming) into tokenmill:rpc_latency_seconds.
 
     Pass it to start_server(interceptors=[...]); it runs inside the error-mapping interceptor,
@@ -132,47 +133,30 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.histogram = rpc_latency_histogram(registry)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        child = self.histogram.labels(*split_method(handler_call_details.method))
-        common = {"request_deserializer": handler.request_deserializer,
-                  "response_serializer": handler.response_serializer}
-        for kind, build in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                            ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                            ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                            ("stream_stream", grpc.stream_stream_rpc_method_handler)):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return build(_timed(behavior, child), **common)
+    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        child = self.histogram.labels(*split_method(method))
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                return await behavior(request, context)
+            finally:
+                child.observe(time.perf_counter() - start)
+
         return handler
 
+    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        child = self.histogram.labels(*split_method(method))
 
-def _timed(behavior: Callable[..., Any], child) -> Callable[..., Any]:
-    # grpc.aio picks the calling convention from the function type, so the wrapper keeps it.
-    if inspect.isasyncgenfunction(behavior):
-        async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
                 async for response in behavior(request, context):
                     yield response
             finally:
                 child.observe(time.perf_counter() - start)
-        return stream_handler
-    if inspect.iscoroutinefunction(behavior):
-        async def unary_handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start = time.perf_counter()
-            try:
-                return await behavior(request, context)
-            finally:
-                child.observe(time.perf_counter() - start)
-        return unary_handler
-    return behavior  # synchronous handlers run in a thread pool; no tokenmill service has one
+
+        return handler
 
 
 # ---------------------------------------------------------------------------- per-request (scheduler)
