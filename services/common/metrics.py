@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -82,12 +82,6 @@ def stop_metrics_server(port: int) -> None:
     if httpd is not None:
         httpd.shutdown()
         httpd.server_close()
-
-
-def metrics_port_field(service: str) -> Any:
-    """The ``metrics_port`` config field every service has (TOKENMILL_<SERVICE>_METRICS_PORT)."""
-    return field(default=-1, metadata={"help": "Prometheus metrics HTTP port (-1 = off, 0 = any free port)",
-                                       "env": f"TOKENMILL_{service.upper()}_METRICS_PORT"})
 
 
 def rpc_interceptors(metrics_port: int) -> list[grpc.aio.ServerInterceptor]:

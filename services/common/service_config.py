@@ -1,16 +1,12 @@
 """What every service process shares: its common config fields and the port file.
 
 Each service describes its configuration as one dataclass (parsed by
-services/common/settings.py). The fields every service has are built here, so their flags,
-environment variables and help texts are spelled the same way everywhere::
+services/common/settings.py). The fields every service process has come from one base built
+here, so their flags, environment variables and help texts are spelled the same way
+everywhere and cannot drift apart::
 
-    @dataclass
-    class TokenizerConfig:
-        host: str = host_field("tokenizer")
-        port: int = port_field("tokenizer", 50052)
-        port_file: str = port_file_field()
-        log_level: str = log_level_field("tokenizer")
-        shutdown_grace_seconds: float = shutdown_grace_field("tokenizer")
+    @dataclass(slots=True)
+    class TokenizerConfig(service_process_fields("tokenizer", 50052)):
         model: str = model_field()
 
 The port file is how a launcher (or a test) learns the port the OS picked for ``--port 0``:
@@ -22,7 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +81,28 @@ def shutdown_grace_field(service: str) -> Any:
             "env": _env_prefix(service) + "SHUTDOWN_GRACE_SECONDS",
         },
     )
+
+
+def metrics_port_field(service: str) -> Any:
+    return field(default=-1, metadata={"help": "Prometheus metrics HTTP port (-1 = off, 0 = any free port)",
+                                       "env": _env_prefix(service) + "METRICS_PORT"})
+
+
+def service_process_fields(service: str, default_port: int) -> type:
+    """A dataclass base with the fields every service process has: where it listens, its port
+    file, log level, stop grace and metrics port, with TOKENMILL_<SERVICE>_* variables."""
+
+    @dataclass(slots=True)
+    class ServiceProcessFields:
+        host: str = host_field(service)
+        port: int = port_field(service, default_port)
+        port_file: str = port_file_field()
+        log_level: str = log_level_field(service)
+        shutdown_grace_seconds: float = shutdown_grace_field(service)
+        metrics_port: int = metrics_port_field(service)
+
+    ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
+    return ServiceProcessFields
 
 
 def model_field(help_text: str = "model directory (Hugging Face layout)") -> Any:

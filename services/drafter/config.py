@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.metrics import metrics_port_field
-from services.common.service_config import (
-    host_field,
-    log_level_field,
-    port_field,
-    port_file_field,
-    shutdown_grace_field,
-)
+from services.common.service_config import service_process_fields
 from services.drafter.ngram import NgramProposer
 
 DEFAULT_PORT = 50054
@@ -20,15 +13,9 @@ _NGRAM_DEFAULTS = NgramProposer()
 
 
 @dataclass(slots=True)
-class DrafterConfig:
+class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT)):
     """tokenmill drafter: proposes draft tokens for speculative decoding (prompt lookup)."""
 
-    host: str = host_field("drafter")
-    port: int = port_field("drafter", DEFAULT_PORT)
-    port_file: str = port_file_field()
-    log_level: str = log_level_field("drafter")
-    shutdown_grace_seconds: float = shutdown_grace_field("drafter")
-    metrics_port: int = metrics_port_field("drafter")
     num_speculative_tokens: int = field(
         default=_NGRAM_DEFAULTS.num_speculative_tokens,
         metadata={"help": "default and largest number of draft tokens per sequence per step",

@@ -16,8 +16,6 @@ with INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,6 +23,7 @@ import structlog
 
 from services.common.codec.packed import split_packed
 from services.common.errors import InvalidArgumentError
+from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
 from services.drafter.ngram import DraftState, NgramProposer
 
@@ -52,26 +51,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ) -> AsyncIterator[drafter_pb2.ProposeResponse]:
         self._calls_started += 1
         state = DraftState(self._proposer)
-        steps = drafted = 0
-        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
-        started = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(rpc="Propose", propose_call=self._calls_started):
-            _log.info("propose_stream_started", peer=context.peer())
-            try:
-                async for request in request_iterator:
-                    response = self._propose_step(state, request)
-                    steps += 1
-                    drafted += len(response.draft_token_ids)
-                    yield response
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            except Exception as exc:
-                outcome = f"error: {type(exc).__name__}"
-                raise
-            finally:
-                _log.info("propose_stream_ended", outcome=outcome, steps=steps, draft_tokens=drafted,
-                          open_sequences=len(state), seconds=round(time.perf_counter() - started, 3))
+        with logged_stream(_log, "propose", context, counters=("steps", "draft_tokens"),
+                           final=lambda: {"open_sequences": len(state)},
+                           rpc="Propose", propose_call=self._calls_started) as stream:
+            async for request in request_iterator:
+                response = self._propose_step(state, request)
+                stream.add(steps=1, draft_tokens=len(response.draft_token_ids))
+                yield response
 
     def _propose_step(self, state: DraftState, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
         if request.num_speculative_tokens < 0:

@@ -10,15 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from services.common.metrics import metrics_port_field
-from services.common.service_config import (
-    host_field,
-    log_level_field,
-    model_field,
-    port_field,
-    port_file_field,
-    shutdown_grace_field,
-)
+from services.common.service_config import model_field, service_process_fields
 
 
 @dataclass(slots=True)
@@ -71,15 +63,9 @@ def _engine_field(name: str, help_text: str) -> Any:
 
 
 @dataclass(slots=True)
-class ExecutorServiceConfig:
+class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     """tokenmill executor: runs the model over the step batches the scheduler plans."""
 
-    host: str = host_field("executor")
-    port: int = port_field("executor", DEFAULT_PORT)
-    port_file: str = port_file_field()
-    log_level: str = log_level_field("executor")
-    shutdown_grace_seconds: float = shutdown_grace_field("executor")
-    metrics_port: int = metrics_port_field("executor")
     model: str = model_field("model directory (config.json, *.safetensors)")
     dtype: str = _engine_field("dtype", "fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU)")
     device: str = _engine_field("device", "cpu, cuda, cuda:N, or auto (cuda when available)")

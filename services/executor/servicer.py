@@ -20,7 +20,6 @@ a new session's first step after the cleanup.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from typing import Protocol
@@ -30,6 +29,7 @@ import structlog
 
 from services.common.codec.step_codec import executor_info_to_proto, plan_from_proto, result_to_proto
 from services.common.errors import TokenmillError, UnavailableError
+from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.step import ExecutorInfo, StepPlan, StepResult
 
@@ -96,12 +96,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # ends while the generator is suspended and never resumed.
         context.add_done_callback(lambda _context: self._end_session(session))
         loop = asyncio.get_running_loop()
-        steps = 0
-        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
-        started = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(rpc="Step", step_session=session):
-            _log.info("step_stream_started", peer=context.peer())
-            try:
+        try:
+            with logged_stream(_log, "step", context, counters=("steps",), rpc="Step", step_session=session) as stream:
                 async for request in request_iterator:
                     plan = plan_from_proto(request)
                     if plan.is_empty and not plan.finished_seq_ids:
@@ -110,18 +106,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                         yield result_to_proto(StepResult(plan.step_id))
                         continue
                     result = await loop.run_in_executor(self._worker, runner.execute, plan)
-                    steps += 1
+                    stream.add(steps=1)
                     yield result_to_proto(result)
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            except Exception as exc:
-                outcome = f"error: {type(exc).__name__}"
-                raise
-            finally:
-                self._end_session(session)
-                _log.info("step_stream_ended", outcome=outcome, steps=steps,
-                          seconds=round(time.perf_counter() - started, 3))
+        finally:
+            self._end_session(session)
 
     def _end_session(self, session: int) -> None:
         """Forget every sequence of `session`, once, in the worker thread after its last step."""

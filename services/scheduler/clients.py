@@ -18,7 +18,7 @@ from services.common.codec.step_codec import executor_info_from_proto, plan_to_p
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import create_channel
-from services.common.step import StepPlan, StepResult
+from services.common.step import ExecutorInfo, StepPlan, StepResult
 
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens; scheduler step ids count up from 0."""

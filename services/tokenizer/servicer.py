@@ -32,6 +32,7 @@ import structlog
 
 from services.common.codec.packed import split_packed
 from services.common.errors import InvalidArgumentError
+from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_service import TextService, check_token_ids
@@ -106,24 +107,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
         self._next_stream_number += 1
         pool = self._service.new_detokenizer_pool()
-        messages = tokens = 0
-        outcome = "requests_ended"  # half-closed by the client, or cancelled (grpc ends the requests)
-        with structlog.contextvars.bound_contextvars(rpc="Detokenize", detokenize_call=self._next_stream_number):
-            _log.info("detokenize_stream_started", peer=context.peer())
-            try:
-                async for request in request_iterator:
-                    messages += 1
-                    tokens += len(request.token_ids)
-                    yield self._detokenize_step(pool, request)
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            except Exception as exc:
-                outcome = f"error: {type(exc).__name__}"
-                raise
-            finally:
-                _log.info("detokenize_stream_ended", outcome=outcome, messages=messages, tokens=tokens,
-                          open_streams=len(pool))
+        with logged_stream(_log, "detokenize", context, counters=("messages", "tokens"),
+                           final=lambda: {"open_streams": len(pool)},
+                           rpc="Detokenize", detokenize_call=self._next_stream_number) as stream:
+            async for request in request_iterator:
+                stream.add(messages=1, tokens=len(request.token_ids))
+                yield self._detokenize_step(pool, request)
 
     def _detokenize_step(
         self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest

@@ -1,0 +1,89 @@
+"""What every service's ``main`` module does around its own servicer: one definition, four users.
+
+A service module says what it serves and how to build it; this module starts it the same way
+for all four (flags and environment parsed into the service's config dataclass, logging
+configured, the server started with the metrics interceptor when metrics are on, the
+/metrics endpoint, SERVING, the port file, signals and graceful stop)::
+
+    async def serve(config: TokenizerConfig) -> RunningServer:
+        servicer = TokenizerServicer(TextService(config.model))
+        running = await start_service(config, "tokenizer", registrar(
+            servicer, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer_pb2, "Tokenizer"))
+        await announce_serving(running, config)
+        return running
+
+    def main(argv=None) -> int:
+        return service_main("tokenizer", TokenizerConfig, serve, argv)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from types import ModuleType
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import grpc.aio
+
+from services.common.logging import configure_logging
+from services.common.metrics import rpc_interceptors, serve_metrics
+from services.common.server import RunningServer, run_service, start_server
+from services.common.service_config import publish_port
+from services.common.settings import parse_config
+
+
+class ServiceProcessConfig(Protocol):
+    """The fields service_config.service_process_fields gives every service's config."""
+
+    host: str
+    port: int
+    port_file: str
+    log_level: str
+    shutdown_grace_seconds: float
+    metrics_port: int
+
+
+ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
+
+
+def registrar(
+    servicer: Any, add_to_server: Callable[[Any, grpc.aio.Server], None], pb2_module: ModuleType, service: str
+) -> Callable[[grpc.aio.Server], list[str]]:
+    """start_server's ``add`` for one generated service: registers ``servicer``, returns its full name."""
+    full_name = pb2_module.DESCRIPTOR.services_by_name[service].full_name
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        add_to_server(servicer, server)
+        return [full_name]
+
+    return add
+
+
+async def start_service(
+    config: ServiceProcessConfig, name: str, add: Callable[[grpc.aio.Server], list[str]], *, serving: bool = False
+) -> RunningServer:
+    """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``)."""
+    return await start_server(name, add, host=config.host, port=config.port, serving=serving,
+                              interceptors=rpc_interceptors(config.metrics_port))
+
+
+async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:
+    """Ready: start /metrics, report SERVING, then publish the port file, in that order: whoever
+    waits for the port file may connect and scrape at once."""
+    serve_metrics(running, config.metrics_port)
+    await running.set_serving(True)
+    publish_port(running, config.port_file)
+
+
+def service_main(
+    name: str,
+    config_type: type[ConfigT],
+    serve: Callable[[ConfigT], Awaitable[RunningServer]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The process entry point: parse flags and TOKENMILL_* variables, configure logging, serve
+    until SIGINT/SIGTERM, stop gracefully."""
+    config = parse_config(config_type, argv, prog=f"tokenmill serve {name}")
+    configure_logging(name, config.log_level)
+    run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
+    return 0
