@@ -26,6 +26,16 @@ if not _has_cuda_device():
 # depend on it. Service processes started by tests inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `gpu` tests need a CUDA device; on a CPU machine they are reported as skipped, with the reason.
+    if _has_cuda_device():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORIES_DIR = REPO_ROOT / "models" / "stories260K"
 
