@@ -25,11 +25,11 @@ import uvloop
 from benchmarks.serving.cpu_time import CpuMeter
 from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
-from services.cli.client import build_request
-from services.cli.launcher import LaunchConfig, Launcher
 from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
+from services.stack.client import build_request
+from services.stack.launcher import LaunchConfig, Launcher
 
 SAMPLE_INTERVAL_S = 0.5
 """KV usage/waste sampling period. Sampling is work for the scheduler and this client, on the

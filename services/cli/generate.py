@@ -76,9 +76,25 @@ def _print_stats(tokens: int, ttft_ms: float, decode_ms: float, reason: str) -> 
 
 
 def _run_remote(args) -> int:
-    from services.cli.client import stream_generate
+    import grpc
 
-    return stream_generate(args)
+    from services.cli.terminal import stream_to_terminal
+    from services.stack.client import build_request, model_info
+
+    try:
+        bos = None
+        if not args.prompt:
+            info = model_info(args.address)
+            bos = info.bos_token_id if info.HasField("bos_token_id") else None
+        request = build_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos, stop=args.stop, bos_token_id=bos)
+        sys.stdout.write(args.prompt)
+        stream_to_terminal(args.address, request)
+    except grpc.RpcError as exc:
+        print(f"\ntokenmill generate: {exc.code().name}: {exc.details()} (address {args.address})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str]) -> int:

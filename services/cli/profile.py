@@ -9,15 +9,8 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-
-
-def fetch_profile(address: str, window_s: float | None = None, timeout: float = 10.0) -> generation_pb2.LatencyProfile:
-    request = generation_pb2.GetProfileRequest()
-    if window_s is not None:
-        request.window_seconds = window_s
-    with grpc.insecure_channel(address) as channel:
-        return generation_pb2_grpc.GenerationStub(channel).GetProfile(request, timeout=timeout)
+from services.common.pb.tokenmill.v1 import generation_pb2
+from services.stack.client import fetch_profile
 
 
 def profile_dict(profile: generation_pb2.LatencyProfile) -> dict:

@@ -10,8 +10,9 @@ import sys
 import threading
 from pathlib import Path
 
-from services.cli.client import build_request, stream_to_terminal
-from services.cli.launcher import LaunchConfig, Launcher
+from services.cli.terminal import stream_to_terminal
+from services.stack.client import build_request
+from services.stack.launcher import LaunchConfig, Launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = str(REPO_ROOT / "models" / "stories260K")
@@ -44,13 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _print_event(text: str) -> None:
+    print(f"[tokenmill up] {text}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},
                                      executor_args=args.executor_arg, scheduler_args=args.scheduler_arg,
-                                     log_dir=args.log_dir))
+                                     log_dir=args.log_dir, on_event=_print_event))
     print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
           file=sys.stderr)
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
-from services.cli.client import build_request
+from services.stack.client import build_request
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.tokenizer.text_tokenizer import TextTokenizer
 

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from services.cli import profile as profile_cli
-from services.cli.client import build_request
+from services.stack.client import build_request
 from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel

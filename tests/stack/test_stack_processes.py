@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.cli.launcher import LaunchConfig, Launcher
+from services.stack.launcher import LaunchConfig, Launcher
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,9 @@ class LaunchConfig:
     start_timeout_s: float = 120.0
     restart: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    on_event: Callable[[str], None] | None = None
+    """Called with each supervision event as it happens (a service exited, restarted, failed to
+    restart), from the supervisor thread; every event is also kept in ``Launcher.events``."""
 
 
 class Launcher:
@@ -140,6 +144,11 @@ class Launcher:
         return self.services["scheduler"].address
 
     # ------------------------------------------------------------------ supervise
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        if self.config.on_event is not None:
+            self.config.on_event(text)
+
     def _supervise(self) -> None:
         backoff: dict[str, float] = {}
         while not self._stopping.wait(0.2):
@@ -148,9 +157,7 @@ class Launcher:
                     continue
                 if self._stopping.is_set():
                     return
-                code = svc.process.returncode
-                self.events.append(f"{svc.name} exited with code {code}; restarting")
-                print(f"[tokenmill up] {svc.name} exited with code {code}; restarting", file=sys.stderr)
+                self._event(f"{svc.name} exited with code {svc.process.returncode}; restarting")
                 if self._stopping.wait(backoff.get(svc.name, 0.0)):
                     return
                 backoff[svc.name] = min(2 * backoff.get(svc.name, 0.25), 5.0)
@@ -163,9 +170,9 @@ class Launcher:
                     self._wait_serving(svc, self.config.start_timeout_s)
                     # Forget the back-off (not 0.0: the doubling above would keep 0 forever).
                     backoff.pop(svc.name, None)
-                    self.events.append(f"{svc.name} restarted")
+                    self._event(f"{svc.name} restarted")
                 except (RuntimeError, TimeoutError) as exc:
-                    self.events.append(f"{svc.name} restart failed: {exc}")
+                    self._event(f"{svc.name} restart failed: {exc}")
 
     # ------------------------------------------------------------------ stop
     def stop(self, timeout: float = 15.0) -> None:

@@ -1,0 +1,62 @@
+"""Calls on a running stack's public Generation API, from plain values.
+
+``build_request`` turns a prompt and sampling/stop values into a GenerateRequest (for this
+module's blocking calls and for asyncio clients alike); ``generate`` streams one Generate
+call; ``model_info`` and ``fetch_profile`` are the unary calls. Each call opens its own
+channel to ``address``. Errors arrive as ``grpc.RpcError``; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+
+
+def build_request(prompt: str | list[int] | None, *, max_tokens: int = 128, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                  ignore_eos: bool = False, stop: list[str] | tuple[str, ...] = (),
+                  bos_token_id: int | None = None) -> generation_pb2.GenerateRequest:
+    """A text prompt, or token ids; with neither, BOS alone when ``bos_token_id`` is given."""
+    req = generation_pb2.GenerateRequest()
+    if isinstance(prompt, list):
+        req.token_ids.ids.extend(prompt)
+    elif prompt:
+        req.text = prompt
+    elif bos_token_id is not None:
+        req.token_ids.ids.append(bos_token_id)  # no prompt: start from BOS alone
+    req.sampling.temperature = temperature
+    req.sampling.top_k = top_k
+    req.sampling.top_p = top_p
+    req.sampling.min_p = min_p
+    if seed is not None:
+        req.sampling.seed = seed
+    req.stop.max_tokens = max_tokens
+    req.stop.ignore_eos = ignore_eos
+    req.stop.stop.extend(stop)
+    return req
+
+
+def generate(address: str, request: generation_pb2.GenerateRequest,
+             timeout: float | None = 300.0) -> Iterator[generation_pb2.GenerateResponse]:
+    """The stream's messages as they arrive (Started, Deltas, Finished). Closing the iterator
+    early cancels the call, which aborts the request on the server."""
+    with grpc.insecure_channel(address) as channel:
+        yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+
+
+def model_info(address: str, timeout: float = 10.0) -> generation_pb2.ModelInfo:
+    with grpc.insecure_channel(address) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                                                       timeout=timeout)
+
+
+def fetch_profile(address: str, window_s: float | None = None, timeout: float = 10.0) -> generation_pb2.LatencyProfile:
+    """The scheduler's latency profile over the last ``window_s`` seconds (None: its configured window)."""
+    request = generation_pb2.GetProfileRequest()
+    if window_s is not None:
+        request.window_seconds = window_s
+    with grpc.insecure_channel(address) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).GetProfile(request, timeout=timeout)
