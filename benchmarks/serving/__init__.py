@@ -1,1 +1,1 @@
-"""The serving benchmark behind `tokenmill bench` (see services/cli/bench.py)."""
+"""The serving benchmark: ``python -m benchmarks.serving`` or ``tokenmill bench`` (driver.py)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks.serving import presets
+from benchmarks.serving import driver, presets
 from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
 from services.cli import bench
 
@@ -14,6 +17,7 @@ DISTRIBUTION_KEYS = {"mean", "p50", "p90", "p99", "max", "count"}
 SYSTEMS = {"tokenmill_services", "tokenmill_inprocess", "hf_sequential", "hf_static"}
 NUM_REQUESTS = 4
 HF_SEQUENTIAL_REQUESTS = 3
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +117,12 @@ def test_bad_arguments_are_refused_before_running(capsys):
     assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
     assert bench.main(["--preset", "quick", "--output-len", "600"]) == 2  # stories260K's context is 512
     assert "does not fit max_model_len 512" in capsys.readouterr().err
+
+
+def test_the_driver_runs_without_the_cli(capsys):
+    assert driver.main(["--preset", "quick", "--systems", "bogus"]) == 2
+    assert capsys.readouterr().err.startswith("python -m benchmarks.serving: unknown systems ['bogus']")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--help"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: python -m benchmarks.serving ")
