@@ -13,6 +13,9 @@ from benchmarks.serving import driver, presets
 from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
 from services.cli import bench
 
+# slow: runs the serving benchmark end to end (four service processes, HF baselines)
+pytestmark = pytest.mark.slow
+
 DISTRIBUTION_KEYS = {"mean", "p50", "p90", "p99", "max", "count"}
 SYSTEMS = {"tokenmill_services", "tokenmill_inprocess", "hf_sequential", "hf_static"}
 NUM_REQUESTS = 4

@@ -27,6 +27,9 @@ from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.conftest import REPO_ROOT
 
+# slow: each test runs `tokenmill generate` as a subprocess
+pytestmark = pytest.mark.slow
+
 # A story that ends 21 tokens later (greedy): the model then emits BOS to start another.
 STORY_END_PROMPT = (
     " ".join(["He did not know what to do."] * 3)

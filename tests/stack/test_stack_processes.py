@@ -28,7 +28,8 @@ from services.inprocess.engine import Engine, EngineConfig
 from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
 from tests.helpers.stack_streams import StreamRecord, assert_framed, continuation_text, greedy_request, record_stream
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# slow: starts the four services as processes and kills some
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512

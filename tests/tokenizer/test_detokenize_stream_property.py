@@ -32,6 +32,9 @@ from services.tokenizer.text_tokenizer import TextTokenizer
 from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
 from tests.helpers.stories_token_ids import DETERMINISTIC, chunk_sizes, chunked, continuation, output_ids, prompt_ids
 
+# slow: a tokenizer process and 120 examples over its stream
+pytestmark = pytest.mark.slow
+
 REFERENCE = TextTokenizer.from_dir(STORIES_DIR)
 START_TIMEOUT_S = 60.0
 

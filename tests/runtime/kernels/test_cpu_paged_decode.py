@@ -125,10 +125,12 @@ def run_bad_inputs_in_a_child(call: str, error: str) -> None:
     assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
 
 
+@pytest.mark.slow  # a child process
 def test_bad_input_leaves_the_process_alive():
     run_bad_inputs_in_a_child("cpu.paged_decode(*bad_inputs(bad), 0.125)", "ValueError")
 
 
+@pytest.mark.slow  # a child process
 def test_kernel_own_checks_remain_a_second_line():
     # Past the Python checks (a caller that claims it checked), the C++ kernel still refuses.
     run_bad_inputs_in_a_child("cpu.paged_decode(*bad_inputs(bad), 0.125, inputs_checked=True)", "RuntimeError")

@@ -69,6 +69,7 @@ def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a subprocess loading the model twice
 def test_avx2_only_cpu_keeps_bf16_on_the_plain_path():
     script = textwrap.dedent(f"""
         import torch, torch.nn.functional as F
@@ -96,6 +97,7 @@ def test_avx2_only_cpu_keeps_bf16_on_the_plain_path():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+@pytest.mark.slow  # `tokenmill generate` as a subprocess
 def test_bf16_generation_runs_on_an_avx2_only_cpu():
     command = [sys.executable, "-m", "services.cli.main", "generate", "--in-process", "--dtype", "bf16",
                "--temperature", "0", "--max-tokens", "16", "Once upon a time"]
