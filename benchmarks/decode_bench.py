@@ -38,6 +38,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
 
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 GREEDY = SamplingParams(temperature=0.0)
@@ -115,8 +116,9 @@ def make_engine(model_dir: Path, device: str, max_batch: int, prompt_len: int, o
     # Context capped at what a request needs, so the pool is exactly the batch's blocks.
     executor = ExecutorConfig(model=str(model_dir), dtype="float32", device=device, block_size=block_size,
                               num_blocks=max_batch * blocks_per_seq, max_model_len=prompt_len + output_len)
-    return Engine(EngineConfig(executor, max_num_seqs=max_batch, max_num_batched_tokens=max_batch * prompt_len,
-                               enable_prefix_caching=False))
+    limits = SchedulerLimits(max_num_seqs=max_batch, max_num_batched_tokens=max_batch * prompt_len,
+                             enable_prefix_caching=False)
+    return Engine(EngineConfig(executor, limits))
 
 
 def engine_run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[RunTiming, list[list[int]]]:

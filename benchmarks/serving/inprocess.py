@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
 from services.common.sampling_params import SamplingParams
+from services.common.settings import to_argv
 from services.common.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.kv_slots import kv_slot_usage
 
 
@@ -38,10 +40,13 @@ class EngineOptions:
         return ["--dtype", "fp32", "--device", "cpu", "--attention-backend", self.attention_backend,
                 "--block-size", str(self.block_size), "--kv-cache-bytes", str(self.kv_cache_bytes)]
 
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               enable_prefix_caching=self.enable_prefix_caching)
+
     def scheduler_flags(self) -> list[str]:
-        return ["--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
+        """Every limit spelled out, so the scheduler service runs with exactly the engine's."""
+        return to_argv(self.limits(), only_changed=False)
 
 
 class _TimedExecute:
@@ -70,9 +75,7 @@ def greedy(output_len: int) -> tuple[SamplingParams, StopConditions]:
 def build_engine(model_dir: str, options: EngineOptions) -> Engine:
     executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=options.attention_backend,
                               block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes)
-    return Engine(EngineConfig(executor, max_num_seqs=options.max_num_seqs,
-                               max_num_batched_tokens=options.max_num_batched_tokens,
-                               enable_prefix_caching=options.enable_prefix_caching))
+    return Engine(EngineConfig(executor, options.limits()))
 
 
 def warm_up(engine: Engine) -> None:

@@ -20,6 +20,16 @@ settings to a child process.
 Supported field types: str, int, float, bool (``--flag`` / ``--no-flag``), Path, Enum
 (by value), ``X | None`` (the string "none" or an empty value means None), and
 ``list[X]`` / ``tuple[X, ...]`` (comma-separated, in flags and env alike).
+
+A config may embed another config dataclass whole (``embedded``): its fields become flags of
+their own names, with environment variables named by a prefix, so a dataclass that an engine
+also uses (the scheduler's limits) is declared once and the service config holds it as is::
+
+    @dataclass
+    class SchedulerServiceConfig:
+        port: int = ...
+        limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
+        # --max-num-seqs / TOKENMILL_MAX_NUM_SEQS, with the help from the limit's metadata
 """
 
 from __future__ import annotations
@@ -114,6 +124,23 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
     return spec.parse(text)
 
 
+def embedded(config_cls: type, *, env_prefix: str) -> Any:
+    """A field that holds a whole config dataclass, whose fields become this config's flags.
+
+    Each inner field keeps its own flag name (``--max-num-seqs``, under the caller's prefix
+    only), takes its help from its metadata, and its environment variable from its metadata
+    or else ``env_prefix + NAME`` (``TOKENMILL_MAX_NUM_SEQS``). The default is the inner
+    dataclass's own defaults.
+    """
+    if not dataclasses.is_dataclass(config_cls):
+        raise TypeError(f"{config_cls!r} is not a dataclass")
+    return dataclasses.field(default_factory=config_cls, metadata={"embedded": True, "env_prefix": env_prefix})
+
+
+def _is_embedded(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("embedded"))
+
+
 def _field_default(field: dataclasses.Field) -> Any:
     if field.default is not _MISSING:
         return field.default
@@ -140,13 +167,28 @@ def add_config_arguments(
 
     prefix is prepended to the flag and dest names ("executor_" -> --executor-port), so a
     launcher can hold several configs in one parser. Environment variable names come from
-    metadata["env"] unchanged.
+    metadata["env"] unchanged (for the fields of an ``embedded`` config without one:
+    its env_prefix + the field name in capitals).
     """
     environ = os.environ if env is None else env
+    _add_arguments(parser, config_cls, prefix, environ, env_prefix=None)
+
+
+def _add_arguments(
+    parser: argparse.ArgumentParser,
+    config_cls: type,
+    prefix: str,
+    environ: Mapping[str, str],
+    env_prefix: str | None,
+) -> None:
+    """One argument group per dataclass; an embedded dataclass gets its own group."""
     group = parser.add_argument_group(config_cls.__name__)
     for field, tp in _fields_with_types(config_cls):
+        if _is_embedded(field):
+            _add_arguments(parser, tp, prefix, environ, env_prefix=field.metadata["env_prefix"])
+            continue
         spec = _field_spec(field, tp, prefix)
-        env_name = field.metadata.get("env")
+        env_name = field.metadata.get("env") or (env_prefix + field.name.upper() if env_prefix else None)
         help_text = field.metadata.get("help", "")
         default = _field_default(field)
         from_env = False
@@ -196,7 +238,11 @@ def _metavar(spec: _FieldSpec) -> str:
 
 def config_from_args(config_cls: type[T], args: argparse.Namespace, *, prefix: str = "") -> T:
     """Build config_cls from the namespace add_config_arguments filled in."""
-    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_")) for f, _ in _fields_with_types(config_cls)}
+    values = {
+        f.name: config_from_args(tp, args, prefix=prefix) if _is_embedded(f)
+        else getattr(args, (prefix + f.name).replace("-", "_"))
+        for f, tp in _fields_with_types(config_cls)
+    }
     return config_cls(**values)
 
 
@@ -225,8 +271,11 @@ def to_argv(config: Any, *, prefix: str = "", only_changed: bool = True) -> list
     """
     argv: list[str] = []
     for field, tp in _fields_with_types(type(config)):
-        spec = _field_spec(field, tp, prefix)
         value = getattr(config, field.name)
+        if _is_embedded(field):
+            argv.extend(to_argv(value, prefix=prefix, only_changed=only_changed))
+            continue
+        spec = _field_spec(field, tp, prefix)
         if only_changed and value == _field_default(field):
             continue
         if spec.kind == "bool" and not spec.optional:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.generation import GenerationDelta
 from services.common.sampling_params import SamplingParams
@@ -20,7 +20,7 @@ from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
-from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.request import FinishReason, Request, StopParams
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.output import OutputState
@@ -29,26 +29,8 @@ from services.scheduler.output import OutputState
 @dataclass(slots=True)
 class EngineConfig:
     executor: ExecutorConfig
-    max_num_seqs: int = 256
-    """Most sequences running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks and decodes together)."""
-    max_waiting_requests: int = 4096
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-
-    def scheduler_config(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
-            max_waiting_requests=self.max_waiting_requests,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching,
-            vocab_size=vocab_size,
-        )
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    """The scheduler's limits: the same type, defaults and checks as the scheduler service's."""
 
 
 @dataclass(slots=True)
@@ -82,9 +64,7 @@ class Engine:
         self.tokenizer.backend.encode_special_tokens = True
         eos = tuple(self.tokenizer.eos_token_ids) or info.eos_token_ids
         self.eos_token_ids = eos
-        self.scheduler = Scheduler(
-            config.scheduler_config(info.num_blocks, info.block_size, info.max_model_len, info.vocab_size)
-        )
+        self.scheduler = Scheduler(SchedulerConfig.for_executor(config.limits, info))
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 

@@ -1,4 +1,9 @@
-"""Scheduler service configuration: flags and TOKENMILL_* environment variables."""
+"""Scheduler service configuration: flags and TOKENMILL_* environment variables.
+
+The scheduling limits are SchedulerLimits (services/scheduler/core/config.py), embedded whole:
+their flags (--max-num-seqs ...), variables (TOKENMILL_MAX_NUM_SEQS ...) and help come from
+its fields, so the service and the in-process engine read one declaration.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from services.common.service_config import (
     port_file_field,
     shutdown_grace_field,
 )
+from services.common.settings import embedded
+from services.scheduler.core.config import SchedulerLimits
 
 
 def _f(default, help_: str, env: str):
@@ -30,13 +37,7 @@ class SchedulerServiceConfig:
         "TOKENMILL_TOKENIZER_ADDRESSES")
     drafter_address: str = _f("", "drafter service address (empty = no speculative decoding)",
                               "TOKENMILL_DRAFTER_ADDRESS")
-    max_num_seqs: int = _f(256, "most sequences running at once", "TOKENMILL_MAX_NUM_SEQS")
-    max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes)",
-                                     "TOKENMILL_MAX_NUM_BATCHED_TOKENS")
-    max_waiting_requests: int = _f(4096, "waiting queue bound; beyond it Generate returns RESOURCE_EXHAUSTED",
-                                   "TOKENMILL_MAX_WAITING_REQUESTS")
-    enable_prefix_caching: bool = _f(True, "reuse K/V of shared prompt prefixes", "TOKENMILL_ENABLE_PREFIX_CACHING")
-    enable_chunked_prefill: bool = _f(True, "split long prompts over steps", "TOKENMILL_ENABLE_CHUNKED_PREFILL")
+    limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
     max_prompt_chars: int = _f(1_000_000, "longest text prompt accepted, in characters", "TOKENMILL_MAX_PROMPT_CHARS")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")

@@ -24,7 +24,7 @@ from services.common.generation import GenerationDelta
 from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
-from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.outputs import RequestUpdate
 from services.scheduler.core.request import FinishReason, Request, StopParams
 from services.scheduler.core.scheduler import Scheduler
@@ -80,10 +80,10 @@ class _Published:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler_config: Callable[[int, int, int, int], SchedulerConfig], executor: ExecutorLink,
-                 tokenizers: TokenizerPool, connect_timeout_s: float, on_finished=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._make_config = scheduler_config
+    def __init__(self, limits: SchedulerLimits, executor: ExecutorLink, tokenizers: TokenizerPool,
+                 connect_timeout_s: float, on_finished=None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        """The operator's limits; each executor session's core config adds the executor's facts."""
         self.executor = executor
         executor.on_lost = self._on_executor_lost
         self.tokenizers = tokenizers
@@ -114,7 +114,7 @@ class SchedulerLoop:
 
     async def _connect_executor(self) -> None:
         info = await self.executor.connect(self.connect_timeout_s)
-        self.core = Scheduler(self._make_config(info.num_blocks, info.block_size, info.max_model_len, info.vocab_size))
+        self.core = Scheduler(SchedulerConfig.for_executor(self.limits, info))
         tokenizer_eos = tuple(self.tokenizers.info.eos_token_ids) if self.tokenizers.info else ()
         self.eos_token_ids = tokenizer_eos or info.eos_token_ids
         _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,

@@ -12,22 +12,9 @@ from services.common.service_config import publish_port
 from services.common.settings import parse_config
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.profile import LatencyProfileRecorder
 from services.scheduler.servicer import GenerationServicer
-
-
-def core_config_factory(config: SchedulerServiceConfig):
-    def make(num_blocks: int, block_size: int, max_model_len: int, vocab_size: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            max_waiting_requests=config.max_waiting_requests,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, vocab_size=vocab_size)
-    return make
 
 
 PROFILE_RETENTION_S = 600.0
@@ -44,7 +31,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         for observe in observers:
             observe(delta, output_state)
 
-    loop = SchedulerLoop(core_config_factory(config), ExecutorLink(config.executor_address),
+    loop = SchedulerLoop(config.limits, ExecutorLink(config.executor_address),
                          TokenizerPool(config.tokenizer_addresses), config.connect_timeout_s,
                          on_finished=on_finished)
     await loop.start()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.settings import add_config_arguments, config_from_args, parse_config, to_argv
+from services.common.settings import add_config_arguments, config_from_args, embedded, parse_config, to_argv
 
 
 class Backend(enum.Enum):
@@ -155,3 +155,44 @@ def test_unsupported_field_type_is_rejected() -> None:
 
     with pytest.raises(TypeError, match="field 'mapping': unsupported type"):
         parse_config(Bad, [], env={})
+
+
+@dataclass(frozen=True)
+class DemoLimits:
+    max_seqs: int = field(default=4, metadata={"help": "running batch"})
+    caching: bool = field(default=True, metadata={"help": "prefix cache", "env": "OTHER_CACHING"})
+
+
+@dataclass
+class WithLimits:
+    port: int = field(default=1, metadata={"help": "port", "env": "T_PORT"})
+    limits: DemoLimits = embedded(DemoLimits, env_prefix="T_")
+
+
+def test_embedded_config_fields_are_flags_with_prefixed_env_vars(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config(WithLimits, [], env={}) == WithLimits()
+    config = parse_config(WithLimits, ["--max-seqs", "9"], env={"T_MAX_SEQS": "5", "OTHER_CACHING": "0"})
+    assert config == WithLimits(limits=DemoLimits(max_seqs=9, caching=False))
+    assert parse_config(WithLimits, [], env={"T_MAX_SEQS": "5"}).limits == DemoLimits(max_seqs=5)
+    with pytest.raises(SystemExit):
+        parse_config(WithLimits, ["--help"], env={})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "running batch (default: 4; env: T_MAX_SEQS)" in text
+    assert "--caching, --no-caching prefix cache (default: true; env: OTHER_CACHING)" in text
+    assert "DemoLimits:" in text
+
+
+def test_embedded_config_round_trips_and_takes_the_prefix() -> None:
+    config = WithLimits(port=3, limits=DemoLimits(max_seqs=9, caching=False))
+    assert to_argv(config) == ["--port", "3", "--max-seqs", "9", "--no-caching"]
+    assert parse_config(WithLimits, to_argv(config), env={}) == config
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, WithLimits, prefix="scheduler_", env={})
+    args = parser.parse_args(to_argv(config, prefix="scheduler_"))
+    assert "--scheduler-max-seqs" in to_argv(config, prefix="scheduler_")
+    assert config_from_args(WithLimits, args, prefix="scheduler_") == config
+
+
+def test_embedded_needs_a_dataclass() -> None:
+    with pytest.raises(TypeError, match="is not a dataclass"):
+        embedded(int, env_prefix="T_")

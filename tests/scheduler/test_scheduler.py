@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -24,13 +25,18 @@ from services.scheduler.core import (
     RequestUpdate,
     Scheduler,
     SchedulerConfig,
+    SchedulerLimits,
     StopParams,
 )
 
 TOKEN = 7  # what the fake executor samples unless told otherwise
 
 
+LIMIT_NAMES = {f.name for f in dataclasses.fields(SchedulerLimits)}
+
+
 def make_config(**overrides) -> SchedulerConfig:
+    """Limits and executor facts in one set of keyword arguments."""
     values = dict(
         max_model_len=64,
         num_blocks=64,
@@ -40,7 +46,8 @@ def make_config(**overrides) -> SchedulerConfig:
         vocab_size=32000,
     )
     values.update(overrides)
-    return SchedulerConfig(**values)
+    limits = SchedulerLimits(**{name: values.pop(name) for name in LIMIT_NAMES & values.keys()})
+    return SchedulerConfig(limits, **values)
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -806,8 +813,8 @@ def test_random_workload_keeps_every_invariant_and_frees_everything():
                 request.spec_token_ids = [rng.randrange(1, 400) for _ in range(rng.randrange(1, 4))]
         plan = scheduler.schedule()
 
-        assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
-        assert len(scheduler.running) <= config.max_num_seqs
+        assert plan.num_scheduled_tokens <= config.limits.max_num_batched_tokens
+        assert len(scheduler.running) <= config.limits.max_num_seqs
         for seq_id in plan.finished_seq_ids:
             assert executor_known.pop(seq_id, None) is not None
         by_seq_id = {r.seq_id: r for r in scheduler.requests.values()}

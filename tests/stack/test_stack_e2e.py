@@ -33,6 +33,7 @@ from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.main import serve as serve_scheduler
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
@@ -371,7 +372,8 @@ async def test_full_waiting_queue_is_resource_exhausted(stack) -> None:
     # request and lets one wait.
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=BLOCK_SIZE,
                                                           num_blocks=64, **ENGINE_FLAGS))
-    scheduler = await start_scheduler(executor, stack.tokenizer, max_num_seqs=1, max_waiting_requests=1)
+    scheduler = await start_scheduler(executor, stack.tokenizer,
+                                      limits=SchedulerLimits(max_num_seqs=1, max_waiting_requests=1))
     try:
         async with create_channel(scheduler.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)

@@ -1,7 +1,7 @@
 """The scheduler core: a pure-Python state machine (no I/O, no torch, no clock)."""
 
 from services.scheduler.core.block_manager import BlockManager, hash_block_tokens
-from services.scheduler.core.config import SchedulerConfig
+from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
 from services.scheduler.core.request import (
@@ -25,6 +25,7 @@ __all__ = [
     "RequestUpdate",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerLimits",
     "SchedulerStats",
     "StopParams",
     "WaitingQueue",

@@ -1,39 +1,108 @@
-"""Scheduler limits and switches: a value object validated once at start."""
+"""What the scheduler core works within: the operator's limits and the executor's facts.
+
+``SchedulerLimits`` is everything an operator sets, declared once. The in-process engine's
+EngineConfig embeds it, and so does the scheduler service's SchedulerServiceConfig, whose
+flags (``--max-num-seqs``), TOKENMILL_* variables and help are generated from these fields
+(``services.common.settings.embedded``). A new limit is a field here plus the code that
+uses it.
+
+``SchedulerConfig`` is the core's: the limits plus what the executor reports once per
+session (its KV pool and the model's limits), built by ``SchedulerConfig.for_executor``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.step import ExecutorInfo
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_model_len: int
-    """Longest sequence (prompt + output) in tokens; from the executor's ExecutorInfo."""
-    num_blocks: int
-    """KV-cache blocks the executor holds; valid block ids are [0, num_blocks)."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    max_num_seqs: int = 256
+def _limit(default: Any, help_text: str) -> Any:
+    """A limit with its default and the one-line help its command-line flag shows."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    """The operator's limits and switches. Checked by ``validate``, once, when the core starts."""
+
+    max_num_seqs: int = _limit(256, "most sequences running at once")
     """Most requests running at once (holding blocks, known to the executor)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step: sum of num_scheduled_tokens over the plan."""
-    max_waiting_requests: int = 4096
+    max_num_batched_tokens: int = _limit(2048, "token budget of one step (prefill chunks + decodes)")
+    """Token budget of one step: sum of num_scheduled_tokens over the plan. ``for_executor``
+    raises it to max_num_seqs when below, so every running sequence can decode in a step."""
+    max_waiting_requests: int = _limit(
+        4096, "waiting queue bound; beyond it Generate returns RESOURCE_EXHAUSTED"
+    )
     """Most requests waiting to start; beyond it add_request raises QueueFullError."""
-    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = _limit(True, "reuse K/V of shared prompt prefixes")
+    """Reuse the K/V of full blocks whose token prefix was computed before."""
+    enable_chunked_prefill: bool = _limit(True, "split long prompts over steps")
     """Split a prompt over several steps when it does not fit the remaining token budget.
     Off: a prompt is scheduled whole or waits for a step with room for all of it."""
-    enable_prefix_caching: bool = True
-    """Reuse the K/V of full blocks whose token prefix was computed before."""
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = _limit(
+        0, "most tokens one request computes in a step (0 = no cap)"
+    )
     """Most tokens one request may compute in a step (long prompts then share steps with
     decodes instead of taking the whole budget); 0 = no per-request cap."""
-    vocab_size: int | None = None
-    """When set, token ids of new requests are checked against [0, vocab_size)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
-        for name in ("max_model_len", "num_blocks", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}: not every running sequence could decode in a step"
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold > 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} splits prompts "
+                f"over steps and needs enable_chunked_prefill=True (got False)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The core's configuration: the operator's limits and the executor's facts."""
+
+    limits: SchedulerLimits
+    max_model_len: int
+    """Longest sequence (prompt + output) in tokens."""
+    num_blocks: int
+    """KV-cache blocks the executor holds; valid block ids are [0, num_blocks)."""
+    block_size: int
+    """Tokens per KV-cache block."""
+    vocab_size: int
+    """Token ids of new requests are checked against [0, vocab_size)."""
+
+    @classmethod
+    def for_executor(cls, limits: SchedulerLimits, info: ExecutorInfo) -> SchedulerConfig:
+        """The core's config for one executor session (the services' loop and the in-process
+        engine both build it here)."""
+        budget = max(limits.max_num_batched_tokens, limits.max_num_seqs)
+        return cls(
+            limits=dataclasses.replace(limits, max_num_batched_tokens=budget),
+            max_model_len=info.max_model_len,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            vocab_size=info.vocab_size,
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field(s) and value(s): the limits alone, the
+        executor's facts, then the limits against those facts."""
+        self.limits.validate()
+        for name in ("max_model_len", "num_blocks", "block_size", "vocab_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -42,32 +111,16 @@ class SchedulerConfig:
                 f"max_model_len must be >= 2 (one prompt token and one output token), "
                 f"got {self.max_model_len}"
             )
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 when set, got {self.vocab_size}")
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             raise ValueError(
                 f"num_blocks={self.num_blocks} x block_size={self.block_size} = {capacity} tokens "
                 f"cannot hold one sequence of max_model_len={self.max_model_len}"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
-                f"max_num_seqs={self.max_num_seqs}: not every running sequence could decode in a step"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        limits = self.limits
+        if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
-                f"max_num_batched_tokens={self.max_num_batched_tokens} < "
+                f"max_num_batched_tokens={limits.max_num_batched_tokens} < "
                 f"max_model_len={self.max_model_len}: a long prompt could never be scheduled"
-            )
-        if not self.enable_chunked_prefill and self.long_prefill_token_threshold > 0:
-            raise ValueError(
-                f"long_prefill_token_threshold={self.long_prefill_token_threshold} splits prompts "
-                f"over steps and needs enable_chunked_prefill=True (got False)"
             )

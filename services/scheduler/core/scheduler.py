@@ -46,7 +46,7 @@ class Scheduler:
         config.validate()
         self.config = config
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.limits.enable_prefix_caching
         )
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -75,10 +75,11 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} was already added to a scheduler")
         request.sampling = sampling_with_stop_rules(request.sampling, request.stop)
         request.validate(self.config.max_model_len, self.config.vocab_size)
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        max_waiting = self.config.limits.max_waiting_requests
+        if len(self.waiting) >= max_waiting:
             raise QueueFullError(
                 f"waiting queue is full: {len(self.waiting)} requests waiting, "
-                f"max_waiting_requests={self.config.max_waiting_requests}"
+                f"max_waiting_requests={max_waiting}"
             )
         request.seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -139,7 +140,7 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_seq_ids)
         self._next_step_id += 1
         self._finished_seq_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.limits.max_num_batched_tokens
         preemptions_before = self.num_preemptions
 
         index = 0
@@ -168,7 +169,7 @@ class Scheduler:
 
     def _running_tokens_to_schedule(self, request: Request, budget: int) -> tuple[int, list[int]]:
         num_new = request.num_tokens - request.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.config.limits.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
         draft_token_ids: list[int] = []
@@ -195,18 +196,18 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, now: float | None) -> None:
-        config = self.config
+        limits = self.config.limits
         manager = self.block_manager
-        while budget > 0 and len(self.running) < config.max_num_seqs:
+        while budget > 0 and len(self.running) < limits.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
                 break
             hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if config.long_prefill_token_threshold > 0:
-                num_new = min(num_new, config.long_prefill_token_threshold)
+            if limits.long_prefill_token_threshold > 0:
+                num_new = min(num_new, limits.long_prefill_token_threshold)
             if num_new > budget:
-                if not config.enable_chunked_prefill:
+                if not limits.enable_chunked_prefill:
                     break  # wait for a step with room for the whole prompt; keep arrival order
                 num_new = budget
             new_block_ids = manager.allocate_slots(request, num_new, hit_block_ids)

@@ -13,6 +13,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 48
@@ -26,7 +27,7 @@ PROMPT_SLICES = [(0, 1), (3, 2), (5, 3), (9, 5), (2, 8), (30, 13), (11, 21), (40
 def engine(stories_dir) -> Engine:
     # Prefix caching off: alone and batched, every prompt token is computed in the step.
     executor = ExecutorConfig(model=str(stories_dir), dtype="float32", device="cpu", num_blocks=512)
-    return Engine(EngineConfig(executor, enable_prefix_caching=False))
+    return Engine(EngineConfig(executor, SchedulerLimits(enable_prefix_caching=False)))
 
 
 @pytest.fixture(scope="module")

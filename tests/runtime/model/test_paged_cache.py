@@ -19,15 +19,16 @@ from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
 
 GREEDY = SamplingParams(temperature=0.0)
 KV_CAPACITY_TOKENS = 4096
 
 
-def make_engine(model_dir: Path, block_size: int = 16, **engine_fields) -> Engine:
+def make_engine(model_dir: Path, block_size: int = 16, **limits) -> Engine:
     executor = ExecutorConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=block_size,
                               num_blocks=KV_CAPACITY_TOKENS // block_size)
-    return Engine(EngineConfig(executor, **engine_fields))
+    return Engine(EngineConfig(executor, SchedulerLimits(**limits)))
 
 
 def greedy_tokens(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
