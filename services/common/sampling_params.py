@@ -1,4 +1,8 @@
-"""Per-request sampling parameters: a value object, validated once at the edge."""
+"""Per-request sampling parameters: how the next token is drawn, a value object.
+
+When generation ends (max_tokens, stop strings and ids, min_tokens) is not here but in
+``services.common.stop.StopConditions``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ from dataclasses import dataclass, field
 # Upper bounds on user-controlled sizes; each is named in the error it produces.
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(slots=True)
@@ -38,10 +41,6 @@ class SamplingParams:
     never on the rest of the batch."""
     logprobs: int | None = None
     """None: no logprobs. n >= 0: the sampled token's logprob plus the n most likely alternatives."""
-    min_tokens: int = 0
-    """The stop token ids below cannot be sampled before this many tokens were generated."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids (EOS included unless ignore_eos) banned while fewer than min_tokens were generated."""
 
     @property
     def is_greedy(self) -> bool:
@@ -74,12 +73,3 @@ class SamplingParams:
                 raise ValueError(f"logit_bias value {bias} for token {token_id} is outside [-100, 100]")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit is {MAX_STOP_TOKEN_IDS}"
-            )
-        for token_id in self.stop_token_ids:
-            if not (0 <= token_id < vocab_size):
-                raise ValueError(f"stop_token_ids entry {token_id} is outside [0, {vocab_size})")

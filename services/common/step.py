@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 
 
 @dataclass(slots=True)
@@ -34,6 +35,8 @@ class NewSequence:
     block_ids: list[int]
     """The block table: physical block ids, in order, covering at least the computed + scheduled tokens."""
     sampling: SamplingParams
+    min_tokens_ban: MinTokensBan | None = None
+    """Ids the sampler may not draw before min_tokens outputs (StopConditions.min_tokens_ban)."""
 
 
 @dataclass(slots=True)

@@ -1,14 +1,24 @@
-"""When a generation ends: the public stop conditions of a request."""
+"""When a generation ends: a request's stop rules, one type checked by one validator.
+
+``StopConditions`` is the only home of the stop rules. The public API's StopConditions
+message maps onto it; the scheduler core's Request holds it (beside the model's EOS ids) and
+applies its token rules after every step; the scheduler's output side matches its stop
+strings in the detokenized text. The executor's sampler needs one consequence of it only,
+which ids it may not sample before ``min_tokens`` tokens were generated: ``min_tokens_ban``
+derives that small value once per request and the step contract carries it
+(``NewSequence.min_tokens_ban``), so SamplingParams says how a token is drawn and nothing
+about when generation ends.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.sampling_params import MAX_STOP_TOKEN_IDS
-
+# Upper bounds on user-controlled sizes; each is named in the error it produces.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 def validate_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
@@ -32,8 +42,23 @@ def validate_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stop))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class MinTokensBan:
+    """The sampler's share of a request's stop rules: while fewer than ``min_tokens`` tokens
+    were generated, the logits of ``token_ids`` are set to -inf.
+
+    Derived by ``StopConditions.min_tokens_ban``; a request that bans nothing has None instead.
+    """
+
+    min_tokens: int
+    token_ids: tuple[int, ...]
+    """The stop token ids, plus the model's EOS ids unless ignore_eos."""
+
+
+@dataclass(frozen=True, slots=True)
 class StopConditions:
+    """When one request's generation ends. Check with ``validate`` before use."""
+
     max_tokens: int | None = None
     """Most tokens to generate; None = until the context is full."""
     stop: tuple[str, ...] = ()
@@ -48,17 +73,38 @@ class StopConditions:
     """Keep the matched stop string at the end of the text."""
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.max_tokens is not None and self.max_tokens >= max_model_len:
-            raise ValueError(f"max_tokens {self.max_tokens} must be below the context limit {max_model_len}")
+        """Raise ValueError naming the field, its value and the limit it breaks.
+
+        The one check of the stop rules; the scheduler core runs it when a request is added.
+        """
+        max_tokens = self.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None for no limit), got {max_tokens}")
+        if max_tokens is not None and max_tokens >= max_model_len:
+            raise ValueError(f"max_tokens {max_tokens} must be below the context limit {max_model_len}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={max_tokens}")
         validate_stop_strings(self.stop)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit is {MAX_STOP_TOKEN_IDS}")
-        for t in self.stop_token_ids:
-            if not (0 <= t < vocab_size):
-                raise ValueError(f"stop_token_ids entry {t} is outside [0, {vocab_size})")
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit MAX_STOP_TOKEN_IDS is "
+                f"{MAX_STOP_TOKEN_IDS}"
+            )
+        for token_id in self.stop_token_ids:
+            if not (0 <= token_id < vocab_size):
+                raise ValueError(f"stop_token_ids entry {token_id} is outside [0, {vocab_size})")
+
+    def min_tokens_ban(self, eos_token_ids: Sequence[int]) -> MinTokensBan | None:
+        """What the sampler must ban before min_tokens, or None when nothing is banned.
+
+        The ids that would end the request: stop_token_ids, and the model's EOS ids unless
+        ignore_eos (those not already among the stop ids).
+        """
+        if self.min_tokens == 0:
+            return None
+        banned = tuple(self.stop_token_ids)
+        if not self.ignore_eos:
+            banned += tuple(t for t in eos_token_ids if t not in banned)
+        return MinTokensBan(self.min_tokens, banned) if banned else None

@@ -16,6 +16,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name, parse_dtype
 from services.runtime.model.llama import LlamaForCausalLM
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 from services.runtime.sampling.sampler import Sampler, SamplingBatch
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult
 from services.executor.config import ExecutorConfig
@@ -30,6 +31,7 @@ class SequenceState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
+    min_tokens_ban: MinTokensBan | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,7 +123,7 @@ class ModelRunner:
             self._check_block_ids(new.seq_id, new.block_ids)
             state = SequenceState(
                 new.seq_id, list(new.token_ids), new.prompt_len, list(new.block_ids),
-                new.num_computed_tokens, new.sampling,
+                new.num_computed_tokens, new.sampling, new.min_tokens_ban,
             )
             self.sequences[new.seq_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
@@ -208,6 +210,7 @@ class ModelRunner:
                 [s.token_ids[s.prompt_len :] for s in states],
                 self.model_config.vocab_size,
                 self.device,
+                [s.min_tokens_ban for s in states],
             )
             sampled = self.sampler(logits, batch).to_lists(batch)
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):

@@ -8,7 +8,6 @@ the four-service stack is compared against (outputs and throughput), and the eng
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
-from services.scheduler.core.request import FinishReason, Request, StopParams
+from services.scheduler.core.request import FinishReason, Request
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.output import OutputState
 
@@ -41,16 +40,6 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
 
 
-def build_stop_params(stop: StopConditions, eos_token_ids: Sequence[int]) -> StopParams:
-    return StopParams(
-        max_tokens=stop.max_tokens,
-        stop_token_ids=tuple(stop.stop_token_ids),
-        eos_token_ids=tuple(eos_token_ids),
-        ignore_eos=stop.ignore_eos,
-        min_tokens=stop.min_tokens,
-    )
-
-
 class Engine:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
         self.config = config
@@ -66,7 +55,8 @@ class Engine:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(SchedulerConfig.for_executor(config.limits, info))
         self._tracked: dict[str, _Tracked] = {}
-        self._ids = itertools.count()
+        self._num_admitted = 0
+        """Requests admitted so far: names the next one without an id (req-N)."""
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: str | Sequence[int] | None, add_special_tokens: bool = True) -> list[int]:
@@ -89,17 +79,16 @@ class Engine:
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> str:
-        sampling = sampling or SamplingParams()
+        """Queue one request; returns its id. Raises ValueError (naming the field and the limit)
+        for a request the scheduler refuses, QueueFullError when the waiting queue is full."""
         stop = stop or StopConditions()
-        vocab = self.info.vocab_size
-        sampling.validate(vocab)
-        stop.validate(vocab, self.info.max_model_len)
         prompt_ids = self.encode_prompt(prompt, add_special_tokens)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{self._num_admitted}"
         now = self.clock()
-        request = Request(request_id, prompt_ids, sampling, build_stop_params(stop, self.eos_token_ids),
+        request = Request(request_id, prompt_ids, sampling or SamplingParams(), stop, self.eos_token_ids,
                           priority=priority, arrival_time=now)
         self.scheduler.add_request(request)
+        self._num_admitted += 1
         self._tracked[request_id] = _Tracked(
             request,
             OutputState(request_id, len(prompt_ids), tuple(stop.stop), stop.include_stop_str_in_output, now),

@@ -26,7 +26,7 @@ from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.outputs import RequestUpdate
-from services.scheduler.core.request import FinishReason, Request, StopParams
+from services.scheduler.core.request import FinishReason, Request
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.kv_slots import KVSlotUsage, kv_slot_usage
@@ -145,17 +145,11 @@ class SchedulerLoop:
             raise UnavailableError("the server is shutting down")
         if not self.ready:
             raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
-        info = self.executor.info
-        sampling.validate(info.vocab_size)
-        stop.validate(info.vocab_size, info.max_model_len)
         if request_id in self._tracked:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
         now = self.clock()
-        request = Request(request_id, prompt_ids, sampling,
-                          StopParams(max_tokens=stop.max_tokens, stop_token_ids=tuple(stop.stop_token_ids),
-                                     eos_token_ids=self.eos_token_ids, ignore_eos=stop.ignore_eos,
-                                     min_tokens=stop.min_tokens),
-                          priority=priority, arrival_time=now)
+        request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
+                          arrival_time=now)
         try:
             self.core.add_request(request)
         except QueueFullError as exc:

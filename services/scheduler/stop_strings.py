@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.stop import validate_stop_strings
-
 
 class StopStringMatcher:
     """Feed text deltas; get back (text to emit, matched stop string or None).
@@ -28,7 +26,9 @@ class StopStringMatcher:
     __slots__ = ("_stops", "_include", "_prefixes", "_first_chars", "_max_hold", "_held", "_matched")
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self._stops = validate_stop_strings(stop)
+        """``stop``: stop strings already checked by ``StopConditions.validate`` (non-empty,
+        within the limits); duplicates are dropped here."""
+        self._stops = tuple(dict.fromkeys(stop))
         self._include = include_stop_str_in_output
         # Every proper prefix of every stop string: a suffix of the text in this set must wait.
         self._prefixes = frozenset(s[:n] for s in self._stops for n in range(1, len(s)))

@@ -15,6 +15,7 @@ from services.common.codec.step_codec import (
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 from services.common.step import (
     NewSequence,
     RunningSequence,
@@ -47,9 +48,8 @@ FULL_SAMPLING = SamplingParams(
     logit_bias={5: -100.0, 17: 2.5},
     seed=2**63 + 11,
     logprobs=3,
-    min_tokens=4,
-    stop_token_ids=(2, 32000),
 )
+FULL_BAN = MinTokensBan(min_tokens=4, token_ids=(2, 32000))
 
 
 # --- sampling ---
@@ -58,11 +58,7 @@ FULL_SAMPLING = SamplingParams(
 @pytest.mark.parametrize("params", [SamplingParams(), FULL_SAMPLING, SamplingParams(temperature=0.0, logprobs=0, seed=0)])
 def test_sampling_round_trip_is_exact(params: SamplingParams) -> None:
     msg = sampling_to_proto(params)
-    back = sampling_from_proto(
-        common_pb2.SamplingParams.FromString(msg.SerializeToString()),
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-    )
+    back = sampling_from_proto(common_pb2.SamplingParams.FromString(msg.SerializeToString()))
     assert back == params
 
 
@@ -106,6 +102,7 @@ def test_mixed_plan_round_trip() -> None:
                 num_scheduled_tokens=4,
                 block_ids=[7],
                 sampling=FULL_SAMPLING,
+                min_tokens_ban=FULL_BAN,
             ),
             # A preempted sequence coming back: output tokens past prompt_len, prefix hit.
             NewSequence(
@@ -151,10 +148,13 @@ def test_plan_packs_running_sequences_as_parallel_arrays() -> None:
 
 
 def test_new_sequence_carries_min_tokens_and_stop_ids_beside_sampling() -> None:
-    seq = NewSequence(1, [1, 2], 2, 0, 2, [0], FULL_SAMPLING)
+    seq = NewSequence(1, [1, 2], 2, 0, 2, [0], FULL_SAMPLING, FULL_BAN)
     msg = plan_to_proto(StepPlan(step_id=1, new=[seq])).new_sequences[0]
     assert msg.min_tokens == 4
     assert list(msg.stop_token_ids) == [2, 32000]
+    no_ban = plan_to_proto(StepPlan(step_id=1, new=[NewSequence(1, [1, 2], 2, 0, 2, [0], FULL_SAMPLING)]))
+    assert (no_ban.new_sequences[0].min_tokens, list(no_ban.new_sequences[0].stop_token_ids)) == (0, [])
+    assert wire_plan(StepPlan(step_id=1, new=[seq])).new[0].min_tokens_ban == FULL_BAN
 
 
 def test_decoded_running_lists_are_independent_objects() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from services.runtime.sampling.batch import SamplingBatch, derive_row_seed
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 from services.runtime.sampling.sampler import Sampler, process_logits
 
 CPU = torch.device("cpu")
@@ -24,12 +25,14 @@ def ref_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum()
 
 
-def ref_penalties(logits: np.ndarray, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
+def ref_penalties(
+    logits: np.ndarray, p: SamplingParams, prompt: Sequence[int], output: Sequence[int], ban: MinTokensBan | None = None
+) -> np.ndarray:
     out = logits.astype(np.float64).copy()
     for token, bias in p.logit_bias.items():
         out[token] += bias
-    if len(output) < p.min_tokens:
-        for token in p.stop_token_ids:
+    if ban is not None and len(output) < ban.min_tokens:
+        for token in ban.token_ids:
             out[token] = -np.inf
     for token in set(prompt) | set(output):
         out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
@@ -64,8 +67,8 @@ def ref_top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
     return np.where(logits >= logits[last], logits, -np.inf)
 
 
-def ref_process(logits: np.ndarray, p: SamplingParams, prompt=(), output=()) -> np.ndarray:
-    out = ref_penalties(logits, p, prompt, output)
+def ref_process(logits: np.ndarray, p: SamplingParams, prompt=(), output=(), ban=None) -> np.ndarray:
+    out = ref_penalties(logits, p, prompt, output, ban)
     if p.is_greedy:
         return out
     out = out / p.temperature
@@ -75,10 +78,10 @@ def ref_process(logits: np.ndarray, p: SamplingParams, prompt=(), output=()) -> 
 # ---------------------------------------------------------------- helpers
 
 
-def make_batch(params, prompts=None, outputs=None, vocab_size=16) -> SamplingBatch:
+def make_batch(params, prompts=None, outputs=None, vocab_size=16, bans=None) -> SamplingBatch:
     prompts = prompts if prompts is not None else [[] for _ in params]
     outputs = outputs if outputs is not None else [[] for _ in params]
-    return SamplingBatch.build(params, prompts, outputs, vocab_size, CPU)
+    return SamplingBatch.build(params, prompts, outputs, vocab_size, CPU, bans)
 
 
 def kept(row: torch.Tensor) -> set[int]:
@@ -99,37 +102,35 @@ BASE = np.array([2.5, -1.25, 0.75, 3.0, -0.5, 1.5, 0.0, -2.0, 1.0, 0.25, -3.5, 2
 
 
 @pytest.mark.parametrize(
-    "params, prompt, output",
+    "params, ban, prompt, output",
     [
-        (SamplingParams(logit_bias={0: 5.0, 7: -100.0, 15: 0.5}), [], []),
-        (SamplingParams(min_tokens=3, stop_token_ids=(3, 11)), [], [1, 2]),  # ban active
-        (SamplingParams(min_tokens=2, stop_token_ids=(3, 11)), [], [1, 2]),  # ban lifted
-        (SamplingParams(repetition_penalty=1.5), [0, 1, 1, 6], [3, 4, 4]),  # pos, neg, zero logits
-        (SamplingParams(repetition_penalty=0.5), [7, 5], [5, 5]),  # < 1 rewards repeats
-        (SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 0], [3, 3, 3, 2, 9]),
-        (SamplingParams(frequency_penalty=-1.0, presence_penalty=2.0), [], [1, 1]),
+        (SamplingParams(logit_bias={0: 5.0, 7: -100.0, 15: 0.5}), None, [], []),
+        (SamplingParams(), MinTokensBan(3, (3, 11)), [], [1, 2]),  # ban active
+        (SamplingParams(), MinTokensBan(2, (3, 11)), [], [1, 2]),  # ban lifted
+        (SamplingParams(repetition_penalty=1.5), None, [0, 1, 1, 6], [3, 4, 4]),  # pos, neg, zero logits
+        (SamplingParams(repetition_penalty=0.5), None, [7, 5], [5, 5]),  # < 1 rewards repeats
+        (SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), None, [0, 0], [3, 3, 3, 2, 9]),
+        (SamplingParams(frequency_penalty=-1.0, presence_penalty=2.0), None, [], [1, 1]),
         (
-            SamplingParams(
-                logit_bias={4: 2.0}, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5,
-                min_tokens=5, stop_token_ids=(0,),
-            ),
+            SamplingParams(logit_bias={4: 2.0}, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5),
+            MinTokensBan(5, (0,)),
             [4, 8],
             [4, 4, 12],
         ),
     ],
 )
-def test_penalty_stages_match_reference(params, prompt, output):
-    batch = make_batch([params], [prompt], [output])
+def test_penalty_stages_match_reference(params, ban, prompt, output):
+    batch = make_batch([params], [prompt], [output], bans=[ban])
     processed = process_logits(torch.tensor(BASE, dtype=torch.float32)[None], batch)
-    assert_matches_reference(processed.logits[0], ref_penalties(BASE, params, prompt, output))
+    assert_matches_reference(processed.logits[0], ref_penalties(BASE, params, prompt, output, ban))
 
 
 def test_penalty_stages_hand_computed():
     # Repetition 2 on token 0 (2.5 -> 1.25) and token 1 (-1.25 -> -2.5); token 3 banned;
     # token 5 generated twice with frequency 0.5 + presence 0.25: 1.5 - 1.0 - 0.25 = 0.25.
-    params = SamplingParams(repetition_penalty=2.0, min_tokens=9, stop_token_ids=(3,))
+    params = SamplingParams(repetition_penalty=2.0)
     params2 = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
-    batch = make_batch([params, params2], [[0, 1], []], [[], [5, 5]])
+    batch = make_batch([params, params2], [[0, 1], []], [[], [5, 5]], bans=[MinTokensBan(9, (3,)), None])
     logits = torch.tensor(np.stack([BASE, BASE]), dtype=torch.float32)
     out = process_logits(logits, batch).logits
     assert out[0, 0].item() == 1.25 and out[0, 1].item() == -2.5 and out[0, 3].item() == float("-inf")
@@ -203,18 +204,19 @@ def test_full_pipeline_matches_reference_on_a_mixed_batch():
         SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
         SamplingParams(temperature=1.3, top_p=0.8, frequency_penalty=0.4, presence_penalty=-0.3),
         SamplingParams(temperature=0.0, repetition_penalty=1.2, logit_bias={3: 4.0}),
-        SamplingParams(temperature=1.0, min_p=0.1, logit_bias={7: -5.0, 9: 3.0}, min_tokens=4, stop_token_ids=(1, 2)),
+        SamplingParams(temperature=1.0, min_p=0.1, logit_bias={7: -5.0, 9: 3.0}),
         SamplingParams(temperature=0.5, top_k=5),
         SamplingParams(),
     ]
+    bans = [None, None, None, MinTokensBan(4, (1, 2)), None, None]
     prompts = [rng.integers(0, vocab, 12).tolist() for _ in params]
     outputs = [rng.integers(0, vocab, n).tolist() for n in (5, 8, 3, 2, 0, 6)]
     logits = rng.normal(0.0, 2.0, (len(params), vocab)).astype(np.float32)
-    batch = SamplingBatch.build(params, prompts, outputs, vocab, CPU)
+    batch = SamplingBatch.build(params, prompts, outputs, vocab, CPU, bans)
     assert batch.top_p_rows.tolist() == [0, 1]  # only those rows are sorted
     processed = process_logits(torch.from_numpy(logits), batch)
     for row, p in enumerate(params):
-        reference = ref_process(logits[row].astype(np.float64), p, prompts[row], outputs[row])
+        reference = ref_process(logits[row].astype(np.float64), p, prompts[row], outputs[row], bans[row])
         if p.is_greedy:  # greedy rows are not tempered or truncated; only their argmax matters
             assert_matches_reference(processed.logits[row], reference)
             continue
@@ -232,14 +234,15 @@ def test_greedy_is_argmax_of_penalized_logits():
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=3.0),
         SamplingParams(temperature=0.0, logit_bias={int(top[1]): -100.0}),
-        SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=(int(top[2]),)),
+        SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_k=4),  # a sampling row beside them
     ]
+    bans = [None, None, MinTokensBan(1, (int(top[2]),)), None]
     prompts = [[int(top[0])], [], [], []]
-    batch = SamplingBatch.build(params, prompts, [[], [], [], []], 32, CPU)
+    batch = SamplingBatch.build(params, prompts, [[], [], [], []], 32, CPU, bans)
     tokens = Sampler(seed=0)(torch.from_numpy(logits), batch).token_ids
     for row in range(3):
-        expected = int(np.argmax(ref_penalties(logits[row], params[row], prompts[row], [])))
+        expected = int(np.argmax(ref_penalties(logits[row], params[row], prompts[row], [], bans[row])))
         assert expected != top[row]  # the penalty changed the answer
         assert tokens[row].item() == expected
 
@@ -421,8 +424,6 @@ def test_no_logprobs_requested_returns_none():
         (dict(logit_bias={16: 1.0}), "logit_bias"),
         (dict(logit_bias={1: 101.0}), "logit_bias"),
         (dict(logprobs=21), "logprobs"),
-        (dict(min_tokens=-1), "min_tokens"),
-        (dict(stop_token_ids=(99,)), "stop_token_ids"),
     ],
 )
 def test_params_validation_names_the_field(kwargs, field):
@@ -437,6 +438,10 @@ def test_build_and_call_reject_inconsistent_inputs():
         make_batch([SamplingParams(frequency_penalty=1.0)], [[]], [[2, 16]])
     with pytest.raises(ValueError, match="prompt_token_ids"):
         make_batch([SamplingParams(repetition_penalty=1.2)], [[-1]], [[]])
+    with pytest.raises(ValueError, match="min_tokens_ban holds token id 16"):
+        make_batch([SamplingParams()], bans=[MinTokensBan(2, (3, 16))])
+    with pytest.raises(ValueError, match="min_tokens_bans has 2 rows"):
+        make_batch([SamplingParams()], bans=[None, None])
     with pytest.raises(ValueError, match="logits shape"):
         Sampler()(torch.zeros(2, 16), make_batch([SamplingParams()]))
     with pytest.raises(ValueError, match="floating-point"):

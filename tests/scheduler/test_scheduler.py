@@ -9,6 +9,7 @@ import zlib
 import pytest
 
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan, StopConditions
 from services.common.step import (
     NewSequence,
     RunningSequence,
@@ -26,7 +27,6 @@ from services.scheduler.core import (
     Scheduler,
     SchedulerConfig,
     SchedulerLimits,
-    StopParams,
 )
 
 TOKEN = 7  # what the fake executor samples unless told otherwise
@@ -68,13 +68,15 @@ def make_request(
     priority: int = 0,
     arrival_time: float = 0.0,
     sampling: SamplingParams | None = None,
+    eos_token_ids: tuple[int, ...] = (),
     **stop_fields,
 ) -> Request:
     return Request(
         request_id,
         token_ids if token_ids is not None else prompt_for(request_id, prompt_len),
         sampling=sampling,
-        stop=StopParams(**stop_fields),
+        stop=StopConditions(**stop_fields),
+        eos_token_ids=eos_token_ids,
         priority=priority,
         arrival_time=arrival_time,
     )
@@ -524,19 +526,18 @@ def test_invalid_requests_are_rejected_naming_the_field(token_ids, stop_fields, 
     assert good.seq_id == 0  # a rejected request consumes no seq id
 
 
-def test_sampling_params_are_validated_and_get_the_stop_ban():
+def test_sampling_params_are_validated_and_new_sequences_carry_the_min_tokens_ban():
     scheduler = make_scheduler()
     with pytest.raises(ValueError, match="top_p"):
         scheduler.add_request(make_request("a", sampling=SamplingParams(top_p=0.0)))
-    request = make_request("b", min_tokens=2, stop_token_ids=(5,), eos_token_ids=(2,))
-    scheduler.add_request(request)
-    assert (request.sampling.min_tokens, request.sampling.stop_token_ids) == (2, (5, 2))
+    banning = make_request("b", min_tokens=2, stop_token_ids=(5,), eos_token_ids=(2,))
     ignoring = make_request("c", min_tokens=2, stop_token_ids=(5,), eos_token_ids=(2,), ignore_eos=True)
-    scheduler.add_request(ignoring)
-    assert ignoring.sampling.stop_token_ids == (5,)
-    conflicting = make_request("d", min_tokens=2, sampling=SamplingParams(min_tokens=1))
-    with pytest.raises(ValueError, match="sampling.min_tokens=1 .* stop.min_tokens=2"):
-        scheduler.add_request(conflicting)
+    plain = make_request("d", stop_token_ids=(5,), eos_token_ids=(2,))
+    add(scheduler, banning, ignoring, plain)
+    plan, _ = step(scheduler)
+    # The sampler's ban is derived from the stop rules (StopConditions.min_tokens_ban): stop
+    # ids, then EOS unless ignore_eos; nothing without min_tokens.
+    assert [seq.min_tokens_ban for seq in plan.new] == [MinTokensBan(2, (5, 2)), MinTokensBan(2, (5,)), None]
 
 
 def test_duplicate_request_id_is_rejected():

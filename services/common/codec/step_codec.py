@@ -24,6 +24,7 @@ from itertools import accumulate
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 from services.common.step import (
     ExecutorInfo,
     NewSequence,
@@ -50,11 +51,7 @@ _DEFAULT_SAMPLING = SamplingParams()
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Every field is written explicitly, so the receiver never falls back to a default.
-
-    min_tokens and stop_token_ids are not part of the proto SamplingParams (the public API
-    carries them in StopConditions, the executor in NewSequence); callers move them.
-    """
+    """Every field is written explicitly, so the receiver never falls back to a default."""
     msg = common_pb2.SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k,
@@ -72,12 +69,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def sampling_from_proto(
-    msg: common_pb2.SamplingParams,
-    *,
-    min_tokens: int = 0,
-    stop_token_ids: tuple[int, ...] | list[int] = (),
-) -> SamplingParams:
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Absent optional fields take the SamplingParams defaults (temperature 1.0, not greedy)."""
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else _DEFAULT_SAMPLING.temperature,
@@ -94,8 +86,6 @@ def sampling_from_proto(
         logit_bias=dict(msg.logit_bias),
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        min_tokens=min_tokens,
-        stop_token_ids=tuple(stop_token_ids),
     )
 
 
@@ -103,6 +93,8 @@ def sampling_from_proto(
 
 
 def _new_sequence_to_proto(seq: NewSequence) -> executor_pb2.NewSequence:
+    # The ban travels as the proto's min_tokens / stop_token_ids beside sampling; no ban is 0 / [].
+    ban = seq.min_tokens_ban
     return executor_pb2.NewSequence(
         seq_id=seq.seq_id,
         token_ids=seq.token_ids,
@@ -111,8 +103,8 @@ def _new_sequence_to_proto(seq: NewSequence) -> executor_pb2.NewSequence:
         num_scheduled_tokens=seq.num_scheduled_tokens,
         block_ids=seq.block_ids,
         sampling=sampling_to_proto(seq.sampling),
-        min_tokens=seq.sampling.min_tokens,
-        stop_token_ids=seq.sampling.stop_token_ids,
+        min_tokens=ban.min_tokens if ban is not None else 0,
+        stop_token_ids=ban.token_ids if ban is not None else (),
     )
 
 
@@ -124,8 +116,11 @@ def _new_sequence_from_proto(msg: executor_pb2.NewSequence) -> NewSequence:
         num_computed_tokens=msg.num_computed_tokens,
         num_scheduled_tokens=msg.num_scheduled_tokens,
         block_ids=list(msg.block_ids),
-        sampling=sampling_from_proto(
-            msg.sampling, min_tokens=msg.min_tokens, stop_token_ids=msg.stop_token_ids
+        sampling=sampling_from_proto(msg.sampling),
+        min_tokens_ban=(
+            MinTokensBan(msg.min_tokens, tuple(msg.stop_token_ids))
+            if msg.min_tokens > 0 and msg.stop_token_ids
+            else None
         ),
     )
 

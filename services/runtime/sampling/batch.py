@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.common.stop import MinTokensBan
 
 # Temperatures below this are treated as greedy: dividing logits by a denormal temperature
 # overflows to inf and the softmax turns into NaN. Same threshold as vLLM's _SAMPLING_EPS.
@@ -137,8 +138,13 @@ class SamplingBatch:
         output_token_ids: list[Sequence[int]],
         vocab_size: int,
         device: torch.device,
+        min_tokens_bans: Sequence[MinTokensBan | None] | None = None,
     ) -> SamplingBatch:
-        """Pack one step's rows. ``params`` must already be validated (``SamplingParams.validate``)."""
+        """Pack one step's rows. ``params`` must already be validated (``SamplingParams.validate``).
+
+        ``min_tokens_bans``: per row, the ids it may not draw yet (``NewSequence.min_tokens_ban``);
+        None = no row bans anything.
+        """
         size = len(params)
         if size == 0:
             raise ValueError("params is empty: a sampling batch needs at least one row")
@@ -147,6 +153,9 @@ class SamplingBatch:
                 f"prompt_token_ids ({len(prompt_token_ids)} rows) and output_token_ids "
                 f"({len(output_token_ids)} rows) must have one row per params entry ({size})"
             )
+        bans = min_tokens_bans if min_tokens_bans is not None else [None] * size
+        if len(bans) != size:
+            raise ValueError(f"min_tokens_bans has {len(bans)} rows; expected one per params entry ({size})")
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         device = torch.device(device)
@@ -177,8 +186,8 @@ class SamplingBatch:
         )
         ban_rows = [
             row
-            for row, p in enumerate(params)
-            if p.stop_token_ids and positions[row] < p.min_tokens
+            for row, ban in enumerate(bans)
+            if ban is not None and ban.token_ids and positions[row] < ban.min_tokens
         ]
         repetition_rows = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
         count_rows = [
@@ -188,7 +197,7 @@ class SamplingBatch:
 
         index_parts = [
             _flat_indices(bias_rows, bias_ids, vocab_size, "logit_bias"),
-            _flat_indices(ban_rows, [params[row].stop_token_ids for row in ban_rows], vocab_size, "stop_token_ids"),
+            _flat_indices(ban_rows, [bans[row].token_ids for row in ban_rows], vocab_size, "min_tokens_ban"),
             _flat_indices(
                 repetition_rows,
                 [chain(prompt_token_ids[row], output_token_ids[row]) for row in repetition_rows],

@@ -4,13 +4,7 @@ from services.scheduler.core.block_manager import BlockManager, hash_block_token
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
-from services.scheduler.core.request import (
-    FinishReason,
-    Request,
-    RequestStatus,
-    StopParams,
-    sampling_with_stop_rules,
-)
+from services.scheduler.core.request import FinishReason, Request, RequestStatus
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
 
@@ -27,8 +21,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerLimits",
     "SchedulerStats",
-    "StopParams",
     "WaitingQueue",
     "hash_block_tokens",
-    "sampling_with_stop_rules",
 ]

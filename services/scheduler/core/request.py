@@ -1,5 +1,9 @@
 """One generation request as the scheduler sees it: token ids, progress, stop rules, status.
 
+The stop rules are the request's StopConditions, plus the model's EOS ids: the token rules
+(max_tokens, stop_token_ids, EOS, min_tokens) are applied here in the core; the stop strings
+are the caller's, matched after detokenization.
+
 A request's progress is a single number, ``num_computed_tokens``: how many of its known tokens
 (prompt + outputs) already have K/V in the cache. The scheduler's only job is to let it catch
 up with ``num_tokens``; a prompt, a prefill chunk, a decode token and speculative tokens are
@@ -8,13 +12,12 @@ all "compute the next n tokens". No clock is read here: ``arrival_time`` comes f
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from services.common.sampling_params import SamplingParams
 from services.common.step import TokenLogprobs
+from services.common.stop import MinTokensBan, StopConditions
 
 
 class FinishReason(enum.Enum):
@@ -68,67 +71,6 @@ _STATUS_BY_FINISH_REASON = {
 }
 
 
-@dataclass(slots=True, frozen=True)
-class StopParams:
-    """When the scheduler ends a request (token-level rules; stop strings are the caller's)."""
-
-    max_tokens: int | None = None
-    """Most output tokens; None = until the sequence fills max_model_len."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Generating one of these ends the request with FinishReason.STOP."""
-    eos_token_ids: tuple[int, ...] = ()
-    """The model's EOS ids; generating one ends the request with FinishReason.EOS."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks)."""
-    min_tokens: int = 0
-    """Stop and EOS tokens do not end the request while fewer than this many tokens were
-    generated before them (the sampler also bans them; this is the scheduler's side)."""
-
-    @property
-    def banned_before_min_tokens(self) -> tuple[int, ...]:
-        """The ids the sampler must ban while fewer than min_tokens were generated
-        (what SamplingParams.stop_token_ids should carry)."""
-        if self.ignore_eos:
-            return self.stop_token_ids
-        return self.stop_token_ids + tuple(t for t in self.eos_token_ids if t not in self.stop_token_ids)
-
-    def validate(self, vocab_size: int | None) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 (or None for no limit), got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
-            )
-        for field_name in ("stop_token_ids", "eos_token_ids"):
-            for token_id in getattr(self, field_name):
-                if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                    raise ValueError(
-                        f"{field_name} entry {token_id} is outside [0, {vocab_size})"
-                    )
-
-
-def sampling_with_stop_rules(sampling: SamplingParams, stop: StopParams) -> SamplingParams:
-    """SamplingParams whose min_tokens / stop_token_ids (the sampler's ban) agree with ``stop``.
-
-    StopParams is the one source of truth: when the caller left the sampler's fields at their
-    defaults they are filled from it; when the caller set them differently it is an error.
-    """
-    if stop.min_tokens == 0 and sampling.min_tokens == 0:
-        return sampling  # nothing is banned either way
-    banned = stop.banned_before_min_tokens
-    if sampling.min_tokens == stop.min_tokens and set(sampling.stop_token_ids) == set(banned):
-        return sampling
-    if sampling.min_tokens == 0 and not sampling.stop_token_ids:
-        return dataclasses.replace(sampling, min_tokens=stop.min_tokens, stop_token_ids=banned)
-    raise ValueError(
-        f"sampling.min_tokens={sampling.min_tokens} / sampling.stop_token_ids="
-        f"{list(sampling.stop_token_ids)} disagree with stop.min_tokens={stop.min_tokens} / "
-        f"stop ids {list(banned)}; leave the sampling fields at their defaults to derive them"
-    )
-
-
 class Request:
     """Mutable state of one request. Owned by the Scheduler; others read it.
 
@@ -142,6 +84,8 @@ class Request:
         "output_token_ids",
         "sampling",
         "stop",
+        "eos_token_ids",
+        "min_tokens_ban",
         "priority",
         "arrival_time",
         "num_computed_tokens",
@@ -162,7 +106,8 @@ class Request:
         request_id: str,
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams | None = None,
-        stop: StopParams | None = None,
+        stop: StopConditions | None = None,
+        eos_token_ids: Sequence[int] = (),
         priority: int = 0,
         arrival_time: float = 0.0,
     ) -> None:
@@ -172,7 +117,11 @@ class Request:
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling = sampling if sampling is not None else SamplingParams()
-        self.stop = stop if stop is not None else StopParams()
+        self.stop = stop if stop is not None else StopConditions()
+        self.eos_token_ids = tuple(eos_token_ids)
+        """The model's EOS ids: generating one ends the request with EOS (unless ignore_eos)."""
+        self.min_tokens_ban: MinTokensBan | None = self.stop.min_tokens_ban(self.eos_token_ids)
+        """What the executor's sampler bans before min_tokens; sent with the NewSequence."""
         self.priority = priority
         """Lower is served first; equal priorities go by arrival_time."""
         self.arrival_time = arrival_time
@@ -224,8 +173,14 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
-    def validate(self, max_model_len: int, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field and the limit when the request cannot be served."""
+    def validate(self, max_model_len: int, vocab_size: int) -> None:
+        """Raise ValueError naming the field and the limit when the request cannot be served.
+
+        The one check of a request: its sampling parameters and stop conditions (each type's
+        own validate), then the prompt and the EOS ids against the model's limits.
+        """
+        self.sampling.validate(vocab_size)
+        self.stop.validate(vocab_size, max_model_len)
         prompt_len = len(self.prompt_token_ids)
         if prompt_len == 0:
             raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
@@ -241,16 +196,15 @@ class Request:
                 f"exceeds max_model_len={max_model_len}"
             )
         # min/max run in C; the per-token loop only runs to name the offending id.
-        upper = vocab_size if vocab_size is not None else float("inf")
-        if min(self.prompt_token_ids) < 0 or max(self.prompt_token_ids) >= upper:
+        if min(self.prompt_token_ids) < 0 or max(self.prompt_token_ids) >= vocab_size:
             for index, token_id in enumerate(self.prompt_token_ids):
-                if not (0 <= token_id < upper):
+                if not (0 <= token_id < vocab_size):
                     raise ValueError(
                         f"prompt_token_ids[{index}] = {token_id} is outside [0, {vocab_size})"
                     )
-        self.stop.validate(vocab_size)
-        if vocab_size is not None:
-            self.sampling.validate(vocab_size)
+        for token_id in self.eos_token_ids:
+            if not (0 <= token_id < vocab_size):
+                raise ValueError(f"eos_token_ids entry {token_id} is outside [0, {vocab_size})")
 
     def __repr__(self) -> str:
         return (

@@ -23,12 +23,7 @@ from services.common.step import NewSequence, RunningSequence, SequenceOutput, S
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
-from services.scheduler.core.request import (
-    FinishReason,
-    Request,
-    RequestStatus,
-    sampling_with_stop_rules,
-)
+from services.scheduler.core.request import FinishReason, Request, RequestStatus
 from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
 
 
@@ -73,7 +68,6 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.seq_id != -1 or request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} was already added to a scheduler")
-        request.sampling = sampling_with_stop_rules(request.sampling, request.stop)
         request.validate(self.config.max_model_len, self.config.vocab_size)
         max_waiting = self.config.limits.max_waiting_requests
         if len(self.waiting) >= max_waiting:
@@ -229,6 +223,7 @@ class Scheduler:
                     num_scheduled_tokens=num_new,
                     block_ids=list(request.block_ids),
                     sampling=request.sampling,
+                    min_tokens_ban=request.min_tokens_ban,
                 )
             )
             self._in_flight[request.seq_id] = _Scheduled(request, num_new)
@@ -344,6 +339,7 @@ class Scheduler:
         max_model_len (LENGTH).
         """
         stop = request.stop
+        eos_token_ids = request.eos_token_ids
         max_model_len = self.config.max_model_len
         logprobs = output.logprobs
         reason: FinishReason | None = None
@@ -358,7 +354,7 @@ class Scheduler:
             if num_output > stop.min_tokens:
                 if token_id in stop.stop_token_ids:
                     reason, stop_reason = FinishReason.STOP, token_id
-                elif not stop.ignore_eos and token_id in stop.eos_token_ids:
+                elif not stop.ignore_eos and token_id in eos_token_ids:
                     reason = FinishReason.EOS
             if reason is None and stop.max_tokens is not None and num_output >= stop.max_tokens:
                 reason = FinishReason.LENGTH
