@@ -1,7 +1,8 @@
 """The in-process engine: scheduler core + model runner + local detokenization, no gRPC.
 
-The same scheduler core and model runner the services use, driven by a plain loop:
-``step()`` is schedule → execute → update → detokenize/stop strings. It is the reference
+The same scheduler core, request path (services/scheduler/requests.py: admit, then each
+update to a delta) and model runner the services use, driven by a plain loop: ``step()`` is
+schedule → execute → update → detokenize/stop strings. It is the reference
 the four-service stack is compared against (outputs and throughput), and the engine behind
 ``tokenmill generate --in-process``.
 """
@@ -20,9 +21,9 @@ from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
-from services.scheduler.core.request import FinishReason, Request
+from services.scheduler.core.request import FinishReason
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.output import OutputState
+from services.scheduler.requests import RequestState, admit, model_eos_token_ids
 
 
 @dataclass(slots=True)
@@ -34,9 +35,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class _Tracked:
-    request: Request
-    """Kept after the scheduler forgets it: its timings and cache hits feed the final delta."""
-    output: OutputState
+    state: RequestState
     detokenizer: IncrementalDetokenizer
 
 
@@ -51,8 +50,7 @@ class Engine:
         # Special-token text typed in a prompt ("<s>") stays text, as in sentencepiece and
         # the tokenizer service; this tokenizer only encodes prompts and decodes outputs.
         self.tokenizer.backend.encode_special_tokens = True
-        eos = tuple(self.tokenizer.eos_token_ids) or info.eos_token_ids
-        self.eos_token_ids = eos
+        self.eos_token_ids = model_eos_token_ids(self.tokenizer.eos_token_ids, info)
         self.scheduler = Scheduler(SchedulerConfig.for_executor(config.limits, info))
         self._tracked: dict[str, _Tracked] = {}
         self._num_admitted = 0
@@ -81,19 +79,13 @@ class Engine:
     ) -> str:
         """Queue one request; returns its id. Raises ValueError (naming the field and the limit)
         for a request the scheduler refuses, QueueFullError when the waiting queue is full."""
-        stop = stop or StopConditions()
         prompt_ids = self.encode_prompt(prompt, add_special_tokens)
         request_id = request_id or f"req-{self._num_admitted}"
-        now = self.clock()
-        request = Request(request_id, prompt_ids, sampling or SamplingParams(), stop, self.eos_token_ids,
-                          priority=priority, arrival_time=now)
-        self.scheduler.add_request(request)
+        state = admit(self.scheduler, request_id, prompt_ids, sampling or SamplingParams(), stop or StopConditions(),
+                      self.eos_token_ids, priority, self.clock())
         self._num_admitted += 1
         self._tracked[request_id] = _Tracked(
-            request,
-            OutputState(request_id, len(prompt_ids), tuple(stop.stop), stop.include_stop_str_in_output, now),
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_leading_space=True),
-        )
+            state, IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_leading_space=True))
         return request_id
 
     def abort(self, request_id: str) -> GenerationDelta | None:
@@ -101,8 +93,7 @@ class Engine:
         if tracked is None:
             return None
         self.scheduler.abort_request(request_id)
-        request = tracked.request
-        return tracked.output.abort(self.clock(), request.first_scheduled_time, request.num_cached_tokens)
+        return tracked.state.abort(self.clock())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -120,16 +111,12 @@ class Engine:
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue
-            request = tracked.request
             text = tracked.detokenizer.append(update.new_token_ids)
             if update.finish_reason is not None:
                 text += tracked.detokenizer.finish()
-            delta, matched = tracked.output.on_update(
-                update.new_token_ids, text, update.new_logprobs, update.finish_reason, update.stop_reason,
-                now, request.first_scheduled_time, request.num_cached_tokens,
-            )
-            if matched is not None and update.finish_reason is None:
-                self.scheduler.finish_request(update.request_id, FinishReason.STOP, matched)
+            delta, stop_string = tracked.state.on_update(update, text, now)
+            if stop_string is not None:
+                self.scheduler.finish_request(update.request_id, FinishReason.STOP, stop_string)
             if delta.finished:
                 del self._tracked[update.request_id]
             deltas.append(delta)

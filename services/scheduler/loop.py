@@ -20,17 +20,16 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from services.common.generation import GenerationDelta
 from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.outputs import RequestUpdate
-from services.scheduler.core.request import FinishReason, Request
+from services.scheduler.core.request import FinishReason
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.kv_slots import KVSlotUsage, kv_slot_usage
-from services.scheduler.output import OutputState
+from services.scheduler.requests import RequestState, admit, model_eos_token_ids
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
@@ -48,8 +47,7 @@ class RequestHandle:
 
 @dataclass(slots=True)
 class _Tracked:
-    request: Request
-    output: OutputState
+    state: RequestState
     handle: RequestHandle
     tokenizer: int
     stream_opened: bool = False
@@ -115,8 +113,8 @@ class SchedulerLoop:
     async def _connect_executor(self) -> None:
         info = await self.executor.connect(self.connect_timeout_s)
         self.core = Scheduler(SchedulerConfig.for_executor(self.limits, info))
-        tokenizer_eos = tuple(self.tokenizers.info.eos_token_ids) if self.tokenizers.info else ()
-        self.eos_token_ids = tokenizer_eos or info.eos_token_ids
+        tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
+        self.eos_token_ids = model_eos_token_ids(tokenizer_eos, info)
         _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,
                   block_size=info.block_size, max_model_len=info.max_model_len)
 
@@ -141,23 +139,25 @@ class SchedulerLoop:
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int) -> RequestHandle:
+        """Admit a request (services/scheduler/requests.py); its deltas arrive on the handle's queue.
+
+        Raises UnavailableError while the executor is away or the server stops, InvalidArgumentError
+        for a request_id in use, ValueError (naming the field) for a request the core refuses, and
+        ResourceExhaustedError when the waiting queue is full.
+        """
         if self._stopping:
             raise UnavailableError("the server is shutting down")
         if not self.ready:
             raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
         if request_id in self._tracked:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
-        now = self.clock()
-        request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
-                          arrival_time=now)
         try:
-            self.core.add_request(request)
+            state = admit(self.core, request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority,
+                          self.clock())
         except QueueFullError as exc:
             raise ResourceExhaustedError(str(exc)) from None
         handle = RequestHandle(request_id, len(prompt_ids))
-        self._tracked[request_id] = _Tracked(
-            request, OutputState(request_id, len(prompt_ids), tuple(stop.stop), stop.include_stop_str_in_output, now),
-            handle, self.tokenizers.pick())
+        self._tracked[request_id] = _Tracked(state, handle, self.tokenizers.pick())
         self._wake.set()
         return handle
 
@@ -169,11 +169,10 @@ class SchedulerLoop:
         if self.core is not None:
             self.core.abort_request(request_id)
         if tracked.stream_opened:
-            self._pending_close.append((tracked.request.seq_id, tracked.tokenizer))
-        request = tracked.request
-        delta = tracked.output.abort(self.clock(), request.first_scheduled_time, request.num_cached_tokens)
+            self._pending_close.append((tracked.state.request.seq_id, tracked.tokenizer))
+        delta = tracked.state.abort(self.clock())
         tracked.handle.queue.put_nowait(delta)
-        self.on_finished(delta, tracked.output)
+        self.on_finished(delta, tracked.state.output)
         self._wake.set()
         return True
 
@@ -269,7 +268,7 @@ class SchedulerLoop:
             if self.core is not None:
                 self.core.finish_request(request_id, FinishReason.ERROR)
             if tracked.stream_opened:
-                self._pending_close.append((tracked.request.seq_id, tracked.tokenizer))
+                self._pending_close.append((tracked.state.request.seq_id, tracked.tokenizer))
         self._tracked.clear()
 
     # ------------------------------------------------------------------ detokenize + publish
@@ -298,7 +297,8 @@ class SchedulerLoop:
             batch = batches[tracked.tokenizer]
             if not tracked.stream_opened:
                 tracked.stream_opened = True
-                batch.new_streams.append((update.seq_id, tracked.request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]))
+                prompt_tail = tracked.state.request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+                batch.new_streams.append((update.seq_id, prompt_tail))
             batch.appended.append((update.seq_id, update.new_token_ids))
             live.append((update, tracked))
         for seq_id, index in item.closed:
@@ -312,18 +312,15 @@ class SchedulerLoop:
         for update, tracked in live:
             if self._tracked.get(update.request_id) is not tracked:
                 continue
-            request = tracked.request
-            delta, matched = tracked.output.on_update(
-                update.new_token_ids, texts.get(update.seq_id, ""), update.new_logprobs, update.finish_reason,
-                update.stop_reason, now, request.first_scheduled_time, request.num_cached_tokens)
-            if matched is not None and update.finish_reason is None and self.core is not None:
-                self.core.finish_request(update.request_id, FinishReason.STOP, matched)
+            delta, stop_string = tracked.state.on_update(update, texts.get(update.seq_id, ""), now)
+            if stop_string is not None and self.core is not None:
+                self.core.finish_request(update.request_id, FinishReason.STOP, stop_string)
                 self._pending_close.append((update.seq_id, tracked.tokenizer))
                 self._wake.set()
             tracked.handle.queue.put_nowait(delta)
             if delta.finished:
                 del self._tracked[update.request_id]
-                self.on_finished(delta, tracked.output)
+                self.on_finished(delta, tracked.state.output)
 
 
 async def _ignore_serving_change(serving: bool) -> None:

@@ -1,10 +1,11 @@
 """Per-request output state on the scheduler side: stop strings, usage and timings.
 
-Shared by the in-process engine and the scheduler service; only where the text deltas come
-from differs (a local detokenizer, or the tokenizer service's Detokenize stream). Stop
-strings are found here, after detokenization, and the caller then ends the request in the
-scheduler core (``Scheduler.finish_request``), one step late at most: tokens generated past
-the stop are never shown.
+Part of the one request path (``services/scheduler/requests.py``) that the in-process engine
+and the scheduler service share; only where the text deltas come from differs (a local
+detokenizer, or the tokenizer service's Detokenize stream). Stop strings are found here,
+after detokenization, and the caller then ends the request in the scheduler core
+(``Scheduler.finish_request``), one step late at most: tokens generated past the stop are
+never shown.
 """
 
 from __future__ import annotations
