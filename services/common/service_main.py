@@ -18,6 +18,7 @@ configured, the server started with the metrics interceptor when metrics are on,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, Protocol, TypeVar
@@ -81,9 +82,22 @@ def service_main(
     serve: Callable[[ConfigT], Awaitable[RunningServer]],
     argv: Sequence[str] | None = None,
 ) -> int:
-    """The process entry point: parse flags and TOKENMILL_* variables, configure logging, serve
-    until SIGINT/SIGTERM, stop gracefully."""
-    config = parse_config(config_type, argv, prog=f"tokenmill serve {name}")
+    """The process entry point: parse flags and TOKENMILL_* variables, check them, configure
+    logging, serve until SIGINT/SIGTERM, stop gracefully.
+
+    A config with a ``validate()`` method is checked before anything is bound, connected or
+    loaded; a bad value ends the process with exit status 2 and one line naming it, like a
+    bad flag does.
+    """
+    prog = f"tokenmill serve {name}"
+    config = parse_config(config_type, argv, prog=prog)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
     configure_logging(name, config.log_level)
     run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
     return 0

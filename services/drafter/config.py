@@ -30,6 +30,9 @@ class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT)):
         metadata={"help": "longest suffix n-gram to look up, tried first", "env": "TOKENMILL_DRAFTER_NGRAM_MAX"},
     )
 
+    def validate(self) -> None:
+        self.proposer()
+
     def proposer(self) -> NgramProposer:
         """The n-gram proposer these settings describe; raises ValueError naming a bad field."""
         return NgramProposer(

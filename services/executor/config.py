@@ -79,6 +79,9 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
     seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
 
+    def validate(self) -> None:
+        self.executor_config().validate()
+
     def executor_config(self) -> ExecutorConfig:
         """The engine's config: the fields ExecutorConfig has, taken from this one."""
         return ExecutorConfig(**{f.name: getattr(self, f.name) for f in fields(ExecutorConfig)})

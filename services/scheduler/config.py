@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.service_config import (
-    host_field,
-    log_level_field,
-    port_field,
-    port_file_field,
-    shutdown_grace_field,
-)
+from services.common.service_config import service_process_fields
 from services.common.settings import embedded
 from services.scheduler.core.config import SchedulerLimits
 
@@ -24,13 +18,13 @@ def _f(default, help_: str, env: str):
     return field(default=default, metadata={"help": help_, "env": env})
 
 
+DEFAULT_PORT = 50051
+
+
 @dataclass
-class SchedulerServiceConfig:
-    host: str = host_field("scheduler")
-    port: int = port_field("scheduler", 50051)
-    port_file: str = port_file_field()
-    log_level: str = log_level_field("scheduler")
-    shutdown_grace_seconds: float = shutdown_grace_field("scheduler")
+class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT)):
+    """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
+
     executor_address: str = _f("127.0.0.1:50053", "executor service address", "TOKENMILL_EXECUTOR_ADDRESS")
     tokenizer_addresses: tuple[str, ...] = _f(
         ("127.0.0.1:50052",), "tokenizer service address(es), comma-separated; load is spread over them",
@@ -43,5 +37,7 @@ class SchedulerServiceConfig:
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",
                                  "TOKENMILL_PROFILE_WINDOW_S")
-    metrics_port: int = _f(-1, "Prometheus metrics HTTP port (-1 = off, 0 = any free port)",
-                           "TOKENMILL_SCHEDULER_METRICS_PORT")
+
+    def validate(self) -> None:
+        """The limits alone (the executor's facts are checked against them when it connects)."""
+        self.limits.validate()

@@ -14,6 +14,8 @@ from services.cli.serve import main as serve_main
         ("tokenizer", ["--port-file", "--model", "TOKENMILL_TOKENIZER_PORT"]),
         ("executor", ["--num-blocks", "--kv-cache-bytes", "--attention-backend", "TOKENMILL_EXECUTOR_PORT"]),
         ("drafter", ["--num-speculative-tokens", "--ngram-max", "TOKENMILL_DRAFTER_PORT"]),
+        ("scheduler", ["--max-num-seqs", "TOKENMILL_MAX_NUM_SEQS", "--long-prefill-token-threshold",
+                       "TOKENMILL_SCHEDULER_METRICS_PORT", "TOKENMILL_SCHEDULER_PORT"]),
     ],
 )
 def test_serve_dispatches_to_the_service(service: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,3 +33,17 @@ def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown service 'gateway'" in capsys.readouterr().err
     assert serve_main([]) == 0
     assert "tokenizer,executor,drafter,scheduler" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("service", "argv", "message"),
+    [
+        ("executor", ["--block-size", "3"], "block_size must be a positive power of two, got 3"),
+        ("drafter", ["--ngram-min", "0"], "min_ngram must be in [1, max_ngram=4], got min_ngram=0"),
+        ("scheduler", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    ],
+)
+def test_bad_settings_end_the_process_before_it_binds(service, argv, message, capsys) -> None:
+    # Checked before anything is bound, connected or loaded: exit 2 and one line, like a bad flag.
+    assert tokenmill(["serve", service, *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"tokenmill serve {service}: error: {message}"

@@ -11,6 +11,9 @@ from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
 from tests.conftest import STORIES_DIR
 
+# slow: the whole model through Triton kernels in the interpreter
+pytestmark = pytest.mark.slow
+
 PROMPTS = [None, "Once upon a time", "The little dog wanted"]
 
 
