@@ -72,7 +72,7 @@ BAD_INPUTS = ["short_table", "zero_len", "dtype", "block_outside_pool", "negativ
 BAD_INPUT_ERRORS = {
     "short_table": r"context_lens\[0\] = 33 does not fit its block table",
     "zero_len": r"context_lens\[0\] = 0 does not fit its block table",
-    "dtype": "must share a dtype",
+    "dtype": r"k_cache must match q \(torch.float16 on cpu\), got torch.float32",
     "block_outside_pool": r"block_tables\[0\]\[1\] = 4 is outside the pool of 4 blocks",
     "negative_block": r"block_tables\[0\]\[0\] = -1 is outside the pool of 4 blocks",
 }

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from services.runtime.kernels._common import check_paged_attention_inputs
+
 _SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -95,26 +97,13 @@ def check_paged_decode_inputs(
     reads raw pointers through the block table: bad input must be stopped here. A few vectorised
     ops over the tables, so a caller checks once per step, not once per layer.
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k/v cache must be [num_blocks, block_size, kv_heads, head_dim] of one shape, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    # The shape, dtype and layout rules are the Triton launchers'; the lengths and block ids are
+    # checked per sequence below, which is what keeps the kernel's raw reads inside the pool.
+    check_paged_attention_inputs(q, k_cache, v_cache, block_tables, context_lens,
+                                 num_seqs=q.shape[0] if q.dim() == 3 else -1, max_context_len=1)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    batch, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q has {heads} heads of dim {head_dim}; the cache holds {kv_heads} kv heads of dim "
-                         f"{cache_head_dim} (heads must be a multiple of kv heads, dims equal)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
-        raise ValueError(f"block_tables must be [B, max_blocks] and context_lens [B] with B = {batch}, got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if block_tables.dtype.is_floating_point or context_lens.dtype.is_floating_point:
-        raise ValueError("block_tables and context_lens must hold integers")
-    check_block_tables(block_tables, context_lens, num_blocks, block_size)
+    check_block_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
 
 
 def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -153,15 +142,14 @@ def paged_decode(
     blocks are read. ``inputs_checked=True`` skips ``check_paged_decode_inputs`` for a caller
     that already ran it on these tables this step (the attention backend, once per step).
     """
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
     if not inputs_checked:
         check_paged_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     ops = load()
     q = q.contiguous()
     out = torch.empty_like(q)
-    ops.paged_decode(
-        out, q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
-        context_lens.to(torch.int32).contiguous(), float(scale),
-    )
+    ops.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, float(scale))
     return out
 
 
