@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 # Upper bounds on user-controlled sizes; each is named in the error it produces.
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Past these the distribution is flat (temperature) or the logits are crushed to zero
+# (repetition penalty) to float precision: such values are noise, not a request.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(slots=True)
@@ -48,16 +52,17 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the offending field and the accepted range."""
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):  # NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):

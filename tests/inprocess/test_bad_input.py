@@ -126,9 +126,9 @@ def test_max_tokens_beyond_the_context(engine):
         engine.add_request([1] * 500, stop=StopConditions(max_tokens=100))
 
 
-@pytest.mark.parametrize("temperature", [-0.5, float("nan")])
-def test_negative_or_nan_temperature(engine, temperature):
-    with pytest.raises(ValueError, match=rf"temperature must be >= 0, got {temperature}"):
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf"), 1e308])
+def test_negative_nan_or_unbounded_temperature(engine, temperature):
+    with pytest.raises(ValueError, match=rf"temperature must be in \[0, 100\] \(0 = greedy\), got {temperature}"):
         engine.add_request("Once", SamplingParams(temperature=temperature))
 
 

@@ -414,6 +414,11 @@ def test_no_logprobs_requested_returns_none():
     [
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        # Accepted before and sampled noise: infinite or astronomically large values.
+        (dict(temperature=float("inf")), r"temperature must be in \[0, 100\] \(0 = greedy\), got inf"),
+        (dict(temperature=1e308), "temperature"),
+        (dict(repetition_penalty=float("inf")), r"repetition_penalty must be in \(0, 100\], got inf"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
