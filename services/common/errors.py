@@ -10,6 +10,7 @@ services/common/server.py on every server) turns them into status codes:
     UnavailableError                   -> UNAVAILABLE
     DeadlineExceededError              -> DEADLINE_EXCEEDED
     NotImplementedError                -> UNIMPLEMENTED
+    a request body that does not decode -> INVALID_ARGUMENT (grpc would say UNKNOWN or INTERNAL)
     grpc.aio.AioRpcError (a downstream call failed) -> the downstream code, passed on
     anything else                      -> INTERNAL, with the traceback logged
 
@@ -24,6 +25,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import structlog
+from google.protobuf.message import DecodeError
 
 from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
 
@@ -78,6 +80,8 @@ def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or ""
+    if isinstance(exc, DecodeError):  # a streamed request message that does not decode
+        return grpc.StatusCode.INVALID_ARGUMENT, f"the request could not be decoded: {exc}"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NotImplementedError):
@@ -106,12 +110,42 @@ async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method:
     await context.abort(code, details)
 
 
+class _Undecodable:
+    """Stands for a unary request whose body did not decode, so the handler can refuse it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
 class ErrorMappingInterceptor(BehaviorInterceptor):
-    """Maps exceptions escaping any async handler (unary or streaming) to status codes."""
+    """Maps exceptions escaping any async handler (unary or streaming) to status codes.
+
+    It also owns the one failure that happens before a handler runs: a unary request body
+    that does not decode, which grpc would answer UNKNOWN with its internal exception text.
+    The deserializer hands such a body over as ``_Undecodable`` and the handler refuses it
+    with INVALID_ARGUMENT. A streamed message that does not decode raises DecodeError inside
+    the handler's iteration, which status_for_exception maps the same way.
+    """
+
+    def wrap_deserializer(self, deserializer, method: str, request_streaming: bool):
+        if deserializer is None or request_streaming:
+            return deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return deserializer(data)
+            except DecodeError as exc:
+                return _Undecodable(exc)
+
+        return deserialize
 
     def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
         async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                if isinstance(request_or_iterator, _Undecodable):
+                    raise request_or_iterator.error
                 return await behavior(request_or_iterator, context)
             except grpc.aio.AbortError:
                 raise  # the handler already chose its status
@@ -123,6 +157,8 @@ class ErrorMappingInterceptor(BehaviorInterceptor):
     def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
         async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                if isinstance(request_or_iterator, _Undecodable):  # unary request, streamed response
+                    raise request_or_iterator.error
                 async for response in behavior(request_or_iterator, context):
                     yield response
             except grpc.aio.AbortError:

@@ -37,6 +37,12 @@ class BehaviorInterceptor(grpc.aio.ServerInterceptor):
     def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
         raise NotImplementedError
 
+    def wrap_deserializer(
+        self, deserializer: Callable[[bytes], Any] | None, method: str, request_streaming: bool
+    ) -> Callable[[bytes], Any] | None:
+        """The request deserializer the rebuilt handler uses; the same one unless overridden."""
+        return deserializer
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -45,11 +51,12 @@ class BehaviorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method
         for kind, build in _HANDLER_KINDS:
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return build(self._wrap(behavior, handler_call_details.method),
-                             request_deserializer=handler.request_deserializer,
+                deserializer = self.wrap_deserializer(handler.request_deserializer, method, kind.startswith("stream"))
+                return build(self._wrap(behavior, method), request_deserializer=deserializer,
                              response_serializer=handler.response_serializer)
         return handler
 

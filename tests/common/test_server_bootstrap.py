@@ -10,6 +10,7 @@ import textwrap
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -27,6 +28,7 @@ from services.common.errors import (
     UnavailableError,
     error_from_rpc,
 )
+from services.common.pb.tokenmill.v1 import tokenizer_pb2
 from services.common.server import RunningServer, create_channel, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,8 +99,26 @@ async def client_stream(requests: AsyncIterator[bytes], context: grpc.aio.Servic
     return b",".join(seen)
 
 
+async def echo_decoded(request: Any, context: grpc.aio.ServicerContext) -> bytes:
+    return b"decoded:" + request.text.encode()
+
+
+async def echo_decoded_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    yield b"decoded:" + request.text.encode()
+
+
+async def echo_decoded_bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield b"decoded:" + request.text.encode()
+
+
 def add_probe(server: grpc.aio.Server) -> list[str]:
+    # Handlers that decode a real message, to check what an undecodable body gets.
+    decoded = {"request_deserializer": tokenizer_pb2.EncodeRequest.FromString}
     handlers = {
+        "DecodedUnary": grpc.unary_unary_rpc_method_handler(echo_decoded, **decoded),
+        "DecodedServerStream": grpc.unary_stream_rpc_method_handler(echo_decoded_stream, **decoded),
+        "DecodedBidi": grpc.stream_stream_rpc_method_handler(echo_decoded_bidi, **decoded),
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
         "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
         "ServerStreamWriter": grpc.unary_stream_rpc_method_handler(server_stream_writer),
@@ -222,6 +242,31 @@ async def test_bidi_and_client_stream_errors_map_to_status(channel: grpc.aio.Cha
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await method(channel, "stream_unary", "ClientStream")(iter([b"a", payload]), timeout=5)
     assert (err.value.code(), err.value.details()) == EXPECTED[payload]
+
+
+UNDECODABLE = b"\xff\xff\xff\xff"  # not a valid protobuf tag
+
+
+@pytest.mark.parametrize("kind, name", [("unary_unary", "DecodedUnary"), ("unary_stream", "DecodedServerStream"),
+                                        ("stream_stream", "DecodedBidi")])
+async def test_an_undecodable_request_is_invalid_argument(channel: grpc.aio.Channel, kind: str, name: str) -> None:
+    # grpc answers UNKNOWN (unary) or the handler INTERNAL (streamed) with its exception text.
+    good = tokenizer_pb2.EncodeRequest(text="hi").SerializeToString()
+    if kind == "stream_stream":
+        assert [r async for r in method(channel, kind, name)(iter([good]), timeout=5)] == [b"decoded:hi"]
+        call = method(channel, kind, name)(iter([good, UNDECODABLE]), timeout=5)
+    else:
+        ok = method(channel, kind, name)(good, timeout=5)
+        assert (await ok if kind == "unary_unary" else [r async for r in ok][0]) == b"decoded:hi"
+        call = method(channel, kind, name)(UNDECODABLE, timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        if kind == "unary_unary":
+            await call
+        else:
+            [r async for r in call]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(
+        "the request could not be decoded: Error parsing message with type 'tokenmill.v1.EncodeRequest'")
 
 
 async def test_successful_streams_pass_through(channel: grpc.aio.Channel) -> None:
