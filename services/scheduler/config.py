@@ -32,7 +32,8 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT)):
     drafter_address: str = _f("", "drafter service address (empty = no speculative decoding)",
                               "TOKENMILL_DRAFTER_ADDRESS")
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
-    max_prompt_chars: int = _f(1_000_000, "longest text prompt accepted, in characters", "TOKENMILL_MAX_PROMPT_CHARS")
+    max_prompt_chars: int = _f(0, "longest text prompt accepted, in characters (0 = 32 per token of the model's "
+                                  "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",

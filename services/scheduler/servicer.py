@@ -7,7 +7,7 @@ import uuid
 import structlog
 
 from services.common.codec.step_codec import sampling_from_proto
-from services.common.errors import InvalidArgumentError
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.generation import GenerationDelta
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.stop import StopConditions
@@ -16,7 +16,10 @@ from services.scheduler.loop import SchedulerLoop
 _log = structlog.get_logger("tokenmill.scheduler")
 
 MAX_REQUEST_ID_CHARS = 256
-MAX_PROMPT_TOKEN_IDS = 1_000_000
+CHARS_PER_TOKEN_BOUND = 32
+"""With max_prompt_chars = 0, a text prompt may have this many characters per token of context:
+far more than any tokenizer packs into a token (runs of spaces in code come closest), so a text
+that cannot fit is refused before it costs the tokenizer anything."""
 
 FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -67,11 +70,26 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int, profile=None, model_name: str = "") -> None:
+    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int = 0, profile=None, model_name: str = "") -> None:
         self.loop = loop
         self.max_prompt_chars = max_prompt_chars
+        """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context."""
         self.profile = profile
         self.model_name = model_name
+
+    def _context_limit(self) -> int:
+        info = self.loop.executor.info
+        if info is None:
+            raise UnavailableError(f"the executor at {self.loop.executor.address} is unavailable; retry shortly")
+        return info.max_model_len
+
+    def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
+        # The prompt must leave room for one generated token: refused here, by the field the
+        # client set, before the ids are copied or queued.
+        limit = self._context_limit()
+        if count >= limit:
+            raise InvalidArgumentError(f"prompt {field} {what} {count} tokens; the context limit is max_model_len="
+                                       f"{limit} (prompt + at least one generated token)")
 
     async def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -82,23 +100,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "text":
             if not request.text:
                 raise InvalidArgumentError("prompt text is empty")
-            if len(request.text) > self.max_prompt_chars:
+            max_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * self._context_limit()
+            if len(request.text) > max_chars:
                 raise InvalidArgumentError(
-                    f"prompt text has {len(request.text)} characters; the limit is {self.max_prompt_chars}")
-            return await tokenizers.encode(request.text, True if add_special is None else add_special)
-        if kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            if not ids:
-                raise InvalidArgumentError("prompt token_ids is empty")
-            if len(ids) > MAX_PROMPT_TOKEN_IDS:
-                raise InvalidArgumentError(f"prompt token_ids has {len(ids)} ids; the limit is {MAX_PROMPT_TOKEN_IDS}")
+                    f"prompt text has {len(request.text)} characters; the limit max_prompt_chars is {max_chars}")
+            ids = await tokenizers.encode(request.text, True if add_special is None else add_special)
+            self._check_prompt_tokens("text", "encodes to", len(ids))
             return ids
+        if kind == "token_ids":
+            count = len(request.token_ids.ids)  # counted in place: the ids are copied only if they fit
+            if not count:
+                raise InvalidArgumentError("prompt token_ids is empty")
+            self._check_prompt_tokens("token_ids", "has", count)
+            return list(request.token_ids.ids)
         chat = request.chat
         if not chat.messages:
             raise InvalidArgumentError("prompt chat has no messages")
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         # The template writes its own BOS and turn markers; its ids come back as rendered.
-        return await tokenizers.render_chat(chat.messages, add_prompt)
+        ids = await tokenizers.render_chat(chat.messages, add_prompt)
+        self._check_prompt_tokens("chat", "renders to", len(ids))
+        return ids
 
     async def Generate(self, request, context):
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:

@@ -318,6 +318,12 @@ def _long_prompt(r):
     r.token_ids.ids.extend([BOS] + [300] * MAX_MODEL_LEN)
 
 
+def _text(text: str):
+    def mutate(r):
+        r.text = text
+    return mutate
+
+
 def _set(path: str, value):
     def mutate(r):
         message_name, field_name = path.split(".")
@@ -342,7 +348,13 @@ BAD_REQUESTS = {
     "no prompt": (_clear_prompt, ["prompt"]),
     "empty text": (_empty_text, ["prompt text"]),
     "empty token_ids": (_empty_token_ids, ["token_ids"]),
-    "prompt beyond the context": (_long_prompt, ["prompt", "max_model_len=512"]),
+    # Refused before the ids are copied (a 12M-id prompt once stalled the scheduler for seconds).
+    "prompt beyond the context": (_long_prompt, ["prompt token_ids has 513 tokens", "max_model_len=512"]),
+    # Refused before tokenizing: 32 characters per token of context by default.
+    "text beyond the character limit": (_text("a " * 10_000), ["prompt text has 20000 characters",
+                                                               "max_prompt_chars is 16384"]),
+    # The error names the field the client set (it used to name prompt_token_ids).
+    "text beyond the context": (_text("Once upon a time " * 150), ["prompt text encodes to", "max_model_len=512"]),
     "max_tokens beyond the context": (_set("stop.max_tokens", 600), ["max_tokens", "512"]),
     "prompt + max_tokens beyond the context": (_prompt_plus_max_tokens, ["max_tokens=450", "max_model_len=512"]),
     "negative temperature": (_set("sampling.temperature", -0.5), ["temperature"]),
