@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from services.common.logging import LEVELS
+from services.common.server import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from services.common.server import RunningServer
@@ -88,9 +89,17 @@ def metrics_port_field(service: str) -> Any:
                                        "env": _env_prefix(service) + "METRICS_PORT"})
 
 
-def service_process_fields(service: str, default_port: int) -> type:
+def max_message_bytes_field(service: str, default: int) -> Any:
+    return field(default=default, metadata={
+        "help": "largest gRPC message received or sent, in bytes (a larger one is refused with RESOURCE_EXHAUSTED "
+                "before it is parsed)",
+        "env": _env_prefix(service) + "MAX_MESSAGE_BYTES"})
+
+
+def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES) -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
-    file, log level, stop grace and metrics port, with TOKENMILL_<SERVICE>_* variables."""
+    file, log level, stop grace, metrics port and message size limit, with
+    TOKENMILL_<SERVICE>_* variables."""
 
     @dataclass(slots=True)
     class ServiceProcessFields:
@@ -100,6 +109,7 @@ def service_process_fields(service: str, default_port: int) -> type:
         log_level: str = log_level_field(service)
         shutdown_grace_seconds: float = shutdown_grace_field(service)
         metrics_port: int = metrics_port_field(service)
+        max_message_bytes: int = max_message_bytes_field(service, message_limit)
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
     return ServiceProcessFields

@@ -28,7 +28,7 @@ import grpc.aio
 
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
-from services.common.server import RunningServer, run_service, start_server
+from services.common.server import RunningServer, run_service, server_options, start_server
 from services.common.service_config import publish_port
 from services.common.settings import parse_config
 
@@ -42,9 +42,19 @@ class ServiceProcessConfig(Protocol):
     log_level: str
     shutdown_grace_seconds: float
     metrics_port: int
+    max_message_bytes: int
 
 
 ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
+
+
+MIN_MESSAGE_BYTES = 4096
+
+
+def check_process_fields(config: ServiceProcessConfig) -> None:
+    """The fields every service has, checked before anything is bound."""
+    if config.max_message_bytes < MIN_MESSAGE_BYTES:
+        raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}")
 
 
 def registrar(
@@ -65,7 +75,8 @@ async def start_service(
 ) -> RunningServer:
     """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``)."""
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
-                              interceptors=rpc_interceptors(config.metrics_port))
+                              interceptors=rpc_interceptors(config.metrics_port),
+                              options=server_options(config.max_message_bytes))
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:
@@ -92,12 +103,13 @@ def service_main(
     prog = f"tokenmill serve {name}"
     config = parse_config(config_type, argv, prog=prog)
     validate = getattr(config, "validate", None)
-    if validate is not None:
-        try:
+    try:
+        check_process_fields(config)
+        if validate is not None:
             validate()
-        except ValueError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-            return 2
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(name, config.log_level)
     run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
     return 0

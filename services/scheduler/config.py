@@ -19,10 +19,12 @@ def _f(default, help_: str, env: str):
 
 
 DEFAULT_PORT = 50051
+MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
+"""The public API's message limit: a prompt of a million token ids is some 4 MiB."""
 
 
 @dataclass
-class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT)):
+class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, MAX_PUBLIC_MESSAGE_BYTES)):
     """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
 
     executor_address: str = _f("127.0.0.1:50053", "executor service address", "TOKENMILL_EXECUTOR_ADDRESS")

@@ -41,6 +41,7 @@ def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) ->
         ("executor", ["--block-size", "3"], "block_size must be a positive power of two, got 3"),
         ("drafter", ["--ngram-min", "0"], "min_ngram must be in [1, max_ngram=4], got min_ngram=0"),
         ("scheduler", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+        ("tokenizer", ["--max-message-bytes", "100"], "max_message_bytes must be >= 4096, got 100"),
     ],
 )
 def test_bad_settings_end_the_process_before_it_binds(service, argv, message, capsys) -> None:

@@ -132,6 +132,20 @@ async def test_limits_give_invalid_argument_naming_the_field(stub) -> None:
     assert details == "token_ids holds 512, outside the vocabulary [0, 512)"
 
 
+async def test_messages_beyond_max_message_bytes_are_refused_before_parsing() -> None:
+    running = await serve(TokenizerConfig(port=0, model=str(STORIES_DIR), max_message_bytes=4096))
+    try:
+        async with create_channel(running.address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            assert (await stub.Encode(tokenizer_pb2.EncodeRequest(text="Once upon a time"), timeout=10)).token_ids
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Encode(tokenizer_pb2.EncodeRequest(text="a" * 5000), timeout=10)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error.value.details() == "SERVER: Received message larger than max (5003 vs. 4096)"
+    finally:
+        await running.stop(grace=0)
+
+
 async def test_render_chat_without_a_template_is_a_failed_precondition(stub) -> None:
     request = tokenizer_pb2.RenderChatRequest(messages=[common_pb2.ChatMessage(role="user", content="hi")])
     details = await expect_status(stub.RenderChat(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION)
