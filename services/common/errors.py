@@ -6,7 +6,10 @@ services/common/server.py on every server) turns them into status codes:
 
     InvalidArgumentError, ValueError   -> INVALID_ARGUMENT
     NotFoundError                      -> NOT_FOUND
-    ResourceExhaustedError             -> RESOURCE_EXHAUSTED
+    ResourceExhaustedError             -> RESOURCE_EXHAUSTED, with a grpc-retry-pushback-ms
+                                          trailer when it says when to come back
+    UnauthenticatedError               -> UNAUTHENTICATED
+    PermissionDeniedError              -> PERMISSION_DENIED
     UnavailableError                   -> UNAVAILABLE
     DeadlineExceededError              -> DEADLINE_EXCEEDED
     NotImplementedError                -> UNIMPLEMENTED
@@ -51,9 +54,29 @@ class NotFoundError(TokenmillError):
 
 
 class ResourceExhaustedError(TokenmillError):
-    """A capacity limit was hit (queue full, prompt longer than the KV cache)."""
+    """A capacity limit was hit (queue full, a tenant's token budget spent).
+
+    ``retry_after_s``, when known, goes to the client as the ``grpc-retry-pushback-ms``
+    trailer, which gRPC's retry policy honours.
+    """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnauthenticatedError(TokenmillError):
+    """The call carries no credentials, or ones the server does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(TokenmillError):
+    """The caller is known but may not do what it asked."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class UnavailableError(TokenmillError):
@@ -70,7 +93,8 @@ class DeadlineExceededError(TokenmillError):
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[TokenmillError]] = {
     cls.code: cls
-    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, DeadlineExceededError)
+    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, DeadlineExceededError,
+                UnauthenticatedError, PermissionDeniedError)
 }
 
 
@@ -107,7 +131,9 @@ async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method:
         _log.exception("rpc_internal_error", method=method)
     else:
         _log.info("rpc_error", method=method, code=code.name, details=details)
-    await context.abort(code, details)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    trailers = () if retry_after_s is None else (("grpc-retry-pushback-ms", str(max(0, round(retry_after_s * 1000)))),)
+    await context.abort(code, details, trailing_metadata=trailers)
 
 
 class _Undecodable:

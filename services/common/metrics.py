@@ -206,6 +206,27 @@ def request_metrics(registry: CollectorRegistry = REGISTRY) -> RequestMetrics:
     return _once(registry, "request", make)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantMetrics:
+    """Per-tenant counters, when the scheduler authenticates its callers."""
+
+    requests: Counter
+    tokens: Counter
+
+    def observe_finished(self, tenant: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.requests.labels(tenant, finish_reason).inc()
+        self.tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tokens.labels(tenant, "generation").inc(completion_tokens)
+
+
+def tenant_metrics(registry: CollectorRegistry = REGISTRY) -> TenantMetrics:
+    return _once(registry, "tenant", lambda: TenantMetrics(
+        Counter(PREFIX + "tenant_requests", "Finished requests per tenant and finish reason",
+                ["tenant", "finish_reason"], registry=registry),
+        Counter(PREFIX + "tenant_tokens", "Prompt and generated tokens per tenant", ["tenant", "kind"],
+                registry=registry)))
+
+
 # ---------------------------------------------------------------------------- scheduler gauges
 class SchedulerSource(Protocol):
     """What the collector reads from the scheduler (SchedulerLoop satisfies it)."""

@@ -71,11 +71,15 @@ def registrar(
 
 
 async def start_service(
-    config: ServiceProcessConfig, name: str, add: Callable[[grpc.aio.Server], list[str]], *, serving: bool = False
+    config: ServiceProcessConfig, name: str, add: Callable[[grpc.aio.Server], list[str]], *, serving: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
-    """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``)."""
+    """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``).
+
+    ``interceptors`` run inside the RPC timer (so refused calls are timed too) and inside the
+    error mapping (so their errors become statuses)."""
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
-                              interceptors=rpc_interceptors(config.metrics_port),
+                              interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               options=server_options(config.max_message_bytes))
 
 

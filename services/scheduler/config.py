@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.common.service_config import service_process_fields
 from services.common.settings import embedded
+from services.scheduler.auth import load_auth_tokens
 from services.scheduler.core.config import SchedulerLimits
 
 
@@ -38,9 +39,15 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                   "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
+    auth_tokens_file: str = _f("", "JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; "
+                                   "clients then send 'authorization: Bearer TOKEN' (empty = no authentication)",
+                                   "TOKENMILL_AUTH_TOKENS_FILE")
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",
                                  "TOKENMILL_PROFILE_WINDOW_S")
 
     def validate(self) -> None:
-        """The limits alone (the executor's facts are checked against them when it connects)."""
+        """The limits alone (the executor's facts are checked against them when it connects),
+        and the auth tokens file."""
         self.limits.validate()
+        if self.auth_tokens_file:
+            load_auth_tokens(self.auth_tokens_file)

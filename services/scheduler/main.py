@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.common.metrics import request_metrics, scheduler_collector
+from services.common.metrics import request_metrics, scheduler_collector, tenant_metrics
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
+from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.loop import SchedulerLoop
@@ -36,12 +37,18 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                          on_finished=on_finished)
     await loop.start()
     model_name = Path(loop.executor.info.model).name
-    servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name)
+    servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name,
+                                  tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None)
 
     if config.metrics_port >= 0:
         scheduler_collector().source = loop
+    auth = []
+    if config.auth_tokens_file:
+        servicer.auth_table = load_auth_tokens(config.auth_tokens_file)
+        auth.append(AuthInterceptor(servicer.auth_table))
     running = await start_service(config, "scheduler", registrar(
-        servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"))
+        servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
+        interceptors=auth)
     running.on_stopping(loop.shutdown)
     running.scheduler_loop = loop  # for in-process tests and metrics
     await announce_serving(running, config)

@@ -11,6 +11,8 @@ from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.generation import GenerationDelta
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.stop import StopConditions
+from services.common.metrics import TenantMetrics
+from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
 from services.scheduler.loop import SchedulerLoop
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -70,12 +72,18 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int = 0, profile=None, model_name: str = "") -> None:
+    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int = 0, profile=None, model_name: str = "",
+                 tenant_metrics: TenantMetrics | None = None) -> None:
         self.loop = loop
         self.max_prompt_chars = max_prompt_chars
         """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context."""
         self.profile = profile
         self.model_name = model_name
+        self.tenant_metrics = tenant_metrics
+        self.auth_table: AuthTable | None = None
+        """Set with authentication on: the tenants' token budgets."""
+        self._owners: dict[str, str] = {}
+        """request_id -> tenant of each live request, so a tenant can abort only its own."""
 
     def _context_limit(self) -> int:
         info = self.loop.executor.info
@@ -130,8 +138,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         sampling = sampling_from_proto(request.sampling)
         stop = stop_from_proto(request.stop)
+        tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
+        if tenant is not None:
+            tenant.check_request(self.model_name, request.priority)
         prompt_ids = await self._prompt_ids(request)
+        budget = self._budget(tenant)
+        if budget is not None:
+            budget.admit(tenant.name, len(prompt_ids))
         handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority)
+        if tenant is not None:
+            self._owners[request_id] = tenant.name
         _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
         finished = False
         try:
@@ -149,13 +165,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     finished = True
                     _log.info("request_finished", finish_reason=item.finish_reason,
                               completion_tokens=item.usage.completion_tokens if item.usage else None)
+                    self._tenant_finished(tenant, item)
         finally:
+            self._owners.pop(request_id, None)
             if not finished:
                 # The client went away (cancelled, deadline): free its blocks now.
                 self.loop.abort(request_id)
                 _log.info("request_cancelled")
 
+    def _budget(self, tenant: Tenant | None) -> TokenBudget | None:
+        table = self.auth_table
+        return None if tenant is None or table is None else table.budget(tenant)
+
+    def _tenant_finished(self, tenant: Tenant | None, delta: GenerationDelta) -> None:
+        if tenant is None or delta.usage is None:
+            return
+        budget = self._budget(tenant)
+        if budget is not None:
+            budget.spend(delta.usage.completion_tokens)
+        if self.tenant_metrics is not None:
+            self.tenant_metrics.observe_finished(tenant.name, delta.finish_reason, delta.usage.prompt_tokens,
+                                                 delta.usage.completion_tokens)
+
     async def Abort(self, request, context):
+        tenant = current_tenant.get()
+        if tenant is not None and self._owners.get(request.request_id) != tenant.name:
+            # Another tenant's request (or none): answer as for an unknown id, revealing nothing.
+            return generation_pb2.AbortResponse(found=False)
         return generation_pb2.AbortResponse(found=self.loop.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):

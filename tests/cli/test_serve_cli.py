@@ -42,6 +42,8 @@ def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) ->
         ("drafter", ["--ngram-min", "0"], "min_ngram must be in [1, max_ngram=4], got min_ngram=0"),
         ("scheduler", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
         ("tokenizer", ["--max-message-bytes", "100"], "max_message_bytes must be >= 4096, got 100"),
+        ("scheduler", ["--auth-tokens-file", "/nonexistent/tokens.json"],
+         "auth_tokens_file /nonexistent/tokens.json: cannot read it: No such file or directory"),
     ],
 )
 def test_bad_settings_end_the_process_before_it_binds(service, argv, message, capsys) -> None:

@@ -1,0 +1,220 @@
+"""Who may call the public API: bearer tokens mapped to tenants, and what each tenant may ask.
+
+``--auth-tokens-file PATH`` names a JSON list of tenants::
+
+    [{"token": "s3cret-a", "tenant": "team-a"},
+     {"token": "s3cret-b", "tenant": "team-b", "models": ["stories260K"], "max_priority": 0,
+      "tokens_per_minute": 20000}]
+
+Clients send ``authorization: Bearer TOKEN`` metadata on every Generation call. No token or an
+unknown one is UNAUTHENTICATED; a tenant asking for what it may not (a model it is not given, a
+priority more urgent than ``max_priority``, more than ``tokens_per_minute``) is
+PERMISSION_DENIED or RESOURCE_EXHAUSTED. Health and reflection stay open: load balancers and
+grpcurl need them, and they reveal nothing a tenant could misuse.
+
+Tokens are compared in constant time (hmac.compare_digest against every known token, so the
+time taken does not say which one, or how much of one, matched) and are never logged: only
+the tenant name is, bound to every log line of the call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
+
+PROTECTED_SERVICE = "tokenmill.v1.Generation"
+MAX_TOKEN_CHARS = 4096
+RATE_WINDOW_S = 60.0
+
+current_tenant: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("tokenmill_tenant", default=None)
+"""The tenant of the call being handled (None when authentication is off)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    models: tuple[str, ...] | None = None
+    """Model names this tenant may use; None = every model."""
+    max_priority: int | None = None
+    """The most urgent priority it may ask for (lower is served first, so a request whose
+    priority is below this is refused); None = any."""
+    tokens_per_minute: int | None = None
+    """Prompt + generated tokens it may use in any 60 s; None = no limit."""
+
+    def check_request(self, model_name: str, priority: int) -> None:
+        if self.models is not None and model_name not in self.models:
+            raise PermissionDeniedError(f"tenant {self.name!r} may not use model {model_name!r} "
+                                        f"(allowed: {', '.join(self.models) or 'none'})")
+        if self.max_priority is not None and priority < self.max_priority:
+            raise PermissionDeniedError(f"tenant {self.name!r} may not ask for priority {priority}; its most urgent "
+                                        f"priority is max_priority={self.max_priority} (lower is served first)")
+
+
+@dataclass(slots=True)
+class TokenBudget:
+    """Tokens a tenant used in the last RATE_WINDOW_S seconds (prompt tokens at admission,
+    generated tokens as they finish)."""
+
+    limit: int
+    clock: Callable[[], float] = time.monotonic
+    _spent: deque[tuple[float, int]] = field(default_factory=deque)
+    _total: int = 0
+
+    def _expire(self, now: float) -> None:
+        while self._spent and self._spent[0][0] <= now - RATE_WINDOW_S:
+            self._total -= self._spent.popleft()[1]
+
+    def used(self) -> int:
+        self._expire(self.clock())
+        return self._total
+
+    def admit(self, tenant: str, tokens: int) -> None:
+        now = self.clock()
+        self._expire(now)
+        if self._total + tokens > self.limit:
+            retry_s = (self._spent[0][0] + RATE_WINDOW_S - now) if self._spent else RATE_WINDOW_S
+            raise ResourceExhaustedError(
+                f"tenant {tenant!r} has used {self._total} of its tokens_per_minute={self.limit}; this request needs "
+                f"{tokens} more; retry in {max(retry_s, 0.0):.1f} s", retry_after_s=max(retry_s, 0.0))
+        self.spend(tokens, now)
+
+    def spend(self, tokens: int, now: float | None = None) -> None:
+        if tokens > 0:
+            self._spent.append((self.clock() if now is None else now, tokens))
+            self._total += tokens
+
+
+class AuthTable:
+    """The tenants of an auth tokens file, looked up by bearer token in constant time."""
+
+    def __init__(self, entries: list[tuple[bytes, Tenant]]) -> None:
+        self._entries = entries
+        self._budgets = {tenant.name: TokenBudget(tenant.tokens_per_minute)
+                         for _, tenant in entries if tenant.tokens_per_minute is not None}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def authenticate(self, token: str) -> Tenant | None:
+        presented = token.encode("utf-8", "surrogatepass")
+        found = None
+        for known, tenant in self._entries:  # every entry, so the time does not depend on which matched
+            if hmac.compare_digest(presented, known):
+                found = tenant
+        return found
+
+    def budget(self, tenant: Tenant) -> TokenBudget | None:
+        return self._budgets.get(tenant.name)
+
+
+def load_auth_tokens(path: str | Path) -> AuthTable:
+    """Read and check an auth tokens file; ValueError names the entry and the field."""
+    origin = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"auth_tokens_file {origin}: cannot read it: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"auth_tokens_file {origin}: not JSON: {exc}") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"auth_tokens_file {origin}: expected a non-empty JSON list of "
+                         '{"token", "tenant"} objects')
+    entries: list[tuple[bytes, Tenant]] = []
+    seen: set[str] = set()
+    for index, item in enumerate(data):
+        where = f"auth_tokens_file {origin}: entry {index}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object")
+        unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute"}
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
+        token, name = item.get("token"), item.get("tenant")
+        if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS or token != token.strip():
+            raise ValueError(f"{where}: token must be a non-empty string without surrounding spaces, "
+                             f"at most {MAX_TOKEN_CHARS} characters")
+        if token in seen:
+            raise ValueError(f"{where}: its token is already given to another entry")
+        seen.add(token)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: tenant must be a non-empty string")
+        models = item.get("models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+            raise ValueError(f"{where}: models must be a list of model names")
+        max_priority = _optional_int(item, "max_priority", where, minimum=None)
+        tokens_per_minute = _optional_int(item, "tokens_per_minute", where, minimum=1)
+        entries.append((token.encode(), Tenant(name, None if models is None else tuple(models), max_priority,
+                                              tokens_per_minute)))
+    return AuthTable(entries)
+
+
+def _optional_int(item: dict[str, Any], name: str, where: str, minimum: int | None) -> int | None:
+    value = item.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{where}: {name} must be an integer{bound}, got {value!r}")
+    return value
+
+
+def bearer_token(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+class AuthInterceptor(BehaviorInterceptor):
+    """Authenticates every call to the public API; other services on the server pass."""
+
+    def __init__(self, table: AuthTable) -> None:
+        self.table = table
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        token = bearer_token(context.invocation_metadata())
+        if token is None:
+            raise UnauthenticatedError("missing credentials: send 'authorization: Bearer TOKEN' metadata")
+        tenant = self.table.authenticate(token) if token else None
+        if tenant is None:
+            raise UnauthenticatedError("unknown or malformed bearer token")
+        return tenant
+
+    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        if not method.startswith(f"/{PROTECTED_SERVICE}/"):
+            return behavior
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            tenant = self._tenant(context)
+            current_tenant.set(tenant)
+            with structlog.contextvars.bound_contextvars(tenant=tenant.name):
+                return await behavior(request, context)
+
+        return handler
+
+    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        if not method.startswith(f"/{PROTECTED_SERVICE}/"):
+            return behavior
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext):
+            tenant = self._tenant(context)
+            current_tenant.set(tenant)
+            with structlog.contextvars.bound_contextvars(tenant=tenant.name):
+                async for response in behavior(request, context):
+                    yield response
+
+        return handler

@@ -1,0 +1,88 @@
+"""Auth tokens file, tenant lookup, per-tenant rules and token budgets: no sockets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.errors import PermissionDeniedError, ResourceExhaustedError
+from services.scheduler.auth import RATE_WINDOW_S, Tenant, TokenBudget, bearer_token, load_auth_tokens
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "tokens.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_tokens_map_to_tenants_and_unknown_ones_to_none(tmp_path):
+    table = load_auth_tokens(write(tmp_path, [
+        {"token": "alpha-secret", "tenant": "a"},
+        {"token": "beta-secret", "tenant": "b", "models": ["stories260K"], "max_priority": 0,
+         "tokens_per_minute": 100},
+    ]))
+    assert len(table) == 2
+    assert table.authenticate("alpha-secret") == Tenant("a")
+    assert table.authenticate("beta-secret") == Tenant("b", ("stories260K",), 0, 100)
+    for wrong in ("", "alpha", "alpha-secret ", "ALPHA-SECRET", "beta-secretX", "\udcff"):
+        assert table.authenticate(wrong) is None
+    assert table.budget(Tenant("a")) is None and table.budget(table.authenticate("beta-secret")).limit == 100
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ("not json", "not JSON"),
+    ([], "expected a non-empty JSON list"),
+    ([{"tenant": "a"}], r"entry 0: token must be a non-empty string"),
+    ([{"token": " x", "tenant": "a"}], r"entry 0: token must be a non-empty string without surrounding spaces"),
+    ([{"token": "x", "tenant": ""}], r"entry 0: tenant must be a non-empty string"),
+    ([{"token": "x", "tenant": "a"}, {"token": "x", "tenant": "b"}], r"entry 1: its token is already given"),
+    ([{"token": "x", "tenant": "a", "tokens_per_minute": 0}], r"entry 0: tokens_per_minute must be an integer >= 1"),
+    ([{"token": "x", "tenant": "a", "max_priority": "high"}], r"entry 0: max_priority must be an integer"),
+    ([{"token": "x", "tenant": "a", "models": "m"}], r"entry 0: models must be a list of model names"),
+    ([{"token": "x", "tenant": "a", "admin": True}], r"entry 0 has unknown fields \['admin'\]"),
+])
+def test_a_bad_tokens_file_is_refused_naming_the_entry(tmp_path, data, message):
+    with pytest.raises(ValueError, match=message):
+        load_auth_tokens(write(tmp_path, data))
+
+
+def test_a_missing_tokens_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"auth_tokens_file .*absent.json: cannot read it"):
+        load_auth_tokens(tmp_path / "absent.json")
+
+
+def test_bearer_token_parsing():
+    assert bearer_token([("authorization", "Bearer abc")]) == "abc"
+    assert bearer_token([("x-other", "1"), ("authorization", "bearer  abc ")]) == "abc"
+    assert bearer_token([("authorization", "Basic abc")]) == ""  # present but not a bearer token
+    assert bearer_token([("x-other", "1")]) is None and bearer_token(None) is None
+
+
+def test_tenant_rules_name_what_was_refused():
+    tenant = Tenant("b", models=("stories260K",), max_priority=0)
+    tenant.check_request("stories260K", 0)
+    tenant.check_request("stories260K", 5)
+    with pytest.raises(PermissionDeniedError, match=r"tenant 'b' may not use model 'other' \(allowed: stories260K\)"):
+        tenant.check_request("other", 0)
+    with pytest.raises(PermissionDeniedError, match=r"may not ask for priority -1; its most urgent priority is "
+                                                    r"max_priority=0"):
+        tenant.check_request("stories260K", -1)
+
+
+def test_token_budget_slides_over_a_minute():
+    now = [100.0]
+    budget = TokenBudget(limit=50, clock=lambda: now[0])
+    budget.admit("b", 30)
+    budget.spend(10)
+    assert budget.used() == 40
+    with pytest.raises(ResourceExhaustedError, match=r"tenant 'b' has used 40 of its tokens_per_minute=50") as error:
+        budget.admit("b", 11)
+    assert error.value.retry_after_s == pytest.approx(RATE_WINDOW_S)
+    now[0] += 30.0
+    with pytest.raises(ResourceExhaustedError) as error:
+        budget.admit("b", 11)
+    assert error.value.retry_after_s == pytest.approx(RATE_WINDOW_S - 30.0)
+    now[0] += RATE_WINDOW_S - 30.0  # the first spends leave the window
+    budget.admit("b", 50)
+    assert budget.used() == 50
