@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.errors import (
+    PermissionDeniedError,
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
@@ -315,8 +316,10 @@ async def test_downstream_status_is_passed_on_and_typed_on_the_client(running: R
     typed = error_from_rpc(err.value)
     assert type(typed) is NotFoundError and str(typed) == "request r-1 is not live"
     assert isinstance(error_from_rpc(_FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "x")), ValueError)
-    other = error_from_rpc(_FakeRpcError(grpc.StatusCode.PERMISSION_DENIED, "no"))
-    assert type(other) is TokenmillError and other.code == grpc.StatusCode.PERMISSION_DENIED
+    denied = error_from_rpc(_FakeRpcError(grpc.StatusCode.PERMISSION_DENIED, "no"))
+    assert type(denied) is PermissionDeniedError and denied.code == grpc.StatusCode.PERMISSION_DENIED
+    other = error_from_rpc(_FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "no"))
+    assert type(other) is TokenmillError and other.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 class _FakeRpcError(grpc.RpcError):
