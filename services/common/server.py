@@ -188,6 +188,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] | None = None,
     serving: bool = True,
+    reflection_enabled: bool = True,
 ) -> RunningServer:
     """Build, bind and start a server; with serving=True health reports SERVING on return.
 
@@ -196,7 +197,8 @@ async def start_server(
     (read it from the result). interceptors run inside the error-mapping interceptor, so
     their exceptions are mapped too. options replace server_options() entirely.
     serving=False starts with every service NOT_SERVING, for a service that must finish
-    warming up after binding; call set_serving() when ready.
+    warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
+    server reflection out (callers then need the .proto files).
     """
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
@@ -208,7 +210,8 @@ async def start_server(
 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if reflection_enabled:
+        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
     address = format_address(host, port)
     try:

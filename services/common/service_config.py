@@ -110,6 +110,9 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         shutdown_grace_seconds: float = shutdown_grace_field(service)
         metrics_port: int = metrics_port_field(service)
         max_message_bytes: int = max_message_bytes_field(service, message_limit)
+        reflection: bool = field(default=True, metadata={
+            "help": "serve gRPC reflection (grpcurl without .proto files); off hides the API's shape",
+            "env": _env_prefix(service) + "REFLECTION"})
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
     return ServiceProcessFields

@@ -43,6 +43,7 @@ class ServiceProcessConfig(Protocol):
     shutdown_grace_seconds: float
     metrics_port: int
     max_message_bytes: int
+    reflection: bool
 
 
 ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
@@ -80,7 +81,8 @@ async def start_service(
     error mapping (so their errors become statuses)."""
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
-                              options=server_options(config.max_message_bytes))
+                              options=server_options(config.max_message_bytes),
+                              reflection_enabled=config.reflection)
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:

@@ -146,6 +146,18 @@ async def test_messages_beyond_max_message_bytes_are_refused_before_parsing() ->
         await running.stop(grace=0)
 
 
+async def test_reflection_can_be_turned_off() -> None:
+    running = await serve(TokenizerConfig(port=0, model=str(STORIES_DIR), reflection=False))
+    try:
+        async with create_channel(running.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await reflected_services(channel)
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert await health_status(channel) == SERVING  # health stays
+    finally:
+        await running.stop(grace=0)
+
+
 async def test_render_chat_without_a_template_is_a_failed_precondition(stub) -> None:
     request = tokenizer_pb2.RenderChatRequest(messages=[common_pb2.ChatMessage(role="user", content="hi")])
     details = await expect_status(stub.RenderChat(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION)
