@@ -9,6 +9,16 @@ send only what changed (how many tokens to compute now, newly appended block ids
 preempted). Every sequence obeys one rule: ``num_computed_tokens`` catches up with the
 number of known tokens. A prompt, a prefill chunk, a decode token and k+1 speculative
 tokens are the same thing of different sizes.
+
+The executor runs steps strictly in the order it receives them and appends each sampled
+token to its sequence before the next step, so a running sequence's next input token never
+travels: the scheduler may plan step N+1 before it has seen step N's result (overlapped
+scheduling), scheduling one more token for a sequence whose last token only the executor
+knows yet. Such a step may also compute a token for a sequence the scheduler finds finished
+in step N's result; the executor needs no special case: the scheduler drops that output and
+lists the sequence in a later plan's ``finished_seq_ids``. Running plans in order is also
+what lets the scheduler reuse a freed block in the next plan while an earlier step may
+still write to it (see the scheduler core's docstring).
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class RunningSequence:
 
     seq_id: int
     num_scheduled_tokens: int
+    """Tokens to compute this step, from the executor's computed count on; they may end with
+    the token the executor sampled in the previous step (which the scheduler may not know)."""
     new_block_ids: list[int] = field(default_factory=list)
     """Blocks appended to the end of its block table this step."""
     draft_token_ids: list[int] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.generation import GenerationDelta
 from services.common.sampling_params import SamplingParams
@@ -30,7 +30,9 @@ from services.scheduler.requests import RequestState, admit, model_eos_token_ids
 class EngineConfig:
     executor: ExecutorConfig
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
-    """The scheduler's limits: the same type, defaults and checks as the scheduler service's."""
+    """The scheduler's limits: the same type, defaults and checks as the scheduler service's.
+    ``overlap_scheduling`` is the service loop's: the engine runs one step at a time (its core
+    and model share one thread, so planning ahead would overlap nothing)."""
 
 
 @dataclass(slots=True)
@@ -51,7 +53,8 @@ class Engine:
         # the tokenizer service; this tokenizer only encodes prompts and decodes outputs.
         self.tokenizer.backend.encode_special_tokens = True
         self.eos_token_ids = model_eos_token_ids(self.tokenizer.eos_token_ids, info)
-        self.scheduler = Scheduler(SchedulerConfig.for_executor(config.limits, info))
+        limits = replace(config.limits, overlap_scheduling=False)
+        self.scheduler = Scheduler(SchedulerConfig.for_executor(limits, info))
         self._tracked: dict[str, _Tracked] = {}
         self._num_admitted = 0
         """Requests admitted so far: names the next one without an id (req-N)."""

@@ -89,6 +89,7 @@ FLAGS = {
     "enable_prefix_caching": ("--enable-prefix-caching", "TOKENMILL_ENABLE_PREFIX_CACHING"),
     "enable_chunked_prefill": ("--enable-chunked-prefill", "TOKENMILL_ENABLE_CHUNKED_PREFILL"),
     "long_prefill_token_threshold": ("--long-prefill-token-threshold", "TOKENMILL_LONG_PREFILL_TOKEN_THRESHOLD"),
+    "overlap_scheduling": ("--overlap-scheduling", "TOKENMILL_OVERLAP_SCHEDULING"),
 }
 
 

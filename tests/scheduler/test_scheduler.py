@@ -44,6 +44,7 @@ def make_config(**overrides) -> SchedulerConfig:
         max_num_seqs=8,
         max_num_batched_tokens=64,
         vocab_size=32000,
+        overlap_scheduling=False,  # one step in flight; tests/scheduler/test_overlap.py overlaps
     )
     values.update(overrides)
     limits = SchedulerLimits(**{name: values.pop(name) for name in LIMIT_NAMES & values.keys()})

@@ -112,9 +112,11 @@ class BlockManager:
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's fully computed blocks in the prefix cache.
 
-        Call after request.num_computed_tokens advanced. When another block already caches the
-        same prefix (two requests computed it at once), the first one stays the cached copy and
-        this one remains private.
+        Call after request.num_computed_tokens advanced. Only confirmed tokens count (computed
+        by a step whose result was applied, hence known): a block that a step in flight still
+        writes, or that holds a token not sampled yet, is never cached. When another block
+        already caches the same prefix (two requests computed it at once), the first one stays
+        the cached copy and this one remains private.
         """
         if not self.enable_prefix_caching:
             return
@@ -162,7 +164,8 @@ class BlockManager:
         num_new_tokens: int,
         computed_block_ids: Sequence[int] = (),
     ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
+        """Make room for ``num_new_tokens`` more tokens after the request's planned ones
+        (computed, plus those the steps in flight compute: ``request.num_planned_tokens``).
 
         ``computed_block_ids``: prefix-cache hits from get_computed_blocks, claimed now; only for
         a request that holds no blocks yet, before its num_computed_tokens is set to the hit.
@@ -175,8 +178,8 @@ class BlockManager:
                 f"{len(request.block_ids)} blocks / {request.num_computed_tokens} computed tokens"
             )
         is_first_allocation = not request.block_ids
-        num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
-        num_required = _cdiv(num_computed + num_new_tokens, self.block_size)
+        num_planned = request.num_planned_tokens + len(computed_block_ids) * self.block_size
+        num_required = _cdiv(num_planned + num_new_tokens, self.block_size)
         num_to_allocate = max(0, num_required - len(request.block_ids) - len(computed_block_ids))
         # A hit on a free (cached, unreferenced) block takes it out of the free pool too.
         num_free_hits = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)

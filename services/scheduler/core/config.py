@@ -47,6 +47,14 @@ class SchedulerLimits:
     )
     """Most tokens one request may compute in a step (long prompts then share steps with
     decodes instead of taking the whole budget); 0 = no per-request cap."""
+    overlap_scheduling: bool = _limit(
+        True, "plan the next step while the executor runs the current one"
+    )
+    """Let the scheduler plan step N+1 while the executor runs step N (two steps in flight),
+    so the executor does not wait for the scheduler's round trip and bookkeeping. A stop is
+    then seen one step late and the extra token dropped. The scheduler service's loop uses
+    it; the in-process engine runs one step at a time (its core and model share a thread,
+    so nothing would overlap). Off: one step at a time."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""

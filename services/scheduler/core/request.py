@@ -7,7 +7,11 @@ are the caller's, matched after detokenization.
 A request's progress is a single number, ``num_computed_tokens``: how many of its known tokens
 (prompt + outputs) already have K/V in the cache. The scheduler's only job is to let it catch
 up with ``num_tokens``; a prompt, a prefill chunk, a decode token and speculative tokens are
-all "compute the next n tokens". No clock is read here: ``arrival_time`` comes from the caller.
+all "compute the next n tokens". With overlapped scheduling a step may be planned before the
+previous one's result is seen: ``num_in_flight_tokens`` and ``num_output_placeholders`` count
+what the steps in flight compute and will sample, so the next step starts at
+``num_planned_tokens`` and may compute a token the scheduler does not know yet (the executor
+does). No clock is read here: ``arrival_time`` comes from the caller.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ class Request:
         "priority",
         "arrival_time",
         "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_output_placeholders",
+        "drafts_in_flight",
         "num_cached_tokens",
         "block_ids",
         "status",
@@ -126,6 +133,16 @@ class Request:
         """Lower is served first; equal priorities go by arrival_time."""
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
+        """Known tokens whose K/V is in the cache, as of the last update() (confirmed)."""
+        self.num_in_flight_tokens = 0
+        """Tokens scheduled in steps whose update() has not come yet (overlapped scheduling:
+        up to two steps). The next step starts at num_planned_tokens."""
+        self.num_output_placeholders = 0
+        """Tokens the steps in flight will sample: not known yet, but a decode step may already
+        be scheduled for them (the executor appends what it samples before the next step)."""
+        self.drafts_in_flight = False
+        """A step in flight verifies draft tokens: how many it accepts, hence where the next
+        step starts, is unknown until its update(), so the request waits for it."""
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at the first schedule (for usage)."""
         self.block_ids: list[int] = []
@@ -151,7 +168,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens: prompt + outputs the scheduler has seen (placeholders excluded)."""
         return len(self._all_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens computed or being computed by a step in flight: where the next step starts."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -210,5 +233,6 @@ class Request:
         return (
             f"Request(id={self.request_id!r}, seq_id={self.seq_id}, status={self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"in_flight={self.num_in_flight_tokens}+{self.num_output_placeholders}, "
             f"outputs={self.num_output_tokens}, blocks={self.block_ids})"
         )

@@ -12,11 +12,54 @@ only in that number. Pure state machine: no I/O, no clock, no torch. Callers dri
 Between schedule() and update() the caller may abort or finish requests; their outputs in
 the result are then ignored. A plan never names one seq_id both in finished_seq_ids and in
 new, so the executor may apply the two lists in either order.
+
+Overlapped scheduling (``SchedulerLimits.overlap_scheduling``): the caller may plan step
+N+1 while step N is in flight, and update() them in order, so the executor never waits for
+the scheduler:
+
+    plan_n = scheduler.schedule();  send(plan_n)
+    plan_n1 = scheduler.schedule(); send(plan_n1)      # step N still running
+    scheduler.update(plan_n, receive())                # while step N+1 runs
+    plan_n2 = scheduler.schedule(); send(plan_n2)
+    scheduler.update(plan_n1, receive()) ...
+
+At most two steps are in flight, updated in the order they were scheduled. A running
+request whose step N samples a token is scheduled in step N+1 for that token before the
+scheduler knows it (a placeholder: ``Request.num_output_placeholders``): the executor runs
+steps in order and appends what it samples, so it holds the token when step N+1 starts.
+Stops (EOS, stop ids, stop strings) are therefore seen one step late; the surplus token of
+step N+1 is dropped (never reported, never counted) and the executor forgets the sequence
+in the next plan's finished_seq_ids. Steps that would pass max_tokens or max_model_len are
+never planned: a request whose in-flight token is its last waits for its update instead.
+Draft tokens go only to a request with nothing in flight, and a request verifying drafts is
+not scheduled again before that step's update (where its next step starts depends on how
+many drafts the executor accepts).
+
+Invariants with two steps in flight (what makes them safe):
+- Confirmed state: ``num_computed_tokens`` and the known tokens only change in update(), in
+  step order, so update(N) sees each request as if step N were the only step in flight.
+  Planning uses ``num_planned_tokens`` (computed + in flight), and blocks are allocated to
+  cover it, so a block table always covers every position a step in flight writes.
+- Prefix caching registers a block only once all its tokens are confirmed computed (hence
+  known); a step in flight writes only at positions at or beyond its request's confirmed
+  ``num_computed_tokens``, so never into a cached block.
+- Freeing at finish, abort and preemption stays immediate. A freed block may still be
+  written by a step in flight (the surplus step of a finished request, the step of a
+  preempted or aborted one), but it can only be handed out again by a plan scheduled after
+  the free, which the executor runs after every step in flight at the time of the free
+  (steps run in order: one stream, one worker). The new owner reads only slots it writes
+  itself in that later step or after, or cached blocks, which no step in flight writes. So
+  no step ever reads a slot clobbered by another sequence's late write. This relies on the
+  executor running plans strictly in step order.
+- A request preempted while its step is in flight restarts from its known tokens; that
+  step's output is ignored (the token is sampled again, identically for greedy and seeded
+  sampling). Each in-flight record remembers the request's preemption count to tell.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.step import NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
@@ -29,11 +72,28 @@ from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
 
 @dataclass(slots=True)
 class _Scheduled:
-    """What the in-flight plan asked of one request, kept until update()."""
+    """What an in-flight plan asked of one request, kept until its update()."""
 
     request: Request
     num_scheduled_tokens: int
+    samples: bool
+    """The step reaches the end of the request's tokens (placeholders included): it samples."""
+    num_preemptions: int
+    """request.num_preemptions at schedule time: a later preemption makes this record stale."""
     draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_current(self) -> bool:
+        """The request still runs the sequence this step computed (not finished, not preempted)."""
+        request = self.request
+        return not request.is_finished and request.num_preemptions == self.num_preemptions
+
+
+@dataclass(slots=True)
+class _StepInFlight:
+    step_id: int
+    scheduled: dict[int, _Scheduled] = field(default_factory=dict)
+    """By seq_id."""
 
 
 class Scheduler:
@@ -53,8 +113,9 @@ class Scheduler:
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []
         """Sequences the executor must forget, reported in the next plan."""
-        self._in_flight: dict[int, _Scheduled] = {}
-        self._in_flight_step_id = -1
+        self._in_flight: deque[_StepInFlight] = deque()
+        """Plans that scheduled a sequence and await update(), oldest first."""
+        self._max_steps_in_flight = 2 if config.limits.overlap_scheduling else 1
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -104,6 +165,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Plans that scheduled a sequence and whose update() has not come yet."""
+        return len(self._in_flight)
+
     def get_stats(self) -> SchedulerStats:
         manager = self.block_manager
         return SchedulerStats(
@@ -126,20 +192,29 @@ class Scheduler:
         a running request that cannot get a block preempts the least urgent running request
         (possibly itself). Then, if nothing was preempted, waiting requests start in
         (priority, arrival) order until the token budget, max_num_seqs or the blocks run out.
+
+        With overlap_scheduling, may be called once more before the previous plan's update():
+        running requests then continue from their planned tokens (see the module docstring).
         """
-        if self._in_flight:
+        if len(self._in_flight) >= self._max_steps_in_flight:
             raise RuntimeError(
-                f"step {self._in_flight_step_id} was scheduled but update() was not called"
+                f"step {self._in_flight[-1].step_id} was scheduled but update() was not called "
+                f"({len(self._in_flight)} step(s) in flight, overlap_scheduling="
+                f"{self.config.limits.overlap_scheduling})"
             )
         plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_seq_ids)
         self._next_step_id += 1
         self._finished_seq_ids = []
+        step = _StepInFlight(plan.step_id)
         budget = self.config.limits.max_num_batched_tokens
         preemptions_before = self.num_preemptions
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.drafts_in_flight or self._last_token_in_flight(request):
+                index += 1  # nothing to plan until its step in flight is updated
+                continue
             num_new, draft_token_ids = self._running_tokens_to_schedule(request, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
@@ -148,26 +223,55 @@ class Scheduler:
             plan.running.append(
                 RunningSequence(request.seq_id, num_new, new_block_ids, draft_token_ids)
             )
-            self._in_flight[request.seq_id] = _Scheduled(request, num_new, draft_token_ids)
+            self._mark_in_flight(step, request, num_new, draft_token_ids)
             budget -= num_new
             index += 1
 
         # Starting new work in a step that had to preempt would only preempt again next step;
         # it also keeps a victim out of `new` in the very plan that tells the executor to forget it.
         if self.num_preemptions == preemptions_before:
-            self._schedule_waiting(plan, budget, now)
+            self._schedule_waiting(plan, step, budget, now)
 
-        if self._in_flight:
-            self._in_flight_step_id = plan.step_id
+        if step.scheduled:
+            self._in_flight.append(step)
         return plan
 
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """The token a step in flight samples is the request's last (max_tokens or
+        max_model_len): planning another step would only compute a surplus token."""
+        num_coming = request.num_output_placeholders
+        if not num_coming:
+            return False
+        max_tokens = request.stop.max_tokens
+        return (
+            max_tokens is not None and request.num_output_tokens + num_coming >= max_tokens
+        ) or request.num_tokens + num_coming >= self.config.max_model_len
+
+    def _mark_in_flight(
+        self, step: _StepInFlight, request: Request, num_new: int, draft_token_ids: list[int] | None = None
+    ) -> None:
+        samples = (
+            request.num_planned_tokens + num_new
+            >= request.num_tokens + request.num_output_placeholders
+        )
+        step.scheduled[request.seq_id] = _Scheduled(
+            request, num_new, samples, request.num_preemptions, draft_token_ids or []
+        )
+        request.num_in_flight_tokens += num_new
+        if samples:
+            request.num_output_placeholders += 1
+        if draft_token_ids:
+            request.drafts_in_flight = True
+
     def _running_tokens_to_schedule(self, request: Request, budget: int) -> tuple[int, list[int]]:
-        num_new = request.num_tokens - request.num_computed_tokens
+        # Tokens known or being sampled by a step in flight, minus those computed or planned.
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_planned_tokens
         threshold = self.config.limits.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
         draft_token_ids: list[int] = []
-        if num_new == 1 and request.spec_token_ids:
+        # Drafts continue the last known token: only for a request with nothing in flight.
+        if num_new == 1 and request.spec_token_ids and not request.num_in_flight_tokens:
             # k drafts + 1 bonus token may all be accepted: keep the total within both limits.
             room = self.config.max_model_len - request.num_tokens
             if request.stop.max_tokens is not None:
@@ -189,7 +293,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int, now: float | None) -> None:
+    def _schedule_waiting(self, plan: StepPlan, step: _StepInFlight, budget: int, now: float | None) -> None:
         limits = self.config.limits
         manager = self.block_manager
         while budget > 0 and len(self.running) < limits.max_num_seqs:
@@ -226,7 +330,7 @@ class Scheduler:
                     min_tokens_ban=request.min_tokens_ban,
                 )
             )
-            self._in_flight[request.seq_id] = _Scheduled(request, num_new)
+            self._mark_in_flight(step, request, num_new)
             budget -= num_new
 
     def _preempt(self, request: Request) -> None:
@@ -238,6 +342,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        _forget_in_flight(request)  # a step in flight for it is ignored at its update()
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -250,41 +355,52 @@ class Scheduler:
         tokens this step (finished ones included, their blocks already freed).
 
         ``result`` must hold exactly one output per scheduled request that is still
-        unfinished; outputs of requests finished since schedule() are optional and ignored.
+        unfinished; outputs of requests finished (or preempted) since schedule() are optional
+        and ignored. With two plans in flight, update them in the order they were scheduled.
         After an executor failure: finish the in-flight requests with ERROR, then call
-        update(plan, StepResult(plan.step_id)).
+        update(plan, StepResult(plan.step_id)) for each plan in flight.
         """
         if result.step_id != plan.step_id:
             raise ValueError(f"result.step_id={result.step_id} does not match plan.step_id={plan.step_id}")
-        if not self._in_flight:
+        if plan.is_empty:
             if result.outputs:
                 raise ValueError(f"step {plan.step_id} scheduled no sequence but the result has outputs")
             return []
-        if plan.step_id != self._in_flight_step_id:
+        if not self._in_flight or plan.step_id != self._in_flight[0].step_id:
+            oldest = self._in_flight[0].step_id if self._in_flight else None
             raise ValueError(
-                f"plan.step_id={plan.step_id} is not the step in flight ({self._in_flight_step_id})"
+                f"plan.step_id={plan.step_id} is not the oldest step in flight ({oldest})"
             )
+        in_flight = self._in_flight[0].scheduled
         output_seq_ids = [output.seq_id for output in result.outputs]
         if len(set(output_seq_ids)) != len(output_seq_ids):
             raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
         for output in result.outputs:
-            self._check_output(output)
+            self._check_output(in_flight, output)
         answered = set(output_seq_ids)
         missing = [
             seq_id
-            for seq_id, scheduled in self._in_flight.items()
-            if not scheduled.request.is_finished and seq_id not in answered
+            for seq_id, scheduled in in_flight.items()
+            if scheduled.is_current and seq_id not in answered
         ]
         if missing:
             raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
 
-        in_flight, self._in_flight = self._in_flight, {}
+        self._in_flight.popleft()
+        for scheduled in in_flight.values():
+            if scheduled.is_current:
+                request = scheduled.request
+                request.num_in_flight_tokens -= scheduled.num_scheduled_tokens
+                request.num_output_placeholders -= scheduled.samples
+                request.drafts_in_flight = False
         updates = []
         for output in result.outputs:
             scheduled = in_flight[output.seq_id]
+            if not scheduled.is_current:
+                # Aborted or finished by the caller after schedule(), finished by a stop in the
+                # previous step's update (a surplus token), or preempted since: ignored.
+                continue
             request = scheduled.request
-            if request.is_finished:
-                continue  # aborted or finished by the caller after schedule()
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             if not output.token_ids:  # a prefill chunk short of the end: nothing to report
                 self.block_manager.cache_full_blocks(request)
@@ -299,14 +415,16 @@ class Scheduler:
             updates.append(update)
         return updates
 
-    def _check_output(self, output: SequenceOutput) -> None:
-        scheduled = self._in_flight.get(output.seq_id)
+    def _check_output(self, in_flight: dict[int, _Scheduled], output: SequenceOutput) -> None:
+        scheduled = in_flight.get(output.seq_id)
         if scheduled is None:
             raise ValueError(f"output for seq id {output.seq_id}, which was not scheduled in this step")
-        request = scheduled.request
-        if request.is_finished:
+        if not scheduled.is_current:
             return
+        request = scheduled.request
         num_tokens = len(output.token_ids)
+        # Updates come in step order, so the confirmed state is the state this step started
+        # from: the same test as when it was planned (scheduled.samples).
         reaches_end = (
             request.num_computed_tokens + scheduled.num_scheduled_tokens >= request.num_tokens
         )
@@ -381,9 +499,17 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.spec_token_ids = []
+        _forget_in_flight(request)
         self.block_manager.free(request)
         del self.requests[request.request_id]
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
+
+
+def _forget_in_flight(request: Request) -> None:
+    """The request's steps in flight no longer count: their records are stale (not current)."""
+    request.num_in_flight_tokens = 0
+    request.num_output_placeholders = 0
+    request.drafts_in_flight = False
