@@ -14,7 +14,10 @@ The model runs in one dedicated worker thread (``loop.run_in_executor``), never 
 loop, so health checks and GetExecutorInfo answer while a step computes. The same thread
 runs the model loading and the end-of-session cleanup, which orders them with the steps:
 a cleanup submitted while a cancelled session's last step still runs happens after it, and
-a new session's first step after the cleanup.
+a new session's first step after the cleanup. Each plan is queued on the worker as soon as
+it arrives, so with overlapped scheduling the next step is already waiting when one ends;
+the worker runs them in arrival order, which the scheduler relies on (step N+1 may compute
+the token step N samples). Results go back in the same order.
 """
 
 from __future__ import annotations
@@ -95,21 +98,50 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # The finally below covers ends the generator sees; the callback covers a call that
         # ends while the generator is suspended and never resumed.
         context.add_done_callback(lambda _context: self._end_session(session))
-        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._submit_steps(session, request_iterator, runner, steps),
+                                     name=f"executor-step-reader-{session}")
         try:
             with logged_stream(_log, "step", context, counters=("steps",), rpc="Step", step_session=session) as stream:
-                async for request in request_iterator:
-                    plan = plan_from_proto(request)
-                    if plan.is_empty and not plan.finished_seq_ids:
-                        # Nothing to run (the scheduler's session handshake): answer without
-                        # a trip to the worker, and without counting a step.
-                        yield result_to_proto(StepResult(plan.step_id))
-                        continue
-                    result = await loop.run_in_executor(self._worker, runner.execute, plan)
-                    stream.add(steps=1)
+                while (item := await steps.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    future, counted = item
+                    result = await future
+                    if counted:
+                        stream.add(steps=1)
                     yield result_to_proto(result)
         finally:
+            reader.cancel()
             self._end_session(session)
+
+    async def _submit_steps(self, session: int, request_iterator: AsyncIterator[executor_pb2.StepRequest],
+                            runner: StepRunner, steps: asyncio.Queue) -> None:
+        """Decode each plan as it arrives and queue it on the worker at once, then hand its
+        future to the handler, which answers in order (None ends, an exception fails the stream).
+
+        A scheduler that overlaps steps sends plan N+1 while step N runs: queued on the worker
+        behind step N, it starts the moment step N ends instead of after step N's result is
+        encoded and sent and plan N+1 read (about a millisecond of event-loop work here).
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                if self._active_session != session:
+                    return  # the session ended: its cleanup is queued, nothing may follow it
+                plan = plan_from_proto(request)
+                if plan.is_empty and not plan.finished_seq_ids:
+                    # Nothing to run (the scheduler's session handshake): answer without a trip
+                    # to the worker, and without counting a step.
+                    done = loop.create_future()
+                    done.set_result(StepResult(plan.step_id))
+                    steps.put_nowait((done, False))
+                    continue
+                steps.put_nowait((loop.run_in_executor(self._worker, runner.execute, plan), True))
+        except Exception as exc:  # noqa: BLE001 - a plan that does not decode, a broken stream
+            steps.put_nowait(exc)
+            return
+        steps.put_nowait(None)
 
     def _end_session(self, session: int) -> None:
         """Forget every sequence of `session`, once, in the worker thread after its last step."""

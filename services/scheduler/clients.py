@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,12 +38,19 @@ class ExecutorLink:
     A session that ends between steps (the executor died while the scheduler was idle) is
     noticed at once: the link drops the call and calls ``on_lost``, so the owner reconnects
     before a request is sent into a dead stream.
+
+    ``send`` and ``receive`` split a step so that the next plan can be sent before the
+    previous result is read (overlapped scheduling): the executor answers in order, one
+    result per plan; ``step`` is the two together.
     """
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel: grpc.aio.Channel | None = None
         self._call = None
+        self._awaiting: deque = deque()
+        """The call each sent plan was written to, oldest first: its result is read there even
+        if the watcher has dropped the call meanwhile (to report how the stream ended)."""
         self._watcher: asyncio.Task | None = None
         self.info: ExecutorInfo | None = None
         self.on_lost: Callable[[], None] = lambda: None
@@ -67,6 +75,7 @@ class ExecutorLink:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             self._call = stub.Step()
+            self._awaiting.clear()  # a failed attempt's handshake
             try:
                 await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
                 self._watcher = asyncio.create_task(self._watch(self._call), name="executor-session-watch")
@@ -83,11 +92,27 @@ class ExecutorLink:
             self.on_lost()
 
     async def step(self, plan: StepPlan) -> StepResult:
-        call = self._call  # the watcher may drop self._call while this step awaits
+        await self.send(plan)
+        return await self.receive(plan.step_id)
+
+    async def send(self, plan: StepPlan) -> None:
+        """Write one plan; its result comes from ``receive``, after those of earlier plans."""
+        call = self._call
         if call is None:
             raise UnavailableError(f"executor at {self.address} is not connected")
+        self._awaiting.append(call)
         try:
             await call.write(plan_to_proto(plan))
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._call = None
+            raise UnavailableError(f"executor at {self.address} failed: {_describe(exc)}") from None
+
+    async def receive(self, step_id: int) -> StepResult:
+        """Read the result of the oldest plan sent and not yet received (``step_id``'s)."""
+        if not self._awaiting:
+            raise UnavailableError(f"executor at {self.address}: no step {step_id} was sent on this session")
+        call = self._awaiting.popleft()  # the watcher may drop self._call while this step awaits
+        try:
             response = await call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._call = None
@@ -97,12 +122,13 @@ class ExecutorLink:
             details = await call.details()
             self._call = None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgumentError(f"executor rejected step {plan.step_id}: {details}")
+                raise InvalidArgumentError(f"executor rejected step {step_id}: {details}")
             raise UnavailableError(f"executor at {self.address} ended the step stream: {code.name}: {details}")
         return result_from_proto(response)
 
     async def close(self) -> None:
         call, self._call = self._call, None  # first, so the watcher sees a closed link
+        self._awaiting.clear()
         if call is not None:
             call.cancel()
         if self._watcher is not None:

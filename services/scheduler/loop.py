@@ -2,6 +2,17 @@
 
     schedule → Step (executor stream) → update → Detokenize (tokenizer streams) → publish
 
+With overlapped scheduling (``SchedulerLimits.overlap_scheduling``, on by default) the loop
+keeps two steps in flight: it sends step N+1 before it reads step N's result, so the
+executor starts N+1 as soon as N is done, while the result travels back and the loop
+updates the core and plans N+2:
+
+    schedule N, send N; schedule N+1, send N+1
+    loop: receive N → update N → publish N → schedule N+2, send N+2 → receive N+1 → ...
+
+Stops are then seen a step late (the core drops the surplus token; see its docstring).
+Off, it is one step at a time: schedule N, send N, receive N, update N, schedule N+1.
+
 RPC handlers call ``submit``/``abort`` (plain method calls on the same event loop, so no
 locks) and read their request's queue. Detokenization and publishing run in a second task
 fed in step order, so the next executor step is not held up by the tokenizer round trip;
@@ -14,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +33,7 @@ import structlog
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from services.common.sampling_params import SamplingParams
+from services.common.step import StepPlan
 from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
@@ -63,9 +76,22 @@ class StepTimeTotals:
     """Sequences scheduled, summed over steps (steps / sequences = mean batch size)."""
     schedule_s: float = 0.0
     executor_s: float = 0.0
-    """Awaiting executor.step: plan encoding, the gRPC round trip, the executor's compute, result
-    decoding, and whatever else the event loop runs meanwhile (publisher, RPC handlers)."""
+    """Awaiting the executor (sending the plan, then reading its result): plan encoding, the
+    gRPC round trip, the executor's compute, result decoding, and whatever else the event loop
+    runs meanwhile (publisher, RPC handlers). With overlapped scheduling only the part of
+    the step not hidden behind the loop's own work."""
     update_s: float = 0.0
+    overlapped: int = 0
+    """Steps sent while the previous step was still in flight (overlapped scheduling)."""
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A step sent to the executor whose result the loop has not read yet."""
+
+    plan: StepPlan
+    schedule_s: float
+    send_s: float
 
 
 @dataclass(slots=True)
@@ -185,9 +211,13 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
+        sent: deque[_Sent] = deque()
+        """Steps sent and not yet read, oldest first: one, or two with overlapped scheduling."""
+        depth = 2 if self.limits.overlap_scheduling else 1
         while True:
             core = self.core
             if core is None:
+                sent.clear()
                 await asyncio.sleep(0.05)  # reconnecting
                 continue
             if not self.executor.connected:
@@ -196,17 +226,36 @@ class SchedulerLoop:
                 _log.error("executor_stream_ended_while_idle", address=self.executor.address)
                 self._executor_lost(f"executor at {self.executor.address} ended the step stream")
                 continue
-            started = time.perf_counter()
-            plan = core.schedule(self.clock())
-            if plan.is_empty and not plan.finished_seq_ids:
+            # Keep the executor's queue full: plan and send until `depth` steps are in flight
+            # or there is nothing to plan before a result comes back.
+            while len(sent) < depth:
+                started = time.perf_counter()
+                plan = core.schedule(self.clock())
+                if plan.is_empty and not plan.finished_seq_ids:
+                    break
+                scheduled = time.perf_counter()
+                try:
+                    await self.executor.send(plan)
+                except (UnavailableError, InvalidArgumentError) as exc:
+                    _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
+                    self._executor_lost(str(exc))
+                    break
+                if sent:
+                    self.step_times.overlapped += 1
+                sent.append(_Sent(plan, scheduled - started, time.perf_counter() - scheduled))
+            if self.core is not core:
+                continue
+            if not sent:
                 self._wake.clear()
                 if self._pending_close:
                     self._publish_queue.put_nowait(_Published([], self._take_pending_close()))
                 await self._wake.wait()
                 continue
-            scheduled = time.perf_counter()
+            step = sent.popleft()
+            plan = step.plan
+            waited = time.perf_counter()
             try:
-                result = await self.executor.step(plan)
+                result = await self.executor.receive(plan.step_id)
             except (UnavailableError, InvalidArgumentError) as exc:
                 _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
                 self._executor_lost(str(exc))
@@ -220,8 +269,8 @@ class SchedulerLoop:
             totals = self.step_times
             totals.steps += 1
             totals.sequences += len(plan.new) + len(plan.running)
-            totals.schedule_s += scheduled - started
-            totals.executor_s += stepped - scheduled
+            totals.schedule_s += step.schedule_s
+            totals.executor_s += step.send_s + stepped - waited
             totals.update_s += time.perf_counter() - stepped
             closed = self._take_pending_close()
             for update in updates:

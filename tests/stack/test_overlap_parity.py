@@ -1,0 +1,188 @@
+"""Overlapped scheduling on vs off through the real services: the same outputs.
+
+Two stacks in this process on loopback (tokenizer, executor and scheduler gRPC servers; the
+schedulers differ only in overlap_scheduling) receive the same mix of concurrent requests:
+greedy and seeded sampling, max_tokens, EOS (with and without min_tokens), stop token ids,
+stop strings (with and without the stop text), logprobs, and streams aborted mid-flight by
+a cancelled call and by the Abort RPC. Every finished stream must carry the same tokens,
+text, finish and stop reasons and usage on both stacks, the aborted ones must end as aborted,
+and afterwards each scheduler's core holds no block and no request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import RunningServer, create_channel
+from services.executor.config import ExecutorServiceConfig
+from services.executor.main import serve as serve_executor
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core.config import SchedulerLimits
+from services.scheduler.main import serve as serve_scheduler
+from services.stack.client import build_request
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.main import serve as serve_tokenizer
+from tests.helpers.service_harness import STORIES_DIR
+from tests.helpers.stack_streams import StreamRecord, assert_framed, record_stream
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = str(STORIES_DIR)
+ENGINE_FLAGS = dict(dtype="fp32", device="cpu", attention_backend="torch")
+NUM_BLOCKS = 256
+EOS = 2
+STORY = "Once upon a time"
+
+
+@dataclass
+class Stack:
+    executor: RunningServer
+    scheduler: RunningServer
+    stub: generation_pb2_grpc.GenerationStub
+    channel: grpc.aio.Channel
+
+    def stats(self):
+        return self.scheduler.scheduler_loop.stats()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
+    stacks: dict[bool, Stack] = {}
+    for overlap in (True, False):
+        executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=16,
+                                                              num_blocks=NUM_BLOCKS, **ENGINE_FLAGS))
+        scheduler = await serve_scheduler(SchedulerServiceConfig(
+            port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
+            connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap)))
+        assert scheduler.scheduler_loop.core.config.limits.overlap_scheduling is overlap
+        channel = create_channel(scheduler.address)
+        stacks[overlap] = Stack(executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
+    yield stacks
+    for stack in stacks.values():
+        await stack.channel.close()
+        await stack.scheduler.stop(grace=0)
+        await stack.executor.stop(grace=0)
+    await tokenizer.stop(grace=0)
+
+
+def request(prompt: str, max_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
+            ignore_eos: bool = True, stop: tuple[str, ...] = (), eos_bias: float = 0.0, min_tokens: int = 0,
+            stop_token_ids: tuple[int, ...] = (), include_stop_str: bool = False,
+            logprobs: int | None = None) -> generation_pb2.GenerateRequest:
+    req = build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos,
+                        stop=stop, top_p=0.9 if temperature else 1.0)
+    if eos_bias:
+        req.sampling.logit_bias[EOS] = eos_bias
+    if logprobs is not None:
+        req.sampling.logprobs = logprobs
+    req.stop.min_tokens = min_tokens
+    req.stop.stop_token_ids.extend(stop_token_ids)
+    req.stop.include_stop_str_in_output = include_stop_str
+    return req
+
+
+async def wait_idle(stack: Stack, timeout: float = 10.0) -> None:
+    """Freed blocks show up at the next step boundary at the latest; poll briefly."""
+    deadline = time.monotonic() + timeout
+    while (stats := stack.stats()).num_free_blocks != stats.num_blocks and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (stats.num_blocks, 0, 0), stats
+    assert not stack.scheduler.scheduler_loop.core.has_unfinished_requests()
+
+
+def outcome(record: StreamRecord) -> tuple:
+    """What must be equal with overlap on and off (cached_tokens and timings may differ)."""
+    finished = record.finished
+    logprobs = [(lp.token_id, round(lp.logprob, 4), list(lp.top_token_ids)) for d in record.deltas
+                for lp in d.logprobs]
+    return (record.code, record.token_ids, record.text, record.finish_reason,
+            finished.stop_reason if finished.HasField("stop_reason") else None,
+            finished.usage.prompt_tokens, finished.usage.completion_tokens, logprobs)
+
+
+async def reference_text(stack: Stack, prompt: str, tokens: int) -> StreamRecord:
+    record = await record_stream(stack.stub, request(prompt, tokens))
+    assert record.finish_reason == "length"
+    return record
+
+
+async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
+    # Stop rules picked from the plain greedy continuation, so that each of them fires.
+    plain = await reference_text(stacks[False], STORY, 40)
+    stop_id = plain.token_ids[6]
+    first_stop = plain.token_ids.index(stop_id)
+    words = plain.text.split()
+    stop_text = f"{words[3]} {words[4]}"  # spans a word boundary, likely two or more tokens
+    assert stop_text in plain.text
+    cases = {
+        "greedy length": request(STORY, 24),
+        "greedy other prompt": request("The little dog", 31),
+        "greedy one token": request("Lily wanted", 1),
+        "seeded": request(STORY, 32, temperature=0.8, seed=7),
+        "seeded other seed": request("Tom and his dog", 29, temperature=1.0, seed=1234),
+        "eos": request("The dog", 100, ignore_eos=False, eos_bias=25.0),
+        "eos after min_tokens": request("The dog", 100, ignore_eos=False, eos_bias=25.0, min_tokens=6),
+        "seeded eos": request("A fish swam", 100, temperature=0.7, seed=3, ignore_eos=False, eos_bias=8.0),
+        "stop token id": request(STORY, 40, stop_token_ids=(stop_id,)),
+        "stop token id after min_tokens": request(STORY, 40, stop_token_ids=(stop_id,), min_tokens=first_stop + 1),
+        "stop string": request(STORY, 40, stop=("never appears", stop_text)),
+        "stop string kept": request(STORY, 40, stop=(stop_text,), include_stop_str=True),
+        "seeded stop string": request(STORY, 60, temperature=0.8, seed=7, stop=("the",)),
+        "logprobs": request("The sun was hot", 12, logprobs=3),
+    }
+    results: dict[bool, dict[str, StreamRecord]] = {}
+    for overlap, stack in stacks.items():
+        names = list(cases)
+        aborted_by_rpc = asyncio.Event()
+        calls = [record_stream(stack.stub, cases[name]) for name in names]
+        calls.append(record_stream(stack.stub, request("Sam had a red ball", 400), cancel_after_deltas=3))
+        req = request("The king", 400)
+        req.request_id = f"abort-me-{overlap}"
+        calls.append(record_stream(stack.stub, req, on_delta=aborted_by_rpc))
+
+        async def abort_when_running() -> None:
+            await asyncio.wait_for(aborted_by_rpc.wait(), 30)
+            reply = await stack.stub.Abort(generation_pb2.AbortRequest(request_id=req.request_id), timeout=10)
+            assert reply.found
+
+        *records, cancelled, aborted, _ = await asyncio.gather(*calls, abort_when_running())
+        results[overlap] = dict(zip(names, records))
+        assert cancelled.code == grpc.StatusCode.CANCELLED and len(cancelled.token_ids) == 3
+        assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 400
+        await wait_idle(stack)
+        totals = stack.scheduler.scheduler_loop.step_times
+        assert (totals.overlapped > totals.steps // 2) if overlap else totals.overlapped == 0, totals
+
+    for name in cases:
+        on, off = results[True][name], results[False][name]
+        assert_framed(on, prompt_tokens=off.started.prompt_tokens)
+        assert outcome(on) == outcome(off), name
+
+    got = {name: (r.finish_reason, len(r.token_ids)) for name, r in results[True].items()}
+    assert got["greedy length"] == ("length", 24) and got["greedy one token"] == ("length", 1)
+    assert got["eos"][0] == "eos" and results[True]["eos"].token_ids[-1] == EOS
+    assert got["eos after min_tokens"][0] == "eos" and got["eos after min_tokens"][1] > 6
+    assert got["stop token id"] == ("stop", first_stop + 1)
+    assert stop_id not in results[True]["stop token id after min_tokens"].token_ids[:first_stop + 1]  # banned
+    assert got["stop string"][0] == "stop" and results[True]["stop string"].text == plain.text[
+        :plain.text.index(stop_text)]
+    assert results[True]["stop string kept"].text.endswith(stop_text)
+    assert len(results[True]["logprobs"].deltas[0].logprobs[0].top_token_ids) == 3
