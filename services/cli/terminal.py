@@ -6,15 +6,16 @@ import sys
 import time
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
-from services.stack.client import generate
+from services.stack.client import TLSChoice, generate
 
 
 def stream_to_terminal(address: str, request: generation_pb2.GenerateRequest, out=sys.stdout,
-                       timeout: float | None = 300.0) -> generation_pb2.Finished | None:
-    """Print the deltas as they arrive; return the Finished message (and print TTFT, tokens/s)."""
+                       timeout: float | None = 300.0, tls: TLSChoice = "env") -> generation_pb2.Finished | None:
+    """Print the deltas as they arrive; return the Finished message (and print TTFT, tokens/s).
+    tls: a ClientTLS, None (plaintext) or "env" (the TOKENMILL_TLS_* variables, if set)."""
     start = time.perf_counter()
     finished = None
-    for message in generate(address, request, timeout=timeout):
+    for message in generate(address, request, timeout=timeout, tls=tls):
         kind = message.WhichOneof("event")
         if kind == "delta":
             out.write(message.delta.text)

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)")
+    p.add_argument("--tls", action="store_true",
+                   help="mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
+                        "written to the run directory (their paths are printed)")
     p.add_argument("--demo-prompt", default="Once upon a time", help="prompt of the demo generation")
     p.add_argument("--no-demo", action="store_true", help="skip the demo generation")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo instead of serving")
@@ -49,13 +52,24 @@ def _print_event(text: str) -> None:
     print(f"[tokenmill up] {text}", file=sys.stderr)
 
 
+def _print_tls(launcher: Launcher) -> None:
+    certs = launcher.certificates
+    print(f"[tokenmill up] mTLS on every hop; CA {certs.ca}, client certificate {certs.client_cert}, "
+          f"key {certs.client_key}\n"
+          f"[tokenmill up]   TOKENMILL_TLS_CA={certs.ca} TOKENMILL_TLS_CERT={certs.client_cert} "
+          f"TOKENMILL_TLS_KEY={certs.client_key} tokenmill generate --address {launcher.public_address} "
+          "\"Once upon\"\n"
+          f"[tokenmill up]   grpcurl -cacert {certs.ca} -cert {certs.client_cert} -key {certs.client_key} "
+          f"{launcher.public_address} list", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},
                                      executor_args=args.executor_arg, scheduler_args=args.scheduler_arg,
-                                     log_dir=args.log_dir, on_event=_print_event))
+                                     log_dir=args.log_dir, on_event=_print_event, tls=args.tls))
     print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
           file=sys.stderr)
     try:
@@ -66,6 +80,8 @@ def main(argv: list[str]) -> int:
     for name, svc in launcher.services.items():
         print(f"[tokenmill up] {name:<9} SERVING on {svc.address} (pid {svc.process.pid})", file=sys.stderr)
     print(f"[tokenmill up] public API: {launcher.public_address}  (logs in {args.log_dir})", file=sys.stderr)
+    if launcher.certificates is not None:
+        _print_tls(launcher)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -74,7 +90,8 @@ def main(argv: list[str]) -> int:
             print(f"[tokenmill up] demo (greedy, 96 tokens):\n", file=sys.stderr)
             sys.stdout.write(args.demo_prompt)
             stream_to_terminal(launcher.public_address,
-                               build_request(args.demo_prompt, max_tokens=96, temperature=0.0))
+                               build_request(args.demo_prompt, max_tokens=96, temperature=0.0),
+                               tls=launcher.client_tls)
         if not args.exit_after_demo:
             print(f"[tokenmill up] serving on {launcher.public_address}; try `tokenmill generate \"Once upon\"`. "
                   "Ctrl-C to stop.", file=sys.stderr)

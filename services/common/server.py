@@ -17,13 +17,16 @@ Every server gets the error-mapping interceptor (services/common/errors.py), the
 health service (each registered service and "" report SERVING once started), server
 reflection (grpcurl works without .proto files), 64 MiB message limits and keepalive
 settings that match ``create_channel``'s, so long-lived step streams survive idle periods
-and dead peers are noticed within tens of seconds.
+and dead peers are noticed within tens of seconds. With ``tls`` (services/common/tls.py) the
+port is TLS only (mTLS when the config names a client CA), and ``create_channel`` connects
+with a ``ClientTLS``.
 
 Stopping, in order: health flips to NOT_SERVING (watchers and load balancers see it),
 an optional drain period while still accepting calls, then the server refuses new calls
 and gives in-flight ones ``grace`` seconds before cancelling them, then the ``on_stop``
 callbacks run (newest first). ``run_service`` does this on SIGINT/SIGTERM; a second
-signal cuts the grace period short.
+signal cuts the grace period short. On SIGHUP it reloads a TLS server's certificate files
+(new connections get them; open ones keep theirs).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorMappingInterceptor, UnavailableError
+from services.common.tls import ClientTLS, ServerCertificates, ServerTLS
 
 _log = structlog.get_logger("tokenmill.server")
 
@@ -89,9 +93,15 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def create_channel(address: str, *, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
-    """An insecure asyncio channel with the options our servers expect ("host:port")."""
-    return grpc.aio.insecure_channel(address, options=list(options) if options is not None else channel_options())
+def create_channel(address: str, *, options: Sequence[tuple[str, Any]] | None = None,
+                   tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """An asyncio channel with the options our servers expect ("host:port"): plaintext, or TLS
+    verifying the server against ``tls.ca`` (and presenting ``tls.cert`` for mTLS). The files
+    are read now, so a channel created after a rotation uses the new ones."""
+    options = list(options) if options is not None else channel_options()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
 
 
 def format_address(host: str, port: int) -> str:
@@ -115,6 +125,13 @@ class RunningServer:
     _on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
     _on_stopping: list[Callable[[float], Awaitable[None] | None]] = field(default_factory=list)
     _stop_task: asyncio.Task | None = None
+    tls: ServerCertificates | None = None
+    """The server's certificates when it serves TLS (None: plaintext)."""
+
+    def reload_tls(self) -> bool:
+        """Re-read the certificate files for new connections (SIGHUP); False if there is no TLS
+        or the files are bad (then the current certificate stays, and the error is logged)."""
+        return self.tls.reload() if self.tls is not None else False
 
     @property
     def address(self) -> str:
@@ -189,6 +206,7 @@ async def start_server(
     options: Sequence[tuple[str, Any]] | None = None,
     serving: bool = True,
     reflection_enabled: bool = True,
+    tls: ServerTLS | None = None,
 ) -> RunningServer:
     """Build, bind and start a server; with serving=True health reports SERVING on return.
 
@@ -198,7 +216,8 @@ async def start_server(
     their exceptions are mapped too. options replace server_options() entirely.
     serving=False starts with every service NOT_SERVING, for a service that must finish
     warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
-    server reflection out (callers then need the .proto files).
+    server reflection out (callers then need the .proto files). tls: serve TLS only (its files
+    are read here; a bad one raises ValueError naming the flag).
     """
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
@@ -214,19 +233,24 @@ async def start_server(
         reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
     address = format_address(host, port)
+    certificates = ServerCertificates(tls) if tls is not None else None
     try:
-        bound_port = server.add_insecure_port(address)
+        if certificates is not None:
+            bound_port = server.add_secure_port(address, certificates.credentials)
+        else:
+            bound_port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises when the bind fails
         raise UnavailableError(f"{name}: cannot listen on {address}: {exc}") from exc
     if bound_port == 0:  # older grpc versions report a failed bind as port 0
         raise UnavailableError(f"{name}: cannot listen on {address}")
 
-    running = RunningServer(name, server, host, bound_port, health_servicer, service_names)
+    running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates)
     await running.set_serving(False)
     await server.start()
     if serving:
         await running.set_serving(True)
-    _log.info("server_started", server=name, address=format_address(host, bound_port), services=list(service_names))
+    _log.info("server_started", server=name, address=format_address(host, bound_port), services=list(service_names),
+              tls="mtls" if tls is not None and tls.client_ca else "tls" if tls is not None else "off")
     return running
 
 
@@ -235,6 +259,7 @@ MainFunction = Callable[[], Awaitable[RunningServer]] | Coroutine[Any, Any, Runn
 
 def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float = 0.0, use_uvloop: bool = True) -> None:
     """Run a service process until SIGINT/SIGTERM or server termination, then stop gracefully.
+    A TLS server reloads its certificate files on SIGHUP (from when it has started).
 
     main: a coroutine (or a function returning one) that starts the server and returns
     it; everything else the service owns is cleaned up by its on_stop callbacks. Objects
@@ -261,6 +286,8 @@ def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float 
             loop.add_signal_handler(sig, on_signal, sig)
         try:
             running = await (main() if callable(main) else main)
+            if running.tls is not None:
+                loop.add_signal_handler(signal.SIGHUP, running.reload_tls)
             gc.freeze()
             if stop_requested.is_set():  # a signal arrived during start-up
                 await running.stop(grace, drain_seconds=drain_seconds)
@@ -274,7 +301,7 @@ def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float 
                 task.cancel()
             await running.stop(grace, drain_seconds=drain_seconds)
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
     if use_uvloop:

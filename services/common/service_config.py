@@ -96,10 +96,17 @@ def max_message_bytes_field(service: str, default: int) -> Any:
         "env": _env_prefix(service) + "MAX_MESSAGE_BYTES"})
 
 
-def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES) -> type:
+def path_field(service: str, name: str, help_text: str) -> Any:
+    """A file path setting (empty = unset), with the TOKENMILL_<SERVICE>_<NAME> variable."""
+    return field(default="", metadata={"help": help_text, "env": _env_prefix(service) + name.upper()})
+
+
+def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
+                           backend_tls: bool = False) -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
-    file, log level, stop grace, metrics port and message size limit, with
-    TOKENMILL_<SERVICE>_* variables."""
+    file, log level, stop grace, metrics port, message size limit, reflection and TLS, with
+    TOKENMILL_<SERVICE>_* variables. backend_tls adds the client side of a service that
+    connects to others (--backend-tls-ca/-cert/-key)."""
 
     @dataclass(slots=True)
     class ServiceProcessFields:
@@ -113,6 +120,21 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         reflection: bool = field(default=True, metadata={
             "help": "serve gRPC reflection (grpcurl without .proto files); off hides the API's shape",
             "env": _env_prefix(service) + "REFLECTION"})
+        tls_cert: str = path_field(service, "tls_cert", "PEM certificate chain to serve TLS with "
+                                                        "(empty = plaintext; re-read on SIGHUP)")
+        tls_key: str = path_field(service, "tls_key", "PEM private key of --tls-cert")
+        tls_client_ca: str = path_field(service, "tls_client_ca", "PEM CA certificate(s): require client "
+                                                                  "certificates signed by them (mTLS)")
+
+    if backend_tls:
+        @dataclass(slots=True)
+        class ServiceProcessFields(ServiceProcessFields):  # noqa: F811 - the same base, plus the client side
+            backend_tls_ca: str = path_field(service, "backend_tls_ca", "PEM CA certificate(s) the backends' "
+                                             "certificates must chain to (any --backend-tls-* set: TLS to the "
+                                             "backends; no CA: the system's roots)")
+            backend_tls_cert: str = path_field(service, "backend_tls_cert",
+                                               "PEM client certificate presented to the backends (mTLS)")
+            backend_tls_key: str = path_field(service, "backend_tls_key", "PEM private key of --backend-tls-cert")
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
     return ServiceProcessFields

@@ -31,6 +31,7 @@ from services.common.metrics import rpc_interceptors, serve_metrics
 from services.common.server import RunningServer, run_service, server_options, start_server
 from services.common.service_config import publish_port
 from services.common.settings import parse_config
+from services.common.tls import ClientTLS, ServerTLS
 
 
 class ServiceProcessConfig(Protocol):
@@ -44,6 +45,9 @@ class ServiceProcessConfig(Protocol):
     metrics_port: int
     max_message_bytes: int
     reflection: bool
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
 
 
 ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
@@ -53,9 +57,14 @@ MIN_MESSAGE_BYTES = 4096
 
 
 def check_process_fields(config: ServiceProcessConfig) -> None:
-    """The fields every service has, checked before anything is bound."""
+    """The fields every service has, checked before anything is bound: the message limit, and the
+    TLS files (readable, PEM, each key its certificate's), errors naming the flag."""
     if config.max_message_bytes < MIN_MESSAGE_BYTES:
         raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}")
+    if (server_tls := ServerTLS.from_config(config)) is not None:
+        server_tls.load()
+    if (backend_tls := ClientTLS.for_backends(config)) is not None:
+        backend_tls.check(("--backend-tls-ca", "--backend-tls-cert", "--backend-tls-key"))
 
 
 def registrar(
@@ -82,7 +91,7 @@ async def start_service(
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               options=server_options(config.max_message_bytes),
-                              reflection_enabled=config.reflection)
+                              reflection_enabled=config.reflection, tls=ServerTLS.from_config(config))
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:

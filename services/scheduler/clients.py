@@ -1,7 +1,8 @@
 """The scheduler's links to the executor and the tokenizers: one long-lived stream each.
 
 Each step is one message on each stream. Failures surface as UnavailableError, which the
-scheduler loop turns into UNAVAILABLE on the affected client streams.
+scheduler loop turns into UNAVAILABLE on the affected client streams. With ``tls`` every link
+connects over TLS (mTLS with a client certificate), its files read when the channel is made.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import create_channel
 from services.common.step import ExecutorInfo, StepPlan, StepResult
+from services.common.tls import ClientTLS
 
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens; scheduler step ids count up from 0."""
@@ -44,8 +46,9 @@ class ExecutorLink:
     result per plan; ``step`` is the two together.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._awaiting: deque = deque()
@@ -62,7 +65,7 @@ class ExecutorLink:
 
     async def connect(self, timeout: float) -> ExecutorInfo:
         await self.close()
-        self._channel = create_channel(self.address)
+        self._channel = create_channel(self.address, tls=self.tls)
         await wait_ready(self._channel, self.address, timeout)
         stub = executor_pb2_grpc.ExecutorStub(self._channel)
         try:
@@ -152,9 +155,9 @@ class DetokenizeBatch:
 class TokenizerLink:
     """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, tls=tls)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detok = None
         self._step_ids = itertools.count()
@@ -217,10 +220,10 @@ class TokenizerPool:
     """Several stateless tokenizer services: unary calls round-robin, each request's
     detokenization pinned to one tokenizer's stream (its state lives there)."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], tls: ClientTLS | None = None) -> None:
         if not addresses:
             raise ValueError("tokenizer_addresses must name at least one tokenizer service")
-        self.links = [TokenizerLink(a) for a in addresses]
+        self.links = [TokenizerLink(a, tls) for a in addresses]
         self._next = itertools.cycle(range(len(self.links)))
         self.info: tokenizer_pb2.TokenizerInfo | None = None
 

@@ -25,7 +25,8 @@ MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
-class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, MAX_PUBLIC_MESSAGE_BYTES)):
+class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, MAX_PUBLIC_MESSAGE_BYTES,
+                                                    backend_tls=True)):
     """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
 
     executor_address: str = _f("127.0.0.1:50053", "executor service address", "TOKENMILL_EXECUTOR_ADDRESS")

@@ -8,6 +8,7 @@ from services.common.metrics import request_metrics, scheduler_collector, tenant
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
+from services.common.tls import ClientTLS
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
@@ -32,8 +33,9 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         for observe in observers:
             observe(delta, output_state)
 
-    loop = SchedulerLoop(config.limits, ExecutorLink(config.executor_address),
-                         TokenizerPool(config.tokenizer_addresses), config.connect_timeout_s,
+    backend_tls = ClientTLS.for_backends(config)
+    loop = SchedulerLoop(config.limits, ExecutorLink(config.executor_address, backend_tls),
+                         TokenizerPool(config.tokenizer_addresses, backend_tls), config.connect_timeout_s,
                          on_finished=on_finished)
     await loop.start()
     model_name = Path(loop.executor.info.model).name

@@ -3,16 +3,33 @@
 ``build_request`` turns a prompt and sampling/stop values into a GenerateRequest (for this
 module's blocking calls and for asyncio clients alike); ``generate`` streams one Generate
 call; ``model_info`` and ``fetch_profile`` are the unary calls. Each call opens its own
-channel to ``address``. Errors arrive as ``grpc.RpcError``; nothing here prints.
+channel to ``address``; ``tls`` says how: a ``ClientTLS``, None for plaintext, or "env" (the
+default): TLS when TOKENMILL_TLS_CA / TOKENMILL_TLS_CERT / TOKENMILL_TLS_KEY are set, else plaintext.
+Errors arrive as ``grpc.RpcError``; nothing here prints.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 import grpc
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.tls import ClientTLS
+
+
+TLSChoice = ClientTLS | Literal["env"] | None
+"""A ClientTLS, None (plaintext) or "env" (ClientTLS.from_env(): the TOKENMILL_TLS_* variables)."""
+
+
+def open_channel(address: str, tls: TLSChoice = "env") -> grpc.Channel:
+    """A blocking channel to ``address``, plaintext or TLS as ``tls`` says."""
+    if tls == "env":
+        tls = ClientTLS.from_env()
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.credentials())
 
 
 def build_request(prompt: str | list[int] | None, *, max_tokens: int = 128, temperature: float = 1.0,
@@ -39,24 +56,25 @@ def build_request(prompt: str | list[int] | None, *, max_tokens: int = 128, temp
     return req
 
 
-def generate(address: str, request: generation_pb2.GenerateRequest,
-             timeout: float | None = 300.0) -> Iterator[generation_pb2.GenerateResponse]:
+def generate(address: str, request: generation_pb2.GenerateRequest, timeout: float | None = 300.0,
+             tls: TLSChoice = "env") -> Iterator[generation_pb2.GenerateResponse]:
     """The stream's messages as they arrive (Started, Deltas, Finished). Closing the iterator
     early cancels the call, which aborts the request on the server."""
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
 
 
-def model_info(address: str, timeout: float = 10.0) -> generation_pb2.ModelInfo:
-    with grpc.insecure_channel(address) as channel:
+def model_info(address: str, timeout: float = 10.0, tls: TLSChoice = "env") -> generation_pb2.ModelInfo:
+    with open_channel(address, tls) as channel:
         return generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest(),
                                                                        timeout=timeout)
 
 
-def fetch_profile(address: str, window_s: float | None = None, timeout: float = 10.0) -> generation_pb2.LatencyProfile:
+def fetch_profile(address: str, window_s: float | None = None, timeout: float = 10.0,
+                  tls: TLSChoice = "env") -> generation_pb2.LatencyProfile:
     """The scheduler's latency profile over the last ``window_s`` seconds (None: its configured window)."""
     request = generation_pb2.GetProfileRequest()
     if window_s is not None:
         request.window_seconds = window_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         return generation_pb2_grpc.GenerationStub(channel).GetProfile(request, timeout=timeout)

@@ -5,6 +5,11 @@ through a port file; after the first start a service keeps its port, so a restar
 executor is found by the scheduler at the same address. The scheduler (the public API)
 binds the configured public port. A service that dies is restarted (with a back-off);
 stopping sends SIGTERM to the scheduler first, so client streams end cleanly, then to the rest.
+
+With ``tls`` the launcher makes a throwaway CA and certificates for loopback in its run
+directory (services/stack/dev_ca.py) and every hop is mTLS: each service serves the server
+certificate and requires a client certificate from that CA; the scheduler, the launcher's
+health checks and the demo client present the client certificate (``Launcher.client_tls``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.tls import ClientTLS
+from services.stack.client import open_channel
+from services.stack.dev_ca import DevCertificates, write_dev_certificates
 
 START_ORDER = ("tokenizer", "executor", "drafter", "scheduler")
 
@@ -60,6 +69,8 @@ class LaunchConfig:
     on_event: Callable[[str], None] | None = None
     """Called with each supervision event as it happens (a service exited, restarted, failed to
     restart), from the supervisor thread; every event is also kept in ``Launcher.events``."""
+    tls: bool = False
+    """mTLS on every hop, with a throwaway local CA written to the run directory."""
 
 
 class Launcher:
@@ -73,6 +84,15 @@ class Launcher:
         restart can then never start a process after stop() went past its service."""
         self._monitor: threading.Thread | None = None
         self.events: list[str] = []
+        self.certificates: DevCertificates | None = (
+            write_dev_certificates(self._state_dir / "tls") if config.tls else None)
+        """The CA, server and client certificate files (with ``tls``)."""
+
+    @property
+    def client_tls(self) -> ClientTLS | None:
+        """How a client connects to this stack's services (None: plaintext)."""
+        certs = self.certificates
+        return ClientTLS(str(certs.ca), str(certs.client_cert), str(certs.client_key)) if certs else None
 
     # ------------------------------------------------------------------ start
     def _command(self, name: str, port: int) -> list[str]:
@@ -83,6 +103,13 @@ class Launcher:
             base += ["--model", c.model]
         if name == "executor":
             base += c.executor_args
+        if self.certificates is not None:
+            certs = self.certificates
+            base += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                     "--tls-client-ca", str(certs.ca)]
+            if name == "scheduler":
+                base += ["--backend-tls-ca", str(certs.ca), "--backend-tls-cert", str(certs.client_cert),
+                         "--backend-tls-key", str(certs.client_key)]
         if name == "scheduler":
             base += ["--host", c.public_host,
                      "--executor-address", self.services["executor"].address,
@@ -110,7 +137,7 @@ class Launcher:
                                    + (f"; see {svc.log_path}" if svc.log_path else ""))
             if svc.port_file.is_file() and svc.port_file.read_text().strip():
                 svc.port = int(svc.port_file.read_text())
-                if health_status(svc.address, timeout=1.0) == "SERVING":
+                if health_status(svc.address, timeout=1.0, tls=self.client_tls) == "SERVING":
                     return
             time.sleep(0.05)
         raise TimeoutError(f"{svc.name} did not report SERVING within {timeout:.0f}s")
@@ -195,8 +222,9 @@ class Launcher:
             self._monitor.join(timeout=2)
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
-    with grpc.insecure_channel(address) as channel:
+def health_status(address: str, service: str = "", timeout: float = 2.0, tls: ClientTLS | None = None) -> str:
+    """The service's health, or UNREACHABLE; over TLS with ``tls``, else plaintext."""
+    with open_channel(address, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                             timeout=timeout)

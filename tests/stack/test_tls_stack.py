@@ -1,0 +1,127 @@
+"""The stack with mTLS on every hop, in this process on loopback: the tokenizer and executor
+require the scheduler's client certificate, the scheduler verifies theirs and requires one from
+its own clients. Greedy streams equal those of the same stack without TLS; a scheduler that
+does not present the client certificate, or speaks plaintext, cannot reach its backends; a
+plaintext or certificate-less client is refused by the public API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.common.errors import UnavailableError
+from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.server import RunningServer, create_channel
+from services.common.tls import ClientTLS
+from services.executor.config import ExecutorServiceConfig
+from services.executor.main import serve as serve_executor
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.main import serve as serve_scheduler
+from services.stack.dev_ca import DevCertificates, write_dev_certificates
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.main import serve as serve_tokenizer
+from tests.helpers.service_harness import STORIES_DIR
+from tests.helpers.stack_streams import assert_framed, greedy_request, record_stream
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = str(STORIES_DIR)
+EXECUTOR_FLAGS = dict(num_blocks=256, dtype="fp32", device="cpu", attention_backend="torch")
+PROMPTS = ["Once upon a time", "The cat", "你好", "🙂 hi", [1, 403, 261, 300, 79]]
+MAX_TOKENS = 20
+
+
+@dataclass
+class Stack:
+    servers: list[RunningServer]
+    tokenizer: RunningServer
+    executor: RunningServer
+    scheduler: RunningServer
+    channel: grpc.aio.Channel
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+
+def server_flags(pki: DevCertificates | None) -> dict[str, str]:
+    if pki is None:
+        return {}
+    return dict(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca))
+
+
+def backend_flags(pki: DevCertificates) -> dict[str, str]:
+    return dict(backend_tls_ca=str(pki.ca), backend_tls_cert=str(pki.client_cert),
+                backend_tls_key=str(pki.client_key))
+
+
+def client_tls(pki: DevCertificates) -> ClientTLS:
+    return ClientTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+
+
+async def start_stack(pki: DevCertificates | None) -> Stack:
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **server_flags(pki)))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, **EXECUTOR_FLAGS, **server_flags(pki)))
+    scheduler = await serve_scheduler(SchedulerServiceConfig(
+        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        **server_flags(pki), **(backend_flags(pki) if pki else {})))
+    channel = create_channel(scheduler.address, tls=client_tls(pki) if pki else None)
+    return Stack([scheduler, executor, tokenizer], tokenizer, executor, scheduler, channel)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> DevCertificates:
+    return write_dev_certificates(tmp_path_factory.mktemp("pki"))
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stacks(pki) -> AsyncIterator[tuple[Stack, Stack]]:
+    secure, plain = await start_stack(pki), await start_stack(None)
+    yield secure, plain
+    for stack in (secure, plain):
+        await stack.channel.close()
+        for running in stack.servers:
+            await running.stop(grace=0)
+
+
+async def test_mtls_stack_generates_what_the_plaintext_stack_does(stacks) -> None:
+    secure, plain = stacks
+    assert all(s.tls is not None and s.tls.tls.client_ca for s in secure.servers)
+    assert all(s.tls is None for s in plain.servers)
+    for prompt in PROMPTS:
+        over_tls = await record_stream(secure.stub, greedy_request(prompt, MAX_TOKENS))
+        in_clear = await record_stream(plain.stub, greedy_request(prompt, MAX_TOKENS))
+        assert_framed(over_tls, prompt_tokens=in_clear.started.prompt_tokens)
+        assert len(over_tls.token_ids) == MAX_TOKENS
+        assert (over_tls.token_ids, over_tls.text) == (in_clear.token_ids, in_clear.text)
+
+
+async def test_the_public_api_refuses_plaintext_and_certificate_less_clients(stacks, pki) -> None:
+    secure, _ = stacks
+    for tls in (None, ClientTLS(str(pki.ca))):
+        async with create_channel(secure.scheduler.address, tls=tls) as channel:
+            record = await record_stream(generation_pb2_grpc.GenerationStub(channel), greedy_request("Hi", 2),
+                                         timeout=5)
+        assert record.code == grpc.StatusCode.UNAVAILABLE and not record.messages, record.details
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param(lambda pki: {}, id="plaintext"),
+    pytest.param(lambda pki: dict(backend_tls_ca=str(pki.ca)), id="no-client-certificate"),
+    pytest.param(lambda pki: dict(backend_tls_ca=str(pki.server_cert.parent / "wrong-ca.pem"),
+                                  backend_tls_cert=str(pki.client_cert), backend_tls_key=str(pki.client_key)),
+                 id="wrong-ca"),
+])
+async def test_a_scheduler_that_does_not_do_mtls_cannot_reach_the_backends(stacks, pki, backend) -> None:
+    secure, _ = stacks
+    wrong_ca = pki.server_cert.parent / "wrong-ca.pem"
+    if not wrong_ca.exists():  # a CA that did not sign the backends' certificates
+        wrong_ca.write_bytes(write_dev_certificates(pki.folder.parent / "wrong").ca.read_bytes())
+    with pytest.raises(UnavailableError, match="did not become reachable"):
+        await serve_scheduler(SchedulerServiceConfig(
+            port=0, executor_address=secure.executor.address, tokenizer_addresses=(secure.tokenizer.address,),
+            connect_timeout_s=1.5, **backend(pki)))
