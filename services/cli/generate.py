@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory for --in-process (env TOKENMILL_MODEL; default: the shipped stories260K)")
     p.add_argument("--address", default=os.environ.get("TOKENMILL_ADDRESS", "127.0.0.1:50051"),
                    help="public API address of a running stack (env TOKENMILL_ADDRESS; default 127.0.0.1:50051)")
+    p.add_argument("--tls-ca", default=os.environ.get("TOKENMILL_TLS_CA", ""),
+                   help="CA certificate to verify the stack with; connect over TLS (env TOKENMILL_TLS_CA)")
+    p.add_argument("--tls-cert", default=os.environ.get("TOKENMILL_TLS_CERT", ""),
+                   help="client certificate for a stack that requires one (mTLS; env TOKENMILL_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("TOKENMILL_TLS_KEY", ""),
+                   help="private key of --tls-cert (env TOKENMILL_TLS_KEY)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
@@ -79,18 +85,23 @@ def _run_remote(args) -> int:
     import grpc
 
     from services.cli.terminal import stream_to_terminal
+    from services.common.tls import ClientTLS
     from services.stack.client import build_request, model_info
+
+    tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert or args.tls_key else None
+    if tls is not None:
+        tls.check()  # a bad file: exit 2 naming the flag
 
     try:
         bos = None
         if not args.prompt:
-            info = model_info(args.address)
+            info = model_info(args.address, tls=tls)
             bos = info.bos_token_id if info.HasField("bos_token_id") else None
         request = build_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                                 ignore_eos=args.ignore_eos, stop=args.stop, bos_token_id=bos)
         sys.stdout.write(args.prompt)
-        stream_to_terminal(args.address, request)
+        stream_to_terminal(args.address, request, tls=tls)
     except grpc.RpcError as exc:
         print(f"\ntokenmill generate: {exc.code().name}: {exc.details()} (address {args.address})", file=sys.stderr)
         return 1

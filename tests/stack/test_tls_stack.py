@@ -2,16 +2,20 @@
 require the scheduler's client certificate, the scheduler verifies theirs and requires one from
 its own clients. Greedy streams equal those of the same stack without TLS; a scheduler that
 does not present the client certificate, or speaks plaintext, cannot reach its backends; a
-plaintext or certificate-less client is refused by the public API."""
+plaintext or certificate-less client is refused by the public API; `tokenmill generate` reaches
+it with --tls-ca/--tls-cert/--tls-key or the TOKENMILL_TLS_* variables."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import pytest_asyncio
+import structlog
 
 from services.common.errors import UnavailableError
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
@@ -73,6 +77,15 @@ async def start_stack(pki: DevCertificates | None) -> Stack:
     return Stack([scheduler, executor, tokenizer], tokenizer, executor, scheduler, channel)
 
 
+@pytest.fixture
+def quiet_servers():
+    """The servers in this process log to the stdout the CLI under test prints to: errors only."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    yield
+    structlog.configure(**saved)
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> DevCertificates:
     return write_dev_certificates(tmp_path_factory.mktemp("pki"))
@@ -125,3 +138,31 @@ async def test_a_scheduler_that_does_not_do_mtls_cannot_reach_the_backends(stack
         await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_address=secure.executor.address, tokenizer_addresses=(secure.tokenizer.address,),
             connect_timeout_s=1.5, **backend(pki)))
+
+
+async def test_tokenmill_generate_reaches_the_mtls_stack_with_flags_or_environment(stacks, pki, capsys,
+                                                                                 monkeypatch, quiet_servers) -> None:
+    from services.cli.generate import main as generate_main
+
+    def printed() -> str:
+        return capsys.readouterr().out
+
+    secure, plain = stacks
+    common = ["Once upon a time", "--temperature", "0", "--max-tokens", "12", "--ignore-eos"]
+    assert await asyncio.to_thread(generate_main, [*common, "--address", plain.scheduler.address]) == 0
+    expected = printed()
+    assert expected.startswith("Once upon a time") and len(expected) > len("Once upon a time\n")
+
+    flags = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    assert await asyncio.to_thread(generate_main, [*common, "--address", secure.scheduler.address, *flags]) == 0
+    assert printed() == expected
+
+    for name, value in zip(("TOKENMILL_TLS_CA", "TOKENMILL_TLS_CERT", "TOKENMILL_TLS_KEY"), flags[1::2]):
+        monkeypatch.setenv(name, value)
+    assert await asyncio.to_thread(generate_main, [*common, "--address", secure.scheduler.address]) == 0
+    assert printed() == expected
+
+    monkeypatch.setenv("TOKENMILL_TLS_CA", "/nonexistent/ca.pem")
+    assert await asyncio.to_thread(generate_main, [*common, "--address", secure.scheduler.address]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tokenmill generate: error: --tls-ca /nonexistent/ca.pem: cannot read it: No such file or directory")
