@@ -9,10 +9,12 @@ from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.stack.client import TLSChoice, generate
 
 
-def stream_to_terminal(address: str, request: generation_pb2.GenerateRequest, out=sys.stdout,
+def stream_to_terminal(address: str, request: generation_pb2.GenerateRequest, out=None,
                        timeout: float | None = 300.0, tls: TLSChoice = "env") -> generation_pb2.Finished | None:
     """Print the deltas as they arrive; return the Finished message (and print TTFT, tokens/s).
-    tls: a ClientTLS, None (plaintext) or "env" (the TOKENMILL_TLS_* variables, if set)."""
+    out: where the text goes (None: sys.stdout as it is at the call). tls: a ClientTLS, None
+    (plaintext) or "env" (the TOKENMILL_TLS_* variables, if set)."""
+    out = sys.stdout if out is None else out
     start = time.perf_counter()
     finished = None
     for message in generate(address, request, timeout=timeout, tls=tls):
