@@ -17,7 +17,7 @@ from torch import nn
 from services.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.layers import RotaryEmbedding
-from services.runtime.model.linear import Linear
+from services.runtime.model.linear import Linear, worth_prepacking
 from services.runtime.model.ops import TorchOps, get_model_ops
 from services.runtime.model.weights import load_checkpoint
 
@@ -49,21 +49,19 @@ class LlamaLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
         ops: TorchOps,
     ) -> torch.Tensor:
-        # hidden: [T, D]
+        # hidden: [T, D]; rope: this step's rotary tables (ops.rotary_tables)
         t = hidden.shape[0]
         x = ops.rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                          positions, rotary)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(qk, self.num_heads, rope)  # [T, H, hd], [T, KH, hd]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
@@ -96,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
         assert not weights, f"unused weights: {sorted(weights)[:5]}"
         self.to(device)
         if device.type == "cpu" and prepack_cpu_weights:
+            # Only where it pays: oneDNN's per-call cost outweighs a small fp32 product (linear.py).
             for module in self.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and worth_prepacking(module.weight):
                     module.prepack()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
 
@@ -130,8 +129,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
         hidden = F.embedding(input_ids, self.embed)
+        rope = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, positions, kv_cache, meta, self.rotary, self.backend, self.ops)
+            hidden = layer(hidden, rope, kv_cache, meta, self.backend, self.ops)
         return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -28,9 +28,15 @@ class TorchOps:
         return rms_norm(hidden, weight, eps), hidden
 
     @staticmethod
-    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
-        # q: [T, H, D], k: [T, KH, D]
-        return rotary.apply(q, positions), rotary.apply(k, positions)
+    def rotary_tables(positions: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype):
+        """What ``rotary`` needs for this step's positions, gathered once for all layers."""
+        return rotary.tables(positions, dtype)
+
+    @staticmethod
+    def rotary(qk: torch.Tensor, num_heads: int, tables) -> tuple[torch.Tensor, torch.Tensor]:
+        # qk: [T, H + KH, D], the q|k columns of the fused projection -> q [T, H, D], k [T, KH, D]
+        out = RotaryEmbedding.rotate(qk, tables)  # q and k in one pass
+        return out[:, :num_heads], out[:, num_heads:]
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +64,13 @@ class TritonOps:
     def add_rms_norm(self, x, residual, weight, eps):
         return self._rms_norm(x, weight, eps, residual=residual)
 
-    def rotary(self, q, k, positions, rotary: RotaryEmbedding):
-        return self._rotary(q, k, positions, rotary.cos, rotary.sin)
+    @staticmethod
+    def rotary_tables(positions, rotary: RotaryEmbedding, dtype):
+        return positions, rotary  # the kernel reads the tables at the positions itself
+
+    def rotary(self, qk, num_heads, tables):
+        positions, rotary = tables
+        return self._rotary(qk[:, :num_heads], qk[:, num_heads:], positions, rotary.cos, rotary.sin)
 
     def silu_and_mul(self, x):
         return self._silu_and_mul(x)

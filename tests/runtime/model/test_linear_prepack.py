@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.runtime.model.linear import Linear, packed_path_works
+from services.runtime.model.linear import PREPACK_MIN_ELEMENTS, Linear, packed_path_works, worth_prepacking
 from tests.conftest import REPO_ROOT, STORIES_DIR
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -49,19 +49,30 @@ def test_prepacked_matches_f_linear(rows, bias, dtype):
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_model_linears_are_prepacked_on_cpu_and_tied_head_keeps_embedding():
+def test_model_prepacks_the_linears_worth_it_and_tied_head_keeps_embedding():
     from services.runtime.model.attention.torch_backend import TorchAttentionBackend
     from services.runtime.model.llama import LlamaForCausalLM
     from services.runtime.model.linear import Linear as LinearCls
 
     model = LlamaForCausalLM.from_pretrained(STORIES_DIR, TorchAttentionBackend())
     linears = [m for m in model.modules() if isinstance(m, LinearCls)]
-    assert linears and all(m.packed is not None for m in linears)
+    # stories260K's fp32 matrices are all below the size where oneDNN's call pays for itself.
+    assert linears and all(m.out_features * m.in_features < PREPACK_MIN_ELEMENTS[torch.float32] for m in linears)
+    assert all(m.packed is None for m in linears)
+    # Packed by hand, every linear of the model (the tied head included) gives the plain result.
+    assert all(m.prepack() for m in linears) and all(m.packed is not None for m in linears)
     assert model.config.tie_word_embeddings and model.embed is not None  # the lookup table survives
     plain = LlamaForCausalLM.from_pretrained(STORIES_DIR, TorchAttentionBackend(), prepack_cpu_weights=False)
     assert all(m.packed is None for m in plain.modules() if isinstance(m, LinearCls))
     hidden = torch.randn(5, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_worth_prepacking_by_size_in_fp32_always_in_bf16(dtype):
+    small, large = torch.zeros(64, 64, dtype=dtype), torch.zeros(512, 512, dtype=dtype)
+    assert worth_prepacking(large)
+    assert worth_prepacking(small) == (dtype == torch.bfloat16)
 
 
 def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -74,7 +85,7 @@ def test_avx2_only_cpu_keeps_bf16_on_the_plain_path():
     script = textwrap.dedent(f"""
         import torch, torch.nn.functional as F
         from services.runtime.model.attention.torch_backend import TorchAttentionBackend
-        from services.runtime.model.linear import Linear, packed_path_works
+        from services.runtime.model.linear import PREPACK_MIN_ELEMENTS, Linear, packed_path_works, worth_prepacking
         from services.runtime.model.llama import LlamaForCausalLM
 
         assert not packed_path_works(torch.bfloat16), "oneDNN capped at AVX2 must refuse bf16"

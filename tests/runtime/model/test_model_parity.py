@@ -12,6 +12,7 @@ import torch
 
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.torch_backend import TorchAttentionBackend
+from services.runtime.model.linear import Linear
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.kv_cache import KVCache
 from tests.helpers.parity_specs import PARITY_SPECS
@@ -53,6 +54,8 @@ def assert_close_to_reference(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def test_random_model_logits_match_transformers(random_model_dirs, name):
     model_dir = random_model_dirs[name]
     model = LlamaForCausalLM.from_pretrained(model_dir, TorchAttentionBackend())
+    if name == "llama-wide-prepacked":  # the spec that must run the oneDNN-prepacked linears
+        assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
     ids = torch.randint(0, model.config.vocab_size, (45,), generator=torch.Generator().manual_seed(7))
     ref = hf_logits(model_dir, ids)
     # Whole prompt at once, then the same tokens as a chunked prefill followed by single-token decodes.
