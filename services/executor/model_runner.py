@@ -8,6 +8,7 @@ it: the result holds sampled ids and, when asked, logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -17,8 +18,9 @@ from services.runtime.model.config import ModelConfig, dtype_name, parse_dtype
 from services.runtime.model.llama import LlamaForCausalLM
 from services.common.sampling_params import SamplingParams
 from services.common.stop import MinTokensBan
+from services.runtime.sampling.batch import is_plain_greedy
 from services.runtime.sampling.sampler import Sampler, SamplingBatch
-from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult
+from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 
@@ -151,6 +153,12 @@ class ModelRunner:
         return scheduled
 
     def _prepare(self, scheduled: list[tuple[SequenceState, int]]):
+        """The step's tensors, built from Python lists in two host-to-device copies.
+
+        int64 [input ids | positions | slots] and int32 [context lens | query starts | block
+        table]; every tensor the model reads is a view into one of the two. A decode row (one
+        token) appends scalars; only longer rows build ranges.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -159,32 +167,39 @@ class ModelRunner:
         bs = self.block_size
         for state, n in scheduled:
             start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
             blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                input_ids.append(state.token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(state.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
+        num_seqs, num_tokens = len(scheduled), len(input_ids)
         width = max(len(s.block_ids) for s, _ in scheduled)
-        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s, _ in scheduled]
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
+        cu = [0, *accumulate(query_lens)]
+        ints = context_lens + cu  # [B] context lens, [B + 1] query starts, then the [B, width] table
+        for state, _ in scheduled:
+            ints += state.block_ids
+            ints += [0] * (width - len(state.block_ids))
         dev = self.device
+        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64, device=dev)  # [3T]
+        ints_dev = torch.tensor(ints, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+            slot_mapping=longs[2 * num_tokens :],
+            block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, width),
+            context_lens=ints_dev[:num_seqs],
+            query_start_loc=ints_dev[num_seqs : 2 * num_seqs + 1],
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             block_size=bs,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, cu
+        return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta, cu
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -201,18 +216,11 @@ class ModelRunner:
         ]
         outputs = [SequenceOutput(state.seq_id) for state, _ in scheduled]
         if sample_rows:
-            last_token = torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[last_token])  # [S, V] fp32
+            if len(sample_rows) < hidden.shape[0]:  # else every token is a sampling row's only one
+                hidden = hidden[torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)]
+            logits = self.model.compute_logits(hidden)  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
-            batch = SamplingBatch.build(
-                [s.sampling for s in states],
-                [s.token_ids[: s.prompt_len] for s in states],
-                [s.token_ids[s.prompt_len :] for s in states],
-                self.model_config.vocab_size,
-                self.device,
-                [s.min_tokens_ban for s in states],
-            )
-            sampled = self.sampler(logits, batch).to_lists(batch)
+            sampled = self._sample(logits, states)
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
                 state.token_ids.append(token_id)
                 outputs[row].token_ids = [token_id]
@@ -221,3 +229,18 @@ class ModelRunner:
         for state, n in scheduled:
             state.num_computed_tokens += n
         return StepResult(plan.step_id, outputs)
+
+    def _sample(self, logits: torch.Tensor, states: list[SequenceState]) -> list[tuple[int, TokenLogprobs | None]]:
+        """One token (and logprobs if asked) per row of ``logits`` [S, V]."""
+        if all(is_plain_greedy(s.sampling, len(s.token_ids) - s.prompt_len, s.min_tokens_ban) for s in states):
+            # The sampler's argmax-only path, without packing a batch that nothing reads.
+            return [(token_id, None) for token_id in logits.argmax(dim=-1).tolist()]
+        batch = SamplingBatch.build(
+            [s.sampling for s in states],
+            [s.token_ids[: s.prompt_len] for s in states],
+            [s.token_ids[s.prompt_len :] for s in states],
+            self.model_config.vocab_size,
+            self.device,
+            [s.min_tokens_ban for s in states],
+        )
+        return self.sampler(logits, batch).to_lists(batch)

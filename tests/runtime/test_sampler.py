@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.runtime.sampling.batch import SamplingBatch, derive_row_seed
+from services.runtime.sampling.batch import SamplingBatch, derive_row_seed, is_plain_greedy
 from services.common.sampling_params import SamplingParams
 from services.common.stop import MinTokensBan
 from services.runtime.sampling.sampler import Sampler, process_logits
@@ -260,6 +260,37 @@ def test_greedy_fast_path_equals_general_path():
     assert torch.equal(fast_tokens, sampler(logits, general).token_ids)
     assert torch.equal(fast_tokens, logits.float().argmax(dim=-1))
     assert fast_tokens.dtype == torch.int64
+
+
+# One field at a time off the plain greedy row; each must leave the argmax-only path.
+NOT_PLAIN_GREEDY = [
+    ({"temperature": 0.7}, None, 0),
+    ({"temperature": 0.0, "logit_bias": {3: 0.0}}, None, 0),
+    ({"temperature": 0.0, "repetition_penalty": 1.1}, None, 0),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, None, 0),
+    ({"temperature": 0.0, "frequency_penalty": -0.5}, None, 0),
+    ({"temperature": 0.0, "logprobs": 0}, None, 0),
+    ({"temperature": 0.0}, MinTokensBan(2, (1,)), 1),  # ban in force: 1 output token of 2
+]
+PLAIN_GREEDY = [
+    ({"temperature": 0.0}, None, 0),
+    ({"temperature": 1e-6}, None, 5),  # below the sampling threshold: greedy
+    ({"temperature": 0.0, "top_k": 3, "top_p": 0.5, "min_p": 0.1, "seed": 7}, None, 0),  # no effect when greedy
+    ({"temperature": 0.0}, MinTokensBan(2, (1,)), 2),  # ban lifted
+    ({"temperature": 0.0}, MinTokensBan(4, ()), 0),  # bans nothing
+]
+
+
+@pytest.mark.parametrize("kwargs, ban, num_output", NOT_PLAIN_GREEDY + PLAIN_GREEDY)
+def test_plain_greedy_row_is_the_per_row_argmax_only_flag(kwargs, ban, num_output):
+    params = SamplingParams(**kwargs)
+    plain = (kwargs, ban, num_output) in PLAIN_GREEDY
+    assert is_plain_greedy(params, num_output, ban) == plain
+    # Alone, and beside a plain greedy row: the batch is argmax-only exactly when every row is plain.
+    for rows in ([params], [SamplingParams(temperature=0.0), params]):
+        bans = [None] * (len(rows) - 1) + [ban]
+        outputs = [[]] * (len(rows) - 1) + [[0] * num_output]
+        assert make_batch(rows, outputs=outputs, bans=bans).flags.argmax_only == plain
 
 
 def test_caller_logits_are_not_modified():

@@ -53,6 +53,25 @@ def derive_row_seed(seed: int, position: int) -> int:
     return x & _MASK_63
 
 
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int, ban: MinTokensBan | None) -> bool:
+    """Whether a row's token is the bare argmax of its raw logits: greedy, no logit bias, no
+    penalty, no min-tokens ban in force at ``num_output_tokens``, no logprobs.
+
+    The per-row form of ``StageFlags.argmax_only`` (a batch is argmax-only exactly when every
+    row is plain greedy), cheap enough to check before building a batch: a caller whose rows all
+    pass can take the argmax of the logits and skip ``SamplingBatch.build``.
+    """
+    return (
+        params.temperature < MIN_SAMPLING_TEMPERATURE
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.logprobs is None
+        and (ban is None or not ban.token_ids or num_output_tokens >= ban.min_tokens)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StageFlags:
     """Which stages at least one row needs; a stage no row needs is skipped entirely."""
