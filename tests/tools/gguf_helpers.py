@@ -1,0 +1,132 @@
+"""Helpers for the GGUF conversion tests: a tiny synthetic Llama GGUF, llama.cpp's q/k permutation
+as its converter defines it, and the engine's logits for a prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from tokenizers import pre_tokenizers
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BYTE_ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())
+MERGES = ["Ġ t", "h e", "Ġt he", "1 2"]  # "12" exists, so a digit split is visible in the ids
+TOKENS = CONTROL_TOKENS + BYTE_ALPHABET + ["Ġt", "he", "Ġthe", "12"]
+TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=96, layers=2, context=128)
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py ``permute``: HF rows [head, half, i] -> GGUF rows [head, i, half]."""
+    return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llama", tokenizer_model: str = "gpt2",
+                          pre: str = "smollm", extra_tensor: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
+    q/k rows permuted); returns the HF-layout float32 weights it was quantized from."""
+    d, h, kvh, f = TINY["hidden"], TINY["heads"], TINY["kv_heads"], TINY["ffn"]
+    head_dim = d // h
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(TINY["context"])
+    writer.add_embedding_length(d)
+    writer.add_block_count(TINY["layers"])
+    writer.add_feed_forward_length(f)
+    writer.add_head_count(h)
+    writer.add_head_count_kv(kvh)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(len(TOKENS))
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(CONTROL_TOKENS) + [1] * (len(TOKENS) - len(CONTROL_TOKENS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+    hf: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, values: np.ndarray, qtype: GGMLQuantizationType,
+            permute_heads: int | None = None) -> None:
+        hf[hf_name] = values
+        stored = values if permute_heads is None else llama_cpp_permute(values, permute_heads)
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, stored)
+        else:
+            writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
+
+    q41, q80, f32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
+    add("token_embd.weight", "model.embed_tokens.weight", rand(len(TOKENS), d), q80)
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(d), f32)
+        add(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", rand(h * head_dim, d), q41, h)
+        add(f"blk.{i}.attn_k.weight", p + "self_attn.k_proj.weight", rand(kvh * head_dim, d), q41, kvh)
+        add(f"blk.{i}.attn_v.weight", p + "self_attn.v_proj.weight", rand(kvh * head_dim, d), q41)
+        add(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rand(d, h * head_dim), q41)
+        add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rand(d), f32)
+        add(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rand(f, d), q41)
+        add(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rand(f, d), q41)
+        add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)
+    add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
+    if untied:
+        add("output.weight", "lm_head.weight", rand(len(TOKENS), d), q80)
+    if extra_tensor is not None:
+        writer.add_tensor(extra_tensor, rand(d))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def load_engine_model(model_dir: Path):
+    """The engine's model (fp32, torch attention backend) from a model directory."""
+    from services.runtime.model.attention.torch_backend import TorchAttentionBackend
+    from services.runtime.model.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, TorchAttentionBackend())
+
+
+def engine_logits(model, ids: list[int]) -> torch.Tensor:
+    """The engine model's fp32 logits at every position of ``ids`` (one prefill through a paged cache)."""
+    from services.runtime.kv_cache import KVCache
+    from services.runtime.model.attention.base import AttentionMetadata
+
+    if isinstance(model, Path):
+        model = load_engine_model(model)
+    block_size, n = 16, len(ids)
+    num_blocks = (n + block_size - 1) // block_size
+    kv = KVCache.allocate(model.config, num_blocks, block_size, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        query_lens_cpu=[n], context_lens_cpu=[n], max_query_len=n, max_context_len=n, block_size=block_size,
+    )
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv.layers, meta))  # [n, V]
+
+
+def assert_close_to_reference(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 logits within 1e-4 of the reference's logit scale."""
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= 1e-4 * scale, f"max abs error {err:.3e} exceeds 1e-4 x logit scale {scale:.3f}"
