@@ -2,6 +2,11 @@
 
 From a running stack over the public gRPC API (address by --address or TOKENMILL_ADDRESS),
 or with --in-process from a model directory loaded in this process.
+
+``--chat "MESSAGE"`` (with an optional ``--system "..."``) sends a conversation instead: the
+model's chat template renders it with the cue for the assistant's turn, its markup becomes the
+model's special tokens, and generation stops at the end-of-turn token; only the reply is printed.
+A plain PROMPT is text: "<|im_start|>" typed in it stays those characters, not the special token.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import sys
 import time
 
+from services.common.errors import TokenmillError
 from services.runtime.model.attention.names import BACKEND_NAMES
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
@@ -20,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", default="", help="prompt text; empty = start from BOS alone")
+    p.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--in-process", action="store_true", help="load the model here instead of calling a stack")
     p.add_argument("--model", default=os.environ.get("TOKENMILL_MODEL", DEFAULT_MODEL),
                    help="model directory for --in-process (env TOKENMILL_MODEL; default: the shipped stories260K)")
@@ -47,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_in_process(args) -> int:
+def _run_in_process(args, messages: list[dict[str, str]] | None) -> int:
     from services.common.logging import configure_logging
     from services.common.sampling_params import SamplingParams
     from services.common.stop import StopConditions
@@ -56,15 +64,18 @@ def _run_in_process(args) -> int:
 
     # stdout carries the text alone; the engine's log lines (warnings and up) go to stderr.
     configure_logging("generate", level="warning", json=False)
+    prompt = _render_chat(args.model, messages) if messages is not None else args.prompt or None
     engine = Engine(EngineConfig(ExecutorConfig(model=args.model, dtype=args.dtype, device=args.device,
                                                 attention_backend=args.attention_backend)))
+    if messages is None:
+        _warn_special_text(args.prompt, engine.tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     stop = StopConditions(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(args.prompt if messages is None else "")
     sys.stdout.flush()
     final = None
-    for _, delta in engine.generate([args.prompt or None], sampling, stop):
+    for _, delta in engine.generate([prompt], sampling, stop):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         if delta.finished:
@@ -76,12 +87,40 @@ def _run_in_process(args) -> int:
     return 0
 
 
+def chat_messages(args) -> list[dict[str, str]] | None:
+    """The conversation of --system/--chat; None without --chat."""
+    if args.chat is None:
+        if args.system is not None:
+            raise ValueError("--system needs --chat")
+        return None
+    if args.prompt:
+        raise ValueError("give either a PROMPT or --chat, not both")
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    return system + [{"role": "user", "content": args.chat}]
+
+
+def _render_chat(model_dir: str, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's prompt ids, rendered as the tokenizer service's RenderChat does."""
+    from services.tokenizer.text_service import TextService
+
+    return TextService(model_dir).render_chat(messages).token_ids
+
+
+def _warn_special_text(prompt: str, tokenizer) -> None:
+    """Say so when a plain prompt spells special tokens: they are encoded as text, not as those ids."""
+    found = [t for i in sorted(tokenizer.skipped_special_ids) if (t := tokenizer.id_to_token(i)) and t in prompt]
+    if found:
+        print(f"tokenmill generate: note: the prompt spells {', '.join(found)}; a prompt is plain text, so these "
+              "are encoded as characters, not as the model's special tokens. Use --chat \"MESSAGE\" (and "
+              "--system) to have the model's chat template write them.", file=sys.stderr)
+
+
 def _print_stats(tokens: int, ttft_ms: float, decode_ms: float, reason: str) -> None:
     tps = (tokens - 1) / (decode_ms / 1000.0) if decode_ms > 0 and tokens > 1 else float("nan")
     print(f"[{tokens} tokens, finish={reason}, TTFT {ttft_ms:.1f} ms, {tps:.1f} tokens/s]", file=sys.stderr)
 
 
-def _run_remote(args) -> int:
+def _run_remote(args, messages: list[dict[str, str]] | None) -> int:
     import grpc
 
     from services.cli.terminal import stream_to_terminal
@@ -94,12 +133,12 @@ def _run_remote(args) -> int:
 
     try:
         bos = None
-        if not args.prompt:
+        if not args.prompt and messages is None:
             info = model_info(args.address, tls=tls)
             bos = info.bos_token_id if info.HasField("bos_token_id") else None
         request = build_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                                ignore_eos=args.ignore_eos, stop=args.stop, bos_token_id=bos)
+                                ignore_eos=args.ignore_eos, stop=args.stop, bos_token_id=bos, chat=messages)
         sys.stdout.write(args.prompt)
         stream_to_terminal(args.address, request, tls=tls)
     except grpc.RpcError as exc:
@@ -111,7 +150,8 @@ def _run_remote(args) -> int:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _run_in_process(args) if args.in_process else _run_remote(args)
-    except (ValueError, FileNotFoundError) as exc:
+        messages = chat_messages(args)
+        return _run_in_process(args, messages) if args.in_process else _run_remote(args, messages)
+    except (ValueError, FileNotFoundError, TokenmillError) as exc:
         print(f"tokenmill generate: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """``tokenmill up``: start the four services locally with the default model, stream a demo
-generation, then serve until Ctrl-C and shut down gracefully. A crashed service is restarted."""
+generation (one chat turn when the model has a chat template, else a story continued), then
+serve until Ctrl-C and shut down gracefully. A crashed service is restarted."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import threading
 from pathlib import Path
 
 from services.cli.terminal import stream_to_terminal
+from services.common.pb.tokenmill.v1 import generation_pb2
 from services.stack.client import build_request
 from services.stack.launcher import LaunchConfig, Launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = str(REPO_ROOT / "models" / "stories260K")
+DEMO_MAX_TOKENS = 96
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,10 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true",
                    help="mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
                         "written to the run directory (their paths are printed)")
-    p.add_argument("--demo-prompt", default="Once upon a time", help="prompt of the demo generation")
+    p.add_argument("--demo-prompt", default="Once upon a time",
+                   help="prompt of the demo generation (models without a chat template)")
+    p.add_argument("--demo-chat", default="What is the capital of France?",
+                   help="user message of the demo conversation (models with a chat template)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo generation")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo instead of serving")
     return p
+
+
+def has_chat_template(model_dir: str) -> bool:
+    """True when the model directory ships a chat template (read as the tokenizer service reads it)."""
+    from services.tokenizer.text_tokenizer import TextTokenizer
+
+    return TextTokenizer.from_dir(model_dir).chat_template is not None
+
+
+def demo_request(chat: bool, prompt: str, message: str) -> tuple[str, generation_pb2.GenerateRequest]:
+    """(text to echo, request) of the demo: a one-message conversation when the model has a chat
+    template (it stops at the end of the assistant's turn), else a plain prompt continued."""
+    if chat:
+        request = build_request(None, chat=[{"role": "user", "content": message}],
+                                max_tokens=DEMO_MAX_TOKENS, temperature=0.0)
+        return f"user: {message}\nassistant: ", request
+    return prompt, build_request(prompt, max_tokens=DEMO_MAX_TOKENS, temperature=0.0)
 
 
 def _print_event(text: str) -> None:
@@ -86,14 +109,15 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        chat = has_chat_template(args.model)
         if not args.no_demo:
-            print(f"[tokenmill up] demo (greedy, 96 tokens):\n", file=sys.stderr)
-            sys.stdout.write(args.demo_prompt)
-            stream_to_terminal(launcher.public_address,
-                               build_request(args.demo_prompt, max_tokens=96, temperature=0.0),
-                               tls=launcher.client_tls)
+            echo, request = demo_request(chat, args.demo_prompt, args.demo_chat)
+            print(f"[tokenmill up] demo (greedy, at most {DEMO_MAX_TOKENS} tokens):\n", file=sys.stderr)
+            sys.stdout.write(echo)
+            stream_to_terminal(launcher.public_address, request, tls=launcher.client_tls)
         if not args.exit_after_demo:
-            print(f"[tokenmill up] serving on {launcher.public_address}; try `tokenmill generate \"Once upon\"`. "
+            example = '--chat "Tell me a joke"' if chat else '"Once upon"'
+            print(f"[tokenmill up] serving on {launcher.public_address}; try `tokenmill generate {example}`. "
                   "Ctrl-C to stop.", file=sys.stderr)
             stop.wait()
     finally:

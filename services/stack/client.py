@@ -10,7 +10,7 @@ Errors arrive as ``grpc.RpcError``; nothing here prints.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
 import grpc
@@ -35,10 +35,18 @@ def open_channel(address: str, tls: TLSChoice = "env") -> grpc.Channel:
 def build_request(prompt: str | list[int] | None, *, max_tokens: int = 128, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                   ignore_eos: bool = False, stop: list[str] | tuple[str, ...] = (),
-                  bos_token_id: int | None = None) -> generation_pb2.GenerateRequest:
-    """A text prompt, or token ids; with neither, BOS alone when ``bos_token_id`` is given."""
+                  bos_token_id: int | None = None,
+                  chat: Sequence[Mapping[str, str]] | None = None) -> generation_pb2.GenerateRequest:
+    """A text prompt, or token ids, or a conversation (``chat``: {"role", "content"} dicts, rendered
+    by the server's chat template with the assistant's cue); with none, BOS alone when
+    ``bos_token_id`` is given."""
     req = generation_pb2.GenerateRequest()
-    if isinstance(prompt, list):
+    if chat is not None:
+        if prompt:
+            raise ValueError("give either a prompt or chat messages, not both")
+        for message in chat:
+            req.chat.messages.add(role=message["role"], content=message["content"])
+    elif isinstance(prompt, list):
         req.token_ids.ids.extend(prompt)
     elif prompt:
         req.text = prompt
