@@ -29,6 +29,9 @@ CASES = [
     ([33, 250, 99], 1, 8, 80, 16),               # MQA, head_dim not a power of two
     ([5, 129, 512, 3, 77, 200], 4, 12, 64, 16),  # the benchmark model's shape (GQA 12/4)
     ([40, 41], 8, 8, 64, 1),                     # block size 1
+    ([1, 17, 100, 255], 4, 8, 8, 16),            # stories260K's shape (head_dim 8)
+    ([3, 70], 1, 2, 16, 8),                      # the other head dims compiled as constants
+    ([9, 40, 41], 2, 4, 32, 16),
 ]
 
 
@@ -107,6 +110,30 @@ def test_kernel_refuses_inconsistent_inputs_before_entering_cpp(bad):
         cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_stores_strided_rows_at_their_slots(dtype):
+    torch.manual_seed(0)
+    k_cache = torch.zeros(6, 4, 2, 8, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(5, 3 * 2 * 8).to(dtype)  # k and v as views into a fused projection, as the model has them
+    k, v = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([23, 0, 5, 4, 17])
+    cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    expected_k.view(-1, 2, 8).index_copy_(0, slots, k)
+    expected_v.view(-1, 2, 8).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("slot", [-1, 24])
+def test_write_kv_refuses_a_slot_outside_the_pool_before_writing(slot):
+    k_cache = torch.zeros(6, 4, 2, 8)
+    k = torch.ones(2, 2, 8)
+    with pytest.raises(ValueError, match=rf"slot_mapping\[1\] = {slot} is outside the pool of 24 slots"):
+        cpu_kernels.write_kv(k, k, k_cache, k_cache.clone(), torch.tensor([3, slot]))
+    assert not k_cache.any()
+
+
 def run_bad_inputs_in_a_child(call: str, error: str) -> None:
     """Run ``call`` on every refused input in a child process that must raise ``error`` each time
     and exit cleanly: a crash cannot be caught in-process, and must not take the test run down."""
@@ -143,14 +170,19 @@ def test_backend_checks_the_step_tables_once_per_step():
     k = torch.randn(4, 16, 2, 64)
     q = torch.randn(1, 4, 64)
 
-    def meta(table):
+    def meta(table, slot=19):
         return AttentionMetadata(
-            slot_mapping=torch.tensor([19]), block_tables=torch.tensor([table], dtype=torch.int32),
+            slot_mapping=torch.tensor([slot]), block_tables=torch.tensor([table], dtype=torch.int32),
             context_lens=torch.tensor([20], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
             query_lens_cpu=[1], context_lens_cpu=[20], max_query_len=1, max_context_len=20, block_size=16)
 
     with pytest.raises(ValueError, match=r"block_tables\[0\]\[1\] = 9 is outside the pool of 4 blocks"):
         backend.attend(q, k, k.clone(), meta([0, 9]), 0.125)
+    new_kv = torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[1\] = 9 is outside the pool of 4 blocks"):
+        backend.write_kv(new_kv, new_kv, k, k.clone(), meta([0, 9]))  # the layer's first call checks the step
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 64 is outside the pool of 64 slots"):
+        backend.write_kv(new_kv, new_kv, k, k.clone(), meta([0, 1], slot=64))
     good = meta([0, 1])
     first = backend.attend(q, k, k.clone(), good, 0.125)
     torch.testing.assert_close(backend.attend(q, k, k.clone(), good, 0.125), first)  # the next layer, same step

@@ -2,6 +2,8 @@
 
 Decode attention over the paged cache is memory-bound on a CPU, and PyTorch cannot read a
 block table without first copying the blocks out; ``paged_decode.cpp`` reads them in place.
+It also holds the step's K/V write (both pools in one call) and the checks of block tables and
+slots, each one pass that reports the first bad entry for Python to raise.
 The build (about a minute, ``make install`` does it ahead of time) is cached per source,
 flags and CPU, since it is compiled for the machine it runs on (``-march=native``).
 
@@ -127,6 +129,26 @@ def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, n
         raise ValueError(f"context_lens[{b}] = {int(lens[b])} does not fit its block table: it must be >= 1 and "
                          f"need at most {tables.shape[1]} blocks of {block_size}")
     raise ValueError(f"block_tables[{b}][{j}] = {int(tables[b, j])} is outside the pool of {num_blocks} blocks")
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot of ``slot_mapping`` lies in a pool of ``num_slots``; one C++ pass, raised here."""
+    slots = slot_mapping.cpu().to(torch.int64).contiguous()
+    bad = load().find_bad_slot(slots, num_slots)
+    if bad >= 0:
+        raise ValueError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the pool of {num_slots} slots")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, slots_checked: bool = False) -> None:
+    """Store k, v [T, KH, D] at ``slot_mapping`` [T] int64 of the caches [NB, BS, KH, D], in one call.
+
+    k and v need a unit last stride and the caches' dtype. ``slots_checked=True`` skips
+    ``check_slots`` for a caller that ran it on this step's slots already.
+    """
+    if not slots_checked:
+        check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    load().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode(

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -178,6 +179,57 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   });
 }
 
+// Stores a step's new K and V rows, k/v [T, KH, D] (any token and head strides, unit last
+// stride, the caches' dtype), at slot_mapping [T] (int64 flat slots) of the caches
+// [NB, BS, KH, D]. One call for both pools, where the torch path takes two index_copy_ and
+// their dtype and view calls. For callers whose slots come from checked block tables (the
+// compiled decode step); the slot check here is a second line.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [T, KH, D] with unit last stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "k/v cache must be contiguous [NB, BS, KH, D]");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows must match the cache's [KH, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k.scalar_type() == v.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "slot_mapping must be contiguous int64 [T]");
+  const int64_t T = k.size(0), KH = k.size(1), D = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the pool of ", num_slots, " slots");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const int64_t row = KH * D;
+    for (const auto& [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+      const scalar_t* from = src->data_ptr<scalar_t>();
+      scalar_t* to = cache->data_ptr<scalar_t>();
+      const int64_t st = src->stride(0), sh = src->stride(1);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < KH; ++h) {
+          std::copy_n(from + t * st + h * sh, D, to + slots[t] * row + h * D);
+        }
+      }
+    }
+  });
+}
+
+// The first slot write_kv must not write, without throwing: the index of the first entry of
+// slot_mapping (contiguous int64) outside [0, num_slots), or -1.
+int64_t find_bad_slot(const at::Tensor& slot_mapping, int64_t num_slots) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0, n = slot_mapping.numel(); t < n; ++t) {
+    if (slots[t] < 0 || slots[t] >= num_slots) return t;
+  }
+  return -1;
+}
+
 // The first entry the kernel must not read, without throwing (see the Python wrapper: an
 // exception does not reach Python on every torch build). Returns {-1, -1} when every
 // sequence's length fits its table and every block it reads lies in the pool; {b, -1} when
@@ -203,6 +255,8 @@ std::vector<int64_t> find_bad_table_entry(const at::Tensor& block_tables, const 
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("find_bad_slot(Tensor slot_mapping, int num_slots) -> int");
   m.def("find_bad_table_entry(Tensor block_tables, Tensor context_lens, int num_blocks, int block_size) -> int[]");
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -212,4 +266,6 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("find_bad_table_entry", &find_bad_table_entry);
+  m.impl("write_kv", &write_kv);
+  m.impl("find_bad_slot", &find_bad_slot);
 }

@@ -7,9 +7,13 @@ sequence: whole decode steps and the decode rows of mixed steps) go to
 padded copy: the copy moved every K/V byte three times, plus padding to the batch's longest
 context, and was most of a CPU decode step's attention time.
 
-The kernel reads raw pointers through the block tables, so the tables are checked against the
-pool in Python before it runs: once per step (every layer shares the step's metadata and the
-pools' shape), not once per layer.
+The new K/V rows go to the pools through one C++ call per layer (the torch backend's two
+index_copy_ with their dtype and view calls cost several times more at a decode step's size).
+
+The kernels read and write raw pointers through the block tables and slots, so both are checked
+against the pool before they run: once per step (every layer shares the step's metadata and
+the pools' shape), not once per layer, by C++ passes that report the first bad entry for
+Python to raise.
 """
 
 from __future__ import annotations
@@ -28,11 +32,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cpu_kernels.load()  # raises CpuKernelsUnavailable with the reason
         self._checked_meta: AttentionMetadata | None = None
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def check_step(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> None:
+        """The step's block tables and slots against the pool, on the first call with ``meta``."""
         if meta is not self._checked_meta:  # the step's first layer
-            cpu_kernels.check_block_tables(meta.block_tables, meta.context_lens, k_cache.shape[0], k_cache.shape[1])
+            num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+            cpu_kernels.check_block_tables(meta.block_tables, meta.context_lens, num_blocks, block_size)
+            cpu_kernels.check_slots(meta.slot_mapping, num_blocks * block_size)
             self._checked_meta = meta
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        if not self._native(k, k_cache) or not self._native(v, v_cache) or meta.slot_mapping.dtype != torch.int64 \
+                or not meta.slot_mapping.is_contiguous():
+            return super().write_kv(k, v, k_cache, v_cache, meta)
+        self.check_step(meta, k_cache)
+        cpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.check_step(meta, k_cache)
+        if meta.is_decode_only and q.dtype == k_cache.dtype == v_cache.dtype and q.device.type == "cpu":
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                            inputs_checked=True)
         return super().attend(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def _native(x: torch.Tensor, cache: torch.Tensor) -> bool:
+        """Whether the C++ write takes x as it is: [T, KH, D] rows in the cache's dtype, on the CPU."""
+        return (x.dtype == cache.dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1
+                and cache.is_contiguous() and x.shape[1:] == cache.shape[2:])
 
     @staticmethod
     def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
