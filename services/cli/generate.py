@@ -81,6 +81,7 @@ def _run_in_process(args, messages: list[dict[str, str]] | None) -> int:
         if delta.finished:
             final = delta
     sys.stdout.write("\n")
+    sys.stdout.flush()  # before the stats line on stderr
     if args.stats and final is not None and final.timings is not None:
         _print_stats(final.usage.completion_tokens, final.timings.time_to_first_token_ms,
                      final.timings.decode_time_ms, final.finish_reason)
