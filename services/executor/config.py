@@ -35,6 +35,9 @@ class ExecutorConfig:
     """Cap on context length (0 = the model's own limit)."""
     seed: int = 0
     """Seed of the shared generator used for unseeded sampling."""
+    compile: bool = False
+    """CPU only: run decode-only steps through a torch.compile'd forward (inductor). Start-up pays
+    the compilation; outputs may differ from the eager path's in the last bits of the logits."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -45,6 +48,9 @@ class ExecutorConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
+        if self.compile and (self.device not in ("auto", "cpu") or self.attention_backend not in ("auto", "cpu")):
+            raise ValueError(f"compile runs on the CPU with the cpu attention backend; got device {self.device!r}, "
+                             f"attention_backend {self.attention_backend!r}")
 
 
 # --- the executor service's process configuration ------------------------------------------
@@ -78,6 +84,7 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     num_blocks: int = _engine_field("num_blocks", "exact number of KV blocks (0 = size from the memory budget)")
     max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
     seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
+    compile: bool = _engine_field("compile", "CPU: compile the decode step with torch.compile (slower start-up)")
 
     def validate(self) -> None:
         self.executor_config().validate()

@@ -66,6 +66,12 @@ class ModelRunner:
         self.model = LlamaForCausalLM.from_pretrained(
             config.model, self.backend, self.device, self.dtype, self.model_config
         )
+        self.compiled_decode = None
+        if config.compile:
+            # Imported only when asked for: it brings in torch.compile's machinery.
+            from services.runtime.model.compiled_decode import CompiledDecode
+
+            self.compiled_decode = CompiledDecode(self.model)
         self.block_size = config.block_size
         self.max_model_len = self.model_config.max_model_len
         if config.max_model_len:
@@ -208,7 +214,10 @@ class ModelRunner:
         if not scheduled:
             return StepResult(plan.step_id, [])
         ids, pos, meta, cu = self._prepare(scheduled)
-        hidden = self.model(ids, pos, self.kv_cache.layers, meta)
+        if self.compiled_decode is not None and self.compiled_decode.takes(meta):
+            hidden = self.compiled_decode(ids, pos, self.kv_cache.layers, meta)
+        else:
+            hidden = self.model(ids, pos, self.kv_cache.layers, meta)
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [

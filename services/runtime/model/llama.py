@@ -128,10 +128,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
+        return self.forward_with(input_ids, positions, kv_caches, meta, self.backend)
+
+    def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta,
+                     backend: AttentionBackend) -> torch.Tensor:
+        """The forward through a given attention backend, which alone reads ``meta``: the compiled
+        decode step (compiled_decode.py) passes an attention over tensors only."""
         hidden = F.embedding(input_ids, self.embed)
         rope = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, kv_cache, meta, self.backend, self.ops)
+            hidden = layer(hidden, rope, kv_cache, meta, backend, self.ops)
         return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
