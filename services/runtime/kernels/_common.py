@@ -11,6 +11,21 @@ import triton.language as tl
 
 LOG2E = 1.44269504  # log2(e) = 1/ln(2): softmax runs in base 2 so kernels can use exp2
 
+# Triton compiles one variant per specialization of a launch: every tl.constexpr value, and for
+# plain int arguments whether they equal 1 or divide by 16, and for pointers whether they are
+# 16-byte aligned. Arguments that follow a step's lengths (a block table's row stride is its
+# width, the partition buffers' strides follow the partition count) and the step's metadata
+# pointers (views at offsets that follow the batch size into the model runner's two uploads)
+# are not specialized (``NOT_SPECIALIZED``, given to every kernel that takes them), so a new
+# prompt length or batch size never compiles a kernel while serving. The constexprs that do
+# depend on lengths are bucketed (powers of two, a bool), and the executor's warm-up compiles
+# them before it reports SERVING.
+STEP_LENGTH_INTS = ("stride_bt", "partition_tokens", "stride_pob", "stride_poh", "stride_pmb", "stride_pmh")
+STEP_METADATA_POINTERS = ("block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr", "slot_mapping_ptr",
+                          "positions_ptr")
+NOT_SPECIALIZED = {"do_not_specialize": STEP_LENGTH_INTS, "do_not_specialize_on_alignment": STEP_METADATA_POINTERS}
+"""``@triton.jit(**NOT_SPECIALIZED)``: names a kernel does not have are ignored."""
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

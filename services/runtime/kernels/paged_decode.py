@@ -25,15 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import LOG2E, check_out, check_paged_attention_inputs, dot, dot_flags, round_up
+from services.runtime.kernels._common import (
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, round_up,
+)
 
-_TILE_TOKENS = 64
+TILE_TOKENS = 64
 """Context tokens per inner-loop tile (independent of the cache block size)."""
 _MIN_PARTITION_TOKENS = 256
 """Below this many tokens per partition the second pass costs more than it saves."""
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALIZED)
 def _paged_decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -110,7 +112,7 @@ def _paged_decode_partition_kernel(
             tl.store(part_sum_ptr + pm_offsets, l_i, mask=head_valid)
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALIZED)
 def _paged_decode_reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr,
     stride_ob, stride_oh,
@@ -181,7 +183,7 @@ def paged_decode_attention(
         return out
 
     queries_per_kv = num_heads // num_kv_heads
-    partition_tokens = round_up(math.ceil(max_context_len / num_partitions), _TILE_TOKENS)
+    partition_tokens = round_up(math.ceil(max_context_len / num_partitions), TILE_TOKENS)
     num_partitions = math.ceil(max_context_len / partition_tokens)
     single = num_partitions == 1
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
@@ -207,7 +209,7 @@ def paged_decode_attention(
         partition_tokens,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         QUERIES_PER_KV=queries_per_kv, HEADS_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_SIZE=block_size, TILE_N=_TILE_TOKENS,
+        BLOCK_SIZE=block_size, TILE_N=TILE_TOKENS,
         SINGLE_PARTITION=single, **dot_flags(q.dtype, _paged_decode_partition_kernel),
         num_warps=4,
     )

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import LOG2E, check_out, check_paged_attention_inputs, dot, dot_flags
+from services.runtime.kernels._common import (
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags,
+)
 
 
 @triton.jit
@@ -70,7 +72,7 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALIZED)
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale_log2,
@@ -133,6 +135,18 @@ def _prefill_attention_kernel(
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def tile_rows(max_query_len: int, queries_per_kv: int, head_dim: int) -> int:
+    """BLOCK_M, the rows of a query tile (query tokens x heads of the group): a power of two.
+
+    The one launch constexpr that follows the step (through ``max_query_len``); it takes few
+    values, from 16 up to the cap, which the executor's warm-up compiles ahead.
+    """
+    # 128 rows keep the MMA busy, 64 above D=128 keep the fp32 accumulator in registers
+    max_rows = 128 if max(16, triton.next_power_of_2(head_dim)) <= 128 else 64
+    return min(max(16, triton.next_power_of_2(max_query_len * queries_per_kv)),
+               max(max_rows, triton.next_power_of_2(queries_per_kv)))
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -172,11 +186,7 @@ def prefill_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if queries_per_kv > 128:
         raise ValueError(f"at most 128 query heads per kv head, got {queries_per_kv}")
-    # rows = query tokens x heads of the group; 128 rows keep the MMA busy, 64 above D=128
-    # keep the fp32 accumulator in registers
-    max_rows = 128 if head_dim_pad <= 128 else 64
-    block_m = min(max(16, triton.next_power_of_2(max_query_len * queries_per_kv)),
-                  max(max_rows, triton.next_power_of_2(queries_per_kv)))
+    block_m = tile_rows(max_query_len, queries_per_kv, head_dim)
     block_q = block_m // queries_per_kv
     tile_n = 64 if head_dim_pad <= 128 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)

@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import FLOAT_DTYPES
+from services.runtime.kernels._common import FLOAT_DTYPES, NOT_SPECIALIZED
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALIZED)
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import FLOAT_DTYPES
+from services.runtime.kernels._common import FLOAT_DTYPES, NOT_SPECIALIZED
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half_dims, HEADS_PAD: tl
     tl.store(first_ptrs + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALIZED)
 def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,

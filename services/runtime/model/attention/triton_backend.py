@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from services.runtime.kernels.paged_decode import choose_num_partitions, paged_decode_attention
-from services.runtime.kernels.prefill_attention import prefill_attention
+from services.runtime.kernels.paged_decode import TILE_TOKENS, choose_num_partitions, paged_decode_attention
+from services.runtime.kernels.prefill_attention import prefill_attention, tile_rows
 from services.runtime.kernels.reshape_and_cache import reshape_and_cache
 from services.runtime.model.attention.base import AttentionMetadata
 
@@ -58,6 +58,58 @@ class TritonAttentionBackend:
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale,
             max_query_len=meta.max_query_len, max_context_len=meta.max_context_len,
         )
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context_len: int) -> int:
+        """Compile every attention kernel variant a step can select; returns the launches made.
+
+        A step picks among a few constexpr buckets that its lengths decide: the split-K decode
+        with one partition or with a partition count padded to a power of two (up to what
+        ``choose_num_partitions`` allows for one sequence at ``max_context_len``), and the
+        prefill kernel's tile rows (``tile_rows``). Every other length-dependent argument is
+        left unspecialized (kernels/_common.py), so these launches cover all of them. Scratch
+        inputs: every block table entry is block 0, which is only read; outputs are dropped.
+        """
+        device, dtype = k_cache.device, k_cache.dtype
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        launches = 0
+
+        def tables(context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+            width = -(-context_len // block_size)
+            return (torch.zeros((1, width), dtype=torch.int32, device=device),
+                    torch.tensor([context_len], dtype=torch.int32, device=device))
+
+        def queries(num_tokens: int) -> torch.Tensor:
+            # q as the model hands it over: [T, H, D] view of the fused q|k|v rows, so the
+            # launch's integer strides specialize as a real step's do
+            qkv = torch.zeros((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=device)
+            return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+
+        most = choose_num_partitions(1, num_kv_heads, max_context_len, self._parallelism(device))
+        buckets = [1] + [1 << i for i in range(1, max(1, most - 1).bit_length() + 1)]
+        q = queries(1)
+        for partitions in buckets:
+            context_len = partitions * TILE_TOKENS  # exactly `partitions` partitions of one tile
+            block_tables, context_lens = tables(context_len)
+            paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0,
+                                   max_context_len=context_len, num_partitions=partitions)
+            launches += 1
+
+        queries_per_kv = num_heads // num_kv_heads
+        seen: set[int] = set()
+        for query_len in range(1, max_context_len + 1):
+            rows = tile_rows(query_len, queries_per_kv, head_dim)
+            if rows in seen:
+                if rows >= tile_rows(max_context_len, queries_per_kv, head_dim):
+                    break  # the cap: longer prompts reuse it
+                continue
+            seen.add(rows)
+            block_tables, context_lens = tables(query_len)
+            q = queries(query_len)
+            starts = torch.tensor([0, query_len], dtype=torch.int32, device=device)
+            prefill_attention(q, k_cache, v_cache, block_tables, context_lens, starts, 1.0,
+                              max_query_len=query_len, max_context_len=query_len)
+            launches += 1
+        return launches
 
     def _parallelism(self, device: torch.device) -> int:
         """Streaming multiprocessors of ``device``, asked once per device."""
