@@ -85,6 +85,9 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
     seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
     compile: bool = _engine_field("compile", "CPU: compile the decode step with torch.compile (slower start-up)")
+    skip_warmup: bool = field(default=False, metadata={
+        "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
+        "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
 
     def validate(self) -> None:
         self.executor_config().validate()

@@ -1,8 +1,10 @@
 """Run the executor service: ``python -m services.executor`` or ``tokenmill serve executor``.
 
 Start-up order: bind the port (health NOT_SERVING, so a fixed-port clash fails before minutes
-of loading), load the model and allocate the KV cache in the step worker thread, then report
-SERVING and publish the port file. GetExecutorInfo and Step answer UNAVAILABLE until then.
+of loading), load the model and allocate the KV cache in the step worker thread, warm up (the
+shapes it will serve, on scratch state: services/executor/warmup.py; ``--skip-warmup`` skips
+it), then report SERVING and publish the port file. GetExecutorInfo and Step answer
+UNAVAILABLE until then.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.common.service_main import announce_serving, registrar, service_ma
 from services.executor.config import ExecutorServiceConfig
 from services.executor.model_runner import ModelRunner
 from services.executor.servicer import ExecutorServicer
+from services.executor.warmup import compile_cache_dirs, warm_up
 
 _log = structlog.get_logger("tokenmill.executor")
 
@@ -37,8 +40,16 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         worker.shutdown(wait=False)
         raise
     running.on_stop(lambda: asyncio.to_thread(worker.shutdown, True))
+    caches = compile_cache_dirs()  # before anything compiles: a restart reuses the kernels
+    loop = asyncio.get_running_loop()
     try:
-        runner = await asyncio.get_running_loop().run_in_executor(worker, ModelRunner, engine_config)
+        runner = await loop.run_in_executor(worker, ModelRunner, engine_config)
+        if config.skip_warmup:
+            _log.info("warmup_skipped")
+        else:
+            report = await loop.run_in_executor(worker, warm_up, runner)
+            _log.info("warmup_done", seconds=round(report.seconds, 3), steps=report.steps,
+                      kernel_launches=report.kernel_launches, **{k.lower(): v for k, v in caches.items()})
     except BaseException:
         await running.stop(grace=0)
         raise
