@@ -193,10 +193,10 @@ def greedy_report(outputs: dict[tuple[str, int], list[list[int]]]) -> dict[str, 
 
 def git_state() -> dict:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout
 
-    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    return {"commit": git("rev-parse", "--short", "HEAD"), "tracked_files_changed": [c[3:] for c in changed]}
+    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()  # "XY path": path from column 3
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "tracked_files_changed": [c[3:] for c in changed]}
 
 
 # ---------------------------------------------------------------------------- the run
