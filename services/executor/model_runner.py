@@ -64,7 +64,9 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
         self.backend = get_attention_backend(self.backend_name, self.device)
         self.model = LlamaForCausalLM.from_pretrained(
-            config.model, self.backend, self.device, self.dtype, self.model_config
+            config.model, self.backend, self.device, self.dtype, self.model_config,
+            # inductor cannot lower oneDNN's prepacked linear; the compiled step multiplies plain weights
+            prepack_cpu_weights=not config.compile,
         )
         self.compiled_decode = None
         if config.compile:
