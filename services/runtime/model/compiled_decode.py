@@ -19,8 +19,10 @@ What makes it one graph with no recompiles while serving:
   eager backend does once per step; the kernels' own checks stay as a second line.
 
 Outputs are not bitwise those of the eager path (inductor fuses and orders some sums
-differently: logits differ by ~1e-6), so this is an option, off by default.
-docs/benchmarks.md has the measurements.
+differently: logits differ by ~1e-6). Inductor cannot lower oneDNN's prepacked linear, so with
+this option the model keeps plain weights: a small model's step gets faster (stories260K's
+forward 2x at batch 1), a large one's slower (a 100M model's matrices lose the prepacking).
+Hence an option, off by default; docs/benchmarks.md ("Lean CPU step") has the measurements.
 """
 
 from __future__ import annotations
