@@ -49,9 +49,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.check_step(meta, k_cache)
-        if meta.is_decode_only and q.dtype == k_cache.dtype == v_cache.dtype and q.device.type == "cpu":
-            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                            inputs_checked=True)
         return super().attend(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
