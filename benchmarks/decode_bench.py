@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine import cpu_model_name
 from services.tools.random_model import PRESETS, RandomModelSpec, build_random_model
 from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
@@ -185,15 +185,7 @@ def hf_run(model, prompt: list[int], output_len: int) -> tuple[RunTiming, list[i
 
 
 def machine_description(device: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    text = f"{cpu_model_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
     if device.startswith("cuda"):
         text += f", {torch.cuda.get_device_name()}"
     return text

@@ -40,6 +40,7 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.machine import cpu_model_name
 from benchmarks.peer.figures import (Ratio, RatioSpec, Run, first_divergence, format_rate, format_ratio, median_rate,
                                      ratios)
 from benchmarks.peer.gguf import DEFAULT_GGUF, ChecksumError
@@ -314,15 +315,7 @@ def ratio_json(r: Ratio) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    return {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
