@@ -38,6 +38,14 @@ class ExecutorConfig:
     compile: bool = False
     """CPU only: run decode-only steps through a torch.compile'd forward (inductor). Start-up pays
     the compilation; outputs may differ from the eager path's in the last bits of the logits."""
+    enforce_eager: bool = False
+    """On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs."""
+    cuda_graph_max_batch_size: int = 128
+    """Largest decode batch captured as a CUDA graph (buckets 1, 2, 4, 8, then steps of 8 up to it);
+    larger decode batches run eagerly."""
+    padded_decode_on_cpu: bool = False
+    """Testing aid: on a CPU, run decode steps through the CUDA-graph path's bucket-padded
+    persistent buffers (eagerly; there is nothing to capture), so that path is tested without a GPU."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -48,6 +56,8 @@ class ExecutorConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
+        if self.cuda_graph_max_batch_size < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         if self.compile and (self.device not in ("auto", "cpu") or self.attention_backend not in ("auto", "cpu")):
             raise ValueError(f"compile runs on the CPU with the cpu attention backend; got device {self.device!r}, "
                              f"attention_backend {self.attention_backend!r}")
@@ -85,6 +95,11 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
     seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
     compile: bool = _engine_field("compile", "CPU: compile the decode step with torch.compile (slower start-up)")
+    enforce_eager: bool = _engine_field("enforce_eager", "CUDA: run every step eagerly (no CUDA graphs for decode)")
+    cuda_graph_max_batch_size: int = _engine_field(
+        "cuda_graph_max_batch_size", "CUDA: largest decode batch captured as a graph; larger batches run eagerly")
+    padded_decode_on_cpu: bool = _engine_field(
+        "padded_decode_on_cpu", "testing aid: run CPU decode steps through the CUDA-graph path's padded buffers")
     skip_warmup: bool = field(default=False, metadata={
         "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
         "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})

@@ -49,7 +49,8 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         else:
             report = await loop.run_in_executor(worker, warm_up, runner)
             _log.info("warmup_done", seconds=round(report.seconds, 3), steps=report.steps,
-                      kernel_launches=report.kernel_launches, **{k.lower(): v for k, v in caches.items()})
+                      kernel_launches=report.kernel_launches, graph_seconds=round(report.graph_seconds, 3),
+                      graph_batch_sizes=list(report.graph_batch_sizes), **{k.lower(): v for k, v in caches.items()})
     except BaseException:
         await running.stop(grace=0)
         raise

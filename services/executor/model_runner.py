@@ -82,11 +82,36 @@ class ModelRunner:
                     f"max_model_len {config.max_model_len} exceeds the model's limit {self.max_model_len}"
                 )
             self.max_model_len = config.max_model_len
+        self.decode_graph_mode = self._decode_graph_mode()
+        # Decode graphs pad batches with rows that write into a scratch block past the pool the
+        # scheduler is told about (decode_graphs.py).
+        self.num_usable_blocks = self._num_blocks()
         self.kv_cache = KVCache.allocate(
-            self.model_config, self._num_blocks(), self.block_size, self.dtype, self.device
+            self.model_config, self.num_usable_blocks + (self.decode_graph_mode is not None),
+            self.block_size, self.dtype, self.device,
         )
+        self.decode_graphs = None
+        if self.decode_graph_mode is not None:
+            from services.executor.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_cache.layers, block_size=self.block_size, max_model_len=self.max_model_len,
+                max_batch_size=config.cuda_graph_max_batch_size, scratch_block=self.num_usable_blocks,
+                device=self.device, capture=self.decode_graph_mode == "capture",
+            )
         self.sampler = Sampler(seed=config.seed)
         self.sequences: dict[int, SequenceState] = {}
+
+    def _decode_graph_mode(self) -> str | None:
+        """"capture" (CUDA graphs), "padded" (their buffers, run eagerly on a CPU) or None."""
+        config = self.config
+        if self.device.type == "cuda":
+            from services.executor.decode_graphs import GRAPH_BACKENDS
+
+            if not config.enforce_eager and self.backend_name in GRAPH_BACKENDS:
+                return "capture"
+            return None
+        return "padded" if config.padded_decode_on_cpu and not config.compile else None
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks:
@@ -102,7 +127,7 @@ class ModelRunner:
     def info(self) -> ExecutorInfo:
         mc = self.model_config
         return ExecutorInfo(
-            num_blocks=self.kv_cache.num_blocks,
+            num_blocks=self.num_usable_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             vocab_size=mc.vocab_size,
@@ -118,7 +143,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ state diffs
     def _check_block_ids(self, seq_id: int, block_ids) -> None:
         # Kernels index the pool with these ids: one outside it must never reach a kernel.
-        num_blocks = self.kv_cache.num_blocks
+        num_blocks = self.num_usable_blocks
         for block in block_ids:
             if not 0 <= block < num_blocks:
                 raise ValueError(f"sequence {seq_id}: block id {block} is outside the KV pool of {num_blocks} blocks")
@@ -215,11 +240,20 @@ class ModelRunner:
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepResult(plan.step_id, [])
-        ids, pos, meta, cu = self._prepare(scheduled)
-        if self.compiled_decode is not None and self.compiled_decode.takes(meta):
-            hidden = self.compiled_decode(ids, pos, self.kv_cache.layers, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(
+            len(scheduled), [n for _, n in scheduled], max(len(s.block_ids) for s, _ in scheduled)
+        ):
+            hidden = graphs.run([
+                (s.token_ids[s.num_computed_tokens], s.num_computed_tokens, s.block_ids) for s, _ in scheduled
+            ])
+            cu = list(range(len(scheduled) + 1))
         else:
-            hidden = self.model(ids, pos, self.kv_cache.layers, meta)
+            ids, pos, meta, cu = self._prepare(scheduled)
+            if self.compiled_decode is not None and self.compiled_decode.takes(meta):
+                hidden = self.compiled_decode(ids, pos, self.kv_cache.layers, meta)
+            else:
+                hidden = self.model(ids, pos, self.kv_cache.layers, meta)
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [

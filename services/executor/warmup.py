@@ -25,7 +25,8 @@ are the shape classes of the compiled decode step):
    seeded random sampling with temperature, top-k, top-p, min-p and logprobs.
 
 Then the attention backend may launch the kernel buckets the steps cannot reach cheaply
-(``warm_up`` of the Triton backend: every split-K partition bucket and prefill tile size).
+(``warm_up`` of the Triton backend: every split-K partition bucket and prefill tile size), and
+on CUDA the decode CUDA graphs are captured, one per batch-size bucket (decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class WarmupReport:
     """ModelRunner steps run (the forgetting step included)."""
     kernel_launches: int
     """Launches by the attention backend's own warm-up (0 where it has none)."""
+    graph_seconds: float = 0.0
+    """Time spent capturing the decode CUDA graphs (0 when none are used)."""
+    graph_batch_sizes: tuple[int, ...] = ()
+    """The decode batch sizes captured as CUDA graphs."""
 
 
 def compile_cache_dirs(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -74,7 +79,7 @@ class _ScratchPlans:
 
     def __init__(self, runner: ModelRunner):
         self.block_size = runner.block_size
-        self.num_blocks = runner.kv_cache.num_blocks
+        self.num_blocks = runner.num_usable_blocks
         self.next_block = 0
         self.next_step = -1
         self.lengths: dict[int, int] = {}  # seq id -> known tokens
@@ -148,4 +153,12 @@ def warm_up(runner: ModelRunner) -> WarmupReport:
     if backend_warm_up is not None:
         k_cache, v_cache = runner.kv_cache.layers[0]
         launches = backend_warm_up(k_cache, v_cache, runner.model_config.num_heads, runner.max_model_len)
-    return WarmupReport(seconds=time.perf_counter() - start, steps=steps, kernel_launches=launches)
+    graph_seconds, graph_sizes = 0.0, ()
+    if runner.decode_graphs is not None:
+        # After the eager steps: every kernel the graphs record is compiled by now, and the
+        # capture's own first launch (outside the graph) finds them in the cache.
+        capture = runner.decode_graphs.capture()
+        if capture.captured:
+            graph_seconds, graph_sizes = capture.seconds, capture.batch_sizes
+    return WarmupReport(seconds=time.perf_counter() - start, steps=steps, kernel_launches=launches,
+                        graph_seconds=graph_seconds, graph_batch_sizes=graph_sizes)

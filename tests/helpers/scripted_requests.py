@@ -19,7 +19,7 @@ REQUESTS = [(0, 5, 30), (3, 20, 12), (6, 1, 40), (9, 40, 20), (20, 3, 25), (45, 
 
 def run_requests(runner: ModelRunner, requests=REQUESTS) -> dict[int, list[int]]:
     """A hand-made continuous-batching scheduler over REQUESTS; blocks are appended as needed."""
-    free = list(range(runner.kv_cache.num_blocks))
+    free = list(range(runner.num_usable_blocks))
     tokens: dict[int, list[int]] = {}
     known: dict[int, int] = {}  # seq id -> known tokens (prompt + generated)
     blocks: dict[int, int] = {}
