@@ -5,7 +5,11 @@
       times paged decode and prefill attention against them and against
       torch.nn.functional.scaled_dot_product_attention on the same shapes (dense K/V);
   (c) end-to-end decode tokens/s of a ~1B-parameter random-weight Llama in bf16 per backend,
-      through the executor's ModelRunner (skipped with a message if that API is not importable).
+      through the executor's ModelRunner: torch, triton eager (--enforce-eager) and triton with
+      decode steps replayed from CUDA graphs (skipped with a message if that API is not importable);
+  (d) the same model through the four services as `tokenmill up` starts them: the first burst of
+      streams after SERVING against a warm burst (TTFT p99), one stream and 16 streams (TPOT),
+      each against ModelRunner's step from (c).
 
 Each section is guarded: an error is printed and the next section runs. Timings are medians of
 triton.testing.do_bench (CUDA events). The markdown report goes to stdout and to ``--out``.
@@ -20,6 +24,7 @@ no structlog); the engine is imported inside section (c).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import os
 import shlex
@@ -89,6 +94,9 @@ class Shapes:
     e2e_batches: tuple[int, ...] = (1, 16, 64, 128)
     e2e_prompt_len: int = 512
     e2e_decode_steps: int = 64
+    services_streams: int = 16
+    services_tokens: int = 128
+    services_prompt_len: int = 128
     test_selection: tuple[str, ...] = ()
     test_workers: int = 8
 
@@ -97,6 +105,7 @@ DRY_RUN_SHAPES = Shapes(
     heads=4, kv_heads=2, head_dim=64, decode_contexts=(32, 80), decode_batches=(1, 3), max_cached_tokens=10_000,
     prefill_cases=((1, 48, 48), (2, 96, 16)), copy_bytes=8 * 1024**2, matmul_size=128,
     e2e_preset="tiny", e2e_dtype="fp32", e2e_batches=(2,), e2e_prompt_len=20, e2e_decode_steps=3,
+    services_streams=2, services_tokens=6, services_prompt_len=8,
     test_selection=("-k", "choose_num_partitions or interpreter_bf16"), test_workers=0,
 )
 
@@ -318,6 +327,10 @@ def _free(device) -> None:
 
 
 # ---------------------------------------------------------------------------------------- (c)
+runner_step_ms: dict[tuple[str, int], float] = {}
+"""(backend label, batch) -> ModelRunner ms per decode step, from (c); (d) compares against it."""
+
+
 def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) -> None:
     try:
         from services.tools.random_model import PRESETS, build_random_model
@@ -335,21 +348,33 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
         build_random_model(spec, model_dir)
-        for backend in ("torch", "triton"):
+        # "triton" replays decode steps from CUDA graphs (captured by the warm-up); "triton eager"
+        # is the same with --enforce-eager; "torch" never uses graphs.
+        for label, backend, eager in (("torch", "torch", True), ("triton eager", "triton", True),
+                                      ("triton graphs", "triton", False)):
             if time.perf_counter() > deadline:
-                rows.append([backend, "", "skipped: section time budget spent", "", ""])
+                rows.append([label, "", "skipped: section time budget spent", "", ""])
                 continue
             max_batch = max(shapes.e2e_batches)
             tokens_per_seq = shapes.e2e_prompt_len + shapes.e2e_decode_steps + 1
             blocks_per_seq = math.ceil(tokens_per_seq / 16)
             runner = ModelRunner(ExecutorConfig(
                 model=model_dir, dtype=shapes.e2e_dtype, device=str(device), attention_backend=backend,
-                block_size=16, num_blocks=max_batch * blocks_per_seq + 1,
+                block_size=16, num_blocks=max_batch * blocks_per_seq + 1, enforce_eager=eager,
+                cuda_graph_max_batch_size=max_batch, max_model_len=tokens_per_seq + 16,
             ))
+            if not eager and runner.decode_graphs is None:
+                label += " (no graphs: eager on this device)"
+            if runner.decode_graphs is not None:
+                from services.executor.warmup import warm_up
+
+                capture = warm_up(runner)
+                report.note(f"{label}: warm-up {capture.seconds:.1f} s, of which capturing "
+                            f"{len(capture.graph_batch_sizes)} decode graphs {capture.graph_seconds:.1f} s")
             step_id = 0
             for batch in shapes.e2e_batches:
                 if time.perf_counter() > deadline:
-                    rows.append([backend, batch, "skipped: section time budget spent", "", ""])
+                    rows.append([label, batch, "skipped: section time budget spent", "", ""])
                     continue
                 seq_ids = [1000 * batch + i for i in range(batch)]
                 new = [NewSequence(seq_id=seq_id,
@@ -373,11 +398,102 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
                 decode_s = time.perf_counter() - start
                 step_id += 1
                 runner.execute(StepPlan(step_id=step_id, finished_seq_ids=seq_ids))
-                rows.append([backend, batch, batch * shapes.e2e_decode_steps / decode_s,
-                             decode_s / shapes.e2e_decode_steps * 1e3, prefill_s * 1e3])
+                step_ms = decode_s / shapes.e2e_decode_steps * 1e3
+                runner_step_ms[(label, batch)] = step_ms
+                rows.append([label, batch, batch * shapes.e2e_decode_steps / decode_s, step_ms, prefill_s * 1e3])
             del runner
             _free(device)
     report.table(["backend", "batch", "decode tokens/s", "ms / decode step", "prefill step ms (incl. compile)"], rows)
+
+
+# ---------------------------------------------------------------------------------------- (d)
+async def _stream(stub, request, sent_at: float) -> tuple[float, list[float]]:
+    """(TTFT seconds, arrival time of every token) of one Generate stream."""
+    times: list[float] = []
+    async for message in stub.Generate(request, timeout=600):
+        if message.WhichOneof("event") == "delta" and message.delta.token_ids:
+            times.extend([time.perf_counter()] * len(message.delta.token_ids))
+    if not times:
+        raise RuntimeError("a stream produced no tokens")
+    return times[0] - sent_at, times
+
+
+async def _burst(address: str, prompts: list[list[int]], tokens: int) -> list[tuple[float, list[float]]]:
+    from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+    from services.common.server import create_channel
+    from services.stack.client import build_request
+
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        sent_at = time.perf_counter()
+        return await asyncio.gather(*[
+            _stream(stub, build_request(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True), sent_at)
+            for prompt in prompts])
+
+
+def _tpot_ms(streams: list[tuple[float, list[float]]]) -> float:
+    """Median over streams of the mean time between a stream's tokens."""
+    return statistics.median(1e3 * (t[-1] - t[0]) / (len(t) - 1) for _, t in streams)
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> None:
+    """The four services as `tokenmill up` starts them, on the same model as (c)."""
+    try:
+        from services.stack.launcher import LaunchConfig, Launcher
+        from services.tools.random_model import PRESETS, build_random_model
+    except Exception as error:
+        report.note(f"skipped: the services are not importable here ({type(error).__name__}: {error})")
+        return
+    spec = PRESETS[shapes.e2e_preset]
+    burst, tokens = shapes.services_streams, shapes.services_tokens
+    report.note(f"`tokenmill up` with `{shapes.e2e_preset}` {shapes.e2e_dtype} on {device.type}; prompts of "
+                f"{shapes.services_prompt_len} token ids, {tokens} greedy tokens per stream (ignore_eos). The first "
+                f"burst of {burst} streams is sent the moment the scheduler reports SERVING; TPOT is the median "
+                "over streams of (last token - first token) / (tokens - 1).")
+    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as log_dir:
+        build_random_model(spec, model_dir)
+        launcher = Launcher(LaunchConfig(
+            model=model_dir, public_port=0, log_dir=log_dir, restart=False, start_timeout_s=max(60.0, deadline - time.perf_counter()),
+            executor_args=[f"--device={device.type}", f"--dtype={shapes.e2e_dtype}",
+                           f"--max-model-len={shapes.services_prompt_len + tokens + 64}"],
+        ))
+        started = time.perf_counter()
+        launcher.start()
+        report.note(f"stack started (warm-up and graph capture included) in {time.perf_counter() - started:.1f} s")
+        try:
+            address = launcher.public_address
+            vocab = spec.vocab_size
+
+            def prompts(n: int, salt: int) -> list[list[int]]:
+                return [[(97 * (i + salt) + 13 * j) % (vocab - 10) + 5 for j in range(shapes.services_prompt_len)]
+                        for i in range(n)]
+
+            rows = []
+            cold = asyncio.run(_burst(address, prompts(burst, 0), tokens))
+            warm = asyncio.run(_burst(address, prompts(burst, 1000), tokens))
+            cold_p99, warm_p99 = _p99([t for t, _ in cold]), _p99([t for t, _ in warm])
+            rows.append([f"first burst of {burst} after SERVING: TTFT p99", cold_p99 * 1e3, "",
+                         f"{cold_p99 / warm_p99:.2f}x the warm burst's (target <= 2x)"])
+            rows.append([f"warm burst of {burst}: TTFT p99", warm_p99 * 1e3, "", ""])
+            single = asyncio.run(_burst(address, prompts(1, 2000), tokens))
+            single_ms = _tpot_ms(single)
+            runner_1 = runner_step_ms.get(("triton graphs", 1))
+            rows.append(["1 stream: TPOT", single_ms, 1e3 / single_ms,
+                         f"ModelRunner batch 1 {runner_1:.2f} ms: services at {runner_1 / single_ms:.2f}x its rate "
+                         "(target >= 0.9x)" if runner_1 else ""])
+            multi_ms = _tpot_ms(warm)
+            runner_b = runner_step_ms.get(("triton graphs", burst))
+            rows.append([f"{burst} streams: TPOT", multi_ms, burst * 1e3 / multi_ms,
+                         f"ModelRunner batch {burst} {runner_b:.2f} ms: {multi_ms / runner_b:.2f}x its step "
+                         "(target <= 1.15x)" if runner_b else ""])
+            report.table(["what", "ms", "tokens/s", "against"], rows)
+        finally:
+            launcher.stop()
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -385,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="markdown report path")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on a CPU through the interpreter")
-    parser.add_argument("--sections", default="tests,kernels,e2e", help="comma list of tests, kernels, e2e")
+    parser.add_argument("--sections", default="tests,kernels,e2e,services",
+                        help="comma list of tests, kernels, e2e, services")
     parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds for section (a)")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
     args = parser.parse_args(argv)
@@ -439,7 +556,10 @@ def main(argv: list[str] | None = None) -> int:
         section("(b) prefill attention",
                 lambda: bench_prefill(report, shapes, device, timer, ceilings, prefill_deadline))
     if "e2e" in sections:
-        section("(c) end-to-end decode", lambda: bench_end_to_end(report, shapes, device, end - 10))
+        services_reserve = 120.0 if "services" in sections else 10.0
+        section("(c) end-to-end decode", lambda: bench_end_to_end(report, shapes, device, end - services_reserve))
+    if "services" in sections:
+        section("(d) through the services", lambda: bench_services(report, shapes, device, end - 5))
     report.note(f"\ntotal {time.perf_counter() - start:.0f} s")
     Path(args.out).write_text(report.render())
     return 0
