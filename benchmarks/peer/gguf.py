@@ -57,6 +57,6 @@ def verified_gguf(path: Path = DEFAULT_GGUF, expected: str | None = None) -> Pat
     want = (expected or expected_sha256(path)).lower()
     got = sha256_of(path)
     if got != want:
-        raise ChecksumError(f"{path}: sha256 is {got}, expected {want}; not the stories260K conversion "
+        raise ChecksumError(f"{path}: sha256 is {got}, expected {want}; not the file "
                             "the benchmark documents (benchmarks/models/README.md)")
     return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import uvloop
 
@@ -34,8 +35,8 @@ class InProcess:
 
     name = "tokenmill in-process"
 
-    def __init__(self, model_dir: str, compile: bool = False) -> None:
-        o = ENGINE_OPTIONS
+    def __init__(self, model_dir: str, compile: bool = False, kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes) -> None:
+        o = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
         executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=o.attention_backend,
                                   block_size=o.block_size, kv_cache_bytes=o.kv_cache_bytes, compile=compile)
         self.engine = Engine(EngineConfig(executor, o.limits()))
@@ -86,7 +87,10 @@ class Services:
         return Run(streams, sum(map(len, outputs)), seconds), list(outputs)
 
 
-def services_stack(model_dir: str, threads: int, compile: bool = False):
-    """Context manager: the four services with ENGINE_OPTIONS, ``threads`` OpenMP threads each; yields a Stack."""
-    executor_flags = ENGINE_OPTIONS.executor_flags() + (["--compile"] if compile else [])
-    return launched_stack(model_dir, executor_flags, ENGINE_OPTIONS.scheduler_flags(), threads)
+def services_stack(model_dir: str, threads: int, compile: bool = False,
+                   kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes):
+    """Context manager: the four services with ENGINE_OPTIONS (and this KV pool), ``threads`` OpenMP
+    threads each; yields a Stack."""
+    options = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
+    executor_flags = options.executor_flags() + (["--compile"] if compile else [])
+    return launched_stack(model_dir, executor_flags, options.scheduler_flags(), threads)

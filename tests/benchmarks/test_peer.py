@@ -19,8 +19,28 @@ def test_defaults():
     args = driver.parse_args([])
     assert (args.repeats, args.streams, args.output_len, args.kv_type, args.compile) == (5, 32, 256, "f16", False)
     assert args.systems == driver.SYSTEMS
-    assert args.gguf == gguf.DEFAULT_GGUF and args.gguf.name == "stories260K.gguf"
-    assert args.model.name == "stories260K"
+    assert args.preset == "stories260K" and args.context == driver.MODEL_CONTEXT == 512
+    assert args.gguf is None and driver.resolve_gguf(args) == gguf.DEFAULT_GGUF
+    assert args.model.name == "stories260K" and args.prompt == "Once upon a time"
+
+
+def test_the_smollm2_preset_runs_llama_cpp_on_the_packaged_gguf_itself():
+    from tests.tools.smollm2 import packaged_file
+
+    args = driver.parse_args(["--preset", "smollm2"])
+    assert args.model.name == "smollm2-135m-instruct" and args.context == 1024
+    assert args.prompt == driver.PRESETS["smollm2"].prompt
+    # The very file the package ships, its bytes checked against the pinned sha256.
+    assert driver.resolve_gguf(args) == packaged_file()
+    assert driver.parse_args(["--preset", "smollm2", "--prompt", "Hi"]).prompt == "Hi"
+
+
+def test_a_preset_gguf_with_other_bytes_is_refused(monkeypatch, tmp_path):
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"GGUF not the real one")
+    monkeypatch.setattr("services.tools.gguf.packaged_gguf", lambda name: fake)
+    with pytest.raises(gguf.ChecksumError, match="sha256 is"):
+        driver.resolve_gguf(driver.parse_args(["--preset", "smollm2"]))
 
 
 def test_threads_flag_defaults_to_every_core(monkeypatch):
