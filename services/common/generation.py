@@ -39,6 +39,8 @@ class GenerationDelta:
     """None while running; then one of length, stop, eos, abort, error."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended it, for finish_reason == "stop"."""
+    error_message: str | None = None
+    """What went wrong, for finish_reason == "error" (a backend went away, the server stops)."""
     usage: Usage | None = None
     timings: Timings | None = None
 

@@ -19,9 +19,17 @@ import grpc.aio
 from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.server import create_channel
+from services.common.server import channel_options, create_channel
 from services.common.step import ExecutorInfo, StepPlan, StepResult
 from services.common.tls import ClientTLS
+
+BACKEND_CHANNEL_OPTIONS = channel_options() + [
+    # gRPC's default back-off after a lost connection starts at 1 s and grows to 120 s; a
+    # backend the launcher restarts within a second must be found again within a few.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens; scheduler step ids count up from 0."""
@@ -65,7 +73,7 @@ class ExecutorLink:
 
     async def connect(self, timeout: float) -> ExecutorInfo:
         await self.close()
-        self._channel = create_channel(self.address, tls=self.tls)
+        self._channel = create_channel(self.address, tls=self.tls, options=BACKEND_CHANNEL_OPTIONS)
         await wait_ready(self._channel, self.address, timeout)
         stub = executor_pb2_grpc.ExecutorStub(self._channel)
         try:
@@ -108,7 +116,7 @@ class ExecutorLink:
             await call.write(plan_to_proto(plan))
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._call = None
-            raise UnavailableError(f"executor at {self.address} failed: {_describe(exc)}") from None
+            raise UnavailableError(f"executor at {self.address} failed: {await _ended(call, exc)}") from None
 
     async def receive(self, step_id: int) -> StepResult:
         """Read the result of the oldest plan sent and not yet received (``step_id``'s)."""
@@ -119,7 +127,7 @@ class ExecutorLink:
             response = await call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._call = None
-            raise UnavailableError(f"executor at {self.address} failed: {_describe(exc)}") from None
+            raise UnavailableError(f"executor at {self.address} failed: {await _ended(call, exc)}") from None
         if response is grpc.aio.EOF:
             code = await call.code()
             details = await call.details()
@@ -153,23 +161,58 @@ class DetokenizeBatch:
 
 
 class TokenizerLink:
-    """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream."""
+    """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream.
+
+    The Detokenize stream holds the state of every request's text, so it is a session like
+    the executor's: when it ends (the tokenizer died or restarted), the link is down until
+    ``connect`` opens a new one, and ``on_lost`` is called once so the owner can end the
+    requests pinned to it and reconnect. The stream is watched, so a tokenizer that dies
+    while the scheduler is idle is noticed at once, not when the next step needs it.
+    """
 
     def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
-        self._channel = create_channel(address, tls=tls)
+        self.tls = tls
+        self._channel = create_channel(address, tls=tls, options=BACKEND_CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detok = None
+        self._watcher: asyncio.Task | None = None
         self._step_ids = itertools.count()
+        self.on_lost: Callable[[], None] = lambda: None
+        """Called once each time a connected Detokenize session ends."""
+
+    @property
+    def connected(self) -> bool:
+        return self._detok is not None
 
     async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+        """Open a new Detokenize session (on a fresh channel after the first, so a restarted
+        tokenizer is reached without waiting out the old channel's reconnect back-off)."""
+        if self._detok is not None or self._watcher is not None:
+            await self._drop_session()
+            old, self._channel = self._channel, create_channel(self.address, tls=self.tls,
+                                                               options=BACKEND_CHANNEL_OPTIONS)
+            self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+            await old.close()
         await wait_ready(self._channel, self.address, timeout)
         try:
             info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
-        self._detok = self._stub.Detokenize()
+        call = self._stub.Detokenize()
+        self._step_ids = itertools.count()
+        self._detok = call
+        self._watcher = asyncio.create_task(self._watch(call), name="tokenizer-session-watch")
         return info
+
+    async def _watch(self, call) -> None:
+        await call.code()  # returns when the call ends, whoever ends it
+        self._lost(call)
+
+    def _lost(self, call) -> None:
+        if self._detok is call and call is not None:  # once per session, and not after close()
+            self._detok = None
+            self.on_lost()
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -189,7 +232,8 @@ class TokenizerLink:
         return list(reply.token_ids)
 
     async def detokenize(self, batch: DetokenizeBatch) -> dict[int, str]:
-        if self._detok is None:
+        call = self._detok
+        if call is None:
             raise UnavailableError(f"tokenizer at {self.address} is not connected")
         msg = tokenizer_pb2.DetokenizeRequest(step_id=next(self._step_ids))
         for stream_id, prompt_tail in batch.new_streams:
@@ -200,19 +244,29 @@ class TokenizerLink:
             msg.token_ids.extend(ids)
         msg.closed_stream_ids.extend(batch.closed)
         try:
-            await self._detok.write(msg)
-            reply = await self._detok.read()
+            await call.write(msg)
+            reply = await call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            self._detok = None
-            raise UnavailableError(f"tokenizer at {self.address} failed: {_describe(exc)}") from None
+            # InvalidStateError: the call had already ended (grpc's "RPC already finished"):
+            # what a client must hear is that the tokenizer went away, not that text.
+            self._lost(call)
+            raise UnavailableError(f"tokenizer at {self.address} went away: {await _ended(call, exc)}") from None
         if reply is grpc.aio.EOF:
-            self._detok = None
-            raise UnavailableError(f"tokenizer at {self.address} ended the detokenize stream")
+            self._lost(call)
+            raise UnavailableError(f"tokenizer at {self.address} ended the detokenize stream: "
+                                   f"{await _ended(call, None)}")
         return dict(zip(reply.stream_ids, reply.text_deltas))
 
+    async def _drop_session(self) -> None:
+        call, self._detok = self._detok, None  # first, so the watcher does not report it
+        if call is not None:
+            call.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
     async def close(self) -> None:
-        if self._detok is not None:
-            self._detok.cancel()
+        await self._drop_session()
         await self._channel.close()
 
 
@@ -232,8 +286,19 @@ class TokenizerPool:
         self.info = infos[0]
         return self.info
 
+    @property
+    def connected(self) -> bool:
+        """At least one tokenizer can take a new request."""
+        return any(link.connected for link in self.links)
+
     def pick(self) -> int:
-        return next(self._next)
+        """The next connected tokenizer, round-robin; UnavailableError when none is."""
+        for _ in range(len(self.links)):
+            index = next(self._next)
+            if self.links[index].connected:
+                return index
+        raise UnavailableError(f"tokenizer at {', '.join(link.address for link in self.links)} is unavailable; "
+                               "retry shortly")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.links[self.pick()].encode(text, add_special_tokens)
@@ -245,10 +310,15 @@ class TokenizerPool:
         await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)
 
 
-def _describe(exc: BaseException) -> str:
+async def _ended(call, exc: BaseException | None) -> str:
+    """How a stream call ended, as its status (never an asyncio state error's text)."""
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
-    return repr(exc)
+    try:
+        code = await asyncio.wait_for(call.code(), 1.0)
+        return f"{code.name}: {await call.details()}"
+    except (asyncio.TimeoutError, grpc.RpcError):
+        return "the stream broke"
 
 
 def _map_rpc_error(exc: grpc.RpcError, who: str) -> Exception:

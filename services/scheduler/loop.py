@@ -17,13 +17,21 @@ RPC handlers call ``submit``/``abort`` (plain method calls on the same event loo
 locks) and read their request's queue. Detokenization and publishing run in a second task
 fed in step order, so the next executor step is not held up by the tokenizer round trip;
 a stop string found there ends the request at the next step boundary (the extra token is
-never shown). When the executor stream breaks, every running request ends with
-UNAVAILABLE, the core is rebuilt empty and the loop reconnects in the background.
+never shown).
+
+Every backend link reconnects. When the executor stream breaks, every running request ends
+with one final Finished (reason error, the cause in error_message: a client that saw partial
+output must not see a bare UNAVAILABLE, or a retry would duplicate text), the core is
+rebuilt empty and the loop reconnects in the background. When a tokenizer's Detokenize
+session ends, the requests pinned to it end the same way (their text state died with it)
+and that link reconnects on its own. Health follows ``ready``: NOT_SERVING while the
+executor or every tokenizer is away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -111,6 +119,12 @@ class SchedulerLoop:
         self.executor = executor
         executor.on_lost = self._on_executor_lost
         self.tokenizers = tokenizers
+        for index, link in enumerate(tokenizers.links):
+            link.on_lost = functools.partial(self._on_tokenizer_lost, index)
+        self._tokenizer_reconnects: dict[int, asyncio.Task] = {}
+        self._serving_reported = True
+        """What health was last told (the server starts SERVING once start() returns)."""
+        self._serving_task: asyncio.Task | None = None
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
         self.on_finished = on_finished or (lambda delta, output: None)
@@ -151,8 +165,9 @@ class SchedulerLoop:
         deadline = self.clock() + grace
         while self._tracked and self.clock() < deadline:
             await asyncio.sleep(0.02)
-        self._fail_all(UnavailableError("the server is shutting down"))
-        for task in self._tasks + ([self._reconnecting] if self._reconnecting else []):
+        self._end_all("the server is shutting down")
+        for task in self._tasks + ([self._reconnecting] if self._reconnecting else []) + list(
+                self._tokenizer_reconnects.values()):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.executor.close()
@@ -161,7 +176,8 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ requests
     @property
     def ready(self) -> bool:
-        return self.core is not None and self.executor.connected and not self._stopping
+        return (self.core is not None and self.executor.connected and self.tokenizers.connected
+                and not self._stopping)
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int) -> RequestHandle:
@@ -173,17 +189,18 @@ class SchedulerLoop:
         """
         if self._stopping:
             raise UnavailableError("the server is shutting down")
-        if not self.ready:
+        if self.core is None or not self.executor.connected:
             raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
         if request_id in self._tracked:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
+        tokenizer = self.tokenizers.pick()  # UnavailableError when every tokenizer is away
         try:
             state = admit(self.core, request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority,
                           self.clock())
         except QueueFullError as exc:
             raise ResourceExhaustedError(str(exc)) from None
         handle = RequestHandle(request_id, len(prompt_ids))
-        self._tracked[request_id] = _Tracked(state, handle, self.tokenizers.pick())
+        self._tracked[request_id] = _Tracked(state, handle, tokenizer)
         self._wake.set()
         return handle
 
@@ -289,15 +306,15 @@ class SchedulerLoop:
         self._wake.set()  # the step loop, if idle, finds the link disconnected and reconnects
 
     def _executor_lost(self, error: str) -> None:
-        """End every request with UNAVAILABLE, drop the core (its block accounting described
-        the dead executor's memory) and reconnect in the background."""
-        self._fail_all(UnavailableError(error))
+        """End every request with Finished (error), drop the core (its block accounting
+        described the dead executor's memory) and reconnect in the background."""
+        self._end_all(error)
         self.core = None
+        self._serving_changed()
         self._reconnecting = asyncio.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
         """Retry until the executor is back; health reports NOT_SERVING meanwhile."""
-        await self.on_serving_change(False)
         delay = 0.2
         while not self._stopping:
             try:
@@ -307,18 +324,70 @@ class SchedulerLoop:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            await self.on_serving_change(True)
+            self._serving_changed()
             self._wake.set()
             return
 
-    def _fail_all(self, error: Exception) -> None:
+    def _on_tokenizer_lost(self, index: int) -> None:
+        """A tokenizer's Detokenize session ended: end the requests whose text state lived
+        there, and reconnect that link in the background."""
+        link = self.tokenizers.links[index]
+        _log.error("tokenizer_lost", address=link.address)
+        self._end_all(f"tokenizer at {link.address} went away", tokenizer=index)
+        self._pending_close = [(seq, i) for seq, i in self._pending_close if i != index]
+        self._serving_changed()
+        if not self._stopping and index not in self._tokenizer_reconnects:
+            self._tokenizer_reconnects[index] = asyncio.create_task(self._reconnect_tokenizer(index),
+                                                                    name=f"tokenizer-{index}-reconnect")
+
+    async def _reconnect_tokenizer(self, index: int) -> None:
+        link = self.tokenizers.links[index]
+        delay = 0.1
+        try:
+            while not self._stopping:
+                try:
+                    await link.connect(min(self.connect_timeout_s, 2.0))
+                except Exception as exc:  # noqa: BLE001 - keep trying, loudly
+                    _log.warning("tokenizer_reconnect_failed", address=link.address, error=str(exc),
+                                 retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                _log.info("tokenizer_reconnected", address=link.address)
+                return
+        finally:
+            self._tokenizer_reconnects.pop(index, None)
+            self._serving_changed()
+            self._wake.set()
+
+    def _serving_changed(self) -> None:
+        """Tell health what ``ready`` now says, in order, from one task."""
+        if self._serving_task is None or self._serving_task.done():
+            self._serving_task = asyncio.create_task(self._report_serving(), name="scheduler-health")
+
+    async def _report_serving(self) -> None:
+        while not self._stopping and self._serving_reported != self.ready:
+            self._serving_reported = self.ready
+            _log.info("serving_changed", serving=self._serving_reported)
+            await self.on_serving_change(self._serving_reported)
+
+    def _end_all(self, error: str, tokenizer: int | None = None) -> None:
+        """End every request (or those pinned to one tokenizer) with a final Finished whose
+        reason is error: one Finished per stream, whatever it had already received."""
+        now = self.clock()
         for request_id, tracked in list(self._tracked.items()):
-            tracked.handle.queue.put_nowait(error)
+            if tokenizer is not None and tracked.tokenizer != tokenizer:
+                continue
+            del self._tracked[request_id]
             if self.core is not None:
                 self.core.finish_request(request_id, FinishReason.ERROR)
-            if tracked.stream_opened:
+            if tracked.stream_opened and tokenizer is None:
                 self._pending_close.append((tracked.state.request.seq_id, tracked.tokenizer))
-        self._tracked.clear()
+            delta = tracked.state.abort(now, FinishReason.ERROR)
+            delta.error_message = error
+            tracked.handle.queue.put_nowait(delta)
+            self.on_finished(delta, tracked.state.output)
+        self._wake.set()
 
     # ------------------------------------------------------------------ detokenize + publish
     async def _publish(self) -> None:
@@ -326,14 +395,18 @@ class SchedulerLoop:
             item = await self._publish_queue.get()
             try:
                 await self._publish_one(item)
-            except UnavailableError as exc:
-                _log.error("detokenize_failed", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - the publisher must outlive any one step
+                _log.exception("publish_failed", error=str(exc))
+                now = self.clock()
                 for update in item.updates:
                     tracked = self._tracked.pop(update.request_id, None)
                     if tracked is not None:
-                        tracked.handle.queue.put_nowait(UnavailableError(str(exc)))
                         if self.core is not None:
                             self.core.finish_request(update.request_id, FinishReason.ERROR)
+                        delta = tracked.state.abort(now, FinishReason.ERROR)
+                        delta.error_message = f"detokenizing failed: {exc}"
+                        tracked.handle.queue.put_nowait(delta)
+                        self.on_finished(delta, tracked.state.output)
 
     async def _publish_one(self, item: _Published) -> None:
         n = len(self.tokenizers.links)
@@ -353,10 +426,18 @@ class SchedulerLoop:
         for seq_id, index in item.closed:
             batches[index].closed.append(seq_id)
         active = [i for i, b in enumerate(batches) if b.new_streams or b.appended or b.closed]
-        replies = await asyncio.gather(*(self.tokenizers.links[i].detokenize(batches[i]) for i in active))
+        links = self.tokenizers.links
+        active = [i for i in active if links[i].connected]  # a lost link's requests have ended
+        replies = await asyncio.gather(*(links[i].detokenize(batches[i]) for i in active), return_exceptions=True)
         texts: dict[int, str] = {}
         for reply in replies:
-            texts.update(reply)
+            if isinstance(reply, UnavailableError):
+                # The link called on_lost: its requests have ended with Finished (error).
+                _log.error("detokenize_failed", error=str(reply))
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                texts.update(reply)
         now = self.clock()
         for update, tracked in live:
             if self._tracked.get(update.request_id) is not tracked:

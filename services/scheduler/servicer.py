@@ -57,6 +57,8 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
         f = generation_pb2.Finished(finish_reason=FINISH_REASONS[delta.finish_reason])
         if delta.stop_reason is not None:
             f.stop_reason = str(delta.stop_reason)
+        if delta.error_message is not None:
+            f.error_message = delta.error_message
         if delta.usage is not None:
             f.usage.prompt_tokens = delta.usage.prompt_tokens
             f.usage.completion_tokens = delta.usage.completion_tokens

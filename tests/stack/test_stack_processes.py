@@ -1,9 +1,11 @@
 """The stack as `tokenmill up` runs it: four real processes under the Launcher.
 
-A request succeeds; an executor killed with SIGKILL mid-stream ends the affected streams with
-UNAVAILABLE within seconds, the launcher restarts it on the same port and the scheduler
-reconnects on its own; stopping the launcher with streams in flight ends every one of them
-with Finished or UNAVAILABLE, none hangs.
+A request succeeds; an executor or tokenizer killed with SIGKILL mid-stream ends the affected
+streams within seconds, each with exactly one Finished (reason error, the cause named), never a
+bare UNAVAILABLE after partial output; health says NOT_SERVING while the backend is away; the
+launcher restarts it on the same port and the scheduler reconnects on its own, so requests
+succeed again within 5 s of the restart; stopping the launcher with streams in flight ends
+every one of them with Finished, none hangs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.stack.launcher import LaunchConfig, Launcher
+from services.stack.launcher import LaunchConfig, Launcher, health_status
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.stop import StopConditions
@@ -39,6 +41,9 @@ MAX_TOKENS = 16
 FAILURE_WITHIN_S = 5.0
 """A stream whose executor died must end within this long (its client deadline is 60 s)."""
 RECONNECT_WITHIN_S = 30.0
+BACK_AFTER_RESTART_S = 5.0
+"""New requests succeed within this long of a killed backend's restart (issue target)."""
+HEALTH_SERVICES = ("", "tokenmill.v1.Generation")
 SHUTDOWN_GRACE_S = 0.5
 
 
@@ -104,6 +109,42 @@ async def generate_once_back(launcher: Launcher, stub, deadline: float, *, while
     return record
 
 
+def assert_ended_with_error(record: StreamRecord, killed_at: float, cause: str, max_tokens: int) -> None:
+    """Partial output, then exactly one Finished with reason error naming the cause; status OK."""
+    assert record.code == grpc.StatusCode.OK, (record.code, record.details, record.kinds())
+    kinds = record.kinds()
+    assert kinds[0] == "started" and kinds.count("finished") == 1 and kinds[-1] == "finished", kinds
+    assert record.finish_reason == "error", record.finished
+    assert cause in record.finished.error_message, record.finished.error_message
+    assert "already finished" not in record.finished.error_message
+    assert record.finished.usage.completion_tokens == len(record.token_ids)
+    assert 1 <= len(record.token_ids) < max_tokens
+    assert record.ended_at - killed_at < FAILURE_WITHIN_S
+
+
+async def health(launcher: Launcher) -> set[str]:
+    """The scheduler's health for "" and the Generation service."""
+    return {await asyncio.to_thread(health_status, launcher.public_address, name, 1.0) for name in HEALTH_SERVICES}
+
+
+async def wait_restarted(launcher: Launcher, name: str, before: int, *, saw_not_serving: list[bool]) -> float:
+    """Wait for the launcher's restart of `name`; poll the scheduler's health meanwhile and
+    record whether it said NOT_SERVING (for both names). Returns when the restart was seen."""
+    deadline = time.monotonic() + RECONNECT_WITHIN_S
+    while launcher.events.count(f"{name} restarted") == before:
+        assert time.monotonic() < deadline, launcher.events
+        if await health(launcher) == {"NOT_SERVING"}:
+            saw_not_serving.append(True)
+        await asyncio.sleep(0.02)
+    return time.monotonic()
+
+
+async def wait_serving(launcher: Launcher, deadline: float) -> None:
+    while await health(launcher) != {"SERVING"}:
+        assert time.monotonic() < deadline, (launcher.events, service_log(launcher, "scheduler"))
+        await asyncio.sleep(0.05)
+
+
 async def test_a_request_succeeds(launcher, stub, reference_ids) -> None:
     tokenizer = TextTokenizer.from_dir(STORIES_DIR)
     ids = tokenizer.encode(PROMPT)
@@ -123,14 +164,16 @@ async def test_executor_killed_mid_stream_fails_streams_fast_and_the_stack_recov
     executor.process.kill()  # SIGKILL: no goodbye on the step stream
     records: list[StreamRecord] = await asyncio.wait_for(asyncio.gather(*streams), FAILURE_WITHIN_S + 10)
     for record in records:
-        assert record.code == grpc.StatusCode.UNAVAILABLE, (record.code, record.details, record.kinds())
-        assert record.ended_at - killed_at < FAILURE_WITHIN_S
-        assert record.finished is None and 1 <= len(record.token_ids) < 400
+        assert_ended_with_error(record, killed_at, f"executor at {executor.address}", 400)
 
     # The launcher restarts the executor on its old port; the scheduler reconnects in the
-    # background and answers UNAVAILABLE until then.
-    record = await generate_once_back(launcher, stub, time.monotonic() + RECONNECT_WITHIN_S)
+    # background, says NOT_SERVING and answers UNAVAILABLE until then.
+    saw_not_serving: list[bool] = []
+    restarted_at = await wait_restarted(launcher, "executor", 0, saw_not_serving=saw_not_serving)
+    assert saw_not_serving, "health never said NOT_SERVING while the executor was away"
+    record = await generate_once_back(launcher, stub, restarted_at + BACK_AFTER_RESTART_S)
     assert record.token_ids == reference_ids
+    await wait_serving(launcher, time.monotonic() + 2)
     assert executor.restarts == 1 and executor.process.pid != old_pid and executor.port == port
     assert "executor restarted" in launcher.events
 
@@ -152,9 +195,42 @@ async def test_executor_killed_while_idle_is_reconnected_before_a_request_needs_
     assert record.token_ids == reference_ids
 
 
+async def test_tokenizer_killed_mid_stream_ends_streams_with_one_finished_and_the_stack_recovers(
+        launcher, stub, reference_ids) -> None:
+    # The tokenizer holds every stream's detokenization state: its streams end with one
+    # Finished (error); health says NOT_SERVING until the restarted tokenizer is reconnected,
+    # and new requests (text prompts, so Encode too) succeed within 5 s of its restart.
+    tokenizer = launcher.services["tokenizer"]
+    restarted = launcher.events.count("tokenizer restarted")
+    streams = await start_running_streams(stub, 4, max_tokens=400)
+    killed_at = time.monotonic()
+    tokenizer.process.kill()
+    saw_not_serving: list[bool] = []
+    records = await asyncio.wait_for(asyncio.gather(*streams), FAILURE_WITHIN_S + 10)
+    for record in records:
+        assert_ended_with_error(record, killed_at, f"tokenizer at {tokenizer.address}", 400)
+    restarted_at = await wait_restarted(launcher, "tokenizer", restarted, saw_not_serving=saw_not_serving)
+    assert saw_not_serving, "health never said NOT_SERVING while the tokenizer was away"
+    record = await generate_once_back(launcher, stub, restarted_at + BACK_AFTER_RESTART_S)
+    assert record.token_ids == reference_ids
+    await wait_serving(launcher, time.monotonic() + 2)
+
+
+async def test_tokenizer_killed_while_idle_is_reconnected(launcher, stub, reference_ids) -> None:
+    tokenizer = launcher.services["tokenizer"]
+    restarted = launcher.events.count("tokenizer restarted")
+    tokenizer.process.kill()
+    saw_not_serving: list[bool] = []
+    restarted_at = await wait_restarted(launcher, "tokenizer", restarted, saw_not_serving=saw_not_serving)
+    assert saw_not_serving, "health never said NOT_SERVING while the tokenizer was away"
+    record = await generate_once_back(launcher, stub, restarted_at + BACK_AFTER_RESTART_S,
+                                      while_down="is unavailable; retry shortly")
+    assert record.token_ids == reference_ids
+
+
 async def test_stopping_with_streams_in_flight_ends_every_stream(launcher, stub) -> None:
     # Short streams finish within the scheduler's shutdown grace, long ones cannot: both
-    # kinds must end, each with Finished or UNAVAILABLE.
+    # kinds must end, each with exactly one Finished (length, or error: shutting down).
     short = await start_running_streams(stub, 3, max_tokens=24)
     long = await start_running_streams(stub, 3, max_tokens=480)
     scheduler = launcher.services["scheduler"].process
@@ -163,12 +239,13 @@ async def test_stopping_with_streams_in_flight_ends_every_stream(launcher, stub)
     records = await asyncio.wait_for(asyncio.gather(*short, *long), 15)
     for max_tokens, record in zip([24] * 3 + [480] * 3, records):
         assert record.started is not None
-        if record.code == grpc.StatusCode.OK:
-            assert record.finish_reason == "length" and len(record.token_ids) == max_tokens
+        assert record.code == grpc.StatusCode.OK, (record.code, record.details)
+        assert record.kinds().count("finished") == 1 and record.kinds()[-1] == "finished"
+        if record.finish_reason == "length":
+            assert len(record.token_ids) == max_tokens
         else:
-            assert record.code == grpc.StatusCode.UNAVAILABLE, (record.code, record.details)
-            assert record.finished is None
+            assert record.finish_reason == "error" and "shutting down" in record.finished.error_message
         assert record.ended_at - stopped_at < SHUTDOWN_GRACE_S + 5
-    assert [r.code for r in records[3:]] == [grpc.StatusCode.UNAVAILABLE] * 3, "480 tokens within the grace?"
+    assert [r.finish_reason for r in records[3:]] == ["error"] * 3, "480 tokens within the grace?"
     assert scheduler.returncode == 0, service_log(launcher, "scheduler")
     assert all(svc.process.poll() is not None for svc in launcher.services.values())
