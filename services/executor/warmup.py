@@ -152,7 +152,8 @@ def warm_up(runner: ModelRunner) -> WarmupReport:
     backend_warm_up = getattr(runner.backend, "warm_up", None)
     if backend_warm_up is not None:
         k_cache, v_cache = runner.kv_cache.layers[0]
-        launches = backend_warm_up(k_cache, v_cache, runner.model_config.num_heads, runner.max_model_len)
+        launches = backend_warm_up(k_cache, v_cache, runner.model_config.num_heads, runner.max_model_len,
+                                   dtype=runner.dtype)
     graph_seconds, graph_sizes = 0.0, ()
     if runner.decode_graphs is not None:
         # After the eager steps: every kernel the graphs record is compiled by now, and the

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.runtime.kernels.kv_quant import QMAX, SCALE_DTYPE, ScaledCache
+
 LOG2E = 1.44269504  # log2(e) = 1/ln(2): softmax runs in base 2 so kernels can use exp2
 
 # Triton compiles one variant per specialization of a launch: every tl.constexpr value, and for
@@ -52,6 +54,32 @@ def dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
+def split_pool(cache: "torch.Tensor | ScaledCache") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales) of a quantized pool after checking the pair; (cache, None) for a plain one."""
+    if not isinstance(cache, ScaledCache):
+        return cache, None
+    data, scale = cache.data, cache.scale
+    if data.dtype not in QMAX:
+        raise ValueError(f"a quantized pool holds int8 or float8_e4m3fn values, got {data.dtype}")
+    if (scale.dtype != SCALE_DTYPE or scale.shape != data.shape[:-1] or not scale.is_contiguous()
+            or scale.device != data.device):
+        raise ValueError(f"a quantized pool's scales must be contiguous {SCALE_DTYPE} {tuple(data.shape[:-1])} on "
+                         f"{data.device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    return data, scale
+
+
+def kv_quant_args(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The launch's pools and scales: (k values, v values, k scales, v scales, quantized). For a
+    plain pool the scale pointers are the values themselves, never read (KV_QUANT=False)."""
+    k_data, k_scale = split_pool(k_cache)
+    v_data, v_scale = split_pool(v_cache)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_cache and v_cache must both be quantized or both plain")
+    if k_scale is None:
+        return k_data, v_data, k_data, v_data, False
+    return k_data, v_data, k_scale, v_scale, True
+
+
 def check_paged_attention_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -61,17 +89,19 @@ def check_paged_attention_inputs(
     num_seqs: int,
     max_context_len: int,
 ) -> None:
-    """q [T, H, D], caches [NB, BS, KH, D], block_tables [B, W] int32, context_lens [B] int32."""
+    """q [T, H, D], caches [NB, BS, KH, D] (or kv_quant.ScaledCache), block_tables [B, W] int32,
+    context_lens [B] int32."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [tokens, heads, head_dim] with unit last stride, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
+        cache, scale = split_pool(pool)
         if cache.dim() != 4 or cache.stride(-1) != 1:
             raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim] with unit last "
                              f"stride, got {tuple(cache.shape)} strides {cache.stride()}")
-        if cache.dtype != q.dtype or cache.device != q.device:
+        if (scale is None and cache.dtype != q.dtype) or cache.device != q.device:
             raise ValueError(f"{name} must match q ({q.dtype} on {q.device}), got {cache.dtype} on {cache.device}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")

@@ -13,6 +13,12 @@ Shapes (B = sequences, H = query heads, KH = kv heads, D = head dim, P = partiti
   context_lens [B] int32                      >= 1, includes the query token itself
   out          [B, H, D]
 
+A quantized pool (kv_quant.ScaledCache: int8 / float8_e4m3fn values, fp16 scales
+[num_blocks, block_size, KH]) is read as it is stored: the values widen exactly to q's dtype,
+each token's K scale multiplies its column of q.k scores after the dot, and its V scale
+multiplies its softmax weight before p.V. So K/V are never dequantized in memory, and the
+extra work per tile is N scale loads and two [M, N] multiplies.
+
 Imports only torch, triton and the standard library: the module is timed on GPU machines
 that have nothing else, and imports (without launching) on machines with no GPU.
 """
@@ -26,8 +32,9 @@ import triton
 import triton.language as tl
 
 from services.runtime.kernels._common import (
-    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, round_up,
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, kv_quant_args, round_up,
 )
+from services.runtime.kernels.kv_quant import gather_dequantized
 
 TILE_TOKENS = 64
 """Context tokens per inner-loop tile (independent of the cache block size)."""
@@ -37,7 +44,7 @@ _MIN_PARTITION_TOKENS = 256
 
 @triton.jit(**NOT_SPECIALIZED)
 def _paged_decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     qk_scale_log2,
     stride_qb, stride_qh,
@@ -52,6 +59,7 @@ def _paged_decode_partition_kernel(
     QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,14 +96,25 @@ def _paged_decode_partition_kernel(
             k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
             v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
             v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
+                scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
+                k_scale = tl.load(k_scale_ptr + scale_offsets, mask=token_valid, other=0.0).to(tl.float32)
+                v_scale = tl.load(v_scale_ptr + scale_offsets, mask=token_valid, other=0.0).to(tl.float32)
+                k = k.to(tl.float32).to(q.dtype)
+                v = v.to(tl.float32).to(q.dtype)
 
-            scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale_log2  # [M, N]
+            scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
+            if KV_QUANT:
+                scores = scores * k_scale[None, :]
+            scores = scores * qk_scale_log2
             scores = tl.where(token_valid[None, :], scores, float("-inf"))
             # every tile holds >= 1 valid token, so m_new is finite and no row becomes NaN
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             p = tl.exp2(scores - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV_QUANT:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
 
@@ -181,6 +200,7 @@ def paged_decode_attention(
         check_out(out, q)
     if num_seqs == 0:
         return out
+    k_cache, v_cache, k_scale, v_scale, quantized = kv_quant_args(k_cache, v_cache)
 
     queries_per_kv = num_heads // num_kv_heads
     partition_tokens = round_up(math.ceil(max_context_len / num_partitions), TILE_TOKENS)
@@ -196,7 +216,7 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
 
     _paged_decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
         out, part_out, part_max, part_sum,
         scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -211,6 +231,7 @@ def paged_decode_attention(
         QUERIES_PER_KV=queries_per_kv, HEADS_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_SIZE=block_size, TILE_N=TILE_TOKENS,
         SINGLE_PARTITION=single, **dot_flags(q.dtype, _paged_decode_partition_kernel),
+        KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
         num_warps=4,
     )
     if not single:
@@ -243,8 +264,9 @@ def paged_decode_reference(
         context_len = int(context_lens[seq])
         num_blocks = math.ceil(context_len / block_size)
         blocks = block_tables[seq, :num_blocks].long()
-        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [C, KH, D]
-        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        # [C, KH, D]; a quantized pool (kv_quant.ScaledCache) dequantized to q's dtype
+        keys = gather_dequantized(k_cache, blocks, q.dtype).flatten(0, 1)[:context_len]
+        values = gather_dequantized(v_cache, blocks, q.dtype).flatten(0, 1)[:context_len]
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [H, C, D]
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
         scores = (q[seq].unsqueeze(1) @ keys.transpose(1, 2)).float() * scale  # [H, 1, C]

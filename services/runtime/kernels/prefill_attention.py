@@ -17,6 +17,9 @@ Shapes (T = new tokens, B = sequences, H = query heads, KH = kv heads, D = head 
   context_lens    [B] int32
   query_start_loc [B+1] int32   (cu_seqlens of the new tokens)
   out             [T, H, D]
+
+A quantized pool (kv_quant.ScaledCache) is read as paged_decode.py reads it: values widened
+exactly to q's dtype, K scales applied to the scores after the dot, V scales to the weights.
 """
 
 from __future__ import annotations
@@ -26,18 +29,19 @@ import triton
 import triton.language as tl
 
 from services.runtime.kernels._common import (
-    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags,
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, kv_quant_args,
 )
+from services.runtime.kernels.kv_quant import gather_dequantized
 
 
 @triton.jit
 def _attend_key_tiles(
     acc, l_i, m_i, q, query_pos,
-    k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     key_start, key_end, qk_scale_log2, dims, dim_valid,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Online softmax of the rows of ``q`` over keys [key_start, key_end). With MASKED, keys past
     key_end or past a row's own position (query_pos) are excluded; without, all are visible."""
@@ -56,8 +60,17 @@ def _attend_key_tiles(
         k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
         v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
+            scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
 
-        scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale_log2  # [M, N]
+        scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
+        if KV_QUANT:
+            scores = scores * k_scale[None, :]
+        scores = scores * qk_scale_log2
         if MASKED:
             visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -67,6 +80,8 @@ def _attend_key_tiles(
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -74,7 +89,8 @@ def _attend_key_tiles(
 
 @triton.jit(**NOT_SPECIALIZED)
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
+    query_start_loc_ptr, out_ptr,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -84,7 +100,7 @@ def _prefill_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * QUERIES_PER_KV <= BLOCK_M)
     seq = tl.program_id(0)
@@ -121,15 +137,15 @@ def _prefill_attention_kernel(
         # the tile's last real query sees up to its own position
         key_end = tl.minimum(prefix_len + tile_first_query + BLOCK_Q, context_len)
         acc, l_i, m_i = _attend_key_tiles(
-            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             0, unmasked_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, False, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_SIZE, TILE_N, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
         acc, l_i, m_i = _attend_key_tiles(
-            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, True, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_SIZE, TILE_N, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
 
         o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -182,6 +198,7 @@ def prefill_attention(
         return out
 
     _, block_size, num_kv_heads, _ = k_cache.shape
+    k_cache, v_cache, k_scale, v_scale, quantized = kv_quant_args(k_cache, v_cache)
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if queries_per_kv > 128:
@@ -191,7 +208,7 @@ def prefill_attention(
     tile_n = 64 if head_dim_pad <= 128 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, query_start_loc, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -200,7 +217,7 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        **dot_flags(q.dtype, _prefill_attention_kernel),
+        **dot_flags(q.dtype, _prefill_attention_kernel), KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
         num_warps=8 if block_m >= 128 else 4,
     )
     return out
@@ -223,8 +240,9 @@ def prefill_attention_reference(
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         query_len, context_len = end - start, int(context_lens[seq])
         blocks = block_tables[seq, : -(-context_len // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [C, KH, D]
-        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        # [C, KH, D]; a quantized pool (kv_quant.ScaledCache) dequantized to q's dtype
+        keys = gather_dequantized(k_cache, blocks, q.dtype).flatten(0, 1)[:context_len]
+        values = gather_dequantized(v_cache, blocks, q.dtype).flatten(0, 1)[:context_len]
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [H, C, D]
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [H, L, D]

@@ -9,6 +9,8 @@ with the fix rather than letting every kernel test fail obscurely.
 The interpreter (triton 3.9) narrows fp32 to bfloat16 by truncation where GPUs round to
 nearest even, which would double every bf16 rounding error here; ``_round_bf16_to_nearest``
 patches that one conversion for the test session so bf16 tolerances mean the same on both.
+Its float8 (e4m3) conversions are wrong too (fp32 -126.9 became -64); ``_float8_through_torch``
+routes them through PyTorch's, which round to nearest even as the GPU's cvt.rn does.
 
 TOKENMILL_FULL_KERNEL_GRID=1 runs the full cross-product grids (meant for a GPU); by default
 a pairwise-covering subset keeps the interpreter run to about a minute on two cores.
@@ -54,8 +56,30 @@ def _round_bf16_to_nearest() -> None:
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
+def _float8_through_torch() -> None:
+    from triton.runtime import interpreter
+
+    tl = interpreter.tl
+    fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        source, target = src.dtype.scalar, dst_type.scalar
+        if target == tl.float8e4nv:
+            wide = src if source == tl.float32 else self.cast_impl(src, tl.float32)
+            values = torch.from_numpy(np.ascontiguousarray(wide.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return interpreter.TensorHandle(values.view(torch.uint8).numpy(), target)
+        if source == tl.float8e4nv:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.uint8))
+            wide = interpreter.TensorHandle(bits.view(torch.float8_e4m3fn).float().numpy(), tl.float32)
+            return wide if target == tl.float32 else self.cast_impl(wide, target)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 if not _ON_GPU:
     _round_bf16_to_nearest()
+    _float8_through_torch()
 
 
 @pytest.fixture(scope="session")

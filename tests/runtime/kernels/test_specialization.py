@@ -22,7 +22,9 @@ KERNELS = [paged_decode._paged_decode_partition_kernel, paged_decode._paged_deco
 # and those the model and pool fix once. A new constexpr must be put in one of the two.
 BUCKETED_CONSTEXPRS = {"SINGLE_PARTITION", "PARTITIONS_PAD", "BLOCK_M", "BLOCK_Q"}
 MODEL_CONSTEXPRS = {"HEAD_DIM", "HEAD_DIM_PAD", "QUERIES_PER_KV", "HEADS_PAD", "KV_HEADS_PAD", "NUM_KV_HEADS",
-                    "HALF", "HALF_PAD", "BLOCK_SIZE", "TILE_N", "DOT_PRECISION", "DOT_UPCAST"}
+                    "HALF", "HALF_PAD", "BLOCK_SIZE", "TILE_N", "DOT_PRECISION", "DOT_UPCAST",
+                    # the KV cache's storage (--kv-cache-dtype) and its quantization constants
+                    "KV_QUANT", "INT8", "QMAX", "MIN_SCALE", "MAX_SCALE"}
 
 
 def unspecialized(kernel) -> tuple[set[str], set[str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.kernels.paged_decode import paged_decode_reference
 from services.runtime.kernels.prefill_attention import prefill_attention_reference
 from services.runtime.kernels.reshape_and_cache import reshape_and_cache_reference
@@ -22,6 +23,9 @@ class ReferenceAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
+        if isinstance(k_cache, ScaledCache):  # quantized: the reference quantizes k and v as they are
+            reshape_and_cache_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         reshape_and_cache_reference(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
     def attend(

@@ -5,6 +5,9 @@ sequences (one query each) are handled together: their contexts are gathered int
 padded tensor and attended with a length mask, so a decode step costs a few batched ops
 per layer instead of one per sequence. Sequences with several new tokens (prompts,
 chunks, speculative verification) go one by one through scaled_dot_product_attention.
+
+A quantized pool (``ScaledCache``) is written by ``kv_quant.write_quantized`` and read by
+dequantizing the gathered blocks to the query's dtype before SDPA.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.runtime.kernels.kv_quant import ScaledCache, gather_dequantized as gather_pool, write_quantized
 from services.runtime.model.attention.base import AttentionMetadata
 
 
@@ -20,6 +24,9 @@ class TorchAttentionBackend:
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         # k, v: [T, KH, D]; caches: [NB, BS, KH, D] viewed as [NB*BS, KH, D] slots
+        if isinstance(k_cache, ScaledCache):
+            write_quantized(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         kh, d = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -48,17 +55,16 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    def _gather(cache, block_table: torch.Tensor, num_tokens: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         num_blocks = -(-num_tokens // block_size)
-        # index_select on the block dimension: several times faster than advanced indexing on CPU.
         # [nb, BS, KH, D] -> [ctx, KH, D]
-        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:num_tokens]
+        return gather_pool(cache, block_table[:num_blocks].long(), dtype).flatten(0, 1)[:num_tokens]
 
     def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float):
         # q: [L, H, D]; the L new tokens sit at positions [ctx_len - L, ctx_len).
         q_len, num_heads = q.shape[0], q.shape[1]
-        k = self._gather(k_cache, block_table, ctx_len, block_size).to(q.dtype)
-        v = self._gather(v_cache, block_table, ctx_len, block_size).to(q.dtype)
+        k = self._gather(k_cache, block_table, ctx_len, block_size, q.dtype)
+        v = self._gather(v_cache, block_table, ctx_len, block_size, q.dtype)
         group = num_heads // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
@@ -85,8 +91,8 @@ class TorchAttentionBackend:
         table = block_tables[:, :num_blocks].long().flatten()
         # One gather per pool into [B, S, KH, D], read by SDPA as a strided [B, KH, S, D] view
         # (no second copy); GQA is SDPA's enable_gqa, so K/V are never repeated per query head.
-        k = k_cache.index_select(0, table).view(b, span, kv_heads, d)
-        v = v_cache.index_select(0, table).view(b, span, kv_heads, d)
+        k = gather_pool(k_cache, table, q.dtype).view(b, span, kv_heads, d)
+        v = gather_pool(v_cache, table, q.dtype).view(b, span, kv_heads, d)
         # Padding lanes read slots this sequence does not own. They are masked out of the
         # softmax, but a NaN there would survive it (NaN - inf, 0 * NaN), so zero each row's
         # tail: it touches only the padding, where a masked fill would rewrite all of K and V.
@@ -97,7 +103,7 @@ class TorchAttentionBackend:
         positions = torch.arange(span, device=q.device)
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
         out = F.scaled_dot_product_attention(
-            q.view(b, h, 1, d), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            q.view(b, h, 1, d), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return out.view(b, h, d)

@@ -13,6 +13,7 @@ import torch
 
 from services.runtime.kernels.paged_decode import TILE_TOKENS, choose_num_partitions, paged_decode_attention
 from services.runtime.kernels.prefill_attention import prefill_attention, tile_rows
+from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.kernels.reshape_and_cache import reshape_and_cache
 from services.runtime.model.attention.base import AttentionMetadata
 
@@ -35,6 +36,9 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
     ) -> None:
         # k, v: [T, KH, D] -> caches [NB, BS, KH, D] at meta.slot_mapping
+        if isinstance(k_cache, ScaledCache):  # the kernel quantizes k and v as they are
+            reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
     def attend(
@@ -59,7 +63,7 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len, max_context_len=meta.max_context_len,
         )
 
-    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context_len: int) -> int:
+    def warm_up(self, k_cache, v_cache, num_heads: int, max_context_len: int, dtype: torch.dtype | None = None) -> int:
         """Compile every attention kernel variant a step can select; returns the launches made.
 
         A step picks among a few constexpr buckets that its lengths decide: the split-K decode
@@ -68,8 +72,11 @@ class TritonAttentionBackend:
         prefill kernel's tile rows (``tile_rows``). Every other length-dependent argument is
         left unspecialized (kernels/_common.py), so these launches cover all of them. Scratch
         inputs: every block table entry is block 0, which is only read; outputs are dropped.
+        ``dtype`` is the queries' (the model's); it defaults to a plain pool's own.
         """
-        device, dtype = k_cache.device, k_cache.dtype
+        device, dtype = k_cache.device, dtype or k_cache.dtype
+        if isinstance(k_cache, ScaledCache) and dtype == k_cache.dtype:
+            raise ValueError("warm_up of a quantized pool needs the model's dtype")
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         launches = 0
 
