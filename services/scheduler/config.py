@@ -38,6 +38,9 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
     max_prompt_chars: int = _f(0, "longest text prompt accepted, in characters (0 = 32 per token of the model's "
                                   "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
+    max_waiting_per_tenant: int = _f(0, "requests one tenant may have queued (not yet producing output); beyond "
+                                        "it RESOURCE_EXHAUSTED (0 = only the overall max_waiting_requests)",
+                                     "TOKENMILL_MAX_WAITING_PER_TENANT")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
     auth_tokens_file: str = _f("", "JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; "
@@ -50,5 +53,8 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
         """The limits alone (the executor's facts are checked against them when it connects),
         and the auth tokens file."""
         self.limits.validate()
+        if self.max_waiting_per_tenant < 0:
+            raise ValueError(f"max_waiting_per_tenant must be >= 0 (0 = no per-tenant bound), "
+                             f"got {self.max_waiting_per_tenant}")
         if self.auth_tokens_file:
             load_auth_tokens(self.auth_tokens_file)

@@ -9,6 +9,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
+from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
@@ -40,7 +41,9 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     await loop.start()
     model_name = Path(loop.executor.info.model).name
     servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name,
-                                  tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None)
+                                  tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
+                                  admission=Admission(config.limits.max_waiting_requests,
+                                                      config.max_waiting_per_tenant))
 
     if config.metrics_port >= 0:
         scheduler_collector().source = loop

@@ -12,6 +12,7 @@ from services.common.generation import GenerationDelta
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.stop import StopConditions
 from services.common.metrics import TenantMetrics
+from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
 from services.scheduler.loop import SchedulerLoop
 
@@ -75,8 +76,10 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, loop: SchedulerLoop, max_prompt_chars: int = 0, profile=None, model_name: str = "",
-                 tenant_metrics: TenantMetrics | None = None) -> None:
+                 tenant_metrics: TenantMetrics | None = None, admission: Admission | None = None) -> None:
         self.loop = loop
+        self.admission = admission or Admission(loop.limits.max_waiting_requests)
+        """The bounded queue at the door: refuses a request before it is tokenized."""
         self.max_prompt_chars = max_prompt_chars
         """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context."""
         self.profile = profile
@@ -138,42 +141,48 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                        f"{MAX_REQUEST_ID_CHARS}")
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        sampling = sampling_from_proto(request.sampling)
-        stop = stop_from_proto(request.stop)
         tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
-        if tenant is not None:
-            tenant.check_request(self.model_name, request.priority)
-        prompt_ids = await self._prompt_ids(request)
-        budget = self._budget(tenant)
-        if budget is not None:
-            budget.admit(tenant.name, len(prompt_ids))
-        handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority)
-        if tenant is not None:
-            self._owners[request_id] = tenant.name
-        _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
-        finished = False
+        # The door first: a full queue is refused before anything is parsed or tokenized.
+        place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
-            yield generation_pb2.GenerateResponse(
-                started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
-            while not finished:
-                item = await handle.queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    _log.warning("request_failed", error=str(item))
-                    raise item
-                for message in delta_to_protos(item):
-                    yield message
-                if item.finished:
-                    finished = True
-                    _log.info("request_finished", finish_reason=item.finish_reason,
-                              completion_tokens=item.usage.completion_tokens if item.usage else None)
-                    self._tenant_finished(tenant, item)
+            sampling = sampling_from_proto(request.sampling)
+            stop = stop_from_proto(request.stop)
+            if tenant is not None:
+                tenant.check_request(self.model_name, request.priority)
+            prompt_ids = await self._prompt_ids(request)
+            budget = self._budget(tenant)
+            if budget is not None:
+                budget.admit(tenant.name, len(prompt_ids))
+            handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority)
+            if tenant is not None:
+                self._owners[request_id] = tenant.name
+            _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
+            finished = False
+            try:
+                yield generation_pb2.GenerateResponse(
+                    started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
+                while not finished:
+                    item = await handle.queue.get()
+                    self.admission.leave(place)  # first output: it is no longer queued
+                    if isinstance(item, Exception):
+                        finished = True
+                        _log.warning("request_failed", error=str(item))
+                        raise item
+                    for message in delta_to_protos(item):
+                        yield message
+                    if item.finished:
+                        finished = True
+                        _log.info("request_finished", finish_reason=item.finish_reason,
+                                  completion_tokens=item.usage.completion_tokens if item.usage else None)
+                        self._tenant_finished(tenant, item)
+            finally:
+                self._owners.pop(request_id, None)
+                if not finished:
+                    # The client went away (cancelled, deadline): free its blocks now.
+                    self.loop.abort(request_id)
+                    _log.info("request_cancelled")
         finally:
-            self._owners.pop(request_id, None)
-            if not finished:
-                # The client went away (cancelled, deadline): free its blocks now.
-                self.loop.abort(request_id)
-                _log.info("request_cancelled")
+            self.admission.leave(place)
 
     def _budget(self, tenant: Tenant | None) -> TokenBudget | None:
         table = self.auth_table

@@ -1,0 +1,122 @@
+"""The door of the Generation API: a bounded queue overall and per tenant, answered at once.
+
+A request holds a place from the moment it passes the door until its first output (or its
+end): while it is tokenized, waits in the core's queue and runs its prefill. Beyond the bound
+the answer is RESOURCE_EXHAUSTED before anything is tokenized or copied, so a burst is refused
+in well under a millisecond of scheduler time instead of queueing behind the tokenizer.
+
+The refusal carries a ``grpc-retry-pushback-ms`` trailer: how long the places ahead take to
+drain at the rate they have been draining (places freed per second over the last
+``DRAIN_WINDOW_S``), so a client that honours it (gRPC's retry policy does: see
+``docs/retry_service_config.json``) comes back about when there is room.
+
+No I/O, no locks: called from the one event loop; the clock is injected for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.errors import ResourceExhaustedError
+
+DRAIN_WINDOW_S = 10.0
+"""The drain rate is measured over this many recent seconds."""
+MIN_PUSHBACK_S = 0.05
+MAX_PUSHBACK_S = 30.0
+UNMEASURED_PUSHBACK_S = 1.0
+"""Pushback while nothing has drained yet in the window (no rate to go by)."""
+
+
+class DrainRate:
+    """Places freed per second over the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+        self._trim(now)
+
+    def per_second(self, now: float) -> float | None:
+        """None until something drained within the window."""
+        self._trim(now)
+        if not self._times:
+            return None
+        # Over the span actually observed (at least a second), so a fresh burst of releases
+        # is not read as a huge rate.
+        span = max(now - self._times[0], 1.0)
+        return len(self._times) / min(span, self.window_s)
+
+    def _trim(self, now: float) -> None:
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+
+
+@dataclass(slots=True)
+class Place:
+    """One request's place in the queue; ``Admission.leave`` frees it once."""
+
+    tenant: str
+    left: bool = False
+
+
+class Admission:
+    """Bounded places overall (``max_queued``) and per tenant (``max_queued_per_tenant``, 0 =
+    only the overall bound). Tenant "" (authentication off) has only the overall bound."""
+
+    def __init__(self, max_queued: int, max_queued_per_tenant: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if max_queued_per_tenant < 0:
+            raise ValueError(f"max_queued_per_tenant must be >= 0 (0 = no per-tenant bound), "
+                             f"got {max_queued_per_tenant}")
+        self.max_queued = max_queued
+        self.max_queued_per_tenant = max_queued_per_tenant
+        self.clock = clock
+        self.queued = 0
+        self.per_tenant: dict[str, int] = {}
+        self.drain = DrainRate()
+        self.rejected = 0
+
+    def enter(self, tenant: str = "") -> Place:
+        """Take a place, or raise ResourceExhaustedError naming the bound, with a pushback."""
+        per_tenant = self.per_tenant.get(tenant, 0)
+        if self.queued >= self.max_queued:
+            self._refuse(f"the queue is full: {self.queued} requests queued, max_waiting_requests="
+                         f"{self.max_queued}", self.queued)
+        if tenant and self.max_queued_per_tenant and per_tenant >= self.max_queued_per_tenant:
+            self._refuse(f"tenant {tenant!r} has {per_tenant} requests queued, max_waiting_per_tenant="
+                         f"{self.max_queued_per_tenant}", per_tenant)
+        self.queued += 1
+        self.per_tenant[tenant] = per_tenant + 1
+        return Place(tenant)
+
+    def leave(self, place: Place) -> None:
+        """Free the place (first output, or the request ended); later calls do nothing."""
+        if place.left:
+            return
+        place.left = True
+        self.queued -= 1
+        remaining = self.per_tenant[place.tenant] - 1
+        if remaining:
+            self.per_tenant[place.tenant] = remaining
+        else:
+            del self.per_tenant[place.tenant]
+        self.drain.record(self.clock())
+
+    def pushback_s(self, ahead: int) -> float:
+        """How long ``ahead`` places take to drain at the measured rate (clamped)."""
+        rate = self.drain.per_second(self.clock())
+        if rate is None:
+            return UNMEASURED_PUSHBACK_S
+        return min(max(ahead / rate, MIN_PUSHBACK_S), MAX_PUSHBACK_S)
+
+    def _refuse(self, message: str, ahead: int) -> None:
+        self.rejected += 1
+        retry_s = self.pushback_s(ahead)
+        raise ResourceExhaustedError(f"{message}; retry in {retry_s:.2f} s", retry_after_s=retry_s)

@@ -1,0 +1,61 @@
+"""A whole stack in this process (tokenizer, executor and scheduler servers on port 0) for the
+overload, deadline and fuzz tests: real servers, the real stories260K model, one call to start
+and one to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.server import RunningServer, create_channel
+from services.executor.config import ExecutorServiceConfig
+from services.executor.main import serve as serve_executor
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.main import serve as serve_scheduler
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.main import serve as serve_tokenizer
+from tests.helpers.service_harness import STORIES_DIR
+
+ENGINE_FLAGS = dict(dtype="fp32", device="cpu", attention_backend="torch")
+
+
+@dataclass
+class SmallStack:
+    tokenizer: RunningServer
+    executor: RunningServer
+    scheduler: RunningServer
+    channel: grpc.aio.Channel
+    stub: generation_pb2_grpc.GenerationStub
+
+    def stats(self):
+        return self.scheduler.scheduler_loop.stats()
+
+    async def wait_idle(self, timeout: float = 3.0) -> float:
+        """Wait until no request runs or waits and every KV block is free; return how long it took."""
+        started = time.monotonic()
+        while True:
+            stats = self.stats()
+            if stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks:
+                return time.monotonic() - started
+            assert time.monotonic() - started < timeout, stats
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        for running in (self.scheduler, self.executor, self.tokenizer):
+            await running.stop(grace=0)
+
+
+async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, **scheduler_overrides) -> SmallStack:
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(STORIES_DIR)))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, model=str(STORIES_DIR), block_size=block_size,
+                                                          num_blocks=num_blocks, skip_warmup=True, **ENGINE_FLAGS))
+    scheduler = await serve_scheduler(SchedulerServiceConfig(
+        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        **scheduler_overrides))
+    channel = create_channel(scheduler.address)
+    return SmallStack(tokenizer, executor, scheduler, channel, generation_pb2_grpc.GenerationStub(channel))
