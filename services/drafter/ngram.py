@@ -18,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
+
 MAX_NGRAM = 16
 MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
-class NgramProposer:
+class NgramProposer(Proposer):
     """Settings of prompt-lookup drafting and the lookup itself."""
 
     max_ngram: int = 4
@@ -45,6 +47,13 @@ class NgramProposer:
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (MAX_SPECULATIVE_TOKENS), "
                 f"got {self.num_speculative_tokens}"
             )
+
+    def new_session(self) -> DraftState:
+        return DraftState(self)
+
+    def info(self) -> ProposerInfo:
+        return ProposerInfo(DraftMethod.NGRAM, self.num_speculative_tokens,
+                            ngram_min=self.min_ngram, ngram_max=self.max_ngram)
 
     def new_index(self, token_ids: Iterable[int] = ()) -> NgramIndex:
         return NgramIndex(self.min_ngram, self.max_ngram, token_ids)
@@ -108,13 +117,15 @@ class NgramIndex:
         return len(self.tokens)
 
 
-class DraftState:
+class DraftState(ProposerSession):
     """Per-sequence n-gram indexes of the drafter, keyed by sequence id.
 
     The drafter service is the one owner: it opens a sequence with its known tokens (prompt, plus
     output after a preemption), appends the tokens each step accepted, asks for proposals, and
     closes the sequence when the scheduler reports it finished, aborted or preempted.
     """
+
+    __slots__ = ("proposer", "_indexes")
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
@@ -131,9 +142,15 @@ class DraftState:
     def propose(self, seq_id: int, num_tokens: int | None = None) -> list[int]:
         return self.proposer.propose(self._get(seq_id), num_tokens)
 
+    def propose_batch(self, seq_ids: Sequence[int], num_tokens: int | None = None) -> list[list[int]]:
+        return [self.propose(seq_id, num_tokens) for seq_id in seq_ids]
+
     def close(self, seq_id: int) -> None:
         """Forget a sequence; unknown ids are ignored (finish and abort may both report it)."""
         self._indexes.pop(seq_id, None)
+
+    def close_all(self) -> None:
+        self._indexes.clear()
 
     def num_tokens(self, seq_id: int) -> int:
         return len(self._get(seq_id))
