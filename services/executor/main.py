@@ -57,6 +57,7 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
     if config.metrics_port >= 0:
         runner.execute = timed_execute(runner.execute, executor_step_histogram())
     servicer.attach(runner)
+    running.model_runner = runner  # for in-process tests
     info = runner.info()
     _log.info("model_loaded", model=info.model, device=info.device, dtype=info.dtype,
               attention_backend=info.attention_backend, num_blocks=info.num_blocks,

@@ -1,4 +1,5 @@
-"""Overlapped scheduling on vs off through the real services: the same outputs.
+"""Overlapped scheduling (and the decode-graph path's padded buffers) on vs off through the
+real services: the same outputs.
 
 Two stacks in this process on loopback (tokenizer, executor and scheduler gRPC servers; the
 schedulers differ only in overlap_scheduling) receive the same mix of concurrent requests:
@@ -67,12 +68,16 @@ async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
     stacks: dict[bool, Stack] = {}
     for overlap in (True, False):
+        # The overlapped stack's executor also runs decode steps through the CUDA-graph path's
+        # padded buffers (what a GPU replays), so "every switch on" is held to "every switch off".
         executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=16,
-                                                              num_blocks=NUM_BLOCKS, **ENGINE_FLAGS))
+                                                              num_blocks=NUM_BLOCKS, padded_decode_on_cpu=overlap,
+                                                              **ENGINE_FLAGS))
         scheduler = await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
             connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap)))
         assert scheduler.scheduler_loop.core.config.limits.overlap_scheduling is overlap
+        assert (executor.model_runner.decode_graphs is not None) is overlap
         channel = create_channel(scheduler.address)
         stacks[overlap] = Stack(executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
     yield stacks
