@@ -20,6 +20,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.stop import MinTokensBan
 from services.runtime.sampling.batch import is_plain_greedy
 from services.runtime.sampling.sampler import Sampler, SamplingBatch
+from services.runtime.sampling.verify import emitted_tokens
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
@@ -148,7 +149,24 @@ class ModelRunner:
             if not 0 <= block < num_blocks:
                 raise ValueError(f"sequence {seq_id}: block id {block} is outside the KV pool of {num_blocks} blocks")
 
-    def _apply_plan(self, plan: StepPlan) -> list[tuple[SequenceState, int]]:
+    def _take_drafts(self, state: SequenceState, num_scheduled: int, draft_ids: list[int]) -> None:
+        """Append a running sequence's drafts to its tokens for this step: they are just more
+        scheduled tokens after the last known one (which has no K/V yet)."""
+        if num_scheduled != 1 + len(draft_ids):
+            raise ValueError(f"sequence {state.seq_id}: {num_scheduled} scheduled tokens with "
+                             f"{len(draft_ids)} drafts; expected 1 + {len(draft_ids)}")
+        if state.num_computed_tokens + 1 != len(state.token_ids):
+            raise ValueError(f"sequence {state.seq_id}: drafts must follow the last known token, but "
+                             f"{len(state.token_ids) - state.num_computed_tokens} tokens are not computed")
+        vocab = self.model_config.vocab_size
+        for index, token_id in enumerate(draft_ids):
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"sequence {state.seq_id}: draft_token_ids[{index}] = {token_id} is "
+                                 f"outside [0, {vocab})")
+        state.token_ids.extend(draft_ids)
+
+    def _apply_plan(self, plan: StepPlan, drafts: dict[int, list[int]]) -> list[tuple[SequenceState, int]]:
+        """Apply the plan's diffs; ``drafts`` receives the draft tokens by scheduled row."""
         for seq_id in plan.finished_seq_ids:
             self.sequences.pop(seq_id, None)
         scheduled: list[tuple[SequenceState, int]] = []
@@ -166,10 +184,11 @@ class ModelRunner:
             state = self.sequences.get(running.seq_id)
             if state is None:
                 raise ValueError(f"step {plan.step_id} continues unknown sequence {running.seq_id}")
-            if running.draft_token_ids:
-                raise ValueError("speculative draft tokens are not supported by this executor yet")
             self._check_block_ids(running.seq_id, running.new_block_ids)
             state.block_ids.extend(running.new_block_ids)
+            if running.draft_token_ids:
+                self._take_drafts(state, running.num_scheduled_tokens, running.draft_token_ids)
+                drafts[len(scheduled)] = running.draft_token_ids
             scheduled.append((state, running.num_scheduled_tokens))
         for state, n in scheduled:
             end = state.num_computed_tokens + n
@@ -237,7 +256,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        scheduled = self._apply_plan(plan)
+        drafts: dict[int, list[int]] = {}
+        scheduled = self._apply_plan(plan, drafts)
         if not scheduled:
             return StepResult(plan.step_id, [])
         graphs = self.decode_graphs
@@ -260,32 +280,71 @@ class ModelRunner:
             i for i, (state, n) in enumerate(scheduled) if state.num_computed_tokens + n == len(state.token_ids)
         ]
         outputs = [SequenceOutput(state.seq_id) for state, _ in scheduled]
-        if sample_rows:
+        if sample_rows and drafts:
+            self._verify(hidden, cu, scheduled, sample_rows, drafts, outputs)
+        elif sample_rows:
             if len(sample_rows) < hidden.shape[0]:  # else every token is a sampling row's only one
                 hidden = hidden[torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)]
             logits = self.model.compute_logits(hidden)  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
-            sampled = self._sample(logits, states)
+            sampled = self._sample(logits, [(s, 0) for s in states])
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
                 state.token_ids.append(token_id)
                 outputs[row].token_ids = [token_id]
                 if logprobs is not None:
                     outputs[row].logprobs = [logprobs]
-        for state, n in scheduled:
-            state.num_computed_tokens += n
+        for index, (state, n) in enumerate(scheduled):
+            if index in drafts:
+                # K/V is valid for the last known token and the accepted drafts; the emitted
+                # token after them has none yet. Rejected drafts' slots are overwritten later.
+                state.num_computed_tokens = len(state.token_ids) - 1
+            else:
+                state.num_computed_tokens += n
         return StepResult(plan.step_id, outputs)
 
-    def _sample(self, logits: torch.Tensor, states: list[SequenceState]) -> list[tuple[int, TokenLogprobs | None]]:
-        """One token (and logprobs if asked) per row of ``logits`` [S, V]."""
-        if all(is_plain_greedy(s.sampling, len(s.token_ids) - s.prompt_len, s.min_tokens_ban) for s in states):
+    def _verify(self, hidden: torch.Tensor, cu: list[int], scheduled: list[tuple[SequenceState, int]],
+                sample_rows: list[int], drafts: dict[int, list[int]], outputs: list[SequenceOutput]) -> None:
+        """Sample every position of a drafted sequence as a plain decode step there would, then
+        keep the drafts the target agrees with (services/runtime/sampling/verify.py)."""
+        hidden_rows: list[int] = []
+        rows: list[tuple[SequenceState, int]] = []
+        for i in sample_rows:
+            k = len(drafts.get(i, ()))
+            hidden_rows.extend(range(cu[i + 1] - 1 - k, cu[i + 1]))
+            # Row j of k + 1 sees the known tokens and d_1..d_j: k - j trailing drafts hidden.
+            rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])  # [R, V]
+        sampled = self._sample(logits, rows)
+        start = 0
+        for i in sample_rows:
+            state = scheduled[i][0]
+            draft_ids = drafts.get(i, [])
+            k = len(draft_ids)
+            targets = sampled[start : start + k + 1]
+            start += k + 1
+            emitted = emitted_tokens([t for t, _ in targets], draft_ids)
+            del state.token_ids[len(state.token_ids) - k :]
+            state.token_ids.extend(emitted)
+            outputs[i].token_ids = emitted
+            if targets[0][1] is not None:
+                # Each emitted token is its position's target token, so its logprobs are that row's.
+                outputs[i].logprobs = [lp for _, lp in targets[: len(emitted)]]
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[SequenceState, int]]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """One token (and logprobs if asked) per row of ``logits`` [S, V]. A row is a sequence
+        and how many of its last tokens are drafts beyond this row's position (not history)."""
+        histories = [(s, len(s.token_ids) - cut) for s, cut in rows]  # (state, end of its history)
+        if all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban) for s, end in histories):
             # The sampler's argmax-only path, without packing a batch that nothing reads.
             return [(token_id, None) for token_id in logits.argmax(dim=-1).tolist()]
         batch = SamplingBatch.build(
-            [s.sampling for s in states],
-            [s.token_ids[: s.prompt_len] for s in states],
-            [s.token_ids[s.prompt_len :] for s in states],
+            [s.sampling for s, _ in histories],
+            [s.token_ids[: s.prompt_len] for s, _ in histories],
+            [s.token_ids[s.prompt_len : end] for s, end in histories],
             self.model_config.vocab_size,
             self.device,
-            [s.min_tokens_ban for s in states],
+            [s.min_tokens_ban for s, _ in histories],
         )
         return self.sampler(logits, batch).to_lists(batch)

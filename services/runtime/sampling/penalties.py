@@ -73,7 +73,8 @@ def apply_frequency_presence_penalties(logits: torch.Tensor, batch: SamplingBatc
     penalty is one multiply per entry instead of a sum of per-occurrence subtractions.
     """
     index = batch.output_index
-    assert index is not None
+    if index is None:  # the rows with these penalties have no output yet (a prompt's first token)
+        return
     counts = torch.zeros_like(logits)  # [B, V]
     counts.view(-1).index_put_((index,), torch.ones_like(index, dtype=logits.dtype), accumulate=True)
     penalty = counts * batch.frequency_penalty[:, None]  # [B, V]
