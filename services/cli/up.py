@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where each service writes its JSON log (env TOKENMILL_LOG_DIR; default .tokenmill/logs)")
     p.add_argument("--executor-arg", action="append", default=[],
                    help="extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 (repeatable)")
+    p.add_argument("--drafter-arg", action="append", default=[],
+                   help="extra flag passed to the drafter, e.g. --drafter-arg=--method=draft_model (repeatable)")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)")
     p.add_argument("--tls", action="store_true",
@@ -92,6 +94,7 @@ def main(argv: list[str]) -> int:
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},
                                      executor_args=args.executor_arg, scheduler_args=args.scheduler_arg,
+                                     drafter_args=args.drafter_arg,
                                      log_dir=args.log_dir, on_event=_print_event, tls=args.tls))
     print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
           file=sys.stderr)

@@ -61,6 +61,9 @@ class LaunchConfig:
     executor_args: list[str] = field(default_factory=list)
     """Extra flags for the executor (dtype, device, kv cache size, ...)."""
     scheduler_args: list[str] = field(default_factory=list)
+    drafter_args: list[str] = field(default_factory=list)
+    """Extra flags for the drafter (--method draft_model --draft-model DIR, ...); it is always
+    told the target's directory (--target-model), so a draft of another vocabulary is refused."""
     log_dir: str | None = None
     """Each service's stderr goes to LOG_DIR/NAME.log (None = inherit the launcher's stderr)."""
     start_timeout_s: float = 120.0
@@ -103,6 +106,8 @@ class Launcher:
             base += ["--model", c.model]
         if name == "executor":
             base += c.executor_args
+        if name == "drafter":
+            base += ["--target-model", c.model] + c.drafter_args
         if self.certificates is not None:
             certs = self.certificates
             base += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),

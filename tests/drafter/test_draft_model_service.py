@@ -162,3 +162,20 @@ async def test_flags_start_a_self_speculative_drafter_process(tmp_path: Path, st
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_the_launcher_passes_drafter_flags_and_the_target(stories_dir) -> None:
+    from services.common.settings import parse_config
+    from services.stack.launcher import LaunchConfig, Launcher
+
+    launcher = Launcher(LaunchConfig(model=str(stories_dir), drafter_args=[
+        "--method=draft_model", f"--draft-model={stories_dir}", "--draft-layers=2"]))
+    command = launcher._command("drafter", 0)
+    assert command[1:3] == ["-m", "services.drafter"]
+    config = parse_config(DrafterConfig, command[3:], env={})
+    assert (config.method, config.draft_model, config.draft_layers, config.target_model) == (
+        DraftMethod.DRAFT_MODEL, str(stories_dir), 2, str(stories_dir))
+    config.validate()
+    # An n-gram drafter is told the target too and ignores it.
+    plain = parse_config(DrafterConfig, Launcher(LaunchConfig(model=str(stories_dir)))._command("drafter", 0)[3:], env={})
+    assert plain.method is DraftMethod.NGRAM and plain.target_model == str(stories_dir)
