@@ -4,6 +4,7 @@
     tokenmill generate "PROMPT"          stream a completion from a running stack (or --in-process)
     tokenmill serve SERVICE              run one service (tokenizer, scheduler, executor, drafter)
     tokenmill convert llama2c ...        convert a llama2.c checkpoint to a Hugging Face-style directory
+    tokenmill quantize DIR --weights int8|int4 --out DIR2   weight-only quantization of a model directory
     tokenmill random-model ...           write a deterministic random-weight model (benchmarks)
     tokenmill bench ...                  serving benchmark against Hugging Face baselines
     tokenmill profile                    print the live latency profile of a running stack
@@ -21,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.cli.generate", "stream a completion (from a running stack, or --in-process)"),
     "serve": ("services.cli.serve", "run one service: tokenizer, scheduler, executor or drafter"),
     "convert": ("services.cli.convert", "convert a checkpoint into tokenmill's model directory format"),
+    "quantize": ("services.tools.quantize", "quantize a safetensors model's weights to int8 or int4"),
     "random-model": ("services.tools.random_model", "write a deterministic random-weight model"),
     "bench": ("services.cli.bench", "serving benchmark against Hugging Face baselines"),
     "profile": ("services.cli.profile", "print the live latency profile of a running stack"),

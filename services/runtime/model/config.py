@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from services.runtime.model.quant.config import QuantizationConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -60,6 +62,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     """Mistral-style local attention window; the engine caps the context at it (see max_model_len)."""
+    quantization: QuantizationConfig | None = None
+    """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -132,6 +136,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(sliding) if sliding else None,
+            quantization=QuantizationConfig.from_dict(raw["quantization_config"])
+            if raw.get("quantization_config") else None,
         )
 
     @classmethod

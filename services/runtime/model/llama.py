@@ -19,6 +19,8 @@ from services.runtime.model.config import ModelConfig
 from services.runtime.model.layers import RotaryEmbedding
 from services.runtime.model.linear import Linear, worth_prepacking
 from services.runtime.model.ops import TorchOps, get_model_ops
+from services.runtime.model.quant.formats import QuantizedWeight, dequantize
+from services.runtime.model.quant.linear import QuantLinear, build_linear
 from services.runtime.model.weights import load_checkpoint
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -34,15 +36,16 @@ class LlamaLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         w = lambda name: weights.pop(prefix + name)  # noqa: E731 - local shorthand
-        self.qkv = Linear(
-            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+        # A weight is a tensor, or a QuantizedWeight when config.json says it is stored quantized.
+        self.qkv = build_linear(
+            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")],
             torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
             if config.attention_bias
             else None,
         )
-        self.o_proj = Linear(w("self_attn.o_proj.weight"))
-        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down = Linear(w("mlp.down_proj.weight"))
+        self.o_proj = build_linear([w("self_attn.o_proj.weight")])
+        self.gate_up = build_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.down = build_linear([w("mlp.down_proj.weight")])
         self.input_norm = nn.Parameter(w("input_layernorm.weight"), requires_grad=False)
         self.post_norm = nn.Parameter(w("post_attention_layernorm.weight"), requires_grad=False)
 
@@ -85,12 +88,19 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.ops = get_model_ops(backend.name)
         weights = dict(weights)
-        self.embed = nn.Parameter(weights.pop("model.embed_tokens.weight"), requires_grad=False)
+        embed = weights.pop("model.embed_tokens.weight")
+        # A quantized embedding is dequantized for the lookup; a tied head multiplies by its quantized numbers.
+        embed_q = embed if isinstance(embed, QuantizedWeight) else None
+        if embed_q is not None:
+            embed = dequantize(embed_q, weights["model.norm.weight"].dtype)
+        self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
         self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
         lm_head = weights.pop("lm_head.weight", None)
         # Tied: the same Parameter object, so moving the model moves one matrix.
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else lm_head)
+        if config.tie_word_embeddings:
+            lm_head = embed_q if embed_q is not None else self.embed
+        self.lm_head = build_linear([lm_head])
         assert not weights, f"unused weights: {sorted(weights)[:5]}"
         self.to(device)
         if device.type == "cpu" and prepack_cpu_weights:
@@ -98,6 +108,9 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear) and worth_prepacking(module.weight):
                     module.prepack()
+        for module in list(self.modules()):
+            if isinstance(module, QuantLinear):
+                module.prepare()  # after the move: each device packs its own way (quant/linear.py)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
 
     @classmethod

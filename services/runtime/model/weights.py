@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from services.runtime.model.config import ModelConfig
+from services.runtime.model.quant.checkpoint import assemble, split_expected
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers some exporters write that are recomputed here, not weights.
@@ -72,9 +73,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every expected tensor (cast to ``dtype``, on the CPU) and check names and shapes."""
+    """Read every expected tensor (cast to ``dtype``, on the CPU) and check names and shapes.
+
+    A quantized checkpoint (``config.quantization``) stores some weights as parts, read with
+    their own dtypes and returned as QuantizedWeights under the weight's name (quant/checkpoint.py).
+    """
     model_dir = Path(model_dir)
     expected = expected_shapes(config)
+    quant = config.quantization
+    parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if quant is not None:
+        expected, parts = split_expected(expected, quant, config.num_layers, config.tie_word_embeddings)
+        expected |= {name: shape for name, (shape, _) in parts.items()}
     tensors: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for path in find_safetensors_files(model_dir):
@@ -94,6 +104,12 @@ def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
                         f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
                         f"expected {expected[name]} from config.json"
                     )
+                if name in parts:
+                    if tensor.dtype != parts[name][1]:
+                        raise ValueError(f"tensor {name!r} in {path.name} is {tensor.dtype}, expected {parts[name][1]} "
+                                         "for its quantization format")
+                    tensors[name] = tensor
+                    continue
                 tensors[name] = tensor.to(dtype)
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -105,4 +121,6 @@ def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
             f"checkpoint in {model_dir} has tensor(s) the {config.architecture} layout does not use: "
             f"{', '.join(sorted(unexpected)[:5])}{more}"
         )
+    if quant is not None:
+        return assemble(tensors, quant, config.num_layers, config.tie_word_embeddings)
     return tensors
