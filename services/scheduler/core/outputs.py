@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.step import TokenLogprobs
 from services.scheduler.core.request import FinishReason
+from services.scheduler.core.speculation import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class SchedulerStats:
     """Tokens looked up in the prefix cache since start (counter)."""
     prefix_cache_hits: int
     """Tokens of those served from the cache (counter)."""
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    """Speculative decoding counters since start (a copy)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

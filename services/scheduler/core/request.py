@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from services.common.sampling_params import SamplingParams
 from services.common.step import TokenLogprobs
 from services.common.stop import MinTokensBan, StopConditions
+from services.scheduler.core.speculation import DraftLength
 
 
 class FinishReason(enum.Enum):
@@ -103,6 +104,8 @@ class Request:
         "stop_reason",
         "output_logprobs",
         "spec_token_ids",
+        "draft_length",
+        "num_accepted_draft_tokens",
         "num_preemptions",
         "first_scheduled_time",
         "_all_token_ids",
@@ -153,6 +156,10 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.spec_token_ids: list[int] = []
         """Draft tokens set by the caller before schedule(); consumed by the next plan."""
+        self.draft_length: DraftLength | None = None
+        """How many drafts to ask for (adaptive); None = this request does not speculate."""
+        self.num_accepted_draft_tokens = 0
+        """Output tokens that came from accepted drafts (reported in the final timings)."""
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         # prompt + outputs, kept as one list so hashing and NewSequence need no concatenation.

@@ -33,7 +33,15 @@ in the next plan's finished_seq_ids. Steps that would pass max_tokens or max_mod
 never planned: a request whose in-flight token is its last waits for its update instead.
 Draft tokens go only to a request with nothing in flight, and a request verifying drafts is
 not scheduled again before that step's update (where its next step starts depends on how
-many drafts the executor accepts).
+many drafts the executor accepts). So a speculative step is never overlapped: the service
+loop keeps one step in flight while any request drafts (services/scheduler/loop.py).
+
+Blocks for drafts: the plan allocates blocks for all 1 + k positions. After the update only
+the accepted ones count as computed (``num_computed_tokens = num_tokens - 1``); the rejected
+positions' slots are simply overwritten by later steps, and blocks wholly past the accepted
+tokens stay in the request's table, to be filled by its next tokens (at most
+ceil(k / block_size) blocks per request, freed with the rest at finish or preemption; the
+KV-waste gauge counts them as allocated but unused slots).
 
 Invariants with two steps in flight (what makes them safe):
 - Confirmed state: ``num_computed_tokens`` and the known tokens only change in update(), in
@@ -67,6 +75,7 @@ from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
 from services.scheduler.core.request import FinishReason, Request, RequestStatus
+from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
 
 
@@ -116,6 +125,7 @@ class Scheduler:
         self._in_flight: deque[_StepInFlight] = deque()
         """Plans that scheduled a sequence and await update(), oldest first."""
         self._max_steps_in_flight = 2 if config.limits.overlap_scheduling else 1
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -181,7 +191,22 @@ class Scheduler:
             num_blocks=manager.num_blocks,
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
+            spec_decode=SpecDecodeStats(
+                *(getattr(self.spec_stats, name) for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
+                list(self.spec_stats.accepted_per_position), list(self.spec_stats.drafted_per_position),
+            ),
         )
+
+    def requests_ready_to_draft(self) -> list[Request]:
+        """Running requests that could verify drafts in the next plan: they speculate, their
+        known tokens are all computed but the last (a decode) and nothing of theirs is in
+        flight (drafts continue the last known token; see the module docstring)."""
+        return [
+            request for request in self.running
+            if request.draft_length is not None
+            and not request.num_in_flight_tokens
+            and request.num_computed_tokens == request.num_tokens - 1
+        ]
 
     # ---- schedule ----------------------------------------------------------------------
 
@@ -406,6 +431,12 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
                 continue
             update = self._append_outputs(request, output)
+            if scheduled.draft_token_ids:
+                num_accepted = len(output.token_ids) - 1
+                self.spec_stats.record(len(scheduled.draft_token_ids), num_accepted)
+                if request.draft_length is not None:
+                    request.draft_length.observe(len(scheduled.draft_token_ids), num_accepted)
+                request.num_accepted_draft_tokens += min(num_accepted, len(update.new_token_ids))
             # The last sampled token has no K/V yet; with speculation, neither do the rejected
             # drafts beyond the accepted ones.
             request.num_computed_tokens = request.num_tokens - 1
