@@ -125,3 +125,11 @@ class ExecutorInfo:
     architecture: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    kv_cache_dtype: str = ""
+    """K/V storage: the model's dtype name, or "int8" / "fp8_e4m3" when quantized."""
+    kv_cache_bytes: int = 0
+    """Bytes of the KV pool (all layers, K and V, scales included)."""
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size

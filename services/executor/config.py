@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from services.common.service_config import model_field, service_process_fields
+from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class ExecutorConfig:
     """Tokens per KV block."""
     kv_cache_bytes: int = 2 * 1024**3
     """KV pool budget on CPU, in bytes (all layers, K and V)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype), int8 or fp8_e4m3: K/V stored quantized with one fp16 scale per
+    token per kv head; the same byte budget then holds ~1.9x the tokens of a bf16 pool."""
     gpu_memory_utilization: float = 0.90
     """On CUDA, the fraction of total device memory the process may use: weights, activations and the KV pool."""
     num_blocks: int = 0
@@ -54,6 +58,12 @@ class ExecutorConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.compile and self.kv_cache_dtype != "auto":
+            raise ValueError(f"compile runs the C++ decode ops over a plain KV pool; kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} needs compile off")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.cuda_graph_max_batch_size < 1:
@@ -88,6 +98,8 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     attention_backend: str = _engine_field("attention_backend", "torch, triton, cpu, or auto (triton on CUDA; cpu on a CPU, torch if its C++ kernel cannot be built)")
     block_size: int = _engine_field("block_size", "tokens per KV-cache block (a power of two)")
     kv_cache_bytes: int = _engine_field("kv_cache_bytes", "KV-cache budget on CPU, in bytes")
+    kv_cache_dtype: str = _engine_field(
+        "kv_cache_dtype", "auto (the model's dtype), int8 or fp8_e4m3 (quantized, fp16 scale per token per kv head)")
     gpu_memory_utilization: float = _engine_field(
         "gpu_memory_utilization", "on CUDA, the share of device memory for weights, activations and KV cache"
     )

@@ -23,7 +23,8 @@ from services.runtime.sampling.sampler import Sampler, SamplingBatch
 from services.runtime.sampling.verify import emitted_tokens
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
-from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
+from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
+from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
 
 
 @dataclass(slots=True)
@@ -86,10 +87,12 @@ class ModelRunner:
         self.decode_graph_mode = self._decode_graph_mode()
         # Decode graphs pad batches with rows that write into a scratch block past the pool the
         # scheduler is told about (decode_graphs.py).
+        # The pool's storage: the model's dtype, or int8 / float8_e4m3fn values with scales.
+        self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype) or self.dtype
         self.num_usable_blocks = self._num_blocks()
         self.kv_cache = KVCache.allocate(
             self.model_config, self.num_usable_blocks + (self.decode_graph_mode is not None),
-            self.block_size, self.dtype, self.device,
+            self.block_size, self.kv_dtype, self.device,
         )
         self.decode_graphs = None
         if self.decode_graph_mode is not None:
@@ -123,7 +126,7 @@ class ModelRunner:
             budget = int(budget * 0.9)
         else:
             budget = self.config.kv_cache_bytes
-        return num_blocks_for_budget(self.model_config, self.block_size, self.dtype, budget)
+        return num_blocks_for_budget(self.model_config, self.block_size, self.kv_dtype, budget)
 
     def info(self) -> ExecutorInfo:
         mc = self.model_config
@@ -139,6 +142,8 @@ class ModelRunner:
             architecture=mc.architecture,
             bos_token_id=mc.bos_token_id,
             eos_token_ids=mc.eos_token_ids,
+            kv_cache_dtype=dtype_name(self.dtype) if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
+            kv_cache_bytes=self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype),
         )
 
     # ------------------------------------------------------------------ state diffs

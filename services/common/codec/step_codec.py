@@ -291,6 +291,8 @@ def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
         model_path=info.model,
         architecture=info.architecture,
         eos_token_ids=info.eos_token_ids,
+        kv_cache_dtype=info.kv_cache_dtype,
+        kv_cache_bytes=info.kv_cache_bytes,
     )
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
@@ -304,4 +306,5 @@ def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
         model=msg.model_path, architecture=msg.architecture,
         bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
         eos_token_ids=tuple(msg.eos_token_ids),
+        kv_cache_dtype=msg.kv_cache_dtype, kv_cache_bytes=msg.kv_cache_bytes,
     )

@@ -229,3 +229,102 @@ def test_quantized_pool_holds_at_least_1_9x_the_tokens_of_bf16(kv_dtype):
     assert pool.nbytes <= budget and pool.dtype == kv_dtype and pool.num_tokens == quantized * 16
     plain = KVCache.allocate(config, bf16, 16, torch.bfloat16, torch.device("cpu"))
     assert plain.nbytes <= budget
+
+
+# --- the C++ CPU kernels and the backends ---------------------------------------------------------
+
+CPU_CASES = [
+    # (context lens, kv_heads, heads, head_dim, block_size)
+    ([1, 2, 15, 16, 17], 2, 8, 64, 16),  # block edges
+    ([300, 7, 130], 3, 9, 64, 32),  # SmolLM2's shape (GQA 9/3)
+    ([33, 250, 99], 1, 8, 80, 16),  # MQA, head_dim not a power of two
+    ([1, 17, 100, 255], 4, 8, 8, 16),  # stories260K's shape (head_dim 8)
+    ([40, 41], 8, 8, 128, 1),  # block size 1
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"ctx{len(c[0])}-kv{c[1]}-h{c[2]}-d{c[3]}-bs{c[4]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_cpu_paged_decode_over_quantized_pools(case, dtype, kv_dtype):
+    from services.runtime.kernels import cpu as cpu_kernels
+
+    context_lens, kv_heads, heads, head_dim, block_size = case
+    batch = build_paged_batch(context_lens, [1] * len(context_lens), kv_heads, head_dim, block_size, torch.float32,
+                              torch.device("cpu"))
+    k_pool, v_pool = quantized_pools(batch, kv_dtype)
+    q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode(q, k_pool, v_pool, batch.block_tables, batch.context_lens, scale)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, lambda q, k, v: paged_decode_reference(
+        q, k, v, batch.block_tables, batch.context_lens, scale), q, k_pool, v_pool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("kv_heads,head_dim", [(1, 8), (3, 64), (2, 80)])
+def test_cpu_write_stores_the_rules_bytes(kv_heads, head_dim, kv_dtype, dtype):
+    from services.runtime.kernels import cpu as cpu_kernels
+
+    num_blocks, block_size, num_tokens = 7, 16, 40
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    qkv = (torch.randn(num_tokens, 3 * kv_heads * head_dim) * 4).to(dtype)
+    k = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, 2 * kv_heads * head_dim :].view(num_tokens, kv_heads, head_dim)
+    k[0, 0] = 0.0  # an all-zero head
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    pools = [_poisoned_pool(shape, kv_dtype, torch.device("cpu")) for _ in range(4)]
+    cpu_kernels.write_kv(k, v, pools[0], pools[1], slots)
+    write_quantized(k, v, pools[2], pools[3], slots)
+    for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(as_bytes(got.data), as_bytes(want.data))
+        torch.testing.assert_close(got.scale, want.scale, atol=0, rtol=0, equal_nan=True)
+
+
+def _backend_step(backend_name: str, kv_dtype, device):
+    """One mixed step (a prompt, a chunk over a cached prefix, decode rows) through a backend's
+    write_kv and attend, against the reference backend over the same quantized pools."""
+    from services.runtime.model.attention.base import AttentionMetadata
+    from services.runtime.model.attention.reference_backend import ReferenceAttentionBackend
+    from services.runtime.model.attention.registry import get_attention_backend
+
+    context_lens, query_lens = [9, 40, 77, 1], [9, 7, 1, 1]
+    batch = build_paged_batch(context_lens, query_lens, 3, 64, 16, torch.float32, device)
+    prefix = torch.cat([batch.slots[sum(context_lens[:i]): sum(context_lens[:i]) + c - n]
+                        for i, (c, n) in enumerate(zip(context_lens, query_lens))])
+    new = batch.new_token_slots()
+    outs = []
+    for backend in (get_attention_backend(backend_name, device), ReferenceAttentionBackend()):
+        k_pool, v_pool = (_poisoned_pool(batch.k_cache.shape, kv_dtype, device) for _ in range(2))
+        write_quantized(batch.k_cache.view(-1, 3, 64)[prefix], batch.v_cache.view(-1, 3, 64)[prefix], k_pool, v_pool,
+                        prefix)
+        for decode_only in (False, True):
+            rows = [i for i, n in enumerate(query_lens) if n == 1] if decode_only else list(range(len(query_lens)))
+            lens = [query_lens[i] for i in rows]
+            slots = torch.cat([new[sum(query_lens[:i]): sum(query_lens[:i]) + query_lens[i]] for i in rows])
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=batch.block_tables[rows],
+                context_lens=batch.context_lens[rows],
+                query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                             device=device),
+                query_lens_cpu=lens, context_lens_cpu=[context_lens[i] for i in rows], max_query_len=max(lens),
+                max_context_len=max(context_lens[i] for i in rows), block_size=16)
+            torch.manual_seed(len(rows))
+            k = torch.randn(len(slots), 3, 64, device=device)
+            v = torch.randn(len(slots), 3, 64, device=device)
+            q = torch.randn(len(slots), 6, 64, device=device)
+            backend.write_kv(k, v, k_pool, v_pool, meta)
+            outs.append(backend.attend(q, k_pool, v_pool, meta, 0.125))
+    half = len(outs) // 2
+    for got, want in zip(outs[:half], outs[half:]):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_backends_over_quantized_pools_match_the_reference_backend(backend, kv_dtype, device):
+    if backend == "cpu" and device.type != "cpu":
+        pytest.skip("the cpu backend runs on the CPU only")
+    _backend_step(backend, kv_dtype, device)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.runtime.kernels._common import check_paged_attention_inputs
+from services.runtime.kernels._common import check_paged_attention_inputs, split_pool
+from services.runtime.kernels.kv_quant import ScaledCache
 
 _SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -103,8 +104,11 @@ def check_paged_decode_inputs(
     # checked per sequence below, which is what keeps the kernel's raw reads inside the pool.
     check_paged_attention_inputs(q, k_cache, v_cache, block_tables, context_lens,
                                  num_seqs=q.shape[0] if q.dim() == 3 else -1, max_context_len=1)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    (k_data, k_scale), (v_data, v_scale) = split_pool(k_cache), split_pool(v_cache)
+    if not (k_data.is_contiguous() and v_data.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_data.dtype != v_data.dtype):
+        raise ValueError("k_cache and v_cache must both be plain or both quantized alike")
     check_block_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
 
 
@@ -143,11 +147,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, *, slots_checked: bool = False) -> None:
     """Store k, v [T, KH, D] at ``slot_mapping`` [T] int64 of the caches [NB, BS, KH, D], in one call.
 
-    k and v need a unit last stride and the caches' dtype. ``slots_checked=True`` skips
+    k and v need a unit last stride and the caches' dtype (any float dtype for quantized pools,
+    kv_quant.ScaledCache, which get values and scales). ``slots_checked=True`` skips
     ``check_slots`` for a caller that ran it on this step's slots already.
     """
     if not slots_checked:
         check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    if isinstance(k_cache, ScaledCache):  # quantized by kv_quant's rule; k and v in any float dtype
+        load().write_kv_quantized(k, v, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, slot_mapping)
+        return
     load().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -163,7 +171,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention, one query per sequence, over the paged cache. q: [B, H, D] -> [B, H, D].
 
-    k/v cache: [num_blocks, block_size, KH, D]; block_tables [B, max_blocks] and context_lens
+    k/v cache: [num_blocks, block_size, KH, D], or quantized (kv_quant.ScaledCache); block_tables [B, max_blocks] and context_lens
     [B] are int32 (converted if not). Only the first ``context_lens[b]`` slots of a sequence's
     blocks are read. ``inputs_checked=True`` skips ``check_paged_decode_inputs`` for a caller
     that already ran it on these tables this step (the attention backend, once per step).
@@ -179,6 +187,10 @@ def paged_decode(
     if not q.is_contiguous():
         q = q.contiguous()
     out = torch.empty_like(q)
+    if isinstance(k_cache, ScaledCache):
+        ops.paged_decode_quantized(out, q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, block_tables,
+                                   context_lens, float(scale))
+        return out
     ops.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, float(scale))
     return out
 

@@ -18,6 +18,12 @@
 //   k/v cache:     [num_blocks, block_size, KH, D] contiguous
 //   block_tables:  [B, max_blocks] int32 contiguous
 //   context_lens:  [B] int32
+//
+// A quantized pool (services/runtime/kernels/kv_quant.py) holds int8 or float8_e4m3fn values and
+// one fp16 scale per slot per kv head, [num_blocks, block_size, KH] contiguous: the scale of a
+// slot's head sits at slot * KH + head. The kernel reads the values as stored (widened to fp32),
+// multiplies each score by its K scale after the dot product and each softmax weight by its V
+// scale before the weighted sum, so nothing is dequantized into memory.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,22 +32,45 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace {
 
-// Calls visit(t, row) for the context's slots t = 0 .. context_len - 1 in order, where row
-// points at slot t's K (or V) row (all kv heads) in its block.
-template <typename scalar_t, typename Visit>
-inline void for_each_slot(const scalar_t* cache, const int32_t* block_table, int64_t context_len,
+// Calls visit(t, row, slot) for the context's slots t = 0 .. context_len - 1 in order, where row
+// points at slot t's K (or V) row (all kv heads) in its block and slot is its index in the pool.
+template <typename cache_t, typename Visit>
+inline void for_each_slot(const cache_t* cache, const int32_t* block_table, int64_t context_len,
                           int64_t block_size, int64_t token_stride, Visit&& visit) {
   const int64_t block_stride = block_size * token_stride;
   for (int64_t start = 0, j = 0; start < context_len; start += block_size, ++j) {
-    const scalar_t* block = cache + static_cast<int64_t>(block_table[j]) * block_stride;
+    const int64_t first_slot = static_cast<int64_t>(block_table[j]) * block_size;
+    const cache_t* block = cache + first_slot * token_stride;
     const int64_t n = std::min(block_size, context_len - start);
-    for (int64_t o = 0; o < n; ++o) visit(start + o, block + o * token_stride);
+    for (int64_t o = 0; o < n; ++o) visit(start + o, block + o * token_stride, first_slot + o);
   }
+}
+
+// A stored K/V value as fp32. float8_e4m3fn goes through a 256-entry table: c10's conversion
+// is bit manipulation per value, where the table is one load.
+template <typename cache_t>
+inline float widen(cache_t x) {
+  return static_cast<float>(x);
+}
+
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <>
+inline float widen<c10::Float8_e4m3fn>(c10::Float8_e4m3fn x) {
+  return fp8_table()[x.x];
 }
 
 // Per-thread buffers, reused from one sequence to the next.
@@ -52,10 +81,14 @@ struct Scratch {
 // kD: the head dim as a compile-time constant for the common sizes (0 = read head_dim), so
 // the per-head loops are unrolled and vectorized for their exact length. A small head dim
 // pays most: with head_dim 8 a runtime-length loop ran at half the speed.
-template <typename scalar_t, int64_t kD>
-void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, const scalar_t* v_cache,
+// cache_t: the pool's storage (scalar_t for a plain pool; int8_t or Float8_e4m3fn with k_scale and
+// v_scale, the fp16 scales, for a quantized one; the scales are null for a plain pool).
+template <typename scalar_t, typename cache_t, int64_t kD>
+void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
+                     const at::Half* k_scale, const at::Half* v_scale,
                      const int32_t* block_table, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, Scratch& scratch) {
+  constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t D = kD > 0 ? kD : head_dim, H = num_heads, group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
   std::vector<float>& q_buf = scratch.q;
@@ -72,13 +105,15 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, 
 
   // Pass 1: scores. A slot's row holds every kv head contiguously, so the pass streams
   // through each block once; query head h reads kv head h / group.
-  for_each_slot(k_cache, block_table, context_len, block_size, token_stride, [&](int64_t t, const scalar_t* k_row) {
+  for_each_slot(k_cache, block_table, context_len, block_size, token_stride,
+                [&](int64_t t, const cache_t* k_row, int64_t slot) {
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q_buf.data() + h * D;
-      const scalar_t* k = k_row + (h / group) * D;
+      const cache_t* k = k_row + (h / group) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(k[d]);
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * widen(k[d]);
+      if constexpr (kScaled) s *= static_cast<float>(k_scale[slot * num_kv_heads + h / group]);
       scores[h * context_len + t] = s;
       row_max[h] = std::max(row_max[h], s);
     }
@@ -97,13 +132,15 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, 
   }
 
   // Pass 2: weighted sum of V.
-  for_each_slot(v_cache, block_table, context_len, block_size, token_stride, [&](int64_t t, const scalar_t* v_row) {
+  for_each_slot(v_cache, block_table, context_len, block_size, token_stride,
+                [&](int64_t t, const cache_t* v_row, int64_t slot) {
     for (int64_t h = 0; h < H; ++h) {
-      const float p = scores[h * context_len + t];
-      const scalar_t* v = v_row + (h / group) * D;
+      float p = scores[h * context_len + t];
+      if constexpr (kScaled) p *= static_cast<float>(v_scale[slot * num_kv_heads + h / group]);
+      const cache_t* v = v_row + (h / group) * D;
       float* a = acc.data() + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < D; ++d) a[d] += p * widen(v[d]);
     }
   });
 
@@ -113,8 +150,9 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const scalar_t* k_cache, 
   }
 }
 
-template <typename scalar_t>
-void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_ptr, const scalar_t* v_ptr,
+template <typename scalar_t, typename cache_t>
+void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr, const cache_t* v_ptr,
+                  const at::Half* k_scale, const at::Half* v_scale,
                   const int32_t* tables, const int32_t* lens, int64_t B, int64_t max_blocks, int64_t H, int64_t KH,
                   int64_t D, int64_t block_size, float scale) {
   // Longest contexts first, handed out one at a time: the threads finish together even
@@ -125,30 +163,29 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const scalar_t* k_pt
   for (int64_t b = 0; b < B; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lens[x] > lens[y]; });
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), B));
-  auto* decode = D == 8 ? decode_sequence<scalar_t, 8> : D == 16 ? decode_sequence<scalar_t, 16>
-               : D == 32 ? decode_sequence<scalar_t, 32> : D == 64 ? decode_sequence<scalar_t, 64>
-               : D == 128 ? decode_sequence<scalar_t, 128> : decode_sequence<scalar_t, 0>;
+  auto* decode = D == 8 ? decode_sequence<scalar_t, cache_t, 8> : D == 16 ? decode_sequence<scalar_t, cache_t, 16>
+               : D == 32 ? decode_sequence<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
+               : D == 128 ? decode_sequence<scalar_t, cache_t, 128> : decode_sequence<scalar_t, cache_t, 0>;
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < B; ++i) {
       const int64_t b = order[i];
-      decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, tables + b * max_blocks,
-                                lens[b], H, KH, D, block_size, scale, scratch);
+      decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, k_scale, v_scale, tables + b * max_blocks,
+             lens[b], H, KH, D, block_size, scale, scratch);
     }
   }
 }
 
-void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+// The checks both entry points share; the caches' dtype is checked by each.
+void check_decode_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, H, D] of the same shape");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [NB, BS, KH, D]");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
               "block_tables must be contiguous int32 [B, max_blocks]");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens must be int32");
@@ -171,11 +208,57 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
                   " is outside the pool of ", num_pool_blocks, " blocks");
     }
   }
+}
 
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, out and the caches must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_batch<scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                           v_cache.data_ptr<scalar_t>(), tables, lens, B, max_blocks, H, KH, D, block_size,
-                           static_cast<float>(scale));
+    decode_batch<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                     v_cache.data_ptr<scalar_t>(), nullptr, nullptr, block_tables.data_ptr<int32_t>(),
+                                     context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H, k_cache.size(2), D,
+                                     k_cache.size(1), static_cast<float>(scale));
+  });
+}
+
+// Quantized pools: int8 or float8_e4m3fn values, fp16 scales [NB, BS, KH] (see the top).
+void check_scales(const at::Tensor& cache, const at::Tensor& scales) {
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) && scales.size(2) == cache.size(2),
+              "scales must be contiguous float16 [NB, BS, KH]");
+}
+
+template <typename Body>
+void dispatch_quantized(at::ScalarType cache_type, Body&& body) {
+  if (cache_type == at::kChar) {
+    body(int8_t{});
+  } else if (cache_type == at::kFloat8_e4m3fn) {
+    body(c10::Float8_e4m3fn{});
+  } else {
+    TORCH_CHECK(false, "a quantized pool holds int8 or float8_e4m3fn values");
+  }
+}
+
+void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v pools must share a dtype");
+  check_scales(k_cache, k_scale);
+  check_scales(v_cache, v_scale);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_quantized", [&] {
+    dispatch_quantized(k_cache.scalar_type(), [&](auto stored) {
+      using cache_t = decltype(stored);
+      decode_batch<scalar_t, cache_t>(
+          q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), static_cast<const cache_t*>(k_cache.data_ptr()),
+          static_cast<const cache_t*>(v_cache.data_ptr()), k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+          block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H,
+          k_cache.size(2), D, k_cache.size(1), static_cast<float>(scale));
+    });
   });
 }
 
@@ -220,6 +303,75 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+// kv_quant.py's rule for one (token, kv head) row of D values: scale = fp16(clamp(amax / qmax)),
+// then int8 q = clamp(floor(x / scale + 0.5), -127, 127) or e4m3 q = clamp(x / scale, -448, 448)
+// rounded to nearest even. The same fp32 operations in the same order as the torch form, so the
+// bytes are the same (tested).
+constexpr float kMinScale = 1.0f / 16384.0f;  // 2^-14, fp16's smallest normal
+constexpr float kMaxScale = 65504.0f;         // fp16's largest finite value
+
+template <typename scalar_t, typename cache_t>
+inline void quantize_row(const scalar_t* x, cache_t* values, at::Half* scale, int64_t D) {
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
+  constexpr float kQmax = kInt8 ? 127.0f : 448.0f;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+  const at::Half stored = at::Half(std::min(std::max(amax / kQmax, kMinScale), kMaxScale));
+  const float s = static_cast<float>(stored);
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = static_cast<float>(x[d]) / s;
+    if constexpr (kInt8) {
+      values[d] = static_cast<int8_t>(std::min(std::max(std::floor(y + 0.5f), -127.0f), 127.0f));
+    } else {
+      values[d] = c10::Float8_e4m3fn(std::min(std::max(y, -kQmax), kQmax));
+    }
+  }
+  *scale = stored;
+}
+
+// write_kv for quantized pools: k/v [T, KH, D] in any float dtype (unit last stride), caches
+// [NB, BS, KH, D] int8 or float8_e4m3fn, scales [NB, BS, KH] fp16, all contiguous.
+void write_kv_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor k_scale, at::Tensor v_scale, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.scalar_type() == v.scalar_type(),
+              "k and v must be [T, KH, D] of one dtype with unit last stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v cache must be contiguous [NB, BS, KH, D] of one dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows must match the cache's [KH, D]");
+  check_scales(k_cache, k_scale);
+  check_scales(v_cache, v_scale);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "slot_mapping must be contiguous int64 [T]");
+  const int64_t T = k.size(0), KH = k.size(1), D = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the pool of ", num_slots, " slots");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_quantized", [&] {
+    dispatch_quantized(k_cache.scalar_type(), [&](auto stored) {
+      using cache_t = decltype(stored);
+      auto store = [&](const at::Tensor& src, at::Tensor& cache, at::Tensor& scales) {
+        const scalar_t* from = static_cast<const scalar_t*>(src.data_ptr());
+        cache_t* to = static_cast<cache_t*>(cache.data_ptr());
+        at::Half* scale_to = static_cast<at::Half*>(scales.data_ptr());
+        const int64_t st = src.stride(0), sh = src.stride(1);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t h = 0; h < KH; ++h) {
+            quantize_row(from + t * st + h * sh, to + (slots[t] * KH + h) * D, scale_to + slots[t] * KH + h, D);
+          }
+        }
+      };
+      store(k, k_cache, k_scale);
+      store(v, v_cache, v_scale);
+    });
+  });
+}
+
 // The first slot write_kv must not write, without throwing: the index of the first entry of
 // slot_mapping (contiguous int64) outside [0, num_slots), or -1.
 int64_t find_bad_slot(const at::Tensor& slot_mapping, int64_t num_slots) {
@@ -261,6 +413,12 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> ()");
+  m.def(
+      "write_kv_quantized(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
+      "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_quantized(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, "
+      "Tensor v_scale, Tensor block_tables, Tensor context_lens, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
@@ -268,4 +426,6 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("find_bad_table_entry", &find_bad_table_entry);
   m.impl("write_kv", &write_kv);
   m.impl("find_bad_slot", &find_bad_slot);
+  m.impl("write_kv_quantized", &write_kv_quantized);
+  m.impl("paged_decode_quantized", &paged_decode_quantized);
 }

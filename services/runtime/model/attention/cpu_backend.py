@@ -10,6 +10,9 @@ context, and was most of a CPU decode step's attention time.
 The new K/V rows go to the pools through one C++ call per layer (the torch backend's two
 index_copy_ with their dtype and view calls cost several times more at a decode step's size).
 
+Quantized pools (kv_quant.ScaledCache) take the same two calls: the C++ write quantizes by
+kv_quant's rule, and the decode kernel reads int8 / fp8 values with their scales in place.
+
 The kernels read and write raw pointers through the block tables and slots, so both are checked
 against the pool before they run: once per step (every layer shares the step's metadata and
 the pools' shape), not once per layer, by C++ passes that report the first bad entry for
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from services.runtime.kernels import cpu as cpu_kernels
+from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.torch_backend import TorchAttentionBackend
 
@@ -41,7 +45,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self._checked_meta = meta
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        if not self._native(k, k_cache) or not self._native(v, v_cache) or meta.slot_mapping.dtype != torch.int64 \
+        if isinstance(k_cache, ScaledCache) and self._native_quantized(k, v, k_cache, meta):
+            self.check_step(meta, k_cache)
+            cpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
+            return
+        if isinstance(k_cache, ScaledCache) or not self._native(k, k_cache) or not self._native(v, v_cache) or meta.slot_mapping.dtype != torch.int64 \
                 or not meta.slot_mapping.is_contiguous():
             return super().write_kv(k, v, k_cache, v_cache, meta)
         self.check_step(meta, k_cache)
@@ -58,7 +66,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 and cache.is_contiguous() and x.shape[1:] == cache.shape[2:])
 
     @staticmethod
+    def _native_quantized(k, v, k_cache: ScaledCache, meta: AttentionMetadata) -> bool:
+        """Whether the C++ quantized write takes k, v as they are."""
+        return (k.device.type == "cpu" and k.dim() == 3 and k.stride(-1) == 1 and v.stride(-1) == 1
+                and k.dtype == v.dtype and k.shape[1:] == k_cache.shape[2:] and meta.slot_mapping.dtype == torch.int64
+                and meta.slot_mapping.is_contiguous())
+
+    @staticmethod
     def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
+        if isinstance(k_cache, ScaledCache):
+            if q.device.type != "cpu":
+                return TorchAttentionBackend._decode(q, k_cache, v_cache, block_tables, context_lens,
+                                                     context_lens_cpu, scale)
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                            inputs_checked=True)
         if q.device.type != "cpu" or not (q.dtype == k_cache.dtype == v_cache.dtype):
             return TorchAttentionBackend._decode(q, k_cache, v_cache, block_tables, context_lens,
                                                  context_lens_cpu, scale)
