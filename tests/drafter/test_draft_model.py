@@ -221,3 +221,17 @@ def test_settings_are_checked_by_name(stories_dir):
 def test_info_names_the_method_and_vocabulary(proposer, stories_dir):
     assert proposer.info() == ProposerInfo(DraftMethod.DRAFT_MODEL, K, draft_model_path=str(stories_dir),
                                            vocab_size=VOCAB)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_full_depth_draft_equals_the_targets_greedy_continuation(stories_dir, prompts):
+    """The pool sized from free device memory, the Triton backend, fp32: the same drafts as the
+    target's greedy decoding on the same device."""
+    draft = DraftModelProposer(settings(stories_dir, device="cuda", dtype="float32", num_blocks=0))
+    assert draft.backend_name == "triton" and draft.pool.num_blocks > 0
+    session = draft.new_session()
+    for seq_id, prompt in enumerate(prompts):
+        session.open(seq_id, prompt)
+    cuda_target = Engine(EngineConfig(ExecutorConfig(model=str(stories_dir), dtype="float32", device="cuda",
+                                                     num_blocks=256, enforce_eager=True)))
+    assert session.propose_batch(list(range(len(prompts)))) == target_greedy(cuda_target, prompts)

@@ -1,0 +1,157 @@
+"""What a draft-model proposal costs, and how often a self-speculative draft is right.
+
+    python -m benchmarks.draft_model_bench [--k 4] [--batches 1,8] [--prompt-len 128] [--iterations 20]
+
+Timing: for each draft (stories260K with all 5 layers; SmolLM2-135M-Instruct's first 2, 4 and 8
+of 30 layers, and all 30 for scale) and batch size B, one session of the drafter's
+DraftModelProposer opens B sequences of --prompt-len random tokens and proposes k tokens for
+all of them (the first proposal, which computes the prompts, is reported on its own). Then
+each iteration appends what a verifier would have accepted and proposes again, alternating
+two cases: every draft accepted plus a bonus token (the K/V of k-1 fed drafts is kept, the
+first forward computes 2 tokens a sequence) and none accepted (one corrected token, computed
+alone). Reported: the median milliseconds per proposal of each case. One intra-op thread, as
+`tokenmill up` runs the drafter.
+
+Acceptance: SmolLM2's own greedy continuation of two text prompts (from the full-depth draft,
+which is the target's forward), then the first-N-layer draft (N in 2, 4, 8, 16, 24) proposes k tokens at each step;
+the longest prefix equal to the target's continues plus one target token are accepted, as a
+greedy verifier would. Reported: the share of drafted tokens accepted and the mean tokens per
+verification step (accepted + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from tokenizers import Tokenizer
+
+from services.common.service_config import REPO_ROOT
+from services.drafter.config import DraftModelSettings
+from services.drafter.draft_model import DraftModelProposer
+
+STORIES = REPO_ROOT / "models" / "stories260K"
+SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
+TEXTS = ["The water cycle is the continuous movement of water on, above and below the surface of the Earth. "
+         "It begins when the sun heats",
+         "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+ACCEPTANCE_LAYERS = (2, 4, 8, 16, 24)
+
+
+def make(model, layers: int, k: int) -> DraftModelProposer:
+    return DraftModelProposer(DraftModelSettings(draft_model=str(model), draft_layers=layers,
+                                                 num_speculative_tokens=k, device="cpu"))
+
+
+def time_proposals(proposer: DraftModelProposer, batch: int, prompt_len: int, iterations: int) -> dict:
+    rng = random.Random(0)
+    session = proposer.new_session()
+    ids = list(range(batch))
+    for seq_id in ids:
+        session.open(seq_id, [rng.randrange(3, proposer.vocab_size) for _ in range(prompt_len)])
+    started = time.perf_counter()
+    drafts = session.propose_batch(ids)
+    first = time.perf_counter() - started
+    timings: dict[str, list[float]] = {"all_accepted": [], "none_accepted": []}
+    for i in range(iterations):
+        case = "all_accepted" if i % 2 == 0 else "none_accepted"
+        for seq_id, draft in zip(ids, drafts):
+            session.append(seq_id, draft + [draft[0]] if case == "all_accepted" else [(draft[0] + 1) % 100 + 3])
+        started = time.perf_counter()
+        drafts = session.propose_batch(ids)
+        timings[case].append(time.perf_counter() - started)
+    session.close_all()
+    return {"first_ms": 1e3 * first, **{f"{case}_ms": 1e3 * statistics.median(t) for case, t in timings.items()}}
+
+
+def greedy_continuation(proposer: DraftModelProposer, prompt: list[int], length: int) -> list[int]:
+    session = proposer.new_session()
+    session.open(0, prompt)
+    out: list[int] = []
+    while len(out) < length:
+        (token,) = session.propose_batch([0], num_tokens=1)[0]
+        out.append(token)
+        session.append(0, [token])
+    session.close_all()
+    return out
+
+
+def acceptance(proposer: DraftModelProposer, prompt: list[int], target: list[int], k: int) -> tuple[int, int, int]:
+    """(drafted, accepted, verification steps) of greedy verification along ``target``."""
+    session = proposer.new_session()
+    session.open(0, prompt)
+    pos = drafted = accepted = steps = 0
+    while pos < len(target):
+        draft = session.propose_batch([0], num_tokens=min(k, len(target) - pos))[0]
+        match = 0
+        while match < len(draft) and draft[match] == target[pos + match]:
+            match += 1
+        gained = target[pos : pos + match + 1]
+        drafted, accepted, steps = drafted + len(draft), accepted + match, steps + 1
+        session.append(0, gained)
+        pos += len(gained)
+    session.close_all()
+    return drafted, accepted, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--continuation", type=int, default=48, help="target tokens per acceptance prompt")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-acceptance", action="store_true", help="time the proposals only")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict = {"k": args.k, "prompt_len": args.prompt_len, "threads": args.threads, "timing": [],
+                     "acceptance": []}
+    cases = [("stories260K", STORIES, 0)] + [("smollm2-135m", SMOLLM2, n) for n in (2, 4, 8, 30)]
+    print(f"k={args.k}, prompt {args.prompt_len} tokens, {args.threads} thread(s): ms per proposal (median)")
+    print(f"{'draft':<14}{'layers':>7}{'batch':>6}{'first':>9}{'all acc.':>10}{'none acc.':>10}")
+    for name, model, layers in cases:
+        proposer = make(model, layers, args.k)
+        for batch in batches:
+            row = {"draft": name, "layers": proposer.model_config.num_layers, "batch": batch,
+                   **time_proposals(proposer, batch, args.prompt_len, args.iterations)}
+            results["timing"].append(row)
+            print(f"{name:<14}{row['layers']:>7}{batch:>6}{row['first_ms']:>9.1f}{row['all_accepted_ms']:>10.2f}"
+                  f"{row['none_accepted_ms']:>10.2f}", flush=True)
+        del proposer
+    if not args.skip_acceptance:
+        acceptance_table(args, results)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+def acceptance_table(args: argparse.Namespace, results: dict) -> None:
+    tokenizer = Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    prompts = [tokenizer.encode(text).ids for text in TEXTS]
+    full = make(SMOLLM2, 0, args.k)
+    targets = [greedy_continuation(full, prompt, args.continuation) for prompt in prompts]
+    del full
+    print(f"\nSmolLM2 self-speculative acceptance along its own greedy text ({len(prompts)} prompts x "
+          f"{args.continuation} tokens, k={args.k})")
+    for layers in ACCEPTANCE_LAYERS:
+        proposer = make(SMOLLM2, layers, args.k)
+        drafted = accepted = steps = 0
+        for prompt, target in zip(prompts, targets):
+            d, a, s = acceptance(proposer, prompt, target, args.k)
+            drafted, accepted, steps = drafted + d, accepted + a, steps + s
+        row = {"layers": layers, "acceptance_rate": accepted / drafted,
+               "tokens_per_step": (accepted + steps) / steps}
+        results["acceptance"].append(row)
+        print(f"  first {layers} layers: {100 * row['acceptance_rate']:.1f}% of drafted tokens accepted, "
+              f"{row['tokens_per_step']:.2f} tokens per verification step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
