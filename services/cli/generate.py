@@ -17,7 +17,7 @@ import sys
 import time
 
 from services.common.errors import TokenmillError
-from services.runtime.model.attention.names import BACKEND_NAMES
+from services.runtime.model.attention.names import BACKEND_NAMES, KV_CACHE_DTYPE_NAMES
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
 
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="--in-process: cpu, cuda or auto")
     p.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
                    help="--in-process: attention implementation (auto = triton on CUDA, cpu on a CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+                   help="--in-process: KV-cache storage, auto (the model's dtype), int8 or fp8_e4m3")
     p.add_argument("--stats", action="store_true", help="print TTFT and tokens/s to stderr at the end")
     return p
 
@@ -66,7 +68,8 @@ def _run_in_process(args, messages: list[dict[str, str]] | None) -> int:
     configure_logging("generate", level="warning", json=False)
     prompt = _render_chat(args.model, messages) if messages is not None else args.prompt or None
     engine = Engine(EngineConfig(ExecutorConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                                attention_backend=args.attention_backend)))
+                                                attention_backend=args.attention_backend,
+                                                kv_cache_dtype=args.kv_cache_dtype)))
     if messages is None:
         _warn_special_text(args.prompt, engine.tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

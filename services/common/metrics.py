@@ -238,6 +238,10 @@ class SchedulerSource(Protocol):
     @property
     def step_times(self): ...
 
+    @property
+    def executor(self):
+        """Its ``info`` (ExecutorInfo, None until connected) gives the KV pool's capacity."""
+
 
 class SchedulerCollector(Collector):
     """Reads the scheduler's state at scrape time.
@@ -253,7 +257,8 @@ class SchedulerCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         """The metric names, valueless: the registry maps names to collectors with it, which a
         filtered scrape (``/metrics?name[]=...``) needs even before a source is set."""
-        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_waste_perc"):
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_waste_perc",
+                     "kv_cache_blocks", "kv_cache_capacity_tokens", "kv_cache_bytes"):
             yield GaugeMetricFamily(PREFIX + name, "")
         for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "scheduler_steps",
                      "scheduler_step_sequences", "scheduler_step_phase_seconds"):
@@ -278,6 +283,7 @@ class SchedulerCollector(Collector):
             yield _gauge("kv_cache_waste_perc",
                          "Allocated KV slots holding no token, over all allocated slots of running requests",
                          slots.waste_fraction)
+        yield from _kv_capacity(getattr(getattr(source, "executor", None), "info", None))
         totals = source.step_times
         yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
         yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
@@ -287,6 +293,21 @@ class SchedulerCollector(Collector):
         phases.add_metric(["executor"], totals.executor_s)
         phases.add_metric(["update"], totals.update_s)
         yield phases
+
+
+def _kv_capacity(info) -> Iterable[Metric]:
+    """The executor's KV pool: blocks, tokens and bytes, labelled with its storage dtype (int8 or
+    fp8_e4m3 when quantized), so a dashboard sees what --kv-cache-dtype bought."""
+    if info is None:
+        return
+    labels = {"kv_cache_dtype": info.kv_cache_dtype, "block_size": str(info.block_size)}
+    for name, help_, value in (
+            ("kv_cache_blocks", "KV-cache blocks the executor holds", info.num_blocks),
+            ("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size)", info.kv_cache_tokens),
+            ("kv_cache_bytes", "Bytes of the executor's KV pool, quantization scales included", info.kv_cache_bytes)):
+        gauge = GaugeMetricFamily(PREFIX + name, help_, labels=list(labels))
+        gauge.add_metric(list(labels.values()), float(value))
+        yield gauge
 
 
 def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:

@@ -211,7 +211,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_name=self.model_name, model_path=info.model, architecture=info.architecture,
             vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
             block_size=info.block_size, dtype=info.dtype, device=info.device,
-            attention_backend=info.attention_backend, eos_token_ids=list(self.loop.eos_token_ids))
+            attention_backend=info.attention_backend, eos_token_ids=list(self.loop.eos_token_ids),
+            kv_cache_dtype=info.kv_cache_dtype, kv_cache_tokens=info.kv_cache_tokens,
+            kv_cache_bytes=info.kv_cache_bytes)
         if info.bos_token_id is not None:
             msg.bos_token_id = info.bos_token_id
         return msg
