@@ -114,3 +114,13 @@ def test_settings_are_validated_with_their_names():
         NgramProposer(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="index covers n-grams \\[1, 3\\], the proposer \\[1, 4\\]"):
         NgramProposer().propose(NgramIndex(1, 3))
+
+
+def test_an_ngram_drafter_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from services.drafter.main import DrafterServicer; from services.drafter.config import "
+            "DrafterConfig; DrafterServicer(DrafterConfig().proposer()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
