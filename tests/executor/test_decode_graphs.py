@@ -42,10 +42,11 @@ def test_buckets_are_powers_of_two_to_eight_then_steps_of_eight_up_to_the_cap():
         graph_batch_sizes(0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_padded_decode_gives_the_plain_runners_tokens(backend):
-    plain = run_requests(make_runner(attention_backend=backend), WIDE_REQUESTS)
-    padded_runner = make_runner(attention_backend=backend, padded_decode_on_cpu=True, cuda_graph_max_batch_size=8)
+@pytest.mark.parametrize("backend,kv_cache_dtype", [("cpu", "auto"), ("torch", "auto"), ("cpu", "int8")])
+def test_padded_decode_gives_the_plain_runners_tokens(backend, kv_cache_dtype):
+    plain = run_requests(make_runner(attention_backend=backend, kv_cache_dtype=kv_cache_dtype), WIDE_REQUESTS)
+    padded_runner = make_runner(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, padded_decode_on_cpu=True,
+                                cuda_graph_max_batch_size=8)
     assert padded_runner.decode_graphs is not None
     assert padded_runner.decode_graphs.batch_sizes == [1, 2, 4, 8]
     assert run_requests(padded_runner, WIDE_REQUESTS) == plain
