@@ -54,6 +54,17 @@ run: install
 test: install
 	$(PY) -m pytest -q
 
+# The public API fuzzed with 5,000 generated requests and 5,000 raw bodies per generator
+# (make test runs 40 of each).
+FUZZ_EXAMPLES ?= 5000
+fuzz: install
+	TOKENMILL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/stack/test_fuzz.py
+
+# Hundreds of concurrent streams under abuse for STRESS_SECONDS (not part of make test).
+STRESS_SECONDS ?= 600
+stress: install
+	$(PY) -m benchmarks.stress --seconds $(STRESS_SECONDS)
+
 bench: install
 	$(VENV)/bin/tokenmill bench --preset headline
 

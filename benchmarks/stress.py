@@ -1,0 +1,292 @@
+"""The stress suite: hundreds of concurrent streams under abuse, then a check that nothing leaked.
+
+    python -m benchmarks.stress [--seconds 600] [--streams 200]      (make stress STRESS_SECONDS=...)
+
+The stack runs as `tokenmill up` runs it (the Launcher: four processes, restarts on). For
+``--seconds``, ``--streams`` client tasks each run greedy streams back to back, each stream
+picking at random what its client does:
+
+- complete: read to the end; the tokens must equal the solo run of the same prompt (taken
+  through the same stack before the load starts) and the Finished usage must count them;
+- cancel: cancel after a random number of deltas;
+- deadline: a client deadline that passes mid-stream (DEADLINE_EXCEEDED is expected);
+- and, on the side, a client process SIGKILLed mid-stream every few seconds, a burst of
+  ``--burst`` calls at once every ``--burst-every`` seconds (RESOURCE_EXHAUSTED latency is
+  timed), and one SIGKILL of the executor halfway (the launcher restarts it; streams cut by
+  it must end with exactly one Finished, reason error).
+
+Crashes are service processes that exited other than the executor we killed, and answers a
+client must never see (UNKNOWN, INTERNAL, a stream without exactly one Finished, an error
+after partial output). Leaked blocks are KV blocks still in use once idle (GetProfile), lost
+or duplicated tokens the differences of completed streams from their solo runs plus usage
+counts that disagree with the tokens received. Resident memory and thread counts of each
+service are read from /proc before the load (after the solo runs) and once idle after it.
+Prints a table, then the summary line
+
+    stress: <N> streams, <c> crashes, <l> leaked blocks, <t> lost or duplicated tokens, overload p99 <ms> ms
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from benchmarks.overload_burst import BurstResult, burst, percentile
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.server import create_channel
+from services.common.service_config import REPO_ROOT
+from services.stack.client import build_request
+from services.stack.launcher import LaunchConfig, Launcher, health_status
+
+STORIES = str(REPO_ROOT / "models" / "stories260K")
+PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "One day, a little bird",
+           "The sun was hot", "Ben saw a big", "Mom said", "The little girl", "A fish swam", "The tree was tall",
+           "Sam had a red ball", "It was a rainy day", "The king", "Two friends", "Max ran fast"]
+MAX_TOKENS = (8, 32, 96)
+NUM_BLOCKS = 1024
+KILLED_CLIENT = """
+import sys, grpc
+from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.stack.client import build_request
+stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
+for message in stub.Generate(build_request("Once upon a time", max_tokens=400, temperature=0.0, ignore_eos=True)):
+    print(message.WhichOneof("event"), flush=True)
+"""
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)
+    crashes: list[str] = field(default_factory=list)
+    lost_or_duplicated: int = 0
+    streams: int = 0
+    overload: BurstResult = field(default_factory=BurstResult)
+    killed_clients: int = 0
+
+
+def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
+    return build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def solo_runs(stub) -> dict[tuple[str, int], list[int]]:
+    refs = {}
+    for prompt in PROMPTS:
+        for max_tokens in MAX_TOKENS:
+            ids = []
+            async for message in stub.Generate(request(prompt, max_tokens), timeout=60):
+                if message.WhichOneof("event") == "delta":
+                    ids += message.delta.token_ids
+            refs[(prompt, max_tokens)] = ids
+    return refs
+
+
+async def one_stream(stub, refs, rng: random.Random, tally: Tally) -> None:
+    prompt, max_tokens = rng.choice(PROMPTS), rng.choice(MAX_TOKENS)
+    action = rng.choices(["complete", "cancel", "deadline"], weights=[6, 2, 2])[0]
+    timeout = rng.uniform(0.05, 1.0) if action == "deadline" else 120
+    cancel_after = rng.randint(1, max(1, max_tokens // 2)) if action == "cancel" else None
+    call = stub.Generate(request(prompt, max_tokens), timeout=timeout)
+    kinds, ids, finished = [], [], None
+    tally.streams += 1
+    try:
+        async for message in call:
+            kind = message.WhichOneof("event")
+            kinds.append(kind)
+            if kind == "delta":
+                ids += message.delta.token_ids
+                if cancel_after is not None and len(ids) >= cancel_after:
+                    call.cancel()
+                    tally.outcomes["cancelled by the client"] += 1
+                    return
+            elif kind == "finished":
+                finished = message.finished
+    except grpc.aio.AioRpcError as err:
+        code = err.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and action == "deadline":
+            tally.outcomes["deadline passed"] += 1
+        elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and not kinds:
+            tally.outcomes[f"refused: {code.name}"] += 1  # before Started: a clean refusal
+            await asyncio.sleep(rng.uniform(0.05, 0.2))  # as a retrying client would back off
+        elif code == grpc.StatusCode.CANCELLED and cancel_after is not None:
+            tally.outcomes["cancelled by the client"] += 1
+        else:
+            tally.crashes.append(f"{code.name} after {kinds.count('delta')} deltas: {err.details()}")
+        return
+    if kinds.count("finished") != 1 or kinds[0] != "started" or kinds[-1] != "finished":
+        tally.crashes.append(f"badly framed stream: {kinds[:3]}..{kinds[-3:]}")
+        return
+    if finished.usage.completion_tokens != len(ids):
+        tally.lost_or_duplicated += abs(finished.usage.completion_tokens - len(ids))
+    reason = common_pb2.FinishReason.Name(finished.finish_reason)
+    if finished.finish_reason == common_pb2.FINISH_REASON_ERROR:  # cut by the executor restart
+        tally.outcomes["ended by the executor restart (Finished error)"] += 1
+        ref = refs[(prompt, max_tokens)]
+        if ids != ref[:len(ids)]:
+            tally.lost_or_duplicated += _differences(ids, ref[:len(ids)])
+        return
+    ref = refs[(prompt, max_tokens)]
+    if ids != ref:
+        tally.lost_or_duplicated += _differences(ids, ref)
+    tally.outcomes[f"completed ({reason.lower().removeprefix('finish_reason_')})"] += 1
+
+
+def _differences(got: list[int], want: list[int]) -> int:
+    return sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+
+
+async def client(stub, refs, seed: int, stop_at: float, tally: Tally) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < stop_at:
+        await one_stream(stub, refs, rng, tally)
+
+
+async def overload_bursts(stub, n: int, every: float, stop_at: float, tally: Tally) -> None:
+    while time.monotonic() + every < stop_at:
+        await asyncio.sleep(every)
+        result = await burst(stub, n)
+        tally.overload.refused_ms += result.refused_ms
+        tally.overload.admitted += result.admitted
+        tally.overload.without_pushback += result.without_pushback
+        for name in result.other:
+            if name not in ("UNAVAILABLE",):
+                tally.crashes.append(f"burst call answered {name}")
+
+
+async def killed_clients(address: str, every: float, stop_at: float, tally: Tally) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    while time.monotonic() + every < stop_at:
+        await asyncio.sleep(every)
+        process = await asyncio.create_subprocess_exec(sys.executable, "-c", KILLED_CLIENT, address, env=env,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(3):  # started + two deltas: mid-stream
+                await asyncio.wait_for(process.stdout.readline(), 30)
+        except asyncio.TimeoutError:
+            pass
+        if process.returncode is None:
+            try:
+                process.send_signal(signal.SIGKILL)
+                tally.killed_clients += 1
+            except ProcessLookupError:  # it ended on its own (refused while the executor restarted)
+                pass
+        await process.wait()
+
+
+async def kill_executor_at(launcher: Launcher, at: float) -> None:
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    launcher.services["executor"].process.kill()
+
+
+def proc_status(pid: int) -> tuple[int, int]:
+    """(resident KiB, threads) of a process."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
+
+
+async def wait_idle(stub, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=10)
+        if (profile.num_running == profile.num_waiting == 0 and profile.kv_cache_usage == 0) \
+                or time.monotonic() > deadline:
+            return profile
+        await asyncio.sleep(0.1)
+
+
+async def run(launcher: Launcher, args) -> int:
+    tally = Tally()
+    address = launcher.public_address
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        refs = await solo_runs(stub)
+        before = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        started = time.monotonic()
+        stop_at = started + args.seconds
+        side = [asyncio.create_task(overload_bursts(stub, args.burst, args.burst_every, stop_at, tally)),
+                asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
+                asyncio.create_task(kill_executor_at(launcher, started + args.seconds / 2))]
+        await asyncio.gather(*(client(stub, refs, seed, stop_at, tally) for seed in range(args.streams)))
+        await asyncio.gather(*side)
+        # The executor's restart must be done and every stream gone before the leak check.
+        deadline = time.monotonic() + 60
+        while health_status(address, "tokenmill.v1.Generation") != "SERVING" and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        profile = await wait_idle(stub)
+        leaked = round(profile.kv_cache_usage * NUM_BLOCKS)
+        if profile.num_running or profile.num_waiting:
+            tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
+                                 f"{profile.num_waiting} waiting")
+        await asyncio.sleep(1.0)
+        after = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        elapsed = time.monotonic() - started
+    for event in launcher.events:
+        if "exited" in event and not event.startswith("executor"):
+            tally.crashes.append(event)
+    executor_exits = sum(1 for e in launcher.events if e.startswith("executor exited"))
+    if executor_exits != 1:
+        tally.crashes.append(f"the executor exited {executor_exits} times (1 expected: the planned kill)")
+
+    print(f"\nstress: {elapsed:.0f} s, {args.streams} concurrent clients, stories260K, "
+          f"{os.cpu_count()} CPUs (shared machine: absolute figures are noisy)")
+    print(f"{'outcome':<52}{'streams':>10}")
+    for outcome, n in sorted(tally.outcomes.items()):
+        print(f"{outcome:<52}{n:>10}")
+    print(f"{'clients SIGKILLed mid-stream':<52}{tally.killed_clients:>10}")
+    ms = tally.overload.refused_ms
+    print(f"{'overload burst calls refused (RESOURCE_EXHAUSTED)':<52}{len(ms):>10}")
+    print(f"{'  ... admitted anyway / without pushback':<52}{tally.overload.admitted:>5} /{tally.overload.without_pushback:>3}")
+    print(f"{'  ... p50 / p99 / max ms':<52}{percentile(ms, 0.5):>8.2f} / {percentile(ms, 0.99):.2f} / "
+          f"{max(ms) if ms else float('nan'):.2f}")
+    print(f"{'service':<12}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}{'threads before':>16}"
+          f"{'threads after':>15}")
+    for name in before:
+        (rss0, thr0), (rss1, thr1) = before[name], after[name]
+        restarted = " (restarted)" if name == "executor" else ""
+        print(f"{name:<12}{rss0 / 1024:>16.1f}{rss1 / 1024:>16.1f}{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}"
+              f"{thr1:>15}{restarted}")
+    for crash in tally.crashes[:20]:
+        print("crash:", crash)
+    p99 = percentile(ms, 0.99)
+    print(f"stress: {tally.streams} streams, {len(tally.crashes)} crashes, {leaked} leaked blocks, "
+          f"{tally.lost_or_duplicated} lost or duplicated tokens, overload p99 {p99:.1f} ms")
+    return 1 if tally.crashes or leaked or tally.lost_or_duplicated else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=float(os.environ.get("STRESS_SECONDS", 600)))
+    parser.add_argument("--streams", type=int, default=200, help="concurrent client tasks")
+    parser.add_argument("--burst", type=int, default=200, help="calls in one overload burst")
+    parser.add_argument("--burst-every", type=float, default=15.0)
+    parser.add_argument("--kill-client-every", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    launcher = Launcher(LaunchConfig(
+        model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-stress-"),
+        executor_args=[f"--num-blocks={NUM_BLOCKS}", "--block-size=16", "--dtype=fp32", "--device=cpu"],
+        # A queue the client tasks alone do not fill, so the bursts are what overflows it.
+        scheduler_args=["--max-num-seqs=128", f"--max-waiting-requests={max(1, args.streams // 2)}"],
+        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
+    launcher.start()
+    try:
+        return asyncio.run(run(launcher, args))
+    finally:
+        launcher.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
