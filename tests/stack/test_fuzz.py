@@ -266,3 +266,21 @@ def test_a_struct_packed_double_nan_payload_is_refused_cleanly(launcher, channel
     with pytest.raises(grpc.RpcError) as err:
         list(generate(body, timeout=CALL_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+
+
+def test_a_top_p_that_rounds_to_zero_samples_the_most_likely_token(launcher, channel) -> None:
+    # Found by this fuzzer: top_p=1e-300 is valid but 0.0 in fp32, so the sampler kept no
+    # token, the executor's step failed and every request in the batch ended with it.
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    results = []
+    for top_p in (1e-300, 1e-45):
+        request = generation_pb2.GenerateRequest(text="Once upon a time", sampling=common_pb2.SamplingParams(
+            temperature=1.0, top_p=top_p), stop=common_pb2.StopConditions(max_tokens=4, ignore_eos=True))
+        results.append([t for m in stub.Generate(request, timeout=CALL_TIMEOUT_S)
+                        if m.WhichOneof("event") == "delta" for t in m.delta.token_ids])
+    greedy = generation_pb2.GenerateRequest(text="Once upon a time", sampling=common_pb2.SamplingParams(
+        temperature=0.0), stop=common_pb2.StopConditions(max_tokens=4, ignore_eos=True))
+    expected = [t for m in stub.Generate(greedy, timeout=CALL_TIMEOUT_S)
+                if m.WhichOneof("event") == "delta" for t in m.delta.token_ids]
+    assert results == [expected, expected]
+    assert_still_serving(launcher, channel)

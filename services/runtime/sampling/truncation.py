@@ -80,8 +80,10 @@ def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, top_k_threshold:
     # Token i stays while the tokens before it have not yet reached top_p; rows with
     # top_p = 1 keep everything (rounding could otherwise push the tail's prefix past 1).
     keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # [R, V]
-    # keep is a prefix (the prefix sum never decreases) and holds position 0 (mass 0 < top_p).
-    num_kept = keep.sum(dim=-1, keepdim=True)  # [R, 1]
+    # keep is a prefix (the prefix sum never decreases) and holds position 0 (mass 0 < top_p),
+    # except where top_p rounds to 0 in the logits' dtype (1e-300 is 0.0 in fp32): the most
+    # likely token is always kept.
+    num_kept = keep.sum(dim=-1, keepdim=True).clamp_(min=1)  # [R, 1]
     top_p_value = sorted_logits.gather(1, num_kept - 1).squeeze(1)  # [R]
     # The prefix may run into the -inf tail that top-k masked (top_p = 1, or a kept mass that
     # rounds just below top_p); the top-k cut must still hold there.
