@@ -9,8 +9,10 @@ all of them (the first proposal, which computes the prompts, is reported on its 
 each iteration appends what a verifier would have accepted and proposes again, alternating
 two cases: every draft accepted plus a bonus token (the K/V of k-1 fed drafts is kept, the
 first forward computes 2 tokens a sequence) and none accepted (one corrected token, computed
-alone). Reported: the median milliseconds per proposal of each case. One intra-op thread, as
-`tokenmill up` runs the drafter.
+alone). The iterations go round-robin over all cases, so load from other work falls on every
+case alike. Reported: the median and the minimum milliseconds per proposal of each case (on a
+shared machine the minimum is the steadier estimate of the cost itself). One intra-op
+thread, as `tokenmill up` runs the drafter.
 
 Acceptance: SmolLM2's own greedy continuation of two text prompts (from the full-depth draft,
 which is the target's forward), then the first-N-layer draft (N in 2, 4, 8, 16, 24) proposes k tokens at each step;
@@ -47,25 +49,43 @@ def make(model, layers: int, k: int) -> DraftModelProposer:
                                                  num_speculative_tokens=k, device="cpu"))
 
 
-def time_proposals(proposer: DraftModelProposer, batch: int, prompt_len: int, iterations: int) -> dict:
-    rng = random.Random(0)
-    session = proposer.new_session()
-    ids = list(range(batch))
-    for seq_id in ids:
-        session.open(seq_id, [rng.randrange(3, proposer.vocab_size) for _ in range(prompt_len)])
-    started = time.perf_counter()
-    drafts = session.propose_batch(ids)
-    first = time.perf_counter() - started
-    timings: dict[str, list[float]] = {"all_accepted": [], "none_accepted": []}
-    for i in range(iterations):
-        case = "all_accepted" if i % 2 == 0 else "none_accepted"
-        for seq_id, draft in zip(ids, drafts):
-            session.append(seq_id, draft + [draft[0]] if case == "all_accepted" else [(draft[0] + 1) % 100 + 3])
+class ProposalTimer:
+    """B sequences of random tokens in one session, proposed for again and again."""
+
+    def __init__(self, proposer: DraftModelProposer, batch: int, prompt_len: int) -> None:
+        rng = random.Random(0)
+        self.session = proposer.new_session()
+        self.ids = list(range(batch))
+        for seq_id in self.ids:
+            self.session.open(seq_id, [rng.randrange(3, proposer.vocab_size) for _ in range(prompt_len)])
+        self.first_ms = self._timed()
+        self.timings: dict[str, list[float]] = {"all_accepted": [], "none_accepted": []}
+
+    def _timed(self) -> float:
         started = time.perf_counter()
-        drafts = session.propose_batch(ids)
-        timings[case].append(time.perf_counter() - started)
-    session.close_all()
-    return {"first_ms": 1e3 * first, **{f"{case}_ms": 1e3 * statistics.median(t) for case, t in timings.items()}}
+        self.drafts = self.session.propose_batch(self.ids)
+        return 1e3 * (time.perf_counter() - started)
+
+    def iterate(self, case: str) -> None:
+        """Append what a verifier would accept in ``case``, then time the next proposal."""
+        for seq_id, draft in zip(self.ids, self.drafts):
+            self.session.append(seq_id, draft + [draft[0]] if case == "all_accepted" else [(draft[0] + 1) % 100 + 3])
+        self.timings[case].append(self._timed())
+
+    def row(self) -> dict:
+        self.session.close_all()
+        row = {"first_ms": self.first_ms}
+        for case, times in self.timings.items():
+            row[f"{case}_ms"] = statistics.median(times)
+            row[f"{case}_min_ms"] = min(times)
+        return row
+
+
+def time_proposals(proposer: DraftModelProposer, batch: int, prompt_len: int, iterations: int) -> dict:
+    timer = ProposalTimer(proposer, batch, prompt_len)
+    for i in range(iterations):
+        timer.iterate("all_accepted" if i % 2 == 0 else "none_accepted")
+    return timer.row()
 
 
 def greedy_continuation(proposer: DraftModelProposer, prompt: list[int], length: int) -> list[int]:
@@ -114,17 +134,23 @@ def main() -> None:
     results: dict = {"k": args.k, "prompt_len": args.prompt_len, "threads": args.threads, "timing": [],
                      "acceptance": []}
     cases = [("stories260K", STORIES, 0)] + [("smollm2-135m", SMOLLM2, n) for n in (2, 4, 8, 30)]
-    print(f"k={args.k}, prompt {args.prompt_len} tokens, {args.threads} thread(s): ms per proposal (median)")
-    print(f"{'draft':<14}{'layers':>7}{'batch':>6}{'first':>9}{'all acc.':>10}{'none acc.':>10}")
-    for name, model, layers in cases:
-        proposer = make(model, layers, args.k)
-        for batch in batches:
-            row = {"draft": name, "layers": proposer.model_config.num_layers, "batch": batch,
-                   **time_proposals(proposer, batch, args.prompt_len, args.iterations)}
-            results["timing"].append(row)
-            print(f"{name:<14}{row['layers']:>7}{batch:>6}{row['first_ms']:>9.1f}{row['all_accepted_ms']:>10.2f}"
-                  f"{row['none_accepted_ms']:>10.2f}", flush=True)
-        del proposer
+    proposers = [(name, make(model, layers, args.k)) for name, model, layers in cases]
+    timers = [(name, proposer, batch, ProposalTimer(proposer, batch, args.prompt_len))
+              for name, proposer in proposers for batch in batches]
+    # Round-robin over the cases, so load from other work on the machine falls on all of them alike.
+    for i in range(args.iterations):
+        for *_, timer in timers:
+            timer.iterate("all_accepted" if i % 2 == 0 else "none_accepted")
+    print(f"k={args.k}, prompt {args.prompt_len} tokens, {args.threads} thread(s): ms per proposal, "
+          f"median (min) of {args.iterations // 2} each")
+    print(f"{'draft':<14}{'layers':>7}{'batch':>6}{'first':>9}{'all accepted':>20}{'none accepted':>20}")
+    for name, proposer, batch, timer in timers:
+        row = {"draft": name, "layers": proposer.model_config.num_layers, "batch": batch, **timer.row()}
+        results["timing"].append(row)
+        print(f"{name:<14}{row['layers']:>7}{batch:>6}{row['first_ms']:>9.1f}"
+              f"{row['all_accepted_ms']:>11.2f} ({row['all_accepted_min_ms']:>6.2f})"
+              f"{row['none_accepted_ms']:>11.2f} ({row['none_accepted_min_ms']:>6.2f})")
+    del proposers, timers
     if not args.skip_acceptance:
         acceptance_table(args, results)
     if args.json:
