@@ -21,9 +21,12 @@ that its RoPE rotates adjacent pairs (2i, 2i+1), while HF Llama rotates (i, i + 
 ("rotate half"). ``rotate_half_rows`` undoes it. A file with ``output.weight`` has an untied LM
 head; without it the embedding is tied.
 
-Quantized weights kept as they are (``--weights keep``) need the runtime's quantized linear
-layers and a loader that checks for them; until those exist the converter only writes
-dequantized weights.
+``--weights keep`` stores Q4_0, Q4_1 and Q8_0 tensors as they are: each block's bytes are split
+into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins`` (fp16), the
+layout of services/runtime/model/quant/formats.py, and config.json's ``quantization_config``
+says which format each weight has (quant/config.py). Float tensors (the norms) are written in
+fp32. A file with another quantization type (K-quants, say) is refused with the type's name;
+``--weights fp32`` converts it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ from services.tools.gguf_tokenizer import build_tokenizer, end_token_ids, genera
 from services.tools.gguf_tokenizer import tokenizer_config as build_tokenizer_config
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_CHOICES = (*WEIGHT_DTYPES, "keep")
+KEPT_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+"""GGUF types --weights keep stores as they are -> the runtime's format name."""
+_BLOCK_PARTS = {  # format -> (the fp16 fields that open a block, in order; the values' dtype)
+    "q4_0": (("scales",), np.uint8), "q4_1": (("scales", "mins"), np.uint8), "q8_0": (("scales",), np.int8)}
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 _LAYER_TENSORS = {
@@ -160,9 +168,13 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
 
 def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor dequantized (float32, then cast to ``dtype``) under its HF name, q/k rows unpermuted."""
+    return _dequantized(reader.tensors, config, dtype)
+
+
+def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_tensor_name(tensor.name)
         try:
             values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
@@ -178,6 +190,67 @@ def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype:
         values = np.require(values, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"])
         state[name] = torch.from_numpy(values).to(dtype)
     return state
+
+
+def kept_parts(tensor, fmt: str) -> dict[str, np.ndarray]:
+    """One GGUF block tensor split into the runtime's parts: values [N, K/2 or K], fp16 fields [N, K/32]."""
+    n = int(tensor.shape[1]) if len(tensor.shape) == 2 else 1
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, int(tensor.shape[0]) // 32, -1)
+    fields, value_dtype = _BLOCK_PARTS[fmt]
+    parts = {name: np.ascontiguousarray(blocks[:, :, 2 * i : 2 * i + 2]).view(np.float16).reshape(n, -1)
+             for i, name in enumerate(fields)}
+    parts["qweight"] = np.ascontiguousarray(blocks[:, :, 2 * len(fields):]).view(value_dtype).reshape(n, -1)
+    return parts
+
+
+def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Q4_0/Q4_1/Q8_0 tensors as parts (``X.qweight``, ``X.scales``, ``X.mins``), the rest in fp32.
+
+    Returns the tensors and module name -> format of every kept tensor. q/k rows are unpermuted
+    as in ``dequantized_state_dict``: the permutation moves whole rows, so it applies to each part.
+    """
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    state: dict[str, torch.Tensor] = {}
+    formats: dict[str, str] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            continue  # float: dequantized below
+        if qtype not in KEPT_TYPES:
+            raise ValueError(f"tensor {tensor.name} is {qtype.name}; --weights keep stores "
+                             f"{', '.join(t.name for t in KEPT_TYPES)} as they are; convert with --weights fp32")
+        fmt = KEPT_TYPES[qtype]
+        module = name.removesuffix(".weight")
+        for suffix, values in kept_parts(tensor, fmt).items():
+            if tensor.name.endswith(".attn_q.weight"):
+                values = rotate_half_rows(values, heads)
+            elif tensor.name.endswith(".attn_k.weight"):
+                values = rotate_half_rows(values, kv_heads)
+            state[f"{module}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(values))
+        formats[module] = fmt
+    floats = [t for t in reader.tensors if GGMLQuantizationType(t.tensor_type) not in KEPT_TYPES]
+    state |= _dequantized(floats, config, torch.float32)
+    return state, formats
+
+
+def keep_quantization_config(formats: Mapping[str, str]) -> dict[str, Any]:
+    """quantization_config for kept tensors: the projections' most common format, the rest as exceptions."""
+    from collections import Counter
+
+    from services.runtime.model.quant.config import EMBEDDING, LINEAR_NAMES, NONE, QuantizationConfig
+
+    linear = [m for m in formats if m.startswith("model.layers.") or m == "lm_head"]
+    default = Counter(formats[m] for m in linear).most_common(1)[0][0] if linear else "q8_0"
+    modules = {m: f for m, f in formats.items() if f != default or m == EMBEDDING}
+    # A projection the file holds in float is named "none".
+    num_layers = 1 + max((int(m.split(".")[2]) for m in formats if m.startswith("model.layers.")), default=-1)
+    for i in range(num_layers):
+        for proj in LINEAR_NAMES:
+            module = f"model.layers.{i}.{proj}"
+            if module not in formats:
+                modules[module] = NONE
+    return QuantizationConfig(default, 32, modules).to_dict()
 
 
 def _sha256(path: Path) -> str:
@@ -200,7 +273,8 @@ def _provenance(source: Path, sha256: str, meta: Mapping[str, Any], types: list[
         "# Provenance",
         "",
         f"Converted from a GGUF file by `tokenmill convert gguf` (services/tools/gguf.py); weights {weights}, "
-        f"dequantized with `gguf.quants.dequantize` from {', '.join(types)}.",
+        + (f"Q4_0/Q4_1/Q8_0 blocks stored as they are, others dequantized, from {', '.join(types)}."
+           if weights == "keep" else f"dequantized with `gguf.quants.dequantize` from {', '.join(types)}."),
         "",
         f"- file: `{source.name}`" + (f" from the Python package `{package}`" if package else ""),
         f"- size: {source.stat().st_size} bytes",
@@ -220,19 +294,24 @@ class ConversionSummary:
 def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool = False,
                  package: str | None = None) -> ConversionSummary:
     """Write the model directory for ``source``; refuses an existing non-empty ``out_dir`` unless ``force``."""
-    if weights not in WEIGHT_DTYPES:
-        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_DTYPES)}; got {weights!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}; got {weights!r}")
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such GGUF file")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} exists and is not empty; remove it or pass --force")
     started = time.perf_counter()
-    dtype = WEIGHT_DTYPES[weights]
+    dtype = WEIGHT_DTYPES.get(weights, torch.float32)
     reader = GGUFReader(source)
     meta = read_metadata(reader)
     config = llama_config(meta, {t.name for t in reader.tensors}, dtype)
     tokenizer = build_tokenizer(meta)
-    state = dequantized_state_dict(reader, config, dtype)
+    if weights == "keep":
+        state, formats = kept_state_dict(reader, config)
+        if formats:
+            config["quantization_config"] = keep_quantization_config(formats)
+    else:
+        state = dequantized_state_dict(reader, config, dtype)
     types = sorted({GGMLQuantizationType(t.tensor_type).name for t in reader.tensors})
 
     partial = out_dir.with_name(out_dir.name + ".partial")
@@ -278,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", nargs="?", type=Path, help="the .gguf file")
     parser.add_argument("--package", help="instead of FILE: the .gguf shipped by this installed Python package")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--weights", choices=sorted(WEIGHT_DTYPES), default="fp32",
-                        help="dtype of the written weights (default fp32, exact)")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="fp32",
+                        help="dtype of the written weights (default fp32, exact), or keep: Q4_0, Q4_1 and Q8_0 "
+                             "tensors stored as they are, run by the quantized linear layers")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = parser.parse_args(argv)
     if (args.file is None) == (args.package is None):

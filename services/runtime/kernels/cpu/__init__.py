@@ -26,7 +26,8 @@ import torch
 from services.runtime.kernels._common import check_paged_attention_inputs, split_pool
 from services.runtime.kernels.kv_quant import ScaledCache
 
-_SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
+# quant_matmul.cpp: the fp32 weight-only quantized matmul (services/runtime/model/quant/linear.py).
+_SOURCES = [Path(__file__).with_name("paged_decode.cpp"), Path(__file__).with_name("quant_matmul.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 

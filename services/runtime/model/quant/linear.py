@@ -1,25 +1,21 @@
-"""QuantLinear: y = x W^T with W held quantized (formats.py), one path per device and format.
+"""QuantLinear: y = x W^T with W held quantized (formats.py), one path per device.
 
-CPU (``prepare`` picks once, at load; measured on one core of the 2-core benchmark machine,
-a 3072x576 weight, 30 distinct copies so that the weights stream from memory as a model's do):
+CPU: the C++ kernel ``tokenmill_quant::quant_matmul`` (services/runtime/kernels/cpu/quant_matmul.cpp)
+reads the stored values and per-group scales and zeros, with fp32 activations and outputs: the
+dequantized model's numbers up to the order of the fp32 sums. Without a C++ compiler, or for a
+weight whose input size is not a multiple of 32, the weight is dequantized once at load to fp32
+and runs through the plain Linear (exact, and as slow as an fp32 model).
 
-===========  =====================================================  ==============  ===============
-format       path                                                   1 row           32 rows
-===========  =====================================================  ==============  ===============
-q4_0, q4_1   aten._weight_int4pack_mm_for_cpu (bf16 activations)    103 us          1358 us
-int8         aten._weight_int8pack_mm (bf16 activations)            371 us          1877 us
-q8_0         dequantized once to bf16, oneDNN prepacked (linear.py)  248 us           739 us
-(fp32 ref.)  oneDNN prepacked fp32                                  551 us          1381 us
-===========  =====================================================  ==============  ===============
-
-Both aten operators are vectorized only for bf16 activations (fp32: 3.1 ms and 1.5 ms at one
-row, 10-100x slower at 32), so x is rounded to bf16 on the way in and the product (accumulated
-in fp32 by the operators) is rounded to bf16 on the way out, then cast back to x's dtype.
-That rounding is the whole difference from the dequantized model's numbers: the tests bound
-it. The int4 operator's weight is ``(q - 8) * scale + zero`` per group, so Q4_1's ``d * q + m``
-is ``scale = d, zero = m + 8 d`` and Q4_0's ``d (q - 8)`` is ``zero = 0``; it needs the output
-size to be a multiple of 16, the int8 one the input size (other sizes crash it). torch has no group-wise int8 operator on a CPU, so q8_0 (and any
-weight an operator does not take) runs dequantized in bf16 through the prepacked Linear.
+PyTorch's own packed operators were measured first and are not used: ``_weight_int4pack_mm_for_cpu``
+and ``_weight_int8pack_mm`` are vectorized only for bf16 activations (with fp32 ones 10-100x
+slower), and they return bf16. A bf16 logit is too coarse to sample from: on SmolLM2's
+"What is the capital of France?" the two best first tokens are 0.08 apart at a logit of 25,
+where bf16's step is 0.125; they tied and the greedy answer changed. On one core of the 2-core
+benchmark machine, a 3072x576 q4_1 weight, 20 distinct copies (so the weights stream from memory
+as a model's do), per product: 1 row: this kernel 0.24-0.29 ms, aten int4 (bf16) 0.11-0.37 ms,
+oneDNN fp32 0.8-2.0 ms; 32 rows: 5.3-5.6 ms, 2.1-3.5 ms, 1.5-3.7 ms (the machine is shared, so
+each range is several runs). The kernel pays for decode (1-8 rows), where weights are the
+cost; large batches are compute-bound and run slower than fp32 oneDNN (docs/benchmarks.md).
 
 CUDA: the Triton dequantize-and-multiply kernel (kernels/quant_matmul.py) reads the stored
 parts as they are, in the activations' dtype.
@@ -32,26 +28,25 @@ import torch
 from torch import nn
 
 from services.runtime.model.linear import Linear
-from services.runtime.model.quant.formats import QuantizedWeight, cat_rows, dequantize, unpack_values
-
-CPU_COMPUTE_DTYPE = torch.bfloat16
-INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
-"""Group sizes aten's CPU int4 operator accepts."""
+from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
 
 _log = structlog.get_logger("tokenmill.model")
 
 
-def int4_cpu_fits(w: QuantizedWeight) -> bool:
-    return w.fmt in ("q4_0", "q4_1") and w.out_features % 16 == 0 and w.group_size in INT4_CPU_GROUP_SIZES
+def cpu_kernel_fits(w: QuantizedWeight) -> bool:
+    return w.in_features % 32 == 0 and (w.fmt == "int8" or w.group_size % 32 == 0)
 
 
-def pack_int4_cpu(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight, scale-and-zero [K/G, N, 2] bf16) for aten._weight_int4pack_mm_for_cpu."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_values(w), 1)
-    d = w.scales.float()
-    zero = w.mins.float() + 8 * d if w.fmt == "q4_1" else torch.zeros_like(d)
-    scale_zero = torch.stack([d.t(), zero.t()], dim=-1).to(CPU_COMPUTE_DTYPE).contiguous()
-    return packed, scale_zero
+def cpu_kernel_operands(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(scales [N, G] fp32, zeros [N, G] fp32 or empty, group) for the C++ kernel: w = d * q + z."""
+    d = w.scales.float().reshape(w.out_features, -1).contiguous()
+    if w.fmt == "q4_1":
+        zeros = w.mins.float().contiguous()
+    elif w.fmt == "q4_0":
+        zeros = (-8 * d).contiguous()  # d (q - 8) = d q - 8 d, exact in fp32 for fp16 d
+    else:
+        zeros = torch.empty(0)
+    return d, zeros, w.in_features if w.fmt == "int8" else w.group_size
 
 
 class QuantLinear(nn.Module):
@@ -63,9 +58,9 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.path = "unprepared"
-        self._packed: torch.Tensor | None = None
-        self._scale_zero: torch.Tensor | None = None
-        self._int8_scales: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None
+        self._zeros: torch.Tensor | None = None
+        self._group = 0
         self._fallback: Linear | None = None
 
     def _apply(self, fn, recurse: bool = True):
@@ -82,19 +77,14 @@ class QuantLinear(nn.Module):
         w = self.quantized
         if w.device.type == "cuda":
             self.path = "triton"
-        elif int4_cpu_fits(w):
-            self._packed, self._scale_zero = pack_int4_cpu(w)
-            self.path = "int4pack"
-        elif w.fmt == "int8" and w.in_features % 16 == 0:  # the operator reads K in 16s (crashes otherwise)
-            self._packed = w.qweight.contiguous()
-            self._int8_scales = w.scales.to(CPU_COMPUTE_DTYPE)
-            self.path = "int8pack"
+        elif cpu_kernel_fits(w) and _cpu_kernel_available():
+            self._scales, self._zeros, self._group = cpu_kernel_operands(w)
+            self.path = "cpu_kernel"
         else:
-            self._fallback = Linear(dequantize(w, CPU_COMPUTE_DTYPE))
+            self._fallback = Linear(dequantize(w, torch.float32))
             self._fallback.prepack()
             self.path = "dequantized"
-        if self.path in ("int4pack", "int8pack", "dequantized"):
-            # The CPU paths keep their own copy; the stored parts are no longer read.
+            # The fallback keeps its own copy; the stored parts are no longer read.
             self.quantized = QuantizedWeight(w.fmt, w.out_features, w.in_features, w.group_size,
                                              w.qweight[:0], w.scales[:0], None if w.mins is None else w.mins[:0])
         return self.path
@@ -107,22 +97,31 @@ class QuantLinear(nn.Module):
             from services.runtime.kernels.quant_matmul import quant_matmul
 
             out = quant_matmul(x, self.quantized)
+        elif self.path == "cpu_kernel":
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
+            out = torch.ops.tokenmill_quant.quant_matmul(
+                x.float().contiguous(), self.quantized.qweight, self._scales, self._zeros,
+                bits(self.quantized.fmt), self._group).to(x.dtype)
         else:
-            xc = x.to(CPU_COMPUTE_DTYPE)
-            if self.path == "int4pack":
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self._packed, self.quantized.group_size,
-                                                                  self._scale_zero)
-            elif self.path == "int8pack":
-                out = torch.ops.aten._weight_int8pack_mm(xc, self._packed, self._int8_scales)
-            else:
-                out = self._fallback(xc)
-            out = out.to(x.dtype)
+            out = self._fallback(x.float()).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         w = self.quantized
         return f"in={self.in_features}, out={self.out_features}, format={w.fmt}, group={w.group_size}, " \
                f"path={self.path}, bias={self.bias is not None}"
+
+
+def _cpu_kernel_available() -> bool:
+    from services.runtime.kernels import cpu
+
+    try:
+        cpu.load()
+    except cpu.CpuKernelsUnavailable as exc:
+        _log.warning("quantized linears run dequantized in fp32", reason=str(exc))
+        return False
+    return True
 
 
 def build_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None = None
