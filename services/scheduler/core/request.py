@@ -92,6 +92,7 @@ class Request:
         "eos_token_ids",
         "min_tokens_ban",
         "priority",
+        "tenant",
         "arrival_time",
         "num_computed_tokens",
         "num_in_flight_tokens",
@@ -120,6 +121,7 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         priority: int = 0,
         arrival_time: float = 0.0,
+        tenant: str = "",
     ) -> None:
         self.request_id = request_id
         self.seq_id = -1
@@ -134,6 +136,9 @@ class Request:
         """What the executor's sampler bans before min_tokens; sent with the NewSequence."""
         self.priority = priority
         """Lower is served first; equal priorities go by arrival_time."""
+        self.tenant = tenant
+        """Who asked ("" without authentication): admission is fair between tenants
+        (core/fairness.py)."""
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
         """Known tokens whose K/V is in the cache, as of the last update() (confirmed)."""

@@ -76,7 +76,8 @@ from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
 from services.scheduler.core.request import FinishReason, Request, RequestStatus
 from services.scheduler.core.speculation import SpecDecodeStats
-from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
+from services.scheduler.core.fairness import FairWaitingQueue
+from services.scheduler.core.waiting_queue import QueueFullError
 
 
 @dataclass(slots=True)
@@ -112,7 +113,8 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.limits.enable_prefix_caching
         )
-        self.waiting = WaitingQueue()
+        self.waiting = FairWaitingQueue()
+        """By priority, then the tenant served the fewest tokens, then arrival (core/fairness.py)."""
         self.running: list[Request] = []
         """Requests known to the executor, sorted by Request.sort_key (most urgent first)."""
         self.requests: dict[str, Request] = {}
@@ -233,6 +235,8 @@ class Scheduler:
         step = _StepInFlight(plan.step_id)
         budget = self.config.limits.max_num_batched_tokens
         preemptions_before = self.num_preemptions
+        self.waiting.set_running({request.tenant for request in self.running})
+        self._preempt_for_priority(plan)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -340,6 +344,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:  # first start, not a resumption
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = now
+                self.waiting.charge(request.tenant, request.num_prompt_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             bisect.insort(self.running, request, key=_sort_key)
@@ -357,6 +362,27 @@ class Scheduler:
             )
             self._mark_in_flight(step, request, num_new)
             budget -= num_new
+
+    def _preempt_for_priority(self, plan: StepPlan) -> None:
+        """A waiting request more urgent than the least urgent running one, with no room to
+        start (blocks or max_num_seqs), preempts running requests less urgent than itself,
+        least urgent first, until it fits. Recompute-mode: the victims restart later from
+        their known tokens, so their outputs are unchanged. Done before anything is planned,
+        so no victim is also in this plan; the waiting request starts in the next step
+        (this one plans no new work after a preemption)."""
+        head = self.waiting.peek()
+        if head is None or not self.running or head.priority >= self.running[-1].priority:
+            return
+        block_size = self.config.block_size
+        # The blocks its prompt needs plus one token (no prefix hit assumed: cautious).
+        needed = -(-(head.num_tokens + 1) // block_size)
+        while self.running and self.running[-1].priority > head.priority and (
+            len(self.running) >= self.config.limits.max_num_seqs
+            or self.block_manager.num_free_blocks < needed
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.finished_seq_ids.append(victim.seq_id)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop its blocks; it restarts from its known tokens.
@@ -431,6 +457,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
                 continue
             update = self._append_outputs(request, output)
+            self.waiting.charge(request.tenant, len(update.new_token_ids))
             if scheduled.draft_token_ids:
                 num_accepted = len(output.token_ids) - 1
                 self.spec_stats.record(len(scheduled.draft_token_ids), num_accepted)
