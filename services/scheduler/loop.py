@@ -180,7 +180,7 @@ class SchedulerLoop:
                 and not self._stopping)
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
-               priority: int) -> RequestHandle:
+               priority: int, tenant: str = "") -> RequestHandle:
         """Admit a request (services/scheduler/requests.py); its deltas arrive on the handle's queue.
 
         Raises UnavailableError while the executor is away or the server stops, InvalidArgumentError
@@ -196,7 +196,7 @@ class SchedulerLoop:
         tokenizer = self.tokenizers.pick()  # UnavailableError when every tokenizer is away
         try:
             state = admit(self.core, request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority,
-                          self.clock())
+                          self.clock(), tenant)
         except QueueFullError as exc:
             raise ResourceExhaustedError(str(exc)) from None
         handle = RequestHandle(request_id, len(prompt_ids))

@@ -79,13 +79,16 @@ def admit(
     eos_token_ids: Sequence[int],
     priority: int,
     now: float,
+    tenant: str = "",
 ) -> RequestState:
     """Add one request to the core; return its state.
 
     Raises ValueError (naming the field and the limit) when the core refuses the request, or
     QueueFullError when max_waiting_requests are already waiting; nothing is kept then.
+    ``tenant`` ("" without authentication) is whom admission is fair between.
     """
-    request = Request(request_id, prompt_ids, sampling, stop, eos_token_ids, priority=priority, arrival_time=now)
+    request = Request(request_id, prompt_ids, sampling, stop, eos_token_ids, priority=priority, arrival_time=now,
+                      tenant=tenant)
     core.add_request(request)
     output = OutputState(request_id, len(request.prompt_token_ids), tuple(stop.stop),
                          stop.include_stop_str_in_output, now)

@@ -153,7 +153,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             budget = self._budget(tenant)
             if budget is not None:
                 budget.admit(tenant.name, len(prompt_ids))
-            handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority)
+            handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority,
+                                      tenant=tenant.name if tenant is not None else "")
             if tenant is not None:
                 self._owners[request_id] = tenant.name
             _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
