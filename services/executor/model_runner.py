@@ -89,6 +89,11 @@ class ModelRunner:
         # scheduler is told about (decode_graphs.py).
         # The pool's storage: the model's dtype, or int8 / float8_e4m3fn values with scales.
         self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype) or self.dtype
+        if (self.kv_dtype == torch.float8_e4m3fn and self.backend_name == "triton" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"kv_cache_dtype fp8_e4m3 with the triton backend needs a GPU of compute capability "
+                             f">= 8.9 (float8 e4m3 conversions); {self.device} has "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
         self.num_usable_blocks = self._num_blocks()
         self.kv_cache = KVCache.allocate(
             self.model_config, self.num_usable_blocks + (self.decode_graph_mode is not None),

@@ -58,8 +58,9 @@ def _reshape_and_cache_kernel(
 
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    # other=0: padding lanes must not raise a quantized row's amax
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
     k_dst = block * stride_kcb + offset * stride_kct + heads[:, None] * stride_kch + dims[None, :]
     v_dst = block * stride_vcb + offset * stride_vct + heads[:, None] * stride_vch + dims[None, :]
     if KV_QUANT:
