@@ -192,15 +192,21 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
     return state
 
 
-def kept_parts(tensor, fmt: str) -> dict[str, np.ndarray]:
-    """One GGUF block tensor split into the runtime's parts: values [N, K/2 or K], fp16 fields [N, K/32]."""
-    n = int(tensor.shape[1]) if len(tensor.shape) == 2 else 1
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, int(tensor.shape[0]) // 32, -1)
+def split_blocks(data: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
+    """GGUF blocks [N, bytes per row] -> the runtime's parts: values [N, K/2 or K], fp16 fields [N, K/32]."""
     fields, value_dtype = _BLOCK_PARTS[fmt]
+    n = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(n, -1, 2 * len(fields) + (16 if fmt != "q8_0" else 32))
     parts = {name: np.ascontiguousarray(blocks[:, :, 2 * i : 2 * i + 2]).view(np.float16).reshape(n, -1)
              for i, name in enumerate(fields)}
     parts["qweight"] = np.ascontiguousarray(blocks[:, :, 2 * len(fields):]).view(value_dtype).reshape(n, -1)
     return parts
+
+
+def kept_parts(tensor, fmt: str) -> dict[str, np.ndarray]:
+    """One GGUF block tensor (a matrix: dimensions innermost first) split by ``split_blocks``."""
+    n = int(tensor.shape[1]) if len(tensor.shape) == 2 else 1
+    return split_blocks(np.asarray(tensor.data).reshape(n, -1), fmt)
 
 
 def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
