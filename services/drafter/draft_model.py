@@ -211,11 +211,13 @@ class _DraftSequence:
 class DraftModelSession(ProposerSession):
     """One Propose stream's sequences over the shared draft model and pool."""
 
-    __slots__ = ("proposer", "_seqs")
+    __slots__ = ("proposer", "_seqs", "num_pool_full")
 
     def __init__(self, proposer: DraftModelProposer) -> None:
         self.proposer = proposer
         self._seqs: dict[int, _DraftSequence] = {}
+        self.num_pool_full = 0
+        """Drafts skipped because the pool had no blocks for them (logged the first time)."""
 
     def _check_tokens(self, seq_id: int, token_ids: Sequence[int]) -> None:
         # The embedding would index out of range with them; a target with another vocabulary
@@ -303,6 +305,11 @@ class DraftModelSession(ProposerSession):
             return True
         blocks = self.proposer.pool.take(missing)
         if blocks is None:
+            if not self.num_pool_full:
+                _log.warning("draft_kv_pool_full", blocks_needed=missing, blocks_free=self.proposer.pool.num_free,
+                             pool_blocks=self.proposer.pool.num_blocks,
+                             hint="sequences get no drafts until others close; raise --kv-cache-bytes")
+            self.num_pool_full += 1
             return False
         seq.block_ids += blocks
         return True

@@ -137,7 +137,7 @@ def test_a_full_pool_gives_empty_drafts_not_errors(stories_dir, engine, prompts)
     session.open(3, list(range(3, 70)))  # longer than the whole pool
     expected = target_greedy(engine, [prompts[0][:30]])[0]
     assert session.propose_batch([1, 2, 3]) == [expected, [], []]
-    assert small.pool.num_free == 1
+    assert small.pool.num_free == 1 and session.num_pool_full == 2
     session.close(1)
     assert session.propose_batch([2, 3]) == [target_greedy(engine, [prompts[1]])[0], []]
 
