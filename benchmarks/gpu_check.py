@@ -319,6 +319,29 @@ def bench_prefill(report: Report, shapes: Shapes, device, timer: Timer, ceilings
                   "SDPA/triton time", "max abs diff"], rows)
 
 
+def bench_quant_matmul(report: Report, shapes: Shapes, device, timer: Timer, ceilings: Ceilings) -> None:
+    """The weight-only quantized matmul (services/runtime/kernels/quant_matmul.py) against a bf16
+    matmul of the dequantized weight: ms per product and the weight bytes read per second."""
+    import torch
+
+    from services.runtime.kernels.quant_matmul import quant_matmul
+    from services.runtime.model.quant.formats import dequantize, quantize
+
+    n = k = shapes.matmul_size // 2
+    rows = []
+    for fmt in ("q4_1", "q4_0", "q8_0", "int8"):
+        w = quantize(torch.randn(n, k) * 0.02, fmt).to(device)
+        dense = dequantize(w, torch.bfloat16)
+        for m in shapes.decode_batches[:3]:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ms = timer(lambda: quant_matmul(x, w))
+            dense_ms = timer(lambda: x @ dense.t())
+            rows.append([fmt, f"{n}x{k}", m, ms, dense_ms, dense_ms / ms,
+                         f"{w.nbytes() / (ms * 1e-3) / ceilings.bytes_per_s:.0%}"])
+        del w, dense
+    report.table(["format", "weight", "rows", "quant ms", "bf16 dense ms", "speedup", "weight bytes / ceiling"], rows)
+
+
 def _free(device) -> None:
     import torch
 
@@ -555,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_deadline = time.perf_counter() + 0.4 * (end - time.perf_counter())
         section("(b) prefill attention",
                 lambda: bench_prefill(report, shapes, device, timer, ceilings, prefill_deadline))
+        section("(b) weight-only quantized matmul", lambda: bench_quant_matmul(report, shapes, device, timer, ceilings))
     if "e2e" in sections:
         services_reserve = 120.0 if "services" in sections else 10.0
         section("(c) end-to-end decode", lambda: bench_end_to_end(report, shapes, device, end - services_reserve))
