@@ -25,6 +25,8 @@ class Timings:
     """First output token until the last."""
     e2e_ms: float
     """Arrival until finish."""
+    accepted_draft_tokens: int = 0
+    """Output tokens that came from accepted speculative drafts."""
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from services.common.service_config import service_process_fields
 from services.common.settings import embedded
 from services.scheduler.auth import load_auth_tokens
 from services.scheduler.core.config import SchedulerLimits
+from services.scheduler.core.speculation import SpeculationConfig
 
 
 def _f(default, help_: str, env: str):
@@ -35,6 +36,15 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
         "TOKENMILL_TOKENIZER_ADDRESSES")
     drafter_address: str = _f("", "drafter service address (empty = no speculative decoding)",
                               "TOKENMILL_DRAFTER_ADDRESS")
+    num_speculative_tokens: int = _f(0, "most draft tokens per sequence per step, 0 = no speculative decoding; needs "
+                                        "--drafter-address "
+                                        "(a request may ask for fewer or none; the drafter caps it too)",
+                                     "TOKENMILL_NUM_SPECULATIVE_TOKENS")
+    spec_adaptive: bool = _f(True, "adapt each request's draft count to its acceptance rate, down to 0 when "
+                                   "drafts do not pay (off = always num_speculative_tokens)", "TOKENMILL_SPEC_ADAPTIVE")
+    spec_draft_deadline_ms: float = _f(50.0, "how long a step waits for the drafter's proposals; later ones are "
+                                             "dropped and the step runs without drafts",
+                                       "TOKENMILL_SPEC_DRAFT_DEADLINE_MS")
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
     max_prompt_chars: int = _f(0, "longest text prompt accepted, in characters (0 = 32 per token of the model's "
                                   "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
@@ -49,10 +59,16 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",
                                  "TOKENMILL_PROFILE_WINDOW_S")
 
+    def speculation(self) -> SpeculationConfig:
+        return SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens, adaptive=self.spec_adaptive)
+
     def validate(self) -> None:
         """The limits alone (the executor's facts are checked against them when it connects),
         and the auth tokens file."""
         self.limits.validate()
+        self.speculation().validate()
+        if not self.spec_draft_deadline_ms > 0:
+            raise ValueError(f"spec_draft_deadline_ms must be > 0, got {self.spec_draft_deadline_ms}")
         if self.max_waiting_per_tenant < 0:
             raise ValueError(f"max_waiting_per_tenant must be >= 0 (0 = no per-tenant bound), "
                              f"got {self.max_waiting_per_tenant}")

@@ -13,6 +13,14 @@ updates the core and plans N+2:
 Stops are then seen a step late (the core drops the surplus token; see its docstring).
 Off, it is one step at a time: schedule N, send N, receive N, update N, schedule N+1.
 
+Speculative decoding (a drafter configured): before planning a step with nothing in flight,
+the loop asks the drafter (services/scheduler/drafter_link.py) for drafts for the requests
+ready to verify some, each up to its adaptive k; a late or missing answer means no drafts.
+A step that verifies drafts is not overlapped: where the request's next step starts depends
+on how many drafts are accepted. So while any running request still wants drafts the loop
+keeps one step in flight; once every request's k has fallen to 0 (drafts do not pay), it
+overlaps again.
+
 RPC handlers call ``submit``/``abort`` (plain method calls on the same event loop, so no
 locks) and read their request's queue. Detokenization and publishing run in a second task
 fed in step order, so the next executor step is not held up by the tokenizer round trip;
@@ -44,10 +52,12 @@ from services.common.sampling_params import SamplingParams
 from services.common.step import StepPlan
 from services.common.stop import StopConditions
 from services.scheduler.clients import DetokenizeBatch, ExecutorLink, TokenizerPool
+from services.scheduler.drafter_link import DrafterLink
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.outputs import RequestUpdate
 from services.scheduler.core.request import FinishReason
 from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.speculation import DraftLength, SpeculationConfig
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.kv_slots import KVSlotUsage, kv_slot_usage
 from services.scheduler.requests import RequestState, admit, model_eos_token_ids
@@ -113,8 +123,11 @@ class _Published:
 
 class SchedulerLoop:
     def __init__(self, limits: SchedulerLimits, executor: ExecutorLink, tokenizers: TokenizerPool,
-                 connect_timeout_s: float, on_finished=None, clock: Callable[[], float] = time.monotonic) -> None:
+                 connect_timeout_s: float, on_finished=None, clock: Callable[[], float] = time.monotonic,
+                 drafter: DrafterLink | None = None, speculation: SpeculationConfig | None = None) -> None:
         self.limits = limits
+        self.drafter = drafter
+        self.speculation = speculation or SpeculationConfig()
         """The operator's limits; each executor session's core config adds the executor's facts."""
         self.executor = executor
         executor.on_lost = self._on_executor_lost
@@ -147,12 +160,16 @@ class SchedulerLoop:
     async def start(self) -> None:
         await self.tokenizers.connect(self.connect_timeout_s)
         await self._connect_executor()
+        if self.drafter is not None:
+            self.drafter.start()  # in the background: requests never wait for a drafter
         self._tasks = [asyncio.create_task(self._run(), name="scheduler-loop"),
                        asyncio.create_task(self._publish(), name="scheduler-publisher")]
 
     async def _connect_executor(self) -> None:
         info = await self.executor.connect(self.connect_timeout_s)
         self.core = Scheduler(SchedulerConfig.for_executor(self.limits, info))
+        if self.drafter is not None:
+            self.drafter.forget_all()  # seq ids start over with the new core
         tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
         self.eos_token_ids = model_eos_token_ids(tokenizer_eos, info)
         _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,
@@ -172,6 +189,8 @@ class SchedulerLoop:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.executor.close()
         await self.tokenizers.close()
+        if self.drafter is not None:
+            await self.drafter.close()
 
     # ------------------------------------------------------------------ requests
     @property
@@ -180,7 +199,7 @@ class SchedulerLoop:
                 and not self._stopping)
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
-               priority: int, tenant: str = "") -> RequestHandle:
+               priority: int, num_speculative_tokens: int | None = None, tenant: str = "") -> RequestHandle:
         """Admit a request (services/scheduler/requests.py); its deltas arrive on the handle's queue.
 
         Raises UnavailableError while the executor is away or the server stops, InvalidArgumentError
@@ -199,6 +218,11 @@ class SchedulerLoop:
                           self.clock(), tenant)
         except QueueFullError as exc:
             raise ResourceExhaustedError(str(exc)) from None
+        if self.drafter is not None:
+            # None = the server's cap; 0 turns speculation off for this request.
+            cap = self.speculation.num_speculative_tokens
+            state.request.draft_length = DraftLength(
+                self.speculation, cap if num_speculative_tokens is None else min(cap, num_speculative_tokens))
         handle = RequestHandle(request_id, len(prompt_ids))
         self._tracked[request_id] = _Tracked(state, handle, tokenizer)
         self._wake.set()
@@ -230,7 +254,7 @@ class SchedulerLoop:
     async def _run(self) -> None:
         sent: deque[_Sent] = deque()
         """Steps sent and not yet read, oldest first: one, or two with overlapped scheduling."""
-        depth = 2 if self.limits.overlap_scheduling else 1
+        overlap_depth = 2 if self.limits.overlap_scheduling else 1
         while True:
             core = self.core
             if core is None:
@@ -245,8 +269,13 @@ class SchedulerLoop:
                 continue
             # Keep the executor's queue full: plan and send until `depth` steps are in flight
             # or there is nothing to plan before a result comes back.
+            depth = 1 if self._speculating(core) else overlap_depth
             while len(sent) < depth:
                 started = time.perf_counter()
+                if not sent and self.drafter is not None:
+                    await self._draft(core)
+                    if self.core is not core:
+                        break
                 plan = core.schedule(self.clock())
                 if plan.is_empty and not plan.finished_seq_ids:
                     break
@@ -297,6 +326,29 @@ class SchedulerLoop:
             self._publish_queue.put_nowait(_Published(updates, closed))
             # Let RPC handlers and the publisher run between steps.
             await asyncio.sleep(0)
+
+    def _speculating(self, core: Scheduler) -> bool:
+        """Some running request would verify drafts: keep one step in flight (see above)."""
+        if self.drafter is None or not self.drafter.connected:
+            return False
+        return any(r.draft_length is not None and r.draft_length.wants_drafts() for r in core.running)
+
+    async def _draft(self, core: Scheduler) -> None:
+        """Ask the drafter for the requests ready to verify drafts; set what comes back in time."""
+        if not self.drafter.connected:
+            return
+        asks = []
+        for request in core.requests_ready_to_draft():
+            k = request.draft_length.next_k()
+            if k > 0:
+                asks.append((request, k))
+        if not asks:
+            return
+        drafts = await self.drafter.propose(asks, (r.seq_id for r in core.running))
+        for request, _ in asks:
+            draft = drafts.get(request.seq_id)
+            if draft and not request.is_finished:
+                request.spec_token_ids = draft
 
     def _take_pending_close(self) -> list[tuple[int, int]]:
         closed, self._pending_close = self._pending_close, []

@@ -13,6 +13,7 @@ from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.drafter_link import DrafterLink
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.profile import LatencyProfileRecorder
 from services.scheduler.servicer import GenerationServicer
@@ -35,9 +36,11 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
             observe(delta, output_state)
 
     backend_tls = ClientTLS.for_backends(config)
+    drafter = (DrafterLink(config.drafter_address, config.spec_draft_deadline_ms / 1000, backend_tls)
+               if config.drafter_address and config.num_speculative_tokens > 0 else None)
     loop = SchedulerLoop(config.limits, ExecutorLink(config.executor_address, backend_tls),
                          TokenizerPool(config.tokenizer_addresses, backend_tls), config.connect_timeout_s,
-                         on_finished=on_finished)
+                         on_finished=on_finished, drafter=drafter, speculation=config.speculation())
     await loop.start()
     model_name = Path(loop.executor.info.model).name
     servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name,

@@ -62,12 +62,17 @@ class RequestState:
             update.new_token_ids, text, update.new_logprobs, update.finish_reason, update.stop_reason,
             now, request.first_scheduled_time, request.num_cached_tokens,
         )
+        if delta.timings is not None:
+            delta.timings.accepted_draft_tokens = request.num_accepted_draft_tokens
         return delta, matched if update.finish_reason is None else None
 
     def abort(self, now: float, reason: FinishReason = FinishReason.ABORT) -> GenerationDelta:
         """The final delta of a request ended from outside (the caller ends it in the core)."""
         request = self.request
-        return self.output.abort(now, request.first_scheduled_time, request.num_cached_tokens, reason)
+        delta = self.output.abort(now, request.first_scheduled_time, request.num_cached_tokens, reason)
+        if delta.timings is not None:
+            delta.timings.accepted_draft_tokens = request.num_accepted_draft_tokens
+        return delta
 
 
 def admit(

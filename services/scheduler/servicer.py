@@ -70,6 +70,7 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
             f.timings.time_to_first_token_ms = t.time_to_first_token_ms
             f.timings.decode_time_ms = t.decode_time_ms
             f.timings.e2e_ms = t.e2e_ms
+            f.timings.accepted_draft_tokens = t.accepted_draft_tokens
         out.append(generation_pb2.GenerateResponse(finished=f))
     return out
 
@@ -153,7 +154,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             budget = self._budget(tenant)
             if budget is not None:
                 budget.admit(tenant.name, len(prompt_ids))
+            spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+            if spec_k is not None and spec_k < 0:
+                raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
             handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority,
+                                      num_speculative_tokens=spec_k,
                                       tenant=tenant.name if tenant is not None else "")
             if tenant is not None:
                 self._owners[request_id] = tenant.name

@@ -80,6 +80,14 @@ class DraftLength:
             return 1
         return 0
 
+    def wants_drafts(self) -> bool:
+        """Whether next_k could be above 0 now (a probe due counts); no side effect."""
+        if self.cap <= 0:
+            return False
+        if not self.config.adaptive or self.acceptance >= self.config.min_acceptance:
+            return True
+        return self._idle_steps + 1 >= self.config.probe_interval
+
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """A verified step: ``num_accepted`` of ``num_drafts`` drafts survived."""
         if num_drafts <= 0:
