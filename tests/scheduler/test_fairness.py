@@ -79,6 +79,13 @@ def test_the_least_served_tenant_goes_first_within_a_priority() -> None:
 
 
 def test_a_tenant_back_from_idle_starts_level_and_keeps_its_debt() -> None:
+    credited = FairWaitingQueue(idle_credit=100)
+    credited.charge("a", 1000)
+    credited.set_running({"a"})
+    back = tenant_request("b0", "b")
+    back.seq_id = 1
+    credited.push(back)
+    assert credited.served["b"] == 900  # one request's worth of credit, no more
     queue = FairWaitingQueue()
     queue.charge("a", 1000)
     queue.set_running({"a"})
@@ -124,6 +131,8 @@ def test_a_more_urgent_request_preempts_a_less_urgent_one_when_there_is_no_room(
     victim = low[1]  # least urgent: the later of two equal priorities
     assert plan.finished_seq_ids == [victim.seq_id] and scheduler.num_preemptions == 1
     assert victim in scheduler.waiting and low[0] in scheduler.running
+    # The urgent request starts in the next step (a step that preempted starts nothing new).
+    assert plan.new == []
     plan, _ = step(scheduler)
     assert [seq.seq_id for seq in plan.new] == [scheduler.get_request("high").seq_id]
     # Equal priority never preempts.
@@ -133,6 +142,33 @@ def test_a_more_urgent_request_preempts_a_less_urgent_one_when_there_is_no_room(
     add(scheduler, tenant_request("b", "", max_tokens=3))
     plan, _ = step(scheduler)
     assert plan.finished_seq_ids == [] and scheduler.num_preemptions == 0
+
+
+def test_a_flooding_tenant_yields_a_running_slot_to_a_tenant_far_behind() -> None:
+    # max_model_len 64: the flood must be more than 64 tokens ahead to give up a slot.
+    scheduler = make_scheduler(max_num_seqs=2, num_blocks=64)
+    flood = [tenant_request(f"flood{i}", "flood", arrival_time=float(i), max_tokens=40) for i in range(6)]
+    add(scheduler, *flood)
+    for _ in range(3):
+        step(scheduler)
+    add(scheduler, tenant_request("even", "even", arrival_time=50.0, max_tokens=4))
+    # even starts at 0 (14 - 64, floored at its own 0); flood is 14 ahead, not the 32 a
+    # preemption needs.
+    plan, _ = step(scheduler)
+    assert plan.finished_seq_ids == [] and scheduler.num_preemptions == 0
+    scheduler.abort_request("even")
+    for _ in range(40):
+        step(scheduler)
+    add(scheduler, tenant_request("quiet", "quiet", arrival_time=100.0, max_tokens=4))
+    running_flood = [r.request_id for r in scheduler.running]
+    plan, _ = step(scheduler)
+    quiet = scheduler.get_request("quiet")
+    assert scheduler.waiting.served["flood"] - scheduler.waiting.served["quiet"] >= 64 - 6  # credit, less its prompt
+    assert len(plan.finished_seq_ids) == 1 and scheduler.num_preemptions == 1
+    victim = next(r for r in flood if r.seq_id == plan.finished_seq_ids[0])
+    assert victim.request_id in running_flood and victim in scheduler.waiting
+    plan, _ = step(scheduler)
+    assert [seq.seq_id for seq in plan.new] == [quiet.seq_id]  # the next step
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,11 @@ tenant "") this is exactly (priority, arrival_time, seq_id), the order without f
 The counter (Sheng et al., "Fairness in Serving Large Language Models", 2024): each tenant's
 ``served`` grows by the tokens computed for it, prompt tokens when a request starts and each
 output token as it comes. A tenant that arrives with nothing waiting or running is lifted to
-the smallest counter of the tenants that are active, so time spent idle is not banked as
-credit to flood with later. A tenant flooding at ten times its share thus waits behind every
+the smallest counter of the tenants that are active, less ``idle_credit`` tokens (the
+scheduler gives one max_model_len): time spent idle is not banked as credit to flood with
+later, beyond that one request's worth, which puts a light tenant's next request ahead of a
+heavy tenant's backlog (and, core/scheduler.py, lets it take a running slot from a tenant
+far ahead). A tenant flooding at ten times its share thus waits behind every
 other tenant's requests while its counter is ahead, and the others see their own unloaded
 latency plus at most the step time of the flood's running requests.
 
@@ -32,7 +35,8 @@ class FairWaitingQueue:
     (priority, tenant), chosen between by the virtual token counter. Removal is lazy (O(1)),
     as in ``WaitingQueue``."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_credit: float = 0.0) -> None:
+        self.idle_credit = idle_credit
         self._heaps: dict[tuple[int, str], list[tuple[tuple[int, float, int], int, Request]]] = {}
         self._live: dict[int, int] = {}
         """seq_id -> entry number of its live heap entry (older entries are stale)."""
@@ -72,9 +76,9 @@ class FairWaitingQueue:
         tenant = request.tenant
         active = self._active()
         if tenant not in active:
-            # Back from idle: start level with the least-served active tenant, never below
-            # where it left off (that would hand it credit).
-            floor = min((self.served.get(t, 0.0) for t in active), default=0.0)
+            # Back from idle: start level with the least-served active tenant (less the idle
+            # credit), never below where it left off (that would bank more credit).
+            floor = min((self.served.get(t, 0.0) for t in active), default=0.0) - self.idle_credit
             self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
         entry_number = next(self._entry_numbers)
         self._live[request.seq_id] = entry_number

@@ -80,6 +80,13 @@ from services.scheduler.core.fairness import FairWaitingQueue
 from services.scheduler.core.waiting_queue import QueueFullError
 
 
+FAIR_PREEMPTION_MARGIN = 0.5
+"""A running request is preempted for a waiting tenant of its priority only when its own
+tenant has been served this many max_model_len's of tokens more: tenants close to even never
+preempt each other (no churn), while a tenant back from idle (credited one max_model_len
+below the active ones, core/fairness.py) takes a slot from a tenant that filled the batch."""
+
+
 @dataclass(slots=True)
 class _Scheduled:
     """What an in-flight plan asked of one request, kept until its update()."""
@@ -113,7 +120,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.limits.enable_prefix_caching
         )
-        self.waiting = FairWaitingQueue()
+        self.waiting = FairWaitingQueue(idle_credit=config.max_model_len)
         """By priority, then the tenant served the fewest tokens, then arrival (core/fairness.py)."""
         self.running: list[Request] = []
         """Requests known to the executor, sorted by Request.sort_key (most urgent first)."""
@@ -364,25 +371,45 @@ class Scheduler:
             budget -= num_new
 
     def _preempt_for_priority(self, plan: StepPlan) -> None:
-        """A waiting request more urgent than the least urgent running one, with no room to
-        start (blocks or max_num_seqs), preempts running requests less urgent than itself,
-        least urgent first, until it fits. Recompute-mode: the victims restart later from
-        their known tokens, so their outputs are unchanged. Done before anything is planned,
-        so no victim is also in this plan; the waiting request starts in the next step
-        (this one plans no new work after a preemption)."""
+        """Make room for the waiting head when it has none (blocks or max_num_seqs), by
+        preempting running requests (recompute: they restart later from their known tokens,
+        so their outputs are unchanged). The head starts in the next step (a step that
+        preempted starts nothing new).
+
+        Victims, one at a time until the head fits: the least urgent running request if it is
+        less urgent than the head (priority), else a request of the running tenant served the
+        most, if that is more than FAIR_PREEMPTION_MARGIN tokens ahead of the head's tenant
+        (fairness: a tenant flooding the batch gives a slot to one that waits). Done before
+        anything is planned, so no victim is also in this plan."""
         head = self.waiting.peek()
-        if head is None or not self.running or head.priority >= self.running[-1].priority:
-            return
+        if head is None or not self.running:
+            return 0
         block_size = self.config.block_size
         # The blocks its prompt needs plus one token (no prefix hit assumed: cautious).
         needed = -(-(head.num_tokens + 1) // block_size)
-        while self.running and self.running[-1].priority > head.priority and (
-            len(self.running) >= self.config.limits.max_num_seqs
-            or self.block_manager.num_free_blocks < needed
-        ):
-            victim = self.running.pop()
+        while self.running and (len(self.running) >= self.config.limits.max_num_seqs
+                                or self.block_manager.num_free_blocks < needed):
+            victim = self._victim_for(head)
+            if victim is None:
+                break
+            self.running.remove(victim)
             self._preempt(victim)
             plan.finished_seq_ids.append(victim.seq_id)
+
+    def _victim_for(self, head: Request) -> Request | None:
+        least_urgent = self.running[-1]
+        if least_urgent.priority > head.priority:
+            return least_urgent
+        served = self.waiting.served
+        margin = served.get(head.tenant, 0.0) + FAIR_PREEMPTION_MARGIN * self.config.max_model_len
+        best = None
+        for request in reversed(self.running):  # least urgent first
+            if request.priority < head.priority or request.tenant == head.tenant:
+                continue
+            tenant_served = served.get(request.tenant, 0.0)
+            if tenant_served > margin and (best is None or tenant_served > served.get(best.tenant, 0.0)):
+                best = request
+        return best
 
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop its blocks; it restarts from its known tokens.

@@ -1,0 +1,108 @@
+"""Two tenants, one flooding: does the quiet tenant's time to first token hold?
+
+    python -m benchmarks.tenant_fairness [--seconds 20] [--flood 40]
+
+The stack runs as `tokenmill up` runs it (the Launcher, four processes) with authentication
+(tenants "quiet" and "flood") and a small batch (--max-num-seqs=8), so the flood must queue.
+The quiet tenant sends one greedy request at a time (16 tokens), back to back, and times each
+request's first token. First alone (its unloaded TTFT), then while the flood tenant keeps
+``--flood`` streams of 64 tokens open (ten times the quiet tenant's one, and five times the
+batch), again with the queue ordered by the virtual token counter. Prints p50/p99 TTFT both
+ways and the ratio loaded/unloaded (the target is p99 within 1.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from benchmarks.overload_burst import percentile
+from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.server import create_channel
+from services.common.service_config import REPO_ROOT
+from services.stack.client import build_request
+from services.stack.launcher import LaunchConfig, Launcher
+
+STORIES = str(REPO_ROOT / "models" / "stories260K")
+PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "The sun was hot", "Mom said"]
+
+
+def bearer(token: str):
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def quiet_ttfts(stub, seconds: float) -> list[float]:
+    ttfts, stop_at, i = [], time.monotonic() + seconds, 0
+    while time.monotonic() < stop_at:
+        started = time.perf_counter()
+        first = None
+        async for message in stub.Generate(build_request(PROMPTS[i % len(PROMPTS)], max_tokens=16, temperature=0.0,
+                                                         ignore_eos=True), timeout=60, metadata=bearer("tq")):
+            if first is None and message.WhichOneof("event") == "delta":
+                first = time.perf_counter() - started
+        ttfts.append(first * 1000)
+        i += 1
+    return ttfts
+
+
+async def flood_stream(stub, stop: asyncio.Event, seed: int) -> int:
+    done = 0
+    while not stop.is_set():
+        try:
+            async for _ in stub.Generate(build_request(PROMPTS[seed % len(PROMPTS)], max_tokens=64, temperature=0.0,
+                                                       ignore_eos=True), timeout=120, metadata=bearer("tf")):
+                pass
+            done += 1
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.05)
+    return done
+
+
+async def run(address: str, seconds: float, flood: int) -> None:
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await quiet_ttfts(stub, 1.0)  # warm up
+        alone = await quiet_ttfts(stub, seconds)
+        stop = asyncio.Event()
+        flooders = [asyncio.create_task(flood_stream(stub, stop, i)) for i in range(flood)]
+        await asyncio.sleep(2.0)  # the flood's queue builds up
+        loaded = await quiet_ttfts(stub, seconds)
+        stop.set()
+        flooded = sum(await asyncio.gather(*flooders))
+    print(f"quiet tenant, one request at a time; flood tenant {flood} streams (max-num-seqs 8)")
+    for name, values in (("alone", alone), ("flooded", loaded)):
+        print(f"{name:<8} requests {len(values):>4}  TTFT p50 {percentile(values, 0.5):7.2f} ms  "
+              f"p99 {percentile(values, 0.99):7.2f} ms")
+    print(f"flood requests completed: {flooded}")
+    print(f"TTFT p99 flooded / alone: {percentile(loaded, 0.99) / percentile(alone, 0.99):.2f}x "
+          f"(p50 {percentile(loaded, 0.5) / percentile(alone, 0.5):.2f}x)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--flood", type=int, default=40)
+    args = parser.parse_args(argv)
+    run_dir = Path(tempfile.mkdtemp(prefix="tokenmill-fairness-"))
+    tokens = run_dir / "tokens.json"
+    tokens.write_text(json.dumps([{"token": "tq", "tenant": "quiet"}, {"token": "tf", "tenant": "flood"}]))
+    launcher = Launcher(LaunchConfig(
+        model=STORIES, public_port=0, log_dir=str(run_dir / "logs"),
+        executor_args=["--num-blocks=512", "--block-size=16", "--dtype=fp32", "--device=cpu"],
+        scheduler_args=["--max-num-seqs=8", f"--auth-tokens-file={tokens}"],
+        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
+    launcher.start()
+    try:
+        asyncio.run(run(launcher.public_address, args.seconds, args.flood))
+    finally:
+        launcher.stop()
+
+
+if __name__ == "__main__":
+    main()
