@@ -9,7 +9,7 @@
 // Work item = a range of output rows n. Each 32-value block of a row is unpacked into two
 // float vectors (AVX-512; a portable loop otherwise) and multiplied with 8 input rows at a
 // time, whose accumulators stay in registers:
-// d * sum_j q[j] x[j], plus z * sum_j x[j] from per-block sums of x computed once per call
+// sum_j (d q[j]) x[j], plus z * sum_j x[j] from per-block sums of x computed once per call
 // (llama.cpp's arrangement of the same sum), lanes added last.
 //
 // Layouts (checked by the Python wrapper, services/runtime/model/quant/linear.py):
@@ -52,19 +52,23 @@ inline void rows_avx512(const float* __restrict x, const float* __restrict xsum,
                         const int8_t* __restrict q8, const float* __restrict scales, const float* __restrict zeros,
                         float* __restrict out, int64_t N, int64_t K, int64_t per_group) {
   const int64_t blocks = K / 32;
-  __m512 acc[R];
+  // Two accumulators per row (values 0..15 and 16..31 of each block): two independent FMA chains.
+  __m512 acc[R], acc_hi[R];
   float zsum[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), zsum[r] = 0.0f;
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), acc_hi[r] = _mm512_setzero_ps(), zsum[r] = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t g = b / per_group;
     __m512 lo, hi;
     unpack_block(q4 ? q4 + b * 16 : nullptr, q8 ? q8 + b * 32 : nullptr, lo, hi);
+    // d * q is exact in fp32 (an fp16 d times an integer of at most 8 bits): the weights' own numbers.
     const __m512 d = _mm512_set1_ps(scales[g]);
+    lo = _mm512_mul_ps(lo, d);
+    hi = _mm512_mul_ps(hi, d);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K + b * 32;
-      const __m512 part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xr)));
-      acc[r] = _mm512_fmadd_ps(d, part, acc[r]);
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
+      acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc_hi[r]);
     }
     if (zeros) {
       const float z = zeros[g];
@@ -72,7 +76,7 @@ inline void rows_avx512(const float* __restrict x, const float* __restrict xsum,
       for (int r = 0; r < R; ++r) zsum[r] += z * xsum[r * blocks + b];
     }
   }
-  for (int r = 0; r < R; ++r) out[r * N] = zsum[r] + _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * N] = zsum[r] + _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_hi[r]));
 }
 #endif
 
