@@ -261,7 +261,9 @@ class SchedulerCollector(Collector):
                      "kv_cache_blocks", "kv_cache_capacity_tokens", "kv_cache_bytes"):
             yield GaugeMetricFamily(PREFIX + name, "")
         for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "scheduler_steps",
-                     "scheduler_step_sequences", "scheduler_step_phase_seconds"):
+                     "scheduler_step_sequences", "scheduler_step_phase_seconds", "spec_decode_num_drafts",
+                     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                     "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens_per_pos"):
             yield CounterMetricFamily(PREFIX + name, "")
 
     def collect(self) -> Iterable[Metric]:
@@ -293,6 +295,25 @@ class SchedulerCollector(Collector):
         phases.add_metric(["executor"], totals.executor_s)
         phases.add_metric(["update"], totals.update_s)
         yield phases
+        yield from _spec_decode(getattr(stats, "spec_decode", None))
+
+
+def _spec_decode(spec) -> Iterable[Metric]:
+    """Speculative decoding counters, named like vLLM's; per position labelled 0, 1, ..."""
+    if spec is None:
+        return
+    yield _counter("spec_decode_num_drafts", "Verified steps of a sequence that carried draft tokens", spec.num_drafts)
+    yield _counter("spec_decode_num_draft_tokens", "Draft tokens sent for verification", spec.num_draft_tokens)
+    yield _counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted", spec.num_accepted_tokens)
+    for name, help_, values in (
+            ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft",
+             spec.accepted_per_position),
+            ("spec_decode_num_draft_tokens_per_pos", "Draft tokens sent by position in the draft",
+             spec.drafted_per_position)):
+        family = CounterMetricFamily(PREFIX + name, help_, labels=["position"])
+        for position, value in enumerate(values):
+            family.add_metric([str(position)], float(value))
+        yield family
 
 
 def _kv_capacity(info) -> Iterable[Metric]:

@@ -156,4 +156,8 @@ class LatencyProfileRecorder:
             msg.kv_cache_usage = stats.kv_cache_usage
             msg.num_running = stats.num_running
             msg.num_waiting = stats.num_waiting
+            spec = getattr(stats, "spec_decode", None)
+            if spec is not None:
+                msg.spec_mean_accepted_length = spec.mean_accepted_length
+                msg.spec_acceptance_rate = spec.acceptance_rate
         return msg

@@ -22,7 +22,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.metrics import SchedulerCollector
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from services.drafter.config import DrafterConfig
 from services.drafter.main import serve as serve_drafter
@@ -209,3 +210,23 @@ async def test_sigkill_of_the_drafter_mid_run_leaves_every_stream_complete_and_c
         await channel.close()
         for server in (scheduler, executor, tokenizer):
             await server.stop(grace=0)
+
+
+async def test_metrics_and_profile_report_acceptance(stacks):
+    stack = stacks["ngram"]
+    await run_all(stack)
+    collector = SchedulerCollector()
+    collector.source = stack.scheduler.scheduler_loop
+    samples = {(s.name, s.labels.get("position")): s.value for m in collector.collect() for s in m.samples}
+    spec = stack.stats().spec_decode
+    assert samples[("tokenmill:spec_decode_num_drafts_total", None)] == spec.num_drafts > 0
+    assert samples[("tokenmill:spec_decode_num_draft_tokens_total", None)] == spec.num_draft_tokens
+    assert samples[("tokenmill:spec_decode_num_accepted_tokens_total", None)] == spec.num_accepted_tokens > 0
+    per_pos = [samples[("tokenmill:spec_decode_num_accepted_tokens_per_pos_total", str(i))]
+               for i in range(len(spec.accepted_per_position))]
+    assert sum(per_pos) == spec.num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True), "a later draft is accepted only after every earlier one"
+    profile = await stack.stub.GetProfile(generation_pb2.GetProfileRequest())
+    assert profile.spec_mean_accepted_length == pytest.approx(1 + spec.num_accepted_tokens / spec.num_drafts)
+    assert profile.spec_mean_accepted_length > 1.0
+    assert 0 < profile.spec_acceptance_rate < 1
