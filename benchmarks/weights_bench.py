@@ -47,7 +47,7 @@ FP32_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 CACHE = REPO_ROOT / "benchmarks" / ".cache" / "weights"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 FORMATS = ("fp32", "bf16", "int8", "int4")
-TOKENMILL = [sys.executable, "-m", "services.cli"]
+TOKENMILL = [sys.executable, "-m", "services.cli.main"]
 
 
 def load_prompts() -> list[list[dict[str, str]]]:

@@ -23,6 +23,8 @@ parts as they are, in the activations' dtype.
 
 from __future__ import annotations
 
+import functools
+
 import structlog
 import torch
 from torch import nn
@@ -113,6 +115,7 @@ class QuantLinear(nn.Module):
                f"path={self.path}, bias={self.bias is not None}"
 
 
+@functools.cache
 def _cpu_kernel_available() -> bool:
     from services.runtime.kernels import cpu
 
@@ -121,6 +124,12 @@ def _cpu_kernel_available() -> bool:
     except cpu.CpuKernelsUnavailable as exc:
         _log.warning("quantized linears run dequantized in fp32", reason=str(exc))
         return False
+
+    # Shape-only version for torch.compile (--compile traces the decode step through this op).
+    @torch.library.register_fake("tokenmill_quant::quant_matmul")
+    def _(x, qweight, scales, zeros, bits, group):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
     return True
 
 
