@@ -1,7 +1,7 @@
 """``tokenmill convert FORMAT ...``: turn a checkpoint into tokenmill's model directory format.
 
     tokenmill convert llama2c --checkpoint X.bin --tokenizer tok.bin --out DIR
-    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16]      (or --package DIST instead of FILE)
+    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep]      (or --package DIST instead of FILE)
 """
 
 from __future__ import annotations

