@@ -328,3 +328,28 @@ def test_backends_over_quantized_pools_match_the_reference_backend(backend, kv_d
     if backend == "cpu" and device.type != "cpu":
         pytest.skip("the cpu backend runs on the CPU only")
     _backend_step(backend, kv_dtype, device)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_cpu_decode_widens_every_stored_value_exactly(kv_dtype):
+    """A one-token context attends to its own V with weight 1: the output is float(value) * scale,
+    which must equal PyTorch's conversion for every value the pool can hold (all 256 int8 bytes but
+    -128; the 254 non-NaN e4m3 bytes, subnormals included: the C++ kernel widens them by bit
+    arithmetic)."""
+    from services.runtime.kernels import cpu as cpu_kernels
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if kv_dtype == torch.int8:
+        codes = codes[codes.view(torch.int8) != -128]
+    else:
+        codes = codes[(codes & 0x7F) != 0x7F]
+    rows = codes[: len(codes) // 2 * 2].view(2, 1, -1)  # two sequences of one token, one head
+    d = rows.shape[-1]
+    k_pool, v_pool = (ScaledCache.empty((2, 1, 1, d), kv_dtype, torch.device("cpu")) for _ in range(2))
+    for pool in (k_pool, v_pool):
+        as_bytes(pool.data).copy_(rows.view(2, 1, 1, d))
+        pool.scale.fill_(0.5)
+    out = cpu_kernels.paged_decode(torch.randn(2, 1, d), k_pool, v_pool, torch.tensor([[0], [1]], dtype=torch.int32),
+                                   torch.tensor([1, 1], dtype=torch.int32), 0.125)
+    expected = v_pool.data.float().view(2, 1, d) * 0.5
+    assert torch.equal(out, expected)
