@@ -137,8 +137,11 @@ def check_greedy(model_dir, prompts: list, max_tokens: int, **engine_options) ->
             context = list(prompt_ids) + want[:where]
             row = logits_through_cache(model, context, torch.float32, decode_tokens=1)[-1]
             gap = (row[want[where]] - row[got[where]]).item()
-            limit = 2 * LOGIT_TOLERANCE[name] * row.abs().max().item()
-            assert 0 <= gap <= limit, f"{name}: the fp32 cache preferred its token by {gap:.3f} > {limit:.3f}"
+            scale = row.abs().max().item()
+            # >= -1e-4 x scale: the engine ran this row in a batch through another backend, so an
+            # exact tie may come out either way here
+            assert -1e-4 * scale <= gap <= 2 * LOGIT_TOLERANCE[name] * scale, (
+                f"{name}: the fp32 cache preferred its token by {gap:.3f} (logit scale {scale:.1f})")
 
 
 def test_stories260k_logits(stories_dir):
