@@ -205,3 +205,17 @@ def test_loader_names_a_part_with_the_wrong_dtype(stories_pair, tmp_path):
         load_checkpoint(bad, config, torch.float32)
     assert isinstance(tensors["model.layers.1.self_attn.q_proj.weight"], QuantizedWeight)
     assert dataclasses.replace(config, quantization=None).quantization is None
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+def test_cpu_dequantize_is_bitwise_the_reference(fmt):
+    """The weight the CPU path writes out for many rows (quant_dequantize) is the reference's, bit for bit."""
+    from services.runtime.model.quant.formats import bits
+    from services.runtime.model.quant.linear import cpu_kernel_operands
+
+    w = quantize(torch.randn(40, 96) * 0.1, fmt)
+    layer = QuantLinear(w)
+    assert layer.prepare() == "cpu_kernel"
+    scales, zeros, group = cpu_kernel_operands(w)
+    out = torch.ops.tokenmill_quant.quant_dequantize(w.qweight, scales, zeros, bits(fmt), group)
+    assert torch.equal(out, dequantize(w))

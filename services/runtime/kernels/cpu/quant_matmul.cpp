@@ -173,10 +173,63 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
+// The weight itself, [N, K] fp32: d * q + z per group, the numbers the reference dequantization
+// forms. Many input rows make the product compute-bound, where one write of the weight plus a
+// BLAS matmul beats the kernel above (quant/linear.py picks by the row count).
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                            int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be 2-D contiguous");
+  const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  TORCH_CHECK(group > 0 && K % group == 0 && K % 32 == 0, "bad group size");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / group),
+              "scales must be [N, K / group] fp32");
+  const bool has_zeros = zeros.numel() > 0;
+  TORCH_CHECK(!has_zeros || (zeros.scalar_type() == at::kFloat && zeros.is_contiguous() &&
+                             zeros.numel() == scales.numel()), "zeros must be like scales");
+  at::Tensor out = at::empty({N, K}, scales.options());
+  const int64_t groups = K / group, per_group = group / 32, row_bytes = bits == 4 ? K / 2 : K;
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const uint8_t* q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
+  const int8_t* q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const int64_t g = b / per_group;
+        const float d = sp[n * groups + g], z = zp ? zp[n * groups + g] : 0.0f;
+        float* w = op + n * K + b * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 lo, hi;
+        unpack_block(q4 ? q4 + n * row_bytes + b * 16 : nullptr, q8 ? q8 + n * row_bytes + b * 32 : nullptr, lo, hi);
+        const __m512 dv = _mm512_set1_ps(d), zv = _mm512_set1_ps(z);
+        _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(lo, dv), zv));  // d * q + z, rounded as the reference
+        _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(hi, dv), zv));
+#else
+        for (int64_t j = 0; j < 16; ++j) {
+          const float a = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] & 0x0F)
+                             : static_cast<float>(q8[n * row_bytes + b * 32 + j]);
+          const float c = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] >> 4)
+                             : static_cast<float>(q8[n * row_bytes + b * 32 + 16 + j]);
+          w[j] = d * a + z;
+          w[j + 16] = d * c + z;
+        }
+#endif
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_quant, m) {
   m.def("quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group) -> Tensor");
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor zeros, int bits, int group) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) { m.impl("quant_matmul", &quant_matmul); }
+TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) {
+  m.impl("quant_matmul", &quant_matmul);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

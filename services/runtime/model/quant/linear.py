@@ -2,20 +2,26 @@
 
 CPU: the C++ kernel ``tokenmill_quant::quant_matmul`` (services/runtime/kernels/cpu/quant_matmul.cpp)
 reads the stored values and per-group scales and zeros, with fp32 activations and outputs: the
-dequantized model's numbers up to the order of the fp32 sums. Without a C++ compiler, or for a
-weight whose input size is not a multiple of 32, the weight is dequantized once at load to fp32
-and runs through the plain Linear (exact, and as slow as an fp32 model).
+dequantized model's numbers up to the order of the fp32 sums. From ``DEQUANTIZE_MIN_ROWS`` input
+rows on (prompts, large batches) the product is compute-bound, and writing the weight out in
+fp32 (``quant_dequantize``: bitwise the reference dequantization) for one BLAS matmul is faster.
+Without a C++ compiler, or for a weight whose input size is not a multiple of 32, the weight is
+dequantized once at load to fp32 and runs through the plain Linear (exact, as slow as fp32).
 
-PyTorch's own packed operators were measured first and are not used: ``_weight_int4pack_mm_for_cpu``
-and ``_weight_int8pack_mm`` are vectorized only for bf16 activations (with fp32 ones 10-100x
-slower), and they return bf16. A bf16 logit is too coarse to sample from: on SmolLM2's
-"What is the capital of France?" the two best first tokens are 0.08 apart at a logit of 25,
-where bf16's step is 0.125; they tied and the greedy answer changed. On one core of the 2-core
-benchmark machine, a 3072x576 q4_1 weight, 20 distinct copies (so the weights stream from memory
-as a model's do), per product: 1 row: this kernel 0.24-0.29 ms, aten int4 (bf16) 0.11-0.37 ms,
-oneDNN fp32 0.8-2.0 ms; 32 rows: 5.3-5.6 ms, 2.1-3.5 ms, 1.5-3.7 ms (the machine is shared, so
-each range is several runs). The kernel pays for decode (1-8 rows), where weights are the
-cost; large batches are compute-bound and run slower than fp32 oneDNN (docs/benchmarks.md).
+Measured on one core of the 2-core benchmark machine (shared; best of 3), a 3072x576 weight,
+20 distinct copies so the weights stream from memory as a model's do, microseconds per product:
+
+    rows                          1       8      16      32
+    q4_1, the kernel            136     529    1246    3293
+    q4_1, dequantized + BLAS    622    1155    1172    2157
+    fp32, oneDNN prepacked      634     640     854    2742
+
+(q4_0, q8_0 and int8 alike: the kernel 155-195 us at one row.) PyTorch's own packed operators
+were measured first and are not used: ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``
+are vectorized only for bf16 activations (fp32 ones 10-100x slower) and return bf16. A bf16
+logit is too coarse to sample from: on SmolLM2's "What is the capital of France?" the two best
+first tokens are 0.08 apart at a logit of 25, where bf16's step is 0.125; they tied and the
+greedy answer changed.
 
 CUDA: the Triton dequantize-and-multiply kernel (kernels/quant_matmul.py) reads the stored
 parts as they are, in the activations' dtype.
@@ -27,10 +33,15 @@ import functools
 
 import structlog
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
+
+DEQUANTIZE_MIN_ROWS = 16
+"""From this many input rows the CPU path writes the weight out in fp32 (the reference's numbers)
+and multiplies with BLAS: the kernel's per-row work makes it slower there (module docstring)."""
 
 _log = structlog.get_logger("tokenmill.model")
 
@@ -102,9 +113,11 @@ class QuantLinear(nn.Module):
         elif self.path == "cpu_kernel":
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
-            out = torch.ops.tokenmill_quant.quant_matmul(
-                x.float().contiguous(), self.quantized.qweight, self._scales, self._zeros,
-                bits(self.quantized.fmt), self._group).to(x.dtype)
+            operands = (self.quantized.qweight, self._scales, self._zeros, bits(self.quantized.fmt), self._group)
+            if x.shape[0] >= DEQUANTIZE_MIN_ROWS:  # compute-bound: the weight once in fp32, then BLAS
+                out = F.linear(x.float(), torch.ops.tokenmill_quant.quant_dequantize(*operands)).to(x.dtype)
+            else:
+                out = torch.ops.tokenmill_quant.quant_matmul(x.float().contiguous(), *operands).to(x.dtype)
         else:
             out = self._fallback(x.float()).to(x.dtype)
         return out if self.bias is None else out + self.bias
@@ -129,6 +142,10 @@ def _cpu_kernel_available() -> bool:
     @torch.library.register_fake("tokenmill_quant::quant_matmul")
     def _(x, qweight, scales, zeros, bits, group):
         return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake("tokenmill_quant::quant_dequantize")
+    def _(qweight, scales, zeros, bits, group):
+        return scales.new_empty((qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)))
 
     return True
 
