@@ -42,6 +42,9 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                      "TOKENMILL_NUM_SPECULATIVE_TOKENS")
     spec_adaptive: bool = _f(True, "adapt each request's draft count to its acceptance rate, down to 0 when "
                                    "drafts do not pay (off = always num_speculative_tokens)", "TOKENMILL_SPEC_ADAPTIVE")
+    spec_min_acceptance: float = _f(0.3, "adaptive k: the i-th draft is sent while the request's acceptance rate to "
+                                         "the power i is at least this (lower = longer drafts)",
+                                    "TOKENMILL_SPEC_MIN_ACCEPTANCE")
     spec_draft_deadline_ms: float = _f(50.0, "how long a step waits for the drafter's proposals; later ones are "
                                              "dropped and the step runs without drafts",
                                        "TOKENMILL_SPEC_DRAFT_DEADLINE_MS")
@@ -60,7 +63,8 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                  "TOKENMILL_PROFILE_WINDOW_S")
 
     def speculation(self) -> SpeculationConfig:
-        return SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens, adaptive=self.spec_adaptive)
+        return SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens, adaptive=self.spec_adaptive,
+                                 min_acceptance=self.spec_min_acceptance)
 
     def validate(self) -> None:
         """The limits alone (the executor's facts are checked against them when it connects),
