@@ -279,6 +279,10 @@ class TokenizerPool:
             raise ValueError("tokenizer_addresses must name at least one tokenizer service")
         self.links = [TokenizerLink(a, tls) for a in addresses]
         self._next = itertools.cycle(range(len(self.links)))
+        self._next_unary = itertools.cycle(range(len(self.links)))
+        """Encode/RenderChat keep their own turn, so a text request's Encode does not move the
+        turn that pins detokenization (with two tokenizers, every text request would otherwise
+        be pinned to the same one)."""
         self.info: tokenizer_pb2.TokenizerInfo | None = None
 
     async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
@@ -291,20 +295,21 @@ class TokenizerPool:
         """At least one tokenizer can take a new request."""
         return any(link.connected for link in self.links)
 
-    def pick(self) -> int:
+    def pick(self, turn=None) -> int:
         """The next connected tokenizer, round-robin; UnavailableError when none is."""
+        turn = turn or self._next
         for _ in range(len(self.links)):
-            index = next(self._next)
+            index = next(turn)
             if self.links[index].connected:
                 return index
         raise UnavailableError(f"tokenizer at {', '.join(link.address for link in self.links)} is unavailable; "
                                "retry shortly")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self.links[self.pick()].encode(text, add_special_tokens)
+        return await self.links[self.pick(self._next_unary)].encode(text, add_special_tokens)
 
     async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
-        return await self.links[self.pick()].render_chat(messages, add_generation_prompt)
+        return await self.links[self.pick(self._next_unary)].render_chat(messages, add_generation_prompt)
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)
