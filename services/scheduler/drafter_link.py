@@ -161,16 +161,17 @@ class DrafterLink:
 
     # ------------------------------------------------------------------ one step
     async def propose(self, asks: list[tuple[Request, int]],
-                      live_seq_ids: Iterable[int]) -> dict[int, list[int]]:
-        """Drafts by seq_id for ``asks`` ((request, most drafts wanted), k >= 1); {} when the
-        drafter is away, busy with a late answer, or misses the deadline. ``live_seq_ids``:
-        the scheduler's running sequences; the drafter forgets the others it holds."""
+                      live_seq_ids: Iterable[int]) -> dict[int, list[int]] | None:
+        """Drafts by seq_id for ``asks`` ((request, most drafts wanted), k >= 1), a request with
+        no draft absent; None when there is no answer (the drafter is away, busy with a late
+        answer, or misses the deadline). ``live_seq_ids``: the scheduler's running sequences;
+        the drafter forgets the others it holds."""
         call = self._call
         if call is None or not asks:
-            return {}
+            return None
         if self._pending is not None:
             self.num_skipped += 1
-            return {}
+            return None
         live = set(live_seq_ids)
         step_id = next(self._step_ids)
         message = drafter_pb2.ProposeRequest(step_id=step_id)
@@ -201,14 +202,14 @@ class DrafterLink:
             _log.warning("drafter_write_failed", address=self.address, error=str(exc))
             call.cancel()
             self._session_ended(call)
-            return {}
+            return None
         try:
             response = await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except asyncio.TimeoutError:
             self.num_late += 1
-            return {}
+            return None
         if response is None:  # the session ended while we waited
-            return {}
+            return None
         limits = {request.seq_id: k for request, k in asks}
         drafts: dict[int, list[int]] = {}
         flat = response.draft_token_ids

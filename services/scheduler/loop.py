@@ -345,10 +345,14 @@ class SchedulerLoop:
         if not asks:
             return
         drafts = await self.drafter.propose(asks, (r.seq_id for r in core.running))
+        if drafts is None:  # no answer in time: this step goes without drafts
+            return
         for request, _ in asks:
             draft = drafts.get(request.seq_id)
             if draft and not request.is_finished:
                 request.spec_token_ids = draft
+            elif not draft:
+                request.draft_length.observe_no_draft()
 
     def _take_pending_close(self) -> list[tuple[int, int]]:
         closed, self._pending_close = self._pending_close, []

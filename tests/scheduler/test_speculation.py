@@ -83,3 +83,11 @@ def test_drafts_through_a_whole_run_leave_no_block_behind():
         assert len(request.block_ids) * 4 <= used + 4 + 3, "at most the draft positions' blocks beyond the tokens"
     assert request.num_output_tokens == 20
     assert_all_blocks_free(scheduler)
+
+
+def test_no_proposal_counts_as_a_rejection_so_k_falls_to_zero():
+    length = DraftLength(SpeculationConfig(initial_acceptance=0.7, min_acceptance=0.3), 4)
+    for _ in range(6):
+        assert length.wants_drafts()
+        length.observe_no_draft()
+    assert not length.wants_drafts() and length.next_k() == 0

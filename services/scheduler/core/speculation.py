@@ -12,7 +12,8 @@ noticed again.
 
 The rate is estimated per draft position actually judged: a step with k drafts of which m
 were accepted judged min(m + 1, k) positions and m of them passed (positions after the first
-rejection were never judged). An exponential moving average weights recent steps.
+rejection were never judged). An exponential moving average weights recent steps. A step
+where the drafter answered with no draft for the request counts as one rejected position.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class DraftLength:
         if not self.config.adaptive or self.acceptance >= self.config.min_acceptance:
             return True
         return self._idle_steps + 1 >= self.config.probe_interval
+
+    def observe_no_draft(self) -> None:
+        """The drafter answered with nothing for this request (no n-gram match): as good as one
+        rejected draft, so a request whose text never matches falls to k = 0 too (and the loop
+        overlaps its steps again) instead of asking every step."""
+        self.observe(1, 0)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """A verified step: ``num_accepted`` of ``num_drafts`` drafts survived."""
