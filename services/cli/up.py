@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "same as --executor-arg=--kv-cache-dtype=...")
     p.add_argument("--drafter-arg", action="append", default=[],
                    help="extra flag passed to the drafter, e.g. --drafter-arg=--method=draft_model (repeatable)")
+    p.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="speculative decoding with up to K drafts per sequence per step from the drafter (n-gram "
+                        "unless --drafter-arg=--method=draft_model ...); same as "
+                        "--scheduler-arg=--num-speculative-tokens=K --drafter-arg=--num-speculative-tokens=K")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)")
     p.add_argument("--tls", action="store_true",
@@ -99,13 +103,25 @@ def executor_args(args) -> list[str]:
     return own + args.executor_arg
 
 
+def scheduler_args(args) -> list[str]:
+    """--scheduler-arg flags, after the ones up has a flag of its own for (a later flag wins)."""
+    own = [] if args.speculate is None else [f"--num-speculative-tokens={args.speculate}"]
+    return own + args.scheduler_arg
+
+
+def drafter_args(args) -> list[str]:
+    # The drafter caps k at its own setting: raise it with the scheduler's (it allows up to 32).
+    own = [] if not args.speculate else [f"--num-speculative-tokens={args.speculate}"]
+    return own + args.drafter_arg
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},
-                                     executor_args=executor_args(args), scheduler_args=args.scheduler_arg,
-                                     drafter_args=args.drafter_arg,
+                                     executor_args=executor_args(args), scheduler_args=scheduler_args(args),
+                                     drafter_args=drafter_args(args),
                                      log_dir=args.log_dir, on_event=_print_event, tls=args.tls))
     print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
           file=sys.stderr)
