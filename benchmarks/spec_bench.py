@@ -92,7 +92,8 @@ class System:
             model=str(MODEL), public_port=0, log_dir=tempfile.mkdtemp(prefix=f"spec-bench-{name}-"),
             executor_args=[f"--kv-cache-bytes={512 * 1024**2}"], drafter_args=drafter,
             scheduler_args=spec + [f"--metrics-port={self.metrics_port}"],
-            env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}, restart=False))
+            env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}, restart=False,
+            start_timeout_s=900))  # three executors warming up at once on a busy machine
         self.tokens = tokens
 
     def counters(self) -> dict[str, float]:

@@ -1,7 +1,8 @@
-"""Speculative decoding through the real services: a drafter (n-gram prompt lookup) and a
-scheduler that asks it every step, against the same stack without speculation.
+"""Speculative decoding through the real services: a drafter (n-gram prompt lookup, or a
+self-speculative draft model: stories260K's first 3 layers) and a scheduler that asks it every
+step, against the same stack without speculation.
 
-Two stacks in this process on loopback share a tokenizer; one scheduler is wired to a drafter.
+Three stacks in this process on loopback share a tokenizer; two schedulers are wired to a drafter.
 Concurrent greedy requests (plus seeded sampling, whose noise depends only on seed and
 position) must produce identical tokens, text and finish reasons on both, with a KV pool
 small enough that requests are preempted and prompts sharing a prefix so that the prefix
@@ -27,6 +28,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from services.drafter.config import DrafterConfig
 from services.drafter.main import serve as serve_drafter
+from services.drafter.proposer import DraftMethod
 from services.executor.config import ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
@@ -62,10 +64,15 @@ class Stack:
 async def stacks() -> AsyncIterator[dict[str, Stack]]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
     drafter = await serve_drafter(DrafterConfig(port=0))
-    servers = [tokenizer, drafter]
+    # Self-speculative: stories260K's first 3 of 5 layers, with its own KV pool in the drafter.
+    draft_model = await serve_drafter(DrafterConfig(
+        port=0, method=DraftMethod.DRAFT_MODEL, draft_model=MODEL, draft_layers=3, target_model=MODEL,
+        device="cpu", dtype="fp32", attention_backend="torch", num_blocks=256))
+    servers = [tokenizer, drafter, draft_model]
     stacks: dict[str, Stack] = {}
-    for name, spec in (("plain", {}), ("ngram", dict(drafter_address=drafter.address, num_speculative_tokens=4,
-                                                     spec_draft_deadline_ms=2000))):
+    speculation = dict(num_speculative_tokens=4, spec_draft_deadline_ms=2000)
+    for name, spec in (("plain", {}), ("ngram", dict(drafter_address=drafter.address, **speculation)),
+                       ("draft", dict(drafter_address=draft_model.address, **speculation))):
         executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=16,
                                                               num_blocks=NUM_BLOCKS, max_model_len=256, skip_warmup=True,
                                                               **ENGINE_FLAGS))
@@ -75,12 +82,13 @@ async def stacks() -> AsyncIterator[dict[str, Stack]]:
         channel = create_channel(scheduler.address)
         stacks[name] = Stack(scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
         servers += [executor, scheduler]
-    link = stacks["ngram"].scheduler.scheduler_loop.drafter
-    for _ in range(200):
-        if link.connected:
-            break
-        await asyncio.sleep(0.02)
-    assert link.connected and link.method == "ngram"
+    for name in ("ngram", "draft"):
+        link = stacks[name].scheduler.scheduler_loop.drafter
+        for _ in range(200):
+            if link.connected:
+                break
+            await asyncio.sleep(0.02)
+        assert link.connected and link.method == {"ngram": "ngram", "draft": "draft_model"}[name]
     yield stacks
     for stack in stacks.values():
         await stack.channel.close()
@@ -111,22 +119,24 @@ async def wait_idle(stack: Stack) -> None:
     raise AssertionError(f"blocks still held: {stack.stats()}")
 
 
-async def test_greedy_and_seeded_outputs_are_identical_with_and_without_speculation(stacks):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+async def test_greedy_and_seeded_outputs_are_identical_with_and_without_speculation(stacks, proposer):
     plain = await run_all(stacks["plain"])
-    spec = await run_all(stacks["ngram"])
+    spec = await run_all(stacks[proposer])
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids
         assert b.text == a.text
         assert b.finish_reason == a.finish_reason
-    stats = stacks["ngram"].stats()
+    stats = stacks[proposer].stats()
     assert stats.num_preemptions > 0, "the pool was meant to be too small for every request at once"
     assert stats.prefix_cache_hits > 0
-    assert stats.spec_decode.num_accepted_tokens > 20, stats.spec_decode
+    # n-gram lookup pays on this repetitive text; an untrained early exit is right less often.
+    assert stats.spec_decode.num_accepted_tokens > (20 if proposer == "ngram" else 5), stats.spec_decode
     assert stats.spec_decode.num_accepted_tokens < stats.spec_decode.num_draft_tokens
     finished = [r.finished for r in spec]
     assert sum(f.timings.accepted_draft_tokens for f in finished) > 0
     assert all(f.timings.accepted_draft_tokens < f.usage.completion_tokens for f in finished)
-    await wait_idle(stacks["ngram"])
+    await wait_idle(stacks[proposer])
     await wait_idle(stacks["plain"])
 
 
