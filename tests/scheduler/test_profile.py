@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from services.common.errors import InvalidArgumentError
@@ -117,3 +119,46 @@ def test_to_proto_adds_live_gauges():
     assert (msg.kv_cache_usage, msg.num_running, msg.num_waiting) == (0.25, 3, 4)
     empty = recorder.to_proto(10.0, None)
     assert (empty.num_running, empty.kv_cache_usage) == (0, 0.0)
+
+
+def test_retention_with_compaction_keeps_exactly_the_recent_samples_and_bounds_the_count():
+    # 10 samples a second for 300 s against a 60 s retention: rows expire and are cut off in
+    # bulk many times; every query must see exactly the samples a plain list would.
+    clock = FakeClock()
+    recorder = LatencyProfileRecorder(window_s=30.0, clock=clock, retention_s=60.0)
+    kept: list[FinishedSample] = []
+    for i in range(3000):
+        clock.now = 1000.0 + i / 10
+        sample = FinishedSample(clock.now, 0.001 * (i % 97), 0.01 * (i % 13), 1 + i % 7, 0.5)
+        recorder.record(sample)
+        kept.append(sample)
+        if i % 250 == 0:
+            for window in (1.0, 30.0, 60.0):
+                want = [s for s in kept if s.finish_time >= clock.now - window]
+                snap = recorder.snapshot(window)
+                assert snap.num_requests == len(want)
+                assert snap.ttft_p99_ms == pytest.approx(percentile([s.ttft_s * 1000 for s in want], 99))
+                assert snap.max_output_tokens == max(s.completion_tokens for s in want)
+    assert len(recorder) == len([s for s in kept if s.finish_time >= clock.now - 60.0]) in (600, 601)
+    bounded = LatencyProfileRecorder(window_s=30.0, clock=clock, retention_s=600.0, max_samples=100)
+    for i in range(1000):
+        bounded.record(FinishedSample(clock.now, 0.01, 0.1, 2, 0.2))
+    assert len(bounded) == 100 and bounded.snapshot().num_requests == 100
+
+
+def test_a_retained_sample_costs_about_its_five_doubles():
+    # The scheduler keeps up to 600 s of samples: stored as objects they cost ~180 bytes each
+    # and grew its resident memory by MiB under load; as rows of doubles, 40 bytes.
+    clock = FakeClock()
+    recorder = LatencyProfileRecorder(window_s=60.0, clock=clock, retention_s=600.0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20_000):
+            clock.now = 1000.0 + i / 100
+            recorder.record(FinishedSample(clock.now, 0.012 + i * 1e-9, 0.3 + i * 1e-9, 17 + i % 5, 0.4 + i * 1e-9))
+        per_sample = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+    finally:
+        tracemalloc.stop()
+    assert len(recorder) == 20_000
+    assert per_sample < 64, per_sample
