@@ -24,6 +24,8 @@ from services.inprocess.engine import Engine, EngineConfig
 from services.runtime.model.quant.linear import QuantLinear
 from services.tokenizer.text_service import TextService
 from services.tools.gguf import convert_gguf
+from services.tools.quantize import quantize_model
+from tests.helpers.quant_models import write_dequantized
 from tests.tools.gguf_helpers import assert_close_to_reference, engine_logits, load_engine_model, write_tiny_llama_gguf
 
 CONVERSATIONS = [
@@ -106,4 +108,33 @@ def test_smollm2_keep_greedy_text_equals_fp32_conversion(smollm2_keep, smollm2_d
             texts[i] += delta.text
         outputs.append(texts)
     assert outputs[0][0].startswith("The capital of France is Paris")
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("smollm2-int8")
+    quantize_model(smollm2_dir, root / "int8", "int8")
+    return root / "int8", write_dequantized(root / "int8", root / "dequantized")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_equals_its_dequantized_twin(smollm2_int8):
+    """tokenmill quantize --weights int8 of SmolLM2: logits within 1e-4 and greedy text identical
+    against the fp32 model holding the same (dequantized) numbers."""
+    quant_dir, float_dir = smollm2_int8
+    text = TextService(quant_dir)
+    prompts = [text.render_chat(m).token_ids for m in CONVERSATIONS]
+    quantized, dequantized = load_engine_model(quant_dir), load_engine_model(float_dir)
+    assert all(m.path == "cpu_kernel" for m in quantized.modules() if isinstance(m, QuantLinear))
+    for ids in prompts:
+        assert_close_to_reference(engine_logits(quantized, ids), engine_logits(dequantized, ids))
+    outputs = []
+    for model_dir in smollm2_int8:
+        engine = Engine(EngineConfig(ExecutorConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                                    num_blocks=64, max_model_len=1024)))
+        texts = [""] * len(prompts)
+        for i, delta in engine.generate(prompts, SamplingParams(temperature=0.0), StopConditions(max_tokens=48)):
+            texts[i] += delta.text
+        outputs.append(texts)
     assert outputs[0] == outputs[1]

@@ -49,3 +49,16 @@ def test_quant_matmul_rejects_mismatched_input(device):
         quant_matmul(torch.randn(2, 32, device=device), w)
     with pytest.raises(ValueError, match="dtype"):
         quant_matmul(torch.ones(2, 64, dtype=torch.int32, device=device), w)
+
+
+@pytest.mark.gpu
+def test_quant_linear_takes_the_triton_path_on_cuda():
+    from services.runtime.model.quant.formats import dequantize
+    from services.runtime.model.quant.linear import QuantLinear
+
+    w = quantize(torch.randn(96, 128) * 0.05, "q4_1")
+    layer = QuantLinear(w).to("cuda")
+    assert layer.prepare() == "triton"
+    x = torch.randn(5, 128, device="cuda", dtype=torch.bfloat16)
+    expected = (x.float() @ dequantize(w, torch.bfloat16).float().t().cuda()).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2**-7)

@@ -32,6 +32,7 @@ from services.runtime.model.weights import load_checkpoint
 from services.tools.gguf import split_blocks
 from services.tools.quantize import main as quantize_main
 from services.tools.quantize import quantize_model
+from tests.helpers.quant_models import write_dequantized
 from tests.tools.gguf_helpers import assert_close_to_reference, engine_logits, load_engine_model
 
 GGUF_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
@@ -118,22 +119,6 @@ def test_quantization_config_is_checked():
 
 
 # --- stories260K quantized by `tokenmill quantize`, against its dequantized twin ---------------
-
-
-def write_dequantized(quant_dir: Path, out_dir: Path) -> Path:
-    """The float model holding exactly the quantized model's numbers (each weight dequantized)."""
-    config = ModelConfig.from_model_dir(quant_dir)
-    tensors = load_checkpoint(quant_dir, config, torch.float32)
-    state = {k: dequantize(v) if isinstance(v, QuantizedWeight) else v for k, v in tensors.items()}
-    out_dir.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
-    raw = json.loads((quant_dir / "config.json").read_text())
-    del raw["quantization_config"]
-    (out_dir / "config.json").write_text(json.dumps(raw))
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"):
-        if (quant_dir / name).is_file():
-            (out_dir / name).write_bytes((quant_dir / name).read_bytes())
-    return out_dir
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
