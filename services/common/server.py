@@ -203,6 +203,7 @@ async def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    front_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] | None = None,
     serving: bool = True,
     reflection_enabled: bool = True,
@@ -213,14 +214,16 @@ async def start_server(
     name: for logs. add_servicers: registers the application's servicers and returns their
     full service names ("tokenmill.v1.Tokenizer"). port: 0 lets the OS pick a free port
     (read it from the result). interceptors run inside the error-mapping interceptor, so
-    their exceptions are mapped too. options replace server_options() entirely.
+    their exceptions are mapped too. front_interceptors run first, outside the error mapping,
+    for answers that must cost nothing more (the scheduler's door refusing a burst); they answer
+    with statuses of their own. options replace server_options() entirely.
     serving=False starts with every service NOT_SERVING, for a service that must finish
     warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
     server reflection out (callers then need the .proto files). tls: serve TLS only (its files
     are read here; a bad one raises ValueError naming the flag).
     """
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        interceptors=[*front_interceptors, ErrorMappingInterceptor(), *interceptors],
         options=list(options) if options is not None else server_options(),
     )
     service_names = tuple(add_servicers(server))

@@ -10,6 +10,13 @@ drain at the rate they have been draining (places freed per second over the last
 ``DRAIN_WINDOW_S``), so a client that honours it (gRPC's retry policy does: see
 ``docs/retry_service_config.json``) comes back about when there is room.
 
+The overall bound is checked twice. First by ``DoorInterceptor``, the server's outermost
+interceptor: while the queue is full it answers a Generate call with a prebuilt handler that
+neither parses the request body nor enters the error mapping, the servicer or a log line (a
+burst of refusals must cost the event loop as little as gRPC allows). Then by the servicer, whose
+``enter`` takes the place (a place may have filled between the two) and checks the per-tenant
+bound, which needs the authenticated tenant.
+
 No I/O, no locks: called from the one event loop; the clock is injected for tests.
 """
 
@@ -17,10 +24,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import grpc
+import grpc.aio
+
 from services.common.errors import ResourceExhaustedError
+
+GENERATE_METHOD = "/tokenmill.v1.Generation/Generate"
+PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
 
 DRAIN_WINDOW_S = 10.0
 """The drain rate is measured over this many recent seconds."""
@@ -83,12 +96,24 @@ class Admission:
         self.drain = DrainRate()
         self.rejected = 0
 
+    @property
+    def full(self) -> bool:
+        """The overall bound is reached: a request arriving now is refused whoever sends it."""
+        return self.queued >= self.max_queued
+
+    def refuse_full(self) -> tuple[str, float]:
+        """Count a refusal by the overall bound: (message naming the bound, pushback seconds)."""
+        self.rejected += 1
+        retry_s = self.pushback_s(self.queued)
+        return (f"the queue is full: {self.queued} requests queued, max_waiting_requests={self.max_queued}; "
+                f"retry in {retry_s:.2f} s", retry_s)
+
     def enter(self, tenant: str = "") -> Place:
         """Take a place, or raise ResourceExhaustedError naming the bound, with a pushback."""
         per_tenant = self.per_tenant.get(tenant, 0)
         if self.queued >= self.max_queued:
-            self._refuse(f"the queue is full: {self.queued} requests queued, max_waiting_requests="
-                         f"{self.max_queued}", self.queued)
+            message, retry_s = self.refuse_full()
+            raise ResourceExhaustedError(message, retry_after_s=retry_s)
         if tenant and self.max_queued_per_tenant and per_tenant >= self.max_queued_per_tenant:
             self._refuse(f"tenant {tenant!r} has {per_tenant} requests queued, max_waiting_per_tenant="
                          f"{self.max_queued_per_tenant}", per_tenant)
@@ -120,3 +145,36 @@ class Admission:
         self.rejected += 1
         retry_s = self.pushback_s(ahead)
         raise ResourceExhaustedError(f"{message}; retry in {retry_s:.2f} s", retry_after_s=retry_s)
+
+
+def pushback_trailer(retry_s: float) -> tuple[tuple[str, str], ...]:
+    return ((PUSHBACK_TRAILER, str(max(0, round(retry_s * 1000)))),)
+
+
+class DoorInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses Generate while the queue is full, before its body is parsed (outermost interceptor).
+
+    Measured with ``benchmarks/overload_burst.py``: see docs/design.md, Hardening. Other methods
+    (health, GetProfile, Abort) always pass, so a full server still answers its health checks.
+    """
+
+    def __init__(self, admission: Admission, method: str = GENERATE_METHOD) -> None:
+        self.admission = admission
+        self.method = method
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method != self.method or not self.admission.full:
+            return await continuation(handler_call_details)
+        message, retry_s = self.admission.refuse_full()
+        trailers = pushback_trailer(retry_s)
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=trailers)
+
+        # No deserializer: the body stays raw bytes, never parsed. A coroutine (not an async
+        # generator) as a unary-stream behaviour is grpc.aio's writer form; it writes nothing.
+        return grpc.unary_stream_rpc_method_handler(refuse)

@@ -9,7 +9,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
-from services.scheduler.admission import Admission
+from services.scheduler.admission import Admission, DoorInterceptor
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
@@ -43,10 +43,10 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                          on_finished=on_finished, drafter=drafter, speculation=config.speculation())
     await loop.start()
     model_name = Path(loop.executor.info.model).name
+    admission = Admission(config.limits.max_waiting_requests, config.max_waiting_per_tenant)
     servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
-                                  admission=Admission(config.limits.max_waiting_requests,
-                                                      config.max_waiting_per_tenant))
+                                  admission=admission)
 
     if config.metrics_port >= 0:
         scheduler_collector().source = loop
@@ -56,7 +56,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         auth.append(AuthInterceptor(servicer.auth_table))
     running = await start_service(config, "scheduler", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
-        interceptors=auth)
+        interceptors=auth, front_interceptors=[DoorInterceptor(admission)])
     running.on_stopping(loop.shutdown)
     running.scheduler_loop = loop  # for in-process tests and metrics
     await announce_serving(running, config)

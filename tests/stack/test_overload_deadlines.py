@@ -2,7 +2,9 @@
 
 - A full queue is RESOURCE_EXHAUSTED at the door, before the prompt is looked at (a text
   prompt over its limit is refused as overload, not tokenized or judged), with a
-  grpc-retry-pushback-ms trailer; a per-tenant bound leaves other tenants room.
+  grpc-retry-pushback-ms trailer; a per-tenant bound leaves other tenants room. While the
+  overall bound is reached, even a body that does not decode is refused as overload (the
+  door interceptor answers before parsing), and health and GetProfile still answer.
 - A client deadline that passes aborts the request and frees its blocks at once.
 """
 
@@ -17,7 +19,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 from services.scheduler.core.config import SchedulerLimits
 from tests.helpers.service_harness import REPO_ROOT
@@ -92,12 +96,44 @@ async def test_full_queue_is_refused_at_the_door_with_a_pushback(stack) -> None:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests=3" in details, details
         assert "grpc-retry-pushback-ms" in trailers
     assert stack.scheduler.scheduler_loop.stats().num_waiting == 3
+    # The door interceptor answers before the body is parsed: garbage is overload, not
+    # INVALID_ARGUMENT, and other methods still pass.
+    code, details, trailers = await raw_generate(stack, GARBAGE)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests=3" in details, (code, details)
+    assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 30_000
+    assert await health_check(stack) == health_pb2.HealthCheckResponse.SERVING
+    profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=10, metadata=bearer("tok-b"))
+    assert profile.num_waiting == 3
     for call in calls:
         call.cancel()
     await asyncio.gather(first, return_exceptions=True)
     await stack.wait_idle()
     ok = await record_stream_as(stub, "tok-b")
     assert ok == 3
+    # With room, the same garbage reaches the parser and is refused as what it is.
+    code, details, _ = await raw_generate(stack, GARBAGE)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+
+
+GARBAGE = b"\xff\xff\xff\xff"
+"""Not a GenerateRequest: a field header announcing a length past the end of the body."""
+
+
+async def raw_generate(stack, body: bytes) -> tuple[grpc.StatusCode, str, dict]:
+    async with create_channel(stack.scheduler.address) as channel:
+        call = channel.unary_stream("/tokenmill.v1.Generation/Generate")(body, timeout=30, metadata=bearer("tok-b"))
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as err:
+            return err.code(), err.details() or "", dict(err.trailing_metadata() or ())
+    return grpc.StatusCode.OK, "", {}
+
+
+async def health_check(stack) -> int:
+    async with create_channel(stack.scheduler.address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        return reply.status
 
 
 async def _read_until_delta(call, event: asyncio.Event) -> None:
