@@ -9,6 +9,11 @@ request's first token. First alone (its unloaded TTFT), then while the flood ten
 ``--flood`` streams of 64 tokens open (ten times the quiet tenant's one, and five times the
 batch), again with the queue ordered by the virtual token counter. Prints p50/p99 TTFT both
 ways and the ratio loaded/unloaded (the target is p99 within 1.5x).
+
+The flood runs in a client process of its own (``--flood-client process``, the default), as two
+tenants' clients would: sharing the quiet client's event loop, its 40 streams' messages delay
+the quiet client's reading of its own first token, which is the benchmark measuring itself
+(``--flood-client same`` keeps that setup, for comparison).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,18 +71,35 @@ async def flood_stream(stub, stop: asyncio.Event, seed: int) -> int:
     return done
 
 
-async def run(address: str, seconds: float, flood: int) -> None:
+async def flood_only(address: str, flood: int) -> None:
+    """The flood client process: runs until it is terminated."""
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await asyncio.gather(*(flood_stream(stub, asyncio.Event(), i) for i in range(flood)))
+
+
+async def run(address: str, seconds: float, flood: int, flood_client: str) -> None:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await quiet_ttfts(stub, 1.0)  # warm up
         alone = await quiet_ttfts(stub, seconds)
         stop = asyncio.Event()
-        flooders = [asyncio.create_task(flood_stream(stub, stop, i)) for i in range(flood)]
+        if flood_client == "same":
+            flooders = [asyncio.create_task(flood_stream(stub, stop, i)) for i in range(flood)]
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "benchmarks.tenant_fairness", "--flood-at", address,
+                                        "--flood", str(flood)], cwd=str(REPO_ROOT))
         await asyncio.sleep(2.0)  # the flood's queue builds up
         loaded = await quiet_ttfts(stub, seconds)
         stop.set()
-        flooded = sum(await asyncio.gather(*flooders))
-    print(f"quiet tenant, one request at a time; flood tenant {flood} streams (max-num-seqs 8)")
+        if flood_client == "same":
+            flooded = sum(await asyncio.gather(*flooders))
+        else:
+            process.terminate()
+            process.wait()
+            flooded = "(counted in its process)"
+    print(f"quiet tenant, one request at a time; flood tenant {flood} streams (max-num-seqs 8), "
+          f"flood client: {flood_client}")
     for name, values in (("alone", alone), ("flooded", loaded)):
         print(f"{name:<8} requests {len(values):>4}  TTFT p50 {percentile(values, 0.5):7.2f} ms  "
               f"p99 {percentile(values, 0.99):7.2f} ms")
@@ -88,7 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--flood", type=int, default=40)
+    parser.add_argument("--flood-client", choices=("process", "same"), default="process",
+                        help="the flood's client in a process of its own, or in the quiet client's event loop")
+    parser.add_argument("--flood-at", help=argparse.SUPPRESS)  # the flood client process
     args = parser.parse_args(argv)
+    if args.flood_at:
+        try:
+            asyncio.run(flood_only(args.flood_at, args.flood))
+        except KeyboardInterrupt:
+            pass
+        return
     run_dir = Path(tempfile.mkdtemp(prefix="tokenmill-fairness-"))
     tokens = run_dir / "tokens.json"
     tokens.write_text(json.dumps([{"token": "tq", "tenant": "quiet"}, {"token": "tf", "tenant": "flood"}]))
@@ -99,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
     launcher.start()
     try:
-        asyncio.run(run(launcher.public_address, args.seconds, args.flood))
+        asyncio.run(run(launcher.public_address, args.seconds, args.flood, args.flood_client))
     finally:
         launcher.stop()
 

@@ -131,10 +131,11 @@ def test_a_more_urgent_request_preempts_a_less_urgent_one_when_there_is_no_room(
     victim = low[1]  # least urgent: the later of two equal priorities
     assert plan.finished_seq_ids == [victim.seq_id] and scheduler.num_preemptions == 1
     assert victim in scheduler.waiting and low[0] in scheduler.running
-    # The urgent request starts in the next step (a step that preempted starts nothing new).
-    assert plan.new == []
-    plan, _ = step(scheduler)
+    # The urgent request starts in the same step, in the room the preemption made; the victim
+    # is not started again in the plan that tells the executor to forget it.
     assert [seq.seq_id for seq in plan.new] == [scheduler.get_request("high").seq_id]
+    plan, _ = step(scheduler)
+    assert plan.new == [] and victim in scheduler.waiting
     # Equal priority never preempts.
     scheduler = make_scheduler(max_num_seqs=1, num_blocks=64)
     add(scheduler, tenant_request("a", "", max_tokens=30))
@@ -167,8 +168,7 @@ def test_a_flooding_tenant_yields_a_running_slot_to_a_tenant_far_behind() -> Non
     assert len(plan.finished_seq_ids) == 1 and scheduler.num_preemptions == 1
     victim = next(r for r in flood if r.seq_id == plan.finished_seq_ids[0])
     assert victim.request_id in running_flood and victim in scheduler.waiting
-    plan, _ = step(scheduler)
-    assert [seq.seq_id for seq in plan.new] == [quiet.seq_id]  # the next step
+    assert [seq.seq_id for seq in plan.new] == [quiet.seq_id]  # in the same step
 
 
 @pytest.fixture(scope="module")

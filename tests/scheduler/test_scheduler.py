@@ -298,16 +298,18 @@ def _two_requests_filling_six_blocks(enable_prefix_caching: bool) -> tuple[Sched
 
 def test_out_of_blocks_preempts_the_latest_arrival_and_resumes_it_in_full():
     scheduler, first, second = _two_requests_filling_six_blocks(enable_prefix_caching=False)
-    small = make_request("c", 4, max_tokens=1, priority=-1, arrival_time=2.0)  # ahead of b
-    add(scheduler, small)
     plan, _ = step(scheduler, {"a": [6]})
     assert plan.finished_seq_ids == [1]
     assert plan.running == [RunningSequence(0, 1, [5], [])]  # b's blocks went back as 5, 3, 2
-    # c would fit in the 2 free blocks, but a step that preempted starts nothing new.
+    # A step that preempted for blocks starts nothing new (b itself waits at least a step).
     assert scheduler.block_manager.num_free_blocks == 2
     assert plan.new == []
     assert second.status is RequestStatus.PREEMPTED
     assert (second.block_ids, second.num_computed_tokens) == ([], 0)
+    # (Added only now: waiting at the preemption, c would have preempted b for priority and
+    # started in that same step.)
+    small = make_request("c", 4, max_tokens=1, priority=-1, arrival_time=2.0)  # ahead of b
+    add(scheduler, small)
     stats = scheduler.get_stats()
     assert (stats.num_preemptions, stats.num_running, stats.num_waiting) == (1, 1, 2)
 

@@ -224,7 +224,7 @@ class Scheduler:
 
         Running requests go first, most urgent first (decodes and continuing prefill chunks);
         a running request that cannot get a block preempts the least urgent running request
-        (possibly itself). Then, if nothing was preempted, waiting requests start in
+        (possibly itself). Then, unless that happened, waiting requests start in
         (priority, arrival) order until the token budget, max_num_seqs or the blocks run out.
 
         With overlap_scheduling, may be called once more before the previous plan's update():
@@ -241,9 +241,13 @@ class Scheduler:
         self._finished_seq_ids = []
         step = _StepInFlight(plan.step_id)
         budget = self.config.limits.max_num_batched_tokens
-        preemptions_before = self.num_preemptions
         self.waiting.set_running({request.tenant for request in self.running})
         self._preempt_for_priority(plan)
+        # Preempting for the waiting head made room for it: it starts in this step (waiting a
+        # step here was most of a quiet tenant's extra TTFT under a flood). Only running out
+        # of blocks below holds new work back.
+        victims = set(plan.finished_seq_ids)
+        preemptions_before = self.num_preemptions
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -266,7 +270,7 @@ class Scheduler:
         # Starting new work in a step that had to preempt would only preempt again next step;
         # it also keeps a victim out of `new` in the very plan that tells the executor to forget it.
         if self.num_preemptions == preemptions_before:
-            self._schedule_waiting(plan, step, budget, now)
+            self._schedule_waiting(plan, step, budget, now, victims)
 
         if step.scheduled:
             self._in_flight.append(step)
@@ -329,13 +333,14 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, plan: StepPlan, step: _StepInFlight, budget: int, now: float | None) -> None:
+    def _schedule_waiting(self, plan: StepPlan, step: _StepInFlight, budget: int, now: float | None,
+                          victims: set[int] = frozenset()) -> None:
         limits = self.config.limits
         manager = self.block_manager
         while budget > 0 and len(self.running) < limits.max_num_seqs:
             request = self.waiting.peek()
-            if request is None:
-                break
+            if request is None or request.seq_id in victims:
+                break  # a request preempted in this plan cannot also start in it
             hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if limits.long_prefill_token_threshold > 0:
@@ -373,8 +378,8 @@ class Scheduler:
     def _preempt_for_priority(self, plan: StepPlan) -> None:
         """Make room for the waiting head when it has none (blocks or max_num_seqs), by
         preempting running requests (recompute: they restart later from their known tokens,
-        so their outputs are unchanged). The head starts in the next step (a step that
-        preempted starts nothing new).
+        so their outputs are unchanged). The head starts in the same step; the victims wait
+        at least until the next.
 
         Victims, one at a time until the head fits: the least urgent running request if it is
         less urgent than the head (priority), else a request of the running tenant served the
