@@ -11,13 +11,20 @@ count (a call that found a place freed meanwhile is reported apart). Then the sa
 calls one after another, which times the refusal without the burst's queueing in the client
 and the server's event loop. Prints p50/p99/max per round and over all rounds, and whether every
 refusal carried grpc-retry-pushback-ms.
+
+``--floor`` (on by default) first times the same bursts against a bare grpc.aio server in its
+own process whose Generate does nothing but answer RESOURCE_EXHAUSTED: what gRPC in Python
+costs on this machine, client and server together, below which no refusal can go. The
+scheduler's figures are then also given as a ratio to it, which is steadier than the
+milliseconds on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -32,6 +39,22 @@ from services.stack.launcher import LaunchConfig, Launcher
 
 STORIES = str(REPO_ROOT / "models" / "stories260K")
 QUEUED = 4
+FLOOR_SERVER = """
+import asyncio, sys, grpc, grpc.aio
+async def refuse(request, context):
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full",
+                        trailing_metadata=(("grpc-retry-pushback-ms", "100"),))
+async def main():
+    handler = grpc.method_handlers_generic_handler(
+        "tokenmill.v1.Generation", {"Generate": grpc.unary_stream_rpc_method_handler(refuse)})
+    server = grpc.aio.server(handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+import uvloop
+uvloop.run(main())
+"""
 
 
 @dataclass
@@ -100,7 +123,31 @@ def describe(name: str, result: BurstResult) -> str:
             f"  without pushback {result.without_pushback}")
 
 
-async def run(address: str, n: int, rounds: int) -> None:
+async def run_floor(address: str, n: int, rounds: int) -> BurstResult:
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await one_by_one(stub, 3)
+        bursts = BurstResult()
+        for r in range(rounds):
+            b = await burst(stub, n)
+            print(describe(f"floor {r + 1}", b))
+            bursts.refused_ms += b.refused_ms
+            await asyncio.sleep(0.5)
+        print(describe("floor all", bursts))
+        return bursts
+
+
+def floor(n: int, rounds: int) -> BurstResult:
+    process = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(process.stdout.readline())
+        return asyncio.run(run_floor(f"127.0.0.1:{port}", n, rounds))
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def run(address: str, n: int, rounds: int) -> BurstResult:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await one_by_one(stub, 3)  # warm the channel and the server's handlers
@@ -121,13 +168,17 @@ async def run(address: str, n: int, rounds: int) -> None:
             await asyncio.sleep(0.5)
         print(describe("burst all", bursts))
         print(describe("serial all", serials))
+        return bursts
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--burst", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="first time the bursts against a bare server that only refuses")
     args = parser.parse_args(argv)
+    base = floor(args.burst, args.rounds) if args.floor else None
     launcher = Launcher(LaunchConfig(
         model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-burst-"),
         executor_args=["--num-blocks=256", "--block-size=16", "--dtype=fp32", "--device=cpu"],
@@ -135,9 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}))
     launcher.start()
     try:
-        asyncio.run(run(launcher.public_address, args.burst, args.rounds))
+        ours = asyncio.run(run(launcher.public_address, args.burst, args.rounds))
     finally:
         launcher.stop()
+    if base is not None and base.refused_ms and ours.refused_ms:
+        print(f"burst / floor: p50 {percentile(ours.refused_ms, 0.5) / percentile(base.refused_ms, 0.5):.2f}x, "
+              f"p99 {percentile(ours.refused_ms, 0.99) / percentile(base.refused_ms, 0.99):.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ client must never see (UNKNOWN, INTERNAL, a stream without exactly one Finished,
 after partial output). Leaked blocks are KV blocks still in use once idle (GetProfile), lost
 or duplicated tokens the differences of completed streams from their solo runs plus usage
 counts that disagree with the tokens received. Resident memory and thread counts of each
-service are read from /proc before the load (after the solo runs) and once idle after it.
+service are read from /proc once idle: after the solo runs ("cold"), after ``--warmup-seconds``
+of the same streams and bursts ("before": the allocators have then reached their high-water
+mark for this load; the scheduler's idle RSS grows ~19% over its cold value in the first minute
+of load, almost all of it pymalloc arenas kept by fragmentation, not live objects), and after
+the run ("after"); growth is after over before.
 Prints a table, then the summary line
 
     stress: <N> streams, <c> crashes, <l> leaked blocks, <t> lost or duplicated tokens, overload p99 <ms> ms
@@ -214,6 +218,21 @@ async def run(launcher: Launcher, args) -> int:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         refs = await solo_runs(stub)
+        cold = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        if args.warmup_seconds > 0:
+            # The same load for a while first: the allocators' high-water mark for this load
+            # (pymalloc arenas, gRPC's buffers) is reached before the baseline is read, so the
+            # growth below is what further load adds, which is what a leak is.
+            warm_tally = Tally()
+            warm_stop = time.monotonic() + args.warmup_seconds
+            side = [asyncio.create_task(overload_bursts(stub, args.burst, min(args.burst_every, args.warmup_seconds / 2),
+                                                        warm_stop, warm_tally))]
+            await asyncio.gather(*(client(stub, refs, -1 - seed, warm_stop, warm_tally) for seed in range(args.streams)))
+            await asyncio.gather(*side)
+            tally.crashes += [f"warm-up: {crash}" for crash in warm_tally.crashes]
+            tally.lost_or_duplicated += warm_tally.lost_or_duplicated
+            await wait_idle(stub)
+            await asyncio.sleep(1.0)
         before = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
         started = time.monotonic()
         stop_at = started + args.seconds
@@ -252,13 +271,15 @@ async def run(launcher: Launcher, args) -> int:
     print(f"{'  ... admitted anyway / without pushback':<52}{tally.overload.admitted:>5} /{tally.overload.without_pushback:>3}")
     print(f"{'  ... p50 / p99 / max ms':<52}{percentile(ms, 0.5):>8.2f} / {percentile(ms, 0.99):.2f} / "
           f"{max(ms) if ms else float('nan'):.2f}")
-    print(f"{'service':<12}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}{'threads before':>16}"
-          f"{'threads after':>15}")
+    print(f"RSS once idle: cold = after the solo runs; before = after {args.warmup_seconds:.0f} s of warm-up load; "
+          f"after = after the {args.seconds:.0f} s run")
+    print(f"{'service':<12}{'RSS cold MiB':>14}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}"
+          f"{'threads before':>16}{'threads after':>15}")
     for name in before:
         (rss0, thr0), (rss1, thr1) = before[name], after[name]
         restarted = " (restarted)" if name == "executor" else ""
-        print(f"{name:<12}{rss0 / 1024:>16.1f}{rss1 / 1024:>16.1f}{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}"
-              f"{thr1:>15}{restarted}")
+        print(f"{name:<12}{cold[name][0] / 1024:>14.1f}{rss0 / 1024:>16.1f}{rss1 / 1024:>16.1f}"
+              f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{restarted}")
     for crash in tally.crashes[:20]:
         print("crash:", crash)
     p99 = percentile(ms, 0.99)
@@ -274,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=200, help="calls in one overload burst")
     parser.add_argument("--burst-every", type=float, default=15.0)
     parser.add_argument("--kill-client-every", type=float, default=5.0)
+    parser.add_argument("--warmup-seconds", type=float, default=30.0,
+                        help="the same load (streams and bursts) before the memory baseline is read; 0 = none")
     args = parser.parse_args(argv)
     launcher = Launcher(LaunchConfig(
         model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-stress-"),
