@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -366,6 +367,10 @@ class SchedulerLoop:
         described the dead executor's memory) and reconnect in the background."""
         self._end_all(error)
         self.core = None
+        # run_service froze the objects alive at start-up out of the cyclic GC, the first core
+        # among them; its free-block list is a cycle, so without this it would never be freed
+        # (about 100 bytes a KV block, once per process: later cores are not frozen).
+        gc.unfreeze()
         self._serving_changed()
         self._reconnecting = asyncio.create_task(self._reconnect())
 
