@@ -124,15 +124,15 @@ async def one(stub, chat: list[dict[str, str]], max_tokens: int) -> int:
     return count
 
 
-async def measure(systems: list[System], rounds: int) -> dict:
+async def measure(systems: list[System], rounds: int, workloads=("copy", "free"), batches=(1, 8)) -> dict:
     channels = [create_channel(s.launcher.public_address) for s in systems]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
     for system, stub in zip(systems, stubs):
         await system.run(stub, "free", 1, 0)  # warm up (one-time costs, first allocations)
     raw: dict[str, list[dict]] = {}
     for round_ in range(rounds):
-        for workload in ("copy", "free"):
-            for batch in (1, 8):
+        for workload in workloads:
+            for batch in batches:
                 order = list(zip(systems, stubs))
                 if round_ % 2:
                     order.reverse()
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=4, help="layers of the self-speculative draft")
     parser.add_argument("--k", type=int, default=8, help="most drafts per sequence per step (scheduler and drafter)")
     parser.add_argument("--systems", default="off,ngram,draft")
+    parser.add_argument("--workloads", default="copy,free")
+    parser.add_argument("--batches", default="1,8")
     parser.add_argument("--out", default="", help="result JSON (default benchmarks/results/spec-COMMIT.json)")
     args = parser.parse_args(argv)
     if not (MODEL / "config.json").is_file():
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         for system in systems:
             system.launcher.start()
-        raw = asyncio.run(measure(systems, args.rounds))
+        raw = asyncio.run(measure(systems, args.rounds, args.workloads.split(","),
+                                  [int(b) for b in args.batches.split(",")]))
     finally:
         for system in systems:
             system.launcher.stop()
