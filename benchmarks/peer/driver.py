@@ -348,12 +348,12 @@ def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack:
         theirs = llamacpp.tokenize(llm, args.prompt) if args.prompt else prompt
         result["prompt_tokenization_matches_llama_cpp"] = theirs == prompt
         if "llamacpp-loop" in args.systems:
-            systems["llamacpp-loop"] = llamacpp.DecodeLoop(llm.model, args.threads, args.context, args.kv_type)
+            systems["llamacpp-loop"] = llamacpp.DecodeLoop(llm, args.threads, args.context, args.kv_type)
             stack.callback(systems["llamacpp-loop"].close)
         if "llamacpp-generate" in args.systems:
             systems["llamacpp-generate"] = llamacpp.LlamaGenerate(llm)
         if "llamacpp-batched" in args.systems:
-            systems["llamacpp-batched"] = llamacpp.DecodeLoop(llm.model, args.threads, args.context, args.kv_type,
+            systems["llamacpp-batched"] = llamacpp.DecodeLoop(llm, args.threads, args.context, args.kv_type,
                                                               args.streams)
             stack.callback(systems["llamacpp-batched"].close)
     if "inprocess" in args.systems:

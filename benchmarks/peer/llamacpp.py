@@ -75,7 +75,10 @@ class _Context:
     def __init__(self, model, threads: int, n_seq: int, n_ctx_per_seq: int, kv_type: str) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_seq * n_ctx_per_seq
-        params.n_batch = params.n_ubatch = max(n_seq * n_ctx_per_seq, 512)
+        params.n_batch = max(n_seq * n_ctx_per_seq, 512)
+        # llama.cpp reserves compute memory for a whole micro-batch of logits: n_ubatch x vocabulary
+        # floats (32 x 1024 x 49,152 would be 6 GiB for SmolLM2); decode batches here are far smaller.
+        params.n_ubatch = 512
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = False  # one K/V stream per sequence: n_ctx_per_seq cells each
@@ -137,10 +140,13 @@ def _generate(context: _Context, prompt: Sequence[int], streams: int, output_len
 class DecodeLoop:
     """DecodeLoop(..., max_streams=1): the single-stream loop; more: llama.cpp batched decoding."""
 
-    def __init__(self, model, threads: int, n_ctx: int, kv_type: str, max_streams: int = 1) -> None:
+    def __init__(self, llm: llama_cpp.Llama, threads: int, n_ctx: int, kv_type: str, max_streams: int = 1) -> None:
         self.name = "llama.cpp decode loop" if max_streams == 1 else "llama.cpp batched"
         self.max_streams = max_streams
-        self.context = _Context(model, threads, max_streams, n_ctx, kv_type)
+        # The context points into the Llama object's model: holding the object keeps the model
+        # alive (freed, a later decode reads freed memory and the process dies of SIGSEGV).
+        self.llm = llm
+        self.context = _Context(llm.model, threads, max_streams, n_ctx, kv_type)
 
     def run(self, prompt: Sequence[int], streams: int, output_len: int) -> tuple[Run, list[list[int]]]:
         assert streams <= self.max_streams, f"context built for {self.max_streams} sequences"
