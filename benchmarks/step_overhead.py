@@ -19,6 +19,7 @@ import time
 
 from benchmarks.peer.tokenmill import InProcess, Services, services_stack
 from benchmarks.peer.driver import DEFAULT_MODEL
+from benchmarks.serving.services_run import scrape
 
 PROMPT = [1, 403, 407, 261, 378]
 """BOS + "Once upon a time" in stories260K's tokenizer (any short prompt does)."""
@@ -68,9 +69,12 @@ def main() -> None:
             run_in, out_in = inproc.run(PROMPT, args.streams, args.output_len)
             inproc_cpu = cpu_seconds(os.getpid()) - own
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            counters = scrape(stack.scheduler_metrics)
             threads_before = {name: thread_cpu_seconds(pids[name]) for name in ("executor", "scheduler")}
             run_sv, out_sv = services.run(PROMPT, args.streams, args.output_len)
             cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+            moved = {k: v - counters.get(k, 0.0) for k, v in scrape(stack.scheduler_metrics).items()
+                     if k.endswith(("scheduler_steps_total", "scheduler_detokenize_rounds_total"))}
             threads = {}
             for name, was in threads_before.items():
                 now = thread_cpu_seconds(pids[name])
@@ -83,13 +87,14 @@ def main() -> None:
                    "cpu_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in cpu.items()},
                    "inprocess_cpu_ms_per_step": round(1e3 * inproc_cpu / steps, 3),
                    "thread_cpu_ms_per_step": threads,
+                   "scheduler_counters": moved,
                    "identical": out_in == out_sv}
             row["ratio"] = row["services_tok_s"] / row["inprocess_tok_s"]
             rows.append(row)
             print(f"round {round_}: in-process {row['inprocess_tok_s']:.0f} tok/s, services {row['services_tok_s']:.0f} "
                   f"tok/s, ratio {row['ratio']:.2f}; in-process CPU {row['inprocess_cpu_ms_per_step']:.2f} ms/step; services {row['services_ms_per_step']:.2f} ms/step, CPU ms/step "
                   + ", ".join(f"{k} {v:.2f}" for k, v in row["cpu_ms_per_step"].items())
-                  + f"; outputs identical {row['identical']}; per thread {threads}", flush=True)
+                  + f"; outputs identical {row['identical']}; scheduler counters {moved}; per thread {threads}", flush=True)
     print(f"median ratio services/in-process: {statistics.median(r['ratio'] for r in rows):.2f} "
           f"({args.streams} stream(s), {args.output_len} tokens, load {os.getloadavg()[0]:.1f})")
     if args.json:

@@ -289,6 +289,9 @@ class SchedulerCollector(Collector):
         totals = source.step_times
         yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
         yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
+        yield _counter("scheduler_detokenize_rounds",
+                       "Detokenize round trips (fewer than steps when the publisher caught up on several at once)",
+                       totals.detokenize_rounds)
         phases = CounterMetricFamily(PREFIX + "scheduler_step_phase_seconds",
                                      "Wall time of the step loop by phase, summed over steps", labels=["phase"])
         phases.add_metric(["schedule"], totals.schedule_s)

@@ -102,6 +102,9 @@ class StepTimeTotals:
     update_s: float = 0.0
     overlapped: int = 0
     """Steps sent while the previous step was still in flight (overlapped scheduling)."""
+    detokenize_rounds: int = 0
+    """Detokenize round trips of the publisher: fewer than steps when it caught up on several
+    steps at once (see SchedulerLoop._publish)."""
 
 
 @dataclass(slots=True)
@@ -453,27 +456,51 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ detokenize + publish
     async def _publish(self) -> None:
         while True:
-            item = await self._publish_queue.get()
-            try:
-                await self._publish_one(item)
-            except Exception as exc:  # noqa: BLE001 - the publisher must outlive any one step
-                _log.exception("publish_failed", error=str(exc))
-                now = self.clock()
-                for update in item.updates:
-                    tracked = self._tracked.pop(update.request_id, None)
-                    if tracked is not None:
-                        if self.core is not None:
-                            self.core.finish_request(update.request_id, FinishReason.ERROR)
-                        delta = tracked.state.abort(now, FinishReason.ERROR)
-                        delta.error_message = f"detokenizing failed: {exc}"
-                        tracked.handle.queue.put_nowait(delta)
-                        self.on_finished(delta, tracked.state.output)
+            items = [await self._publish_queue.get()]
+            # Steps that queued while the last reply was awaited (the publisher fell behind the
+            # loop, as it does when the cores are contended) go out in one Detokenize message per
+            # tokenizer: each message is a write and a read in two processes. Only requests
+            # without stop strings: their text is needed at once, to stop at the right token.
+            while not self._publish_queue.empty():
+                items.append(self._publish_queue.get_nowait())
+            groups = [items] if len(items) > 1 and all(map(self._text_can_wait, items)) else [[i] for i in items]
+            for group in groups:
+                try:
+                    await self._publish_steps(group)
+                except Exception as exc:  # noqa: BLE001 - the publisher must outlive any one step
+                    _log.exception("publish_failed", error=str(exc))
+                    now = self.clock()
+                    for update in (u for item in group for u in item.updates):
+                        tracked = self._tracked.pop(update.request_id, None)
+                        if tracked is not None:
+                            if self.core is not None:
+                                self.core.finish_request(update.request_id, FinishReason.ERROR)
+                            delta = tracked.state.abort(now, FinishReason.ERROR)
+                            delta.error_message = f"detokenizing failed: {exc}"
+                            tracked.handle.queue.put_nowait(delta)
+                            self.on_finished(delta, tracked.state.output)
 
-    async def _publish_one(self, item: _Published) -> None:
+    def _text_can_wait(self, item: _Published) -> bool:
+        """No request of `item` has stop strings (whose text must be checked step by step)."""
+        for update in item.updates:
+            tracked = self._tracked.get(update.request_id)
+            if tracked is not None and tracked.state.output.matcher is not None:
+                return False
+        return True
+
+    async def _publish_steps(self, items: list[_Published]) -> None:
+        """Detokenize and publish the updates of `items` (consecutive steps, oldest first).
+
+        A stream's tokens of several steps go in one entry; its text goes to its last update
+        and the earlier ones publish their tokens with empty text (see _publish).
+        """
+        self.step_times.detokenize_rounds += 1
         n = len(self.tokenizers.links)
         batches = [DetokenizeBatch([], [], []) for _ in range(n)]
         live: list[tuple[RequestUpdate, _Tracked]] = []
-        for update in item.updates:
+        entries: dict[int, list[int]] = {}
+        """seq id -> its token list in a batch (several steps' tokens appended to one)."""
+        for update in (u for item in items for u in item.updates):
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue  # aborted meanwhile
@@ -482,9 +509,13 @@ class SchedulerLoop:
                 tracked.stream_opened = True
                 prompt_tail = tracked.state.request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
                 batch.new_streams.append((update.seq_id, prompt_tail))
-            batch.appended.append((update.seq_id, update.new_token_ids))
+            if update.seq_id in entries:
+                entries[update.seq_id].extend(update.new_token_ids)
+            else:
+                entries[update.seq_id] = ids = list(update.new_token_ids)
+                batch.appended.append((update.seq_id, ids))
             live.append((update, tracked))
-        for seq_id, index in item.closed:
+        for seq_id, index in (c for item in items for c in item.closed):
             batches[index].closed.append(seq_id)
         active = [i for i, b in enumerate(batches) if b.new_streams or b.appended or b.closed]
         links = self.tokenizers.links
@@ -508,10 +539,12 @@ class SchedulerLoop:
             else:
                 texts.update(reply)
         now = self.clock()
-        for update, tracked in live:
+        last = {update.seq_id: position for position, (update, _) in enumerate(live)}
+        for position, (update, tracked) in enumerate(live):
             if self._tracked.get(update.request_id) is not tracked:
                 continue
-            delta, stop_string = tracked.state.on_update(update, texts.get(update.seq_id, ""), now)
+            text = texts.get(update.seq_id, "") if last[update.seq_id] == position else ""
+            delta, stop_string = tracked.state.on_update(update, text, now)
             if stop_string is not None and self.core is not None:
                 self.core.finish_request(update.request_id, FinishReason.STOP, stop_string)
                 self._pending_close.append((update.seq_id, tracked.tokenizer))
