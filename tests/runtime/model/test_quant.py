@@ -82,7 +82,7 @@ def test_cat_rows_refuses_different_formats():
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
-@pytest.mark.parametrize("rows", [1, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 20, 70])
 @pytest.mark.parametrize("shape", [(16, 32), (97, 96), (40, 160)])
 def test_quant_linear_equals_dequantized_product(fmt, rows, shape):
     n, k = shape
@@ -204,3 +204,20 @@ def test_cpu_dequantize_is_bitwise_the_reference(fmt):
     scales, zeros, group = cpu_kernel_operands(w)
     out = torch.ops.tokenmill_quant.quant_dequantize(w.qweight, scales, zeros, bits(fmt), group)
     assert torch.equal(out, dequantize(w))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int8"])
+@pytest.mark.parametrize("panel", [1, 16, 33, 97, 200])
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_cpu_panels_equal_the_dequantized_product(fmt, panel, rows):
+    """Panels that divide N, leave a remainder, or exceed N all write every output column once."""
+    from services.runtime.model.quant.formats import bits
+    from services.runtime.model.quant.linear import cpu_kernel_operands
+
+    w = quantize(torch.randn(97, 160) * 0.05, fmt)
+    assert QuantLinear(w).prepare() == "cpu_kernel"
+    x = torch.randn(rows, 160)
+    expected = x @ dequantize(w).t()
+    out = torch.ops.tokenmill_quant.quant_matmul_panels(x, w.qweight, *cpu_kernel_operands(w)[:2], bits(w.fmt),
+                                                        cpu_kernel_operands(w)[2], panel)
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)

@@ -173,50 +173,94 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
-// The weight itself, [N, K] fp32: d * q + z per group, the numbers the reference dequantization
-// forms. Many input rows make the product compute-bound, where one write of the weight plus a
-// BLAS matmul beats the kernel above (quant/linear.py picks by the row count).
-at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
-                            int64_t bits, int64_t group) {
+// Rows [n_begin, n_end) of the weight in fp32 into dst (row stride K): d * q + z per group, the
+// numbers the reference dequantization forms (bitwise: one multiply and one add, rounded as it does).
+void dequantize_rows(const uint8_t* __restrict q4, const int8_t* __restrict q8, const float* __restrict sp,
+                     const float* __restrict zp, int64_t K, int64_t group, int64_t n_begin, int64_t n_end,
+                     float* __restrict dst) {
+  const int64_t groups = K / group, per_group = group / 32, row_bytes = q4 ? K / 2 : K;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const int64_t g = b / per_group;
+      const float d = sp[n * groups + g], z = zp ? zp[n * groups + g] : 0.0f;
+      float* w = dst + (n - n_begin) * K + b * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      __m512 lo, hi;
+      unpack_block(q4 ? q4 + n * row_bytes + b * 16 : nullptr, q8 ? q8 + n * row_bytes + b * 32 : nullptr, lo, hi);
+      const __m512 dv = _mm512_set1_ps(d), zv = _mm512_set1_ps(z);
+      _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(lo, dv), zv));  // d * q + z, rounded as the reference
+      _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(hi, dv), zv));
+#else
+      for (int64_t j = 0; j < 16; ++j) {
+        const float a = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] & 0x0F)
+                           : static_cast<float>(q8[n * row_bytes + b * 32 + j]);
+        const float c = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] >> 4)
+                           : static_cast<float>(q8[n * row_bytes + b * 32 + 16 + j]);
+        w[j] = d * a + z;
+        w[j + 16] = d * c + z;
+      }
+#endif
+    }
+  }
+}
+
+struct Operands {
+  const uint8_t* q4;
+  const int8_t* q8;
+  const float* scales;
+  const float* zeros;
+  int64_t N, K;
+};
+
+Operands check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
+                      int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be 2-D contiguous");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "qweight dtype");
   const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  TORCH_CHECK(group > 0 && K % group == 0 && K % 32 == 0, "bad group size");
+  TORCH_CHECK(group > 0 && K % group == 0 && K % 32 == 0 && (bits == 8 || group % 32 == 0), "bad group size");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / group),
               "scales must be [N, K / group] fp32");
   const bool has_zeros = zeros.numel() > 0;
   TORCH_CHECK(!has_zeros || (zeros.scalar_type() == at::kFloat && zeros.is_contiguous() &&
                              zeros.numel() == scales.numel()), "zeros must be like scales");
-  at::Tensor out = at::empty({N, K}, scales.options());
-  const int64_t groups = K / group, per_group = group / 32, row_bytes = bits == 4 ? K / 2 : K;
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
+  return {bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr, bits == 8 ? qweight.data_ptr<int8_t>() : nullptr,
+          scales.data_ptr<float>(), has_zeros ? zeros.data_ptr<float>() : nullptr, N, K};
+}
+
+// The weight itself, [N, K] fp32.
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                            int64_t bits, int64_t group) {
+  const Operands w = check_weight(qweight, scales, zeros, bits, group);
+  at::Tensor out = at::empty({w.N, w.K}, scales.options());
   float* op = out.data_ptr<float>();
-  const uint8_t* q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t b = 0; b < K / 32; ++b) {
-        const int64_t g = b / per_group;
-        const float d = sp[n * groups + g], z = zp ? zp[n * groups + g] : 0.0f;
-        float* w = op + n * K + b * 32;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 lo, hi;
-        unpack_block(q4 ? q4 + n * row_bytes + b * 16 : nullptr, q8 ? q8 + n * row_bytes + b * 32 : nullptr, lo, hi);
-        const __m512 dv = _mm512_set1_ps(d), zv = _mm512_set1_ps(z);
-        _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(lo, dv), zv));  // d * q + z, rounded as the reference
-        _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(hi, dv), zv));
-#else
-        for (int64_t j = 0; j < 16; ++j) {
-          const float a = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] & 0x0F)
-                             : static_cast<float>(q8[n * row_bytes + b * 32 + j]);
-          const float c = q4 ? static_cast<float>(q4[n * row_bytes + b * 16 + j] >> 4)
-                             : static_cast<float>(q8[n * row_bytes + b * 32 + 16 + j]);
-          w[j] = d * a + z;
-          w[j + 16] = d * c + z;
-        }
-#endif
-      }
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+    dequantize_rows(w.q4, w.q8, w.scales, w.zeros, w.K, group, begin, end, op + begin * w.K);
+  });
+  return out;
+}
+
+// Many input rows make the product compute-bound: then the weight is dequantized a panel of
+// `panel` output columns at a time into a buffer that stays in L2, and BLAS multiplies all rows
+// by it (out[:, panel] = x @ W[panel]^T, written in place through the output's row stride). The
+// whole fp32 weight never goes to memory, and each weight is unpacked once, not once per 8 rows.
+at::Tensor quant_matmul_panels(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const at::Tensor& zeros, int64_t bits, int64_t group, int64_t panel) {
+  const Operands w = check_weight(qweight, scales, zeros, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.K,
+              "x must be [M, K] fp32 contiguous");
+  TORCH_CHECK(panel > 0, "panel must be positive");
+  const int64_t M = x.size(0), N = w.N, K = w.K;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const int64_t panels = (N + panel - 1) / panel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor buffer = at::empty({panel, K}, x.options());  // one per thread, reused across its panels
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * panel, cols = std::min(panel, N - n0);
+      dequantize_rows(w.q4, w.q8, w.scales, w.zeros, K, group, n0, n0 + cols, buffer.data_ptr<float>());
+      at::Tensor dst = out.narrow(1, n0, cols);  // [M, cols] at row stride N: BLAS writes it in place
+      at::mm_out(dst, x, buffer.narrow(0, 0, cols).t());
     }
   });
   return out;
@@ -227,9 +271,11 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 TORCH_LIBRARY(tokenmill_quant, m) {
   m.def("quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor zeros, int bits, int group) -> Tensor");
+  m.def("quant_matmul_panels(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, int group, int panel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) {
   m.impl("quant_matmul", &quant_matmul);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_matmul_panels", &quant_matmul_panels);
 }

@@ -1,20 +1,27 @@
 """QuantLinear: y = x W^T with W held quantized (formats.py), one path per device.
 
-CPU: the C++ kernel ``tokenmill_quant::quant_matmul`` (services/runtime/kernels/cpu/quant_matmul.cpp)
-reads the stored values and per-group scales and zeros, with fp32 activations and outputs: the
-dequantized model's numbers up to the order of the fp32 sums. From ``DEQUANTIZE_MIN_ROWS`` input
-rows on (prompts) the product is compute-bound, and writing the weight out in fp32
-(``quant_dequantize``: bitwise the reference dequantization) for one BLAS matmul is faster.
+CPU: the C++ kernels in services/runtime/kernels/cpu/quant_matmul.cpp read the stored values and
+per-group scales and zeros, with fp32 activations and outputs: the dequantized model's numbers up
+to the order of the fp32 sums. Below ``PANEL_MIN_ROWS`` input rows (decode of a few sequences)
+``quant_matmul`` multiplies straight from the packed values, 1-8 rows per pass in registers:
+the product is memory-bound and reads 0.6-1.1 bytes a weight instead of 4. From
+``PANEL_MIN_ROWS`` on it is compute-bound, and unpacking every block again for each 8 rows costs
+more than the bytes save: ``quant_matmul_panels`` dequantizes ``panel_columns(K)`` output
+columns at a time into an fp32 buffer that stays in L2 (``quant_dequantize``'s numbers, bitwise
+the reference dequantization) and multiplies all rows by it with BLAS, so each weight is
+unpacked once per call and the fp32 weight never goes to memory.
 Without a C++ compiler, or for a weight whose input size is not a multiple of 32, the weight is
 dequantized once at load to fp32 and runs through the plain Linear (exact, as slow as fp32).
 
-Measured on one core of the 2-core benchmark machine (shared; best of 3), a 3072x576 weight,
-20 distinct copies so the weights stream from memory as a model's do, microseconds per product:
+Measured on one core of the 2-core benchmark machine (shared, load average 7-8: medians of 7
+interleaved rounds), a 3072x576 q4_1 weight, 20 distinct copies so the weights stream from
+memory as a model's do, microseconds per product:
 
-    rows                          1       8      16      32
-    q4_1, the kernel            136     529    1246    3293
-    q4_1, dequantized + BLAS    622    1155    1172    2157
-    fp32, oneDNN prepacked      634     640     854    2742
+    rows                               1       8      16      32      64
+    the kernel (quant_matmul)        TBD
+    panels (quant_matmul_panels)     TBD
+    whole weight dequantized + BLAS  TBD
+    fp32, oneDNN prepacked           TBD
 
 (q4_0, q8_0 and int8 alike: the kernel 155-195 us at one row.) PyTorch's own packed operators
 were measured first and are not used: ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``
@@ -33,18 +40,23 @@ import functools
 
 import structlog
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
 
-DEQUANTIZE_MIN_ROWS = 64
-"""From this many input rows the CPU path writes the weight out in fp32 (the reference's numbers)
-and multiplies with BLAS. SmolLM2 int4 on one core: a 370-token prompt 4.8-6.7 s that way
-against 10.7-10.9 s through the kernel; a 32-sequence decode step 498-679 ms that way against
-423-452 ms through the kernel (writing every weight out each step costs more than it saves
-there, the microbenchmark below notwithstanding: its weights stay in the cache)."""
+PANEL_MIN_ROWS = 16
+"""From this many input rows the CPU path multiplies by dequantized panels (module docstring)."""
+
+PANEL_BYTES = 256 * 1024
+"""fp32 bytes of one dequantized panel: a quarter of this machine's 1 MiB L2 per core, so the
+panel and BLAS's own packed copy of it stay there while every input row passes over it."""
+
+
+def panel_columns(in_features: int) -> int:
+    """Output columns per panel: ``PANEL_BYTES`` of fp32 rows, a multiple of 16, 16 to 256."""
+    return max(16, min(256, PANEL_BYTES // (4 * in_features) // 16 * 16))
+
 
 _log = structlog.get_logger("tokenmill.model")
 
@@ -117,8 +129,9 @@ class QuantLinear(nn.Module):
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
             operands = (self.quantized.qweight, self._scales, self._zeros, bits(self.quantized.fmt), self._group)
-            if x.shape[0] >= DEQUANTIZE_MIN_ROWS:  # compute-bound: the weight once in fp32, then BLAS
-                out = F.linear(x.float(), torch.ops.tokenmill_quant.quant_dequantize(*operands)).to(x.dtype)
+            if x.shape[0] >= PANEL_MIN_ROWS:  # compute-bound: fp32 panels in L2, then BLAS
+                out = torch.ops.tokenmill_quant.quant_matmul_panels(
+                    x.float().contiguous(), *operands, panel_columns(self.in_features)).to(x.dtype)
             else:
                 out = torch.ops.tokenmill_quant.quant_matmul(x.float().contiguous(), *operands).to(x.dtype)
         else:
@@ -144,6 +157,10 @@ def _cpu_kernel_available() -> bool:
     # Shape-only version for torch.compile (--compile traces the decode step through this op).
     @torch.library.register_fake("tokenmill_quant::quant_matmul")
     def _(x, qweight, scales, zeros, bits, group):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake("tokenmill_quant::quant_matmul_panels")
+    def _(x, qweight, scales, zeros, bits, group, panel):
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
     @torch.library.register_fake("tokenmill_quant::quant_dequantize")
