@@ -15,10 +15,9 @@ import argparse
 import json
 import os
 import statistics
-import time
 
-from benchmarks.peer.tokenmill import InProcess, Services, services_stack
 from benchmarks.peer.driver import DEFAULT_MODEL
+from benchmarks.peer.tokenmill import InProcess, Services, services_stack
 from benchmarks.serving.services_run import scrape
 
 PROMPT = [1, 403, 407, 261, 378]
@@ -103,5 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    time.perf_counter()
     main()
