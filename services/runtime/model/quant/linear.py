@@ -13,15 +13,22 @@ unpacked once per call and the fp32 weight never goes to memory.
 Without a C++ compiler, or for a weight whose input size is not a multiple of 32, the weight is
 dequantized once at load to fp32 and runs through the plain Linear (exact, as slow as fp32).
 
-Measured on one core of the 2-core benchmark machine (shared, load average 7-8: medians of 7
-interleaved rounds), a 3072x576 q4_1 weight, 20 distinct copies so the weights stream from
-memory as a model's do, microseconds per product:
+Measured on one core of the 2-core benchmark machine (shared: medians of 7 interleaved rounds),
+a 3072x576 q4_1 weight, 20 distinct copies so the weights stream from memory as a model's do,
+microseconds per product (two runs, the second under more load):
 
-    rows                               1       8      16      32      64
-    the kernel (quant_matmul)        TBD
-    panels (quant_matmul_panels)     TBD
-    whole weight dequantized + BLAS  TBD
-    fp32, oneDNN prepacked           TBD
+    rows                                   1          8         16         32         64
+    the kernel (quant_matmul)        153 / 299  628 / 751  1157/1785  2541/2756  5179/5969
+    panels (quant_matmul_panels)     410 / 562  813 /1090   979/1400  1543/1835  2745/3060
+    whole weight dequantized + BLAS  315 / 545  829 /1134  1020/1477  1605/1733  3003/4392
+    fp32, oneDNN prepacked           621 / 907  706 / 850   812/ 985  1301/1355  2520/2582
+
+(panels of 112 columns in the first run, 224 in the second.) So the kernel below 16 rows, panels
+from 16. At 32 rows fp32 runs at this core's FMA peak (113 MFLOP in 1.3 ms: ~85 GFLOP/s, one
+512-bit FMA a cycle): an exact fp32 product cannot be faster, and panels stay 1.1-1.35x above it
+(unpacking, and BLAS packing each panel again, which the prepacked fp32 weight skips). Other
+SmolLM2 shapes at 32 rows, panels / fp32: 960x576 1.10-1.14, 576x576 1.08-1.13, 576x1536
+1.08-1.14, the 49152x576 q8_0 head 1.34-1.47 (the kernel: 1.6-2.0x at all of them).
 
 (q4_0, q8_0 and int8 alike: the kernel 155-195 us at one row.) PyTorch's own packed operators
 were measured first and are not used: ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``
