@@ -96,6 +96,26 @@ def test_quant_linear_equals_dequantized_product(fmt, rows, shape):
     torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+def test_quant_linear_under_inference_mode_on_several_threads(rows):
+    """The model runs under torch.inference_mode with the intra-op pool: the panel path's other
+    threads write into the output made under it (they once raised "Inplace update to inference
+    tensor outside InferenceMode", failing every prompt of 16+ tokens with two threads)."""
+    w = quantize(torch.randn(600, 64) * 0.05, "q4_1")  # enough columns for several panels
+    layer = QuantLinear(w)
+    assert layer.prepare() == "cpu_kernel"
+    x = torch.randn(rows, 64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            out = layer(x)
+    finally:
+        torch.set_num_threads(previous)
+    expected = x @ dequantize(w).t()
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
+
+
 def test_quant_linear_group_64_and_fallback_for_odd_input_size():
     w = quantize(torch.randn(48, 128), "q4_1", group_size=64)
     x = torch.randn(5, 128)

@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -254,7 +255,11 @@ at::Tensor quant_matmul_panels(const at::Tensor& x, const at::Tensor& qweight, c
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const int64_t panels = (N + panel - 1) / panel;
+  // The pool's other threads do not inherit the caller's inference mode, and writing into an
+  // inference tensor (``out``, made here under it) outside it is refused: carry it over.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
     at::Tensor buffer = at::empty({panel, K}, x.options());  // one per thread, reused across its panels
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * panel, cols = std::min(panel, N - n0);
