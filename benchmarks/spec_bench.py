@@ -87,7 +87,7 @@ class System:
         self.metrics_port = free_port()
         spec = [] if name == "off" else [f"--num-speculative-tokens={k}"]
         drafter = [f"--num-speculative-tokens={k}"] + (
-            [f"--method=draft_model", f"--draft-model={MODEL}", f"--draft-layers={draft_layers}"] if name == "draft" else [])
+            ["--method=draft_model", f"--draft-model={MODEL}", f"--draft-layers={draft_layers}"] if name == "draft" else [])
         self.launcher = Launcher(LaunchConfig(
             model=str(MODEL), public_port=0, log_dir=tempfile.mkdtemp(prefix=f"spec-bench-{name}-"),
             executor_args=[f"--kv-cache-bytes={512 * 1024**2}"], drafter_args=drafter,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from services.common.errors import TokenmillError
 from services.runtime.model.attention.names import BACKEND_NAMES, KV_CACHE_DTYPE_NAMES

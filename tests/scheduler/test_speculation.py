@@ -6,7 +6,7 @@ import pytest
 
 from services.common.step import SequenceOutput, StepResult
 from services.scheduler.core.speculation import DraftLength, SpecDecodeStats, SpeculationConfig
-from tests.scheduler.test_scheduler import _decoding_request, assert_all_blocks_free, make_scheduler, step
+from tests.scheduler.test_scheduler import _decoding_request, assert_all_blocks_free, make_scheduler
 
 
 def test_k_follows_the_acceptance_rate_down_to_zero_and_probes():

@@ -26,7 +26,7 @@ from services.common.server import create_channel
 from services.scheduler.core.config import SchedulerLimits
 from tests.helpers.service_harness import REPO_ROOT
 from tests.helpers.small_stack import start_small_stack
-from tests.helpers.stack_streams import greedy_request, record_stream
+from tests.helpers.stack_streams import greedy_request
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

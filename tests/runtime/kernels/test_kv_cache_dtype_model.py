@@ -32,7 +32,7 @@ from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.llama import LlamaForCausalLM
 from services.tokenizer.text_tokenizer import TextTokenizer
-from tests.conftest import REPO_ROOT, STORIES_DIR
+from tests.conftest import REPO_ROOT
 
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 CHAT_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "smollm2_chat_prompts.jsonl"
