@@ -38,10 +38,11 @@ import torch
 
 from services.drafter.config import DraftModelSettings
 from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
+from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
-from services.runtime.model.config import ModelConfig, parse_dtype
+from services.runtime.model.config import ModelConfig
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
 
@@ -51,24 +52,6 @@ CUDA_KV_SHARE = 0.1
 """On CUDA without --num-blocks, the draft's pool takes this share of the device memory left
 after its weights: it shares the device with the executor, which sizes its pool from what is
 free when it starts."""
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return parse_dtype(name)
-    # As the executor: half precision on a CPU is slower and no smaller in any way that matters here.
-    if device.type == "cpu":
-        return torch.float32
-    return config.dtype if config.dtype != torch.float32 else torch.bfloat16
 
 
 def load_draft_model(settings: DraftModelSettings, backend, device: torch.device, dtype: torch.dtype
@@ -124,10 +107,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, settings: DraftModelSettings) -> None:
         self.settings = settings
-        self.device = _resolve_device(settings.device)
+        self.device = resolve_device(settings.device)
         self.backend_name = resolve_backend_name(settings.attention_backend, self.device)
         backend = get_attention_backend(self.backend_name, self.device)
-        self.dtype = _resolve_dtype(settings.dtype, ModelConfig.from_model_dir(settings.draft_model), self.device)
+        self.dtype = resolve_dtype(settings.dtype, ModelConfig.from_model_dir(settings.draft_model), self.device)
         self.model = load_draft_model(settings, backend, self.device, self.dtype)
         self.model_config = self.model.config
         self.vocab_size = self.model_config.vocab_size

@@ -14,7 +14,7 @@ import torch
 
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
-from services.runtime.model.config import ModelConfig, dtype_name, parse_dtype
+from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.common.sampling_params import SamplingParams
 from services.common.stop import MinTokensBan
@@ -24,6 +24,7 @@ from services.runtime.sampling.verify import emitted_tokens
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
+from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
 
 
@@ -36,24 +37,6 @@ class SequenceState:
     num_computed_tokens: int
     sampling: SamplingParams
     min_tokens_ban: MinTokensBan | None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return parse_dtype(name)
-    # Half precision on a CPU is slow and loses accuracy for no memory benefit worth having here.
-    if device.type == "cpu":
-        return torch.float32
-    return config.dtype if config.dtype != torch.float32 else torch.bfloat16
 
 
 class ModelRunner:
