@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import accumulate
 from pathlib import Path
 
 import structlog
@@ -39,8 +38,8 @@ import torch
 from services.drafter.config import DraftModelSettings
 from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
 from services.runtime.device import resolve_device, resolve_dtype
+from services.runtime.step_inputs import pack_step_inputs
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
-from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.llama import LlamaForCausalLM
@@ -155,27 +154,10 @@ class DraftModelProposer(Proposer):
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(len(tokens))
             context_lens.append(end)
+        ids, pos, meta, cu = pack_step_inputs(input_ids, positions, slots, query_lens, context_lens,
+                                              [seq.block_ids for seq, _, _ in rows], bs, self.device)
         num_seqs, num_tokens = len(rows), len(input_ids)
-        width = max(len(seq.block_ids) for seq, _, _ in rows)
-        cu = [0, *accumulate(query_lens)]
-        ints = context_lens + cu  # [B] context lens, [B + 1] query starts, then the [B, width] table
-        for seq, _, _ in rows:
-            ints += seq.block_ids
-            ints += [0] * (width - len(seq.block_ids))
-        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64, device=self.device)  # [3T]
-        ints_dev = torch.tensor(ints, dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=longs[2 * num_tokens :],
-            block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, width),
-            context_lens=ints_dev[:num_seqs],
-            query_start_loc=ints_dev[num_seqs : 2 * num_seqs + 1],
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=bs,
-        )
-        hidden = self.model(longs[:num_tokens], longs[num_tokens : 2 * num_tokens], self.kv_cache.layers, meta)
+        hidden = self.model(ids, pos, self.kv_cache.layers, meta)
         if num_tokens > num_seqs:  # else every row is one token: its own last
             hidden = hidden[torch.tensor(cu[1:], device=self.device) - 1]
         return self.model.compute_logits(hidden).argmax(dim=-1).tolist()

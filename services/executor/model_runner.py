@@ -8,11 +8,9 @@ it: the result holds sampled ids and, when asked, logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
-from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
@@ -25,6 +23,7 @@ from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepRes
 from services.executor.config import ExecutorConfig
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.device import resolve_device, resolve_dtype
+from services.runtime.step_inputs import pack_step_inputs
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
 
 
@@ -223,28 +222,8 @@ class ModelRunner:
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
-        num_seqs, num_tokens = len(scheduled), len(input_ids)
-        width = max(len(s.block_ids) for s, _ in scheduled)
-        cu = [0, *accumulate(query_lens)]
-        ints = context_lens + cu  # [B] context lens, [B + 1] query starts, then the [B, width] table
-        for state, _ in scheduled:
-            ints += state.block_ids
-            ints += [0] * (width - len(state.block_ids))
-        dev = self.device
-        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64, device=dev)  # [3T]
-        ints_dev = torch.tensor(ints, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=longs[2 * num_tokens :],
-            block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, width),
-            context_lens=ints_dev[:num_seqs],
-            query_start_loc=ints_dev[num_seqs : 2 * num_seqs + 1],
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=bs,
-        )
-        return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta, cu
+        return pack_step_inputs(input_ids, positions, slots, query_lens, context_lens,
+                                [state.block_ids for state, _ in scheduled], bs, self.device)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

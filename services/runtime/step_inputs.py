@@ -1,0 +1,49 @@
+"""A varlen step's tensors from Python lists, in two host-to-device copies.
+
+The executor's model runner and the drafter's draft model build the same inputs: int64
+[input ids | positions | slots] and int32 [context lens | query starts | block table], every
+tensor the model reads a view into one of the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from services.runtime.model.attention.base import AttentionMetadata
+
+
+def pack_step_inputs(
+    input_ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: Sequence[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """(input ids [T], positions [T], metadata, query starts as a host list [B + 1])."""
+    num_seqs, num_tokens = len(query_lens), len(input_ids)
+    width = max(len(table) for table in block_tables)
+    cu = [0, *accumulate(query_lens)]
+    ints = context_lens + cu  # [B] context lens, [B + 1] query starts, then the [B, width] table
+    for table in block_tables:
+        ints += table
+        ints += [0] * (width - len(table))
+    longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64, device=device)  # [3T]
+    ints_dev = torch.tensor(ints, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=longs[2 * num_tokens :],
+        block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, width),
+        context_lens=ints_dev[:num_seqs],
+        query_start_loc=ints_dev[num_seqs : 2 * num_seqs + 1],
+        query_lens_cpu=query_lens,
+        context_lens_cpu=context_lens,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        block_size=block_size,
+    )
+    return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta, cu
