@@ -14,6 +14,7 @@ from services.common.settings import embedded
 from services.scheduler.auth import load_auth_tokens
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
+from services.scheduler.profile import DEFAULT_CAPACITY
 
 
 def _f(default, help_: str, env: str):
@@ -61,6 +62,10 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                    "TOKENMILL_AUTH_TOKENS_FILE")
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",
                                  "TOKENMILL_PROFILE_WINDOW_S")
+    profile_capacity: int = _f(DEFAULT_CAPACITY, "finished-request samples GetProfile keeps: a ring allocated at start "
+                                                 "(40 bytes a sample); a window in which more requests finished is "
+                                                 "answered over the newest ones and its window_seconds says the span",
+                               "TOKENMILL_PROFILE_CAPACITY")
 
     def speculation(self) -> SpeculationConfig:
         return SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens, adaptive=self.spec_adaptive,
@@ -76,5 +81,7 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
         if self.max_waiting_per_tenant < 0:
             raise ValueError(f"max_waiting_per_tenant must be >= 0 (0 = no per-tenant bound), "
                              f"got {self.max_waiting_per_tenant}")
+        if self.profile_capacity < 1:
+            raise ValueError(f"profile_capacity must be >= 1, got {self.profile_capacity}")
         if self.auth_tokens_file:
             load_auth_tokens(self.auth_tokens_file)

@@ -26,7 +26,8 @@ PROFILE_RETENTION_S = 600.0
 async def serve(config: SchedulerServiceConfig) -> RunningServer:
     """Connect to the executor and tokenizers, then serve the Generation API."""
     config.validate()  # bad limits fail before anything connects or binds
-    profile = LatencyProfileRecorder(config.profile_window_s, retention_s=PROFILE_RETENTION_S)
+    profile = LatencyProfileRecorder(config.profile_window_s, retention_s=PROFILE_RETENTION_S,
+                                     capacity=config.profile_capacity)
     observers = [profile.on_finished]
     if config.metrics_port >= 0:
         observers.append(request_metrics().observe_finished)

@@ -20,10 +20,17 @@ Requests that produced no token (aborted or failed while waiting) leave no sampl
 have no TTFT. Samples older than ``retention_s`` (at least the default window) are dropped;
 a query for a longer window is answered over the retention and says so in window_seconds.
 
-Samples are kept as rows of five doubles in one flat ``array('d')`` (40 bytes a sample), not as
-objects (about 180 bytes each with their boxed floats): at the stress suite's rate of finished
-requests, 600 s of retention is tens of thousands of samples, and as objects they made the
-scheduler's resident memory grow by several MiB before the retention's plateau.
+Storage is a ring of ``capacity`` samples (DEFAULT_CAPACITY = 65,536, the scheduler's
+``--profile-capacity``), five columns of doubles (40 bytes a sample, 2.5 MiB by default),
+allocated and written once when the recorder is made: its pages are resident from the start
+and the scheduler's resident memory does not grow with the number of samples later. (As
+objects, samples cost ~180 bytes each, and a growing array's reallocations left the
+allocators' high-water mark behind; at the stress suite's rate, 600 s of retention is some
+75,000 samples.) When more requests finish within the asked window than the ring holds, the
+oldest are overwritten: the answer then covers only the span since the newest overwritten
+sample, and window_seconds says so (it is shorter than asked, as for the retention); the
+rate divides by that span. Samples are in finish order (the clock is monotonic), so a query
+finds its window's start by bisection and reads the columns as one or two slices.
 """
 
 from __future__ import annotations
@@ -71,8 +78,8 @@ class LatencySnapshot:
     max_output_tokens: int
 
 
-_FIELDS = 5
-_COMPACT_MIN_ROWS = 1024
+DEFAULT_CAPACITY = 65_536
+"""Samples the ring holds: 2.5 MiB. Over a 60 s window that is 1,092 finished requests a second."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -81,7 +88,13 @@ def percentile(values: Sequence[float], q: float) -> float:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
     if not values:
         return 0.0
-    ordered = sorted(values)
+    return _sorted_percentile(sorted(values), q)
+
+
+def _sorted_percentile(ordered: Sequence[float], q: float) -> float:
+    """percentile() over values already sorted."""
+    if not ordered:
+        return 0.0
     position = (len(ordered) - 1) * q / 100.0
     lower = math.floor(position)
     upper = min(lower + 1, len(ordered) - 1)
@@ -90,58 +103,75 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 class LatencyProfileRecorder:
     def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 retention_s: float | None = None, max_samples: int = 100_000) -> None:
+                 retention_s: float | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.window_s = window_s
         self.retention_s = max(window_s, retention_s if retention_s is not None else window_s)
         self.clock = clock
         self.started_at = clock()
-        if max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
-        self.max_samples = max_samples
-        self._rows = array("d")
-        """FinishedSample fields, _FIELDS doubles a row, in finish order (the clock is monotonic)."""
-        self._head = 0
-        """Index of the first live row: expired rows are skipped, then cut off in bulk."""
+        self.capacity = capacity
+        # One column per field; the repeat writes every element, so the pages are touched now.
+        zeros = array("d", [0.0]) * capacity
+        self._finish, self._ttft, self._decode, self._tokens, self._e2e = (array("d", zeros) for _ in range(5))
+        self._count = 0
+        """Samples ever recorded: sample i sits in slot i % capacity until sample i + capacity overwrites it."""
+        self._oldest = 0
+        """The first sample neither expired by the retention nor overwritten."""
+        self._lost_until = -math.inf
+        """Finish time of the newest sample overwritten before it expired: windows reaching back
+        past it are incomplete."""
 
     def __len__(self) -> int:
-        return len(self._rows) // _FIELDS - self._head
+        return self._count - self._oldest
 
     # ------------------------------------------------------------------ feeding
     def record(self, sample: FinishedSample) -> None:
-        self._rows.extend((sample.finish_time, sample.ttft_s, sample.decode_s, float(sample.completion_tokens),
-                           sample.e2e_s))
-        if len(self) > self.max_samples:
-            self._head += 1
-        self._expire(sample.finish_time)
+        self._append(sample.finish_time, sample.ttft_s, sample.decode_s, sample.completion_tokens, sample.e2e_s)
+
+    def _append(self, finish: float, ttft: float, decode: float, tokens: int, e2e: float) -> None:
+        self._expire(finish)
+        slot = self._count % self.capacity
+        if self._count - self.capacity >= self._oldest:  # the slot's sample is still live: it is lost
+            self._lost_until = self._finish[slot]
+            self._oldest = self._count - self.capacity + 1
+        self._finish[slot], self._ttft[slot], self._decode[slot] = finish, ttft, decode
+        self._tokens[slot], self._e2e[slot] = float(tokens), e2e
+        self._count += 1
 
     def on_finished(self, delta, output_state=None) -> None:
         """The scheduler loop's on_finished callback."""
         usage, timings = delta.usage, delta.timings
         if usage is None or timings is None or usage.completion_tokens == 0:
             return
-        self.record(FinishedSample(
-            finish_time=self.clock(), ttft_s=timings.time_to_first_token_ms / 1000.0,
-            decode_s=timings.decode_time_ms / 1000.0, completion_tokens=usage.completion_tokens,
-            e2e_s=timings.e2e_ms / 1000.0))
+        self._append(self.clock(), timings.time_to_first_token_ms / 1000.0, timings.decode_time_ms / 1000.0,
+                     usage.completion_tokens, timings.e2e_ms / 1000.0)
 
     def _expire(self, now: float) -> None:
         horizon = now - self.retention_s
-        rows, end = self._rows, len(self._rows) // _FIELDS
-        while self._head < end and rows[self._head * _FIELDS] < horizon:
-            self._head += 1
-        # Cut the dead rows once they are at least half of the array: amortized O(1) a sample.
-        if self._head >= _COMPACT_MIN_ROWS and self._head * 2 >= end:
-            del rows[:self._head * _FIELDS]
-            self._head = 0
+        finish, capacity = self._finish, self.capacity
+        while self._oldest < self._count and finish[self._oldest % capacity] < horizon:
+            self._oldest += 1
 
-    def _samples_since(self, start: float) -> list[FinishedSample]:
-        rows, out = self._rows, []
-        for i in range(self._head * _FIELDS, len(rows), _FIELDS):
-            if rows[i] >= start:
-                out.append(FinishedSample(rows[i], rows[i + 1], rows[i + 2], int(rows[i + 3]), rows[i + 4]))
-        return out
+    def _first_since(self, start: float) -> int:
+        """The first live sample (absolute index) that finished at or after ``start``: bisection."""
+        lo, hi, finish, capacity = self._oldest, self._count, self._finish, self.capacity
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if finish[mid % capacity] < start:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _column(self, column: array, first: int) -> array:
+        """Samples first..newest of one column, in finish order (two slices when the ring wraps)."""
+        begin, n = first % self.capacity, self._count - first
+        if begin + n <= self.capacity:
+            return column[begin:begin + n]
+        return column[begin:] + column[:begin + n - self.capacity]
 
     # ------------------------------------------------------------------ reading
     def snapshot(self, window_s: float | None = None) -> LatencySnapshot:
@@ -153,22 +183,31 @@ class LatencyProfileRecorder:
         now = self.clock()
         self._expire(now)
         start = now - window_s
-        samples = self._samples_since(start)
-        ttfts = [s.ttft_s * 1000.0 for s in samples]
-        tpots = [s.tpot_s * 1000.0 for s in samples if s.tpot_s is not None]
-        rates = [r for s in samples if (r := s.decode_tokens_per_s) is not None]
         covered = min(window_s, now - self.started_at)
-        tokens = sum(s.completion_tokens for s in samples)
+        if self._lost_until >= start:  # the ring wrapped inside the window: say what it covers
+            window_s = covered = now - self._lost_until
+        first = self._first_since(start)
+        ttfts = sorted(x * 1000.0 for x in self._column(self._ttft, first))
+        tokens = self._column(self._tokens, first)
+        decodes = self._column(self._decode, first)
+        tpots, rates = [], []
+        for n, decode in zip(tokens, decodes):
+            if n > 1:
+                tpots.append(decode * 1000.0 / (n - 1))
+                if decode > 0:
+                    rates.append((n - 1) / decode)
+        tpots.sort()
+        rates.sort()
         return LatencySnapshot(
             window_s=window_s,
-            num_requests=len(samples),
-            ttft_p50_ms=percentile(ttfts, 50),
-            ttft_p99_ms=percentile(ttfts, 99),
-            tpot_p50_ms=percentile(tpots, 50),
-            tpot_p99_ms=percentile(tpots, 99),
-            tokens_per_s_per_stream=percentile(rates, 50),
-            tokens_per_s_total=tokens / covered if covered > 0 else 0.0,
-            max_output_tokens=max((s.completion_tokens for s in samples), default=0),
+            num_requests=len(tokens),
+            ttft_p50_ms=_sorted_percentile(ttfts, 50),
+            ttft_p99_ms=_sorted_percentile(ttfts, 99),
+            tpot_p50_ms=_sorted_percentile(tpots, 50),
+            tpot_p99_ms=_sorted_percentile(tpots, 99),
+            tokens_per_s_per_stream=_sorted_percentile(rates, 50),
+            tokens_per_s_total=sum(tokens) / covered if covered > 0 else 0.0,
+            max_output_tokens=int(max(tokens, default=0)),
         )
 
     def to_proto(self, window_s: float | None, stats):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import tracemalloc
 
 import pytest
@@ -140,25 +142,107 @@ def test_retention_with_compaction_keeps_exactly_the_recent_samples_and_bounds_t
                 assert snap.ttft_p99_ms == pytest.approx(percentile([s.ttft_s * 1000 for s in want], 99))
                 assert snap.max_output_tokens == max(s.completion_tokens for s in want)
     assert len(recorder) == len([s for s in kept if s.finish_time >= clock.now - 60.0]) in (600, 601)
-    bounded = LatencyProfileRecorder(window_s=30.0, clock=clock, retention_s=600.0, max_samples=100)
+    bounded = LatencyProfileRecorder(window_s=30.0, clock=clock, retention_s=600.0, capacity=100)
     for i in range(1000):
         bounded.record(FinishedSample(clock.now, 0.01, 0.1, 2, 0.2))
     assert len(bounded) == 100 and bounded.snapshot().num_requests == 100
 
 
-def test_a_retained_sample_costs_about_its_five_doubles():
-    # The scheduler keeps up to 600 s of samples: stored as objects they cost ~180 bytes each
-    # and grew its resident memory by MiB under load; as rows of doubles, 40 bytes.
+def test_the_ring_is_allocated_once_and_recording_allocates_nothing_that_stays():
+    # The scheduler keeps up to 600 s of samples: as objects (~180 bytes each), and later in a
+    # growing array, they grew its resident memory by MiB under load. The ring costs its five
+    # doubles a sample once, when it is made, and feeding it past its capacity adds nothing.
     clock = FakeClock()
-    recorder = LatencyProfileRecorder(window_s=60.0, clock=clock, retention_s=600.0)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for i in range(20_000):
+        recorder = LatencyProfileRecorder(window_s=60.0, clock=clock, retention_s=600.0, capacity=20_000)
+        made = tracemalloc.get_traced_memory()[0]
+        for i in range(3 * 20_000):
             clock.now = 1000.0 + i / 100
             recorder.record(FinishedSample(clock.now, 0.012 + i * 1e-9, 0.3 + i * 1e-9, 17 + i % 5, 0.4 + i * 1e-9))
-        per_sample = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+        fed = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
+    assert 40 * 20_000 <= made - before < 40 * 20_000 + 4096, made - before
+    assert fed - made < 4096, fed - made
     assert len(recorder) == 20_000
-    assert per_sample < 64, per_sample
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads resident memory from Linux's /proc")
+def test_the_ring_is_resident_from_the_start():
+    # Touched when made, so the process's resident memory does not creep up as it fills.
+    before = _rss_kib()
+    recorder = LatencyProfileRecorder(window_s=60.0, clock=FakeClock(), capacity=500_000)  # 20 MB
+    grown = _rss_kib() - before
+    assert grown >= 0.9 * 40 * 500_000 / 1024, grown
+    assert recorder.capacity == 500_000
+
+
+def test_a_wrapped_ring_answers_over_the_span_it_holds_and_says_so():
+    clock = FakeClock(0.0)
+    recorder = LatencyProfileRecorder(window_s=60.0, clock=clock, retention_s=600.0, capacity=50)
+    for i in range(200):  # 10 a second for 20 s: the ring holds the last 5 s
+        clock.now = i / 10
+        recorder.record(FinishedSample(clock.now, 0.001 * (i + 1), 0.01 * (i % 7), 2 + i % 3, 0.5))
+    clock.now = 20.0
+    snap = recorder.snapshot()
+    newest_lost = 149 / 10
+    assert snap.num_requests == 50
+    assert snap.window_s == pytest.approx(20.0 - newest_lost)  # not the 60 s asked for
+    assert snap.ttft_p50_ms == pytest.approx(percentile([float(i + 1) for i in range(150, 200)], 50))
+    assert snap.tokens_per_s_total == pytest.approx(sum(2 + i % 3 for i in range(150, 200)) / (20.0 - newest_lost))
+    # A window inside what the ring holds is whole.
+    short = recorder.snapshot(2.0)
+    assert short.window_s == 2.0 and short.num_requests == 20
+    # Once the overwritten samples are older than the window, answers are whole again.
+    clock.now = 20.0 + 60.0
+    recorder.record(FinishedSample(clock.now, 0.02, 0.1, 3, 0.2))
+    assert recorder.snapshot().window_s == 60.0 and recorder.snapshot().num_requests == 1
+    # The sample just recorded overwrote the one of t = 15.0, which a 600 s window reaches.
+    assert recorder.snapshot(600.0).window_s == pytest.approx(80.0 - 15.0)
+
+
+def test_wrapping_ring_matches_a_plain_list_over_random_windows():
+    # Against the obvious model: the last `capacity` samples, and a window is cut short exactly
+    # when the newest overwritten sample lies inside it.
+    rng = random.Random(7)
+    clock = FakeClock(0.0)
+    capacity, retention = 64, 30.0
+    recorder = LatencyProfileRecorder(window_s=10.0, clock=clock, retention_s=retention, capacity=capacity)
+    samples: list[FinishedSample] = []
+    for i in range(2000):
+        clock.now += rng.choice((0.0, 0.01, 0.05, 0.2, 1.0, 4.0))  # bursts, ties and quiet spells
+        sample = FinishedSample(clock.now, rng.uniform(0.001, 0.5), rng.uniform(0.0, 2.0), rng.randint(1, 50), 1.0)
+        recorder.record(sample)
+        samples.append(sample)
+        if i % 7:
+            continue
+        clock.now += rng.choice((0.0, 0.5, 3.0))
+        for window in (0.3, 2.0, 10.0, 45.0):
+            asked = min(window, retention)
+            start = clock.now - asked
+            want = [s for s in samples[-capacity:] if s.finish_time >= start]
+            wrapped = len(samples) > capacity and samples[-capacity - 1].finish_time >= start
+            snap = recorder.snapshot(window)
+            assert snap.num_requests == len(want)
+            want_window = clock.now - samples[-capacity - 1].finish_time if wrapped else asked
+            assert snap.window_s == pytest.approx(want_window)
+            assert snap.ttft_p99_ms == pytest.approx(percentile([s.ttft_s * 1000 for s in want], 99))
+            assert snap.tpot_p50_ms == pytest.approx(percentile([s.tpot_s * 1000 for s in want
+                                                                 if s.tpot_s is not None], 50))
+            assert snap.max_output_tokens == max((s.completion_tokens for s in want), default=0)
+            covered = want_window if wrapped else min(asked, clock.now - 0.0)
+            rate = sum(s.completion_tokens for s in want) / covered if covered > 0 else 0.0
+            assert snap.tokens_per_s_total == pytest.approx(rate)
+    assert len(recorder) <= capacity
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity"):
+        LatencyProfileRecorder(capacity=0)
