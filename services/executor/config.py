@@ -13,6 +13,8 @@ from typing import Any
 from services.common.service_config import model_field, service_process_fields
 from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 
+CPU_DECODE_MODES = ("auto", "fused", "eager")
+
 
 @dataclass(slots=True)
 class ExecutorConfig:
@@ -42,6 +44,10 @@ class ExecutorConfig:
     compile: bool = False
     """CPU only: run decode-only steps through a torch.compile'd forward (inductor). Start-up pays
     the compilation; outputs may differ from the eager path's in the last bits of the logits."""
+    cpu_decode: str = "auto"
+    """CPU decode-only steps: auto (a small fp32 model's whole step in one C++ call,
+    services/runtime/model/fused_decode.py, when the model qualifies; else eager), fused (the
+    same, and an error when the model does not qualify) or eager (the PyTorch forward)."""
     enforce_eager: bool = False
     """On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs."""
     cuda_graph_max_batch_size: int = 128
@@ -64,6 +70,11 @@ class ExecutorConfig:
         if self.compile and self.kv_cache_dtype != "auto":
             raise ValueError(f"compile runs the C++ decode ops over a plain KV pool; kv_cache_dtype "
                              f"{self.kv_cache_dtype!r} needs compile off")
+        if self.cpu_decode not in CPU_DECODE_MODES:
+            raise ValueError(f"cpu_decode must be one of {', '.join(CPU_DECODE_MODES)}, got {self.cpu_decode!r}")
+        if self.cpu_decode == "fused" and (self.device not in ("auto", "cpu") or self.compile):
+            raise ValueError(f"cpu_decode 'fused' runs on the CPU without compile; got device {self.device!r}"
+                             f"{', compile on' if self.compile else ''}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.cuda_graph_max_batch_size < 1:
@@ -107,6 +118,8 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     max_model_len: int = _engine_field("max_model_len", "cap on context length (0 = the model's own limit)")
     seed: int = _engine_field("seed", "seed of the generator used for unseeded sampling")
     compile: bool = _engine_field("compile", "CPU: compile the decode step with torch.compile (slower start-up)")
+    cpu_decode: str = _engine_field(
+        "cpu_decode", "CPU decode steps: auto (small fp32 models in one C++ call, else eager), fused or eager")
     enforce_eager: bool = _engine_field("enforce_eager", "CUDA: run every step eagerly (no CUDA graphs for decode)")
     cuda_graph_max_batch_size: int = _engine_field(
         "cuda_graph_max_batch_size", "CUDA: largest decode batch captured as a graph; larger batches run eagerly")

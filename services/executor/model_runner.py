@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
@@ -25,6 +26,8 @@ from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.step_inputs import pack_step_inputs
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
+
+_log = structlog.get_logger("tokenmill.model")
 
 
 @dataclass(slots=True)
@@ -90,8 +93,26 @@ class ModelRunner:
                 max_batch_size=config.cuda_graph_max_batch_size, scratch_block=self.num_usable_blocks,
                 device=self.device, capture=self.decode_graph_mode == "capture",
             )
+        self.fused_decode = self._fused_decode()
         self.sampler = Sampler(seed=config.seed)
         self.sequences: dict[int, SequenceState] = {}
+
+    def _fused_decode(self):
+        """The fused C++ decode step (fused_decode.py) where ``cpu_decode`` and the model allow it."""
+        config = self.config
+        if (self.device.type != "cpu" or config.cpu_decode == "eager" or self.compiled_decode is not None
+                or self.decode_graphs is not None):
+            return None
+        from services.runtime.model.fused_decode import FusedDecode, why_not
+
+        reason = why_not(self.model, self.kv_cache.layers)
+        if reason is not None:
+            if config.cpu_decode == "fused":
+                raise ValueError(f"cpu_decode 'fused': the fused CPU decode step cannot run this model: {reason}")
+            _log.info("cpu decode path", path="eager", reason=reason)
+            return None
+        _log.info("cpu decode path", path="fused")
+        return FusedDecode(self.model, self.kv_cache.layers)
 
     def _decode_graph_mode(self) -> str | None:
         """"capture" (CUDA graphs), "padded" (their buffers, run eagerly on a CPU) or None."""
@@ -244,6 +265,8 @@ class ModelRunner:
             ids, pos, meta, cu = self._prepare(scheduled)
             if self.compiled_decode is not None and self.compiled_decode.takes(meta):
                 hidden = self.compiled_decode(ids, pos, self.kv_cache.layers, meta)
+            elif self.fused_decode is not None and self.fused_decode.takes(meta):
+                hidden = self.fused_decode(ids, pos, self.kv_cache.layers, meta)
             else:
                 hidden = self.model(ids, pos, self.kv_cache.layers, meta)
         # Only sequences whose known tokens are all computed after this step sample a token;

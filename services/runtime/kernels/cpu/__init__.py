@@ -26,8 +26,10 @@ import torch
 from services.runtime.kernels._common import check_paged_attention_inputs, split_pool
 from services.runtime.kernels.kv_quant import ScaledCache
 
-# quant_matmul.cpp: the fp32 weight-only quantized matmul (services/runtime/model/quant/linear.py).
-_SOURCES = [Path(__file__).with_name("paged_decode.cpp"), Path(__file__).with_name("quant_matmul.cpp")]
+# quant_matmul.cpp: the fp32 weight-only quantized matmul (services/runtime/model/quant/linear.py);
+# fused_decode.cpp: a small model's whole decode step (services/runtime/model/fused_decode.py).
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "quant_matmul.cpp", "fused_decode.cpp")]
+_HEADERS = [Path(__file__).with_name("paged_decode.h")]
 MARCH_ENV = "TOKENMILL_CPU_KERNEL_MARCH"
 """Overrides ``-march=native`` (e.g. ``haswell``: AVX2 without AVX-512). The tests build the
 kernels for an AVX2-only CPU this way on any x86 machine, so the paths without AVX-512 run in
@@ -53,7 +55,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """Unique per source, flags, CPU and torch, so a build never runs where it was not made for."""
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(_cpu_flags().encode())

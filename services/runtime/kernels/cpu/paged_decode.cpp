@@ -29,6 +29,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_decode.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -462,6 +464,31 @@ std::vector<int64_t> find_bad_table_entry(const at::Tensor& block_tables, const 
 }
 
 }  // namespace
+
+// Entry points for the other C++ files of this extension (paged_decode.h): the fused decode step
+// calls the attention and the K/V write directly, without a trip through the dispatcher.
+namespace tokenmill_cpu {
+
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, double scale) {
+  if (k_scale == nullptr) {
+    paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else {
+    paged_decode_quantized(out, q, k_cache, v_cache, *k_scale, *v_scale, block_tables, context_lens, scale);
+  }
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor* k_scale,
+              at::Tensor* v_scale, const at::Tensor& slot_mapping) {
+  if (k_scale == nullptr) {
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+  } else {
+    write_kv_quantized(k, v, k_cache, v_cache, *k_scale, *v_scale, slot_mapping);
+  }
+}
+
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");

@@ -1,0 +1,89 @@
+"""A small model's decode step in one C++ call on the CPU (``--cpu-decode auto``, the default).
+
+A decode step of a model like stories260K is dispatch-bound: ~170 torch operations of
+~4-5 us each, against nanoseconds of arithmetic. ``LlamaDecoder``
+(services/runtime/kernels/cpu/fused_decode.cpp) holds the weights (transposed once) and the
+KV pools and runs the whole forward of a decode-only step as loops, calling the paged
+attention kernel directly; the LM head and sampling stay in Python as for every step.
+
+It takes a model only where that is the right trade (``why_not``): fp32 weights, none of them
+prepacked for oneDNN or quantized. A model big enough to have prepacked matrices (fp32 from
+2^18 elements, see linear.py) spends its step in the products, where oneDNN's and MKL's
+kernels beat a plain loop, so it keeps the eager path. Prompts, chunks, mixed and speculative
+steps always run the eager model.
+
+Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
+order), as the tests check against it over plain and quantized pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.runtime.kernels import cpu as cpu_kernels
+from services.runtime.kernels.kv_quant import ScaledCache
+from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
+from services.runtime.model.linear import Linear
+from services.runtime.model.llama import KVCaches, LlamaForCausalLM
+
+
+def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
+    """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
+    if not isinstance(model.backend, CpuAttentionBackend):
+        return f"the attention backend is {model.backend.name!r}, not the cpu backend"
+    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
+        return f"the model runs in {model.embed.dtype} on {model.embed.device}; the fused step is fp32 on a CPU"
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            linear = getattr(layer, name)
+            if not isinstance(linear, Linear):
+                return f"{name} is {type(linear).__name__} (quantized weights)"
+            if linear.packed is not None:
+                return f"{name} is prepacked for oneDNN: the model is large enough for its products to dominate"
+        if layer.o_proj.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
+            return "biases outside q|k|v"
+    k_cache = kv_caches[0][0]
+    if not isinstance(k_cache, ScaledCache) and k_cache.dtype != torch.float32:
+        return f"the KV pool is {k_cache.dtype}, not fp32 or quantized"
+    return None
+
+
+class FusedDecode:
+    """``model``'s forward for decode-only steps through ``LlamaDecoder``."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches):
+        reason = why_not(model, kv_caches)
+        if reason is not None:
+            raise ValueError(f"the fused CPU decode step cannot run this model: {reason}")
+        cpu_kernels.load()
+        self.backend: CpuAttentionBackend = model.backend
+        layer_tensors: list[torch.Tensor] = []
+        for layer in model.layers:
+            bias = layer.qkv.bias if layer.qkv.bias is not None else torch.empty(0)
+            layer_tensors += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm,
+                              layer.gate_up.weight, layer.down.weight]
+        quantized = isinstance(kv_caches[0][0], ScaledCache)
+        self._decoder = torch.classes.tokenmill_cpu.LlamaDecoder(
+            model.embed.detach(), [t.detach() for t in layer_tensors], model.final_norm.detach(),
+            model.rotary.cos_full, model.rotary.sin_signed, model.config.num_heads, model.config.num_kv_heads,
+            model.config.head_dim, float(model.config.rms_norm_eps),
+            [k.data if quantized else k for k, _ in kv_caches], [v.data if quantized else v for _, v in kv_caches],
+            [k.scale for k, _ in kv_caches] if quantized else [], [v.scale for _, v in kv_caches] if quantized else [],
+        )
+        self._k_cache = kv_caches[0][0]
+
+    @staticmethod
+    def takes(meta: AttentionMetadata) -> bool:
+        """Whether this step runs fused: one new token per sequence."""
+        return meta.is_decode_only
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [B] -> final hidden states [B, D], as ``model(...)`` computes them."""
+        if kv_caches[0][0] is not self._k_cache:
+            raise ValueError("the fused decode step runs over the KV pools it was built with")
+        # Raw pointer reads and writes follow: the tables and slots are checked against the pool
+        # first, in one C++ pass each (the kernel's own checks are a second line).
+        self.backend.check_step(meta, self._k_cache)
+        return self._decoder.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)

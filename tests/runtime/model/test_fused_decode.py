@@ -1,0 +1,179 @@
+"""The fused CPU decode step (services/runtime/model/fused_decode.py) against the eager forward.
+
+The eager model (llama.py) is the reference: same inputs, same pool, hidden states within fp32
+rounding, over GQA, MQA, q|k|v biases, head dims 8/16/32, plain and quantized pools, batches and
+contexts with ragged edges (1, 15, 16, 17, ... slots), and slots no sequence owns poisoned with
+NaN. A row's result must not depend on the batch around it, and a serving run must give the
+eager runner's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.executor.config import ExecutorConfig
+from services.executor.model_runner import ModelRunner
+from services.runtime.kernels.kv_quant import ScaledCache
+from services.runtime.model.fused_decode import FusedDecode, why_not
+from services.runtime.step_inputs import pack_step_inputs
+from tests.conftest import STORIES_DIR
+from tests.helpers.scripted_requests import run_requests
+
+BLOCK_SIZE = 16
+CONTEXTS = [1, 15, 16, 17, 33, 100, 2, 64, 5]  # slots each sequence holds after this step's token
+
+
+def make_runner(model_dir, **overrides) -> ModelRunner:
+    values = dict(model=str(model_dir), dtype="fp32", device="cpu", attention_backend="cpu",
+                  block_size=BLOCK_SIZE, num_blocks=96)
+    return ModelRunner(ExecutorConfig(**{**values, **overrides}))
+
+
+def model_dir(name: str, random_model_dirs):
+    return STORIES_DIR if name == "stories260K" else random_model_dirs[name]
+
+
+def fill_pool(runner: ModelRunner, tables: list[list[int]], contexts: list[int], seed: int) -> None:
+    """Random K/V in every slot a sequence owns; NaN wherever no sequence does (a kernel that
+    reads a slot it must not would carry the NaN into its output)."""
+    gen = torch.Generator().manual_seed(seed)
+    owned = torch.zeros(runner.num_usable_blocks * BLOCK_SIZE, dtype=torch.bool)
+    for table, n in zip(tables, contexts):
+        for p in range(n):
+            owned[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] = True
+    for k_cache, v_cache in runner.kv_cache.layers:
+        for cache in (k_cache, v_cache):
+            if isinstance(cache, ScaledCache):
+                flat = cache.data.view(-1, *cache.data.shape[2:])
+                values = torch.randn(flat.shape, generator=gen) * 40
+                flat.copy_(values.clamp(-127, 127).round().to(flat.dtype) if flat.dtype == torch.int8
+                           else values.to(flat.dtype))
+                scale = cache.scale.view(-1, cache.scale.shape[-1])
+                scale.copy_((torch.rand(scale.shape, generator=gen) * 0.02 + 0.005).half())
+                scale[~owned] = float("nan")
+            else:
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.copy_(torch.randn(flat.shape, generator=gen))
+                flat[~owned] = float("nan")
+
+
+def decode_inputs(runner: ModelRunner, contexts: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    tables, next_block = [], 0
+    for n in contexts:
+        width = -(-n // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + width))[::-1])  # blocks out of order
+        next_block += width
+    ids = torch.randint(0, runner.model_config.vocab_size, (len(contexts),), generator=gen).tolist()
+    positions = [n - 1 for n in contexts]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(tables, positions)]
+    return tables, pack_step_inputs(ids, positions, slots, [1] * len(contexts), contexts, tables, BLOCK_SIZE,
+                                    runner.device)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["stories260K", "llama-gqa-8-2", "llama-mqa", "qwen2-bias"])
+def test_fused_step_equals_the_eager_forward(name, kv_cache_dtype, random_model_dirs):
+    runner = make_runner(model_dir(name, random_model_dirs), kv_cache_dtype=kv_cache_dtype)
+    assert runner.fused_decode is not None
+    tables, (ids, positions, meta, _) = decode_inputs(runner, CONTEXTS, seed=1)
+    fill_pool(runner, tables, CONTEXTS, seed=2)
+    caches = runner.kv_cache.layers
+    quantized = isinstance(caches[0][0], ScaledCache)
+    with torch.inference_mode():
+        fused = runner.fused_decode(ids, positions, caches, meta)
+        written = [tuple(step_rows(c, meta.slot_mapping) for c in layer) for layer in caches]
+        eager = runner.model(ids, positions, caches, meta)
+    assert fused.shape == eager.shape == (len(CONTEXTS), runner.model_config.hidden_size)
+    assert torch.isfinite(fused).all()
+    for layer, rows in zip(caches, written):
+        for cache, (values, scales) in zip(layer, rows):
+            want_values, want_scales = step_rows(cache, meta.slot_mapping)
+            if quantized:
+                # Inputs equal to ~1e-6 may round to neighbouring codes: at most one step apart.
+                codes = values.view(torch.uint8).int() if values.dtype != torch.int8 else values.int()
+                want_codes = want_values.view(torch.uint8).int() if values.dtype != torch.int8 else want_values.int()
+                assert (codes - want_codes).abs().max() <= 1
+                torch.testing.assert_close(scales.float(), want_scales.float(), rtol=1e-3, atol=0)
+            else:
+                torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+    # A quantized pool carries those one-step differences of the new token's K/V into the
+    # output (at context 1 the output is that V): a looser bound there; plain pools stay tight.
+    tolerance = 2e-2 if quantized else 1e-4
+    torch.testing.assert_close(fused, eager, rtol=tolerance, atol=tolerance)
+
+
+def step_rows(cache, slot_mapping: torch.Tensor):
+    """(values, scales or None) the step's slots hold in ``cache``, copied."""
+    if isinstance(cache, ScaledCache):
+        values = cache.data.view(-1, *cache.data.shape[2:])[slot_mapping].clone()
+        return values, cache.scale.view(-1, cache.scale.shape[-1])[slot_mapping].clone()
+    return cache.view(-1, *cache.shape[2:])[slot_mapping].clone(), None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_its_batch(threads):
+    runner = make_runner(STORIES_DIR)
+    tables, (ids, positions, meta, _) = decode_inputs(runner, CONTEXTS, seed=3)
+    fill_pool(runner, tables, CONTEXTS, seed=4)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            batch = runner.fused_decode(ids, positions, runner.kv_cache.layers, meta)
+            for row, n in enumerate(CONTEXTS):
+                one = pack_step_inputs([int(ids[row])], [n - 1], [int(meta.slot_mapping[row])], [1], [n],
+                                       [tables[row]], BLOCK_SIZE, runner.device)
+                alone = runner.fused_decode(one[0], one[1], runner.kv_cache.layers, one[2])
+                assert torch.equal(alone[0], batch[row]), f"row {row} (context {n}) changed with the batch"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype):
+    fused = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype)
+    eager = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, cpu_decode="eager")
+    assert fused.fused_decode is not None and eager.fused_decode is None
+    assert run_requests(fused) == run_requests(eager)
+    assert fused.sequences == {}
+
+
+def test_bad_step_inputs_are_errors_not_reads():
+    runner = make_runner(STORIES_DIR)
+    caches = runner.kv_cache.layers
+    ids, positions, meta, _ = pack_step_inputs([runner.model_config.vocab_size], [0], [0], [1], [1], [[0]],
+                                               BLOCK_SIZE, runner.device)
+    with pytest.raises(RuntimeError, match=r"input_ids\[0\] = 512 is outside the vocabulary of 512"):
+        runner.fused_decode(ids, positions, caches, meta)
+    ids, positions, meta, _ = pack_step_inputs([3], [0], [0], [1], [1], [[runner.num_usable_blocks]],
+                                               BLOCK_SIZE, runner.device)
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.fused_decode(ids, positions, caches, meta)
+    other = make_runner(STORIES_DIR).kv_cache.layers
+    with pytest.raises(ValueError, match="KV pools it was built with"):
+        runner.fused_decode(ids, positions, other, meta)
+
+
+def test_models_it_does_not_fit_keep_the_eager_step(random_model_dirs):
+    # Big enough that its products are prepacked for oneDNN: the products dominate, eager wins.
+    wide = make_runner(random_model_dirs["llama-wide-prepacked"])
+    assert wide.fused_decode is None
+    assert "prepacked" in why_not(wide.model, wide.kv_cache.layers)
+    bf16 = make_runner(STORIES_DIR, dtype="bf16")
+    assert bf16.fused_decode is None
+    assert "bfloat16" in why_not(bf16.model, bf16.kv_cache.layers)
+    torch_backend = make_runner(STORIES_DIR, attention_backend="torch")
+    assert torch_backend.fused_decode is None
+    with pytest.raises(ValueError, match="cpu_decode 'fused'.*prepacked"):
+        make_runner(random_model_dirs["llama-wide-prepacked"], cpu_decode="fused")
+    with pytest.raises(ValueError, match="fused CPU decode step cannot run this model"):
+        FusedDecode(bf16.model, bf16.kv_cache.layers)
+
+
+def test_cpu_decode_flag_is_validated():
+    with pytest.raises(ValueError, match="cpu_decode must be one of auto, fused, eager"):
+        ExecutorConfig(model=str(STORIES_DIR), cpu_decode="fast").validate()
+    with pytest.raises(ValueError, match="cpu_decode 'fused' runs on the CPU without compile"):
+        ExecutorConfig(model=str(STORIES_DIR), cpu_decode="fused", compile=True).validate()
