@@ -202,6 +202,14 @@ def proc_status(pid: int) -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
 
 
+async def trace_memory(launcher: Launcher, args, sig: signal.Signals) -> None:
+    """Ask the traced service for a line now (SIGUSR2), or after malloc_trim (SIGUSR1), and give
+    it time to write it before its memory is read."""
+    if args.trace_memory:
+        os.kill(launcher.services[args.trace_service].process.pid, sig)
+        await asyncio.sleep(2.0)
+
+
 async def wait_idle(stub, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -218,6 +226,7 @@ async def run(launcher: Launcher, args) -> int:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         refs = await solo_runs(stub)
+        await trace_memory(launcher, args, signal.SIGUSR2)
         cold = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
         if args.warmup_seconds > 0:
             # The same load for a while first: the allocators' high-water mark for this load
@@ -233,6 +242,7 @@ async def run(launcher: Launcher, args) -> int:
             tally.lost_or_duplicated += warm_tally.lost_or_duplicated
             await wait_idle(stub)
             await asyncio.sleep(1.0)
+        await trace_memory(launcher, args, signal.SIGUSR2)
         before = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
         started = time.monotonic()
         stop_at = started + args.seconds
@@ -251,8 +261,10 @@ async def run(launcher: Launcher, args) -> int:
             tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
                                  f"{profile.num_waiting} waiting")
         await asyncio.sleep(1.0)
+        await trace_memory(launcher, args, signal.SIGUSR2)
         after = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
         elapsed = time.monotonic() - started
+        await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
     for event in launcher.events:
         if "exited" in event and not event.startswith("executor"):
             tally.crashes.append(event)
@@ -280,6 +292,8 @@ async def run(launcher: Launcher, args) -> int:
         restarted = " (restarted)" if name == "executor" else ""
         print(f"{name:<12}{cold[name][0] / 1024:>14.1f}{rss0 / 1024:>16.1f}{rss1 / 1024:>16.1f}"
               f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{restarted}")
+    if args.trace_memory:
+        print(f"memory trace of the {args.trace_service}: {args.trace_memory} (benchmarks/memtrace/show.py prints it)")
     for crash in tally.crashes[:20]:
         print("crash:", crash)
     p99 = percentile(ms, 0.99)
@@ -297,13 +311,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-client-every", type=float, default=5.0)
     parser.add_argument("--warmup-seconds", type=float, default=30.0,
                         help="the same load (streams and bursts) before the memory baseline is read; 0 = none")
+    parser.add_argument("--trace-memory", metavar="DIR", default="",
+                        help="trace one service's memory into DIR (benchmarks/memtrace/sitecustomize.py): a JSON "
+                             "line every TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after")
+    parser.add_argument("--trace-service", default="scheduler", help="the service --trace-memory traces")
     args = parser.parse_args(argv)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}
+    if args.trace_memory:
+        os.makedirs(args.trace_memory, exist_ok=True)
+        env.update(PYTHONPATH=f"{REPO_ROOT / 'benchmarks' / 'memtrace'}{os.pathsep}{REPO_ROOT}",
+                   TOKENMILL_MEMTRACE_DIR=os.path.abspath(args.trace_memory),
+                   TOKENMILL_MEMTRACE_SERVICE=args.trace_service)
     launcher = Launcher(LaunchConfig(
         model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-stress-"),
         executor_args=[f"--num-blocks={NUM_BLOCKS}", "--block-size=16", "--dtype=fp32", "--device=cpu"],
         # A queue the client tasks alone do not fill, so the bursts are what overflows it.
         scheduler_args=["--max-num-seqs=128", f"--max-waiting-requests={max(1, args.streams // 2)}"],
-        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
+        env=env))
     launcher.start()
     try:
         return asyncio.run(run(launcher, args))
