@@ -61,6 +61,11 @@ class RunningSequence:
     """Blocks appended to the end of its block table this step."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative tokens to verify after the last known token (num_scheduled_tokens = 1 + len)."""
+    num_steps: int = 1
+    """Decode steps to run back to back (multi-step scheduling): after the step's token, the
+    executor feeds each token it samples back in, num_steps forwards in all, and returns
+    num_steps tokens. Only for a decode: num_scheduled_tokens 1 and no drafts; the block table
+    covers every position those forwards write."""
 
 
 @dataclass(slots=True)

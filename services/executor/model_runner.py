@@ -199,6 +199,8 @@ class ModelRunner:
                 raise ValueError(f"step {plan.step_id} continues unknown sequence {running.seq_id}")
             self._check_block_ids(running.seq_id, running.new_block_ids)
             state.block_ids.extend(running.new_block_ids)
+            if running.num_steps > 1:
+                self._check_multi_step(state, running)
             if running.draft_token_ids:
                 self._take_drafts(state, running.num_scheduled_tokens, running.draft_token_ids)
                 drafts[len(scheduled)] = running.draft_token_ids
@@ -216,6 +218,20 @@ class ModelRunner:
                     f"its block table has {len(state.block_ids)}"
                 )
         return scheduled
+
+    def _check_multi_step(self, state: SequenceState, running) -> None:
+        """n decode steps back to back: a decode of the last known token, with blocks for all n positions."""
+        if running.num_scheduled_tokens != 1 or running.draft_token_ids \
+                or state.num_computed_tokens + 1 != len(state.token_ids):
+            raise ValueError(f"sequence {state.seq_id}: {running.num_steps} decode steps need a decode of its last "
+                             f"known token (1 scheduled token, no drafts); it schedules "
+                             f"{running.num_scheduled_tokens} from {state.num_computed_tokens} of "
+                             f"{len(state.token_ids)} known tokens")
+        end = state.num_computed_tokens + running.num_steps
+        if end > len(state.block_ids) * self.block_size:
+            raise ValueError(f"sequence {state.seq_id}: {running.num_steps} decode steps reach position {end - 1}, "
+                             f"which needs {-(-end // self.block_size)} blocks; its block table has "
+                             f"{len(state.block_ids)}")
 
     def _prepare(self, scheduled: list[tuple[SequenceState, int]]):
         """The step's tensors, built from Python lists in two host-to-device copies.
@@ -253,6 +269,12 @@ class ModelRunner:
         scheduled = self._apply_plan(plan, drafts)
         if not scheduled:
             return StepResult(plan.step_id, [])
+        outputs = self._run_step(scheduled, drafts)
+        self._run_more_steps(plan, scheduled, outputs)
+        return StepResult(plan.step_id, outputs)
+
+    def _forward(self, scheduled: list[tuple[SequenceState, int]]) -> tuple[torch.Tensor, list[int]]:
+        """The model over the scheduled tokens: final hidden states [T, D] and query starts."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.takes(
             len(scheduled), [n for _, n in scheduled], max(len(s.block_ids) for s, _ in scheduled)
@@ -260,15 +282,32 @@ class ModelRunner:
             hidden = graphs.run([
                 (s.token_ids[s.num_computed_tokens], s.num_computed_tokens, s.block_ids) for s, _ in scheduled
             ])
-            cu = list(range(len(scheduled) + 1))
-        else:
-            ids, pos, meta, cu = self._prepare(scheduled)
-            if self.compiled_decode is not None and self.compiled_decode.takes(meta):
-                hidden = self.compiled_decode(ids, pos, self.kv_cache.layers, meta)
-            elif self.fused_decode is not None and self.fused_decode.takes(meta):
-                hidden = self.fused_decode(ids, pos, self.kv_cache.layers, meta)
-            else:
-                hidden = self.model(ids, pos, self.kv_cache.layers, meta)
+            return hidden, list(range(len(scheduled) + 1))
+        ids, pos, meta, cu = self._prepare(scheduled)
+        if self.compiled_decode is not None and self.compiled_decode.takes(meta):
+            return self.compiled_decode(ids, pos, self.kv_cache.layers, meta), cu
+        if self.fused_decode is not None and self.fused_decode.takes(meta):
+            return self.fused_decode(ids, pos, self.kv_cache.layers, meta), cu
+        return self.model(ids, pos, self.kv_cache.layers, meta), cu
+
+    def _run_more_steps(self, plan: StepPlan, scheduled: list[tuple[SequenceState, int]],
+                        outputs: list[SequenceOutput]) -> None:
+        """Multi-step scheduling: sequences asked for n > 1 decode steps run n - 1 more, each
+        feeding back the token the last one sampled (RunningSequence.num_steps)."""
+        offset = len(plan.new)
+        remaining = [(offset + i, running.num_steps - 1) for i, running in enumerate(plan.running)
+                     if running.num_steps > 1]
+        for step in range(1, max((n for _, n in remaining), default=0) + 1):
+            rows = [row for row, n in remaining if n >= step]
+            batch = [(scheduled[row][0], 1) for row in rows]
+            step_outputs = self._run_step(batch, {})
+            for row, out in zip(rows, step_outputs):
+                outputs[row].token_ids.extend(out.token_ids)
+                if out.logprobs is not None:
+                    outputs[row].logprobs = (outputs[row].logprobs or []) + out.logprobs
+
+    def _run_step(self, scheduled: list[tuple[SequenceState, int]], drafts: dict[int, list[int]]) -> list[SequenceOutput]:
+        hidden, cu = self._forward(scheduled)
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [
@@ -295,7 +334,7 @@ class ModelRunner:
                 state.num_computed_tokens = len(state.token_ids) - 1
             else:
                 state.num_computed_tokens += n
-        return StepResult(plan.step_id, outputs)
+        return outputs
 
     def _verify(self, hidden: torch.Tensor, cu: list[int], scheduled: list[tuple[SequenceState, int]],
                 sample_rows: list[int], drafts: dict[int, list[int]], outputs: list[SequenceOutput]) -> None:

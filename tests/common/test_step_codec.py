@@ -283,3 +283,29 @@ def test_inconsistent_result_arrays_are_rejected(mutate, message: str) -> None:
 def test_missing_logprob_counts_means_no_logprobs() -> None:
     msg = executor_pb2.StepResponse(step_id=3, seq_ids=[1, 2], token_counts=[1, 1], token_ids=[8, 9])
     assert result_from_proto(msg) == StepResult(3, [SequenceOutput(1, [8]), SequenceOutput(2, [9])])
+
+
+def test_multi_step_counts_travel_only_when_some_sequence_runs_more_than_one() -> None:
+    plain = StepPlan(step_id=3, running=[RunningSequence(1, 1), RunningSequence(2, 1)])
+    assert list(plan_to_proto(plain).running_num_steps) == []
+    assert wire_plan(plain) == plain
+    multi = StepPlan(step_id=4, running=[RunningSequence(1, 1, [5], [], 8), RunningSequence(2, 1),
+                                         RunningSequence(3, 2, [], [])])
+    assert list(plan_to_proto(multi).running_num_steps) == [8, 1, 1]
+    assert wire_plan(multi) == multi
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "message"),
+    [
+        ([2], "running_num_steps has 1 entries; expected 2"),
+        ([0, 1], r"running_num_steps\[0\] = 0: must be >= 1"),
+        ([1, 3], r"running_num_steps\[1\] = 3: must be >= 1, and above 1 only for a sequence that schedules 1 "
+                 r"token and no drafts \(it has 2 and 1\)"),
+    ],
+)
+def test_bad_multi_step_counts_are_invalid_arguments(num_steps, message) -> None:
+    msg = plan_to_proto(StepPlan(step_id=1, running=[RunningSequence(1, 1), RunningSequence(2, 2, [], [9])]))
+    msg.running_num_steps.extend(num_steps)
+    with pytest.raises(InvalidArgumentError, match=message):
+        plan_from_proto(msg)

@@ -32,6 +32,8 @@ def executor_info(**overrides) -> ExecutorInfo:
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
         (dict(max_waiting_requests=-3), "max_waiting_requests must be >= 1, got -3"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be >= 0 (0 = no cap), got -1"),
+        (dict(num_scheduler_steps=0), "num_scheduler_steps must be in [1, 64], got 0"),
+        (dict(num_scheduler_steps=65), "num_scheduler_steps must be in [1, 64], got 65"),
         (dict(max_num_batched_tokens=4, max_num_seqs=8),
          "max_num_batched_tokens=4 is below max_num_seqs=8: not every running sequence could decode in a step"),
         (dict(enable_chunked_prefill=False, long_prefill_token_threshold=8),
@@ -90,6 +92,7 @@ FLAGS = {
     "enable_chunked_prefill": ("--enable-chunked-prefill", "TOKENMILL_ENABLE_CHUNKED_PREFILL"),
     "long_prefill_token_threshold": ("--long-prefill-token-threshold", "TOKENMILL_LONG_PREFILL_TOKEN_THRESHOLD"),
     "overlap_scheduling": ("--overlap-scheduling", "TOKENMILL_OVERLAP_SCHEDULING"),
+    "num_scheduler_steps": ("--num-scheduler-steps", "TOKENMILL_NUM_SCHEDULER_STEPS"),
 }
 
 

@@ -349,11 +349,15 @@ class InOrderExecutor:
             sequence = _Sequence(list(new.token_ids), new.num_computed_tokens, list(new.block_ids))
             self.sequences[new.seq_id] = sequence
             scheduled.append((new.seq_id, sequence, new.num_scheduled_tokens))
+        more_steps: dict[int, int] = {}
         for running in plan.running:
             assert not running.draft_token_ids
             sequence = self.sequences[running.seq_id]
             sequence.block_ids += running.new_block_ids
             scheduled.append((running.seq_id, sequence, running.num_scheduled_tokens))
+            if running.num_steps > 1:
+                assert running.num_scheduled_tokens == 1
+                more_steps[running.seq_id] = running.num_steps - 1
         for _, sequence, n in scheduled:  # every layer writes the step's K/V, then attends
             end = sequence.num_computed + n
             assert end <= len(sequence.tokens) and end <= len(sequence.block_ids) * self.block_size
@@ -371,6 +375,19 @@ class InOrderExecutor:
                 output.token_ids = [self.sample(sequence.tokens)]
                 sequence.tokens.append(output.token_ids[0])
             outputs.append(output)
+        # Multi-step: each sampled token is fed back in, one decode step at a time.
+        for step in range(1, max(more_steps.values(), default=0) + 1):
+            for seq_id, sequence, output in [(i, q, o) for (i, q, _), o in zip(scheduled, outputs)
+                                             if more_steps.get(i, 0) >= step]:
+                position = sequence.num_computed
+                assert position + 1 == len(sequence.tokens) and position < len(sequence.block_ids) * self.block_size
+                self.kv[self.slot(sequence, position)] = tuple(sequence.tokens)
+                for p in range(position + 1):
+                    assert self.kv.get(self.slot(sequence, p)) == tuple(sequence.tokens[: p + 1]), (
+                        f"seq {seq_id} reads a slot at position {p} it does not own")
+                sequence.num_computed += 1
+                output.token_ids.append(self.sample(sequence.tokens))
+                sequence.tokens.append(output.token_ids[-1])
         return StepResult(plan.step_id, outputs)
 
 
@@ -391,12 +408,14 @@ def random_requests(rng: random.Random, count: int) -> list[Request]:
     return requests
 
 
-def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0) -> tuple[Scheduler, dict[str, tuple]]:
+def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0, num_scheduler_steps: int = 1,
+                 plans: list[StepPlan] | None = None) -> tuple[Scheduler, dict[str, tuple]]:
     """Requests arrive at random steps; the caller keeps up to two plans in flight (overlap)
-    or one, the executor runs each plan when it is sent, and the result is applied later."""
+    or one, the executor runs each plan when it is sent, and the result is applied later.
+    ``plans`` receives every plan sent."""
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=16, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=6,
-                               overlap_scheduling=overlap)
+                               overlap_scheduling=overlap, num_scheduler_steps=num_scheduler_steps)
     executor = InOrderExecutor(scheduler.config.block_size)
     requests = random_requests(rng, 40)
     pending, sent = list(requests), deque()
@@ -414,6 +433,8 @@ def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0) -> tuple[Sch
             if plan.is_empty and not plan.finished_seq_ids:
                 break
             assert plan.num_scheduled_tokens <= scheduler.config.limits.max_num_batched_tokens
+            if plans is not None:
+                plans.append(plan)
             sent.append((plan, executor.execute(plan)))
         if sent:
             for update in scheduler.update(*sent.popleft()):

@@ -1,8 +1,12 @@
-"""Overlapped scheduling (and the decode-graph path's padded buffers) on vs off through the
-real services: the same outputs.
+"""Overlapped scheduling (and the decode-graph path's padded buffers), and multi-step
+scheduling (with the fused CPU decode step), on vs off through the real services: the same
+outputs.
 
-Two stacks in this process on loopback (tokenizer, executor and scheduler gRPC servers; the
-schedulers differ only in overlap_scheduling) receive the same mix of concurrent requests:
+Three stacks in this process on loopback (tokenizer, executor and scheduler gRPC servers):
+"off" (one step at a time, the torch attention backend), "overlap" (overlap on, decode
+through the padded decode-graph buffers) and "multi-step" (overlap on, 4 decode steps per plan
+while nothing waits, the cpu backend's fused decode step). They receive the same mix of
+concurrent requests:
 greedy and seeded sampling, max_tokens, EOS (with and without min_tokens), stop token ids,
 stop strings (with and without the stop text), logprobs, and streams aborted mid-flight by
 a cancelled call and by the Abort RPC. Every finished stream must carry the same tokens,
@@ -66,20 +70,22 @@ def one_torch_thread():
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
-    stacks: dict[bool, Stack] = {}
-    for overlap in (True, False):
+    stacks: dict[str, Stack] = {}
+    for name in ("overlap", "multi-step", "off"):
+        overlap, steps = name != "off", 4 if name == "multi-step" else 1
         # The overlapped stack's executor also runs decode steps through the CUDA-graph path's
         # padded buffers (what a GPU replays), so "every switch on" is held to "every switch off".
-        executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=16,
-                                                              num_blocks=NUM_BLOCKS, padded_decode_on_cpu=overlap,
-                                                              **ENGINE_FLAGS))
+        executor = await serve_executor(ExecutorServiceConfig(
+            port=0, model=MODEL, block_size=16, num_blocks=NUM_BLOCKS, padded_decode_on_cpu=name == "overlap",
+            **{**ENGINE_FLAGS, **({"attention_backend": "cpu", "cpu_decode": "fused"} if steps > 1 else {})}))
         scheduler = await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
-            connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap)))
+            connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap, num_scheduler_steps=steps)))
         assert scheduler.scheduler_loop.core.config.limits.overlap_scheduling is overlap
-        assert (executor.model_runner.decode_graphs is not None) is overlap
+        assert (executor.model_runner.decode_graphs is not None) is (name == "overlap")
+        assert (executor.model_runner.fused_decode is not None) is (name == "multi-step")
         channel = create_channel(scheduler.address)
-        stacks[overlap] = Stack(executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
+        stacks[name] = Stack(executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
     yield stacks
     for stack in stacks.values():
         await stack.channel.close()
@@ -131,7 +137,7 @@ async def reference_text(stack: Stack, prompt: str, tokens: int) -> StreamRecord
 
 async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
     # Stop rules picked from the plain greedy continuation, so that each of them fires.
-    plain = await reference_text(stacks[False], STORY, 40)
+    plain = await reference_text(stacks["off"], STORY, 40)
     stop_id = plain.token_ids[6]
     first_stop = plain.token_ids.index(stop_id)
     words = plain.text.split()
@@ -153,14 +159,15 @@ async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
         "seeded stop string": request(STORY, 60, temperature=0.8, seed=7, stop=("the",)),
         "logprobs": request("The sun was hot", 12, logprobs=3),
     }
-    results: dict[bool, dict[str, StreamRecord]] = {}
-    for overlap, stack in stacks.items():
+    results: dict[str, dict[str, StreamRecord]] = {}
+    for stack_name, stack in stacks.items():
+        overlap = stack_name != "off"
         names = list(cases)
         aborted_by_rpc = asyncio.Event()
         calls = [record_stream(stack.stub, cases[name]) for name in names]
         calls.append(record_stream(stack.stub, request("Sam had a red ball", 400), cancel_after_deltas=3))
         req = request("The king", 400)
-        req.request_id = f"abort-me-{overlap}"
+        req.request_id = f"abort-me-{stack_name}"
         calls.append(record_stream(stack.stub, req, on_delta=aborted_by_rpc))
 
         async def abort_when_running() -> None:
@@ -169,25 +176,30 @@ async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
             assert reply.found
 
         *records, cancelled, aborted, _ = await asyncio.gather(*calls, abort_when_running())
-        results[overlap] = dict(zip(names, records))
-        assert cancelled.code == grpc.StatusCode.CANCELLED and len(cancelled.token_ids) == 3
+        results[stack_name] = dict(zip(names, records))
+        assert cancelled.code == grpc.StatusCode.CANCELLED and len(cancelled.deltas) == 3
+        assert 3 <= len(cancelled.token_ids) <= 3 * stack.scheduler.scheduler_loop.core.config.limits.num_scheduler_steps
         assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 400
         await wait_idle(stack)
         totals = stack.scheduler.scheduler_loop.step_times
         assert (totals.overlapped > totals.steps // 2) if overlap else totals.overlapped == 0, totals
 
-    for name in cases:
-        on, off = results[True][name], results[False][name]
-        assert_framed(on, prompt_tokens=off.started.prompt_tokens)
-        assert outcome(on) == outcome(off), name
+    for stack_name in ("overlap", "multi-step"):
+        for name in cases:
+            on, off = results[stack_name][name], results["off"][name]
+            assert_framed(on, prompt_tokens=off.started.prompt_tokens)
+            assert outcome(on) == outcome(off), (stack_name, name)
+    # Multi-step ran: some stream got tokens in bursts of more than one.
+    assert any(len(d.token_ids) > 1 for r in results["multi-step"].values() for d in r.deltas)
 
-    got = {name: (r.finish_reason, len(r.token_ids)) for name, r in results[True].items()}
+    on = results["multi-step"]
+    got = {name: (r.finish_reason, len(r.token_ids)) for name, r in on.items()}
     assert got["greedy length"] == ("length", 24) and got["greedy one token"] == ("length", 1)
-    assert got["eos"][0] == "eos" and results[True]["eos"].token_ids[-1] == EOS
+    assert got["eos"][0] == "eos" and on["eos"].token_ids[-1] == EOS
     assert got["eos after min_tokens"][0] == "eos" and got["eos after min_tokens"][1] > 6
     assert got["stop token id"] == ("stop", first_stop + 1)
-    assert stop_id not in results[True]["stop token id after min_tokens"].token_ids[:first_stop + 1]  # banned
-    assert got["stop string"][0] == "stop" and results[True]["stop string"].text == plain.text[
+    assert stop_id not in on["stop token id after min_tokens"].token_ids[:first_stop + 1]  # banned
+    assert got["stop string"][0] == "stop" and on["stop string"].text == plain.text[
         :plain.text.index(stop_text)]
-    assert results[True]["stop string kept"].text.endswith(stop_text)
-    assert len(results[True]["logprobs"].deltas[0].logprobs[0].top_token_ids) == 3
+    assert on["stop string kept"].text.endswith(stop_text)
+    assert len(on["logprobs"].deltas[0].logprobs[0].top_token_ids) == 3

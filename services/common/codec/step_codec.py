@@ -150,6 +150,8 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepRequest:
         running_draft_counts=draft_counts,
         running_draft_token_ids=draft_ids,
         finished_seq_ids=plan.finished_seq_ids,
+        # Empty in the common case: every sequence runs one step.
+        running_num_steps=[seq.num_steps for seq in running] if any(seq.num_steps != 1 for seq in running) else [],
     )
 
 
@@ -193,6 +195,16 @@ def plan_from_proto(msg: executor_pb2.StepRequest) -> StepPlan:
     running = list(
         map(RunningSequence, seq_ids, num_scheduled, _split(block_ids, block_counts), _split(draft_ids, draft_counts))
     )
+    if msg.running_num_steps:
+        num_steps = list(msg.running_num_steps)
+        _check_parallel("running_num_steps", num_steps, num_running)
+        for index, (seq, steps) in enumerate(zip(running, num_steps)):
+            if steps < 1 or (steps > 1 and (seq.num_scheduled_tokens != 1 or seq.draft_token_ids)):
+                raise InvalidArgumentError(
+                    f"running_num_steps[{index}] = {steps}: must be >= 1, and above 1 only for a sequence that "
+                    f"schedules 1 token and no drafts (it has {seq.num_scheduled_tokens} and "
+                    f"{len(seq.draft_token_ids)})")
+            seq.num_steps = steps
     return StepPlan(
         step_id=msg.step_id,
         new=[_new_sequence_from_proto(seq) for seq in msg.new_sequences],

@@ -19,6 +19,10 @@ from typing import Any
 from services.common.step import ExecutorInfo
 
 
+MAX_SCHEDULER_STEPS = 64
+"""Beyond a few dozen tokens a burst only delays stops and new arrivals."""
+
+
 def _limit(default: Any, help_text: str) -> Any:
     """A limit with its default and the one-line help its command-line flag shows."""
     return field(default=default, metadata={"help": help_text})
@@ -56,12 +60,27 @@ class SchedulerLimits:
     it; the in-process engine runs one step at a time (its core and model share a thread,
     so nothing would overlap). Off: one step at a time."""
 
+    num_scheduler_steps: int = _limit(
+        1, "decode steps per plan while nothing waits (multi-step scheduling; 1 = off)"
+    )
+    """Multi-step scheduling: while no request waits to start, a plan of decodes asks the
+    executor for up to this many tokens per sequence, each fed back in on the executor's side,
+    so the per-step round trip (planning, messages, output processing) is paid once per this
+    many tokens. Tokens then reach clients in bursts of up to this many, a stop is seen at the
+    burst's end (surplus tokens are dropped, never reported), and a request arriving meanwhile
+    waits for the burst to end. Requests that speculate or have stop strings (whose text is
+    checked after every token) always run one step. 1 = off."""
+
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(
+                f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0 = no cap), "

@@ -43,6 +43,14 @@ tokens stay in the request's table, to be filled by its next tokens (at most
 ceil(k / block_size) blocks per request, freed with the rest at finish or preemption; the
 KV-waste gauge counts them as allocated but unused slots).
 
+Multi-step scheduling (``SchedulerLimits.num_scheduler_steps`` = n > 1): while no request
+waits, a plain decode is planned as n decode steps run back to back by the executor
+(``RunningSequence.num_steps``): the plan covers n positions with blocks, the request gets n
+placeholders, and the output brings n tokens, appended one by one with every stop checked, so
+a stop inside the burst cuts the rest (dropped, never reported, like overlap's surplus token).
+A burst never passes max_tokens or max_model_len. It composes with overlap: the next plan
+continues from the burst's last sampled token as from any placeholder.
+
 Invariants with two steps in flight (what makes them safe):
 - Confirmed state: ``num_computed_tokens`` and the known tokens only change in update(), in
   step order, so update(N) sees each request as if step N were the only step in flight.
@@ -98,6 +106,13 @@ class _Scheduled:
     num_preemptions: int
     """request.num_preemptions at schedule time: a later preemption makes this record stale."""
     draft_token_ids: list[int] = field(default_factory=list)
+    num_steps: int = 1
+    """Decode steps run back to back (multi-step): positions computed = num_scheduled_tokens +
+    num_steps - 1, tokens sampled = num_steps."""
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_scheduled_tokens + self.num_steps - 1
 
     @property
     def is_current(self) -> bool:
@@ -249,6 +264,8 @@ class Scheduler:
         victims = set(plan.finished_seq_ids)
         preemptions_before = self.num_preemptions
 
+        # Multi-step only while nobody waits: a burst would hold a new request back that long.
+        max_steps = self.config.limits.num_scheduler_steps if not len(self.waiting) else 1
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -256,14 +273,15 @@ class Scheduler:
                 index += 1  # nothing to plan until its step in flight is updated
                 continue
             num_new, draft_token_ids = self._running_tokens_to_schedule(request, budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            num_steps = self._decode_steps(request, num_new, draft_token_ids, max_steps) if max_steps > 1 else 1
+            new_block_ids = self._allocate_or_preempt(request, num_new + num_steps - 1, plan)
             if new_block_ids is None:
                 break  # the request preempted itself: nobody less urgent was left
             request.spec_token_ids = []
             plan.running.append(
-                RunningSequence(request.seq_id, num_new, new_block_ids, draft_token_ids)
+                RunningSequence(request.seq_id, num_new, new_block_ids, draft_token_ids, num_steps)
             )
-            self._mark_in_flight(step, request, num_new, draft_token_ids)
+            self._mark_in_flight(step, request, num_new, draft_token_ids, num_steps)
             budget -= num_new
             index += 1
 
@@ -287,19 +305,36 @@ class Scheduler:
             max_tokens is not None and request.num_output_tokens + num_coming >= max_tokens
         ) or request.num_tokens + num_coming >= self.config.max_model_len
 
+    def _decode_steps(self, request: Request, num_new: int, draft_token_ids: list[int], max_steps: int) -> int:
+        """How many decode steps a request runs back to back in this plan: up to ``max_steps``
+        for a plain decode (one token that samples, no speculation, no stop strings), never past
+        max_tokens or max_model_len (counting the tokens steps in flight sample). A request with
+        stop strings runs one step at a time: its text is checked after every token, and a stop
+        string inside a burst would be found only after the burst's later tokens."""
+        if num_new != 1 or draft_token_ids or request.draft_length is not None or request.stop.stop:
+            return 1
+        num_known = request.num_tokens + request.num_output_placeholders
+        if request.num_planned_tokens + 1 < num_known:
+            return 1  # a one-token prefill chunk short of the end: it samples nothing
+        room = self.config.max_model_len - num_known
+        if request.stop.max_tokens is not None:
+            room = min(room, request.stop.max_tokens - request.num_output_tokens - request.num_output_placeholders)
+        return max(1, min(max_steps, room))
+
     def _mark_in_flight(
-        self, step: _StepInFlight, request: Request, num_new: int, draft_token_ids: list[int] | None = None
+        self, step: _StepInFlight, request: Request, num_new: int, draft_token_ids: list[int] | None = None,
+        num_steps: int = 1,
     ) -> None:
         samples = (
             request.num_planned_tokens + num_new
             >= request.num_tokens + request.num_output_placeholders
         )
         step.scheduled[request.seq_id] = _Scheduled(
-            request, num_new, samples, request.num_preemptions, draft_token_ids or []
+            request, num_new, samples, request.num_preemptions, draft_token_ids or [], num_steps
         )
-        request.num_in_flight_tokens += num_new
+        request.num_in_flight_tokens += num_new + num_steps - 1
         if samples:
-            request.num_output_placeholders += 1
+            request.num_output_placeholders += num_steps
         if draft_token_ids:
             request.drafts_in_flight = True
 
@@ -473,8 +508,8 @@ class Scheduler:
         for scheduled in in_flight.values():
             if scheduled.is_current:
                 request = scheduled.request
-                request.num_in_flight_tokens -= scheduled.num_scheduled_tokens
-                request.num_output_placeholders -= scheduled.samples
+                request.num_in_flight_tokens -= scheduled.num_positions
+                request.num_output_placeholders -= scheduled.samples * scheduled.num_steps
                 request.drafts_in_flight = False
         updates = []
         for output in result.outputs:
@@ -524,12 +559,17 @@ class Scheduler:
                 f"seq id {output.seq_id}: {num_tokens} tokens for a prefill chunk that does not "
                 f"reach the end of its {request.num_tokens} tokens"
             )
-        if reaches_end and not (1 <= num_tokens <= 1 + len(drafts)):
+        if reaches_end and scheduled.num_steps > 1 and num_tokens != scheduled.num_steps:
+            raise ValueError(
+                f"seq id {output.seq_id}: {num_tokens} output tokens, expected {scheduled.num_steps} "
+                f"({scheduled.num_steps} decode steps)"
+            )
+        if reaches_end and not (1 <= num_tokens <= max(1 + len(drafts), scheduled.num_steps)):
             raise ValueError(
                 f"seq id {output.seq_id}: {num_tokens} output tokens, expected 1 to "
                 f"{1 + len(drafts)} (1 + {len(drafts)} drafts)"
             )
-        if num_tokens > 1 and output.token_ids[:-1] != drafts[: num_tokens - 1]:
+        if num_tokens > 1 and scheduled.num_steps == 1 and output.token_ids[:-1] != drafts[: num_tokens - 1]:
             raise ValueError(
                 f"seq id {output.seq_id}: accepted tokens {output.token_ids[:-1]} are not a "
                 f"prefix of the drafts {drafts}"

@@ -1,0 +1,133 @@
+"""Multi-step scheduling in the core (SchedulerLimits.num_scheduler_steps): while nobody waits, a
+plain decode is planned as n decode steps the executor runs back to back.
+
+Exact plans and counts by hand, then the in-order fake executor of test_overlap (which models
+every K/V slot a step writes and reads) over random workloads: outputs equal one step at a
+time, with overlap on and off, with and without aborts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.step import RunningSequence, StepPlan
+from services.scheduler.core import FinishReason, RequestUpdate
+from tests.scheduler.test_overlap import EOS, in_flight, out, run_workload
+from tests.scheduler.test_scheduler import add, assert_all_blocks_free, make_request, make_scheduler
+
+
+def started(scheduler, request, first_token: int):
+    """Schedule and update the request's prefill; it then holds one sampled token."""
+    plan = scheduler.schedule()
+    assert [s.seq_id for s in plan.new] == [request.seq_id]
+    scheduler.update(plan, out(plan, {request.seq_id: [first_token]}))
+    return plan
+
+
+def test_a_decode_is_planned_as_n_steps_with_blocks_for_every_position():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
+    request = make_request("a", 7, max_tokens=20)
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    assert in_flight(request) == (7, 8, 0, 0) and request.block_ids == [0, 1]
+    plan = scheduler.schedule()
+    # Positions 7..10: block 1 holds 4..7, block 2 is new for 8..10.
+    assert plan.running == [RunningSequence(0, 1, [2], [], 4)]
+    assert in_flight(request) == (7, 8, 4, 4)
+    updates = scheduler.update(plan, out(plan, {0: [12, 13, 14, 15]}))
+    assert updates == [RequestUpdate("a", 0, [12, 13, 14, 15], None, None, None)]
+    assert in_flight(request) == (11, 12, 0, 0)
+
+
+def test_a_burst_stops_at_max_tokens_and_max_model_len():
+    scheduler = make_scheduler(num_scheduler_steps=8, overlap_scheduling=False)
+    request = make_request("a", 5, max_tokens=4)
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    plan = scheduler.schedule()
+    assert plan.running[0].num_steps == 3  # 1 token out, 3 to go
+    updates = scheduler.update(plan, out(plan, {0: [12, 13, 14]}))
+    assert updates[0].finish_reason is FinishReason.LENGTH
+    assert_all_blocks_free(scheduler)
+
+    scheduler = make_scheduler(num_scheduler_steps=8, overlap_scheduling=False, max_model_len=10)
+    request = make_request("b", 5)
+    add(scheduler, request)
+    started(scheduler, request, 11)  # 6 tokens known: room for 4 more
+    plan = scheduler.schedule()
+    assert plan.running[0].num_steps == 4
+
+
+def test_eos_inside_a_burst_cuts_the_tokens_after_it():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50, eos_token_ids=(EOS,))
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    plan = scheduler.schedule()
+    updates = scheduler.update(plan, out(plan, {0: [12, EOS, 14, 15]}))
+    assert updates == [RequestUpdate("a", 0, [12, EOS], None, FinishReason.EOS, None)]
+    assert request.output_token_ids == [11, 12, EOS]
+    assert_all_blocks_free(scheduler)
+    assert scheduler.schedule().finished_seq_ids == [0]
+
+
+def test_a_waiting_request_turns_bursts_off_until_it_has_started():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False, max_num_seqs=1)
+    first, second = make_request("a", 4, max_tokens=50), make_request("b", 4, max_tokens=50)
+    add(scheduler, first)
+    started(scheduler, first, 11)
+    add(scheduler, second)  # no room (max_num_seqs 1): it waits
+    plan = scheduler.schedule()
+    assert plan.running == [RunningSequence(0, 1, [1], [], 1)] and plan.new == []  # blocks of 4
+
+
+def test_requests_with_stop_strings_or_drafts_run_one_step_at_a_time():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50, stop=("the end",))
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    assert scheduler.schedule().running[0].num_steps == 1
+
+
+def test_the_executor_must_return_every_token_of_a_burst():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50)
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match="seq id 0: 2 output tokens, expected 4 \\(4 decode steps\\)"):
+        scheduler.update(plan, out(plan, {0: [12, 13]}))
+
+
+def test_with_overlap_the_next_plan_continues_from_the_bursts_last_token():
+    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=True)
+    request = make_request("a", 7, max_tokens=20)
+    add(scheduler, request)
+    plan0 = scheduler.schedule()
+    plan1 = scheduler.schedule()  # step 0 still runs: one token, then 3 more (positions 7..10)
+    assert plan1.running == [RunningSequence(0, 1, [2], [], 4)]
+    assert in_flight(request) == (0, 7, 11, 5)
+    scheduler.update(plan0, out(plan0, {0: [11]}))
+    plan2 = scheduler.schedule()  # from position 11, the burst's last token, to 14
+    assert plan2.running == [RunningSequence(0, 1, [3], [], 4)]
+    scheduler.update(plan1, out(plan1, {0: [12, 13, 14, 15]}))
+    assert in_flight(request) == (11, 12, 4, 4)
+    scheduler.update(plan2, out(plan2, {0: [16, 17, 18, 19]}))
+    assert request.output_token_ids == list(range(11, 20))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_workload_outputs_are_the_same_with_multi_step(seed, overlap):
+    _, one_step = run_workload(overlap=False, seed=seed)
+    plans: list[StepPlan] = []
+    scheduler, multi = run_workload(overlap=overlap, seed=seed, num_scheduler_steps=4, plans=plans)
+    assert multi == one_step
+    assert any(s.num_steps > 1 for plan in plans for s in plan.running)
+    assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_workload_with_aborts_and_multi_step_keeps_every_slot_its_owner_wrote(seed):
+    _, results = run_workload(overlap=True, seed=seed, abort_rate=0.05, num_scheduler_steps=3)
+    assert any(reason is FinishReason.ABORT for _, reason, _ in results.values())
