@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--compile", action="store_true",
                    help="tokenmill systems: the executor's torch.compile'd decode step (executor --compile)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="tokenmill systems: decode steps per plan while nothing waits (multi-step scheduling)")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="llama.cpp's K/V cache type (f16 is its default; tokenmill keeps fp32)")
     p.add_argument("--model", type=Path, default=None, help="tokenmill's model directory (default: the preset's)")
@@ -276,14 +278,16 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "command": f"python -m benchmarks.peer {shlex.join(sys.argv[1:])}".strip(),
         **git_state(), "machine": machine(), "torch": torch.__version__,
         "threads": args.threads, "streams": args.streams, "output_len": args.output_len, "repeats": args.repeats,
-        "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile, "kv_type": args.kv_type,
+        "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile,
+        "num_scheduler_steps": args.num_scheduler_steps, "kv_type": args.kv_type,
         "preset": args.preset, "model": str(args.model), "gguf": str(gguf), "context": args.context,
     }
 
     with ExitStack() as stack:
         systems = open_systems(args, gguf, prompt, stack, result)
         print(f"prompt {prompt} ({args.prompt!r}), {args.output_len} new tokens, greedy, EOS ignored; "
-              f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; commit {result['commit']}"
+              f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; "
+              f"{args.num_scheduler_steps} scheduler steps; commit {result['commit']}"
               + (" (tracked files changed)" if result["tracked_files_changed"] else ""), flush=True)
         if "prompt_tokenization_matches_llama_cpp" in result:
             print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
@@ -357,10 +361,11 @@ def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack:
                                                               args.streams)
             stack.callback(systems["llamacpp-batched"].close)
     if "inprocess" in args.systems:
-        systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile, args.kv_cache_bytes)
+        systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile, args.kv_cache_bytes,
+                                                   args.num_scheduler_steps)
     if "services" in args.systems:
         running = stack.enter_context(tokenmill.services_stack(str(args.model), args.threads, args.compile,
-                                                                args.kv_cache_bytes))
+                                                                args.kv_cache_bytes, args.num_scheduler_steps))
         systems["services"] = tokenmill.Services(running.address)
     return systems
 

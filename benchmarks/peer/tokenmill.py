@@ -35,11 +35,12 @@ class InProcess:
 
     name = "tokenmill in-process"
 
-    def __init__(self, model_dir: str, compile: bool = False, kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes) -> None:
+    def __init__(self, model_dir: str, compile: bool = False, kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes,
+                 num_scheduler_steps: int = 1) -> None:
         o = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
         executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=o.attention_backend,
                                   block_size=o.block_size, kv_cache_bytes=o.kv_cache_bytes, compile=compile)
-        self.engine = Engine(EngineConfig(executor, o.limits()))
+        self.engine = Engine(EngineConfig(executor, replace(o.limits(), num_scheduler_steps=num_scheduler_steps)))
         warmup.warm_up(self.engine.runner)  # what the executor service runs before it reports SERVING
         warm_up(self.engine)
 
@@ -88,9 +89,10 @@ class Services:
 
 
 def services_stack(model_dir: str, threads: int, compile: bool = False,
-                   kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes):
+                   kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes, num_scheduler_steps: int = 1):
     """Context manager: the four services with ENGINE_OPTIONS (and this KV pool), ``threads`` OpenMP
     threads each; yields a Stack."""
     options = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
     executor_flags = options.executor_flags() + (["--compile"] if compile else [])
-    return launched_stack(model_dir, executor_flags, options.scheduler_flags(), threads)
+    scheduler_flags = options.scheduler_flags() + ["--num-scheduler-steps", str(num_scheduler_steps)]
+    return launched_stack(model_dir, executor_flags, scheduler_flags, threads)
