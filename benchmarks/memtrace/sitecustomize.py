@@ -30,6 +30,11 @@ suite's "cold") first calls ``gc.unfreeze()``, so the type counts of later lines
 objects ``run_service`` froze after start-up and compare like with like (an executor restart
 unfreezes them anyway); the cyclic GC then walks them again, which costs time, not memory.
 
+With TOKENMILL_MEMTRACE_TRACEMALLOC=N, tracemalloc starts (N frames a trace) at that first
+signal too; the next signal's snapshot is the baseline, and every later signal's line has
+``tracemalloc``: the traced total and the 25 tracebacks whose memory grew most since the
+baseline. It slows the process's allocations severalfold.
+
 Debug only: it costs one walk of the GC's objects per line, and the walk's temporary list.
 """
 
@@ -45,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections import Counter
 
 _SERVICE = os.environ.get("TOKENMILL_MEMTRACE_SERVICE", "scheduler")
@@ -52,6 +58,7 @@ _DIR = os.environ.get("TOKENMILL_MEMTRACE_DIR", "")
 _EVERY = float(os.environ.get("TOKENMILL_MEMTRACE_EVERY", "60"))
 _TRIM = os.environ.get("TOKENMILL_MEMTRACE_TRIM", "0") == "1"
 _UNFREEZE = os.environ.get("TOKENMILL_MEMTRACE_UNFREEZE", "1") == "1"
+_TRACEMALLOC = int(os.environ.get("TOKENMILL_MEMTRACE_TRACEMALLOC", "0"))
 
 
 def _kib_fields(path: str) -> dict[str, int]:
@@ -153,11 +160,26 @@ def _trace() -> None:
     signals = {signal.SIGUSR1, signal.SIGUSR2}
     tag = "start"
     unfrozen = False
+    baseline = None
     while True:
         try:
             if tag != "start" and _UNFREEZE and not unfrozen:
                 gc.unfreeze()
                 unfrozen = True
+            just_started = tag != "start" and _TRACEMALLOC and not tracemalloc.is_tracing()
+            if just_started:
+                tracemalloc.start(_TRACEMALLOC)
+            traced = None
+            if tag in ("signal", "trim") and tracemalloc.is_tracing() and not just_started:
+                snapshot = tracemalloc.take_snapshot().filter_traces(
+                    [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)])
+                if baseline is None:
+                    baseline = snapshot
+                else:
+                    traced = {"total": tracemalloc.get_traced_memory()[0], "top": [
+                        [stat.size_diff, stat.count_diff, [f"{f.filename}:{f.lineno}" for f in stat.traceback]]
+                        for stat in snapshot.compare_to(baseline, "traceback")[:25]]}
+                del snapshot
             if tag == "trim" or (tag == "signal" and _TRIM):
                 before = _kib_fields("/proc/self/status")["VmRSS"]
                 _libc.malloc_trim(0)
@@ -165,6 +187,8 @@ def _trace() -> None:
                 record["rss_before_trim_kib"] = before
             else:
                 record = _line(tag)
+            if traced is not None:
+                record["tracemalloc"] = traced
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except Exception as err:  # a debug aid must never take the service down
