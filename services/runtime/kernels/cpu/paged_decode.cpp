@@ -11,7 +11,9 @@
 // at every position (each slot's K row, all kv heads, read once and contiguously; a query
 // head reads kv head h / group, so GQA costs no copy), a softmax in a per-sequence buffer,
 // then the weighted sum of V (each V row read once). Arithmetic is in fp32 whatever the
-// storage dtype. Sequences run in parallel on torch's intra-op thread count.
+// storage dtype. Sequences run in parallel on torch's intra-op thread count. Head dims of 64
+// and up vectorize over the head dim; 8, 16 and 32 over tiles of positions
+// (decode_sequence_tiled).
 //
 // Layouts (checked by the Python wrapper, which also holds the reference):
 //   out, q:        [B, H, D] contiguous
@@ -31,7 +33,7 @@
 
 #include "paged_decode.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -92,9 +94,57 @@ inline float widen_scale(at::Half h) {
 #endif
 }
 
+// exp(x) for the softmax's x = score - max <= 0, in a form the compiler vectorizes inside the omp
+// simd loops (std::exp is a scalar call there: at head_dim 8 it was about half the kernel's time).
+// Cephes' expf: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (within ~2 ulp),
+// 2^n put into the exponent bits. exp(0) is exactly 1; below -87.3 (where 2^n would leave fp32's
+// normal range, e^x < 1.2e-38) the result is 0, so a masked score (-inf) weighs exactly nothing.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 split so n * kLn2Hi is exact
+  constexpr float kRound = 12582912.0f;                               // 1.5 * 2^23: adding it rounds to an integer
+  const float clamped = std::max(x, -87.0f);
+  const float n = (clamped * kLog2e + kRound) - kRound;
+  const float r = (clamped - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e_r = p * r * r + r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, static_cast<int32_t>(n + 127.0f) << 23);
+  return x < -87.0f ? 0.0f : e_r * two_n;
+}
+
+// A row of scores becomes its softmax numerators exp(s - max) in place; returns their sum (the
+// denominator, applied to the output at the end).
+inline float softmax_numerators(float* s, int64_t n) {
+  // The max in kLanes running lanes: a max reduction is not vectorized by the compiler (std::max
+  // is not associative for NaN), and a serial chain of scalar maxes was ~1/3 of the kernel's time.
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+#pragma omp simd
+    for (int64_t i = 0; i < kLanes; ++i) lanes[i] = std::max(lanes[i], s[t + i]);
+  }
+  for (int64_t i = 0; t + i < n; ++i) lanes[i] = std::max(lanes[i], s[t + i]);
+  float m = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, lanes[i]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    total += s[t];
+  }
+  return total;
+}
+
 // Per-thread buffers, reused from one sequence to the next.
 struct Scratch {
-  std::vector<float> q, scores, acc, row_max, row_sum, row;
+  std::vector<float> q, scores, acc, row_sum, row, tile, tile_scale;
 };
 
 // A quantized slot's row (all kv heads) widened to fp32 in its own loop: fused into the dot
@@ -115,11 +165,51 @@ inline const float* widen_row(const c10::Float8_e4m3fn* row, float* out, int64_t
   return out;
 }
 
+// Pass 2 of both paths and the end: the weighted sum of V over the softmax numerators in
+// scores (query head h's row at h * row_stride), divided by the denominators. Each V row (all kv
+// heads) is read once; query head h reads kv head h / group.
+template <typename scalar_t, typename cache_t, int64_t kD>
+void weighted_sum_of_v(scalar_t* out, const cache_t* v_cache, const at::Half* v_scale, const int32_t* block_table,
+                       int64_t context_len, int64_t H, int64_t num_kv_heads, int64_t D, int64_t block_size,
+                       int64_t row_stride, Scratch& scratch) {
+  constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
+  const int64_t group = H / num_kv_heads, token_stride = num_kv_heads * D;
+  const float* scores = scratch.scores.data();
+  scratch.acc.assign(H * D, 0.f);
+  float* acc = scratch.acc.data();
+  if constexpr (kScaled) scratch.row.resize(token_stride);
+  float* wide = scratch.row.data();
+  for_each_slot(v_cache, block_table, context_len, block_size, token_stride,
+                [&](int64_t t, const cache_t* v_row, int64_t slot) {
+    float head_scale = 1.f;
+    const auto* v_values = [&] {
+      if constexpr (kScaled) return widen_row(v_row, wide, token_stride);
+      else return v_row;
+    }();
+    for (int64_t h = 0; h < H; ++h) {
+      float p = scores[h * row_stride + t];
+      if constexpr (kScaled) {
+        if (h % group == 0) head_scale = widen_scale(v_scale[slot * num_kv_heads + h / group]);
+        p *= head_scale;
+      }
+      const auto* v = v_values + (h / group) * D;
+      float* a = acc + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+    }
+  });
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / scratch.row_sum[h];
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+  }
+}
+
 // kD: the head dim as a compile-time constant for the common sizes (0 = read head_dim), so
-// the per-head loops are unrolled and vectorized for their exact length. A small head dim
-// pays most: with head_dim 8 a runtime-length loop ran at half the speed.
+// the per-head loops are unrolled and vectorized for their exact length.
 // cache_t: the pool's storage (scalar_t for a plain pool; int8_t or Float8_e4m3fn with k_scale and
 // v_scale, the fp16 scales, for a quantized one; the scales are null for a plain pool).
+// This path (head dims 64 and up) takes a score per position and head as one dot product over the
+// head dim; decode_sequence_tiled below is the small-head-dim one.
 template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                      const at::Half* k_scale, const at::Half* v_scale,
@@ -128,18 +218,13 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t D = kD > 0 ? kD : head_dim, H = num_heads, group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
-  std::vector<float>& q_buf = scratch.q;
-  std::vector<float>& scores = scratch.scores;
-  std::vector<float>& acc = scratch.acc;
-  std::vector<float>& row_max = scratch.row_max;
-  std::vector<float>& row_sum = scratch.row_sum;
-  q_buf.resize(H * D);
+  scratch.q.resize(H * D);
   if constexpr (kScaled) scratch.row.resize(token_stride);
   float* wide = scratch.row.data();
-  scores.resize(H * context_len);
-  acc.assign(H * D, 0.f);
-  row_max.assign(H, -std::numeric_limits<float>::infinity());
-  row_sum.assign(H, 0.f);
+  scratch.scores.resize(H * context_len);
+  scratch.row_sum.resize(H);
+  float* q_buf = scratch.q.data();
+  float* scores = scratch.scores.data();
   for (int64_t i = 0; i < H * D; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
 
   // Pass 1: scores. A slot's row holds every kv head contiguously, so the pass streams
@@ -152,7 +237,7 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
       else return k_row;
     }();
     for (int64_t h = 0; h < H; ++h) {
-      const float* qh = q_buf.data() + h * D;
+      const float* qh = q_buf + h * D;
       const auto* k = k_values + (h / group) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -162,46 +247,208 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
         s *= head_scale;
       }
       scores[h * context_len + t] = s;
-      row_max[h] = std::max(row_max[h], s);
     }
   });
+  for (int64_t h = 0; h < H; ++h) scratch.row_sum[h] = softmax_numerators(scores + h * context_len, context_len);
+  weighted_sum_of_v<scalar_t, cache_t, kD>(out, v_cache, v_scale, block_table, context_len, H, num_kv_heads, D,
+                                           block_size, context_len, scratch);
+}
 
-  // Softmax numerators in place; the denominators divide the output at the end.
-  for (int64_t h = 0; h < H; ++h) {
-    float* s = scores.data() + h * context_len;
-    const float m = row_max[h];
-    float total = 0.f;
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      total += s[t];
-    }
-    row_sum[h] = total;
+// Positions per tile of the small-head-dim path: one AVX-512 vector of fp32 (two AVX2 ones).
+constexpr int64_t kTile = 16;
+
+#if defined(__AVX512F__)
+// r[i] = row i of a 16 x 16 fp32 block; stores its columns c < width at out + c * 16. Within
+// 128-bit lanes: unpack pairs of rows, then pick 2 of 4 columns; across lanes: two rounds of
+// 128-bit lane selects.
+inline void transpose16x16(__m512 r[16], float* out, int64_t width) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);      // per lane: a0 b0 a1 b1
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);  // per lane: a2 b2 a3 b3
   }
-
-  // Pass 2: weighted sum of V.
-  for_each_slot(v_cache, block_table, context_len, block_size, token_stride,
-                [&](int64_t t, const cache_t* v_row, int64_t slot) {
-    float head_scale = 1.f;
-    const auto* v_values = [&] {
-      if constexpr (kScaled) return widen_row(v_row, wide, token_stride);
-      else return v_row;
-    }();
-    for (int64_t h = 0; h < H; ++h) {
-      float p = scores[h * context_len + t];
-      if constexpr (kScaled) {
-        if (h % group == 0) head_scale = widen_scale(v_scale[slot * num_kv_heads + h / group]);
-        p *= head_scale;
-      }
-      const auto* v = v_values + (h / group) * D;
-      float* a = acc.data() + h * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+  for (int i = 0; i < 4; ++i) {  // rows 4i..4i+3 at column 4 * lane + c, into r[4i + c]
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {  // lane l of r[4i + c] holds column 4l + c of rows 4i..4i+3
+    const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);  // lanes 0, 2 of each
+    const __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);  // lanes 1, 3
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    _mm512_storeu_ps(out + c * 16, _mm512_shuffle_f32x4(u0, u2, 0x88));  // column c
+    _mm512_storeu_ps(out + (4 + c) * 16, _mm512_shuffle_f32x4(u1, u3, 0x88));
+    if (width > 8) {
+      _mm512_storeu_ps(out + (8 + c) * 16, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+      _mm512_storeu_ps(out + (12 + c) * 16, _mm512_shuffle_f32x4(u1, u3, 0xDD));
     }
-  });
+  }
+}
+#endif
 
+// tile[j * kTile + i] = rows[i][j] for the n < = kTile rows of width w (fp32), zeros in the
+// columns i >= n: the positions of a tile become the lanes of its vectors.
+inline void transpose_rows(const float* const* rows, int64_t n, int64_t w, float* tile) {
+#if defined(__AVX512F__)
+  for (int64_t c0 = 0; c0 < w; c0 += 16) {
+    const int64_t width = std::min<int64_t>(16, w - c0);  // 16 or 8: w is a multiple of 8
+    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i) r[i] = i < n ? _mm512_maskz_loadu_ps(mask, rows[i] + c0) : _mm512_setzero_ps();
+    transpose16x16(r, tile + c0 * kTile, width);
+  }
+#else
+  for (int64_t j = 0; j < w; ++j) {
+    for (int64_t i = 0; i < kTile; ++i) tile[j * kTile + i] = i < n ? rows[i][j] : 0.f;
+  }
+#endif
+}
+
+// sums[r] = the kTile lanes of row r of acc [rows][kTile] added up. With AVX-512 by 16 x 16
+// transposes and vertical adds: a horizontal sum per row was half the time of a one-tile context.
+inline void sum_lanes(const float* acc, int64_t rows, float* sums) {
+#if defined(__AVX512F__)
+  alignas(64) float columns[16 * 16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i) r[i] = r0 + i < rows ? _mm512_loadu_ps(acc + (r0 + i) * kTile) : _mm512_setzero_ps();
+    transpose16x16(r, columns, 16);
+    __m512 total = _mm512_load_ps(columns);
+    for (int64_t c = 1; c < 16; ++c) total = _mm512_add_ps(total, _mm512_load_ps(columns + c * 16));
+    const int64_t n = std::min<int64_t>(16, rows - r0);
+    _mm512_mask_storeu_ps(sums + r0, static_cast<__mmask16>((1u << n) - 1), total);
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < kTile; ++i) total += acc[r * kTile + i];
+    sums[r] = total;
+  }
+#endif
+}
+
+// The tile of positions t0 .. t0 + n - 1 (n <= kTile) of a K or V pool, transposed to
+// tile[kv * kD + d][i] in fp32, and for a quantized pool its scales tile_scale[kv][i] (zero past n).
+// A quantized or 16-bit row is widened into stage first (contiguous, vectorized); fp32 rows are
+// read in place. Slots past the context are never read.
+template <typename cache_t>
+inline void load_tile(const cache_t* cache, const at::Half* scales, const int32_t* block_table, int64_t block_size,
+                      int64_t t0, int64_t n, int64_t num_kv_heads, int64_t token_stride, float* stage, float* tile,
+                      float* tile_scale) {
+  const float* rows[kTile];
+  int64_t j = t0 / block_size, offset = t0 % block_size;
+  for (int64_t i = 0; i < n; ++i, ++offset) {
+    if (offset == block_size) offset = 0, ++j;
+    const int64_t slot = static_cast<int64_t>(block_table[j]) * block_size + offset;
+    const cache_t* row = cache + slot * token_stride;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      rows[i] = row;
+    } else {
+      rows[i] = widen_row(row, stage + i * token_stride, token_stride);
+    }
+    if (scales != nullptr) {
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) tile_scale[kv * kTile + i] = widen_scale(scales[slot * num_kv_heads + kv]);
+    }
+  }
+  if (scales != nullptr) {
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      for (int64_t i = n; i < kTile; ++i) tile_scale[kv * kTile + i] = 0.f;
+    }
+  }
+  transpose_rows(rows, n, token_stride, tile);
+}
+
+// Head dims 8, 16 and 32: the scores are vectorized over positions, not over the head dim. With
+// head_dim 8 a dot product per position and head is 8 lanes wide and ends in a horizontal sum
+// (shuffles) for 8 multiply-adds. Here a tile of kTile positions' rows (all kv heads) is
+// transposed to tile[kv * kD + d][i] (load_tile); a head's kTile scores are then kD vector
+// multiply-adds s[i] += q[d] * K[kv * kD + d][i]. Scores past the context are masked to -inf.
+// The weighted sum of V goes the same way where that pays (v_by_positions below): output lanes
+// acc[d][i] += p[i] * V[kv * kD + d][i], whose kTile lanes are summed once at the end.
+template <typename scalar_t, typename cache_t, int64_t kD>
+void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
+                           const at::Half* k_scale, const at::Half* v_scale, const int32_t* block_table,
+                           int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, Scratch& scratch) {
+  static_assert(kD > 0, "the tiled path needs the head dim as a constant");
+  constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
+  const int64_t H = num_heads, KH = num_kv_heads, group = H / KH;
+  const int64_t token_stride = KH * kD;
+  const int64_t padded = (context_len + kTile - 1) / kTile * kTile;  // each head's score row
+  scratch.q.resize(H * kD);
+  scratch.scores.resize(H * padded);
+  scratch.row_sum.resize(H);
+  scratch.tile.resize(token_stride * kTile);
+  scratch.tile_scale.resize(KH * kTile);
+  if constexpr (!std::is_same_v<cache_t, float>) scratch.row.resize(token_stride * kTile);
+  float* q_buf = scratch.q.data();
+  float* scores = scratch.scores.data();
+  float* tile = scratch.tile.data();
+  float* tile_scale = scratch.tile_scale.data();
+  float* stage = scratch.row.data();
+  for (int64_t i = 0; i < H * kD; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
+
+  // Pass 1: scores, tile by tile.
+  for (int64_t t0 = 0; t0 < context_len; t0 += kTile) {
+    const int64_t n = std::min(kTile, context_len - t0);
+    load_tile(k_cache, k_scale, block_table, block_size, t0, n, KH, token_stride, stage, tile, tile_scale);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q_buf + h * kD;
+      const float* k = tile + (h / group) * kD * kTile;
+      float s[kTile] = {};
+      for (int64_t d = 0; d < kD; ++d) {
+        const float qd = qh[d];
+#pragma omp simd
+        for (int64_t i = 0; i < kTile; ++i) s[i] += qd * k[d * kTile + i];
+      }
+      float* row = scores + h * padded + t0;
+      const float* ks = tile_scale + (h / group) * kTile;
+#pragma omp simd
+      for (int64_t i = 0; i < kTile; ++i) {
+        const float scaled = kScaled ? s[i] * ks[i] : s[i];
+        row[i] = i < n ? scaled : -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) scratch.row_sum[h] = softmax_numerators(scores + h * padded, padded);
+
+  // Pass 2 by lanes over positions pays at head dim 8, and at 16 from contexts of ~128 (the final
+  // sum of H * kD rows of kTile lanes costs as much as a few tiles); otherwise, and from head dim 32
+  // (a head's V row fills whole vectors), lanes over d as in the wide path (measured on one CPU
+  // thread; docs/benchmarks.md).
+  const bool v_by_positions = kD < 32 && context_len >= 8 * kD;
+  if (!v_by_positions) {
+    weighted_sum_of_v<scalar_t, cache_t, kD>(out, v_cache, v_scale, block_table, context_len, H, KH, kD, block_size,
+                                             padded, scratch);
+    return;
+  }
+  // Pass 2: acc[h][d][i] += p[h][i] * V[kv * kD + d][i] (the V tile's columns past n are zeros).
+  scratch.acc.assign(H * kD * kTile, 0.f);
+  float* acc = scratch.acc.data();
+  for (int64_t t0 = 0; t0 < context_len; t0 += kTile) {
+    const int64_t n = std::min(kTile, context_len - t0);
+    load_tile(v_cache, v_scale, block_table, block_size, t0, n, KH, token_stride, stage, tile, tile_scale);
+    for (int64_t h = 0; h < H; ++h) {
+      float p[kTile];
+      const float* ph = scores + h * padded + t0;
+      const float* vs = tile_scale + (h / group) * kTile;
+#pragma omp simd
+      for (int64_t i = 0; i < kTile; ++i) p[i] = kScaled ? ph[i] * vs[i] : ph[i];
+      const float* v = tile + (h / group) * kD * kTile;
+      float* a = acc + h * kD * kTile;
+      for (int64_t d = 0; d < kD; ++d) {
+#pragma omp simd
+        for (int64_t i = 0; i < kTile; ++i) a[d * kTile + i] += p[i] * v[d * kTile + i];
+      }
+    }
+  }
+  sum_lanes(acc, H * kD, q_buf);  // q_buf is free now: it takes the sums
   for (int64_t h = 0; h < H; ++h) {
-    const float inv = 1.f / row_sum[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+    const float inv = 1.f / scratch.row_sum[h];
+    for (int64_t d = 0; d < kD; ++d) out[h * kD + d] = static_cast<scalar_t>(q_buf[h * kD + d] * inv);
   }
 }
 
@@ -218,8 +465,9 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr
   for (int64_t b = 0; b < B; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lens[x] > lens[y]; });
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), B));
-  auto* decode = D == 8 ? decode_sequence<scalar_t, cache_t, 8> : D == 16 ? decode_sequence<scalar_t, cache_t, 16>
-               : D == 32 ? decode_sequence<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
+  auto* decode = D == 8 ? decode_sequence_tiled<scalar_t, cache_t, 8>
+               : D == 16 ? decode_sequence_tiled<scalar_t, cache_t, 16>
+               : D == 32 ? decode_sequence_tiled<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
                : D == 128 ? decode_sequence<scalar_t, cache_t, 128> : decode_sequence<scalar_t, cache_t, 0>;
 #pragma omp parallel num_threads(num_threads)
   {
