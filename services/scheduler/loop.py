@@ -380,9 +380,9 @@ class SchedulerLoop:
     async def _reconnect(self) -> None:
         """Retry until the executor is back; health reports NOT_SERVING meanwhile."""
         # Free the dropped core now (the step loop has let go of it by the time this task
-        # runs), not at some later full collection: the next core's blocks and the load that
-        # resumes then reuse its memory instead of taking new pymalloc arenas. One full
-        # collection per executor loss, while no request runs.
+        # runs), not at some later full collection, so the next core's blocks and the load
+        # that resumes can reuse its memory. One full collection per executor loss, while no
+        # request runs.
         gc.collect()
         delay = 0.2
         while not self._stopping:
