@@ -117,11 +117,10 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : e_r * two_n;
 }
 
-// A row of scores becomes its softmax numerators exp(s - max) in place; returns their sum (the
-// denominator, applied to the output at the end).
-inline float softmax_numerators(float* s, int64_t n) {
-  // The max in kLanes running lanes: a max reduction is not vectorized by the compiler (std::max
-  // is not associative for NaN), and a serial chain of scalar maxes was ~1/3 of the kernel's time.
+// The largest of n scores, in kLanes running lanes: a max reduction is not vectorized by the
+// compiler (std::max is not associative for NaN), and a serial chain of scalar maxes was ~1/3 of
+// the tiled path's time.
+inline float max_of(const float* s, int64_t n) {
   constexpr int64_t kLanes = 16;
   float lanes[kLanes];
   for (int64_t i = 0; i < kLanes; ++i) lanes[i] = -std::numeric_limits<float>::infinity();
@@ -133,6 +132,12 @@ inline float softmax_numerators(float* s, int64_t n) {
   for (int64_t i = 0; t + i < n; ++i) lanes[i] = std::max(lanes[i], s[t + i]);
   float m = lanes[0];
   for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
+
+// A row of scores whose largest is m becomes its softmax numerators exp(s - m) in place; returns
+// their sum (the denominator, applied to the output at the end).
+inline float softmax_numerators(float* s, int64_t n, float m) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < n; ++t) {
@@ -144,7 +149,7 @@ inline float softmax_numerators(float* s, int64_t n) {
 
 // Per-thread buffers, reused from one sequence to the next.
 struct Scratch {
-  std::vector<float> q, scores, acc, row_sum, row, tile, tile_scale;
+  std::vector<float> q, scores, acc, row_max, row_sum, row, tile, tile_scale;
 };
 
 // A quantized slot's row (all kv heads) widened to fp32 in its own loop: fused into the dot
@@ -221,10 +226,15 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
   scratch.q.resize(H * D);
   if constexpr (kScaled) scratch.row.resize(token_stride);
   float* wide = scratch.row.data();
-  scratch.scores.resize(H * context_len);
+  // Score rows padded to whole vectors with -inf (weight 0): the exp loop then has no scalar
+  // remainder, which cost head dims 64/128 ~5% at contexts of ~16.
+  const int64_t padded = (context_len + 15) / 16 * 16;
+  scratch.scores.resize(H * padded);
   scratch.row_sum.resize(H);
+  scratch.row_max.assign(H, -std::numeric_limits<float>::infinity());
   float* q_buf = scratch.q.data();
   float* scores = scratch.scores.data();
+  float* row_max = scratch.row_max.data();
   for (int64_t i = 0; i < H * D; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
 
   // Pass 1: scores. A slot's row holds every kv head contiguously, so the pass streams
@@ -246,12 +256,17 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
         if (h % group == 0) head_scale = widen_scale(k_scale[slot * num_kv_heads + h / group]);
         s *= head_scale;
       }
-      scores[h * context_len + t] = s;
+      scores[h * padded + t] = s;
+      row_max[h] = std::max(row_max[h], s);
     }
   });
-  for (int64_t h = 0; h < H; ++h) scratch.row_sum[h] = softmax_numerators(scores + h * context_len, context_len);
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = scores + h * padded;
+    for (int64_t t = context_len; t < padded; ++t) row[t] = -std::numeric_limits<float>::infinity();
+    scratch.row_sum[h] = softmax_numerators(row, padded, row_max[h]);
+  }
   weighted_sum_of_v<scalar_t, cache_t, kD>(out, v_cache, v_scale, block_table, context_len, H, num_kv_heads, D,
-                                           block_size, context_len, scratch);
+                                           block_size, padded, scratch);
 }
 
 // Positions per tile of the small-head-dim path: one AVX-512 vector of fp32 (two AVX2 ones).
@@ -413,7 +428,10 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) scratch.row_sum[h] = softmax_numerators(scores + h * padded, padded);
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = scores + h * padded;
+    scratch.row_sum[h] = softmax_numerators(row, padded, max_of(row, padded));
+  }
 
   // Pass 2 by lanes over positions pays at head dim 8, and at 16 from contexts of ~128 (the final
   // sum of H * kD rows of kTile lanes costs as much as a few tiles); otherwise, and from head dim 32
