@@ -13,7 +13,7 @@
 // then the weighted sum of V (each V row read once). Arithmetic is in fp32 whatever the
 // storage dtype. Sequences run in parallel on torch's intra-op thread count. Head dims of 64
 // and up vectorize over the head dim; 8, 16 and 32 over tiles of positions
-// (decode_sequence_tiled).
+// (decode_sequence_tiled, AVX-512 builds).
 //
 // Layouts (checked by the Python wrapper, which also holds the reference):
 //   out, q:        [B, H, D] contiguous
@@ -213,8 +213,8 @@ void weighted_sum_of_v(scalar_t* out, const cache_t* v_cache, const at::Half* v_
 // the per-head loops are unrolled and vectorized for their exact length.
 // cache_t: the pool's storage (scalar_t for a plain pool; int8_t or Float8_e4m3fn with k_scale and
 // v_scale, the fp16 scales, for a quantized one; the scales are null for a plain pool).
-// This path (head dims 64 and up) takes a score per position and head as one dot product over the
-// head dim; decode_sequence_tiled below is the small-head-dim one.
+// This path (head dims 64 and up; every head dim without AVX-512) takes a score per position and
+// head as one dot product over the head dim; decode_sequence_tiled below is the small-head-dim one.
 template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                      const at::Half* k_scale, const at::Half* v_scale,
@@ -269,10 +269,13 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
                                            block_size, padded, scratch);
 }
 
+// The tiled path below needs AVX-512 (its transposes); built for a CPU without it (-march=haswell),
+// portable loops in their place ran 0.5-0.98x the wide path at head dims 8-32, so such builds
+// take the wide path for every head dim.
+#if defined(__AVX512F__)
 // Positions per tile of the small-head-dim path: one AVX-512 vector of fp32 (two AVX2 ones).
 constexpr int64_t kTile = 16;
 
-#if defined(__AVX512F__)
 // r[i] = row i of a 16 x 16 fp32 block; stores its columns c < width at out + c * 16. Within
 // 128-bit lanes: unpack pairs of rows, then pick 2 of 4 columns; across lanes: two rounds of
 // 128-bit lane selects.
@@ -301,12 +304,10 @@ inline void transpose16x16(__m512 r[16], float* out, int64_t width) {
     }
   }
 }
-#endif
 
 // tile[j * kTile + i] = rows[i][j] for the n < = kTile rows of width w (fp32), zeros in the
 // columns i >= n: the positions of a tile become the lanes of its vectors.
 inline void transpose_rows(const float* const* rows, int64_t n, int64_t w, float* tile) {
-#if defined(__AVX512F__)
   for (int64_t c0 = 0; c0 < w; c0 += 16) {
     const int64_t width = std::min<int64_t>(16, w - c0);  // 16 or 8: w is a multiple of 8
     const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
@@ -314,17 +315,11 @@ inline void transpose_rows(const float* const* rows, int64_t n, int64_t w, float
     for (int64_t i = 0; i < 16; ++i) r[i] = i < n ? _mm512_maskz_loadu_ps(mask, rows[i] + c0) : _mm512_setzero_ps();
     transpose16x16(r, tile + c0 * kTile, width);
   }
-#else
-  for (int64_t j = 0; j < w; ++j) {
-    for (int64_t i = 0; i < kTile; ++i) tile[j * kTile + i] = i < n ? rows[i][j] : 0.f;
-  }
-#endif
 }
 
-// sums[r] = the kTile lanes of row r of acc [rows][kTile] added up. With AVX-512 by 16 x 16
-// transposes and vertical adds: a horizontal sum per row was half the time of a one-tile context.
+// sums[r] = the kTile lanes of row r of acc [rows][kTile] added up, by 16 x 16 transposes and
+// vertical adds: a horizontal sum per row was half the time of a one-tile context.
 inline void sum_lanes(const float* acc, int64_t rows, float* sums) {
-#if defined(__AVX512F__)
   alignas(64) float columns[16 * 16];
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     __m512 r[16];
@@ -335,14 +330,6 @@ inline void sum_lanes(const float* acc, int64_t rows, float* sums) {
     const int64_t n = std::min<int64_t>(16, rows - r0);
     _mm512_mask_storeu_ps(sums + r0, static_cast<__mmask16>((1u << n) - 1), total);
   }
-#else
-  for (int64_t r = 0; r < rows; ++r) {
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < kTile; ++i) total += acc[r * kTile + i];
-    sums[r] = total;
-  }
-#endif
 }
 
 // The tile of positions t0 .. t0 + n - 1 (n <= kTile) of a K or V pool, transposed to
@@ -470,6 +457,8 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
   }
 }
 
+#endif  // __AVX512F__
+
 template <typename scalar_t, typename cache_t>
 void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr, const cache_t* v_ptr,
                   const at::Half* k_scale, const at::Half* v_scale,
@@ -483,9 +472,14 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr
   for (int64_t b = 0; b < B; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lens[x] > lens[y]; });
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), B));
+#if defined(__AVX512F__)
   auto* decode = D == 8 ? decode_sequence_tiled<scalar_t, cache_t, 8>
                : D == 16 ? decode_sequence_tiled<scalar_t, cache_t, 16>
                : D == 32 ? decode_sequence_tiled<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
+#else
+  auto* decode = D == 8 ? decode_sequence<scalar_t, cache_t, 8> : D == 16 ? decode_sequence<scalar_t, cache_t, 16>
+               : D == 32 ? decode_sequence<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
+#endif
                : D == 128 ? decode_sequence<scalar_t, cache_t, 128> : decode_sequence<scalar_t, cache_t, 0>;
 #pragma omp parallel num_threads(num_threads)
   {
