@@ -52,6 +52,50 @@ def test_kernel_matches_reference(case, dtype):
     )
 
 
+
+# Head dims 8/16/32 take tiles of 16 positions (transposed K and, from 8 * head_dim positions at
+# head dims 8 and 16, V): contexts around tile edges, tiles that straddle blocks (block sizes that
+# are not multiples of 16, block size 1), MQA/MHA/GQA 3, both V forms at head dim 16.
+TILED_CASES = [
+    # (context lens, kv_heads, heads, head_dim, block_size)
+    ([1, 15, 16, 17, 31, 33, 64, 1000], 1, 8, 8, 1),
+    ([5, 16, 47, 64, 65], 8, 8, 8, 3),
+    ([127, 128, 200, 1], 3, 9, 16, 32),
+    ([63, 64, 65, 129], 2, 2, 32, 64),
+    ([129, 2], 6, 12, 8, 7),
+]
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=lambda c: f"ctx{len(c[0])}-kv{c[1]}-h{c[2]}-d{c[3]}-bs{c[4]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_head_dim_tiles_match_reference(case, dtype):
+    context_lens, kv_heads, heads, head_dim, block_size = case
+    torch.manual_seed(len(context_lens) + head_dim)
+    batch = build_paged_batch(context_lens, [1] * len(context_lens), kv_heads, head_dim, block_size, dtype,
+                              torch.device("cpu"), poison=float("nan"))
+    q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale)
+    assert_matches_reference(
+        out, lambda q, k, v: paged_decode_reference(q, k, v, batch.block_tables, batch.context_lens, scale),
+        q, batch.k_cache, batch.v_cache,
+    )
+
+
+def test_softmax_weighs_far_below_the_max_as_zero_and_a_single_position_as_one():
+    # Scores 200 apart: exp underflows to exactly 0, so the output is the top position's V row;
+    # a one-token context gives its V row times exactly 1.
+    k = torch.zeros(2, 16, 1, 8)
+    v = torch.randn(2, 16, 1, 8)
+    k[0, :, 0, 0] = -100.0
+    k[0, 9, 0, 0] = 100.0
+    q = torch.zeros(2, 1, 8)
+    q[:, 0, 0] = 1.0
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    out = cpu_kernels.paged_decode(q, k, v, tables, torch.tensor([16, 1], dtype=torch.int32), 1.0)
+    assert torch.equal(out[0, 0], v[0, 9, 0])
+    assert torch.equal(out[1, 0], v[1, 0, 0])
+
 def test_kernel_reads_only_through_the_block_table():
     # Two sequences share nothing; swapping the blocks of one in the pool (and its table) must
     # not change either output.
