@@ -12,6 +12,7 @@ import pytest
 
 from services.common.step import RunningSequence, StepPlan
 from services.scheduler.core import FinishReason, RequestUpdate
+from services.scheduler.core.speculation import DraftLength, SpeculationConfig
 from tests.scheduler.test_overlap import EOS, in_flight, out, run_workload
 from tests.scheduler.test_scheduler import add, assert_all_blocks_free, make_request, make_scheduler
 
@@ -24,11 +25,17 @@ def started(scheduler, request, first_token: int):
     return plan
 
 
-def test_a_decode_is_planned_as_n_steps_with_blocks_for_every_position():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
-    request = make_request("a", 7, max_tokens=20)
+def decoding(request, num_scheduler_steps: int = 4, **limits):
+    """A scheduler (one step in flight) whose only request has finished its prefill with token 11."""
+    scheduler = make_scheduler(num_scheduler_steps=num_scheduler_steps, overlap_scheduling=False, **limits)
     add(scheduler, request)
     started(scheduler, request, 11)
+    return scheduler
+
+
+def test_a_decode_is_planned_as_n_steps_with_blocks_for_every_position():
+    request = make_request("a", 7, max_tokens=20)
+    scheduler = decoding(request)
     assert in_flight(request) == (7, 8, 0, 0) and request.block_ids == [0, 1]
     plan = scheduler.schedule()
     # Positions 7..10: block 1 holds 4..7, block 2 is new for 8..10.
@@ -40,29 +47,22 @@ def test_a_decode_is_planned_as_n_steps_with_blocks_for_every_position():
 
 
 def test_a_burst_stops_at_max_tokens_and_max_model_len():
-    scheduler = make_scheduler(num_scheduler_steps=8, overlap_scheduling=False)
     request = make_request("a", 5, max_tokens=4)
-    add(scheduler, request)
-    started(scheduler, request, 11)
+    scheduler = decoding(request, 8)
     plan = scheduler.schedule()
     assert plan.running[0].num_steps == 3  # 1 token out, 3 to go
     updates = scheduler.update(plan, out(plan, {0: [12, 13, 14]}))
     assert updates[0].finish_reason is FinishReason.LENGTH
     assert_all_blocks_free(scheduler)
 
-    scheduler = make_scheduler(num_scheduler_steps=8, overlap_scheduling=False, max_model_len=10)
-    request = make_request("b", 5)
-    add(scheduler, request)
-    started(scheduler, request, 11)  # 6 tokens known: room for 4 more
+    scheduler = decoding(make_request("b", 5), 8, max_model_len=10)  # 6 tokens known: room for 4 more
     plan = scheduler.schedule()
     assert plan.running[0].num_steps == 4
 
 
 def test_eos_inside_a_burst_cuts_the_tokens_after_it():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
     request = make_request("a", 4, max_tokens=50, eos_token_ids=(EOS,))
-    add(scheduler, request)
-    started(scheduler, request, 11)
+    scheduler = decoding(request)
     plan = scheduler.schedule()
     updates = scheduler.update(plan, out(plan, {0: [12, EOS, 14, 15]}))
     assert updates == [RequestUpdate("a", 0, [12, EOS], None, FinishReason.EOS, None)]
@@ -81,19 +81,16 @@ def test_a_waiting_request_turns_bursts_off_until_it_has_started():
     assert plan.running == [RunningSequence(0, 1, [1], [], 1)] and plan.new == []  # blocks of 4
 
 
-def test_requests_with_stop_strings_or_drafts_run_one_step_at_a_time():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
-    request = make_request("a", 4, max_tokens=50, stop=("the end",))
-    add(scheduler, request)
-    started(scheduler, request, 11)
+def test_requests_with_stop_strings_or_speculation_run_one_step_at_a_time():
+    scheduler = decoding(make_request("a", 4, max_tokens=50, stop=("the end",)))
     assert scheduler.schedule().running[0].num_steps == 1
+    speculating = make_request("b", 4, max_tokens=50)
+    speculating.draft_length = DraftLength(SpeculationConfig(), 4)
+    assert decoding(speculating).schedule().running[0].num_steps == 1
 
 
 def test_the_executor_must_return_every_token_of_a_burst():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False)
-    request = make_request("a", 4, max_tokens=50)
-    add(scheduler, request)
-    started(scheduler, request, 11)
+    scheduler = decoding(make_request("a", 4, max_tokens=50))
     plan = scheduler.schedule()
     with pytest.raises(ValueError, match="seq id 0: 2 output tokens, expected 4 \\(4 decode steps\\)"):
         scheduler.update(plan, out(plan, {0: [12, 13]}))
