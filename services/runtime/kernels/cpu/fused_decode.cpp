@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_decode.h"
+#include "vec_exp.h"
 
 namespace {
 
@@ -117,25 +118,8 @@ void rotate_heads(float* heads, int64_t n, int64_t D, const float* cos_full, con
   }
 }
 
-// exp(x) for the SiLU, in a form the compiler vectorizes (glibc's expf is a call per value, which
-// at a small model's width cost as much as the layer's products): Cephes' expf, a degree-6
-// polynomial after reducing by multiples of ln 2, within ~1 ulp in fp32 over the clamped range.
-inline float exp_vec(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return y * two_n;
-}
+// exp(x) for the SiLU over the range vec_exp.h covers (e^-87 ~ 0 and e^88 ~ inf next to 1 + e^x).
+inline float exp_vec(float x) { return tokenmill_cpu::exp_in_range(std::min(std::max(x, -87.0f), 88.0f)); }
 
 struct Layer {
   at::Tensor input_norm, qkv_t, qkv_bias, o_t, post_norm, gate_up_t, down_t;

@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include "paged_decode.h"
+#include "vec_exp.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -94,27 +95,10 @@ inline float widen_scale(at::Half h) {
 #endif
 }
 
-// exp(x) for the softmax's x = score - max <= 0, in a form the compiler vectorizes inside the omp
-// simd loops (std::exp is a scalar call there: at head_dim 8 it was about half the kernel's time).
-// Cephes' expf: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (within ~2 ulp),
-// 2^n put into the exponent bits. exp(0) is exactly 1; below -87.3 (where 2^n would leave fp32's
-// normal range, e^x < 1.2e-38) the result is 0, so a masked score (-inf) weighs exactly nothing.
+// exp(x) for the softmax's x = score - max <= 0: below -87 (where 2^n would leave fp32's normal
+// range, e^x < 1.2e-38) the result is 0, so a masked score (-inf) weighs exactly nothing.
 inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 split so n * kLn2Hi is exact
-  constexpr float kRound = 12582912.0f;                               // 1.5 * 2^23: adding it rounds to an integer
-  const float clamped = std::max(x, -87.0f);
-  const float n = (clamped * kLog2e + kRound) - kRound;
-  const float r = (clamped - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e_r = p * r * r + r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, static_cast<int32_t>(n + 127.0f) << 23);
-  return x < -87.0f ? 0.0f : e_r * two_n;
+  return x < -87.0f ? 0.0f : tokenmill_cpu::exp_in_range(std::max(x, -87.0f));
 }
 
 // The largest of n scores, in kLanes running lanes: a max reduction is not vectorized by the
