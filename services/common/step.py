@@ -113,6 +113,10 @@ class StepResult:
     step_id: int
     outputs: list[SequenceOutput] = field(default_factory=list)
     """One entry per scheduled sequence, in plan order (new first, then running)."""
+    execute_seconds: float = field(default=0.0, compare=False)
+    """Time the executor spent running the plan (all its forwards and sampling, not queueing);
+    0 when not measured. Multi-step scheduling sizes its bursts from it. Left out of equality:
+    two runs of one plan give the same result in different times."""
 
 
 @dataclass(frozen=True, slots=True)

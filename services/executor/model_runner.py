@@ -7,9 +7,11 @@ it: the result holds sampled ids and, when asked, logprobs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import structlog
+
 import torch
 
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
@@ -265,13 +267,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         drafts: dict[int, list[int]] = {}
         scheduled = self._apply_plan(plan, drafts)
         if not scheduled:
             return StepResult(plan.step_id, [])
         outputs = self._run_step(scheduled, drafts)
         self._run_more_steps(plan, scheduled, outputs)
-        return StepResult(plan.step_id, outputs)
+        return StepResult(plan.step_id, outputs, time.perf_counter() - start)
 
     def _forward(self, scheduled: list[tuple[SequenceState, int]]) -> tuple[torch.Tensor, list[int]]:
         """The model over the scheduled tokens: final hidden states [T, D] and query starts."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from services.common.codec.step_codec import (
@@ -278,6 +280,15 @@ def test_inconsistent_result_arrays_are_rejected(mutate, message: str) -> None:
     mutate(msg)
     with pytest.raises(InvalidArgumentError, match=message):
         result_from_proto(msg)
+
+
+def test_the_executors_step_time_travels_and_must_be_finite_and_not_negative() -> None:
+    back = wire_result(StepResult(step_id=2, outputs=[SequenceOutput(1, [4])], execute_seconds=0.00125))
+    assert back.execute_seconds == 0.00125
+    for bad in (-0.5, math.inf, math.nan):
+        msg = executor_pb2.StepResponse(step_id=3, execute_seconds=bad)
+        with pytest.raises(InvalidArgumentError, match="execute_seconds = .*: must be a finite number >= 0"):
+            result_from_proto(msg)
 
 
 def test_missing_logprob_counts_means_no_logprobs() -> None:

@@ -82,3 +82,13 @@ def test_a_multi_step_plan_must_be_a_decode_with_blocks_for_every_position():
         runner.execute(StepPlan(1, running=[RunningSequence(0, 1, num_steps=4)]))
     with pytest.raises(ValueError, match="sequence 0: 2 decode steps need a decode of its last known token"):
         runner.execute(StepPlan(2, running=[RunningSequence(0, 1, [], [5], 2)]))
+
+
+def test_the_runner_times_each_plan_it_runs():
+    runner = make_runner("fused")
+    prompt = PROMPTS[0]
+    first = runner.execute(StepPlan(0, new=[NewSequence(0, list(prompt), len(prompt), 0, len(prompt), [0, 1, 2],
+                                                          SAMPLINGS[0])]))
+    burst = runner.execute(StepPlan(1, running=[RunningSequence(0, 1, num_steps=4)]))
+    assert first.execute_seconds > 0 and burst.execute_seconds > 0
+    assert runner.execute(StepPlan(2)).execute_seconds == 0  # nothing scheduled: nothing ran

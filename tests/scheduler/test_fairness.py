@@ -193,7 +193,7 @@ def test_priority_preemption_leaves_every_output_unchanged(engine_factory) -> No
     engine = engine_factory(2)
     ids = [engine.add_request(p, greedy, stop, priority=5) for p in prompts]
     got: dict[str, list[int]] = {i: [] for i in ids}
-    for _ in range(40):
+    while min(len(tokens) for tokens in got.values()) < 20:  # well short of 80, bursts or not
         for delta in engine.step():
             got[delta.request_id] += delta.token_ids
     urgent = engine.add_request("Lily wanted", greedy, StopConditions(max_tokens=20, ignore_eos=True), priority=0)

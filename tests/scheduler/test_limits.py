@@ -34,6 +34,9 @@ def executor_info(**overrides) -> ExecutorInfo:
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be >= 0 (0 = no cap), got -1"),
         (dict(num_scheduler_steps=0), "num_scheduler_steps must be in [1, 64], got 0"),
         (dict(num_scheduler_steps=65), "num_scheduler_steps must be in [1, 64], got 65"),
+        (dict(multi_step_max_delay_ms=-1.0), "multi_step_max_delay_ms must be a finite number >= 0, got -1.0"),
+        (dict(multi_step_max_delay_ms=float("nan")), "multi_step_max_delay_ms must be a finite number >= 0, got nan"),
+        (dict(multi_step_max_delay_ms=float("inf")), "multi_step_max_delay_ms must be a finite number >= 0, got inf"),
         (dict(max_num_batched_tokens=4, max_num_seqs=8),
          "max_num_batched_tokens=4 is below max_num_seqs=8: not every running sequence could decode in a step"),
         (dict(enable_chunked_prefill=False, long_prefill_token_threshold=8),
@@ -93,6 +96,7 @@ FLAGS = {
     "long_prefill_token_threshold": ("--long-prefill-token-threshold", "TOKENMILL_LONG_PREFILL_TOKEN_THRESHOLD"),
     "overlap_scheduling": ("--overlap-scheduling", "TOKENMILL_OVERLAP_SCHEDULING"),
     "num_scheduler_steps": ("--num-scheduler-steps", "TOKENMILL_NUM_SCHEDULER_STEPS"),
+    "multi_step_max_delay_ms": ("--multi-step-max-delay-ms", "TOKENMILL_MULTI_STEP_MAX_DELAY_MS"),
 }
 
 

@@ -1,7 +1,8 @@
 """Multi-step scheduling in the core (SchedulerLimits.num_scheduler_steps): while nobody waits, a
 plain decode is planned as n decode steps the executor runs back to back.
 
-Exact plans and counts by hand, then the in-order fake executor of test_overlap (which models
+Fixed bursts (multi_step_max_delay_ms = 0) for exact plans and counts by hand; bursts sized
+from the executor's measured step time; then then the in-order fake executor of test_overlap (which models
 every K/V slot a step writes and reads) over random workloads: outputs equal one step at a
 time, with overlap on and off, with and without aborts.
 """
@@ -27,7 +28,8 @@ def started(scheduler, request, first_token: int):
 
 def decoding(request, num_scheduler_steps: int = 4, **limits):
     """A scheduler (one step in flight) whose only request has finished its prefill with token 11."""
-    scheduler = make_scheduler(num_scheduler_steps=num_scheduler_steps, overlap_scheduling=False, **limits)
+    scheduler = make_scheduler(num_scheduler_steps=num_scheduler_steps, multi_step_max_delay_ms=0,
+                               overlap_scheduling=False, **limits)
     add(scheduler, request)
     started(scheduler, request, 11)
     return scheduler
@@ -72,7 +74,7 @@ def test_eos_inside_a_burst_cuts_the_tokens_after_it():
 
 
 def test_a_waiting_request_turns_bursts_off_until_it_has_started():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=False, max_num_seqs=1)
+    scheduler = make_scheduler(num_scheduler_steps=4, multi_step_max_delay_ms=0, overlap_scheduling=False, max_num_seqs=1)
     first, second = make_request("a", 4, max_tokens=50), make_request("b", 4, max_tokens=50)
     add(scheduler, first)
     started(scheduler, first, 11)
@@ -97,7 +99,7 @@ def test_the_executor_must_return_every_token_of_a_burst():
 
 
 def test_with_overlap_the_next_plan_continues_from_the_bursts_last_token():
-    scheduler = make_scheduler(num_scheduler_steps=4, overlap_scheduling=True)
+    scheduler = make_scheduler(num_scheduler_steps=4, multi_step_max_delay_ms=0, overlap_scheduling=True)
     request = make_request("a", 7, max_tokens=20)
     add(scheduler, request)
     plan0 = scheduler.schedule()
@@ -128,3 +130,55 @@ def test_random_workload_outputs_are_the_same_with_multi_step(seed, overlap):
 def test_random_workload_with_aborts_and_multi_step_keeps_every_slot_its_owner_wrote(seed):
     _, results = run_workload(overlap=True, seed=seed, abort_rate=0.05, num_scheduler_steps=3)
     assert any(reason is FinishReason.ABORT for _, reason, _ in results.values())
+
+
+# ---- bursts sized from the executor's measured step time ---------------------------------
+
+
+def timed(plan: StepPlan, tokens: dict[int, list[int]], seconds: float):
+    result = out(plan, tokens)
+    result.execute_seconds = seconds
+    return result
+
+
+def test_bursts_follow_the_measured_decode_step_time():
+    # Cap 16, 4 ms delay budget: one step until a decode-only plan was timed, then
+    # 1 + floor(4 ms / step time) steps.
+    scheduler = make_scheduler(num_scheduler_steps=16, multi_step_max_delay_ms=4.0, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50)
+    add(scheduler, request)
+    plan = scheduler.schedule()
+    scheduler.update(plan, timed(plan, {0: [11]}, 0.050))  # a prefill's time says nothing of a decode
+    plan = scheduler.schedule()
+    assert plan.running[0].num_steps == 1
+    scheduler.update(plan, timed(plan, {0: [12]}, 0.001))  # 1 ms a step: 1 + 4 steps
+    plan = scheduler.schedule()
+    assert plan.running[0].num_steps == 5
+    scheduler.update(plan, timed(plan, {0: [13, 14, 15, 16, 17]}, 5 * 0.0002))  # estimate 1 -> 0.8 ms
+    assert scheduler.burst.decode_step_s == pytest.approx(0.0008)
+    plan = scheduler.schedule()
+    assert plan.running[0].num_steps == 6
+    scheduler.update(plan, timed(plan, {0: list(range(18, 24))}, 6 * 0.030))  # slow steps: bursts shrink
+    assert scheduler.schedule().running[0].num_steps == 1
+
+
+def test_cheap_steps_burst_up_to_the_cap_and_zero_delay_means_always_the_cap():
+    scheduler = make_scheduler(num_scheduler_steps=8, multi_step_max_delay_ms=4.0, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50)
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    plan = scheduler.schedule()
+    scheduler.update(plan, timed(plan, {0: [12]}, 0.00001))
+    assert scheduler.schedule().running[0].num_steps == 8
+    assert decoding(make_request("b", 4, max_tokens=50), 8).schedule().running[0].num_steps == 8  # delay 0
+
+
+def test_an_unmeasured_result_leaves_bursts_at_one_step():
+    scheduler = make_scheduler(num_scheduler_steps=16, multi_step_max_delay_ms=4.0, overlap_scheduling=False)
+    request = make_request("a", 4, max_tokens=50)
+    add(scheduler, request)
+    started(scheduler, request, 11)
+    for token in (12, 13, 14):
+        plan = scheduler.schedule()
+        assert plan.running[0].num_steps == 1
+        scheduler.update(plan, out(plan, {0: [token]}))  # execute_seconds 0: not measured

@@ -415,7 +415,8 @@ def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0, num_schedule
     ``plans`` receives every plan sent."""
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=16, max_model_len=64, max_num_batched_tokens=24, max_num_seqs=6,
-                               overlap_scheduling=overlap, num_scheduler_steps=num_scheduler_steps)
+                               overlap_scheduling=overlap, num_scheduler_steps=num_scheduler_steps,
+                               multi_step_max_delay_ms=0)
     executor = InOrderExecutor(scheduler.config.block_size)
     requests = random_requests(rng, 40)
     pending, sent = list(requests), deque()

@@ -19,6 +19,8 @@ Lossy corners, on purpose:
 
 from __future__ import annotations
 
+import math
+
 from itertools import accumulate
 
 from services.common.errors import InvalidArgumentError
@@ -255,6 +257,7 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
         top_counts=top_counts,
         top_token_ids=top_token_ids,
         top_logprobs=top_logprobs,
+        execute_seconds=result.execute_seconds,
     )
 
 
@@ -288,7 +291,10 @@ def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
     else:
         logprobs = [None] * len(seq_ids)
     outputs = list(map(SequenceOutput, seq_ids, _split(token_ids, token_counts), logprobs))
-    return StepResult(step_id=msg.step_id, outputs=outputs)
+    execute_seconds = msg.execute_seconds
+    if not math.isfinite(execute_seconds) or execute_seconds < 0:
+        raise InvalidArgumentError(f"execute_seconds = {execute_seconds}: must be a finite number >= 0")
+    return StepResult(step_id=msg.step_id, outputs=outputs, execute_seconds=execute_seconds)
 
 
 def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:

@@ -61,15 +61,26 @@ class SchedulerLimits:
     so nothing would overlap). Off: one step at a time."""
 
     num_scheduler_steps: int = _limit(
-        1, "decode steps per plan while nothing waits (multi-step scheduling; 1 = off)"
+        16, "most decode steps a plan asks for while nothing waits (1 = off)"
     )
     """Multi-step scheduling: while no request waits to start, a plan of decodes asks the
     executor for up to this many tokens per sequence, each fed back in on the executor's side,
-    so the per-step round trip (planning, messages, output processing) is paid once per this
-    many tokens. Tokens then reach clients in bursts of up to this many, a stop is seen at the
-    burst's end (surplus tokens are dropped, never reported), and a request arriving meanwhile
-    waits for the burst to end. Requests that speculate or have stop strings (whose text is
-    checked after every token) always run one step. 1 = off."""
+    so the per-step round trip (planning, messages, output processing) is paid once per burst.
+    How many of them a burst runs is set by multi_step_max_delay_ms. Tokens then reach clients
+    in bursts, a stop is seen at the burst's end (surplus tokens are dropped, never reported),
+    and a request arriving meanwhile waits for the burst to end. Requests that speculate or
+    have stop strings (whose text is checked after every token) always run one step. 1 = off."""
+
+    multi_step_max_delay_ms: float = _limit(
+        4.0,
+        "most a burst of decode steps may hold a token back, in ms; bursts are sized from the "
+        "measured step time (0 = always the most steps)",
+    )
+    """The length of a burst follows the executor's measured time for a decode step: 1 +
+    floor(this / step time), at most num_scheduler_steps (services/scheduler/core/burst.py).
+    Where a step is cheap next to the round trip (a small model, a fast GPU) bursts are long;
+    where a step takes longer than this, there are none. 0 = every burst is
+    num_scheduler_steps long."""
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
@@ -80,6 +91,10 @@ class SchedulerLimits:
         if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
             raise ValueError(
                 f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}"
+            )
+        if not self.multi_step_max_delay_ms >= 0 or self.multi_step_max_delay_ms == float("inf"):
+            raise ValueError(
+                f"multi_step_max_delay_ms must be a finite number >= 0, got {self.multi_step_max_delay_ms}"
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(

@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 
 from services.common.step import NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
 from services.scheduler.core.block_manager import BlockManager
+from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
 from services.scheduler.core.request import FinishReason, Request, RequestStatus
@@ -150,6 +151,9 @@ class Scheduler:
         """Plans that scheduled a sequence and await update(), oldest first."""
         self._max_steps_in_flight = 2 if config.limits.overlap_scheduling else 1
         self.spec_stats = SpecDecodeStats()
+        limits = config.limits
+        self.burst = BurstLength(limits.num_scheduler_steps, limits.multi_step_max_delay_ms / 1000)
+        """Decode steps per burst while nobody waits (core/burst.py)."""
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -265,7 +269,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
 
         # Multi-step only while nobody waits: a burst would hold a new request back that long.
-        max_steps = self.config.limits.num_scheduler_steps if not len(self.waiting) else 1
+        max_steps = self.burst.steps if not len(self.waiting) else 1
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -505,6 +509,8 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
 
         self._in_flight.popleft()
+        if not plan.new and all(seq.num_scheduled_tokens == 1 for seq in plan.running):
+            self.burst.observe(result.execute_seconds, max(seq.num_steps for seq in plan.running))
         for scheduled in in_flight.values():
             if scheduled.is_current:
                 request = scheduled.request
