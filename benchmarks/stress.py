@@ -25,7 +25,9 @@ of the same streams and bursts ("before": the allocators have then reached their
 mark for this load; the scheduler's idle RSS grows ~11% over its cold value in the first
 30 s of load, 4 of its 6 MiB pymalloc arenas that fragmentation keeps, not live objects), and
 after the run ("after"); growth is after over before. ``--trace-memory DIR`` writes what the
-scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/).
+scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/);
+``--heaptrack DIR`` runs the scheduler under heaptrack (every malloc with its C call stack, to
+read with ``heaptrack_print``; its resident memory then includes heaptrack's own).
 Prints a table, then the summary line
 
     stress: <N> streams, <c> crashes, <l> leaked blocks, <t> lost or duplicated tokens, overload p99 <ms> ms
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,9 +191,65 @@ async def killed_clients(address: str, every: float, stop_at: float, tally: Tall
         await process.wait()
 
 
-async def kill_executor_at(launcher: Launcher, at: float) -> None:
+class StressLauncher(Launcher):
+    """The launcher, with one service optionally run under heaptrack (``--heaptrack DIR``).
+
+    The service's command is prefixed with ``heaptrack -o DIR/<name>``. heaptrack's script runs
+    the service as its child and writes the profile once it exits, so ``pid`` finds that child
+    (for the /proc readings and the memory tracer's signals), and ``stop`` ends the service
+    itself first and waits for the script: a SIGTERM to the script would leave the service
+    running and the profile unwritten."""
+
+    PROFILE_WRITE_S = 300.0
+    """How long stop waits for heaptrack to write its profile after the service exits."""
+
+    def __init__(self, config: LaunchConfig, heaptrack_dir: str = "", heaptrack_service: str = "scheduler") -> None:
+        super().__init__(config)
+        self.heaptrack_dir = heaptrack_dir
+        self.heaptrack_service = heaptrack_service
+
+    def _command(self, name: str, port: int) -> list[str]:
+        command = super()._command(name, port)
+        if self.heaptrack_dir and name == self.heaptrack_service:
+            heaptrack = shutil.which("heaptrack")
+            if heaptrack is None:
+                raise RuntimeError("--heaptrack: no heaptrack on PATH")
+            return [heaptrack, "-o", os.path.join(self.heaptrack_dir, name), *command]
+        return command
+
+    def pid(self, name: str) -> int:
+        """The service's own process id (under heaptrack: the child of its script)."""
+        wrapper = self.services[name].process.pid
+        if not (self.heaptrack_dir and name == self.heaptrack_service):
+            return wrapper
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == wrapper and f"services.{name}".encode() in argv:
+                return int(entry)
+        raise RuntimeError(f"no {name} process under heaptrack (pid {wrapper})")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        svc = self.services.get(self.heaptrack_service) if self.heaptrack_dir else None
+        if svc is not None and svc.process is not None and svc.process.poll() is None:
+            with self._spawn_lock:
+                self._stopping.set()  # the script ends with the service: no restart
+            try:
+                os.kill(self.pid(svc.name), signal.SIGTERM)
+                svc.process.wait(self.PROFILE_WRITE_S)
+            except (RuntimeError, ProcessLookupError, subprocess.TimeoutExpired) as exc:
+                print(f"heaptrack: the {svc.name} did not end cleanly ({exc!r})", file=sys.stderr)
+        super().stop(timeout)
+
+
+async def kill_executor_at(launcher: StressLauncher, at: float) -> None:
     await asyncio.sleep(max(0.0, at - time.monotonic()))
-    launcher.services["executor"].process.kill()
+    os.kill(launcher.pid("executor"), signal.SIGKILL)
 
 
 def proc_status(pid: int) -> tuple[int, int]:
@@ -207,7 +266,7 @@ async def trace_memory(launcher: Launcher, args, sig: signal.Signals) -> None:
     """Ask the traced service for a line now (SIGUSR2), or after malloc_trim (SIGUSR1), and give
     it time to write it before its memory is read."""
     if args.trace_memory:
-        os.kill(launcher.services[args.trace_service].process.pid, sig)
+        os.kill(launcher.pid(args.trace_service), sig)
         await asyncio.sleep(2.0)
 
 
@@ -221,14 +280,14 @@ async def wait_idle(stub, timeout: float = 30.0):
         await asyncio.sleep(0.1)
 
 
-async def run(launcher: Launcher, args) -> int:
+async def run(launcher: StressLauncher, args) -> int:
     tally = Tally()
     address = launcher.public_address
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         refs = await solo_runs(stub)
         await trace_memory(launcher, args, signal.SIGUSR2)
-        cold = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        cold = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         if args.warmup_seconds > 0:
             # The same load for a while first: the allocators' high-water mark for this load
             # (pymalloc arenas, gRPC's buffers) is reached before the baseline is read, so the
@@ -244,7 +303,7 @@ async def run(launcher: Launcher, args) -> int:
             await wait_idle(stub)
             await asyncio.sleep(1.0)
         await trace_memory(launcher, args, signal.SIGUSR2)
-        before = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         started = time.monotonic()
         stop_at = started + args.seconds
         side = [asyncio.create_task(overload_bursts(stub, args.burst, args.burst_every, stop_at, tally)),
@@ -264,7 +323,7 @@ async def run(launcher: Launcher, args) -> int:
                                  f"{profile.num_waiting} waiting")
         await asyncio.sleep(1.0)
         await trace_memory(launcher, args, signal.SIGUSR2)
-        after = {name: proc_status(svc.process.pid) for name, svc in launcher.services.items()}
+        after = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         elapsed = time.monotonic() - started
         await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
     for event in launcher.events:
@@ -297,6 +356,9 @@ async def run(launcher: Launcher, args) -> int:
               f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{restarted}")
     if args.trace_memory:
         print(f"memory trace of the {args.trace_service}: {args.trace_memory} (benchmarks/memtrace/show.py prints it)")
+    if args.heaptrack:
+        print(f"heaptrack profile of the {args.trace_service}: {args.heaptrack} (written when it stops; "
+              f"heaptrack_print reads it; its RSS above includes heaptrack's own)")
     for crash in tally.crashes[:20]:
         print("crash:", crash)
     p99 = percentile(ms, 0.99)
@@ -319,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-memory", metavar="DIR", default="",
                         help="trace one service's memory into DIR (benchmarks/memtrace/sitecustomize.py): a JSON "
                              "line every TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after")
-    parser.add_argument("--trace-service", default="scheduler", help="the service --trace-memory traces")
+    parser.add_argument("--trace-service", default="scheduler",
+                        help="the service --trace-memory and --heaptrack trace")
+    parser.add_argument("--heaptrack", metavar="DIR", default="",
+                        help="run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
+                             "it: leaked and peak allocations with their C stacks)")
     args = parser.parse_args(argv)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}
     if args.trace_memory:
@@ -327,12 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         env.update(PYTHONPATH=f"{REPO_ROOT / 'benchmarks' / 'memtrace'}{os.pathsep}{REPO_ROOT}",
                    TOKENMILL_MEMTRACE_DIR=os.path.abspath(args.trace_memory),
                    TOKENMILL_MEMTRACE_SERVICE=args.trace_service)
-    launcher = Launcher(LaunchConfig(
+    if args.heaptrack:
+        os.makedirs(args.heaptrack, exist_ok=True)
+    launcher = StressLauncher(LaunchConfig(
         model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-stress-"),
         executor_args=[f"--num-blocks={NUM_BLOCKS}", "--block-size=16", "--dtype=fp32", "--device=cpu"],
         # A queue the client tasks alone do not fill, so the bursts are what overflows it.
         scheduler_args=["--max-num-seqs=128", f"--max-waiting-requests={max(1, args.streams // 2)}"],
-        env=env))
+        env=env), heaptrack_dir=os.path.abspath(args.heaptrack) if args.heaptrack else "",
+        heaptrack_service=args.trace_service)
     launcher.start()
     try:
         return asyncio.run(run(launcher, args))

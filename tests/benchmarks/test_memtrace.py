@@ -59,3 +59,21 @@ def test_lines_at_start_on_signals_and_after_trim(tmp_path):
     assert lines[4]["rss_before_trim_kib"] >= lines[4]["status"]["VmRSS"] - 64
     # The first signal unfroze what the process froze, so later type counts include those objects.
     assert not dict(lines[1]["objects"]).get("<frozen>") and dict(lines[1]["objects"])["function"] > 1000
+
+
+def test_symbolize_finds_a_stripped_librarys_load_address_from_return_addresses():
+    # heaptrack records return addresses less one; the base that puts them right after call
+    # instructions is the library's (here: calls at known offsets of an otherwise empty image).
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("symbolize", REPO_ROOT / "benchmarks" / "memtrace" / "symbolize.py")
+    symbolize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(symbolize)
+    image = bytearray(256 * 1024)
+    returns = [0x1234 + 997 * i for i in range(200)]
+    for i, ret in enumerate(returns):
+        if i % 2:
+            image[ret - 5] = 0xE8                      # call rel32
+        else:
+            image[ret - 2:ret] = bytes([0xFF, 0xD0])   # call rax
+    base = 0x7F65A6E00000
+    assert symbolize.load_base(bytes(image), [base + ret - 1 for ret in returns]) == base
