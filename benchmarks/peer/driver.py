@@ -47,6 +47,7 @@ from benchmarks.machine import cpu_model_name
 from benchmarks.peer.figures import (Ratio, RatioSpec, Run, first_divergence, format_rate, format_ratio, median_rate,
                                      ratios)
 from benchmarks.peer.gguf import DEFAULT_GGUF, ChecksumError
+from services.scheduler.core.config import SchedulerLimits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -137,8 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--compile", action="store_true",
                    help="tokenmill systems: the executor's torch.compile'd decode step (executor --compile)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="tokenmill systems: decode steps per plan while nothing waits (multi-step scheduling)")
+    p.add_argument("--num-scheduler-steps", type=int, default=SchedulerLimits().num_scheduler_steps,
+                   help="tokenmill systems: most decode steps per plan while nothing waits (multi-step "
+                   "scheduling; 1 = off)")
+    p.add_argument("--multi-step-max-delay-ms", type=float, default=SchedulerLimits().multi_step_max_delay_ms,
+                   help="tokenmill systems: most a burst may hold a token back (0 = always the most "
+                   "steps)")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="llama.cpp's K/V cache type (f16 is its default; tokenmill keeps fp32)")
     p.add_argument("--model", type=Path, default=None, help="tokenmill's model directory (default: the preset's)")
@@ -279,7 +284,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         **git_state(), "machine": machine(), "torch": torch.__version__,
         "threads": args.threads, "streams": args.streams, "output_len": args.output_len, "repeats": args.repeats,
         "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile,
-        "num_scheduler_steps": args.num_scheduler_steps, "kv_type": args.kv_type,
+        "num_scheduler_steps": args.num_scheduler_steps, "multi_step_max_delay_ms": args.multi_step_max_delay_ms,
+        "kv_type": args.kv_type,
         "preset": args.preset, "model": str(args.model), "gguf": str(gguf), "context": args.context,
     }
 
@@ -287,7 +293,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         systems = open_systems(args, gguf, prompt, stack, result)
         print(f"prompt {prompt} ({args.prompt!r}), {args.output_len} new tokens, greedy, EOS ignored; "
               f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; "
-              f"{args.num_scheduler_steps} scheduler steps; commit {result['commit']}"
+              f"at most {args.num_scheduler_steps} scheduler steps, {args.multi_step_max_delay_ms} ms burst delay; "
+              f"commit {result['commit']}"
               + (" (tracked files changed)" if result["tracked_files_changed"] else ""), flush=True)
         if "prompt_tokenization_matches_llama_cpp" in result:
             print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
@@ -362,10 +369,11 @@ def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack:
             stack.callback(systems["llamacpp-batched"].close)
     if "inprocess" in args.systems:
         systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile, args.kv_cache_bytes,
-                                                   args.num_scheduler_steps)
+                                                   args.num_scheduler_steps, args.multi_step_max_delay_ms)
     if "services" in args.systems:
         running = stack.enter_context(tokenmill.services_stack(str(args.model), args.threads, args.compile,
-                                                                args.kv_cache_bytes, args.num_scheduler_steps))
+                                                                args.kv_cache_bytes, args.num_scheduler_steps,
+                                                                args.multi_step_max_delay_ms))
         systems["services"] = tokenmill.Services(running.address)
     return systems
 

@@ -24,6 +24,7 @@ from services.common.server import create_channel
 from services.executor import warmup
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.stack.client import build_request
 
 ENGINE_OPTIONS = EngineOptions(kv_cache_bytes=32 * 1024**2)
@@ -36,11 +37,14 @@ class InProcess:
     name = "tokenmill in-process"
 
     def __init__(self, model_dir: str, compile: bool = False, kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes,
-                 num_scheduler_steps: int = 1) -> None:
+                 num_scheduler_steps: int = SchedulerLimits().num_scheduler_steps,
+                 multi_step_max_delay_ms: float = SchedulerLimits().multi_step_max_delay_ms) -> None:
         o = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
         executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=o.attention_backend,
                                   block_size=o.block_size, kv_cache_bytes=o.kv_cache_bytes, compile=compile)
-        self.engine = Engine(EngineConfig(executor, replace(o.limits(), num_scheduler_steps=num_scheduler_steps)))
+        limits = replace(o.limits(), num_scheduler_steps=num_scheduler_steps,
+                         multi_step_max_delay_ms=multi_step_max_delay_ms)
+        self.engine = Engine(EngineConfig(executor, limits))
         warmup.warm_up(self.engine.runner)  # what the executor service runs before it reports SERVING
         warm_up(self.engine)
 
@@ -89,10 +93,13 @@ class Services:
 
 
 def services_stack(model_dir: str, threads: int, compile: bool = False,
-                   kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes, num_scheduler_steps: int = 1):
+                   kv_cache_bytes: int = ENGINE_OPTIONS.kv_cache_bytes,
+                   num_scheduler_steps: int = SchedulerLimits().num_scheduler_steps,
+                   multi_step_max_delay_ms: float = SchedulerLimits().multi_step_max_delay_ms):
     """Context manager: the four services with ENGINE_OPTIONS (and this KV pool), ``threads`` OpenMP
     threads each; yields a Stack."""
     options = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
     executor_flags = options.executor_flags() + (["--compile"] if compile else [])
-    scheduler_flags = options.scheduler_flags() + ["--num-scheduler-steps", str(num_scheduler_steps)]
+    scheduler_flags = options.scheduler_flags() + ["--num-scheduler-steps", str(num_scheduler_steps),
+                                                   "--multi-step-max-delay-ms", str(multi_step_max_delay_ms)]
     return launched_stack(model_dir, executor_flags, scheduler_flags, threads)

@@ -24,6 +24,7 @@ from services.common.server import create_channel
 from services.executor.config import ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.main import serve as serve_scheduler
 from tests.helpers.service_harness import STORIES_DIR, launch_module, wait_for_port_file
 from tests.helpers.stack_streams import greedy_request, record_stream
@@ -48,9 +49,11 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple]:
         executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, dtype="fp32", device="cpu",
                                                               attention_backend="torch", num_blocks=128,
                                                               skip_warmup=True))
+        # One token per step (no multi-step bursts): the catch-up is told apart by counting
+        # steps against round trips.
         scheduler = await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_address=executor.address, tokenizer_addresses=(f"127.0.0.1:{port}",),
-            connect_timeout_s=30))
+            connect_timeout_s=30, limits=SchedulerLimits(num_scheduler_steps=1)))
         async with create_channel(scheduler.address) as channel:
             yield tokenizer, scheduler, generation_pb2_grpc.GenerationStub(channel)
     finally:

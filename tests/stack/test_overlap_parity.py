@@ -3,9 +3,10 @@ scheduling (with the fused CPU decode step), on vs off through the real services
 outputs.
 
 Three stacks in this process on loopback (tokenizer, executor and scheduler gRPC servers):
-"off" (one step at a time, the torch attention backend), "overlap" (overlap on, decode
-through the padded decode-graph buffers) and "multi-step" (overlap on, 4 decode steps per plan
-while nothing waits, the cpu backend's fused decode step). They receive the same mix of
+"off" (one step at a time, the torch attention backend), "overlap" (overlap on, one decode
+step per plan, decode through the padded decode-graph buffers) and "multi-step" (the
+scheduler's defaults: overlap on, bursts of decode steps sized from the measured step time
+while nothing waits; the cpu backend's fused decode step). They receive the same mix of
 concurrent requests:
 greedy and seeded sampling, max_tokens, EOS (with and without min_tokens), stop token ids,
 stop strings (with and without the stop text), logprobs, and streams aborted mid-flight by
@@ -72,7 +73,7 @@ async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
     stacks: dict[str, Stack] = {}
     for name in ("overlap", "multi-step", "off"):
-        overlap, steps = name != "off", 4 if name == "multi-step" else 1
+        overlap, steps = name != "off", SchedulerLimits().num_scheduler_steps if name == "multi-step" else 1
         # The overlapped stack's executor also runs decode steps through the CUDA-graph path's
         # padded buffers (what a GPU replays), so "every switch on" is held to "every switch off".
         executor = await serve_executor(ExecutorServiceConfig(
