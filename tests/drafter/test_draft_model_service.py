@@ -22,6 +22,7 @@ from services.drafter.main import serve
 from services.drafter.proposer import DraftMethod
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from tests.helpers.drafts import drafts_of
 from tests.helpers.service_harness import (
     SERVING, StreamSession, expect_status, health_status, launch_module, wait_for_port_file,
 )
@@ -49,21 +50,6 @@ async def server(stories_dir) -> AsyncIterator[RunningServer]:
         num_speculative_tokens=K, device="cpu", num_blocks=NUM_BLOCKS))
     yield running
     await running.stop(grace=0)
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def stub(server: RunningServer) -> AsyncIterator[drafter_pb2_grpc.DrafterStub]:
-    async with create_channel(server.address) as channel:
-        yield drafter_pb2_grpc.DrafterStub(channel)
-
-
-def drafts_of(reply: drafter_pb2.ProposeResponse) -> dict[int, list[int]]:
-    drafts, offset = {}, 0
-    for seq_id, count in zip(reply.seq_ids, reply.draft_counts):
-        drafts[seq_id] = list(reply.draft_token_ids[offset : offset + count])
-        offset += count
-    assert offset == len(reply.draft_token_ids)
-    return drafts
 
 
 def opening(step_id: int, sequences: dict[int, list[int]], propose: list[int]) -> drafter_pb2.ProposeRequest:

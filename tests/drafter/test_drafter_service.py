@@ -8,11 +8,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
+from services.common.pb.tokenmill.v1 import drafter_pb2
 from services.common.server import RunningServer, create_channel
 from services.drafter.config import DrafterConfig
 from services.drafter.main import serve
 from services.drafter.ngram import NgramProposer
+from tests.helpers.drafts import drafts_of
 from tests.helpers.service_harness import SERVING, StreamSession, expect_status, health_status, reflected_services, standard_services
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,21 +33,6 @@ async def server() -> AsyncIterator[RunningServer]:
     running = await serve(DrafterConfig(port=0, num_speculative_tokens=K, ngram_min=1, ngram_max=3))
     yield running
     await running.stop(grace=0)
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def stub(server: RunningServer) -> AsyncIterator[drafter_pb2_grpc.DrafterStub]:
-    async with create_channel(server.address) as channel:
-        yield drafter_pb2_grpc.DrafterStub(channel)
-
-
-def drafts_of(reply: drafter_pb2.ProposeResponse) -> dict[int, list[int]]:
-    drafts, offset = {}, 0
-    for seq_id, count in zip(reply.seq_ids, reply.draft_counts):
-        drafts[seq_id] = list(reply.draft_token_ids[offset : offset + count])
-        offset += count
-    assert offset == len(reply.draft_token_ids)
-    return drafts
 
 
 async def test_info_health_and_reflection(server: RunningServer, stub) -> None:
