@@ -20,15 +20,19 @@ client must never see (UNKNOWN, INTERNAL, a stream without exactly one Finished,
 after partial output). Leaked blocks are KV blocks still in use once idle (GetProfile), lost
 or duplicated tokens the differences of completed streams from their solo runs plus usage
 counts that disagree with the tokens received. Resident memory and thread counts of each
-service are read from /proc once idle: after the solo runs ("cold"), after ``--warmup-seconds``
+service are read from /proc once idle (3 s after the last stream, so the scheduler's trim when
+it goes idle has run): after the solo runs ("cold"), after ``--warmup-seconds``
 of the same streams and bursts ("before": the allocators have then reached their high-water
 mark for this load; the scheduler's idle RSS grows ~11% over its cold value in the first
 30 s of load, 4 of its 6 MiB pymalloc arenas that fragmentation keeps, not live objects), and
 after the run ("after"); growth is after over before. ``--trace-memory DIR`` writes what the
 scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/);
 ``--heaptrack DIR`` runs the scheduler under heaptrack (every malloc with its C call stack, to
-read with ``heaptrack_print``; its resident memory then includes heaptrack's own).
-Prints a table, then the summary line
+read with ``heaptrack_print``; its resident memory then includes heaptrack's own);
+``--scheduler-env NAME=VALUE`` sets a variable for the scheduler alone (``PYTHONMALLOC=malloc``).
+The table also gives each service's CPU seconds during the run, and a throughput line the
+tokens the clients received per second and the scheduler's CPU time per token (on a shared
+machine the CPU time compares better between runs than the wall-clock rates). Then the summary line
 
     stress: <N> streams, <c> crashes, <l> leaked blocks, <t> lost or duplicated tokens, overload p99 <ms> ms
 """
@@ -79,6 +83,8 @@ class Tally:
     crashes: list[str] = field(default_factory=list)
     lost_or_duplicated: int = 0
     streams: int = 0
+    tokens: int = 0
+    """Tokens the clients received, every stream counted (the throughput figure)."""
     overload: BurstResult = field(default_factory=BurstResult)
     killed_clients: int = 0
 
@@ -113,6 +119,7 @@ async def one_stream(stub, refs, rng: random.Random, tally: Tally) -> None:
             kinds.append(kind)
             if kind == "delta":
                 ids += message.delta.token_ids
+                tally.tokens += len(message.delta.token_ids)
                 if cancel_after is not None and len(ids) >= cancel_after:
                     call.cancel()
                     tally.outcomes["cancelled by the client"] += 1
@@ -203,13 +210,18 @@ class StressLauncher(Launcher):
     PROFILE_WRITE_S = 300.0
     """How long stop waits for heaptrack to write its profile after the service exits."""
 
-    def __init__(self, config: LaunchConfig, heaptrack_dir: str = "", heaptrack_service: str = "scheduler") -> None:
+    def __init__(self, config: LaunchConfig, heaptrack_dir: str = "", heaptrack_service: str = "scheduler",
+                 scheduler_env: dict[str, str] | None = None) -> None:
         super().__init__(config)
         self.heaptrack_dir = heaptrack_dir
         self.heaptrack_service = heaptrack_service
+        self.scheduler_env = scheduler_env or {}
+        """Variables for the scheduler alone, set by ``env`` (which execs: the process id is the service's)."""
 
     def _command(self, name: str, port: int) -> list[str]:
         command = super()._command(name, port)
+        if name == "scheduler" and self.scheduler_env:
+            command = ["env", *(f"{k}={v}" for k, v in self.scheduler_env.items()), *command]
         if self.heaptrack_dir and name == self.heaptrack_service:
             heaptrack = shutil.which("heaptrack")
             if heaptrack is None:
@@ -252,14 +264,22 @@ async def kill_executor_at(launcher: StressLauncher, at: float) -> None:
     os.kill(launcher.pid("executor"), signal.SIGKILL)
 
 
-def proc_status(pid: int) -> tuple[int, int]:
-    """(resident KiB, threads) of a process."""
+def proc_status(pid: int) -> tuple[int, int, float]:
+    """(resident KiB, threads, CPU seconds used so far: user + system) of a process."""
     fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
             fields[key] = value.strip()
-    return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = f.read().rpartition(")")[2].split()[11:13]
+    cpu = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    return int(fields["VmRSS"].split()[0]), int(fields["Threads"]), cpu
+
+
+IDLE_SETTLE_S = 3.0
+"""How long the stack is left idle before its memory is read: the scheduler gives free memory
+back (malloc_trim) once it has made no step for a second or two."""
 
 
 async def trace_memory(launcher: Launcher, args, sig: signal.Signals) -> None:
@@ -268,6 +288,12 @@ async def trace_memory(launcher: Launcher, args, sig: signal.Signals) -> None:
     if args.trace_memory:
         os.kill(launcher.pid(args.trace_service), sig)
         await asyncio.sleep(2.0)
+
+
+async def settle_and_trace(launcher: Launcher, args) -> None:
+    """Leave the stack idle for IDLE_SETTLE_S, then take the traced service's line."""
+    await asyncio.sleep(IDLE_SETTLE_S)
+    await trace_memory(launcher, args, signal.SIGUSR2)
 
 
 async def wait_idle(stub, timeout: float = 30.0):
@@ -286,7 +312,7 @@ async def run(launcher: StressLauncher, args) -> int:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         refs = await solo_runs(stub)
-        await trace_memory(launcher, args, signal.SIGUSR2)
+        await settle_and_trace(launcher, args)
         cold = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         if args.warmup_seconds > 0:
             # The same load for a while first: the allocators' high-water mark for this load
@@ -301,8 +327,7 @@ async def run(launcher: StressLauncher, args) -> int:
             tally.crashes += [f"warm-up: {crash}" for crash in warm_tally.crashes]
             tally.lost_or_duplicated += warm_tally.lost_or_duplicated
             await wait_idle(stub)
-            await asyncio.sleep(1.0)
-        await trace_memory(launcher, args, signal.SIGUSR2)
+            await settle_and_trace(launcher, args)
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         started = time.monotonic()
         stop_at = started + args.seconds
@@ -321,10 +346,9 @@ async def run(launcher: StressLauncher, args) -> int:
         if profile.num_running or profile.num_waiting:
             tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
                                  f"{profile.num_waiting} waiting")
-        await asyncio.sleep(1.0)
-        await trace_memory(launcher, args, signal.SIGUSR2)
-        after = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         elapsed = time.monotonic() - started
+        await settle_and_trace(launcher, args)
+        after = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
     for event in launcher.events:
         if "exited" in event and not event.startswith("executor"):
@@ -348,12 +372,20 @@ async def run(launcher: StressLauncher, args) -> int:
     print(f"RSS once idle: cold = after the solo runs; before = after {args.warmup_seconds:.0f} s of warm-up load; "
           f"after = after the {args.seconds:.0f} s run")
     print(f"{'service':<12}{'RSS cold MiB':>14}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}"
-          f"{'threads before':>16}{'threads after':>15}")
+          f"{'threads before':>16}{'threads after':>15}{'CPU s in run':>14}")
     for name in before:
-        (rss0, thr0), (rss1, thr1) = before[name], after[name]
-        restarted = " (restarted)" if name == "executor" else ""
+        (rss0, thr0, cpu0), (rss1, thr1, cpu1) = before[name], after[name]
+        restarted = planned > 0 and name == "executor"
+        cpu = f"{cpu1:.1f}*" if restarted else f"{cpu1 - cpu0:.1f}"
         print(f"{name:<12}{cold[name][0] / 1024:>14.1f}{rss0 / 1024:>16.1f}{rss1 / 1024:>16.1f}"
-              f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{restarted}")
+              f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{cpu:>14}{' (restarted)' if restarted else ''}")
+    if planned:
+        print("(* the restarted executor's CPU seconds since its restart)")
+    completed = sum(n for outcome, n in tally.outcomes.items() if outcome.startswith("completed"))
+    scheduler_cpu = after["scheduler"][2] - before["scheduler"][2]
+    print(f"throughput: {tally.tokens / elapsed:.0f} tokens/s to the clients, {completed / elapsed:.1f} completed "
+          f"streams/s; scheduler CPU {scheduler_cpu:.1f} s = {scheduler_cpu / max(tally.tokens, 1) * 1e6:.0f} us "
+          f"a token received")
     if args.trace_memory:
         print(f"memory trace of the {args.trace_service}: {args.trace_memory} (benchmarks/memtrace/show.py prints it)")
     if args.heaptrack:
@@ -383,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                              "line every TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after")
     parser.add_argument("--trace-service", default="scheduler",
                         help="the service --trace-memory and --heaptrack trace")
+    parser.add_argument("--scheduler-env", metavar="NAME=VALUE", action="append", default=[],
+                        help="an environment variable for the scheduler process only (repeatable), e.g. "
+                             "PYTHONMALLOC=malloc")
     parser.add_argument("--heaptrack", metavar="DIR", default="",
                         help="run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
                              "it: leaked and peak allocations with their C stacks)")
@@ -401,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         # A queue the client tasks alone do not fill, so the bursts are what overflows it.
         scheduler_args=["--max-num-seqs=128", f"--max-waiting-requests={max(1, args.streams // 2)}"],
         env=env), heaptrack_dir=os.path.abspath(args.heaptrack) if args.heaptrack else "",
-        heaptrack_service=args.trace_service)
+        heaptrack_service=args.trace_service,
+        scheduler_env=dict(item.split("=", 1) for item in args.scheduler_env))
     launcher.start()
     try:
         return asyncio.run(run(launcher, args))
