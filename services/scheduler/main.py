@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-from services.common.malloc import cap_arenas
+from services.common.malloc import cap_arenas, trim_when_idle
 from services.common.metrics import request_metrics, scheduler_collector, tenant_metrics
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
@@ -67,6 +68,10 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
         interceptors=auth, front_interceptors=[DoorInterceptor(admission)])
     running.on_stopping(loop.shutdown)
+    # Free memory back to the system once the load ends (glibc's malloc_trim; with
+    # PYTHONMALLOC=malloc that includes the pages of Python objects freed after a peak).
+    trimmer = asyncio.create_task(trim_when_idle(lambda: loop.step_count), name="scheduler-malloc-trim")
+    running.on_stop(trimmer.cancel)
     running.scheduler_loop = loop  # for in-process tests and metrics
     await announce_serving(running, config)
     loop.on_serving_change = running.set_serving

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -77,3 +78,29 @@ def test_trim_gives_free_pages_back():
 def test_bad_arena_limit():
     with pytest.raises(ValueError, match="arena limit"):
         malloc.cap_arenas(0)
+
+
+async def test_trim_when_idle_trims_once_per_idle_spell(monkeypatch):
+    # What progress() returns at the start and at each poll: idle from the start (nothing
+    # allocated since to give back), under load, idle (one trim, not one per poll), load, idle.
+    readings = iter([0, 0, 0, 1, 2, 3, 3, 3, 3, 4, 4])
+    seen = [0]
+    done = asyncio.Event()
+
+    def progress():
+        value = next(readings, None)
+        if value is None:
+            done.set()
+            value = seen[-1]
+        seen.append(value)
+        return value
+
+    trims = []
+    monkeypatch.setattr(malloc, "trim", lambda: trims.append(seen[-1]) or True)
+    task = asyncio.create_task(malloc.trim_when_idle(progress, every_s=0))
+    await done.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert trims == [3, 4]
+
