@@ -13,6 +13,7 @@ session (its KV pool and the model's limits), built by ``SchedulerConfig.for_exe
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,7 @@ class SchedulerLimits:
             raise ValueError(
                 f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}"
             )
-        if not self.multi_step_max_delay_ms >= 0 or self.multi_step_max_delay_ms == float("inf"):
+        if not math.isfinite(self.multi_step_max_delay_ms) or self.multi_step_max_delay_ms < 0:
             raise ValueError(
                 f"multi_step_max_delay_ms must be a finite number >= 0, got {self.multi_step_max_delay_ms}"
             )
