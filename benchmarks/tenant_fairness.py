@@ -21,15 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from benchmarks.overload_burst import percentile
+from benchmarks.serving.cpu_time import process_cpu_seconds
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
 from services.common.service_config import REPO_ROOT
@@ -44,8 +48,24 @@ def bearer(token: str):
     return (("authorization", f"Bearer {token}"),)
 
 
-async def quiet_ttfts(stub, seconds: float) -> list[float]:
-    ttfts, stop_at, i = [], time.monotonic() + seconds, 0
+@dataclass
+class QuietRun:
+    """The quiet tenant's requests, in ms: TTFT as its client saw it, and the scheduler's own
+    account from each request's Finished timings (queue: admitted to first scheduled; server
+    TTFT: admitted to first token). Client TTFT less server TTFT is what lies outside the core:
+    the call reaching the servicer, the prompt's Encode, detokenizing and delivering the token."""
+
+    ttft: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    server_ttft: list[float] = field(default_factory=list)
+
+    @property
+    def outside(self) -> list[float]:
+        return [client - server for client, server in zip(self.ttft, self.server_ttft)]
+
+
+async def quiet_ttfts(stub, seconds: float) -> QuietRun:
+    run, stop_at, i = QuietRun(), time.monotonic() + seconds, 0
     while time.monotonic() < stop_at:
         started = time.perf_counter()
         first = None
@@ -53,9 +73,13 @@ async def quiet_ttfts(stub, seconds: float) -> list[float]:
                                                          ignore_eos=True), timeout=60, metadata=bearer("tq")):
             if first is None and message.WhichOneof("event") == "delta":
                 first = time.perf_counter() - started
-        ttfts.append(first * 1000)
+            if message.WhichOneof("event") == "finished":
+                timings = message.finished.timings
+                run.queue.append(timings.queue_time_ms)
+                run.server_ttft.append(timings.time_to_first_token_ms)
+        run.ttft.append(first * 1000)
         i += 1
-    return ttfts
+    return run
 
 
 async def flood_stream(stub, stop: asyncio.Event, seed: int) -> int:
@@ -78,7 +102,19 @@ async def flood_only(address: str, flood: int) -> None:
         await asyncio.gather(*(flood_stream(stub, asyncio.Event(), i) for i in range(flood)))
 
 
-async def run(address: str, seconds: float, flood: int, flood_client: str) -> None:
+def cpu_shares(pids: dict[str, int]) -> Callable[[float], str]:
+    """Start counting the processes' CPU; the function returned says each one's CPU since, over
+    the wall seconds it is given, as a fraction of one core."""
+    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+
+    def share(name: str, pid: int, seconds: float) -> str:
+        after, start = process_cpu_seconds(pid), before[name]
+        return f"{name} {(after - start) / seconds:.2f}" if after is not None and start is not None else f"{name} ?"
+
+    return lambda seconds: ", ".join(share(name, pid, seconds) for name, pid in pids.items())
+
+
+async def run(address: str, seconds: float, flood: int, flood_client: str, service_pids: dict[str, int]) -> None:
     async with create_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await quiet_ttfts(stub, 1.0)  # warm up
@@ -90,7 +126,13 @@ async def run(address: str, seconds: float, flood: int, flood_client: str) -> No
             process = subprocess.Popen([sys.executable, "-m", "benchmarks.tenant_fairness", "--flood-at", address,
                                         "--flood", str(flood)], cwd=str(REPO_ROOT))
         await asyncio.sleep(2.0)  # the flood's queue builds up
+        pids = dict(service_pids, quiet_client=os.getpid())
+        if flood_client != "same":
+            pids["flood_client"] = process.pid
+        started = time.monotonic()
+        read_shares = cpu_shares(pids)
         loaded = await quiet_ttfts(stub, seconds)
+        shares = read_shares(time.monotonic() - started)
         stop.set()
         if flood_client == "same":
             flooded = sum(await asyncio.gather(*flooders))
@@ -100,12 +142,16 @@ async def run(address: str, seconds: float, flood: int, flood_client: str) -> No
             flooded = "(counted in its process)"
     print(f"quiet tenant, one request at a time; flood tenant {flood} streams (max-num-seqs 8), "
           f"flood client: {flood_client}")
-    for name, values in (("alone", alone), ("flooded", loaded)):
-        print(f"{name:<8} requests {len(values):>4}  TTFT p50 {percentile(values, 0.5):7.2f} ms  "
-              f"p99 {percentile(values, 0.99):7.2f} ms")
+    for name, quiet in (("alone", alone), ("flooded", loaded)):
+        print(f"{name:<8} requests {len(quiet.ttft):>4}  TTFT p50 {percentile(quiet.ttft, 0.5):7.2f} ms  "
+              f"p99 {percentile(quiet.ttft, 0.99):7.2f} ms")
+        for part, values in (("queue", quiet.queue), ("server TTFT", quiet.server_ttft),
+                             ("outside the core", quiet.outside)):
+            print(f"    {part:<17} p50 {percentile(values, 0.5):7.2f} ms  p99 {percentile(values, 0.99):7.2f} ms")
     print(f"flood requests completed: {flooded}")
-    print(f"TTFT p99 flooded / alone: {percentile(loaded, 0.99) / percentile(alone, 0.99):.2f}x "
-          f"(p50 {percentile(loaded, 0.5) / percentile(alone, 0.5):.2f}x)")
+    print(f"CPU while flooded, cores: {shares}")
+    print(f"TTFT p99 flooded / alone: {percentile(loaded.ttft, 0.99) / percentile(alone.ttft, 0.99):.2f}x "
+          f"(p50 {percentile(loaded.ttft, 0.5) / percentile(alone.ttft, 0.5):.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flood", type=int, default=40)
     parser.add_argument("--flood-client", choices=("process", "same"), default="process",
                         help="the flood's client in a process of its own, or in the quiet client's event loop")
+    parser.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra scheduler flag, e.g. --scheduler-arg=--num-scheduler-steps=1 (repeatable)")
     parser.add_argument("--flood-at", help=argparse.SUPPRESS)  # the flood client process
     args = parser.parse_args(argv)
     if args.flood_at:
@@ -128,11 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     launcher = Launcher(LaunchConfig(
         model=STORIES, public_port=0, log_dir=str(run_dir / "logs"),
         executor_args=["--num-blocks=512", "--block-size=16", "--dtype=fp32", "--device=cpu"],
-        scheduler_args=["--max-num-seqs=8", f"--auth-tokens-file={tokens}"],
+        scheduler_args=["--max-num-seqs=8", f"--auth-tokens-file={tokens}", *args.scheduler_arg],
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
     launcher.start()
     try:
-        asyncio.run(run(launcher.public_address, args.seconds, args.flood, args.flood_client))
+        service_pids = {name: svc.process.pid for name, svc in launcher.services.items() if svc.process is not None}
+        asyncio.run(run(launcher.public_address, args.seconds, args.flood, args.flood_client, service_pids))
     finally:
         launcher.stop()
 
