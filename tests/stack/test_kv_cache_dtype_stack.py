@@ -17,16 +17,12 @@ import pytest_asyncio
 import torch
 
 from services.common.metrics import parse_samples
-from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from services.common.sampling_params import SamplingParams
-from services.common.server import create_channel
-from services.common.stop import StopConditions
-from services.executor.config import ExecutorConfig
-from services.inprocess.engine import Engine, EngineConfig
+from services.common.pb.tokenmill.v1 import generation_pb2
 from services.runtime.kv_cache import bytes_per_block, num_blocks_for_budget
 from services.runtime.model.config import ModelConfig
-from services.stack.launcher import LaunchConfig, Launcher
-from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
+from services.stack.launcher import Launcher
+from tests.helpers.launched_stack import generation_stub, in_process_greedy, launched_stack
+from tests.helpers.service_harness import STORIES_DIR
 from tests.helpers.stack_streams import greedy_request, record_stream
 
 # slow: starts the four services as processes
@@ -53,20 +49,15 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory, metrics_port) -> Launcher:
-    executor_args = [f"--{name.replace('_', '-')}={value}" for name, value in EXECUTOR.items()]
-    launcher = Launcher(LaunchConfig(
-        model=str(STORIES_DIR), public_port=0, executor_args=executor_args,
-        scheduler_args=[f"--metrics-port={metrics_port}"], log_dir=str(tmp_path_factory.mktemp("kv_logs")),
-        start_timeout_s=120, env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}))
-    launcher.start()
-    yield launcher
-    launcher.stop()
+    with launched_stack(STORIES_DIR, tmp_path_factory.mktemp("kv_logs"), executor=EXECUTOR,
+                        scheduler_args=[f"--metrics-port={metrics_port}"]) as launcher:
+        yield launcher
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stub(launcher: Launcher):
-    async with create_channel(launcher.public_address) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(launcher) as stub:
+        yield stub
 
 
 async def test_model_info_reports_the_int8_pool(stub):
@@ -99,14 +90,7 @@ async def test_scheduler_metrics_report_the_capacity(stub, metrics_port):
 async def test_streams_equal_the_in_process_engine_with_the_same_cache(stub):
     records = await asyncio.gather(*(record_stream(stub, greedy_request(p, MAX_TOKENS)) for p in PROMPTS))
     served = [r.token_ids for r in records]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = Engine(EngineConfig(ExecutorConfig(model=str(STORIES_DIR), **EXECUTOR)))
-        expected = engine.generate_all(PROMPTS, SamplingParams(temperature=0.0),
-                                       StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True))
-    finally:
-        torch.set_num_threads(previous)
+    engine, expected = in_process_greedy(STORIES_DIR, EXECUTOR, PROMPTS, MAX_TOKENS, threads=1)
     assert engine.runner.info().kv_cache_dtype == "int8"
-    assert served == [e.token_ids for e in expected]
+    assert served == expected
     assert all(len(ids) == MAX_TOKENS for ids in served)

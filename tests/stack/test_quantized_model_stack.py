@@ -14,15 +14,10 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
-from services.common.sampling_params import SamplingParams
-from services.common.server import create_channel
-from services.common.stop import StopConditions
-from services.executor.config import ExecutorConfig
-from services.inprocess.engine import Engine, EngineConfig
-from services.stack.launcher import LaunchConfig, Launcher
+from services.stack.launcher import Launcher
 from services.tools.quantize import quantize_model
-from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
+from tests.helpers.launched_stack import generation_stub, in_process_greedy, launched_stack
+from tests.helpers.service_harness import STORIES_DIR
 from tests.helpers.stack_streams import greedy_request, record_stream
 
 # slow: starts the four services as processes
@@ -43,27 +38,19 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory, model_dir) -> Launcher:
-    executor_args = [f"--{name.replace('_', '-')}={value}" for name, value in EXECUTOR.items()]
-    launcher = Launcher(LaunchConfig(
-        model=str(model_dir), public_port=0, executor_args=executor_args,
-        log_dir=str(tmp_path_factory.mktemp("quant_logs")), start_timeout_s=120,
-        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "2"}))
-    launcher.start()
-    yield launcher
-    launcher.stop()
+    with launched_stack(model_dir, tmp_path_factory.mktemp("quant_logs"), executor=EXECUTOR, omp_threads=2) as launcher:
+        yield launcher
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stub(launcher: Launcher):
-    async with create_channel(launcher.public_address) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(launcher) as stub:
+        yield stub
 
 
 async def test_quantized_streams_equal_the_in_process_engine(stub, model_dir):
     records = await asyncio.gather(*(record_stream(stub, greedy_request(p, MAX_TOKENS)) for p in PROMPTS))
-    engine = Engine(EngineConfig(ExecutorConfig(model=str(model_dir), **EXECUTOR)))
+    engine, expected = in_process_greedy(model_dir, EXECUTOR, PROMPTS, MAX_TOKENS)
     assert any(len(engine.encode_prompt(p)) >= 16 for p in PROMPTS), "a prompt must take the panel path"
-    expected = engine.generate_all(PROMPTS, SamplingParams(temperature=0.0),
-                                   StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [r.token_ids for r in records] == [e.token_ids for e in expected]
+    assert [r.token_ids for r in records] == expected
     assert all(len(r.token_ids) == MAX_TOKENS for r in records)
