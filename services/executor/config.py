@@ -48,6 +48,11 @@ class ExecutorConfig:
     """CPU decode-only steps: auto (a small fp32 model's whole step in one C++ call,
     services/runtime/model/fused_decode.py, when the model qualifies; else eager), fused (the
     same, and an error when the model does not qualify) or eager (the PyTorch forward)."""
+    cpu_fused_max_tokens: int = 64
+    """With the fused CPU step in use, steps that carry prompt, chunk or draft tokens run fused
+    too while they hold at most this many new tokens (each token a row reading the paged cache
+    up to its own position); larger ones run eagerly, where batched products and SDPA win.
+    0 = decode-only steps alone."""
     enforce_eager: bool = False
     """On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs."""
     cuda_graph_max_batch_size: int = 128
@@ -75,6 +80,9 @@ class ExecutorConfig:
         if self.cpu_decode == "fused" and (self.device not in ("auto", "cpu") or self.compile):
             raise ValueError(f"cpu_decode 'fused' runs on the CPU without compile; got device {self.device!r}"
                              f"{', compile on' if self.compile else ''}")
+        if self.cpu_fused_max_tokens < 0:
+            raise ValueError(f"cpu_fused_max_tokens must be >= 0 (0 = decode-only steps alone), "
+                             f"got {self.cpu_fused_max_tokens}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.cuda_graph_max_batch_size < 1:
@@ -120,6 +128,9 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
     compile: bool = _engine_field("compile", "CPU: compile the decode step with torch.compile (slower start-up)")
     cpu_decode: str = _engine_field(
         "cpu_decode", "CPU decode steps: auto (small fp32 models in one C++ call, else eager), fused or eager")
+    cpu_fused_max_tokens: int = _engine_field(
+        "cpu_fused_max_tokens", "CPU, fused step in use: steps with prompt or draft tokens run fused up to this many "
+                                "new tokens (0 = decode-only steps alone)")
     enforce_eager: bool = _engine_field("enforce_eager", "CUDA: run every step eagerly (no CUDA graphs for decode)")
     cuda_graph_max_batch_size: int = _engine_field(
         "cuda_graph_max_batch_size", "CUDA: largest decode batch captured as a graph; larger batches run eagerly")

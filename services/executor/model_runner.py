@@ -114,7 +114,7 @@ class ModelRunner:
             _log.info("cpu decode path", path="eager", reason=reason)
             return None
         _log.info("cpu decode path", path="fused")
-        return FusedDecode(self.model, self.kv_cache.layers)
+        return FusedDecode(self.model, self.kv_cache.layers, max_step_tokens=config.cpu_fused_max_tokens)
 
     def _decode_graph_mode(self) -> str | None:
         """"capture" (CUDA graphs), "padded" (their buffers, run eagerly on a CPU) or None."""

@@ -1,9 +1,9 @@
-"""The fused CPU decode step (services/runtime/model/fused_decode.py) against the eager forward.
+"""The fused CPU step (services/runtime/model/fused_decode.py) against the eager forward.
 
 The eager model (llama.py) is the reference: same inputs, same pool, hidden states within fp32
 rounding, over GQA, MQA, q|k|v biases, head dims 8/16/32, plain and quantized pools, batches and
-contexts with ragged edges (1, 15, 16, 17, ... slots), and slots no sequence owns poisoned with
-NaN. A row's result must not depend on the batch around it, and a serving run must give the
+contexts with ragged edges (1, 15, 16, 17, ... slots), decode steps and steps with prompt,
+chunk and draft-sized rows, and slots no sequence owns poisoned with NaN. A row's result must not depend on the batch around it, and a serving run must give the
 eager runner's greedy tokens.
 """
 
@@ -59,17 +59,23 @@ def fill_pool(runner: ModelRunner, tables: list[list[int]], contexts: list[int],
 
 
 def decode_inputs(runner: ModelRunner, contexts: list[int], seed: int):
+    return step_inputs(runner, contexts, [1] * len(contexts), seed)
+
+
+def step_inputs(runner: ModelRunner, contexts: list[int], query_lens: list[int], seed: int):
+    """A step whose sequence i computes its last query_lens[i] of contexts[i] tokens (the rest
+    cached): tables of out-of-order blocks, random token ids."""
     gen = torch.Generator().manual_seed(seed)
     tables, next_block = [], 0
     for n in contexts:
         width = -(-n // BLOCK_SIZE)
         tables.append(list(range(next_block, next_block + width))[::-1])  # blocks out of order
         next_block += width
-    ids = torch.randint(0, runner.model_config.vocab_size, (len(contexts),), generator=gen).tolist()
-    positions = [n - 1 for n in contexts]
-    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(tables, positions)]
-    return tables, pack_step_inputs(ids, positions, slots, [1] * len(contexts), contexts, tables, BLOCK_SIZE,
-                                    runner.device)
+    ids = torch.randint(0, runner.model_config.vocab_size, (sum(query_lens),), generator=gen).tolist()
+    positions = [p for n, q in zip(contexts, query_lens) for p in range(n - q, n)]
+    row_tables = [t for t, q in zip(tables, query_lens) for _ in range(q)]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(row_tables, positions)]
+    return tables, pack_step_inputs(ids, positions, slots, query_lens, contexts, tables, BLOCK_SIZE, runner.device)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
@@ -104,6 +110,43 @@ def test_fused_step_equals_the_eager_forward(name, kv_cache_dtype, random_model_
     torch.testing.assert_close(fused, eager, rtol=tolerance, atol=tolerance)
 
 
+# (context after the step, new tokens): whole prompts (1, 5, 16 and 17 tokens, one ending on a
+# block edge and one just past it), chunks and prefix-cache hits continuing cached contexts,
+# decode rows and a verification-sized row, all in one step of 60 tokens.
+MIXED = [(5, 5), (33, 1), (29, 12), (16, 16), (1, 1), (100, 4), (17, 17), (64, 1), (40, 3)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("name", ["stories260K", "llama-gqa-8-2", "llama-mqa", "qwen2-bias"])
+def test_a_step_with_prompt_tokens_equals_the_eager_forward(name, kv_cache_dtype, random_model_dirs):
+    runner = make_runner(model_dir(name, random_model_dirs), kv_cache_dtype=kv_cache_dtype)
+    contexts, query_lens = [n for n, _ in MIXED], [q for _, q in MIXED]
+    tables, (ids, positions, meta, _) = step_inputs(runner, contexts, query_lens, seed=5)
+    assert not meta.is_decode_only and runner.fused_decode.takes(meta)
+    fill_pool(runner, tables, contexts, seed=6)
+    caches = runner.kv_cache.layers
+    with torch.inference_mode():
+        fused = runner.fused_decode(ids, positions, caches, meta)
+        eager = runner.model(ids, positions, caches, meta)
+    assert fused.shape == eager.shape == (sum(query_lens), runner.model_config.hidden_size)
+    assert torch.isfinite(fused).all()
+    # Every row, not only the last of each sequence: a verification step samples from all of them.
+    tolerance = 2e-2 if kv_cache_dtype != "auto" else 1e-4
+    torch.testing.assert_close(fused, eager, rtol=tolerance, atol=tolerance)
+
+
+def test_steps_over_the_token_limit_run_eagerly():
+    runner = make_runner(STORIES_DIR, cpu_fused_max_tokens=16)
+    fused = runner.fused_decode
+    assert fused.takes(step_inputs(runner, [16, 3], [15, 1], seed=0)[1][2])
+    assert not fused.takes(step_inputs(runner, [16, 3], [16, 1], seed=0)[1][2])
+    assert fused.takes(decode_inputs(runner, list(range(1, 40)), seed=0)[1][2]), "decode steps have no limit"
+    off = make_runner(STORIES_DIR, cpu_fused_max_tokens=0).fused_decode
+    assert not off.takes(step_inputs(runner, [2], [2], seed=0)[1][2])
+    with pytest.raises(ValueError, match="cpu_fused_max_tokens must be >= 0"):
+        ExecutorConfig(model=str(STORIES_DIR), cpu_fused_max_tokens=-1).validate()
+
+
 def step_rows(cache, slot_mapping: torch.Tensor):
     """(values, scales or None) the step's slots hold in ``cache``, copied."""
     if isinstance(cache, ScaledCache):
@@ -131,9 +174,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("max_step_tokens", [0, 8, 64])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype):
-    fused = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype)
+def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype, max_step_tokens):
+    # The scripted prompts (1-40 tokens, arriving into decode steps) run fused or eagerly by size.
+    fused = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, cpu_fused_max_tokens=max_step_tokens)
     eager = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, cpu_decode="eager")
     assert fused.fused_decode is not None and eager.fused_decode is None
     assert run_requests(fused) == run_requests(eager)
