@@ -53,9 +53,11 @@ class QuietRun:
     """The quiet tenant's requests, in ms: TTFT as its client saw it, and the scheduler's own
     account from each request's Finished timings (queue: admitted to first scheduled; server
     TTFT: admitted to first token). Client TTFT less server TTFT is what lies outside the core:
-    the call reaching the servicer, the prompt's Encode, detokenizing and delivering the token."""
+    the call reaching the servicer, the prompt's Encode and delivering the token; of it, the
+    call's start to its Started message (sent once admitted) is the part before the core."""
 
     ttft: list[float] = field(default_factory=list)
+    to_started: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     server_ttft: list[float] = field(default_factory=list)
 
@@ -71,6 +73,8 @@ async def quiet_ttfts(stub, seconds: float) -> QuietRun:
         first = None
         async for message in stub.Generate(build_request(PROMPTS[i % len(PROMPTS)], max_tokens=16, temperature=0.0,
                                                          ignore_eos=True), timeout=60, metadata=bearer("tq")):
+            if message.WhichOneof("event") == "started":
+                run.to_started.append((time.perf_counter() - started) * 1000)
             if first is None and message.WhichOneof("event") == "delta":
                 first = time.perf_counter() - started
             if message.WhichOneof("event") == "finished":
@@ -146,7 +150,7 @@ async def run(address: str, seconds: float, flood: int, flood_client: str, servi
         print(f"{name:<8} requests {len(quiet.ttft):>4}  TTFT p50 {percentile(quiet.ttft, 0.5):7.2f} ms  "
               f"p99 {percentile(quiet.ttft, 0.99):7.2f} ms")
         for part, values in (("queue", quiet.queue), ("server TTFT", quiet.server_ttft),
-                             ("outside the core", quiet.outside)):
+                             ("outside the core", quiet.outside), ("  of it, to Started", quiet.to_started)):
             print(f"    {part:<17} p50 {percentile(values, 0.5):7.2f} ms  p99 {percentile(values, 0.99):7.2f} ms")
     print(f"flood requests completed: {flooded}")
     print(f"CPU while flooded, cores: {shares}")
