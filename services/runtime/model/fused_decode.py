@@ -19,8 +19,9 @@ K/V of a layer into the pool before any row of that layer attends, and the eager
 attend over the pool (so a quantized pool's in-step tokens are read back quantized both ways).
 A short prompt then costs what a decode step of its length does, instead of the ~170 dispatched
 torch operations of the eager forward (about 2 ms for stories260K, whatever the prompt). Each
-row reads its context again, so the attention grows with the square of the step's tokens;
-beyond a few dozen tokens batched products and SDPA win and the step runs eagerly.
+row reads its context again, so the attention grows with the square of the step's tokens, and
+a bigger model's per-token products cost more here than in MKL's batched kernels: past the
+limit the step runs eagerly.
 
 Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
 order), as the tests check against it over plain and quantized pools.

@@ -174,7 +174,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("max_step_tokens", [0, 8, 64])
+@pytest.mark.parametrize("max_step_tokens", [0, 8, 256])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype, max_step_tokens):
     # The scripted prompts (1-40 tokens, arriving into decode steps) run fused or eagerly by size.
