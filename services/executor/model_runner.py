@@ -293,6 +293,14 @@ class ModelRunner:
             return self.fused_decode(ids, pos, self.kv_cache.layers, meta), cu
         return self.model(ids, pos, self.kv_cache.layers, meta), cu
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> fp32 [N, V]: through the fused CPU step's LM head where it has one (a row's
+        logits then never depend on its batch), else the model's."""
+        fused = self.fused_decode
+        if fused is not None and fused.computes_logits:
+            return fused.logits(hidden)
+        return self.model.compute_logits(hidden)
+
     def _run_more_steps(self, plan: StepPlan, scheduled: list[tuple[SequenceState, int]],
                         outputs: list[SequenceOutput]) -> None:
         """Multi-step scheduling: sequences asked for n > 1 decode steps run n - 1 more, each
@@ -322,7 +330,7 @@ class ModelRunner:
         elif sample_rows:
             if len(sample_rows) < hidden.shape[0]:  # else every token is a sampling row's only one
                 hidden = hidden[torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)]
-            logits = self.model.compute_logits(hidden)  # [S, V] fp32
+            logits = self._logits(hidden)  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
             sampled = self._sample(logits, [(s, 0) for s in states])
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
@@ -350,7 +358,7 @@ class ModelRunner:
             hidden_rows.extend(range(cu[i + 1] - 1 - k, cu[i + 1]))
             # Row j of k + 1 sees the known tokens and d_1..d_j: k - j trailing drafts hidden.
             rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])  # [R, V]
+        logits = self._logits(hidden[torch.tensor(hidden_rows, device=self.device)])  # [R, V]
         sampled = self._sample(logits, rows)
         start = 0
         for i in sample_rows:

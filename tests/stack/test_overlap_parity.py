@@ -121,13 +121,20 @@ async def wait_idle(stack: Stack, timeout: float = 10.0) -> None:
 
 
 def outcome(record: StreamRecord) -> tuple:
-    """What must be equal with overlap on and off (cached_tokens and timings may differ)."""
+    """What must be equal with every switch on and off (cached_tokens and timings may differ):
+    everything but the logprob values, which are compared apart (logprob_values)."""
     finished = record.finished
-    logprobs = [(lp.token_id, round(lp.logprob, 4), list(lp.top_token_ids)) for d in record.deltas
-                for lp in d.logprobs]
+    logprob_ids = [(lp.token_id, list(lp.top_token_ids)) for d in record.deltas for lp in d.logprobs]
     return (record.code, record.token_ids, record.text, record.finish_reason,
             finished.stop_reason if finished.HasField("stop_reason") else None,
-            finished.usage.prompt_tokens, finished.usage.completion_tokens, logprobs)
+            finished.usage.prompt_tokens, finished.usage.completion_tokens, logprob_ids)
+
+
+def logprob_values(record: StreamRecord) -> list[float]:
+    """The sampled and top logprobs, in order. The "off" stack runs the eager forward, the
+    others the padded decode buffers or the fused CPU step, whose sums round differently in the
+    last bits (~1e-6 on the hidden state): equal within a tolerance, not digit for digit."""
+    return [value for d in record.deltas for lp in d.logprobs for value in (lp.logprob, *lp.top_logprobs)]
 
 
 async def reference_text(stack: Stack, prompt: str, tokens: int) -> StreamRecord:
@@ -190,6 +197,7 @@ async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
             on, off = results[stack_name][name], results["off"][name]
             assert_framed(on, prompt_tokens=off.started.prompt_tokens)
             assert outcome(on) == outcome(off), (stack_name, name)
+            assert logprob_values(on) == pytest.approx(logprob_values(off), abs=1e-4), (stack_name, name)
     # Multi-step ran: some stream got tokens in bursts of more than one.
     assert any(len(d.token_ids) > 1 for r in results["multi-step"].values() for d in r.deltas)
 

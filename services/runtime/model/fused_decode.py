@@ -75,8 +75,13 @@ class FusedDecode:
             layer_tensors += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm,
                               layer.gate_up.weight, layer.down.weight]
         quantized = isinstance(kv_caches[0][0], ScaledCache)
+        lm_head = model.lm_head
+        self.computes_logits = (isinstance(lm_head, Linear) and lm_head.packed is None and lm_head.bias is None
+                                and lm_head.weight.dtype == torch.float32)
+        """Whether ``logits`` runs here (a plain fp32 LM head); else the model's own."""
         self._decoder = torch.classes.tokenmill_cpu.LlamaDecoder(
             model.embed.detach(), [t.detach() for t in layer_tensors], model.final_norm.detach(),
+            lm_head.weight.detach() if self.computes_logits else torch.empty(0),
             model.rotary.cos_full, model.rotary.sin_signed, model.config.num_heads, model.config.num_kv_heads,
             model.config.head_dim, float(model.config.rms_norm_eps),
             [k.data if quantized else k for k, _ in kv_caches], [v.data if quantized else v for _, v in kv_caches],
@@ -85,6 +90,12 @@ class FusedDecode:
         self._k_cache = kv_caches[0][0]
         self.max_step_tokens = max_step_tokens
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> fp32 logits [N, V], each row's independent of the others in the
+        batch (the BLAS product the eager LM head uses is not: one or two rows take another
+        kernel than more, which moved logprobs in their last digits between batch sizes)."""
+        return self._decoder.logits(hidden)
 
     def takes(self, meta: AttentionMetadata) -> bool:
         """Whether this step runs fused: one new token per sequence, or few enough in all."""

@@ -174,6 +174,33 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("name", ["stories260K", "llama-gqa-8-2", "qwen2-bias"])
+def test_logits_equal_the_models_lm_head(name, random_model_dirs):
+    runner = make_runner(model_dir(name, random_model_dirs))
+    fused = runner.fused_decode
+    assert fused.computes_logits
+    hidden = torch.randn(9, runner.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.logits(hidden), runner.model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_logits_do_not_depend_on_its_batch(threads):
+    # The eager LM head (BLAS) does not hold this: one or two rows take another kernel.
+    runner = make_runner(STORIES_DIR)
+    hidden = torch.randn(19, runner.model_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            batch = runner.fused_decode.logits(hidden)
+            for n in (1, 2, 3, 4, 5, 8, 17):
+                assert torch.equal(runner.fused_decode.logits(hidden[:n]), batch[:n]), f"{n} rows"
+            assert torch.equal(runner.fused_decode.logits(hidden[7:8])[0], batch[7])
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("max_step_tokens", [0, 8, 256])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype, max_step_tokens):

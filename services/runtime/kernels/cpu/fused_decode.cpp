@@ -143,10 +143,11 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // layer_tensors: per layer, in this order: input_norm [D], qkv [Q+2KV, D], qkv bias ([Q+2KV] or
   // empty), o [D, Q], post_norm [D], gate_up [2F, D], down [D, F]. caches: per layer K and V
   // pools; scales empty for plain pools, else per layer K and V scales (kv_quant.ScaledCache).
-  LlamaDecoder(at::Tensor embed, std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor cos_full,
-               at::Tensor sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, std::vector<at::Tensor> k_scales,
-               std::vector<at::Tensor> v_scales)
+  // lm_head: [V, D], or empty when the logits are not computed here (see logits()).
+  LlamaDecoder(at::Tensor embed, std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor lm_head,
+               at::Tensor cos_full, at::Tensor sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+               std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales)
       : embed_(embed.contiguous()), cos_full_(cos_full.contiguous()), sin_signed_(sin_signed.contiguous()),
         H_(num_heads), KH_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), k_caches_(k_caches),
         v_caches_(v_caches), k_scales_(k_scales), v_scales_(v_scales) {
@@ -174,6 +175,10 @@ struct LlamaDecoder : torch::CustomClassHolder {
       layers_.push_back(std::move(layer));
     }
     final_norm_ = vector_of(final_norm, D_, "final_norm");
+    if (lm_head.numel() > 0) {
+      lm_head_t_ = transposed(lm_head);
+      TORCH_CHECK(lm_head_t_.size(0) == D_, "lm_head must be [V, D]");
+    }
     TORCH_CHECK(cos_full_.dim() == 2 && cos_full_.size(1) == hd_ && sin_signed_.sizes() == cos_full_.sizes(),
                 "rotary tables must be [P, head_dim]");
     TORCH_CHECK(static_cast<int64_t>(k_caches_.size()) == L && v_caches_.size() == k_caches_.size(),
@@ -284,8 +289,24 @@ struct LlamaDecoder : torch::CustomClassHolder {
     return x;
   }
 
+  // hidden [N, D] -> logits [N, V]. Each row is summed in one fixed order whatever N (the same
+  // register tiles as the layers' products), so a request's logits, and the logprobs it is
+  // shown, do not depend on how many other rows sample in its step: BLAS picks another kernel
+  // for one or two rows than for more, which moves the last bits.
+  at::Tensor logits(at::Tensor hidden) {
+    TORCH_CHECK(lm_head_t_.defined(), "this decoder was built without an LM head");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D_ && hidden.scalar_type() == at::kFloat &&
+                    hidden.device().is_cpu(),
+                "hidden must be fp32 CPU [N, ", D_, "]");
+    hidden = hidden.contiguous();
+    const int64_t N = hidden.size(0), V = lm_head_t_.size(1);
+    at::Tensor out = at::empty({N, V}, at::TensorOptions().dtype(at::kFloat));
+    linear_rows(hidden.data_ptr<float>(), N, D_, lm_head_t_.data_ptr<float>(), nullptr, V, out.data_ptr<float>());
+    return out;
+  }
+
  private:
-  at::Tensor embed_, cos_full_, sin_signed_, final_norm_;
+  at::Tensor embed_, cos_full_, sin_signed_, final_norm_, lm_head_t_;
   std::vector<Layer> layers_;
   int64_t H_, KH_, hd_, D_ = 0;
   float eps_;
@@ -295,8 +316,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                       int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>>())
-      .def("forward", &LlamaDecoder::forward);
+      .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                       int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("forward", &LlamaDecoder::forward)
+      .def("logits", &LlamaDecoder::logits);
 }
