@@ -103,16 +103,21 @@ def test_with_overlap_the_next_plan_continues_from_the_bursts_last_token():
     request = make_request("a", 7, max_tokens=20)
     add(scheduler, request)
     plan0 = scheduler.schedule()
-    plan1 = scheduler.schedule()  # step 0 still runs: one token, then 3 more (positions 7..10)
-    assert plan1.running == [RunningSequence(0, 1, [2], [], 4)]
-    assert in_flight(request) == (0, 7, 11, 5)
+    # Step 0 still runs and its token (the first) is on its way: one step, position 7, so the
+    # executor is not kept busy by a burst while that token travels to the client.
+    plan1 = scheduler.schedule()
+    assert plan1.running == [RunningSequence(0, 1, [], [], 1)]
     scheduler.update(plan0, out(plan0, {0: [11]}))
-    plan2 = scheduler.schedule()  # from position 11, the burst's last token, to 14
-    assert plan2.running == [RunningSequence(0, 1, [3], [], 4)]
-    scheduler.update(plan1, out(plan1, {0: [12, 13, 14, 15]}))
-    assert in_flight(request) == (11, 12, 4, 4)
-    scheduler.update(plan2, out(plan2, {0: [16, 17, 18, 19]}))
-    assert request.output_token_ids == list(range(11, 20))
+    plan2 = scheduler.schedule()  # a burst from position 8 (step 1's token) to 11
+    assert plan2.running == [RunningSequence(0, 1, [2], [], 4)]
+    assert in_flight(request) == (7, 8, 5, 5)
+    scheduler.update(plan1, out(plan1, {0: [12]}))
+    plan3 = scheduler.schedule()  # from position 12, the burst's last token, to 15
+    assert plan3.running == [RunningSequence(0, 1, [3], [], 4)]
+    scheduler.update(plan2, out(plan2, {0: [13, 14, 15, 16]}))
+    assert in_flight(request) == (12, 13, 4, 4)
+    scheduler.update(plan3, out(plan3, {0: [17, 18, 19, 20]}))
+    assert request.output_token_ids == list(range(11, 21))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

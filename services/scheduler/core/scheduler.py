@@ -49,7 +49,9 @@ waits, a plain decode is planned as n decode steps run back to back by the execu
 placeholders, and the output brings n tokens, appended one by one with every stop checked, so
 a stop inside the burst cuts the rest (dropped, never reported, like overlap's surplus token).
 A burst never passes max_tokens or max_model_len. It composes with overlap: the next plan
-continues from the burst's last sampled token as from any placeholder.
+continues from the burst's last sampled token as from any placeholder. A request whose first
+token is still in flight (the decode planned behind its prefill) runs one step: its time to
+first token is not made to share the cores with a burst it does not need yet.
 
 Invariants with two steps in flight (what makes them safe):
 - Confirmed state: ``num_computed_tokens`` and the known tokens only change in update(), in
@@ -316,6 +318,11 @@ class Scheduler:
         stop strings runs one step at a time: its text is checked after every token, and a stop
         string inside a burst would be found only after the burst's later tokens."""
         if num_new != 1 or draft_token_ids or request.draft_length is not None or request.stop.stop:
+            return 1
+        if not request.num_output_tokens:
+            # Its first token is still in flight (planned behind its prefill, with overlap): a
+            # burst now would keep the executor computing while that token travels to the
+            # client, on the same cores. One step, and the burst follows in the next plan.
             return 1
         num_known = request.num_tokens + request.num_output_placeholders
         if request.num_planned_tokens + 1 < num_known:
