@@ -45,9 +45,10 @@ class ExecutorConfig:
     """CPU only: run decode-only steps through a torch.compile'd forward (inductor). Start-up pays
     the compilation; outputs may differ from the eager path's in the last bits of the logits."""
     cpu_decode: str = "auto"
-    """CPU decode-only steps: auto (a small fp32 model's whole step in one C++ call,
+    """CPU steps: auto (a small fp32 model's whole step in one C++ call,
     services/runtime/model/fused_decode.py, when the model qualifies; else eager), fused (the
-    same, and an error when the model does not qualify) or eager (the PyTorch forward)."""
+    same, and an error when the model does not qualify) or eager (the PyTorch forward). Decode
+    steps always take the call; steps with prompt tokens up to cpu_fused_max_tokens."""
     cpu_fused_max_tokens: int = 256
     """With the fused CPU step in use, steps that carry prompt, chunk or draft tokens run fused
     too while they hold at most this many new tokens (each token a row reading the paged cache

@@ -4,7 +4,9 @@ A decode step of a model like stories260K is dispatch-bound: ~170 torch operatio
 ~4-5 us each, against nanoseconds of arithmetic. ``LlamaDecoder``
 (services/runtime/kernels/cpu/fused_decode.cpp) holds the weights (transposed once) and the
 KV pools and runs the whole forward of a decode-only step as loops, calling the paged
-attention kernel directly; the LM head and sampling stay in Python as for every step.
+attention kernel directly. Its ``logits`` runs the LM head the same way (where the head is a
+plain fp32 matrix), so a row's logits never depend on its batch; sampling stays in Python as
+for every step.
 
 It takes a model only where that is the right trade (``why_not``): fp32 weights, none of them
 prepacked for oneDNN or quantized. A model big enough to have prepacked matrices (fp32 from
@@ -61,7 +63,8 @@ def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
 
 
 class FusedDecode:
-    """``model``'s forward for decode-only steps through ``LlamaDecoder``."""
+    """``model``'s forward (decode steps, and steps of up to ``max_step_tokens`` new tokens) and
+    LM head through ``LlamaDecoder``."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, max_step_tokens: int = 0):
         reason = why_not(model, kv_caches)
