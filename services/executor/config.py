@@ -49,12 +49,12 @@ class ExecutorConfig:
     services/runtime/model/fused_decode.py, when the model qualifies; else eager), fused (the
     same, and an error when the model does not qualify) or eager (the PyTorch forward). Decode
     steps always take the call; steps with prompt tokens up to cpu_fused_max_tokens."""
-    cpu_fused_max_tokens: int = 256
+    cpu_fused_max_tokens: int = 64
     """With the fused CPU step in use, steps that carry prompt, chunk or draft tokens run fused
     too while they hold at most this many new tokens (each token a row reading the paged cache
-    up to its own position); larger ones run eagerly. 256: the largest model the fused step
-    takes runs as fast either way up to there (docs/benchmarks.md), stories260K 2.5-9x faster
-    fused. 0 = decode-only steps alone."""
+    up to its own position); larger ones run eagerly. 64: past it the largest model the fused
+    step takes runs faster eagerly (docs/benchmarks.md); stories260K runs 2-9x faster fused up
+    to there. 0 = decode-only steps alone."""
     enforce_eager: bool = False
     """On CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs."""
     cuda_graph_max_batch_size: int = 128

@@ -3,9 +3,9 @@
 Greedy: 16 prompts of different lengths generated together give the tokens each gives
 alone. Seeded sampling: a request with a seed draws the same tokens alone and in a batch
 with other seeded and unseeded requests, wherever it sits in the batch. Logprobs: bitwise the
-same alone and batched. stories260K takes the fused CPU step, which computes every row, its
-attention and its LM head product in one fixed order whatever the batch; the eager BLAS LM
-head did not (one or two rows take another kernel than more), which moved logprobs in their
+same alone and batched while every step stays within the fused CPU step's limit. stories260K
+takes the fused step, which computes every row, its attention and its LM head product in one
+fixed order whatever the batch; the eager BLAS LM head did not (one or two rows take another kernel than more), which moved logprobs in their
 last digits and could, at a near tie, move a seeded draw.
 """
 
@@ -79,7 +79,10 @@ def test_logprobs_are_bitwise_the_same_alone_and_in_a_batch(engine, prompts):
     assert engine.runner.fused_decode is not None and engine.runner.fused_decode.computes_logits
     with_logprobs = SamplingParams(temperature=0.8, top_p=0.9, seed=11, logprobs=3)
     alone = engine.generate_all([prompts[5]], with_logprobs, STOP)[0]
-    batch = [prompts[5], *prompts[:3], prompts[8]]
+    batch = [prompts[5], *prompts[:4]]
+    # Every step within the fused call's limit: a step over it runs eagerly, whose sums round
+    # differently in the last bits, so invariance holds per path, not across the limit.
+    assert sum(len(p) for p in batch) <= engine.runner.fused_decode.max_step_tokens
     together = engine.generate_all(batch, [with_logprobs] + [GREEDY] * 4, STOP)[0]
     assert together.token_ids == alone.token_ids
     values = [[(lp.logprob, lp.top_token_ids, lp.top_logprobs) for lp in run.logprobs] for run in (alone, together)]

@@ -69,7 +69,9 @@ class TorchAttentionBackend:
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L|C, D]
+        # [1, H, L|C, D]: with a batch dimension SDPA takes its fused (flash) CPU kernel; 3-D
+        # inputs fall back to the math path (bmm, softmax, NaN guards), 2-7x slower for prompts.
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:
@@ -78,7 +80,7 @@ class TorchAttentionBackend:
             k_pos = torch.arange(ctx_len, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [L, C]
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
