@@ -18,6 +18,7 @@ import statistics
 
 from benchmarks.peer.driver import DEFAULT_MODEL
 from benchmarks.peer.tokenmill import InProcess, Services, services_stack
+from benchmarks.serving.cpu_time import process_cpu_seconds
 from benchmarks.serving.services_run import scrape
 
 PROMPT = [1, 403, 407, 261, 378]
@@ -26,9 +27,10 @@ PROMPT = [1, 403, 407, 261, 378]
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    seconds = process_cpu_seconds(pid)
+    if seconds is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return seconds
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from benchmarks.overload_burst import BurstResult, burst, percentile
+from benchmarks.serving.cpu_time import process_cpu_seconds
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 from services.common.service_config import REPO_ROOT
@@ -271,9 +272,9 @@ def proc_status(pid: int) -> tuple[int, int, float]:
         for line in f:
             key, _, value = line.partition(":")
             fields[key] = value.strip()
-    with open(f"/proc/{pid}/stat") as f:
-        utime, stime = f.read().rpartition(")")[2].split()[11:13]
-    cpu = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    cpu = process_cpu_seconds(pid)
+    if cpu is None:
+        raise ProcessLookupError(f"process {pid} is gone")
     return int(fields["VmRSS"].split()[0]), int(fields["Threads"]), cpu
 
 

@@ -202,6 +202,13 @@ class SchedulerLoop:
         return (self.core is not None and self.executor.connected and self.tokenizers.connected
                 and not self._stopping)
 
+    def check_accepting(self) -> None:
+        """Raise UnavailableError while the server stops or the executor is away (restarting)."""
+        if self._stopping:
+            raise UnavailableError("the server is shutting down")
+        if self.core is None or not self.executor.connected:
+            raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
+
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int, num_speculative_tokens: int | None = None, tenant: str = "") -> RequestHandle:
         """Admit a request (services/scheduler/requests.py); its deltas arrive on the handle's queue.
@@ -210,10 +217,7 @@ class SchedulerLoop:
         for a request_id in use, ValueError (naming the field) for a request the core refuses, and
         ResourceExhaustedError when the waiting queue is full.
         """
-        if self._stopping:
-            raise UnavailableError("the server is shutting down")
-        if self.core is None or not self.executor.connected:
-            raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
+        self.check_accepting()
         if request_id in self._tracked:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
         tokenizer = self.tokenizers.pick()  # UnavailableError when every tokenizer is away

@@ -143,7 +143,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
-        self._check_executor()
+        # While the executor is away (restarting), refuse at once: submit would refuse anyway,
+        # after a tokenizer round trip for the prompt. Clients retrying in that window send a
+        # flood of calls (tens of thousands over one restart in the stress suite), each of which
+        # would also cost the tokenizer an Encode and this process its call's objects.
+        self.loop.check_accepting()
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
@@ -190,16 +194,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     _log.info("request_cancelled")
         finally:
             self.admission.leave(place)
-
-    def _check_executor(self) -> None:
-        """While the executor is away (restarting), refuse at once: the request would be refused
-        by ``submit`` anyway, after a tokenizer round trip for its prompt. Clients retrying in
-        that window send a flood of calls (tens of thousands over one restart in the stress
-        suite), each of which then also cost the tokenizer an Encode and this process its
-        call's objects at the moment the load peaks."""
-        loop = self.loop
-        if loop.core is None or not loop.executor.connected:
-            raise UnavailableError(f"the executor at {loop.executor.address} is unavailable; retry shortly")
 
     def _budget(self, tenant: Tenant | None) -> TokenBudget | None:
         table = self.auth_table

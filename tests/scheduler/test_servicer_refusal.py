@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 
 from services.common.errors import UnavailableError
 from services.scheduler.admission import Admission
+from services.scheduler.loop import SchedulerLoop
 from services.scheduler.servicer import GenerationServicer
 from services.stack.client import build_request
 
@@ -25,7 +27,8 @@ def _servicer(connected: bool):
     tokenizers = _Tokenizers()
     executor = SimpleNamespace(address="127.0.0.1:1", connected=connected, info=SimpleNamespace(max_model_len=512))
     loop = SimpleNamespace(core=object() if connected else None, executor=executor, tokenizers=tokenizers,
-                           submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
+                           _stopping=False, submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
+    loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)  # the real check
     admission = Admission(4)
     return GenerationServicer(loop, admission=admission), tokenizers, admission
 
