@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import structlog
@@ -73,6 +74,22 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
             f.timings.accepted_draft_tokens = t.accepted_draft_tokens
         out.append(generation_pb2.GenerateResponse(finished=f))
     return out
+
+
+def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> Exception | None:
+    """Fold the deltas already waiting behind ``delta`` into it: one write for all of them.
+
+    They wait only while this stream's previous write was still in flight, so a client that
+    keeps up gets every step as it comes, and one that falls behind (or a server short of CPU)
+    gets fewer, larger messages rather than a backlog. Stops at the final delta; an exception
+    found in the queue is returned, to be raised once ``delta`` is sent.
+    """
+    while not delta.finished and not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, Exception):
+            return item
+        delta.absorb(item)
+    return None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -172,13 +189,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 yield generation_pb2.GenerateResponse(
                     started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
+                held: Exception | None = None
                 while not finished:
-                    item = await handle.queue.get()
+                    item = held if held is not None else await handle.queue.get()
+                    held = None
                     self.admission.leave(place)  # first output: it is no longer queued
                     if isinstance(item, Exception):
                         finished = True
                         _log.warning("request_failed", error=str(item))
                         raise item
+                    held = coalesce(item, handle.queue)
                     for message in delta_to_protos(item):
                         yield message
                     if item.finished:

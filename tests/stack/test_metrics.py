@@ -93,8 +93,11 @@ async def test_endpoints_answer_and_counters_move(stack):
     assert moved("tokenmill:time_per_output_token_seconds_count") == len(PROMPTS)
     assert moved("tokenmill:e2e_request_latency_seconds_count") == len(PROMPTS)
     assert moved("tokenmill:request_queue_time_seconds_count") == len(PROMPTS)
-    # One gap per pair of consecutive deltas (a multi-step burst's tokens come in one delta).
-    assert moved("tokenmill:inter_token_latency_seconds_count") == sum(len(deltas) - 1 for deltas in streams)
+    # One gap per pair of consecutive deltas the scheduler published (a multi-step burst's
+    # tokens come in one delta). The client may have received fewer messages: deltas that
+    # queued behind a write still in flight travel together.
+    gaps = moved("tokenmill:inter_token_latency_seconds_count")
+    assert sum(len(deltas) - 1 for deltas in streams) <= gaps <= (MAX_TOKENS - 1) * len(PROMPTS)
     assert moved(f"tokenmill:rpc_latency_seconds_count{{{GENERATE}}}") == len(PROMPTS)
     # The prompts share no block, so every prompt token was looked up and none hit.
     assert moved("tokenmill:prefix_cache_queries_total") == sum(len(p) for p in PROMPTS)
