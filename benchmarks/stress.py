@@ -11,8 +11,8 @@ picking at random what its client does:
 - cancel: cancel after a random number of deltas;
 - deadline: a client deadline that passes mid-stream (DEADLINE_EXCEEDED is expected);
 - and, on the side, a client process SIGKILLed mid-stream every few seconds, a burst of
-  ``--burst`` calls at once every ``--burst-every`` seconds (RESOURCE_EXHAUSTED latency is
-  timed), and one SIGKILL of the executor halfway (``--kill-executor-at``; the launcher
+  ``--burst`` calls at once every ``--burst-every`` seconds from a client process of its own
+  (RESOURCE_EXHAUSTED latency is timed there, issue to status), and one SIGKILL of the executor halfway (``--kill-executor-at``; the launcher
   restarts it; streams cut by it must end with exactly one Finished, reason error).
 
 Crashes are service processes that exited other than the executor we killed, and answers a
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -50,11 +51,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from benchmarks.overload_burst import BurstResult, burst, percentile
+from benchmarks.overload_burst import BurstResult, burst, one_by_one, percentile
 from benchmarks.serving.cpu_time import process_cpu_seconds
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
@@ -167,16 +168,58 @@ async def client(stub, refs, seed: int, stop_at: float, tally: Tally) -> None:
         await one_stream(stub, refs, rng, tally)
 
 
-async def overload_bursts(stub, n: int, every: float, stop_at: float, tally: Tally) -> None:
+async def burst_loop(stub, n: int, every: float, stop_at: float) -> BurstResult:
+    total = BurstResult()
     while time.monotonic() + every < stop_at:
         await asyncio.sleep(every)
         result = await burst(stub, n)
-        tally.overload.refused_ms += result.refused_ms
-        tally.overload.admitted += result.admitted
-        tally.overload.without_pushback += result.without_pushback
-        for name in result.other:
-            if name not in ("UNAVAILABLE",):
-                tally.crashes.append(f"burst call answered {name}")
+        total.refused_ms += result.refused_ms
+        total.admitted += result.admitted
+        total.without_pushback += result.without_pushback
+        total.other += result.other
+    return total
+
+
+def tally_bursts(result: BurstResult, tally: Tally) -> None:
+    tally.overload.refused_ms += result.refused_ms
+    tally.overload.admitted += result.admitted
+    tally.overload.without_pushback += result.without_pushback
+    for name in result.other:
+        if name not in ("UNAVAILABLE",):
+            tally.crashes.append(f"burst call answered {name}")
+
+
+async def overload_bursts(stub, address: str, n: int, every: float, stop_at: float, tally: Tally,
+                          in_process: bool) -> None:
+    """Bursts of ``n`` calls at once every ``every`` seconds until ``stop_at``.
+
+    By default from a client process of their own, as another client would send them: from
+    this process, the answers wait for an event loop that also reads the clients' hundreds of
+    streams, and the overload latency measures this benchmark's own loop more than the server
+    (``--burst-client same`` keeps that setup, for comparison).
+    """
+    if in_process:
+        tally_bursts(await burst_loop(stub, n, every, stop_at), tally)
+        return
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.stress", "--burst-at", address, "--burst", str(n),
+        "--burst-every", str(every), "--seconds", str(max(0.0, stop_at - time.monotonic())),
+        cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE)
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        tally.crashes.append(f"the burst client exited {process.returncode}")
+        return
+    tally_bursts(BurstResult(**json.loads(out.decode().strip().splitlines()[-1])), tally)
+
+
+async def burst_client(address: str, n: int, every: float, seconds: float) -> None:
+    """The burst client process: its bursts' results as one JSON line on stdout."""
+    stop_at = time.monotonic() + seconds
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await one_by_one(stub, 3)  # a connected channel: the first burst must not time its handshake
+        result = await burst_loop(stub, n, every, stop_at)
+    print(json.dumps(asdict(result)))
 
 
 async def killed_clients(address: str, every: float, stop_at: float, tally: Tally) -> None:
@@ -321,8 +364,9 @@ async def run(launcher: StressLauncher, args) -> int:
             # growth below is what further load adds, which is what a leak is.
             warm_tally = Tally()
             warm_stop = time.monotonic() + args.warmup_seconds
-            side = [asyncio.create_task(overload_bursts(stub, args.burst, min(args.burst_every, args.warmup_seconds / 2),
-                                                        warm_stop, warm_tally))]
+            side = [asyncio.create_task(overload_bursts(stub, address, args.burst,
+                                                        min(args.burst_every, args.warmup_seconds / 2), warm_stop,
+                                                        warm_tally, args.burst_client == "same"))]
             await asyncio.gather(*(client(stub, refs, -1 - seed, warm_stop, warm_tally) for seed in range(args.streams)))
             await asyncio.gather(*side)
             tally.crashes += [f"warm-up: {crash}" for crash in warm_tally.crashes]
@@ -332,7 +376,8 @@ async def run(launcher: StressLauncher, args) -> int:
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         started = time.monotonic()
         stop_at = started + args.seconds
-        side = [asyncio.create_task(overload_bursts(stub, args.burst, args.burst_every, stop_at, tally)),
+        side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
+                                                    args.burst_client == "same")),
                 asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
                 *([asyncio.create_task(kill_executor_at(launcher, started + args.seconds * args.kill_executor_at))]
                   if args.kill_executor_at >= 0 else [])]
@@ -422,7 +467,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heaptrack", metavar="DIR", default="",
                         help="run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
                              "it: leaked and peak allocations with their C stacks)")
+    parser.add_argument("--burst-client", choices=("process", "same"), default="process",
+                        help="send the overload bursts from a client process of their own (default), or from this "
+                             "one, whose event loop also reads every stream")
+    parser.add_argument("--burst-at", help=argparse.SUPPRESS)  # the burst client process
     args = parser.parse_args(argv)
+    if args.burst_at:
+        asyncio.run(burst_client(args.burst_at, args.burst, args.burst_every, args.seconds))
+        return 0
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}
     if args.trace_memory:
         os.makedirs(args.trace_memory, exist_ok=True)

@@ -1,12 +1,17 @@
-"""benchmarks/stress.py's pieces that need no stack: /proc readings and the scheduler's environment."""
+"""benchmarks/stress.py's pieces that need no stack: /proc readings, the scheduler's environment, and the
+burst client process (against a bare server that only refuses)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from benchmarks.stress import StressLauncher, proc_status
+from benchmarks.overload_burst import FLOOR_SERVER
+from benchmarks.stress import StressLauncher, Tally, overload_bursts, proc_status
 from services.stack.launcher import LaunchConfig, ServiceProcess
 
 
@@ -26,3 +31,18 @@ def test_scheduler_env_prefixes_only_the_scheduler():
         assert launcher._command("tokenizer", 1234)[0] != "env"
     finally:
         shutil.rmtree(launcher._state_dir, ignore_errors=True)
+
+
+async def test_the_burst_client_process_reports_every_refusal():
+    server = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{int(server.stdout.readline())}"
+        tally = Tally()
+        await overload_bursts(None, address, 7, 0.5, time.monotonic() + 6.0, tally, in_process=False)
+    finally:
+        server.kill()
+        server.wait()
+    refused = tally.overload.refused_ms
+    assert not tally.crashes and refused and len(refused) % 7 == 0, (tally.crashes, len(refused))
+    assert tally.overload.admitted == 0 and tally.overload.without_pushback == 0
+    assert all(ms > 0 for ms in refused)
