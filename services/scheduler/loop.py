@@ -202,12 +202,20 @@ class SchedulerLoop:
         return (self.core is not None and self.executor.connected and self.tokenizers.connected
                 and not self._stopping)
 
+    def unavailable_reason(self) -> str | None:
+        """Why no request can be accepted now (the server stops, the executor is away); None if one can."""
+        if self._stopping:
+            return "the server is shutting down"
+        if self.core is None or not self.executor.connected:
+            # No address: the door sends this before authentication, to any caller.
+            return "the executor is unavailable (restarting or unreachable); retry shortly"
+        return None
+
     def check_accepting(self) -> None:
         """Raise UnavailableError while the server stops or the executor is away (restarting)."""
-        if self._stopping:
-            raise UnavailableError("the server is shutting down")
-        if self.core is None or not self.executor.connected:
-            raise UnavailableError(f"the executor at {self.executor.address} is unavailable; retry shortly")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise UnavailableError(reason)
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int, num_speculative_tokens: int | None = None, tenant: str = "") -> RequestHandle:

@@ -66,7 +66,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         auth.append(AuthInterceptor(servicer.auth_table))
     running = await start_service(config, "scheduler", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
-        interceptors=auth, front_interceptors=[DoorInterceptor(admission)])
+        interceptors=auth, front_interceptors=[DoorInterceptor(admission, unavailable=loop.unavailable_reason)])
     running.on_stopping(loop.shutdown)
     # Free memory back to the system once the load ends (glibc's malloc_trim; with
     # PYTHONMALLOC=malloc that includes the pages of Python objects freed after a peak).

@@ -111,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _context_limit(self) -> int:
         info = self.loop.executor.info
         if info is None:
-            raise UnavailableError(f"the executor at {self.loop.executor.address} is unavailable; retry shortly")
+            raise UnavailableError("the executor is unavailable (restarting or unreachable); retry shortly")
         return info.max_model_len
 
     def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
@@ -161,9 +161,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
         # While the executor is away (restarting), refuse at once: submit would refuse anyway,
-        # after a tokenizer round trip for the prompt. Clients retrying in that window send a
-        # flood of calls (tens of thousands over one restart in the stress suite), each of which
-        # would also cost the tokenizer an Encode and this process its call's objects.
+        # after a tokenizer round trip for the prompt. The door (DoorInterceptor) refuses such
+        # calls before they are decoded; this covers a call that passed it just before.
         self.loop.check_accepting()
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(tenant.name if tenant is not None else "")

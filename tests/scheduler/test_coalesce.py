@@ -81,6 +81,7 @@ def _servicer_with(queued: list):
     aborted = []
     loop = SimpleNamespace(core=object(), executor=executor, tokenizers=None, _stopping=False,
                            submit=lambda *a, **k: handle, abort=aborted.append)
+    loop.unavailable_reason = functools.partial(SchedulerLoop.unavailable_reason, loop)  # the real checks
     loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)
     return GenerationServicer(loop, admission=Admission(4)), aborted
 

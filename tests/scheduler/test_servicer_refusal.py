@@ -28,7 +28,8 @@ def _servicer(connected: bool):
     executor = SimpleNamespace(address="127.0.0.1:1", connected=connected, info=SimpleNamespace(max_model_len=512))
     loop = SimpleNamespace(core=object() if connected else None, executor=executor, tokenizers=tokenizers,
                            _stopping=False, submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
-    loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)  # the real check
+    loop.unavailable_reason = functools.partial(SchedulerLoop.unavailable_reason, loop)  # the real checks
+    loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)
     admission = Admission(4)
     return GenerationServicer(loop, admission=admission), tokenizers, admission
 
@@ -36,7 +37,7 @@ def _servicer(connected: bool):
 async def test_refused_before_tokenizing_while_the_executor_is_away():
     servicer, tokenizers, admission = _servicer(connected=False)
     stream = servicer.Generate(build_request("Once upon a time", max_tokens=4), context=None)
-    with pytest.raises(UnavailableError, match=r"executor at 127\.0\.0\.1:1 is unavailable; retry shortly"):
+    with pytest.raises(UnavailableError, match=r"the executor is unavailable \(restarting or unreachable\); retry shortly"):
         await anext(stream)
     assert tokenizers.calls == 0
     assert admission.queued == 0

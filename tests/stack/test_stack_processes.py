@@ -191,7 +191,8 @@ async def test_executor_killed_while_idle_is_reconnected_before_a_request_needs_
     while launcher.events.count("executor restarted") == restarted:
         assert time.monotonic() < deadline, launcher.events
         await asyncio.sleep(0.05)
-    record = await generate_once_back(launcher, stub, deadline, while_down="is unavailable; retry shortly")
+    record = await generate_once_back(launcher, stub, deadline,
+                                      while_down="executor is unavailable (restarting or unreachable); retry shortly")
     assert record.token_ids == reference_ids
 
 
