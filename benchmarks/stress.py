@@ -25,7 +25,9 @@ it goes idle has run): after the solo runs ("cold"), after ``--warmup-seconds``
 of the same streams and bursts ("before": the allocators have then reached their high-water
 mark for this load; the scheduler's idle RSS grows ~11% over its cold value in the first
 30 s of load, 4 of its 6 MiB pymalloc arenas that fragmentation keeps, not live objects), and
-after the run ("after"); growth is after over before. ``--trace-memory DIR`` writes what the
+after the run ("after"); growth is after over before. The run is split into ``--rounds``
+(2) with an idle reading after each, so a leak (growth in every round) can be told from a
+high-water mark still being reached (growth in the first round only). ``--trace-memory DIR`` writes what the
 scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/);
 ``--heaptrack DIR`` runs the scheduler under heaptrack (every malloc with its C call stack, to
 read with ``heaptrack_print``; its resident memory then includes heaptrack's own);
@@ -374,25 +376,37 @@ async def run(launcher: StressLauncher, args) -> int:
             await wait_idle(stub)
             await settle_and_trace(launcher, args)
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
-        started = time.monotonic()
-        stop_at = started + args.seconds
-        side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
-                                                    args.burst_client == "same")),
-                asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
-                *([asyncio.create_task(kill_executor_at(launcher, started + args.seconds * args.kill_executor_at))]
-                  if args.kill_executor_at >= 0 else [])]
-        await asyncio.gather(*(client(stub, refs, seed, stop_at, tally) for seed in range(args.streams)))
-        await asyncio.gather(*side)
-        # The executor's restart must be done and every stream gone before the leak check.
-        deadline = time.monotonic() + 60
-        while health_status(address, "tokenmill.v1.Generation") != "SERVING" and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        profile = await wait_idle(stub)
+        round_s = args.seconds / args.rounds
+        kill_round, kill_at = divmod(args.seconds * args.kill_executor_at, round_s) if args.kill_executor_at >= 0 \
+            else (-1, 0.0)
+        load_s = 0.0
+        between: list[dict[str, tuple[int, int, float]]] = []
+        """Each round's idle reading but the last (that one is ``after``)."""
+        for index in range(args.rounds):
+            round_start = time.monotonic()
+            stop_at = round_start + round_s
+            side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
+                                                        args.burst_client == "same")),
+                    asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
+                    *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at))]
+                      if index == min(int(kill_round), args.rounds - 1) else [])]
+            await asyncio.gather(*(client(stub, refs, seed + index * args.streams, stop_at, tally)
+                                   for seed in range(args.streams)))
+            await asyncio.gather(*side)
+            load_s += time.monotonic() - round_start
+            # The executor's restart must be done and every stream gone before the leak check.
+            deadline = time.monotonic() + 60
+            while health_status(address, "tokenmill.v1.Generation") != "SERVING" and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            profile = await wait_idle(stub)
+            if index < args.rounds - 1:
+                await settle_and_trace(launcher, args)
+                between.append({name: proc_status(launcher.pid(name)) for name in launcher.services})
         leaked = round(profile.kv_cache_usage * NUM_BLOCKS)
         if profile.num_running or profile.num_waiting:
             tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
                                  f"{profile.num_waiting} waiting")
-        elapsed = time.monotonic() - started
+        elapsed = load_s
         await settle_and_trace(launcher, args)
         after = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
@@ -427,6 +441,15 @@ async def run(launcher: StressLauncher, args) -> int:
               f"{(rss1 - rss0) / rss0 * 100:>8.1f}%{thr0:>16}{thr1:>15}{cpu:>14}{' (restarted)' if restarted else ''}")
     if planned:
         print("(* the restarted executor's CPU seconds since its restart)")
+    if between:
+        # A leak grows by about as much in every round; allocators reaching their high-water
+        # mark grow in the first rounds and then level off.
+        readings = [*between, after]
+        print(f"RSS once idle after each of {args.rounds} rounds of {round_s:.0f} s, MiB (growth over before):")
+        for name in before:
+            cells = "  ".join(f"{r[name][0] / 1024:.1f} ({(r[name][0] - before[name][0]) / before[name][0] * 100:+.1f}%)"
+                              for r in readings)
+            print(f"  {name:<10}{cells}")
     completed = sum(n for outcome, n in tally.outcomes.items() if outcome.startswith("completed"))
     scheduler_cpu = after["scheduler"][2] - before["scheduler"][2]
     print(f"throughput: {tally.tokens / elapsed:.0f} tokens/s to the clients, {completed / elapsed:.1f} completed "
@@ -467,11 +490,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heaptrack", metavar="DIR", default="",
                         help="run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
                              "it: leaked and peak allocations with their C stacks)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="split --seconds into this many rounds, reading every service's idle RSS after each: "
+                             "a leak grows in every round, a high-water mark levels off")
     parser.add_argument("--burst-client", choices=("process", "same"), default="process",
                         help="send the overload bursts from a client process of their own (default), or from this "
                              "one, whose event loop also reads every stream")
     parser.add_argument("--burst-at", help=argparse.SUPPRESS)  # the burst client process
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.burst_at:
         asyncio.run(burst_client(args.burst_at, args.burst, args.burst_every, args.seconds))
         return 0
