@@ -64,6 +64,8 @@ class BurstResult:
     admitted: int = 0
     other: list[str] = field(default_factory=list)
     without_pushback: int = 0
+    bursts: list[tuple[float, float]] = field(default_factory=list)
+    """(time.monotonic() the burst was sent, its slowest refusal in ms), where a caller records them."""
 
 
 def percentile(values: list[float], q: float) -> float:

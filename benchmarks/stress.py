@@ -91,6 +91,7 @@ class Tally:
     """Tokens the clients received, every stream counted (the throughput figure)."""
     overload: BurstResult = field(default_factory=BurstResult)
     killed_clients: int = 0
+    executor_killed_at: float | None = None
 
 
 def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
@@ -174,7 +175,10 @@ async def burst_loop(stub, n: int, every: float, stop_at: float) -> BurstResult:
     total = BurstResult()
     while time.monotonic() + every < stop_at:
         await asyncio.sleep(every)
+        sent_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
         result = await burst(stub, n)
+        if result.refused_ms:
+            total.bursts.append((sent_at, max(result.refused_ms)))
         total.refused_ms += result.refused_ms
         total.admitted += result.admitted
         total.without_pushback += result.without_pushback
@@ -183,6 +187,7 @@ async def burst_loop(stub, n: int, every: float, stop_at: float) -> BurstResult:
 
 
 def tally_bursts(result: BurstResult, tally: Tally) -> None:
+    tally.overload.bursts += [tuple(b) for b in result.bursts]
     tally.overload.refused_ms += result.refused_ms
     tally.overload.admitted += result.admitted
     tally.overload.without_pushback += result.without_pushback
@@ -305,8 +310,9 @@ class StressLauncher(Launcher):
         super().stop(timeout)
 
 
-async def kill_executor_at(launcher: StressLauncher, at: float) -> None:
+async def kill_executor_at(launcher: StressLauncher, at: float, tally: Tally) -> None:
     await asyncio.sleep(max(0.0, at - time.monotonic()))
+    tally.executor_killed_at = time.monotonic()
     os.kill(launcher.pid("executor"), signal.SIGKILL)
 
 
@@ -376,6 +382,7 @@ async def run(launcher: StressLauncher, args) -> int:
             await wait_idle(stub)
             await settle_and_trace(launcher, args)
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
+        started = time.monotonic()
         round_s = args.seconds / args.rounds
         kill_round, kill_at = divmod(args.seconds * args.kill_executor_at, round_s) if args.kill_executor_at >= 0 \
             else (-1, 0.0)
@@ -388,7 +395,7 @@ async def run(launcher: StressLauncher, args) -> int:
             side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
                                                         args.burst_client == "same")),
                     asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
-                    *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at))]
+                    *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at, tally))]
                       if index == min(int(kill_round), args.rounds - 1) else [])]
             await asyncio.gather(*(client(stub, refs, seed + index * args.streams, stop_at, tally)
                                    for seed in range(args.streams)))
@@ -429,6 +436,12 @@ async def run(launcher: StressLauncher, args) -> int:
     print(f"{'  ... admitted anyway / without pushback':<52}{tally.overload.admitted:>5} /{tally.overload.without_pushback:>3}")
     print(f"{'  ... p50 / p99 / max ms':<52}{percentile(ms, 0.5):>8.2f} / {percentile(ms, 0.99):.2f} / "
           f"{max(ms) if ms else float('nan'):.2f}")
+    slowest = sorted(tally.overload.bursts, key=lambda b: -b[1])[:3]
+    if slowest:
+        killed = (f"; the executor was killed at {tally.executor_killed_at - started:.0f} s"
+                  if tally.executor_killed_at is not None else "")
+        print("  ... slowest bursts (sent at, slowest refusal): "
+              + ", ".join(f"{at - started:.0f} s {slow:.0f} ms" for at, slow in slowest) + killed)
     print(f"RSS once idle: cold = after the solo runs; before = after {args.warmup_seconds:.0f} s of warm-up load; "
           f"after = after the {args.seconds:.0f} s run")
     print(f"{'service':<12}{'RSS cold MiB':>14}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}"

@@ -46,3 +46,5 @@ async def test_the_burst_client_process_reports_every_refusal():
     assert not tally.crashes and refused and len(refused) % 7 == 0, (tally.crashes, len(refused))
     assert tally.overload.admitted == 0 and tally.overload.without_pushback == 0
     assert all(ms > 0 for ms in refused)
+    assert len(tally.overload.bursts) == len(refused) // 7  # each burst: when it was sent, its slowest refusal
+    assert all(slowest in refused for _, slowest in tally.overload.bursts)
