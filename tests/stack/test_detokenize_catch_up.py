@@ -97,8 +97,9 @@ async def test_steps_queued_behind_a_paused_tokenizer_go_in_one_round_trip_with_
     assert record.text == reference.text
     assert record.finish_reason == "length"
     # The loop kept stepping while the tokenizer was stopped; those steps went out together.
+    # (How the caught-up steps are framed for the client is not checked: their deltas, some with
+    # tokens whose text comes later, queue together and may go out as one message.)
     assert steps >= 160 and rounds < steps - 10, (steps, rounds)
-    assert any(d.token_ids and not d.text for d in record.deltas)  # a caught-up step's tokens, text later
 
 
 @pytest.mark.timeout(180)
