@@ -125,6 +125,11 @@ class _Published:
     """(stream id = seq id, tokenizer index) of detokenize streams to close after this step."""
 
 
+EXECUTOR_UNAVAILABLE = "the executor is unavailable (restarting or unreachable); retry shortly"
+"""What a request hears while the executor is away. No address: the door sends it before
+authentication, to any caller."""
+
+
 class SchedulerLoop:
     def __init__(self, limits: SchedulerLimits, executor: ExecutorLink, tokenizers: TokenizerPool,
                  connect_timeout_s: float, on_finished=None, clock: Callable[[], float] = time.monotonic,
@@ -207,8 +212,7 @@ class SchedulerLoop:
         if self._stopping:
             return "the server is shutting down"
         if self.core is None or not self.executor.connected:
-            # No address: the door sends this before authentication, to any caller.
-            return "the executor is unavailable (restarting or unreachable); retry shortly"
+            return EXECUTOR_UNAVAILABLE
         return None
 
     def check_accepting(self) -> None:

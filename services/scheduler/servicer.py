@@ -15,7 +15,7 @@ from services.common.stop import StopConditions
 from services.common.metrics import TenantMetrics
 from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
-from services.scheduler.loop import SchedulerLoop
+from services.scheduler.loop import EXECUTOR_UNAVAILABLE, SchedulerLoop
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
@@ -111,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _context_limit(self) -> int:
         info = self.loop.executor.info
         if info is None:
-            raise UnavailableError("the executor is unavailable (restarting or unreachable); retry shortly")
+            raise UnavailableError(EXECUTOR_UNAVAILABLE)
         return info.max_model_len
 
     def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
