@@ -384,8 +384,10 @@ async def run(launcher: StressLauncher, args) -> int:
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         started = time.monotonic()
         round_s = args.seconds / args.rounds
-        kill_round, kill_at = divmod(args.seconds * args.kill_executor_at, round_s) if args.kill_executor_at >= 0 \
-            else (-1, 0.0)
+        # The round the executor kill falls in, and when in it (a kill at the very end stays in the last round).
+        kill_round = min(int(args.seconds * args.kill_executor_at // round_s), args.rounds - 1) \
+            if args.kill_executor_at >= 0 else -1
+        kill_at = args.seconds * args.kill_executor_at - kill_round * round_s
         load_s = 0.0
         between: list[dict[str, tuple[int, int, float]]] = []
         """Each round's idle reading but the last (that one is ``after``)."""
@@ -396,7 +398,7 @@ async def run(launcher: StressLauncher, args) -> int:
                                                         args.burst_client == "same")),
                     asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
                     *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at, tally))]
-                      if index == min(int(kill_round), args.rounds - 1) else [])]
+                      if index == kill_round else [])]
             await asyncio.gather(*(client(stub, refs, seed + index * args.streams, stop_at, tally)
                                    for seed in range(args.streams)))
             await asyncio.gather(*side)
