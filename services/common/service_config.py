@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from services.common.gc_thresholds import GC_OLDER_THRESHOLD, GC_YOUNG_THRESHOLD
 from services.common.logging import LEVELS
 from services.common.server import MAX_MESSAGE_BYTES
 
@@ -104,9 +105,9 @@ def path_field(service: str, name: str, help_text: str) -> Any:
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
                            backend_tls: bool = False) -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
-    file, log level, stop grace, metrics port, message size limit, reflection and TLS, with
-    TOKENMILL_<SERVICE>_* variables. backend_tls adds the client side of a service that
-    connects to others (--backend-tls-ca/-cert/-key)."""
+    file, log level, stop grace, metrics port, message size limit, reflection, TLS and the
+    garbage collector's young threshold, with TOKENMILL_<SERVICE>_* variables. backend_tls adds
+    the client side of a service that connects to others (--backend-tls-ca/-cert/-key)."""
 
     @dataclass(slots=True)
     class ServiceProcessFields:
@@ -125,6 +126,10 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         tls_key: str = path_field(service, "tls_key", "PEM private key of --tls-cert")
         tls_client_ca: str = path_field(service, "tls_client_ca", "PEM CA certificate(s): require client "
                                                                   "certificates signed by them (mTLS)")
+        gc_young_threshold: int = field(default=GC_YOUNG_THRESHOLD, metadata={
+            "help": "net allocations between the cyclic garbage collector's young collections (older generations "
+                    f"every {GC_OLDER_THRESHOLD}); 0 = Python's defaults (700, 10, 10)",
+            "env": _env_prefix(service) + "GC_YOUNG_THRESHOLD"})
 
     if backend_tls:
         @dataclass(slots=True)

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import grpc.aio
 
+from services.common.gc_thresholds import check_gc_young_threshold, set_gc_thresholds
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
 from services.common.server import RunningServer, run_service, server_options, start_server
@@ -48,6 +49,7 @@ class ServiceProcessConfig(Protocol):
     tls_cert: str
     tls_key: str
     tls_client_ca: str
+    gc_young_threshold: int
 
 
 ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
@@ -61,6 +63,7 @@ def check_process_fields(config: ServiceProcessConfig) -> None:
     TLS files (readable, PEM, each key its certificate's), errors naming the flag."""
     if config.max_message_bytes < MIN_MESSAGE_BYTES:
         raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}")
+    check_gc_young_threshold(config.gc_young_threshold)
     if (server_tls := ServerTLS.from_config(config)) is not None:
         server_tls.load()
     if (backend_tls := ClientTLS.for_backends(config)) is not None:
@@ -129,5 +132,6 @@ def service_main(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(name, config.log_level)
+    set_gc_thresholds(config.gc_young_threshold)
     run_service(lambda: serve(config), grace=config.shutdown_grace_seconds)
     return 0

@@ -42,6 +42,7 @@ def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) ->
         ("drafter", ["--ngram-min", "0"], "min_ngram must be in [1, max_ngram=4], got min_ngram=0"),
         ("scheduler", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
         ("tokenizer", ["--max-message-bytes", "100"], "max_message_bytes must be >= 4096, got 100"),
+        ("executor", ["--gc-young-threshold", "-1"], "gc_young_threshold must be >= 0 (0 = Python's defaults), got -1"),
         ("scheduler", ["--auth-tokens-file", "/nonexistent/tokens.json"],
          "auth_tokens_file /nonexistent/tokens.json: cannot read it: No such file or directory"),
     ],
