@@ -310,6 +310,24 @@ class StressLauncher(Launcher):
         super().stop(timeout)
 
 
+KILL_AFTER_ROUND_START_S = 5.0
+"""The earliest an executor kill comes in a round: at a round's first instant its 200 streams have
+only just been sent, so none would be in flight to end with Finished (error)."""
+
+
+def kill_placement(seconds: float, rounds: int, fraction: float) -> tuple[int, float]:
+    """(the round the executor kill falls in, seconds into it) for a kill at ``fraction`` of
+    ``seconds`` split into ``rounds``; (-1, 0.0) for a negative fraction (no kill). A kill at a
+    round's boundary goes into the round after it, KILL_AFTER_ROUND_START_S in (or half the
+    round, if shorter); one at the very end stays at the end of the last round."""
+    if fraction < 0:
+        return -1, 0.0
+    round_s = seconds / rounds
+    kill_round = min(int(seconds * fraction // round_s), rounds - 1)
+    at = seconds * fraction - kill_round * round_s
+    return kill_round, min(max(at, min(KILL_AFTER_ROUND_START_S, round_s / 2)), round_s)
+
+
 async def kill_executor_at(launcher: StressLauncher, at: float, tally: Tally) -> None:
     await asyncio.sleep(max(0.0, at - time.monotonic()))
     tally.executor_killed_at = time.monotonic()
@@ -384,10 +402,7 @@ async def run(launcher: StressLauncher, args) -> int:
         before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
         started = time.monotonic()
         round_s = args.seconds / args.rounds
-        # The round the executor kill falls in, and when in it (a kill at the very end stays in the last round).
-        kill_round = min(int(args.seconds * args.kill_executor_at // round_s), args.rounds - 1) \
-            if args.kill_executor_at >= 0 else -1
-        kill_at = args.seconds * args.kill_executor_at - kill_round * round_s
+        kill_round, kill_at = kill_placement(args.seconds, args.rounds, args.kill_executor_at)
         load_s = 0.0
         between: list[dict[str, tuple[int, int, float]]] = []
         """Each round's idle reading but the last (that one is ``after``)."""
@@ -493,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=30.0,
                         help="the same load (streams and bursts) before the memory baseline is read; 0 = none")
     parser.add_argument("--kill-executor-at", type=float, default=0.5,
-                        help="when to SIGKILL the executor, as a fraction of --seconds; negative = never")
+                        help="when to SIGKILL the executor, as a fraction of --seconds (one at a round's start "
+                             f"comes {KILL_AFTER_ROUND_START_S:g} s into it, while its streams run); negative = never")
     parser.add_argument("--trace-memory", metavar="DIR", default="",
                         help="trace one service's memory into DIR (benchmarks/memtrace/sitecustomize.py): a JSON "
                              "line every TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.overload_burst import FLOOR_SERVER
-from benchmarks.stress import StressLauncher, Tally, overload_bursts, proc_status
+from benchmarks.stress import KILL_AFTER_ROUND_START_S, StressLauncher, Tally, kill_placement, overload_bursts, proc_status
 from services.stack.launcher import LaunchConfig, ServiceProcess
 
 
@@ -19,6 +19,18 @@ def test_proc_status_reads_rss_threads_and_cpu():
     sum(range(2_000_000))  # some CPU time of our own
     rss, threads, cpu = proc_status(os.getpid())
     assert rss > 1000 and threads >= 1 and cpu > 0
+
+
+def test_the_executor_kill_lands_while_streams_run():
+    # Half-way through two rounds of 300 s is round 2's first instant, when its streams have
+    # only just been sent: the kill moves into that round, so in-flight streams meet it.
+    assert kill_placement(600, 2, 0.5) == (1, KILL_AFTER_ROUND_START_S)
+    assert kill_placement(600, 1, 0.5) == (0, 300.0)
+    assert kill_placement(600, 4, 0.6) == (2, 60.0)
+    assert kill_placement(600, 2, 0.0) == (0, KILL_AFTER_ROUND_START_S)
+    assert kill_placement(600, 2, 1.0) == (1, 300.0)  # the very end stays at the end of the last round
+    assert kill_placement(6, 2, 0.5) == (1, 1.5)  # short rounds: half a round in at most
+    assert kill_placement(600, 2, -1) == (-1, 0.0)
 
 
 def test_scheduler_env_prefixes_only_the_scheduler():
