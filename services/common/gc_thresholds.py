@@ -1,8 +1,8 @@
 """How often a service process runs Python's cyclic garbage collector.
 
-Python collects its youngest generation whenever 700 more container objects are alive than at
-the last collection. A service under load crosses that all the time without making much
-garbage: one scheduler step holds a delta, a list and a dict per running request at once, and
+Python collects its youngest generation once 700 more container objects have been allocated
+than freed since its last collection. A service under load crosses that all the time without
+making much garbage: one scheduler step holds a delta, a list and a dict per running request at once, and
 grpcio leaves one small reference cycle per accepted call (its method-handler lookup, a closure
 whose scope holds the closure). Measured with a ``gc.callbacks`` timer in the scheduler over
 the stress suite's two and a half minutes (200 streams, bursts, killed clients): at the default

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from benchmarks.overload_burst import FLOOR_SERVER
-from benchmarks.stress import KILL_AFTER_ROUND_START_S, StressLauncher, Tally, kill_placement, overload_bursts, proc_status
+from benchmarks.stress import (KILL_AFTER_ROUND_START_S, StressLauncher, Tally, kill_placement, overload_bursts,
+                               proc_status)
 from services.stack.launcher import LaunchConfig, ServiceProcess
 
 
