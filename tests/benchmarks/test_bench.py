@@ -26,11 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
+    # Outputs of 48-64 tokens: the services' KV usage is sampled by polling GetProfile every
+    # 20 ms, and with outputs of 16-24 the whole run (~0.1 s, multi-step bursts) once fit
+    # between two samples, so the peak read 0.
     # The default output folder, redirected: the run must find it without --out-dir.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(presets, "RESULTS_DIR", out)
         code = bench.main(["--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
-                           "--prompt-len", "6:12", "--output-len", "16:24", "--hf-sequential-requests",
+                           "--prompt-len", "6:12", "--output-len", "48:64", "--hf-sequential-requests",
                            str(HF_SEQUENTIAL_REQUESTS), "--name", "tiny", "--no-progress",
                            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
                            # The suite runs single-threaded (root conftest); the default would be every core.
