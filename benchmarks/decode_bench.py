@@ -35,7 +35,7 @@ import torch
 from benchmarks.machine import cpu_model_name
 from services.tools.random_model import PRESETS, RandomModelSpec, build_random_model
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits

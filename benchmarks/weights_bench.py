@@ -116,7 +116,7 @@ def perplexity(engine, text: str) -> tuple[float, int]:
 def run_requests(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     """Add ``prompts`` at once, step until done; (seconds, output tokens per prompt)."""
     from services.common.sampling_params import SamplingParams
-    from services.common.stop import StopConditions
+    from services.scheduler.request.stop import StopConditions
 
     sampling, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "drafter": {"common", "runtime", "drafter"},
     "tools": {"common", "runtime", "tools"},
     "stack": {"common", "stack"},
-    "inprocess": {"common", "runtime", "scheduler", "tokenizer", "executor", "inprocess"},
+    "inprocess": {"common", "runtime", "scheduler", "tokenizer", "executor", "drafter", "inprocess"},
     "cli": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack", "inprocess",
             "cli"},
     "benchmarks": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack",
@@ -108,10 +108,52 @@ def test_imports_point_down_the_layers():
     assert not violations, "layering contract broken:\n" + "\n".join(violations)
 
 
+SCHEDULER_LAYERS: dict[str, set[str]] = {
+    "request": {"request"},
+    "core": {"request", "core"},
+    "engine": {"request", "core", "engine"},
+}
+"""Inside the scheduler process: a request's state, the scheduling policy over it, the engine
+loop over both. None of them imports the service around them (links, supervisor, servicer),
+so the in-process engine runs the same loop without a line of gRPC."""
+
+
+def scheduler_layer_violations(root: Path = REPO_ROOT) -> list[str]:
+    violations = []
+    for path in sorted((root / "services" / "scheduler").rglob("*.py")):
+        module = module_name(path, root)
+        parts = module.split(".")
+        layer = parts[2] if len(parts) > 2 else None
+        if layer not in SCHEDULER_LAYERS:
+            continue
+        for line, target in imported_modules(path, module):
+            target_parts = target.split(".")
+            if target_parts[:2] != ["services", "scheduler"]:
+                continue
+            dest = target_parts[2] if len(target_parts) > 2 else ""
+            if dest not in SCHEDULER_LAYERS[layer]:
+                violations.append(f"{path.relative_to(root)}:{line} imports {target} (scheduler.{layer} may "
+                                  f"import only {', '.join(sorted(SCHEDULER_LAYERS[layer]))})")
+    return violations
+
+
+def test_scheduler_layers_point_down():
+    violations = scheduler_layer_violations()
+    assert not violations, "scheduler layering broken:\n" + "\n".join(violations)
+
+
+def test_the_scheduler_checker_sees_an_upward_import(tmp_path):
+    bad = tmp_path / "services" / "scheduler" / "core" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from services.scheduler.engine.core import EngineCore\nfrom services.scheduler.request import x\n")
+    assert [v.split(" (")[0] for v in scheduler_layer_violations(tmp_path)] == [
+        "services/scheduler/core/bad.py:1 imports services.scheduler.engine.core"]
+
+
 def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
     files = {
         "services/scheduler/bad_sideways.py": "from services.executor.model_runner import ModelRunner\n",
-        "services/common/bad_up.py": "def f():\n    import services.scheduler.loop\n",
+        "services/common/bad_up.py": "def f():\n    import services.scheduler.supervisor\n",
         "services/tokenizer/bad_torch.py": "import torch\n",
         "services/executor/fine.py": "from services.runtime.model import llama\nfrom ..common import step\n",
         "services/runtime/bad_relative.py": "from ..executor import model_runner\n",
@@ -122,7 +164,7 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     found = layering_violations(tmp_path)
     assert [v.split(" (")[0] for v in found] == [
-        "services/common/bad_up.py:2 imports services.scheduler.loop",
+        "services/common/bad_up.py:2 imports services.scheduler.supervisor",
         "services/runtime/bad_relative.py:1 imports services.executor",
         "services/scheduler/bad_sideways.py:1 imports services.executor.model_runner",
         "services/tokenizer/bad_torch.py:1 imports torch",
@@ -130,9 +172,9 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
 
 
 @pytest.mark.parametrize("modules", [
-    ["services.scheduler.main", "services.scheduler.loop", "services.scheduler.servicer"],
+    ["services.scheduler.main", "services.scheduler.supervisor", "services.scheduler.servicer"],
     ["services.tokenizer.main", "services.tokenizer.servicer"],
-    ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.stop"],
+    ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.detokenize"],
     ["services.stack.launcher", "services.stack.client"],
 ])
 def test_torch_free_processes_never_load_torch(modules):

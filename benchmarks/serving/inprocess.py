@@ -18,11 +18,11 @@ from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
 from services.common.sampling_params import SamplingParams
 from services.common.settings import to_argv
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
-from services.scheduler.kv_slots import kv_slot_usage
+from services.scheduler.core.kv_slots import kv_slot_usage
 
 
 @dataclass(frozen=True, slots=True)

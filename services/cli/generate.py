@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_in_process(args, messages: list[dict[str, str]] | None) -> int:
     from services.common.logging import configure_logging
     from services.common.sampling_params import SamplingParams
-    from services.common.stop import StopConditions
+    from services.scheduler.request.stop import StopConditions
     from services.executor.config import ExecutorConfig
     from services.inprocess.engine import Engine, EngineConfig
 
@@ -86,7 +86,7 @@ def _run_in_process(args, messages: list[dict[str, str]] | None) -> int:
     sys.stdout.flush()  # before the stats line on stderr
     if args.stats and final is not None and final.timings is not None:
         _print_stats(final.usage.completion_tokens, final.timings.time_to_first_token_ms,
-                     final.timings.decode_time_ms, final.finish_reason)
+                     final.timings.decode_time_ms, final.finish_reason.value)
     return 0
 
 

@@ -4,15 +4,15 @@ serve until Ctrl-C and shut down gracefully. A crashed service is restarted."""
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli.terminal import stream_to_terminal
 from services.common.pb.tokenmill.v1 import generation_pb2
+from services.common.settings import parse_config
 from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 from services.stack.client import build_request
 from services.stack.launcher import LaunchConfig, Launcher
@@ -22,47 +22,61 @@ DEFAULT_MODEL = str(REPO_ROOT / "models" / "stories260K")
 DEMO_MAX_TOKENS = 96
 
 
-def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
-    p = argparse.ArgumentParser(prog="tokenmill up", description=__doc__)
-    p.add_argument("--model", default=env("TOKENMILL_MODEL", DEFAULT_MODEL),
-                   help="model directory (env TOKENMILL_MODEL; default: the shipped stories260K)")
-    p.add_argument("--host", default=env("TOKENMILL_SCHEDULER_HOST", "127.0.0.1"),
-                   help="public API host (env TOKENMILL_SCHEDULER_HOST; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(env("TOKENMILL_SCHEDULER_PORT", "50051")),
-                   help="public API port (env TOKENMILL_SCHEDULER_PORT; default 50051)")
-    p.add_argument("--tokenizer-port", type=int, default=int(env("TOKENMILL_TOKENIZER_PORT", "0")),
-                   help="tokenizer port (env TOKENMILL_TOKENIZER_PORT; default 0 = any free port)")
-    p.add_argument("--executor-port", type=int, default=int(env("TOKENMILL_EXECUTOR_PORT", "0")),
-                   help="executor port (env TOKENMILL_EXECUTOR_PORT; default 0 = any free port)")
-    p.add_argument("--drafter-port", type=int, default=int(env("TOKENMILL_DRAFTER_PORT", "0")),
-                   help="drafter port (env TOKENMILL_DRAFTER_PORT; default 0 = any free port)")
-    p.add_argument("--log-dir", default=env("TOKENMILL_LOG_DIR", ".tokenmill/logs"),
-                   help="where each service writes its JSON log (env TOKENMILL_LOG_DIR; default .tokenmill/logs)")
-    p.add_argument("--executor-arg", action="append", default=[],
-                   help="extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 (repeatable)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default=None,
-                   help="executor KV-cache storage: auto (the model's dtype), or int8 / fp8_e4m3, quantized with a "
-                        "scale per token per kv head (~1.9x the tokens of bf16 in the same memory); "
-                        "same as --executor-arg=--kv-cache-dtype=...")
-    p.add_argument("--drafter-arg", action="append", default=[],
-                   help="extra flag passed to the drafter, e.g. --drafter-arg=--method=draft_model (repeatable)")
-    p.add_argument("--speculate", type=int, default=None, metavar="K",
-                   help="speculative decoding with up to K drafts per sequence per step from the drafter (n-gram "
-                        "unless --drafter-arg=--method=draft_model ...); same as "
-                        "--scheduler-arg=--num-speculative-tokens=K --drafter-arg=--num-speculative-tokens=K")
-    p.add_argument("--scheduler-arg", action="append", default=[],
-                   help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)")
-    p.add_argument("--tls", action="store_true",
-                   help="mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
-                        "written to the run directory (their paths are printed)")
-    p.add_argument("--demo-prompt", default="Once upon a time",
-                   help="prompt of the demo generation (models without a chat template)")
-    p.add_argument("--demo-chat", default="What is the capital of France?",
-                   help="user message of the demo conversation (models with a chat template)")
-    p.add_argument("--no-demo", action="store_true", help="skip the demo generation")
-    p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo instead of serving")
-    return p
+def _flag(default, help_text: str, env: str | None = None, **extra):
+    return field(default=default, metadata={"help": help_text, **({"env": env} if env else {}), **extra})
+
+
+@dataclass
+class UpConfig:
+    """tokenmill up: start the four services locally with the default model, stream a demo
+    generation, then serve until Ctrl-C."""
+
+    model: str = _flag(DEFAULT_MODEL, "model directory (default: the shipped stories260K)", "TOKENMILL_MODEL")
+    host: str = _flag("127.0.0.1", "public API host", "TOKENMILL_SCHEDULER_HOST")
+    port: int = _flag(50051, "public API port", "TOKENMILL_SCHEDULER_PORT")
+    tokenizer_port: int = _flag(0, "tokenizer port (0 = any free port)", "TOKENMILL_TOKENIZER_PORT")
+    executor_port: int = _flag(0, "executor port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
+    drafter_port: int = _flag(0, "drafter port (0 = any free port)", "TOKENMILL_DRAFTER_PORT")
+    log_dir: str = _flag(".tokenmill/logs", "where each service writes its JSON log", "TOKENMILL_LOG_DIR")
+    executor_arg: tuple[str, ...] = _flag((), "extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 "
+                                              "(repeatable)", repeat=True)
+    kv_cache_dtype: str | None = _flag(None, "executor KV-cache storage: " + ", ".join(KV_CACHE_DTYPE_NAMES) +
+                                       " (auto = the model's dtype; int8 / fp8_e4m3 are quantized with a scale per "
+                                       "token per kv head, ~1.9x the tokens of bf16 in the same memory); same as "
+                                       "--executor-arg=--kv-cache-dtype=...")
+    drafter_arg: tuple[str, ...] = _flag((), "extra flag passed to the drafter, e.g. "
+                                             "--drafter-arg=--method=draft_model (repeatable)", repeat=True)
+    speculate: int | None = _flag(None, "speculative decoding with up to K drafts per sequence per step from the "
+                                        "drafter (n-gram unless --drafter-arg=--method=draft_model ...); same as "
+                                        "--scheduler-arg=--num-speculative-tokens=K "
+                                        "--drafter-arg=--num-speculative-tokens=K")
+    scheduler_arg: tuple[str, ...] = _flag((), "extra flag passed to the scheduler, e.g. "
+                                               "--scheduler-arg=--max-num-seqs=64 (repeatable)", repeat=True)
+    tls: bool = _flag(False, "mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
+                             "written to the run directory (their paths are printed)")
+    demo_prompt: str = _flag("Once upon a time", "prompt of the demo generation (models without a chat template)")
+    demo_chat: str = _flag("What is the capital of France?",
+                           "user message of the demo conversation (models with a chat template)")
+    no_demo: bool = _flag(False, "skip the demo generation")
+    exit_after_demo: bool = _flag(False, "stop after the demo instead of serving")
+
+    def validate(self) -> None:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.speculate is not None and self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (0 = off), got {self.speculate}")
+
+
+def parse_up_config(argv: list[str] | None = None) -> UpConfig:
+    """Flags and TOKENMILL_* variables; exits with status 2 and the field named on a bad value."""
+    config = parse_config(UpConfig, argv, prog="tokenmill up")
+    try:
+        config.validate()
+    except ValueError as exc:
+        print(f"tokenmill up: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config
 
 
 def has_chat_template(model_dir: str) -> bool:
@@ -97,26 +111,26 @@ def _print_tls(launcher: Launcher) -> None:
           f"{launcher.public_address} list", file=sys.stderr)
 
 
-def executor_args(args) -> list[str]:
+def executor_args(args: UpConfig) -> list[str]:
     """--executor-arg flags, after the ones up has a flag of its own for (a later flag wins)."""
     own = [] if args.kv_cache_dtype is None else [f"--kv-cache-dtype={args.kv_cache_dtype}"]
-    return own + args.executor_arg
+    return own + list(args.executor_arg)
 
 
-def scheduler_args(args) -> list[str]:
+def scheduler_args(args: UpConfig) -> list[str]:
     """--scheduler-arg flags, after the ones up has a flag of its own for (a later flag wins)."""
     own = [] if args.speculate is None else [f"--num-speculative-tokens={args.speculate}"]
-    return own + args.scheduler_arg
+    return own + list(args.scheduler_arg)
 
 
-def drafter_args(args) -> list[str]:
+def drafter_args(args: UpConfig) -> list[str]:
     # The drafter caps k at its own setting: raise it with the scheduler's (it allows up to 32).
     own = [] if not args.speculate else [f"--num-speculative-tokens={args.speculate}"]
-    return own + args.drafter_arg
+    return own + list(args.drafter_arg)
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_up_config(argv)
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},

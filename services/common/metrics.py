@@ -229,7 +229,7 @@ def tenant_metrics(registry: CollectorRegistry = REGISTRY) -> TenantMetrics:
 
 # ---------------------------------------------------------------------------- scheduler gauges
 class SchedulerSource(Protocol):
-    """What the collector reads from the scheduler (SchedulerLoop satisfies it)."""
+    """What the collector reads from the scheduler (its EngineCore satisfies it)."""
 
     def stats(self): ...
 
@@ -239,8 +239,9 @@ class SchedulerSource(Protocol):
     def step_times(self): ...
 
     @property
-    def executor(self):
-        """Its ``info`` (ExecutorInfo, None until connected) gives the KV pool's capacity."""
+    def lane(self):
+        """The executor being served (None while it is away); its ``info`` (ExecutorInfo) gives
+        the KV pool's capacity."""
 
 
 class SchedulerCollector(Collector):
@@ -253,6 +254,10 @@ class SchedulerCollector(Collector):
 
     def __init__(self) -> None:
         self.source: SchedulerSource | None = None
+
+    def watch(self, source: SchedulerSource | None) -> None:
+        """Read ``source`` at every scrape from now on (None: nothing)."""
+        self.source = source
 
     def describe(self) -> Iterable[Metric]:
         """The metric names, valueless: the registry maps names to collectors with it, which a
@@ -285,7 +290,7 @@ class SchedulerCollector(Collector):
             yield _gauge("kv_cache_waste_perc",
                          "Allocated KV slots holding no token, over all allocated slots of running requests",
                          slots.waste_fraction)
-        yield from _kv_capacity(getattr(getattr(source, "executor", None), "info", None))
+        yield from _kv_capacity(getattr(source.lane, "info", None))
         totals = source.step_times
         yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
         yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)

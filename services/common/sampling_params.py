@@ -1,7 +1,7 @@
 """Per-request sampling parameters: how the next token is drawn, a value object.
 
 When generation ends (max_tokens, stop strings and ids, min_tokens) is not here but in
-``services.common.stop.StopConditions``.
+``services.scheduler.request.stop.StopConditions``.
 """
 
 from __future__ import annotations

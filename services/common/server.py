@@ -127,6 +127,9 @@ class RunningServer:
     _stop_task: asyncio.Task | None = None
     tls: ServerCertificates | None = None
     """The server's certificates when it serves TLS (None: plaintext)."""
+    app: Any = None
+    """What the service runs behind its servicer (the scheduler's Supervisor, the executor's
+    model runner), for metrics and for tests that run a service in their own process."""
 
     def reload_tls(self) -> bool:
         """Re-read the certificate files for new connections (SIGHUP); False if there is no TLS
@@ -208,6 +211,7 @@ async def start_server(
     serving: bool = True,
     reflection_enabled: bool = True,
     tls: ServerTLS | None = None,
+    app: Any = None,
 ) -> RunningServer:
     """Build, bind and start a server; with serving=True health reports SERVING on return.
 
@@ -220,7 +224,8 @@ async def start_server(
     serving=False starts with every service NOT_SERVING, for a service that must finish
     warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
     server reflection out (callers then need the .proto files). tls: serve TLS only (its files
-    are read here; a bad one raises ValueError naming the flag).
+    are read here; a bad one raises ValueError naming the flag). app: kept as
+    ``RunningServer.app``.
     """
     server = grpc.aio.server(
         interceptors=[*front_interceptors, ErrorMappingInterceptor(), *interceptors],
@@ -247,7 +252,7 @@ async def start_server(
     if bound_port == 0:  # older grpc versions report a failed bind as port 0
         raise UnavailableError(f"{name}: cannot listen on {address}")
 
-    running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates)
+    running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates, app=app)
     await running.set_serving(False)
     await server.start()
     if serving:

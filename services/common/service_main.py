@@ -87,17 +87,18 @@ async def start_service(
     config: ServiceProcessConfig, name: str, add: Callable[[grpc.aio.Server], list[str]], *, serving: bool = False,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     front_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    app: Any = None,
 ) -> RunningServer:
     """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``).
 
     ``interceptors`` run inside the RPC timer (so refused calls are timed too) and inside the
     error mapping (so their errors become statuses); ``front_interceptors`` before both (see
-    start_server)."""
+    start_server). ``app``: kept as ``RunningServer.app``."""
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               front_interceptors=front_interceptors,
                               options=server_options(config.max_message_bytes),
-                              reflection_enabled=config.reflection, tls=ServerTLS.from_config(config))
+                              reflection_enabled=config.reflection, tls=ServerTLS.from_config(config), app=app)
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:

@@ -19,7 +19,9 @@ settings to a child process.
 
 Supported field types: str, int, float, bool (``--flag`` / ``--no-flag``), Path, Enum
 (by value), ``X | None`` (the string "none" or an empty value means None), and
-``list[X]`` / ``tuple[X, ...]`` (comma-separated, in flags and env alike).
+``list[X]`` / ``tuple[X, ...]`` (comma-separated, in flags and env alike; with
+``metadata["repeat"]`` the flag is given once per item instead, for items that may hold
+commas themselves, such as flags passed on to a child process).
 
 A config may embed another config dataclass whole (``embedded``): its fields become flags of
 their own names, with environment variables named by a prefix, so a dataclass that an engine
@@ -55,7 +57,7 @@ class _FieldSpec:
     flag: str
     dest: str
     parse: Callable[[str], Any]
-    kind: str  # "scalar", "bool", "sequence"
+    kind: str  # "scalar", "bool", "sequence", "repeated"
     sequence_type: type | None
     optional: bool
     enum_type: type[enum.Enum] | None
@@ -109,7 +111,8 @@ def _field_spec(field: dataclasses.Field, tp: Any, prefix: str) -> _FieldSpec:
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             raise TypeError(f"field {field.name!r}: only tuple[X, ...] is supported, got {inner!r}")
         item_parser = _scalar_parser(args[0] if args else str, field.name)
-        return _FieldSpec(field.name, flag, dest, item_parser, "sequence", origin, optional, None)
+        kind = "repeated" if field.metadata.get("repeat") else "sequence"
+        return _FieldSpec(field.name, flag, dest, item_parser, kind, origin, optional, None)
     kind = "bool" if inner is bool else "scalar"
     return _FieldSpec(field.name, flag, dest, _scalar_parser(inner, field.name), kind, None, optional, enum_type)
 
@@ -118,7 +121,7 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
     """Turn one flag or env string into the field's value."""
     if spec.optional and text.strip().lower() in ("", "none"):
         return None
-    if spec.kind == "sequence":
+    if spec.kind in ("sequence", "repeated"):
         items = [part.strip() for part in text.split(",") if part.strip()]
         return spec.sequence_type(spec.parse(item) for item in items)
     return spec.parse(text)
@@ -213,6 +216,11 @@ def _add_arguments(
         if spec.kind == "bool" and not spec.optional:
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
+        if spec.kind == "repeated":
+            # Each flag adds one item, after those of the environment or the default.
+            kwargs["default"] = list(kwargs.get("default", ()))
+            group.add_argument(spec.flag, action="append", type=spec.parse, metavar=spec.name.upper(), **kwargs)
+            continue
         kwargs["type"] = _argparse_type(spec)
         kwargs["metavar"] = _metavar(spec)
         group.add_argument(spec.flag, **kwargs)
@@ -238,11 +246,15 @@ def _metavar(spec: _FieldSpec) -> str:
 
 def config_from_args(config_cls: type[T], args: argparse.Namespace, *, prefix: str = "") -> T:
     """Build config_cls from the namespace add_config_arguments filled in."""
-    values = {
-        f.name: config_from_args(tp, args, prefix=prefix) if _is_embedded(f)
-        else getattr(args, (prefix + f.name).replace("-", "_"))
-        for f, tp in _fields_with_types(config_cls)
-    }
+    values = {}
+    for f, tp in _fields_with_types(config_cls):
+        if _is_embedded(f):
+            values[f.name] = config_from_args(tp, args, prefix=prefix)
+            continue
+        value = getattr(args, (prefix + f.name).replace("-", "_"))
+        if f.metadata.get("repeat"):
+            value = _field_spec(f, tp, prefix).sequence_type(value)
+        values[f.name] = value
     return config_cls(**values)
 
 
@@ -280,6 +292,9 @@ def to_argv(config: Any, *, prefix: str = "", only_changed: bool = True) -> list
             continue
         if spec.kind == "bool" and not spec.optional:
             argv.append(spec.flag if value else "--no-" + spec.flag[2:])
+            continue
+        if spec.kind == "repeated":
+            argv.extend(f"{spec.flag}={_format_value(item)}" for item in value)
             continue
         argv.extend([spec.flag, _format_value(value)])
     return argv

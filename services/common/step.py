@@ -26,7 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+
+
+@dataclass(frozen=True, slots=True)
+class MinTokensBan:
+    """The sampler's share of a request's stop rules: while fewer than ``min_tokens`` tokens
+    were generated, the logits of ``token_ids`` are set to -inf.
+
+    Derived by the request's stop conditions (``StopConditions.min_tokens_ban``); a request that bans nothing has None instead.
+    """
+
+    min_tokens: int
+    token_ids: tuple[int, ...]
+    """The stop token ids, plus the model's EOS ids unless ignore_eos."""
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+from services.common.step import MinTokensBan
 from services.runtime.sampling.batch import is_plain_greedy
 from services.runtime.sampling.sampler import Sampler, SamplingBatch
 from services.runtime.sampling.verify import emitted_tokens

@@ -1,63 +1,94 @@
-"""The in-process engine: scheduler core + model runner + local detokenization, no gRPC.
+"""The in-process engine: the engine core over local ports, no gRPC.
 
-The same scheduler core, request path (services/scheduler/requests.py: admit, then each
-update to a delta) and model runner the services use, driven by a plain loop: ``step()`` is
-schedule → execute → update → detokenize/stop strings. It is the reference
-the four-service stack is compared against (outputs and throughput), and the engine behind
+The same EngineCore (services/scheduler/engine/core.py) the scheduler service runs drives a
+model runner on a worker thread, a local detokenizer and optionally a local drafter
+(services/inprocess/ports.py): overlapped scheduling, multi-step bursts, speculation and stop
+strings work as in the services. ``step()`` is one round of that loop (schedule → execute →
+update → text), run on the engine's own event loop, in a thread of its own, so the engine
+works the same called from plain code or from inside another event loop (a test, a server). It is the reference the four-service stack
+is compared against (outputs and throughput), and the engine behind
 ``tokenmill generate --in-process``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from services.common.generation import GenerationDelta
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
-from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.text_tokenizer import TextTokenizer
+from services.drafter.ngram import NgramProposer
+from services.drafter.proposer import Proposer
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
-from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
-from services.scheduler.core.request import FinishReason
+from services.inprocess.ports import LocalDetokenizer, LocalDrafter, LocalExecutor
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.requests import RequestState, admit, model_eos_token_ids
+from services.scheduler.core.speculation import SpeculationConfig
+from services.scheduler.engine.core import EngineCore
+from services.scheduler.request.delta import GenerationDelta
+from services.scheduler.request.stop import StopConditions
+from services.tokenizer.text_tokenizer import TextTokenizer
 
 
 @dataclass(slots=True)
 class EngineConfig:
     executor: ExecutorConfig
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
-    """The scheduler's limits: the same type, defaults and checks as the scheduler service's.
-    ``overlap_scheduling`` is the service loop's: the engine runs one step at a time (its core
-    and model share one thread, so planning ahead would overlap nothing)."""
-
-
-@dataclass(slots=True)
-class _Tracked:
-    state: RequestState
-    detokenizer: IncrementalDetokenizer
+    """The scheduler's limits: the same type, defaults and checks as the scheduler service's."""
+    speculation: SpeculationConfig = field(default_factory=lambda: SpeculationConfig(num_speculative_tokens=0))
+    """Speculative decoding; off unless num_speculative_tokens > 0 (then drafts come from the
+    Engine's ``proposer``, n-gram lookup by default)."""
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, clock=time.monotonic):
+    def __init__(self, config: EngineConfig, clock=time.monotonic, proposer: Proposer | None = None) -> None:
+        config.limits.validate()
+        config.speculation.validate()
         self.config = config
-        self.clock = clock
         self.runner = ModelRunner(config.executor)
-        info = self.runner.info()
-        self.info = info
+        self.info = self.runner.info()
         self.tokenizer = TextTokenizer.from_dir(config.executor.model)
         # Special-token text typed in a prompt ("<s>") stays text, as in sentencepiece and
         # the tokenizer service; this tokenizer only encodes prompts and decodes outputs.
         self.tokenizer.backend.encode_special_tokens = True
-        self.eos_token_ids = model_eos_token_ids(self.tokenizer.eos_token_ids, info)
-        limits = replace(config.limits, overlap_scheduling=False)
-        self.scheduler = Scheduler(SchedulerConfig.for_executor(limits, info))
-        self._tracked: dict[str, _Tracked] = {}
+        drafter = None
+        if config.speculation.num_speculative_tokens > 0:
+            drafter = LocalDrafter(proposer or NgramProposer(
+                num_speculative_tokens=config.speculation.num_speculative_tokens))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="inprocess-engine", daemon=True)
+        self._thread.start()
+        self._executor = LocalExecutor(self.runner)
+        self._outbox: list[GenerationDelta] = []
+        self.core = self._run(self._make_core(config, clock, drafter))
         self._num_admitted = 0
         """Requests admitted so far: names the next one without an id (req-N)."""
+
+    async def _make_core(self, config: EngineConfig, clock, drafter: LocalDrafter | None) -> EngineCore:
+        # Built on the engine's loop: its events and queues belong to it.
+        core = EngineCore(config.limits, [LocalDetokenizer(self.tokenizer)], drafter=drafter,
+                          speculation=config.speculation, clock=clock)
+        core.attach(self._executor, self.info, self.tokenizer.eos_token_ids)
+        return core
+
+    def _run(self, coroutine):
+        """Run ``coroutine`` on the engine's loop and wait for it (the core is only ever touched there)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _call(self, function, *args):
+        return function(*args)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler core of the executor (its block manager, running and waiting requests)."""
+        return self.core.scheduler
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.core.eos_token_ids
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: str | Sequence[int] | None, add_special_tokens: bool = True) -> list[int]:
@@ -79,51 +110,41 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
+        num_speculative_tokens: int | None = None,
     ) -> str:
         """Queue one request; returns its id. Raises ValueError (naming the field and the limit)
-        for a request the scheduler refuses, QueueFullError when the waiting queue is full."""
+        for a request the scheduler refuses, ResourceExhaustedError when the waiting queue is
+        full."""
         prompt_ids = self.encode_prompt(prompt, add_special_tokens)
         request_id = request_id or f"req-{self._num_admitted}"
-        state = admit(self.scheduler, request_id, prompt_ids, sampling or SamplingParams(), stop or StopConditions(),
-                      self.eos_token_ids, priority, self.clock())
+        self._run(self._call(self.core.submit, request_id, prompt_ids, sampling or SamplingParams(),
+                             stop or StopConditions(), self._collect, priority, num_speculative_tokens))
         self._num_admitted += 1
-        self._tracked[request_id] = _Tracked(
-            state, IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_leading_space=True))
         return request_id
 
+    def _collect(self, delta: GenerationDelta) -> None:
+        self._outbox.append(delta)
+
     def abort(self, request_id: str) -> GenerationDelta | None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return None
-        self.scheduler.abort_request(request_id)
-        return tracked.state.abort(self.clock())
+        """End a request now; returns its final delta (None for an unknown id)."""
+        delta = self._run(self._call(self.core.abort, request_id))
+        if delta is not None:
+            self._outbox.remove(delta)  # returned here instead of by the next step
+        return delta
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[GenerationDelta]:
-        plan = self.scheduler.schedule(self.clock())
-        if plan.is_empty and not plan.finished_seq_ids:
-            return []
-        result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, result)
-        now = self.clock()
-        deltas: list[GenerationDelta] = []
-        for update in updates:
-            tracked = self._tracked.get(update.request_id)
-            if tracked is None:
-                continue
-            text = tracked.detokenizer.append(update.new_token_ids)
-            if update.finish_reason is not None:
-                text += tracked.detokenizer.finish()
-            delta, stop_string = tracked.state.on_update(update, text, now)
-            if stop_string is not None:
-                self.scheduler.finish_request(update.request_id, FinishReason.STOP, stop_string)
-            if delta.finished:
-                del self._tracked[update.request_id]
-            deltas.append(delta)
+        """One round of the engine loop; the deltas it produced."""
+        self._run(self._step())
+        deltas, self._outbox = self._outbox, []
         return deltas
+
+    async def _step(self) -> None:
+        await self.core.step()
+        await self.core.publisher.drain()
 
     def generate(
         self,
@@ -143,18 +164,16 @@ class Engine:
                 if delta.request_id in index:
                     yield index[delta.request_id], delta
 
-    def generate_all(self, prompts, sampling=None, stop=None) -> list[GenerationDelta]:
-        """Convenience: run to completion and return one merged delta (all text and tokens) per prompt."""
-        prompts = list(prompts)
-        merged = [GenerationDelta(request_id="") for _ in prompts]
-        for i, delta in self.generate(prompts, sampling, stop):
-            m = merged[i]
-            m.request_id = delta.request_id
-            m.text += delta.text
-            m.token_ids.extend(delta.token_ids)
-            if delta.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + delta.logprobs
-            if delta.finished:
-                m.finish_reason, m.stop_reason = delta.finish_reason, delta.stop_reason
-                m.usage, m.timings = delta.usage, delta.timings
-        return merged
+    def close(self) -> None:
+        """Stop the worker thread and the event loop (also done when the engine is collected)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._executor.close()
+            self._loop.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to close
+            pass

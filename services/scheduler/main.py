@@ -13,12 +13,10 @@ from services.common.service_main import announce_serving, registrar, service_ma
 from services.common.tls import ClientTLS
 from services.scheduler.admission import Admission, DoorInterceptor
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
-from services.scheduler.clients import ExecutorLink, TokenizerPool
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.drafter_link import DrafterLink
-from services.scheduler.loop import SchedulerLoop
-from services.scheduler.profile import LatencyProfileRecorder
+from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.servicer import GenerationServicer
+from services.scheduler.supervisor import Backends, Supervisor
 
 
 PROFILE_RETENTION_S = 600.0
@@ -45,36 +43,33 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         for observe in observers:
             observe(delta, output_state)
 
-    backend_tls = ClientTLS.for_backends(config)
-    drafter = (DrafterLink(config.drafter_address, config.spec_draft_deadline_ms / 1000, backend_tls)
-               if config.drafter_address and config.num_speculative_tokens > 0 else None)
-    loop = SchedulerLoop(config.limits, ExecutorLink(config.executor_address, backend_tls),
-                         TokenizerPool(config.tokenizer_addresses, backend_tls), config.connect_timeout_s,
-                         on_finished=on_finished, drafter=drafter, speculation=config.speculation())
-    await loop.start()
-    model_name = Path(loop.executor.info.model).name
+    drafting = config.drafter_address and config.num_speculative_tokens > 0
+    backends = Backends(config.executor_address, config.tokenizer_addresses,
+                        config.drafter_address if drafting else "", config.spec_draft_deadline_ms / 1000,
+                        ClientTLS.for_backends(config))
+    supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=config.speculation(),
+                            on_finished=on_finished)
+    await supervisor.start()
+    auth_table = load_auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else None
     admission = Admission(config.limits.max_waiting_requests, config.max_waiting_per_tenant)
-    servicer = GenerationServicer(loop, config.max_prompt_chars, profile=profile, model_name=model_name,
+    servicer = GenerationServicer(supervisor, admission, max_prompt_chars=config.max_prompt_chars, profile=profile,
+                                  model_name=Path(supervisor.core.lane.info.model).name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
-                                  admission=admission)
-
+                                  auth_table=auth_table)
     if config.metrics_port >= 0:
-        scheduler_collector().source = loop
-    auth = []
-    if config.auth_tokens_file:
-        servicer.auth_table = load_auth_tokens(config.auth_tokens_file)
-        auth.append(AuthInterceptor(servicer.auth_table))
+        scheduler_collector().watch(supervisor.core)
     running = await start_service(config, "scheduler", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
-        interceptors=auth, front_interceptors=[DoorInterceptor(admission, unavailable=loop.unavailable_reason)])
-    running.on_stopping(loop.shutdown)
+        interceptors=[AuthInterceptor(auth_table)] if auth_table is not None else [],
+        front_interceptors=[DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
+        app=supervisor)
+    running.on_stopping(supervisor.shutdown)
     # Free memory back to the system once the load ends (glibc's malloc_trim; with
     # PYTHONMALLOC=malloc that includes the pages of Python objects freed after a peak).
-    trimmer = asyncio.create_task(trim_when_idle(lambda: loop.step_count), name="scheduler-malloc-trim")
+    trimmer = asyncio.create_task(trim_when_idle(lambda: supervisor.core.step_count), name="scheduler-malloc-trim")
     running.on_stop(trimmer.cancel)
-    running.scheduler_loop = loop  # for in-process tests and metrics
     await announce_serving(running, config)
-    loop.on_serving_change = running.set_serving
+    supervisor.health.report_to(running.set_serving)
     return running
 
 

@@ -9,13 +9,16 @@ import structlog
 
 from services.common.codec.step_codec import sampling_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
-from services.common.generation import GenerationDelta
-from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.common.stop import StopConditions
 from services.common.metrics import TenantMetrics
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
-from services.scheduler.loop import EXECUTOR_UNAVAILABLE, SchedulerLoop
+from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
+from services.scheduler.generation_codec import delta_to_protos, model_info_to_proto, stop_from_proto
+from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.scheduler.request.delta import GenerationDelta
+from services.scheduler.supervisor import Supervisor
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
@@ -25,94 +28,42 @@ CHARS_PER_TOKEN_BOUND = 32
 far more than any tokenizer packs into a token (runs of spaces in code come closest), so a text
 that cannot fit is refused before it costs the tokenizer anything."""
 
-FINISH_REASONS = {
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "eos": common_pb2.FINISH_REASON_EOS,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
-
-def stop_from_proto(msg: common_pb2.StopConditions) -> StopConditions:
-    return StopConditions(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-    )
-
-
-def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateResponse]:
-    out = []
-    if delta.text or delta.token_ids:
-        d = generation_pb2.Delta(text=delta.text, token_ids=delta.token_ids)
-        for lp in delta.logprobs or ():
-            d.logprobs.add(token_id=0, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                           top_logprobs=lp.top_logprobs)
-        for lp, token_id in zip(d.logprobs, delta.token_ids):
-            lp.token_id = token_id
-        out.append(generation_pb2.GenerateResponse(delta=d))
-    if delta.finished:
-        f = generation_pb2.Finished(finish_reason=FINISH_REASONS[delta.finish_reason])
-        if delta.stop_reason is not None:
-            f.stop_reason = str(delta.stop_reason)
-        if delta.error_message is not None:
-            f.error_message = delta.error_message
-        if delta.usage is not None:
-            f.usage.prompt_tokens = delta.usage.prompt_tokens
-            f.usage.completion_tokens = delta.usage.completion_tokens
-            f.usage.cached_tokens = delta.usage.cached_tokens
-        if delta.timings is not None:
-            t = delta.timings
-            f.timings.queue_time_ms = t.queue_time_ms
-            f.timings.time_to_first_token_ms = t.time_to_first_token_ms
-            f.timings.decode_time_ms = t.decode_time_ms
-            f.timings.e2e_ms = t.e2e_ms
-            f.timings.accepted_draft_tokens = t.accepted_draft_tokens
-        out.append(generation_pb2.GenerateResponse(finished=f))
-    return out
-
-
-def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> Exception | None:
+def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> None:
     """Fold the deltas already waiting behind ``delta`` into it: one write for all of them.
 
     They wait only while this stream's previous write was still in flight, so a client that
     keeps up gets every step as it comes, and one that falls behind (or a server short of CPU)
-    gets fewer, larger messages rather than a backlog. Stops at the final delta; an exception
-    found in the queue is returned, to be raised once ``delta`` is sent.
+    gets fewer, larger messages rather than a backlog. Stops at the final delta.
     """
     while not delta.finished and not queue.empty():
-        item = queue.get_nowait()
-        if isinstance(item, Exception):
-            return item
-        delta.absorb(item)
-    return None
+        delta.absorb(queue.get_nowait())
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, loop: SchedulerLoop, max_prompt_chars: int = 0, profile=None, model_name: str = "",
-                 tenant_metrics: TenantMetrics | None = None, admission: Admission | None = None) -> None:
-        self.loop = loop
-        self.admission = admission or Admission(loop.limits.max_waiting_requests)
+    def __init__(self, supervisor: Supervisor, admission: Admission, *, max_prompt_chars: int = 0,
+                 profile: LatencyProfileRecorder | None = None, model_name: str = "",
+                 tenant_metrics: TenantMetrics | None = None, auth_table: AuthTable | None = None) -> None:
+        self.supervisor = supervisor
+        self.admission = admission
         """The bounded queue at the door: refuses a request before it is tokenized."""
         self.max_prompt_chars = max_prompt_chars
         """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context."""
         self.profile = profile
         self.model_name = model_name
         self.tenant_metrics = tenant_metrics
-        self.auth_table: AuthTable | None = None
-        """Set with authentication on: the tenants' token budgets."""
+        self.auth_table = auth_table
+        """With authentication on: the tenants' token budgets."""
         self._owners: dict[str, str] = {}
         """request_id -> tenant of each live request, so a tenant can abort only its own."""
 
-    def _context_limit(self) -> int:
-        info = self.loop.executor.info
-        if info is None:
+    def _executor_info(self) -> ExecutorInfo:
+        lane = self.supervisor.core.lane
+        if lane is None:
             raise UnavailableError(EXECUTOR_UNAVAILABLE)
-        return info.max_model_len
+        return lane.info
+
+    def _context_limit(self) -> int:
+        return self._executor_info().max_model_len
 
     def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
         # The prompt must leave room for one generated token: refused here, by the field the
@@ -127,7 +78,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind is None:
             raise InvalidArgumentError("prompt is empty: set one of text, token_ids or chat")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
-        tokenizers = self.loop.tokenizers
+        if add_special and kind != "text":
+            raise InvalidArgumentError(f"add_special_tokens=true applies to text prompts only; a {kind} prompt is "
+                                       "used as sent (token_ids) or as its chat template writes it (chat)")
+        tokenizers = self.supervisor.tokenizers
         if kind == "text":
             if not request.text:
                 raise InvalidArgumentError("prompt text is empty")
@@ -163,7 +117,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # While the executor is away (restarting), refuse at once: submit would refuse anyway,
         # after a tokenizer round trip for the prompt. The door (DoorInterceptor) refuses such
         # calls before they are decoded; this covers a call that passed it just before.
-        self.loop.check_accepting()
+        self.supervisor.check_accepting()
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
@@ -178,7 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
             if spec_k is not None and spec_k < 0:
                 raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
-            handle = self.loop.submit(request_id, prompt_ids, sampling, stop, request.priority,
+            handle = self.supervisor.submit(request_id, prompt_ids, sampling, stop, request.priority,
                                       num_speculative_tokens=spec_k,
                                       tenant=tenant.name if tenant is not None else "")
             if tenant is not None:
@@ -188,28 +142,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 yield generation_pb2.GenerateResponse(
                     started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
-                held: Exception | None = None
                 while not finished:
-                    item = held if held is not None else await handle.queue.get()
-                    held = None
+                    item = await handle.queue.get()
                     self.admission.leave(place)  # first output: it is no longer queued
-                    if isinstance(item, Exception):
-                        finished = True
-                        _log.warning("request_failed", error=str(item))
-                        raise item
-                    held = coalesce(item, handle.queue)
+                    coalesce(item, handle.queue)
                     for message in delta_to_protos(item):
                         yield message
                     if item.finished:
                         finished = True
-                        _log.info("request_finished", finish_reason=item.finish_reason,
+                        _log.info("request_finished", finish_reason=item.finish_reason.value,
                                   completion_tokens=item.usage.completion_tokens if item.usage else None)
                         self._tenant_finished(tenant, item)
             finally:
                 self._owners.pop(request_id, None)
                 if not finished:
                     # The client went away (cancelled, deadline): free its blocks now.
-                    self.loop.abort(request_id)
+                    self.supervisor.abort(request_id)
                     _log.info("request_cancelled")
         finally:
             self.admission.leave(place)
@@ -225,7 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if budget is not None:
             budget.spend(delta.usage.completion_tokens)
         if self.tenant_metrics is not None:
-            self.tenant_metrics.observe_finished(tenant.name, delta.finish_reason, delta.usage.prompt_tokens,
+            self.tenant_metrics.observe_finished(tenant.name, delta.finish_reason.value, delta.usage.prompt_tokens,
                                                  delta.usage.completion_tokens)
 
     async def Abort(self, request, context):
@@ -233,23 +181,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if tenant is not None and self._owners.get(request.request_id) != tenant.name:
             # Another tenant's request (or none): answer as for an unknown id, revealing nothing.
             return generation_pb2.AbortResponse(found=False)
-        return generation_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+        return generation_pb2.AbortResponse(found=self.supervisor.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):
-        info = self.loop.executor.info
-        msg = generation_pb2.ModelInfo(
-            model_name=self.model_name, model_path=info.model, architecture=info.architecture,
-            vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
-            block_size=info.block_size, dtype=info.dtype, device=info.device,
-            attention_backend=info.attention_backend, eos_token_ids=list(self.loop.eos_token_ids),
-            kv_cache_dtype=info.kv_cache_dtype, kv_cache_tokens=info.kv_cache_tokens,
-            kv_cache_bytes=info.kv_cache_bytes)
-        if info.bos_token_id is not None:
-            msg.bos_token_id = info.bos_token_id
-        return msg
+        return model_info_to_proto(self._executor_info(), self.model_name, self.supervisor.core.eos_token_ids)
 
     async def GetProfile(self, request, context):
         if self.profile is None:
             raise NotImplementedError("latency profiles are not enabled on this scheduler")
         window = request.window_seconds if request.HasField("window_seconds") else None
-        return self.profile.to_proto(window, self.loop.stats())
+        return self.profile.to_proto(window, self.supervisor.core.stats())

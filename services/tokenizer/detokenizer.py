@@ -58,6 +58,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
+from services.common.detokenize import DetokenizeBatch, DetokenizeResult
+from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.text_tokenizer import TextTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -182,10 +184,22 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
 
-class DetokenizerPool:
-    """Incremental detokenizers keyed by stream id: the tokenizer service's Detokenize stream.
+class _TextStream:
+    """One request's text: its incremental detokenizer and, with stop strings, their matcher."""
 
-    One owner (the stream handler) calls open/append/close; no locking.
+    __slots__ = ("detokenizer", "matcher")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher | None) -> None:
+        self.detokenizer = detokenizer
+        self.matcher = matcher
+
+
+class DetokenizerPool:
+    """The text streams of one scheduler, keyed by stream id: the tokenizer service's
+    Detokenize stream, and the in-process engine's detokenizer.
+
+    ``apply`` takes one step's DetokenizeBatch (services/common/detokenize.py): open, decode,
+    match stop strings, close. One owner calls it; no locking.
     """
 
     def __init__(self, tokenizer: TextTokenizer, max_streams: int = DEFAULT_MAX_STREAMS) -> None:
@@ -193,7 +207,39 @@ class DetokenizerPool:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self._tokenizer = tokenizer
         self._max_streams = max_streams
-        self._streams: dict[int, IncrementalDetokenizer] = {}
+        self._streams: dict[int, _TextStream] = {}
+
+    def apply(self, batch: DetokenizeBatch) -> DetokenizeResult:
+        """One step: open ``new_streams``, decode ``appended``, then close ``closed`` (a stream
+        closed with tokens in this batch gets its held-back text). Raises ValueError naming the
+        stream for an id already open (new) or not open (appended); closing an unknown id is
+        ignored, since a stream stopped here may be closed by the scheduler too."""
+        for new in batch.new_streams:
+            self.open(new.stream_id, new.prompt_tail, skip_special=new.skip_special_tokens, keep_leading_space=True,
+                      stop=new.stop, include_stop_str_in_output=new.include_stop_str_in_output)
+        for stream_id, _ in batch.appended:
+            if stream_id not in self._streams:
+                raise ValueError(f"stream_ids names {stream_id}, which is not open")
+        result = DetokenizeResult()
+        texts, stopped = result.texts, result.stopped
+        closed = set(batch.closed)
+        for stream_id, ids in batch.appended:
+            stream = self._streams[stream_id]
+            text = stream.detokenizer.append(ids)
+            if stream_id in closed:
+                text += stream.detokenizer.finish()
+            matcher = stream.matcher
+            if matcher is not None:
+                text, matched = matcher.feed(text)
+                if matched is not None:
+                    stopped[stream_id] = matched
+                    del self._streams[stream_id]
+                elif stream_id in closed:
+                    text += matcher.finish()
+            texts[stream_id] = text
+        for stream_id in closed:
+            self._streams.pop(stream_id, None)
+        return result
 
     def open(
         self,
@@ -201,38 +247,21 @@ class DetokenizerPool:
         prompt_ids: Sequence[int] = (),
         skip_special: bool = True,
         keep_leading_space: bool = False,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
     ) -> None:
         if stream_id in self._streams:
             raise ValueError(f"stream_id {stream_id} is already open")
         if len(self._streams) >= self._max_streams:
             raise ValueError(f"too many open streams: the limit max_streams is {self._max_streams}")
-        self._streams[stream_id] = IncrementalDetokenizer(
+        detokenizer = IncrementalDetokenizer(
             self._tokenizer, prompt_ids, skip_special_tokens=skip_special, keep_leading_space=keep_leading_space
         )
-
-    def append(self, stream_id: int, ids: Sequence[int]) -> str:
-        """Text delta of `ids` for an open stream."""
-        return self._get(stream_id).append(ids)
-
-    def close(self, stream_id: int) -> str:
-        """Flush and forget the stream; returns its held-back text."""
-        detokenizer = self._streams.pop(stream_id, None)
-        if detokenizer is None:
-            raise ValueError(f"stream_id {stream_id} is not open")
-        return detokenizer.finish()
-
-    def discard(self, stream_id: int) -> None:
-        """Forget a stream without flushing (aborted requests); unknown ids are ignored."""
-        self._streams.pop(stream_id, None)
+        matcher = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
+        self._streams[stream_id] = _TextStream(detokenizer, matcher)
 
     def __contains__(self, stream_id: int) -> bool:
         return stream_id in self._streams
 
     def __len__(self) -> int:
         return len(self._streams)
-
-    def _get(self, stream_id: int) -> IncrementalDetokenizer:
-        detokenizer = self._streams.get(stream_id)
-        if detokenizer is None:
-            raise ValueError(f"stream_id {stream_id} is not open")
-        return detokenizer

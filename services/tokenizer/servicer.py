@@ -30,7 +30,8 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from services.common.codec.packed import split_packed
+from services.common.codec.detokenize_codec import batch_from_proto, result_to_proto
+from services.common.detokenize import validate_stop_strings
 from services.common.errors import InvalidArgumentError
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -117,31 +118,21 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def _detokenize_step(
         self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest
     ) -> tokenizer_pb2.DetokenizeResponse:
-        for index, new in enumerate(request.new_streams):
-            prompt_ids = list(new.prompt_token_ids)
-            check_token_ids(f"new_streams[{index}].prompt_token_ids", prompt_ids, self._vocab_size)
+        batch = batch_from_proto(request)
+        for index, new in enumerate(batch.new_streams):
+            check_token_ids(f"new_streams[{index}].prompt_token_ids", new.prompt_tail, self._vocab_size)
             if new.stream_id in pool:
                 raise InvalidArgumentError(f"new_streams[{index}].stream_id {new.stream_id} is already open")
-            pool.open(new.stream_id, prompt_ids, skip_special=new.skip_special_tokens, keep_leading_space=True)
-        appended = split_packed(
-            request.stream_ids, request.token_counts, request.token_ids,
-            ids_field="stream_ids", counts_field="token_counts", flat_field="token_ids",
-        )
+            try:
+                validate_stop_strings(new.stop, field=f"new_streams[{index}].stop")
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
         check_token_ids("token_ids", request.token_ids, self._vocab_size)
-        for stream_id, _ in appended:
-            if stream_id not in pool:
-                raise InvalidArgumentError(f"stream_ids names {stream_id}, which is not open")
-        deltas = [pool.append(stream_id, ids) for stream_id, ids in appended]
-        closed = set(request.closed_stream_ids)
-        if closed:
-            for position, (stream_id, _) in enumerate(appended):
-                if stream_id in closed:
-                    deltas[position] += pool.close(stream_id)
-            for stream_id in closed:
-                pool.discard(stream_id)
-        return tokenizer_pb2.DetokenizeResponse(
-            step_id=request.step_id, stream_ids=request.stream_ids, text_deltas=deltas
-        )
+        try:
+            result = pool.apply(batch)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        return result_to_proto(result, request.step_id)
 
 
 def _ms_since(started: float) -> float:

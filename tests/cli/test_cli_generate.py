@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.conftest import REPO_ROOT
+from tests.helpers.engine_runs import generate_all
 
 # slow: each test runs `tokenmill generate` as a subprocess
 pytestmark = pytest.mark.slow
@@ -91,7 +92,7 @@ def test_no_prompt_starts_from_bos(outputs):
 def test_generation_stops_at_an_end_token(bos_ends):
     engine = Engine(EngineConfig(ExecutorConfig(model=str(bos_ends), device="cpu", num_blocks=64)))
     assert engine.eos_token_ids == (2, 1)
-    (out,) = engine.generate_all([STORY_END_PROMPT], SamplingParams(temperature=0.0), StopConditions(max_tokens=32))
+    (out,) = generate_all(engine, [STORY_END_PROMPT], SamplingParams(temperature=0.0), StopConditions(max_tokens=32))
     assert (out.text, out.finish_reason, out.token_ids[-1]) == (STORY_END, "eos", 1)
 
 

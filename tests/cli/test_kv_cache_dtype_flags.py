@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from services.cli.up import build_parser, executor_args
+from services.cli.up import parse_up_config, executor_args
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.conftest import REPO_ROOT
+from tests.helpers.engine_runs import generate_all
 
 
 def test_config_names_the_allowed_values():
@@ -26,12 +27,12 @@ def test_config_names_the_allowed_values():
 
 
 def test_up_passes_it_to_the_executor(capsys):
-    args = build_parser().parse_args(["--kv-cache-dtype", "int8", "--executor-arg=--block-size=32"])
+    args = parse_up_config(["--kv-cache-dtype", "int8", "--executor-arg=--block-size=32"])
     assert executor_args(args) == ["--kv-cache-dtype=int8", "--block-size=32"]
-    assert executor_args(build_parser().parse_args([])) == []
+    assert executor_args(parse_up_config([])) == []
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--kv-cache-dtype", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        parse_up_config(["--kv-cache-dtype", "int4"])
+    assert "kv_cache_dtype must be one of auto, int8, fp8_e4m3, got 'int4'" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a subprocess that imports torch and loads the model
@@ -48,7 +49,7 @@ def test_generate_in_process_uses_the_quantized_cache(stories_dir):
     texts = {}
     for kv_cache_dtype in ("int8", "auto"):
         engine = Engine(EngineConfig(ExecutorConfig(model=str(stories_dir), kv_cache_dtype=kv_cache_dtype)))
-        (out,) = engine.generate_all([prompt], SamplingParams(temperature=0.0),
+        (out,) = generate_all(engine, [prompt], SamplingParams(temperature=0.0),
                                      StopConditions(max_tokens=max_tokens, ignore_eos=True))
         texts[kv_cache_dtype] = prompt + out.text + "\n"
     assert texts["int8"] != texts["auto"], "the prompt no longer tells the caches apart; pick another"

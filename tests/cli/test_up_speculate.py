@@ -3,17 +3,17 @@ drafter for up to K drafts, and the drafter's own cap is raised to K."""
 
 from __future__ import annotations
 
-from services.cli.up import build_parser, drafter_args, scheduler_args
+from services.cli.up import parse_up_config, drafter_args, scheduler_args
 from services.drafter.config import DrafterConfig
 from services.common.settings import parse_config
 from services.scheduler.config import SchedulerServiceConfig
 
 
 def test_speculate_sets_k_on_both_and_later_flags_win():
-    args = build_parser().parse_args(["--speculate", "6", "--drafter-arg=--method=draft_model"])
+    args = parse_up_config(["--speculate", "6", "--drafter-arg=--method=draft_model"])
     assert scheduler_args(args) == ["--num-speculative-tokens=6"]
     assert drafter_args(args) == ["--num-speculative-tokens=6", "--method=draft_model"]
-    plain = build_parser().parse_args([])
+    plain = parse_up_config([])
     assert scheduler_args(plain) == [] and drafter_args(plain) == []
     # What the services make of them: the flags parse into their configs.
     scheduler = parse_config(SchedulerServiceConfig, scheduler_args(args) + ["--drafter-address", "127.0.0.1:1"], env={})

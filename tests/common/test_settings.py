@@ -196,3 +196,19 @@ def test_embedded_config_round_trips_and_takes_the_prefix() -> None:
 def test_embedded_needs_a_dataclass() -> None:
     with pytest.raises(TypeError, match="is not a dataclass"):
         embedded(int, env_prefix="T_")
+
+
+@dataclass
+class _Passthrough:
+    child_arg: tuple[str, ...] = field(default=(), metadata={"help": "a flag for the child", "env": "T_CHILD_ARG",
+                                                             "repeat": True})
+
+
+def test_a_repeated_field_takes_one_item_per_flag_commas_included() -> None:
+    config = parse_config(_Passthrough, ["--child-arg=--addresses=a,b", "--child-arg=--x=1"], env={})
+    assert config.child_arg == ("--addresses=a,b", "--x=1")
+    assert parse_config(_Passthrough, to_argv(config), env={}) == config
+    assert parse_config(_Passthrough, [], env={}).child_arg == ()
+    # The environment gives the first items (comma-separated there); flags add to them.
+    assert parse_config(_Passthrough, ["--child-arg=--z"], env={"T_CHILD_ARG": "--x,--y"}).child_arg == (
+        "--x", "--y", "--z")

@@ -17,7 +17,7 @@ from services.common.codec.step_codec import (
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+from services.common.step import MinTokensBan
 from services.common.step import (
     NewSequence,
     RunningSequence,

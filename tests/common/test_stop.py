@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from services.common.stop import MAX_STOP_TOKEN_IDS, MinTokensBan, StopConditions
+from services.common.step import MinTokensBan
+from services.scheduler.request.stop import MAX_STOP_TOKEN_IDS, StopConditions
 
 
 @pytest.mark.parametrize(

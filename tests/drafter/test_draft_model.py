@@ -14,12 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.draft_model import DraftModelProposer
 from services.drafter.proposer import DraftMethod, ProposerInfo
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from tests.helpers.engine_runs import generate_all
 
 K = 4
 VOCAB = 512
@@ -38,7 +39,7 @@ def target_engine(model_dir: Path) -> Engine:
 def target_greedy(engine: Engine, prompts: list[list[int]], k: int = K) -> list[list[int]]:
     """The target's greedy continuation of each prompt, k tokens, through the executor's runner."""
     stop = StopConditions(max_tokens=k, ignore_eos=True)
-    return [d.token_ids for d in engine.generate_all(prompts, GREEDY, stop)]
+    return [d.token_ids for d in generate_all(engine, prompts, GREEDY, stop)]
 
 
 @pytest.fixture(scope="module")

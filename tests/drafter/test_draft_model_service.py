@@ -16,7 +16,7 @@ import pytest_asyncio
 from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.server import RunningServer, create_channel
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.drafter.config import DrafterConfig
 from services.drafter.main import serve
 from services.drafter.proposer import DraftMethod
@@ -26,6 +26,7 @@ from tests.helpers.drafts import drafts_of
 from tests.helpers.service_harness import (
     SERVING, StreamSession, expect_status, health_status, launch_module, wait_for_port_file,
 )
+from tests.helpers.engine_runs import generate_all
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,7 +40,7 @@ def engine(stories_dir) -> Engine:
 
 
 def target_greedy(engine: Engine, prompt: list[int], k: int = K) -> list[int]:
-    (out,) = engine.generate_all([prompt], SamplingParams(temperature=0.0), StopConditions(max_tokens=k, ignore_eos=True))
+    (out,) = generate_all(engine, [prompt], SamplingParams(temperature=0.0), StopConditions(max_tokens=k, ignore_eos=True))
     return out.token_ids
 
 

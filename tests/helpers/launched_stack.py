@@ -16,11 +16,12 @@ import torch
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.server import create_channel
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.stack.launcher import LaunchConfig, Launcher
 from tests.helpers.service_harness import REPO_ROOT
+from tests.helpers.engine_runs import generate_all
 
 
 def executor_flags(settings: Mapping[str, object]) -> list[str]:
@@ -60,7 +61,7 @@ def in_process_greedy(model: str | Path, executor: Mapping[str, object], prompts
         torch.set_num_threads(threads)
     try:
         engine = Engine(EngineConfig(ExecutorConfig(model=str(model), **executor)))
-        outputs = engine.generate_all(prompts, SamplingParams(temperature=0.0),
+        outputs = generate_all(engine, prompts, SamplingParams(temperature=0.0),
                                       StopConditions(max_tokens=max_tokens, ignore_eos=True))
     finally:
         torch.set_num_threads(previous)

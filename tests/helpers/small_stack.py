@@ -32,7 +32,7 @@ class SmallStack:
     stub: generation_pb2_grpc.GenerationStub
 
     def stats(self):
-        return self.scheduler.scheduler_loop.stats()
+        return self.scheduler.app.core.stats()
 
     async def wait_idle(self, timeout: float = 3.0) -> float:
         """Wait until no request runs or waits and every KV block is free; return how long it took."""

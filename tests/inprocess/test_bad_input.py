@@ -20,9 +20,10 @@ from services.runtime.model.config import ModelConfig
 from services.tools.random_model import PRESETS, build_random_model
 from services.runtime.model.weights import find_safetensors_files, load_checkpoint
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from tests.helpers.engine_runs import generate_all
 
 
 def make_engine(model_dir: Path) -> Engine:
@@ -150,6 +151,6 @@ def test_refused_requests_leave_nothing_behind(engine):
         with pytest.raises(ValueError):
             engine.add_request(bad)
     assert not engine.has_unfinished()
-    (out,) = engine.generate_all(["Once upon a time"], SamplingParams(temperature=0.0),
+    (out,) = generate_all(engine, ["Once upon a time"], SamplingParams(temperature=0.0),
                                  StopConditions(max_tokens=5, ignore_eos=True))
     assert len(out.token_ids) == 5 and out.finish_reason == "length"

@@ -19,10 +19,11 @@ import torch
 import transformers
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.helpers.parity_specs import PARITY_SPECS
+from tests.helpers.engine_runs import generate_all
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,7 +74,7 @@ def describe_divergence(model, prompt: list[int], ours: list[int], ref: list[int
 
 def assert_same_generations(engine: Engine, model, prompts) -> None:
     prompt_ids = [engine.encode_prompt(p) for p in prompts]
-    ours = [d.token_ids for d in engine.generate_all(prompts, GREEDY, RUN_TO_LENGTH)]
+    ours = [d.token_ids for d in generate_all(engine, prompts, GREEDY, RUN_TO_LENGTH)]
     refs = reference_greedy(model, prompt_ids)
     for prompt, mine, ref in zip(prompt_ids, ours, refs):
         assert len(ref) == NEW_TOKENS
@@ -99,7 +100,7 @@ def test_stories260k_text_prompts_match_transformers(stories):
 def test_stories260k_text_is_the_decoded_tokens(stories):
     """The merged text equals decoding the generated ids after the prompt, with no token lost."""
     engine, _ = stories
-    (out,) = engine.generate_all([STORY_PROMPTS[1]], GREEDY, RUN_TO_LENGTH)
+    (out,) = generate_all(engine, [STORY_PROMPTS[1]], GREEDY, RUN_TO_LENGTH)
     prompt = engine.encode_prompt(STORY_PROMPTS[1])
     full = engine.tokenizer.decode(prompt + out.token_ids)
     assert full == engine.tokenizer.decode(prompt) + out.text

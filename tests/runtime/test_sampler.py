@@ -11,7 +11,7 @@ import torch
 
 from services.runtime.sampling.batch import SamplingBatch, derive_row_seed, is_plain_greedy
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+from services.common.step import MinTokensBan
 from services.runtime.sampling.sampler import Sampler, process_logits
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import pytest
 
 from services.scheduler.core.block_manager import BlockManager, hash_block_tokens
 from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
-from services.scheduler.core.request import Request
+from services.scheduler.request.request import Request
 
 BLOCK_SIZE = 4
 
@@ -272,20 +272,6 @@ def test_cache_full_blocks_follows_num_computed_tokens():
     request.num_computed_tokens = 14
     manager.cache_full_blocks(request)
     assert [b.block_hash is not None for b in manager.blocks[:4]] == [True, True, True, False]
-
-
-def test_reset_prefix_cache_forgets_every_prefix():
-    manager = BlockManager(num_blocks=6, block_size=BLOCK_SIZE)
-    running = make_request("a", list(range(9)))
-    compute_all(manager, running)
-    finished = make_request("b", list(range(100, 109)))
-    compute_all(manager, finished)
-    manager.free(finished)
-    assert manager.reset_prefix_cache() == 4
-    assert manager.num_cached_blocks == 0
-    assert all(block.block_hash is None for block in manager.blocks)
-    assert manager.get_computed_blocks(make_request("c", list(range(9)))) == ([], 0)
-    assert running.block_ids == [0, 1, 2]  # running requests keep their blocks
 
 
 def test_disabled_prefix_caching_never_hits_nor_counts():

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from types import SimpleNamespace
 
 import pytest
 
-from services.common.errors import UnavailableError
-from services.common.generation import GenerationDelta, Timings, Usage
+from services.scheduler.request.delta import GenerationDelta, Timings, Usage
+from services.scheduler.request.finish_reason import FinishReason
 from services.common.step import TokenLogprobs
 from services.scheduler.admission import Admission
-from services.scheduler.loop import SchedulerLoop
 from services.scheduler.servicer import GenerationServicer, coalesce
 from services.stack.client import build_request
 
@@ -22,7 +20,7 @@ def _lp(value: float) -> TokenLogprobs:
 
 
 def _final(text: str = "", ids: tuple[int, ...] = ()) -> GenerationDelta:
-    return GenerationDelta("r", text, list(ids), finish_reason="length", usage=Usage(3, 4, 0),
+    return GenerationDelta("r", text, list(ids), finish_reason=FinishReason.LENGTH, usage=Usage(3, 4, 0),
                            timings=Timings(1.0, 2.0, 3.0, 4.0))
 
 
@@ -58,32 +56,20 @@ def test_coalesce_stops_at_the_final_delta_and_leaves_what_follows():
     for item in (GenerationDelta("r", "b", [2]), _final("c", (3,)), GenerationDelta("r", "never", [4])):
         queue.put_nowait(item)
     delta = GenerationDelta("r", "a", [1])
-    assert coalesce(delta, queue) is None
+    coalesce(delta, queue)
     assert (delta.text, delta.token_ids, delta.finish_reason) == ("abc", [1, 2, 3], "length")
     assert queue.qsize() == 1
-
-
-def test_coalesce_hands_back_an_error_found_in_the_queue():
-    queue: asyncio.Queue = asyncio.Queue()
-    error = UnavailableError("the executor went away")
-    queue.put_nowait(GenerationDelta("r", "b", [2]))
-    queue.put_nowait(error)
-    delta = GenerationDelta("r", "a", [1])
-    assert coalesce(delta, queue) is error
-    assert (delta.text, delta.token_ids) == ("ab", [1, 2])
 
 
 def _servicer_with(queued: list):
     handle = SimpleNamespace(queue=asyncio.Queue())
     for item in queued:
         handle.queue.put_nowait(item)
-    executor = SimpleNamespace(address="127.0.0.1:1", connected=True, info=SimpleNamespace(max_model_len=512))
     aborted = []
-    loop = SimpleNamespace(core=object(), executor=executor, tokenizers=None, _stopping=False,
-                           submit=lambda *a, **k: handle, abort=aborted.append)
-    loop.unavailable_reason = functools.partial(SchedulerLoop.unavailable_reason, loop)  # the real checks
-    loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)
-    return GenerationServicer(loop, admission=Admission(4)), aborted
+    core = SimpleNamespace(lane=SimpleNamespace(info=SimpleNamespace(max_model_len=512)))
+    supervisor = SimpleNamespace(core=core, tokenizers=None, check_accepting=lambda: None,
+                                 submit=lambda *a, **k: handle, abort=aborted.append)
+    return GenerationServicer(supervisor, Admission(4)), aborted
 
 
 async def test_a_stream_that_fell_behind_gets_one_delta_then_finished():
@@ -93,12 +79,3 @@ async def test_a_stream_that_fell_behind_gets_one_delta_then_finished():
     assert [m.WhichOneof("event") for m in messages] == ["started", "delta", "finished"]
     assert (messages[1].delta.text, list(messages[1].delta.token_ids)) == ("abc", [1, 2, 3])
     assert messages[2].finished.usage.completion_tokens == 4 and not aborted
-
-
-async def test_an_error_behind_queued_deltas_is_raised_after_they_are_sent():
-    servicer, aborted = _servicer_with([GenerationDelta("r", "a", [1]), UnavailableError("executor gone")])
-    stream = servicer.Generate(build_request([5, 6, 7], max_tokens=3), context=None)
-    assert (await anext(stream)).WhichOneof("event") == "started"
-    assert (await anext(stream)).delta.token_ids == [1]
-    with pytest.raises(UnavailableError, match="executor gone"):
-        await anext(stream)

@@ -17,15 +17,16 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
-from services.scheduler.core.fairness import FairWaitingQueue
-from services.scheduler.core.request import Request
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.request import Request
 from services.scheduler.core.waiting_queue import WaitingQueue
 from tests.helpers.service_harness import STORIES_DIR
 from tests.scheduler.test_scheduler import add, make_request, make_scheduler, step
+from tests.helpers.engine_runs import generate_all
 
 
 def tenant_request(request_id: str, tenant: str, *, priority: int = 0, arrival_time: float = 0.0,
@@ -35,32 +36,37 @@ def tenant_request(request_id: str, tenant: str, *, priority: int = 0, arrival_t
     return request
 
 
-def test_one_tenant_orders_as_the_plain_waiting_queue() -> None:
+def test_one_tenant_orders_by_priority_then_arrival_then_admission() -> None:
     rng = random.Random(3)
-    fair, plain = FairWaitingQueue(), WaitingQueue()
-    live = []
+    queue = WaitingQueue()
+    live: list[Request] = []
+
+    def expected_next() -> Request:
+        return min(live, key=lambda r: (r.priority, r.arrival_time, r.seq_id))
+
     for seq_id in range(300):
         if live and rng.random() < 0.3:
             victim = live.pop(rng.randrange(len(live)))
-            fair.remove(victim)
-            plain.remove(victim)
+            queue.remove(victim)
             continue
         request = make_request(f"r{seq_id}", priority=rng.randint(-2, 2), arrival_time=float(rng.randint(0, 50)))
         request.seq_id = seq_id
-        fair.push(request)
-        plain.push(request)
+        queue.push(request)
         live.append(request)
         if rng.random() < 0.2:
-            assert fair.pop() is plain.pop()
-            live = [r for r in live if r in plain]
-    assert list(fair) == list(plain)
-    while plain:
-        assert fair.pop() is plain.pop()
-    assert not fair and fair.peek() is None
+            head = expected_next()
+            assert queue.pop() is head
+            live.remove(head)
+    assert list(queue) == sorted(live, key=lambda r: (r.priority, r.arrival_time, r.seq_id))
+    while live:
+        head = expected_next()
+        assert queue.pop() is head
+        live.remove(head)
+    assert not queue and queue.peek() is None
 
 
 def test_the_least_served_tenant_goes_first_within_a_priority() -> None:
-    queue = FairWaitingQueue()
+    queue = WaitingQueue()
     for i in range(5):
         request = tenant_request(f"a{i}", "a", arrival_time=float(i))
         request.seq_id = i
@@ -79,14 +85,14 @@ def test_the_least_served_tenant_goes_first_within_a_priority() -> None:
 
 
 def test_a_tenant_back_from_idle_starts_level_and_keeps_its_debt() -> None:
-    credited = FairWaitingQueue(idle_credit=100)
+    credited = WaitingQueue(idle_credit=100)
     credited.charge("a", 1000)
     credited.set_running({"a"})
     back = tenant_request("b0", "b")
     back.seq_id = 1
     credited.push(back)
     assert credited.served["b"] == 900  # one request's worth of credit, no more
-    queue = FairWaitingQueue()
+    queue = WaitingQueue()
     queue.charge("a", 1000)
     queue.set_running({"a"})
     idle = tenant_request("b0", "b")
@@ -110,7 +116,7 @@ def test_a_flooding_tenant_does_not_hold_back_another_tenants_request() -> None:
     started_at = None
     for n in range(1, 60):
         step(scheduler)
-        quiet = scheduler.get_request("quiet")
+        quiet = scheduler.requests.get("quiet")
         if quiet is None or quiet.first_scheduled_time is not None or quiet in scheduler.running:
             started_at = n
             break
@@ -133,7 +139,7 @@ def test_a_more_urgent_request_preempts_a_less_urgent_one_when_there_is_no_room(
     assert victim in scheduler.waiting and low[0] in scheduler.running
     # The urgent request starts in the same step, in the room the preemption made; the victim
     # is not started again in the plan that tells the executor to forget it.
-    assert [seq.seq_id for seq in plan.new] == [scheduler.get_request("high").seq_id]
+    assert [seq.seq_id for seq in plan.new] == [scheduler.requests.get("high").seq_id]
     plan, _ = step(scheduler)
     assert plan.new == [] and victim in scheduler.waiting
     # Equal priority never preempts.
@@ -157,13 +163,13 @@ def test_a_flooding_tenant_yields_a_running_slot_to_a_tenant_far_behind() -> Non
     # preemption needs.
     plan, _ = step(scheduler)
     assert plan.finished_seq_ids == [] and scheduler.num_preemptions == 0
-    scheduler.abort_request("even")
+    scheduler.finish_request("even", FinishReason.ABORT)
     for _ in range(40):
         step(scheduler)
     add(scheduler, tenant_request("quiet", "quiet", arrival_time=100.0, max_tokens=4))
     running_flood = [r.request_id for r in scheduler.running]
     plan, _ = step(scheduler)
-    quiet = scheduler.get_request("quiet")
+    quiet = scheduler.requests.get("quiet")
     assert scheduler.waiting.served["flood"] - scheduler.waiting.served["quiet"] >= 64 - 6  # credit, less its prompt
     assert len(plan.finished_seq_ids) == 1 and scheduler.num_preemptions == 1
     victim = next(r for r in flood if r.seq_id == plan.finished_seq_ids[0])
@@ -188,8 +194,8 @@ def test_priority_preemption_leaves_every_output_unchanged(engine_factory) -> No
     greedy, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=80, ignore_eos=True)
     prompts = ["Once upon a time", "The cat sat on the mat and"]
     solo = engine_factory(8)
-    want = {p: solo.generate_all([p], greedy, stop)[0].token_ids for p in prompts}
-    urgent_want = solo.generate_all(["Lily wanted"], greedy, StopConditions(max_tokens=20, ignore_eos=True))[0]
+    want = {p: generate_all(solo, [p], greedy, stop)[0].token_ids for p in prompts}
+    urgent_want = generate_all(solo, ["Lily wanted"], greedy, StopConditions(max_tokens=20, ignore_eos=True))[0]
     engine = engine_factory(2)
     ids = [engine.add_request(p, greedy, stop, priority=5) for p in prompts]
     got: dict[str, list[int]] = {i: [] for i in ids}

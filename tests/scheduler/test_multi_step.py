@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.step import RunningSequence, StepPlan
-from services.scheduler.core import FinishReason, RequestUpdate
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.update import RequestUpdate
 from services.scheduler.core.speculation import DraftLength, SpeculationConfig
 from tests.scheduler.test_overlap import EOS, in_flight, out, run_workload
 from tests.scheduler.test_scheduler import add, assert_all_blocks_free, make_request, make_scheduler

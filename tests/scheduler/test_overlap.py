@@ -17,7 +17,10 @@ import pytest
 from services.common.settings import parse_config
 from services.common.step import RunningSequence, SequenceOutput, StepPlan, StepResult
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.core import FinishReason, Request, RequestStatus, RequestUpdate, Scheduler
+from services.scheduler.core import Scheduler
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.request import Request, RequestStatus
+from services.scheduler.request.update import RequestUpdate
 from tests.scheduler.test_scheduler import add, assert_all_blocks_free, make_request, make_scheduler, prompt_for
 
 EOS = 3
@@ -188,7 +191,7 @@ def test_abort_with_two_steps_in_flight_frees_blocks_that_only_later_steps_reuse
     add(scheduler, doomed, kept)
     plan0, plan1 = scheduler.schedule(), scheduler.schedule()
     assert doomed.block_ids == [0, 1] and kept.block_ids == [2]
-    assert scheduler.abort_request("a")
+    assert scheduler.finish_request("a", FinishReason.ABORT)
     assert scheduler.block_manager.free_block_ids() == [3, 1, 0]
     assert scheduler.update(plan0, out(plan0, {0: [5], 1: [6]})) == [RequestUpdate("b", 1, [6], None, None, None)]
     # Blocks 0 and 1 may still be written by steps 0 and 1 (a's tokens); the first plan that
@@ -203,7 +206,7 @@ def test_abort_with_two_steps_in_flight_frees_blocks_that_only_later_steps_reuse
     assert [u.request_id for u in scheduler.update(plan1, out(plan1, {0: [7], 1: [8]}))] == ["b"]
     assert doomed.output_token_ids == []
     for request_id in ("b", "c"):
-        scheduler.abort_request(request_id)
+        scheduler.finish_request(request_id, FinishReason.ABORT)
     scheduler.update(plan2, StepResult(plan2.step_id))
     assert_all_blocks_free(scheduler)
 
@@ -428,7 +431,7 @@ def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0, num_schedule
         if not pending and not scheduler.has_unfinished_requests() and not sent:
             break
         if abort_rate and rng.random() < abort_rate and scheduler.requests:
-            scheduler.abort_request(rng.choice(sorted(scheduler.requests)))
+            scheduler.finish_request(rng.choice(sorted(scheduler.requests)), FinishReason.ABORT)
         while len(sent) < depth:
             plan = scheduler.schedule()
             if plan.is_empty and not plan.finished_seq_ids:

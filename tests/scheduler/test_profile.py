@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgumentError
-from services.common.generation import GenerationDelta, Timings, Usage
-from services.scheduler.core.outputs import SchedulerStats
-from services.scheduler.profile import FinishedSample, LatencyProfileRecorder, percentile
+from services.scheduler.request.delta import GenerationDelta, Timings, Usage
+from services.scheduler.core.stats import SchedulerStats
+from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder, percentile
 
 
 class FakeClock:
@@ -179,7 +179,7 @@ def _rss_kib() -> int:
 
 _RESIDENT_CHECK = """
 from tests.scheduler.test_profile import FakeClock, _rss_kib
-from services.scheduler.profile import LatencyProfileRecorder
+from services.scheduler.latency_profile import LatencyProfileRecorder
 before = _rss_kib()
 recorder = LatencyProfileRecorder(window_s=60.0, clock=FakeClock(), capacity=500_000)  # 20 MB
 print(_rss_kib() - before, recorder.capacity)

@@ -9,7 +9,8 @@ import zlib
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan, StopConditions
+from services.common.step import MinTokensBan
+from services.scheduler.request.stop import StopConditions
 from services.common.step import (
     NewSequence,
     RunningSequence,
@@ -18,16 +19,10 @@ from services.common.step import (
     StepResult,
     TokenLogprobs,
 )
-from services.scheduler.core import (
-    FinishReason,
-    QueueFullError,
-    Request,
-    RequestStatus,
-    RequestUpdate,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerLimits,
-)
+from services.scheduler.core import QueueFullError, Scheduler, SchedulerConfig, SchedulerLimits
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.request import Request, RequestStatus
+from services.scheduler.request.update import RequestUpdate
 
 TOKEN = 7  # what the fake executor samples unless told otherwise
 
@@ -436,19 +431,19 @@ def test_abort_of_a_running_request_frees_its_blocks_at_once():
     add(scheduler, request)
     step(scheduler)
     assert scheduler.block_manager.num_free_blocks == 61
-    assert scheduler.abort_request("a") is True
+    assert scheduler.finish_request("a", FinishReason.ABORT) is True
     assert request.status is RequestStatus.FINISHED_ABORTED
     assert request.finish_reason is FinishReason.ABORT
     assert_all_blocks_free(scheduler)
-    assert scheduler.abort_request("a") is False
-    assert scheduler.abort_request("nobody") is False
+    assert scheduler.finish_request("a", FinishReason.ABORT) is False
+    assert scheduler.finish_request("nobody", FinishReason.ABORT) is False
     assert scheduler.schedule().finished_seq_ids == [request.seq_id]
 
 
 def test_abort_of_a_waiting_request_tells_the_executor_nothing():
     scheduler = make_scheduler()
     add(scheduler, make_request("a"))
-    assert scheduler.abort_request("a") is True
+    assert scheduler.finish_request("a", FinishReason.ABORT) is True
     plan = scheduler.schedule()
     assert plan.is_empty and plan.finished_seq_ids == []
     assert not scheduler.has_unfinished_requests()
@@ -459,7 +454,7 @@ def test_outputs_of_a_request_aborted_during_the_step_are_ignored():
     first, second = make_request("a"), make_request("b")
     add(scheduler, first, second)
     plan = scheduler.schedule()
-    scheduler.abort_request("a")
+    scheduler.finish_request("a", FinishReason.ABORT)
     result = StepResult(plan.step_id, [SequenceOutput(0, [5]), SequenceOutput(1, [6])])
     assert scheduler.update(plan, result) == [RequestUpdate("b", 1, [6], None, None, None)]
     assert first.output_token_ids == []
@@ -496,10 +491,10 @@ def test_add_request_raises_queue_full_beyond_max_waiting_requests():
     add(scheduler, make_request("a"), make_request("b"))
     with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
         scheduler.add_request(make_request("c"))
-    assert scheduler.get_request("c") is None
+    assert scheduler.requests.get("c") is None
     step(scheduler)  # both start running: the queue has room again
     add(scheduler, make_request("c"))
-    assert scheduler.get_request("c").seq_id == 2
+    assert scheduler.requests.get("c").seq_id == 2
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -811,7 +806,7 @@ def test_random_workload_keeps_every_invariant_and_frees_everything():
         if not pending and not scheduler.has_unfinished_requests():
             break
         if rng.random() < 0.03 and scheduler.requests:
-            scheduler.abort_request(rng.choice(sorted(scheduler.requests)))
+            scheduler.finish_request(rng.choice(sorted(scheduler.requests)), FinishReason.ABORT)
         for request in scheduler.running:
             if request.num_tokens - request.num_computed_tokens == 1 and rng.random() < 0.3:
                 request.spec_token_ids = [rng.randrange(1, 400) for _ in range(rng.randrange(1, 4))]

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.errors import UnavailableError
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.scheduler.admission import Admission
-from services.scheduler.loop import SchedulerLoop
+from services.scheduler.supervisor import Supervisor
 from services.scheduler.servicer import GenerationServicer
 from services.stack.client import build_request
 
@@ -25,13 +25,15 @@ class _Tokenizers:
 
 def _servicer(connected: bool):
     tokenizers = _Tokenizers()
-    executor = SimpleNamespace(address="127.0.0.1:1", connected=connected, info=SimpleNamespace(max_model_len=512))
-    loop = SimpleNamespace(core=object() if connected else None, executor=executor, tokenizers=tokenizers,
-                           _stopping=False, submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
-    loop.unavailable_reason = functools.partial(SchedulerLoop.unavailable_reason, loop)  # the real checks
-    loop.check_accepting = functools.partial(SchedulerLoop.check_accepting, loop)
+    executor = SimpleNamespace(address="127.0.0.1:1", connected=connected)
+    lane = SimpleNamespace(info=SimpleNamespace(max_model_len=512)) if connected else None
+    supervisor = SimpleNamespace(core=SimpleNamespace(lane=lane), executor=executor, tokenizers=tokenizers,
+                                 _stopping=False,
+                                 submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
+    supervisor.unavailable_reason = functools.partial(Supervisor.unavailable_reason, supervisor)  # the real checks
+    supervisor.check_accepting = functools.partial(Supervisor.check_accepting, supervisor)
     admission = Admission(4)
-    return GenerationServicer(loop, admission=admission), tokenizers, admission
+    return GenerationServicer(supervisor, admission), tokenizers, admission
 
 
 async def test_refused_before_tokenizing_while_the_executor_is_away():
@@ -51,8 +53,41 @@ async def test_tokenized_and_submitted_while_the_executor_is_up():
         submitted.append(prompt_ids)
         raise UnavailableError("stop here")
 
-    servicer.loop.submit = submit
+    servicer.supervisor.submit = submit
     stream = servicer.Generate(build_request("Once upon a time", max_tokens=4), context=None)
     with pytest.raises(UnavailableError, match="stop here"):
         await anext(stream)
     assert tokenizers.calls == 1 and submitted == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], None])
+async def test_add_special_tokens_true_is_refused_for_token_ids_and_chat(prompt):
+    servicer, tokenizers, admission = _servicer(connected=True)
+    chat = [{"role": "user", "content": "hi"}] if prompt is None else None
+    request = build_request(prompt, chat=chat, max_tokens=4)
+    request.add_special_tokens = True
+    kind = "chat" if prompt is None else "token_ids"
+    with pytest.raises(InvalidArgumentError, match=f"add_special_tokens=true applies to text prompts only; a {kind} "):
+        await anext(servicer.Generate(request, context=None))
+    assert tokenizers.calls == 0 and admission.queued == 0
+
+
+async def test_add_special_tokens_reaches_the_tokenizer_for_text():
+    servicer, tokenizers, _ = _servicer(connected=True)
+    seen = []
+
+    async def encode(text, add_special_tokens):
+        seen.append(add_special_tokens)
+        return [1, 2, 3]
+
+    tokenizers.encode = encode
+    servicer.supervisor.submit = lambda *a, **k: (_ for _ in ()).throw(UnavailableError("stop here"))
+    for flag in (False, True):
+        request = build_request("Once upon a time", max_tokens=4)
+        request.add_special_tokens = flag
+        with pytest.raises(UnavailableError, match="stop here"):
+            await anext(servicer.Generate(request, context=None))
+    request = build_request("Once upon a time", max_tokens=4)  # absent = true
+    with pytest.raises(UnavailableError, match="stop here"):
+        await anext(servicer.Generate(request, context=None))
+    assert seen == [False, True, True]

@@ -6,6 +6,7 @@ import pytest
 
 from services.common.step import SequenceOutput, StepResult
 from services.scheduler.core.speculation import DraftLength, SpecDecodeStats, SpeculationConfig
+from services.scheduler.request.finish_reason import FinishReason
 from tests.scheduler.test_scheduler import _decoding_request, assert_all_blocks_free, make_scheduler
 
 
@@ -64,7 +65,7 @@ def test_update_records_acceptance_and_the_request_learns_from_it():
     assert request.num_accepted_draft_tokens == 2
     assert request.draft_length.acceptance == pytest.approx(2 / 3)
     # Blocks allocated for the 1 + 3 positions stay exact: all free once the request ends.
-    scheduler.abort_request("a")
+    scheduler.finish_request("a", FinishReason.ABORT)
     assert_all_blocks_free(scheduler)
 
 

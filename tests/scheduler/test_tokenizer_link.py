@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.scheduler.clients import TokenizerLink
+from services.scheduler.links.tokenizer_link import TokenizerLink
 
 pytestmark = pytest.mark.asyncio
 

@@ -72,7 +72,7 @@ async def _paused_run(stack, request):
     """Stream `request`, pausing the tokenizer for PAUSE_S after the first token; returns the
     record and (steps, detokenize round trips) the scheduler made meanwhile."""
     tokenizer, scheduler, stub = stack
-    times = scheduler.scheduler_loop.step_times
+    times = scheduler.app.core.step_times
     steps, rounds = times.steps, times.detokenize_rounds
     running = asyncio.Event()
     call = asyncio.create_task(record_stream(stub, request, on_delta=running))

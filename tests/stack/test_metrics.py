@@ -26,6 +26,7 @@ from services.scheduler.main import serve as serve_scheduler
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
 from tests.helpers.service_harness import STORIES_DIR
+from tests.helpers.engine_runs import generate_all
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -57,7 +57,7 @@ class Stack:
     channel: grpc.aio.Channel
 
     def stats(self):
-        return self.scheduler.scheduler_loop.stats()
+        return self.scheduler.app.core.stats()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,7 +82,7 @@ async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
         scheduler = await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
             connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap, num_scheduler_steps=steps)))
-        assert scheduler.scheduler_loop.core.config.limits.overlap_scheduling is overlap
+        assert scheduler.app.core.scheduler.config.limits.overlap_scheduling is overlap
         assert (executor.model_runner.decode_graphs is not None) is (name == "overlap")
         assert (executor.model_runner.fused_decode is not None) is (name == "multi-step")
         channel = create_channel(scheduler.address)
@@ -117,7 +117,7 @@ async def wait_idle(stack: Stack, timeout: float = 10.0) -> None:
     while (stats := stack.stats()).num_free_blocks != stats.num_blocks and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (stats.num_blocks, 0, 0), stats
-    assert not stack.scheduler.scheduler_loop.core.has_unfinished_requests()
+    assert not stack.scheduler.app.core.has_unfinished()
 
 
 def outcome(record: StreamRecord) -> tuple:
@@ -189,7 +189,7 @@ async def test_outputs_with_overlap_equal_outputs_without(stacks) -> None:
         assert 3 <= len(cancelled.token_ids) < 400  # cancelled mid-stream (a message may carry several steps)
         assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 400
         await wait_idle(stack)
-        totals = stack.scheduler.scheduler_loop.step_times
+        totals = stack.scheduler.app.core.step_times
         assert (totals.overlapped > totals.steps // 2) if overlap else totals.overlapped == 0, totals
 
     for stack_name in ("overlap", "multi-step"):

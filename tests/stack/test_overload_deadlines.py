@@ -95,7 +95,7 @@ async def test_full_queue_is_refused_at_the_door_with_a_pushback(stack) -> None:
     for code, details, trailers, _ in results:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests=3" in details, details
         assert "grpc-retry-pushback-ms" in trailers
-    assert stack.scheduler.scheduler_loop.stats().num_waiting == 3
+    assert stack.scheduler.app.core.stats().num_waiting == 3
     # The door interceptor answers before the body is parsed: garbage is overload, not
     # INVALID_ARGUMENT, and other methods still pass.
     code, details, trailers = await raw_generate(stack, GARBAGE)

@@ -57,7 +57,7 @@ class Stack:
     channel: grpc.aio.Channel
 
     def stats(self):
-        return self.scheduler.scheduler_loop.stats()
+        return self.scheduler.app.core.stats()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -83,7 +83,7 @@ async def stacks() -> AsyncIterator[dict[str, Stack]]:
         stacks[name] = Stack(scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
         servers += [executor, scheduler]
     for name in ("ngram", "draft"):
-        link = stacks[name].scheduler.scheduler_loop.drafter
+        link = stacks[name].scheduler.app.drafter
         for _ in range(200):
             if link.connected:
                 break
@@ -189,18 +189,18 @@ async def test_sigkill_of_the_drafter_mid_run_leaves_every_stream_complete_and_c
         drafter_address=f"127.0.0.1:{port}", num_speculative_tokens=4, spec_draft_deadline_ms=2000))
     channel = create_channel(scheduler.address)
     stub = generation_pb2_grpc.GenerationStub(channel)
-    loop = scheduler.scheduler_loop
+    supervisor = scheduler.app
     try:
-        await _wait_for(lambda: loop.drafter.connected)
+        await _wait_for(lambda: supervisor.drafter.connected)
         expected = await run_all(stacks["plain"])
         streams = [asyncio.create_task(record_stream(stub, request)) for request in requests()]
-        await _wait_for(lambda: loop.stats().spec_decode.num_accepted_tokens >= 5)
+        await _wait_for(lambda: supervisor.core.stats().spec_decode.num_accepted_tokens >= 5)
         assert not all(stream.done() for stream in streams), "the drafter must die mid-run"
         drafter.send_signal(signal.SIGKILL)
         await drafter.wait()
-        killed_at = loop.stats().spec_decode.num_draft_tokens
+        killed_at = supervisor.core.stats().spec_decode.num_draft_tokens
         records = await asyncio.gather(*streams)
-        assert not loop.drafter.connected
+        assert not supervisor.drafter.connected
         assert any(not r.finished.timings.accepted_draft_tokens for r in records) or killed_at > 0
         for record, reference in zip(records, expected):
             assert record.code == grpc.StatusCode.OK, record.details
@@ -208,11 +208,11 @@ async def test_sigkill_of_the_drafter_mid_run_leaves_every_stream_complete_and_c
             assert record.token_ids == reference.token_ids
         # Back on the same port, the link finds it again by itself and drafts resume.
         drafter = await _start_drafter_process(port_file, port)
-        await _wait_for(lambda: loop.drafter.connected and loop.drafter.num_sessions == 2)
-        accepted = loop.stats().spec_decode.num_accepted_tokens
+        await _wait_for(lambda: supervisor.drafter.connected and supervisor.drafter.num_sessions == 2)
+        accepted = supervisor.core.stats().spec_decode.num_accepted_tokens
         again = await record_stream(stub, requests()[0])
         assert again.token_ids == expected[0].token_ids
-        assert loop.stats().spec_decode.num_accepted_tokens > accepted
+        assert supervisor.core.stats().spec_decode.num_accepted_tokens > accepted
     finally:
         if drafter.returncode is None:
             drafter.send_signal(signal.SIGKILL)
@@ -226,7 +226,7 @@ async def test_metrics_and_profile_report_acceptance(stacks):
     stack = stacks["ngram"]
     await run_all(stack)
     collector = SchedulerCollector()
-    collector.source = stack.scheduler.scheduler_loop
+    collector.watch(stack.scheduler.app.core)
     samples = {(s.name, s.labels.get("position")): s.value for m in collector.collect() for s in m.samples}
     spec = stack.stats().spec_decode
     assert samples[("tokenmill:spec_decode_num_drafts_total", None)] == spec.num_drafts > 0

@@ -23,10 +23,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.common.generation import GenerationDelta
+from services.scheduler.request.delta import GenerationDelta
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.common.server import RunningServer, create_channel
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
@@ -46,6 +46,7 @@ from tests.helpers.stack_streams import (
     greedy_request,
     record_stream,
 )
+from tests.helpers.engine_runs import generate_all
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -83,7 +84,7 @@ class Stack:
     channel: grpc.aio.Channel
 
     def stats(self):
-        return self.scheduler.scheduler_loop.stats()
+        return self.scheduler.app.core.stats()
 
 
 class References:
@@ -100,7 +101,7 @@ class References:
         if key not in self._cache:
             sampling = SamplingParams(temperature=0.0, logit_bias=dict(logit_bias or {}))
             stop = StopConditions(max_tokens=max_tokens, ignore_eos=ignore_eos)
-            self._cache[key] = self.engine.generate_all([prompt], sampling, stop)[0]
+            self._cache[key] = generate_all(self.engine, [prompt], sampling, stop)[0]
         return self._cache[key]
 
 
@@ -268,7 +269,9 @@ async def test_cancelled_streams_free_their_blocks_and_spare_the_others(stack, r
     assert (len(kept), len(dropped)) == (20, 10)
     for record in dropped:
         assert record.code == grpc.StatusCode.CANCELLED and record.finished is None
-        assert len(record.token_ids) == 3
+        # Three messages: three tokens or more, since a stream that falls behind gets the
+        # steps queued meanwhile in one message.
+        assert len(record.token_ids) >= 3
     for prompt, record, reference in zip(survivors, kept, expected):
         ids = prompt_ids(tokenizer, prompt)
         assert_framed(record, prompt_tokens=len(ids))
@@ -394,7 +397,7 @@ async def test_full_waiting_queue_is_resource_exhausted(stack) -> None:
             await asyncio.wait_for(running.wait(), 30)
             waiting_call = stub.Generate(greedy("The dog", max_tokens=400), timeout=60)
             assert (await waiting_call.read()).WhichOneof("event") == "started"
-            assert scheduler.scheduler_loop.stats().num_waiting == 1
+            assert scheduler.app.core.stats().num_waiting == 1
             refused = await record_stream(stub, greedy("The sun", max_tokens=4))
             assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (refused.code, refused.details)
             assert "max_waiting_requests=1" in refused.details
@@ -402,7 +405,7 @@ async def test_full_waiting_queue_is_resource_exhausted(stack) -> None:
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
             deadline = time.monotonic() + 5
-            while (stats := scheduler.scheduler_loop.stats()).num_running + stats.num_waiting:
+            while (stats := scheduler.app.core.stats()).num_running + stats.num_waiting:
                 assert time.monotonic() < deadline, stats  # the cancelled calls were aborted
                 await asyncio.sleep(0.02)
             ok = await record_stream(stub, greedy("The sun", max_tokens=4))

@@ -22,13 +22,14 @@ import torch
 from services.stack.launcher import LaunchConfig, Launcher, health_status
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.common.server import create_channel
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
 from tests.helpers.stack_streams import StreamRecord, assert_framed, continuation_text, greedy_request, record_stream
+from tests.helpers.engine_runs import generate_all
 
 # slow: starts the four services as processes and kills some
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -77,7 +78,7 @@ def reference_ids() -> list[int]:
         engine = Engine(EngineConfig(ExecutorConfig(model=str(STORIES_DIR), block_size=BLOCK_SIZE,
                                                     num_blocks=NUM_BLOCKS, **EXECUTOR_FLAGS)))
         sampling, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
-        return engine.generate_all([PROMPT], sampling, stop)[0].token_ids
+        return generate_all(engine, [PROMPT], sampling, stop)[0].token_ids
     finally:
         torch.set_num_threads(previous)
 

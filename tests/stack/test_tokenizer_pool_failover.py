@@ -102,7 +102,7 @@ async def test_one_tokenizer_away_ends_only_its_streams_and_the_other_serves(sta
     tokenizers[1] = await serve_tokenizer(TokenizerConfig(port=port1, model=str(STORIES_DIR)))
     await wait_health(channel, SERVING)
     deadline = time.monotonic() + 5
-    while not all(link.connected for link in scheduler.scheduler_loop.tokenizers.links):
+    while not all(link.connected for link in scheduler.app.tokenizers.links):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     for _ in range(4):

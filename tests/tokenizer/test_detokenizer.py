@@ -9,6 +9,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders
 from tokenizers.models import WordLevel
 
+from services.common.detokenize import DetokenizeBatch, NewTextStream
 from services.tokenizer.detokenizer import REPLACEMENT_CHAR, DetokenizerPool, IncrementalDetokenizer
 from services.tokenizer.text_tokenizer import TextTokenizer
 from tests.helpers.tiny_bpe import EOS_ID, FIRST_BYTE_ID, LLAMA_CONFIG, byte_level_style, llama_style, metaspace_style, write_model_dir
@@ -298,28 +299,69 @@ def test_pool_interleaves_streams_like_separate_detokenizers(llama):
     outputs = {sid: random_output(rng, llama, 30) for sid in (1, 2, 3)}
     pool = DetokenizerPool(llama, max_streams=3)
     texts = {sid: "" for sid in outputs}
+    pool.apply(DetokenizeBatch([NewTextStream(sid, llama.encode("Hi"), skip_special_tokens=sid != 2)
+                                for sid in outputs]))
+    longest = max(map(len, outputs.values()))
+    for pos in range(longest):
+        last = pos == longest - 1
+        appended = [(sid, output[pos : pos + 1]) for sid, output in outputs.items() if pos < len(output)]
+        closed = [sid for sid, output in outputs.items() if pos == len(output) - 1]
+        result = pool.apply(DetokenizeBatch(appended=appended, closed=closed))
+        assert not result.stopped
+        for sid, text in result.texts.items():
+            texts[sid] += text
+        assert last or len(pool) == 3 - len([o for o in outputs.values() if len(o) <= pos + 1])
     for sid in outputs:
-        pool.open(sid, llama.encode("Hi"), skip_special=sid != 2)
-    for pos in range(max(map(len, outputs.values()))):
-        for sid, output in outputs.items():
-            texts[sid] += pool.append(sid, output[pos : pos + 1])
-    for sid in outputs:
-        texts[sid] += pool.close(sid)
         assert texts[sid] == llama.decode(outputs[sid], skip_special_tokens=sid != 2)
     assert len(pool) == 0
 
 
 def test_pool_errors_name_the_stream_and_the_limit(llama):
     pool = DetokenizerPool(llama, max_streams=1)
-    pool.open(7, [])
+    pool.apply(DetokenizeBatch([NewTextStream(7, [])]))
     with pytest.raises(ValueError, match="stream_id 7 is already open"):
-        pool.open(7, [])
+        pool.apply(DetokenizeBatch([NewTextStream(7, [])]))
     with pytest.raises(ValueError, match="max_streams is 1"):
-        pool.open(8, [])
-    with pytest.raises(ValueError, match="stream_id 8 is not open"):
-        pool.append(8, [5])
-    pool.discard(7)
-    pool.discard(7)  # idempotent: aborts may race with a normal finish
+        pool.apply(DetokenizeBatch([NewTextStream(8, [])]))
+    with pytest.raises(ValueError, match="stream_ids names 8, which is not open"):
+        pool.apply(DetokenizeBatch(appended=[(8, [5])]))
+    pool.apply(DetokenizeBatch(closed=[7]))
+    pool.apply(DetokenizeBatch(closed=[7]))  # idempotent: a stop and an abort may both close one
     assert 7 not in pool
-    with pytest.raises(ValueError, match="stream_id 7 is not open"):
-        pool.close(7)
+
+
+def _pieces_text(llama, ids):
+    return llama.decode(ids, skip_special_tokens=True)
+
+
+def test_pool_cuts_the_text_at_a_stop_string_across_tokens_and_closes_the_stream(llama):
+    ids = llama.encode("the cat sat on the mat", add_special_tokens=False)
+    full = _pieces_text(llama, ids)
+    pool = DetokenizerPool(llama)
+    pool.apply(DetokenizeBatch([NewTextStream(1, [], stop=("sat on",)), NewTextStream(2, [], stop=("sat on",),
+                                                                                      include_stop_str_in_output=True)]))
+    texts = {1: "", 2: ""}
+    stopped = {}
+    for token in ids:
+        result = pool.apply(DetokenizeBatch(appended=[(sid, [token]) for sid in (1, 2) if sid in pool]))
+        for sid, text in result.texts.items():
+            texts[sid] += text
+        stopped.update(result.stopped)
+    assert stopped == {1: "sat on", 2: "sat on"}
+    assert texts == {1: full[:full.index("sat on")], 2: full[:full.index("sat on") + len("sat on")]}
+    assert len(pool) == 0  # a stopped stream is closed by the pool itself
+
+
+def test_pool_releases_text_held_for_a_stop_string_when_the_stream_closes(llama):
+    ids = llama.encode("the cat", add_special_tokens=False)
+    pool = DetokenizerPool(llama)
+    pool.apply(DetokenizeBatch([NewTextStream(1, [], stop=("cat and",))]))
+    text = ""
+    for position, token in enumerate(ids):
+        last = position == len(ids) - 1
+        result = pool.apply(DetokenizeBatch(appended=[(1, [token])], closed=[1] if last else []))
+        text += result.texts[1]
+        assert not result.stopped
+        if not last:
+            assert "cat" not in text  # may begin the stop string: held
+    assert text == _pieces_text(llama, ids) and len(pool) == 0

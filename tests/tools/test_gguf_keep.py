@@ -18,7 +18,7 @@ from gguf import GGUFReader
 from safetensors.torch import load_file
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.runtime.model.quant.linear import QuantLinear

@@ -30,11 +30,12 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.tokenizer.text_service import TextService
 from tests.tools.gguf_helpers import assert_close_to_reference, engine_logits, load_engine_model
+from tests.helpers.engine_runs import generate_all
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,7 +180,7 @@ def test_chat_template_renders_as_transformers(text_service, reference_tokenizer
 
 def test_128_greedy_tokens_on_chat_prompts_match_transformers(engine, reference, text_service):
     prompts = [text_service.render_chat(m).token_ids for m in LONG_ANSWERS]
-    ours = engine.generate_all(prompts, GREEDY, StopConditions(max_tokens=128, ignore_eos=True))
+    ours = generate_all(engine, prompts, GREEDY, StopConditions(max_tokens=128, ignore_eos=True))
     with without_eos(reference):
         for prompt, mine in zip(prompts, ours):
             assert mine.token_ids == reference_greedy(reference, prompt, 128)
@@ -187,7 +188,7 @@ def test_128_greedy_tokens_on_chat_prompts_match_transformers(engine, reference,
 
 def test_capital_of_france_matches_transformers_and_stops_at_end_of_turn(engine, reference, text_service):
     prompt = text_service.render_chat(CONVERSATIONS[0]).token_ids
-    (out,) = engine.generate_all([prompt], GREEDY, StopConditions(max_tokens=48))
+    (out,) = generate_all(engine, [prompt], GREEDY, StopConditions(max_tokens=48))
     assert out.token_ids == reference_greedy(reference, prompt, 48)
     assert (out.text, out.finish_reason, out.token_ids[-1]) == ("The capital of France is Paris.", "eos", IM_END)
 

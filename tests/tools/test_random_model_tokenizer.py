@@ -9,10 +9,11 @@ from tokenizers import Tokenizer
 
 from services.tools.random_model import PRESETS, build_random_model, write_synthetic_tokenizer
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from tests.helpers.engine_runs import generate_all
 
 
 @pytest.mark.parametrize("vocab_size", [259, 512, 32000])
@@ -47,7 +48,7 @@ def test_random_model_without_a_tokenizer_source_runs_in_the_engine(tmp_path):
     model_dir = build_random_model(PRESETS["tiny"], tmp_path / "tiny")
     assert json.loads((model_dir / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
     engine = Engine(EngineConfig(ExecutorConfig(model=str(model_dir), device="cpu", num_blocks=64)))
-    text_out, ids_out = engine.generate_all(["Hi there", [5, 300, 7]], SamplingParams(temperature=0.0),
+    text_out, ids_out = generate_all(engine, ["Hi there", [5, 300, 7]], SamplingParams(temperature=0.0),
                                             StopConditions(max_tokens=8, ignore_eos=True))
     for prompt, out in (("Hi there", text_out), ([5, 300, 7], ids_out)):
         prompt_ids = engine.encode_prompt(prompt)

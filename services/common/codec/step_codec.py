@@ -26,7 +26,7 @@ from itertools import accumulate
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+from services.common.step import MinTokensBan
 from services.common.step import (
     ExecutorInfo,
     NewSequence,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import MinTokensBan
+from services.common.step import MinTokensBan
 
 # Temperatures below this are treated as greedy: dividing logits by a denormal temperature
 # overflows to inf and the softmax turns into NaN. Same threshold as vLLM's _SAMPLING_EPS.

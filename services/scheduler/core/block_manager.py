@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
 
 if TYPE_CHECKING:
-    from services.scheduler.core.request import Request
+    from services.scheduler.request.request import Request
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -134,17 +134,6 @@ class BlockManager:
                 block.block_hash = block_hash
                 self._cached_blocks[block_hash] = block
         self._num_registered_blocks[request.request_id] = num_full
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (e.g. after weights changed). Returns how many were dropped.
-
-        Safe while requests run: their blocks stay theirs, only unshareable from now on.
-        """
-        dropped = len(self._cached_blocks)
-        for block in self._cached_blocks.values():
-            block.block_hash = None
-        self._cached_blocks.clear()
-        return dropped
 
     def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])

@@ -33,8 +33,8 @@ in the next plan's finished_seq_ids. Steps that would pass max_tokens or max_mod
 never planned: a request whose in-flight token is its last waits for its update instead.
 Draft tokens go only to a request with nothing in flight, and a request verifying drafts is
 not scheduled again before that step's update (where its next step starts depends on how
-many drafts the executor accepts). So a speculative step is never overlapped: the service
-loop keeps one step in flight while any request drafts (services/scheduler/loop.py).
+many drafts the executor accepts). So a speculative step is never overlapped: the engine
+core keeps one step in flight while any request drafts (services/scheduler/engine/).
 
 Blocks for drafts: the plan allocates blocks for all 1 + k positions. After the update only
 the accepted ones count as computed (``num_computed_tokens = num_tokens - 1``); the rejected
@@ -78,57 +78,20 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
 
-from services.common.step import NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
+from services.common.step import NewSequence, RunningSequence, StepPlan, StepResult
+from services.scheduler.core import step_size
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
-from services.scheduler.core.outputs import RequestUpdate, SchedulerStats
-from services.scheduler.core.request import FinishReason, Request, RequestStatus
+from services.scheduler.core.in_flight import StepInFlight, check_output, forget_in_flight, mark_in_flight
+from services.scheduler.core.preemption import victim_for
 from services.scheduler.core.speculation import SpecDecodeStats
-from services.scheduler.core.fairness import FairWaitingQueue
-from services.scheduler.core.waiting_queue import QueueFullError
-
-
-FAIR_PREEMPTION_MARGIN = 0.5
-"""A running request is preempted for a waiting tenant of its priority only when its own
-tenant has been served this many max_model_len's of tokens more: tenants close to even never
-preempt each other (no churn), while a tenant back from idle (credited one max_model_len
-below the active ones, core/fairness.py) takes a slot from a tenant that filled the batch."""
-
-
-@dataclass(slots=True)
-class _Scheduled:
-    """What an in-flight plan asked of one request, kept until its update()."""
-
-    request: Request
-    num_scheduled_tokens: int
-    samples: bool
-    """The step reaches the end of the request's tokens (placeholders included): it samples."""
-    num_preemptions: int
-    """request.num_preemptions at schedule time: a later preemption makes this record stale."""
-    draft_token_ids: list[int] = field(default_factory=list)
-    num_steps: int = 1
-    """Decode steps run back to back (multi-step): positions computed = num_scheduled_tokens +
-    num_steps - 1, tokens sampled = num_steps."""
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_scheduled_tokens + self.num_steps - 1
-
-    @property
-    def is_current(self) -> bool:
-        """The request still runs the sequence this step computed (not finished, not preempted)."""
-        request = self.request
-        return not request.is_finished and request.num_preemptions == self.num_preemptions
-
-
-@dataclass(slots=True)
-class _StepInFlight:
-    step_id: int
-    scheduled: dict[int, _Scheduled] = field(default_factory=dict)
-    """By seq_id."""
+from services.scheduler.core.stats import SchedulerStats
+from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.request import Request, RequestStatus
+from services.scheduler.request.update import RequestUpdate
 
 
 class Scheduler:
@@ -138,8 +101,8 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.limits.enable_prefix_caching
         )
-        self.waiting = FairWaitingQueue(idle_credit=config.max_model_len)
-        """By priority, then the tenant served the fewest tokens, then arrival (core/fairness.py)."""
+        self.waiting = WaitingQueue(idle_credit=config.max_model_len)
+        """By priority, then the tenant served the fewest tokens, then arrival (core/waiting_queue.py)."""
         self.running: list[Request] = []
         """Requests known to the executor, sorted by Request.sort_key (most urgent first)."""
         self.requests: dict[str, Request] = {}
@@ -149,7 +112,7 @@ class Scheduler:
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []
         """Sequences the executor must forget, reported in the next plan."""
-        self._in_flight: deque[_StepInFlight] = deque()
+        self._in_flight: deque[StepInFlight] = deque()
         """Plans that scheduled a sequence and await update(), oldest first."""
         self._max_steps_in_flight = 2 if config.limits.overlap_scheduling else 1
         self.spec_stats = SpecDecodeStats()
@@ -181,10 +144,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort an unfinished request; False when none has this id. Frees its blocks now."""
-        return self.finish_request(request_id, FinishReason.ABORT)
-
     def finish_request(
         self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
     ) -> bool:
@@ -198,9 +157,6 @@ class Scheduler:
             return False
         self._finish(request, reason, stop_reason)
         return True
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -260,7 +216,7 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, finished_seq_ids=self._finished_seq_ids)
         self._next_step_id += 1
         self._finished_seq_ids = []
-        step = _StepInFlight(plan.step_id)
+        step = StepInFlight(plan.step_id)
         budget = self.config.limits.max_num_batched_tokens
         self.waiting.set_running({request.tenant for request in self.running})
         self._preempt_for_priority(plan)
@@ -270,26 +226,7 @@ class Scheduler:
         victims = set(plan.finished_seq_ids)
         preemptions_before = self.num_preemptions
 
-        # Multi-step only while nobody waits: a burst would hold a new request back that long.
-        max_steps = self.burst.steps if not len(self.waiting) else 1
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if request.drafts_in_flight or self._last_token_in_flight(request):
-                index += 1  # nothing to plan until its step in flight is updated
-                continue
-            num_new, draft_token_ids = self._running_tokens_to_schedule(request, budget)
-            num_steps = self._decode_steps(request, num_new, draft_token_ids, max_steps) if max_steps > 1 else 1
-            new_block_ids = self._allocate_or_preempt(request, num_new + num_steps - 1, plan)
-            if new_block_ids is None:
-                break  # the request preempted itself: nobody less urgent was left
-            request.spec_token_ids = []
-            plan.running.append(
-                RunningSequence(request.seq_id, num_new, new_block_ids, draft_token_ids, num_steps)
-            )
-            self._mark_in_flight(step, request, num_new, draft_token_ids, num_steps)
-            budget -= num_new
-            index += 1
+        budget = self._schedule_running(plan, step, budget)
 
         # Starting new work in a step that had to preempt would only preempt again next step;
         # it also keeps a victim out of `new` in the very plan that tells the executor to forget it.
@@ -300,71 +237,31 @@ class Scheduler:
             self._in_flight.append(step)
         return plan
 
-    def _last_token_in_flight(self, request: Request) -> bool:
-        """The token a step in flight samples is the request's last (max_tokens or
-        max_model_len): planning another step would only compute a surplus token."""
-        num_coming = request.num_output_placeholders
-        if not num_coming:
-            return False
-        max_tokens = request.stop.max_tokens
-        return (
-            max_tokens is not None and request.num_output_tokens + num_coming >= max_tokens
-        ) or request.num_tokens + num_coming >= self.config.max_model_len
-
-    def _decode_steps(self, request: Request, num_new: int, draft_token_ids: list[int], max_steps: int) -> int:
-        """How many decode steps a request runs back to back in this plan: up to ``max_steps``
-        for a plain decode (one token that samples, no speculation, no stop strings), never past
-        max_tokens or max_model_len (counting the tokens steps in flight sample). A request with
-        stop strings runs one step at a time: its text is checked after every token, and a stop
-        string inside a burst would be found only after the burst's later tokens."""
-        if num_new != 1 or draft_token_ids or request.draft_length is not None or request.stop.stop:
-            return 1
-        if not request.num_output_tokens:
-            # Its first token is still in flight (planned behind its prefill, with overlap): a
-            # burst now would keep the executor computing while that token travels to the
-            # client, on the same cores. One step, and the burst follows in the next plan.
-            return 1
-        num_known = request.num_tokens + request.num_output_placeholders
-        if request.num_planned_tokens + 1 < num_known:
-            return 1  # a one-token prefill chunk short of the end: it samples nothing
-        room = self.config.max_model_len - num_known
-        if request.stop.max_tokens is not None:
-            room = min(room, request.stop.max_tokens - request.num_output_tokens - request.num_output_placeholders)
-        return max(1, min(max_steps, room))
-
-    def _mark_in_flight(
-        self, step: _StepInFlight, request: Request, num_new: int, draft_token_ids: list[int] | None = None,
-        num_steps: int = 1,
-    ) -> None:
-        samples = (
-            request.num_planned_tokens + num_new
-            >= request.num_tokens + request.num_output_placeholders
-        )
-        step.scheduled[request.seq_id] = _Scheduled(
-            request, num_new, samples, request.num_preemptions, draft_token_ids or [], num_steps
-        )
-        request.num_in_flight_tokens += num_new + num_steps - 1
-        if samples:
-            request.num_output_placeholders += num_steps
-        if draft_token_ids:
-            request.drafts_in_flight = True
-
-    def _running_tokens_to_schedule(self, request: Request, budget: int) -> tuple[int, list[int]]:
-        # Tokens known or being sampled by a step in flight, minus those computed or planned.
-        num_new = request.num_tokens + request.num_output_placeholders - request.num_planned_tokens
-        threshold = self.config.limits.long_prefill_token_threshold
-        if threshold > 0:
-            num_new = min(num_new, threshold)
-        draft_token_ids: list[int] = []
-        # Drafts continue the last known token: only for a request with nothing in flight.
-        if num_new == 1 and request.spec_token_ids and not request.num_in_flight_tokens:
-            # k drafts + 1 bonus token may all be accepted: keep the total within both limits.
-            room = self.config.max_model_len - request.num_tokens
-            if request.stop.max_tokens is not None:
-                room = min(room, request.stop.max_tokens - request.num_output_tokens)
-            draft_token_ids = request.spec_token_ids[: max(0, min(room - 1, budget - 1))]
-            num_new += len(draft_token_ids)
-        return min(num_new, budget), draft_token_ids
+    def _schedule_running(self, plan: StepPlan, step: StepInFlight, budget: int) -> int:
+        """Plan the running requests, most urgent first; returns the token budget left."""
+        limits, max_model_len = self.config.limits, self.config.max_model_len
+        # Multi-step only while nobody waits: a burst would hold a new request back that long.
+        max_steps = self.burst.steps if not len(self.waiting) else 1
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if request.drafts_in_flight or step_size.last_token_in_flight(request, max_model_len):
+                index += 1  # nothing to plan until its step in flight is updated
+                continue
+            num_new, draft_token_ids = step_size.running_tokens(request, budget, limits, max_model_len)
+            num_steps = (step_size.decode_steps(request, num_new, draft_token_ids, max_steps, max_model_len)
+                         if max_steps > 1 else 1)
+            new_block_ids = self._allocate_or_preempt(request, num_new + num_steps - 1, plan)
+            if new_block_ids is None:
+                break  # the request preempted itself: nobody less urgent was left
+            request.spec_token_ids = []
+            plan.running.append(
+                RunningSequence(request.seq_id, num_new, new_block_ids, draft_token_ids, num_steps)
+            )
+            mark_in_flight(step, request, num_new, draft_token_ids, num_steps)
+            budget -= num_new
+            index += 1
+        return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
         while True:
@@ -379,7 +276,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, plan: StepPlan, step: _StepInFlight, budget: int, now: float | None,
+    def _schedule_waiting(self, plan: StepPlan, step: StepInFlight, budget: int, now: float | None,
                           victims: set[int] = frozenset()) -> None:
         limits = self.config.limits
         manager = self.block_manager
@@ -418,7 +315,7 @@ class Scheduler:
                     min_tokens_ban=request.min_tokens_ban,
                 )
             )
-            self._mark_in_flight(step, request, num_new)
+            mark_in_flight(step, request, num_new)
             budget -= num_new
 
     def _preempt_for_priority(self, plan: StepPlan) -> None:
@@ -434,33 +331,18 @@ class Scheduler:
         anything is planned, so no victim is also in this plan."""
         head = self.waiting.peek()
         if head is None or not self.running:
-            return 0
+            return
         block_size = self.config.block_size
         # The blocks its prompt needs plus one token (no prefix hit assumed: cautious).
         needed = -(-(head.num_tokens + 1) // block_size)
         while self.running and (len(self.running) >= self.config.limits.max_num_seqs
                                 or self.block_manager.num_free_blocks < needed):
-            victim = self._victim_for(head)
+            victim = victim_for(head, self.running, self.waiting.served, self.config.max_model_len)
             if victim is None:
                 break
             self.running.remove(victim)
             self._preempt(victim)
             plan.finished_seq_ids.append(victim.seq_id)
-
-    def _victim_for(self, head: Request) -> Request | None:
-        least_urgent = self.running[-1]
-        if least_urgent.priority > head.priority:
-            return least_urgent
-        served = self.waiting.served
-        margin = served.get(head.tenant, 0.0) + FAIR_PREEMPTION_MARGIN * self.config.max_model_len
-        best = None
-        for request in reversed(self.running):  # least urgent first
-            if request.priority < head.priority or request.tenant == head.tenant:
-                continue
-            tenant_served = served.get(request.tenant, 0.0)
-            if tenant_served > margin and (best is None or tenant_served > served.get(best.tenant, 0.0)):
-                best = request
-        return best
 
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop its blocks; it restarts from its known tokens.
@@ -471,7 +353,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        _forget_in_flight(request)  # a step in flight for it is ignored at its update()
+        forget_in_flight(request)  # a step in flight for it is ignored at its update()
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -505,7 +387,7 @@ class Scheduler:
         if len(set(output_seq_ids)) != len(output_seq_ids):
             raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
         for output in result.outputs:
-            self._check_output(in_flight, output)
+            check_output(in_flight, output)
         answered = set(output_seq_ids)
         missing = [
             seq_id
@@ -536,7 +418,7 @@ class Scheduler:
             if not output.token_ids:  # a prefill chunk short of the end: nothing to report
                 self.block_manager.cache_full_blocks(request)
                 continue
-            update = self._append_outputs(request, output)
+            update = request.append_outputs(output.token_ids, output.logprobs, self.config.max_model_len)
             self.waiting.charge(request.tenant, len(update.new_token_ids))
             if scheduled.draft_token_ids:
                 num_accepted = len(output.token_ids) - 1
@@ -553,85 +435,6 @@ class Scheduler:
             updates.append(update)
         return updates
 
-    def _check_output(self, in_flight: dict[int, _Scheduled], output: SequenceOutput) -> None:
-        scheduled = in_flight.get(output.seq_id)
-        if scheduled is None:
-            raise ValueError(f"output for seq id {output.seq_id}, which was not scheduled in this step")
-        if not scheduled.is_current:
-            return
-        request = scheduled.request
-        num_tokens = len(output.token_ids)
-        # Updates come in step order, so the confirmed state is the state this step started
-        # from: the same test as when it was planned (scheduled.samples).
-        reaches_end = (
-            request.num_computed_tokens + scheduled.num_scheduled_tokens >= request.num_tokens
-        )
-        drafts = scheduled.draft_token_ids
-        if not reaches_end and num_tokens:
-            raise ValueError(
-                f"seq id {output.seq_id}: {num_tokens} tokens for a prefill chunk that does not "
-                f"reach the end of its {request.num_tokens} tokens"
-            )
-        if reaches_end and scheduled.num_steps > 1 and num_tokens != scheduled.num_steps:
-            raise ValueError(
-                f"seq id {output.seq_id}: {num_tokens} output tokens, expected {scheduled.num_steps} "
-                f"({scheduled.num_steps} decode steps)"
-            )
-        if reaches_end and not (1 <= num_tokens <= max(1 + len(drafts), scheduled.num_steps)):
-            raise ValueError(
-                f"seq id {output.seq_id}: {num_tokens} output tokens, expected 1 to "
-                f"{1 + len(drafts)} (1 + {len(drafts)} drafts)"
-            )
-        if num_tokens > 1 and scheduled.num_steps == 1 and output.token_ids[:-1] != drafts[: num_tokens - 1]:
-            raise ValueError(
-                f"seq id {output.seq_id}: accepted tokens {output.token_ids[:-1]} are not a "
-                f"prefix of the drafts {drafts}"
-            )
-        if output.logprobs is not None and len(output.logprobs) != num_tokens:
-            raise ValueError(
-                f"seq id {output.seq_id}: {len(output.logprobs)} logprobs for {num_tokens} tokens"
-            )
-
-    def _append_outputs(self, request: Request, output: SequenceOutput) -> RequestUpdate:
-        """Append tokens one by one, checking stops after each; cut the rest after a stop.
-
-        Per token, in order: stop_token_ids (STOP) and EOS (EOS, unless ignore_eos) — both only
-        when at least min_tokens tokens came before it —, then max_tokens (LENGTH), then
-        max_model_len (LENGTH).
-        """
-        stop = request.stop
-        eos_token_ids = request.eos_token_ids
-        max_model_len = self.config.max_model_len
-        logprobs = output.logprobs
-        reason: FinishReason | None = None
-        stop_reason: int | None = None
-        num_appended = 0
-        for token_id in output.token_ids:
-            request.append_output_token(
-                token_id, logprobs[num_appended] if logprobs is not None else None
-            )
-            num_appended += 1
-            num_output = request.num_output_tokens
-            if num_output > stop.min_tokens:
-                if token_id in stop.stop_token_ids:
-                    reason, stop_reason = FinishReason.STOP, token_id
-                elif not stop.ignore_eos and token_id in eos_token_ids:
-                    reason = FinishReason.EOS
-            if reason is None and stop.max_tokens is not None and num_output >= stop.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason is None and request.num_tokens >= max_model_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                break
-        return RequestUpdate(
-            request_id=request.request_id,
-            seq_id=request.seq_id,
-            new_token_ids=list(output.token_ids[:num_appended]),
-            new_logprobs=list(logprobs[:num_appended]) if logprobs is not None else None,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-        )
-
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -642,17 +445,10 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.spec_token_ids = []
-        _forget_in_flight(request)
+        forget_in_flight(request)
         self.block_manager.free(request)
         del self.requests[request.request_id]
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
-
-
-def _forget_in_flight(request: Request) -> None:
-    """The request's steps in flight no longer count: their records are stale (not current)."""
-    request.num_in_flight_tokens = 0
-    request.num_output_placeholders = 0
-    request.drafts_in_flight = False

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.runtime.kv_cache import KVCache
@@ -33,6 +33,7 @@ from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.llama import LlamaForCausalLM
 from services.tokenizer.text_tokenizer import TextTokenizer
 from tests.conftest import REPO_ROOT
+from tests.helpers.engine_runs import generate_all
 
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 CHAT_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "smollm2_chat_prompts.jsonl"
@@ -119,7 +120,7 @@ def check_greedy(model_dir, prompts: list, max_tokens: int, **engine_options) ->
         engine = Engine(EngineConfig(ExecutorConfig(model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
                                                     **engine_options)))
         assert engine.runner.info().kv_cache_dtype == (kv_cache_dtype if kv_cache_dtype != "auto" else "float32")
-        return [out.token_ids for out in engine.generate_all(prompts, sampling, stop)]
+        return [out.token_ids for out in generate_all(engine, prompts, sampling, stop)]
 
     exact = generate("auto")
     tokenizer = TextTokenizer.from_dir(model_dir)

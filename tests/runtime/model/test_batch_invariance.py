@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
+from tests.helpers.engine_runs import generate_all
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 48
@@ -37,13 +38,13 @@ def engine(stories_dir) -> Engine:
 @pytest.fixture(scope="module")
 def prompts(engine) -> list[list[int]]:
     """BOS followed by slices of the model's own story: natural text, no two alike."""
-    (story,) = engine.generate_all([None], GREEDY, StopConditions(max_tokens=300, ignore_eos=True))
+    (story,) = generate_all(engine, [None], GREEDY, StopConditions(max_tokens=300, ignore_eos=True))
     bos = engine.tokenizer.bos_token_id
     return [[bos] + story.token_ids[start : start + n - 1] for start, n in PROMPT_SLICES]
 
 
 def tokens(engine: Engine, prompts, sampling) -> list[list[int]]:
-    return [d.token_ids for d in engine.generate_all(prompts, sampling, STOP)]
+    return [d.token_ids for d in generate_all(engine, prompts, sampling, STOP)]
 
 
 def test_sixteen_greedy_prompts_together_match_each_alone(engine, prompts):
@@ -67,7 +68,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_mixed_batch(engine, prompts)
     # Seeded requests at different rows, between unseeded and greedy ones sharing their prompts.
     batch = [c, a, b, a, prompts[0], b]
     samplings = [seeded(None), seeded(1234), seeded(None), seeded(7), GREEDY, seeded(99)]
-    together = [d.token_ids for d in engine.generate_all(batch, samplings, STOP)]
+    together = [d.token_ids for d in generate_all(engine, batch, samplings, STOP)]
     assert together[1] == alone_a
     assert together[5] == alone_b
     # The draws really are random: another seed and greedy decoding take other paths.
@@ -78,12 +79,12 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_mixed_batch(engine, prompts)
 def test_logprobs_are_bitwise_the_same_alone_and_in_a_batch(engine, prompts):
     assert engine.runner.fused_decode is not None and engine.runner.fused_decode.computes_logits
     with_logprobs = SamplingParams(temperature=0.8, top_p=0.9, seed=11, logprobs=3)
-    alone = engine.generate_all([prompts[5]], with_logprobs, STOP)[0]
+    alone = generate_all(engine, [prompts[5]], with_logprobs, STOP)[0]
     batch = [prompts[5], *prompts[:4]]
     # Every step within the fused call's limit: a step over it runs eagerly, whose sums round
     # differently in the last bits, so invariance holds per path, not across the limit.
     assert sum(len(p) for p in batch) <= engine.runner.fused_decode.max_step_tokens
-    together = engine.generate_all(batch, [with_logprobs] + [GREEDY] * 4, STOP)[0]
+    together = generate_all(engine, batch, [with_logprobs] + [GREEDY] * 4, STOP)[0]
     assert together.token_ids == alone.token_ids
     values = [[(lp.logprob, lp.top_token_ids, lp.top_logprobs) for lp in run.logprobs] for run in (alone, together)]
     assert len(values[0]) == NEW_TOKENS

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
 from services.executor.model_runner import ModelRunner
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
+from tests.helpers.engine_runs import generate_all
 
 GREEDY = SamplingParams(temperature=0.0)
 KV_CAPACITY_TOKENS = 4096
@@ -33,7 +34,7 @@ def make_engine(model_dir: Path, block_size: int = 16, **limits) -> Engine:
 
 def greedy_tokens(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
     stop = StopConditions(max_tokens=max_tokens, ignore_eos=True)
-    return [d.token_ids for d in engine.generate_all(prompts, GREEDY, stop)]
+    return [d.token_ids for d in generate_all(engine, prompts, GREEDY, stop)]
 
 
 def record_plans(engine: Engine) -> list[StepPlan]:
@@ -51,7 +52,7 @@ def record_plans(engine: Engine) -> list[StepPlan]:
 
 def story_ids(engine: Engine, length: int) -> list[int]:
     """A natural-text prompt of exactly ``length`` tokens: BOS plus the model's own story."""
-    (out,) = engine.generate_all([None], GREEDY, StopConditions(max_tokens=length - 1, ignore_eos=True))
+    (out,) = generate_all(engine, [None], GREEDY, StopConditions(max_tokens=length - 1, ignore_eos=True))
     return [engine.tokenizer.bos_token_id] + out.token_ids
 
 
@@ -176,8 +177,8 @@ def test_prefix_caching_on_and_off_generate_the_same_tokens(stories_dir, long_st
     for caching in (True, False):
         engine = make_engine(stories_dir, enable_prefix_caching=caching)
         stop = StopConditions(max_tokens=40, ignore_eos=True)
-        (lead,) = engine.generate_all([first], GREEDY, stop)
-        rest = engine.generate_all(followers, GREEDY, stop)
+        (lead,) = generate_all(engine, [first], GREEDY, stop)
+        rest = generate_all(engine, followers, GREEDY, stop)
         results[caching] = [d.token_ids for d in (lead, *rest)]
         cached = [d.usage.cached_tokens for d in (lead, *rest)]
         # 200 shared tokens fill 12 blocks of 16 (192 tokens); the 13th also holds the suffix.

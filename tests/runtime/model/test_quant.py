@@ -20,7 +20,7 @@ from gguf import quants as gguf_quants
 from safetensors.torch import save_file
 
 from services.common.sampling_params import SamplingParams
-from services.common.stop import StopConditions
+from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.runtime.model.config import ModelConfig

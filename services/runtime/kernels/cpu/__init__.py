@@ -53,13 +53,16 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Unique per source, flags, CPU and torch, so a build never runs where it was not made for."""
+    """Unique per source, flags, CPU, torch and checkout, so a build never runs where it was not made for."""
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(_cpu_flags().encode())
     digest.update(torch.__version__.encode())
+    # torch rebuilds a name whose build file names other source paths: two checkouts sharing
+    # the build cache must not take turns rebuilding (and locking) one directory.
+    digest.update(str(Path(__file__).resolve().parent).encode())
     return f"tokenmill_cpu_{digest.hexdigest()[:12]}"
 
 

@@ -28,8 +28,9 @@ import structlog
 from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
 from services.common.server import create_channel
 from services.common.tls import ClientTLS
-from services.scheduler.clients import BACKEND_CHANNEL_OPTIONS
-from services.scheduler.core.request import Request
+from services.scheduler.engine.draft_mirror import DraftMirror
+from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS
+from services.scheduler.request.request import Request
 
 _log = structlog.get_logger("tokenmill.scheduler.drafter")
 
@@ -50,10 +51,8 @@ class DrafterLink:
         self._reader: asyncio.Task | None = None
         self._maintainer: asyncio.Task | None = None
         self._lost = asyncio.Event()
-        self._known: dict[int, int] = {}
-        """seq_id -> how many of its tokens the drafter holds, on the current session."""
-        self._closing: list[int] = []
-        """Known sequences to close in the next message (the scheduler's core was rebuilt)."""
+        self._mirror = DraftMirror()
+        """What the drafter holds of each sequence on the current session."""
         self._pending: tuple[int, asyncio.Future] | None = None
         """(step id, future of its response) of the one request awaiting an answer."""
         self.num_late = 0
@@ -98,8 +97,7 @@ class DrafterLink:
         stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self.info = await stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=timeout)
         call = stub.Propose()
-        self._known.clear()
-        self._closing.clear()
+        self._mirror.reset()
         self._pending = None
         self._lost.clear()
         self._call = call
@@ -128,8 +126,7 @@ class DrafterLink:
         if self._call is not call:
             return
         self._call = None
-        self._known.clear()
-        self._closing.clear()
+        self._mirror.reset()
         pending, self._pending = self._pending, None
         if pending is not None and not pending[1].done():
             pending[1].set_result(None)
@@ -139,8 +136,7 @@ class DrafterLink:
     def forget_all(self) -> None:
         """The scheduler's sequences were all dropped (its core was rebuilt and seq ids start
         over): close every sequence the drafter holds in the next message."""
-        self._closing.extend(self._known)
-        self._known.clear()
+        self._mirror.forget_all()
 
     async def close(self) -> None:
         if self._maintainer is not None:
@@ -172,28 +168,17 @@ class DrafterLink:
         if self._pending is not None:
             self.num_skipped += 1
             return None
-        live = set(live_seq_ids)
         step_id = next(self._step_ids)
-        message = drafter_pb2.ProposeRequest(step_id=step_id)
-        closed = self._closing + [seq_id for seq_id in self._known if seq_id not in live]
-        self._closing = []
-        for seq_id in closed:
-            self._known.pop(seq_id, None)
-        message.closed_seq_ids.extend(closed)
-        gained_ids: list[int] = []
-        for request, _ in asks:
-            tokens = request.all_token_ids
-            held = self._known.get(request.seq_id)
-            if held is None:
-                message.new_sequences.add(seq_id=request.seq_id, token_ids=tokens)
-            elif held < len(tokens):
-                message.seq_ids.append(request.seq_id)
-                message.token_counts.append(len(tokens) - held)
-                gained_ids.extend(tokens[held:])
-            self._known[request.seq_id] = len(tokens)
-        message.token_ids.extend(gained_ids)
-        message.propose_seq_ids.extend(request.seq_id for request, _ in asks)
-        message.num_speculative_tokens = max(k for _, k in asks)
+        batch = self._mirror.batch(asks, live_seq_ids)
+        message = drafter_pb2.ProposeRequest(step_id=step_id, closed_seq_ids=batch.closed,
+                                             propose_seq_ids=batch.propose,
+                                             num_speculative_tokens=batch.num_tokens)
+        for seq_id, tokens in batch.new:
+            message.new_sequences.add(seq_id=seq_id, token_ids=tokens)
+        for seq_id, tokens in batch.appended:
+            message.seq_ids.append(seq_id)
+            message.token_counts.append(len(tokens))
+            message.token_ids.extend(tokens)
         future = asyncio.get_running_loop().create_future()
         self._pending = (step_id, future)
         try:
@@ -210,12 +195,11 @@ class DrafterLink:
             return None
         if response is None:  # the session ended while we waited
             return None
-        limits = {request.seq_id: k for request, k in asks}
         drafts: dict[int, list[int]] = {}
         flat = response.draft_token_ids
         start = 0
         for seq_id, count in zip(response.seq_ids, response.draft_counts):
-            if count > 0 and seq_id in limits:
-                drafts[seq_id] = list(flat[start : start + min(count, limits[seq_id])])
+            if count > 0:
+                drafts[seq_id] = list(flat[start : start + count])
             start += count
         return drafts

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.common.stop import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, validate_stop_strings
-from services.scheduler.stop_strings import StopStringMatcher
+from services.common.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, validate_stop_strings
+from services.tokenizer.stop_strings import StopStringMatcher
 
 
 def run(stops, deltas, include=False):

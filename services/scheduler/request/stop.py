@@ -1,9 +1,10 @@
 """When a generation ends: a request's stop rules, one type checked by one validator.
 
 ``StopConditions`` is the only home of the stop rules. The public API's StopConditions
-message maps onto it; the scheduler core's Request holds it (beside the model's EOS ids) and
-applies its token rules after every step; the scheduler's output side matches its stop
-strings in the detokenized text. The executor's sampler needs one consequence of it only,
+message maps onto it; the request (request.py) holds it beside the model's EOS ids and
+applies its token rules to every token a step brings (``token_stop``); its stop strings go
+with the request's text stream to the tokenizer, which matches them where the text is made
+(services/common/detokenize.py). The executor's sampler needs one consequence of it only,
 which ids it may not sample before ``min_tokens`` tokens were generated: ``min_tokens_ban``
 derives that small value once per request and the step contract carries it
 (``NewSequence.min_tokens_ban``), so SamplingParams says how a token is drawn and nothing
@@ -15,44 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Upper bounds on user-controlled sizes; each is named in the error it produces.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
+from services.common.detokenize import validate_stop_strings
+from services.common.step import MinTokensBan
+from services.scheduler.request.finish_reason import FinishReason
+
 MAX_STOP_TOKEN_IDS = 64
-
-
-def validate_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
-    """Check a request's `stop` field; return it deduplicated, in order.
-
-    Raises ValueError naming the field `stop` and the limit it breaks.
-    """
-    if isinstance(stop, str):
-        raise ValueError("stop must be a list of strings, got a single string")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop has {len(stop)} strings; the limit MAX_STOP_STRINGS is {MAX_STOP_STRINGS}")
-    for index, text in enumerate(stop):
-        if not isinstance(text, str):
-            raise ValueError(f"stop[{index}] must be a string, got {type(text).__name__}")
-        if not text:
-            raise ValueError(f"stop[{index}] is empty; stop strings must be non-empty")
-        if len(text) > MAX_STOP_STRING_CHARS:
-            raise ValueError(
-                f"stop[{index}] has {len(text)} characters; the limit MAX_STOP_STRING_CHARS is {MAX_STOP_STRING_CHARS}"
-            )
-    return tuple(dict.fromkeys(stop))
-
-
-@dataclass(frozen=True, slots=True)
-class MinTokensBan:
-    """The sampler's share of a request's stop rules: while fewer than ``min_tokens`` tokens
-    were generated, the logits of ``token_ids`` are set to -inf.
-
-    Derived by ``StopConditions.min_tokens_ban``; a request that bans nothing has None instead.
-    """
-
-    min_tokens: int
-    token_ids: tuple[int, ...]
-    """The stop token ids, plus the model's EOS ids unless ignore_eos."""
+"""Upper bound on a request's stop_token_ids, named in the error it produces."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +77,20 @@ class StopConditions:
         if not self.ignore_eos:
             banned += tuple(t for t in eos_token_ids if t not in banned)
         return MinTokensBan(self.min_tokens, banned) if banned else None
+
+    def token_stop(self, token_id: int, num_output_tokens: int,
+                   eos_token_ids: Sequence[int]) -> tuple[FinishReason, int | None] | None:
+        """Whether generating ``token_id`` as output number ``num_output_tokens`` ends the request.
+
+        In order: stop_token_ids (STOP, the id as stop reason) and EOS (EOS, unless ignore_eos),
+        both only once more than min_tokens tokens came, then max_tokens (LENGTH). The context
+        limit is the request's own check (it knows its length).
+        """
+        if num_output_tokens > self.min_tokens:
+            if token_id in self.stop_token_ids:
+                return FinishReason.STOP, token_id
+            if not self.ignore_eos and token_id in eos_token_ids:
+                return FinishReason.EOS, None
+        if self.max_tokens is not None and num_output_tokens >= self.max_tokens:
+            return FinishReason.LENGTH, None
+        return None

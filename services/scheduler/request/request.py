@@ -1,8 +1,10 @@
 """One generation request as the scheduler sees it: token ids, progress, stop rules, status.
 
-The stop rules are the request's StopConditions, plus the model's EOS ids: the token rules
-(max_tokens, stop_token_ids, EOS, min_tokens) are applied here in the core; the stop strings
-are the caller's, matched after detokenization.
+Its life: admitted (the engine core's ``submit``) → WAITING → RUNNING (→ PREEMPTED → RUNNING ...) → finished,
+with one FinishReason (finish_reason.py). The stop rules are the request's StopConditions
+plus the model's EOS ids: the token rules (max_tokens, stop_token_ids, EOS, min_tokens) are
+applied here to every token a step brings (``append_outputs``); the stop strings travel with
+its text stream to the tokenizer, which matches them where the text is made.
 
 A request's progress is a single number, ``num_computed_tokens``: how many of its known tokens
 (prompt + outputs) already have K/V in the cache. The scheduler's only job is to let it catch
@@ -20,22 +22,10 @@ import enum
 from collections.abc import Sequence
 
 from services.common.sampling_params import SamplingParams
-from services.common.step import TokenLogprobs
-from services.common.stop import MinTokensBan, StopConditions
-from services.scheduler.core.speculation import DraftLength
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    """max_tokens generated, or the sequence filled max_model_len."""
-    STOP = "stop"
-    """One of stop_token_ids was generated, or the caller found a stop string."""
-    EOS = "eos"
-    """The model generated one of its EOS tokens (and ignore_eos was off)."""
-    ABORT = "abort"
-    """The client cancelled."""
-    ERROR = "error"
-    """Serving the request failed."""
+from services.common.step import MinTokensBan, TokenLogprobs
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.stop import StopConditions
+from services.scheduler.request.update import RequestUpdate
 
 
 class RequestStatus(enum.Enum):
@@ -161,8 +151,9 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.spec_token_ids: list[int] = []
         """Draft tokens set by the caller before schedule(); consumed by the next plan."""
-        self.draft_length: DraftLength | None = None
-        """How many drafts to ask for (adaptive); None = this request does not speculate."""
+        self.draft_length = None
+        """How many drafts to ask for (adaptive, a core.speculation.DraftLength, set by the engine
+        at admission); None = this request does not speculate."""
         self.num_accepted_draft_tokens = 0
         """Output tokens that came from accepted drafts (reported in the final timings)."""
         self.num_preemptions = 0
@@ -207,6 +198,33 @@ class Request:
         self._all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def append_outputs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
+                       max_model_len: int) -> RequestUpdate:
+        """Append one step's sampled tokens one by one, checking the stop rules after each
+        (``StopConditions.token_stop``, then max_model_len: LENGTH); the rest after a stop are
+        cut (never reported). Returns the update the caller hears of."""
+        stop = self.stop
+        reason: FinishReason | None = None
+        stop_reason: int | None = None
+        num_appended = 0
+        for token_id in token_ids:
+            self.append_output_token(token_id, logprobs[num_appended] if logprobs is not None else None)
+            num_appended += 1
+            ended = stop.token_stop(token_id, len(self.output_token_ids), self.eos_token_ids)
+            if ended is None and len(self._all_token_ids) >= max_model_len:
+                ended = FinishReason.LENGTH, None
+            if ended is not None:
+                reason, stop_reason = ended
+                break
+        return RequestUpdate(
+            request_id=self.request_id,
+            seq_id=self.seq_id,
+            new_token_ids=list(token_ids[:num_appended]),
+            new_logprobs=list(logprobs[:num_appended]) if logprobs is not None else None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+        )
 
     def validate(self, max_model_len: int, vocab_size: int) -> None:
         """Raise ValueError naming the field and the limit when the request cannot be served.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.step import TokenLogprobs
+from services.scheduler.request.finish_reason import FinishReason
 
 
 @dataclass(slots=True)
@@ -37,8 +38,8 @@ class GenerationDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    """None while running; then one of length, stop, eos, abort, error."""
+    finish_reason: FinishReason | None = None
+    """None while running; set on the stream's last delta."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended it, for finish_reason == "stop"."""
     error_message: str | None = None

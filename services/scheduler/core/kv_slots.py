@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.scheduler.core.request import Request
+from services.scheduler.request.request import Request
 
 
 @dataclass(frozen=True, slots=True)

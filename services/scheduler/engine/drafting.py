@@ -1,0 +1,57 @@
+"""Speculative decoding in the engine loop: when to ask the drafter, and what to do with its answer.
+
+Before planning a step with nothing in flight, the loop asks the drafter for drafts for the
+requests ready to verify some, each up to its adaptive k (core/speculation.py); a late or
+missing answer means no drafts. A step that verifies drafts is not overlapped: where the
+request's next step starts depends on how many drafts are accepted. So while any running
+request still wants drafts the loop keeps one step in flight; once every request's k has
+fallen to 0 (drafts do not pay), it overlaps again.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.speculation import DraftLength, SpeculationConfig
+from services.scheduler.engine.ports import DrafterPort
+
+
+class Drafting:
+    def __init__(self, drafter: DrafterPort, speculation: SpeculationConfig) -> None:
+        self.drafter = drafter
+        self.speculation = speculation
+
+    def draft_length(self, num_speculative_tokens: int | None) -> DraftLength:
+        """A new request's draft length: None = the server's cap; 0 turns speculation off for it."""
+        cap = self.speculation.num_speculative_tokens
+        return DraftLength(self.speculation, cap if num_speculative_tokens is None else min(cap, num_speculative_tokens))
+
+    def speculating(self, scheduler: Scheduler) -> bool:
+        """Some running request would verify drafts: keep one step in flight."""
+        if not self.drafter.connected:
+            return False
+        return any(r.draft_length is not None and r.draft_length.wants_drafts() for r in scheduler.running)
+
+    async def draft(self, scheduler: Scheduler) -> None:
+        """Ask the drafter for the requests ready to verify drafts; set what comes back in time,
+        at most each request's k."""
+        if not self.drafter.connected:
+            return
+        asks = []
+        for request in scheduler.requests_ready_to_draft():
+            k = request.draft_length.next_k()
+            if k > 0:
+                asks.append((request, k))
+        if not asks:
+            return
+        drafts = await self.drafter.propose(asks, (r.seq_id for r in scheduler.running))
+        if drafts is None:  # no answer in time: this step goes without drafts
+            return
+        for request, k in asks:
+            draft = drafts.get(request.seq_id)
+            if draft and not request.is_finished:
+                request.spec_token_ids = draft[:k]
+            elif not draft:
+                request.draft_length.observe_no_draft()
+
+    def forget_all(self) -> None:
+        self.drafter.forget_all()

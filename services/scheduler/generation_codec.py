@@ -1,0 +1,79 @@
+"""The Generation API's protobuf edge: request fields to domain values, deltas to responses.
+
+The servicer (servicer.py) calls these and nothing past it sees a protobuf message.
+"""
+
+from __future__ import annotations
+
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.common.step import ExecutorInfo
+from services.scheduler.request.delta import GenerationDelta
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.stop import StopConditions
+
+FINISH_REASON_TO_PROTO = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def stop_from_proto(msg: common_pb2.StopConditions) -> StopConditions:
+    return StopConditions(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateResponse]:
+    out = []
+    if delta.text or delta.token_ids:
+        d = generation_pb2.Delta(text=delta.text, token_ids=delta.token_ids)
+        for lp in delta.logprobs or ():
+            d.logprobs.add(token_id=0, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                           top_logprobs=lp.top_logprobs)
+        for lp, token_id in zip(d.logprobs, delta.token_ids):
+            lp.token_id = token_id
+        out.append(generation_pb2.GenerateResponse(delta=d))
+    if delta.finished:
+        out.append(generation_pb2.GenerateResponse(finished=_finished_to_proto(delta)))
+    return out
+
+
+def _finished_to_proto(delta: GenerationDelta) -> generation_pb2.Finished:
+    f = generation_pb2.Finished(finish_reason=FINISH_REASON_TO_PROTO[delta.finish_reason])
+    if delta.stop_reason is not None:
+        f.stop_reason = str(delta.stop_reason)
+    if delta.error_message is not None:
+        f.error_message = delta.error_message
+    if delta.usage is not None:
+        f.usage.prompt_tokens = delta.usage.prompt_tokens
+        f.usage.completion_tokens = delta.usage.completion_tokens
+        f.usage.cached_tokens = delta.usage.cached_tokens
+    if delta.timings is not None:
+        t = delta.timings
+        f.timings.queue_time_ms = t.queue_time_ms
+        f.timings.time_to_first_token_ms = t.time_to_first_token_ms
+        f.timings.decode_time_ms = t.decode_time_ms
+        f.timings.e2e_ms = t.e2e_ms
+        f.timings.accepted_draft_tokens = t.accepted_draft_tokens
+    return f
+
+
+def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids) -> generation_pb2.ModelInfo:
+    msg = generation_pb2.ModelInfo(
+        model_name=model_name, model_path=info.model, architecture=info.architecture,
+        vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
+        block_size=info.block_size, dtype=info.dtype, device=info.device,
+        attention_backend=info.attention_backend, eos_token_ids=list(eos_token_ids),
+        kv_cache_dtype=info.kv_cache_dtype, kv_cache_tokens=info.kv_cache_tokens,
+        kv_cache_bytes=info.kv_cache_bytes)
+    if info.bos_token_id is not None:
+        msg.bos_token_id = info.bos_token_id
+    return msg

@@ -1,0 +1,135 @@
+"""The scheduler's link to its executor: one long-lived Step stream, one message per step.
+
+The engine core's ExecutorPort over gRPC. Failures surface as UnavailableError (or
+InvalidArgumentError when the executor refused a step), which the engine core turns into one
+Finished (error) per request on it. With ``tls`` the link connects over TLS (mTLS with a
+client certificate), its files read when the channel is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
+from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+from services.common.server import create_channel
+from services.common.step import ExecutorInfo, StepPlan, StepResult
+from services.common.tls import ClientTLS
+from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, wait_ready
+
+HANDSHAKE_STEP_ID = 2**64 - 1
+"""An empty step sent when a session opens; scheduler step ids count up from 0."""
+
+
+class ExecutorLink:
+    """One Step stream to the executor. The stream is a session: reconnecting starts clean.
+
+    A session that ends between steps (the executor died while the scheduler was idle) is
+    noticed at once: the link drops the call and calls ``on_lost``, so the owner reconnects
+    before a request is sent into a dead stream.
+
+    ``send`` and ``receive`` split a step so that the next plan can be sent before the
+    previous result is read (overlapped scheduling): the executor answers in order, one
+    result per plan; ``step`` is the two together.
+    """
+
+    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None) -> None:
+        self.address = address
+        self.tls = tls
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._awaiting: deque = deque()
+        """The call each sent plan was written to, oldest first: its result is read there even
+        if the watcher has dropped the call meanwhile (to report how the stream ended)."""
+        self._watcher: asyncio.Task | None = None
+        self.info: ExecutorInfo | None = None
+        self._on_lost = on_lost
+        """Called when a confirmed session ends without a step failing on it."""
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def connect(self, timeout: float) -> ExecutorInfo:
+        await self.close()
+        self._channel = create_channel(self.address, tls=self.tls, options=BACKEND_CHANNEL_OPTIONS)
+        await wait_ready(self._channel, self.address, timeout)
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        try:
+            self.info = executor_info_from_proto(await stub.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(),
+                                                                            timeout=timeout))
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from None
+        # The executor notices a previous session's end asynchronously and refuses a second
+        # concurrent session (FAILED_PRECONDITION); an empty step confirms this one is live.
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            self._call = stub.Step()
+            self._awaiting.clear()  # a failed attempt's handshake
+            try:
+                await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
+                self._watcher = asyncio.create_task(self._watch(self._call), name="executor-session-watch")
+                return self.info
+            except UnavailableError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _watch(self, call) -> None:
+        await call.code()  # returns when the call ends, whoever ends it
+        if self._call is call:  # not closed by us, and no step has failed on it yet
+            self._call = None
+            self._on_lost()
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        await self.send(plan)
+        return await self.receive(plan.step_id)
+
+    async def send(self, plan: StepPlan) -> None:
+        """Write one plan; its result comes from ``receive``, after those of earlier plans."""
+        call = self._call
+        if call is None:
+            raise UnavailableError(f"executor at {self.address} is not connected")
+        self._awaiting.append(call)
+        try:
+            await call.write(plan_to_proto(plan))
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._call = None
+            raise UnavailableError(f"executor at {self.address} failed: {await ended(call, exc)}") from None
+
+    async def receive(self, step_id: int) -> StepResult:
+        """Read the result of the oldest plan sent and not yet received (``step_id``'s)."""
+        if not self._awaiting:
+            raise UnavailableError(f"executor at {self.address}: no step {step_id} was sent on this session")
+        call = self._awaiting.popleft()  # the watcher may drop self._call while this step awaits
+        try:
+            response = await call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._call = None
+            raise UnavailableError(f"executor at {self.address} failed: {await ended(call, exc)}") from None
+        if response is grpc.aio.EOF:
+            code = await call.code()
+            details = await call.details()
+            self._call = None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgumentError(f"executor rejected step {step_id}: {details}")
+            raise UnavailableError(f"executor at {self.address} ended the step stream: {code.name}: {details}")
+        return result_from_proto(response)
+
+    async def close(self) -> None:
+        call, self._call = self._call, None  # first, so the watcher sees a closed link
+        self._awaiting.clear()
+        if call is not None:
+            call.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

@@ -1,0 +1,164 @@
+"""The scheduler's links to its tokenizers: unary Encode/RenderChat, and one Detokenize stream each.
+
+A ``TokenizerLink`` is the engine core's DetokenizerPort over gRPC; a ``TokenizerPool`` spreads
+the prompt calls of several stateless tokenizer services round-robin. With ``tls`` every link
+connects over TLS (mTLS with a client certificate), its files read when the channel is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+
+import grpc
+import grpc.aio
+
+from services.common.codec.detokenize_codec import batch_to_proto, result_from_proto
+from services.common.detokenize import DetokenizeBatch, DetokenizeResult
+from services.common.errors import UnavailableError
+from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.server import create_channel
+from services.common.tls import ClientTLS
+from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, map_rpc_error, run_to_end, wait_ready
+
+
+class TokenizerLink:
+    """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream.
+
+    The Detokenize stream holds the state of every request's text, so it is a session like
+    the executor's: when it ends (the tokenizer died or restarted), the link is down until
+    ``connect`` opens a new one, and ``on_lost`` is called once so the owner can end the
+    requests pinned to it and reconnect. The stream is watched, so a tokenizer that dies
+    while the scheduler is idle is noticed at once, not when the next step needs it.
+    """
+
+    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None) -> None:
+        self.address = address
+        self.tls = tls
+        self._channel = create_channel(address, tls=tls, options=BACKEND_CHANNEL_OPTIONS)
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._detok = None
+        self._watcher: asyncio.Task | None = None
+        self._step_ids = itertools.count()
+        self._on_lost = on_lost
+        """Called once each time a connected Detokenize session ends."""
+
+    @property
+    def connected(self) -> bool:
+        return self._detok is not None
+
+    async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+        """Open a new Detokenize session (on a fresh channel after the first, so a restarted
+        tokenizer is reached without waiting out the old channel's reconnect back-off)."""
+        if self._detok is not None or self._watcher is not None:
+            await self._drop_session()
+            old, self._channel = self._channel, create_channel(self.address, tls=self.tls,
+                                                               options=BACKEND_CHANNEL_OPTIONS)
+            self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+            await old.close()
+        await wait_ready(self._channel, self.address, timeout)
+        try:
+            info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
+        call = self._stub.Detokenize()
+        self._step_ids = itertools.count()
+        self._detok = call
+        self._watcher = asyncio.create_task(self._watch(call), name="tokenizer-session-watch")
+        return info
+
+    async def _watch(self, call) -> None:
+        await call.code()  # returns when the call ends, whoever ends it
+        self._lost(call)
+
+    def _lost(self, call) -> None:
+        if self._detok is call and call is not None:  # once per session, and not after close()
+            self._detok = None
+            self._on_lost()
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            reply = await run_to_end(self._stub.Encode(
+                tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, f"tokenizer at {self.address}") from None
+        return list(reply.token_ids)
+
+    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+        """Token ids of the rendered conversation (the template's special tokens recognised)."""
+        try:
+            reply = await run_to_end(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
+                messages=messages, add_generation_prompt=add_generation_prompt), timeout=30))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, f"tokenizer at {self.address}") from None
+        return list(reply.token_ids)
+
+    async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
+        call = self._detok
+        if call is None:
+            raise UnavailableError(f"tokenizer at {self.address} is not connected")
+        try:
+            await call.write(batch_to_proto(batch, next(self._step_ids)))
+            reply = await call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            # InvalidStateError: the call had already ended (grpc's "RPC already finished"):
+            # what a client must hear is that the tokenizer went away, not that text.
+            self._lost(call)
+            raise UnavailableError(f"tokenizer at {self.address} went away: {await ended(call, exc)}") from None
+        if reply is grpc.aio.EOF:
+            self._lost(call)
+            raise UnavailableError(f"tokenizer at {self.address} ended the detokenize stream: "
+                                   f"{await ended(call, None)}")
+        return result_from_proto(reply)
+
+    async def _drop_session(self) -> None:
+        call, self._detok = self._detok, None  # first, so the watcher does not report it
+        if call is not None:
+            call.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def close(self) -> None:
+        await self._drop_session()
+        await self._channel.close()
+
+
+class TokenizerPool:
+    """Several stateless tokenizer services. Prompt calls go round-robin over the connected
+    ones; each request's text stream is pinned to one by the engine core (its state is there)."""
+
+    def __init__(self, addresses: Sequence[str], tls: ClientTLS | None = None,
+                 on_lost: Callable[[int], None] = lambda index: None) -> None:
+        if not addresses:
+            raise ValueError("tokenizer_addresses must name at least one tokenizer service")
+        self.links = [TokenizerLink(a, tls, on_lost=lambda i=i: on_lost(i)) for i, a in enumerate(addresses)]
+        self._turn = itertools.cycle(range(len(self.links)))
+        self.info: tokenizer_pb2.TokenizerInfo | None = None
+
+    async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+        infos = await asyncio.gather(*(link.connect(timeout) for link in self.links))
+        self.info = infos[0]
+        return self.info
+
+    @property
+    def connected(self) -> bool:
+        """At least one tokenizer can take a new request."""
+        return any(link.connected for link in self.links)
+
+    def _pick(self) -> TokenizerLink:
+        for _ in range(len(self.links)):
+            link = self.links[next(self._turn)]
+            if link.connected:
+                return link
+        raise UnavailableError("every tokenizer is unavailable; retry shortly")
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._pick().encode(text, add_special_tokens)
+
+    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
+        return await self._pick().render_chat(messages, add_generation_prompt)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)

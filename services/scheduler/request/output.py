@@ -1,0 +1,77 @@
+"""What a request's client has been told: its deltas, usage and timings.
+
+One per admitted request, kept by the engine core until the request's final
+delta. The core hands it each step's update with the text the tokenizer made of it (already
+cut at a stop string: the tokenizer matches them, services/common/detokenize.py), and gets
+back the client's GenerationDelta. No I/O, no clock (callers pass ``now``), no torch.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.request.delta import GenerationDelta, Timings, Usage
+from services.scheduler.request.finish_reason import FinishReason
+from services.scheduler.request.request import Request
+from services.scheduler.request.update import RequestUpdate
+
+
+class RequestOutput:
+    __slots__ = ("request", "arrival_time", "first_token_time", "num_output_tokens", "token_times")
+
+    def __init__(self, request: Request, arrival_time: float) -> None:
+        self.request = request
+        """The core's request. Kept after the core forgets it: its first schedule time, prefix
+        hits and accepted drafts feed the final delta's timings and usage."""
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.token_times: list[float] = []
+        """When each delta with tokens was produced: the inter-token gaps of the metrics."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    def on_update(self, update: RequestUpdate, text: str, now: float,
+                  stop_string: str | None = None) -> GenerationDelta:
+        """The client's delta for one step's update and its text (the final flush included
+        when the update finishes the request). ``stop_string``: the tokenizer found it in this
+        text, which ends the request with STOP (the caller ends it in the core)."""
+        token_ids = update.new_token_ids
+        if token_ids:
+            self.token_times.append(now)
+            if self.first_token_time is None:
+                self.first_token_time = now
+        self.num_output_tokens += len(token_ids)
+        delta = GenerationDelta(self.request.request_id, text, list(token_ids), update.new_logprobs)
+        if stop_string is not None:
+            self._finish(delta, FinishReason.STOP, stop_string, now)
+        elif update.finish_reason is not None:
+            self._finish(delta, update.finish_reason, update.stop_reason, now)
+        return delta
+
+    def end(self, now: float, reason: FinishReason = FinishReason.ABORT,
+            error_message: str | None = None) -> GenerationDelta:
+        """The final delta of a request ended from outside (abort, a backend lost, shutdown)."""
+        delta = GenerationDelta(self.request.request_id, error_message=error_message)
+        self._finish(delta, reason, None, now)
+        return delta
+
+    def _finish(self, delta: GenerationDelta, reason: FinishReason, stop_reason, now: float) -> None:
+        request = self.request
+        delta.finish_reason = reason
+        delta.stop_reason = stop_reason
+        delta.usage = Usage(request.num_prompt_tokens, self.num_output_tokens, request.num_cached_tokens)
+        scheduled = request.first_scheduled_time if request.first_scheduled_time is not None else now
+        first = self.first_token_time if self.first_token_time is not None else now
+        ms = 1000.0
+        delta.timings = Timings(
+            queue_time_ms=(scheduled - self.arrival_time) * ms,
+            time_to_first_token_ms=(first - self.arrival_time) * ms,
+            decode_time_ms=(now - first) * ms,
+            e2e_ms=(now - self.arrival_time) * ms,
+            accepted_draft_tokens=request.num_accepted_draft_tokens,
+        )

@@ -1,0 +1,240 @@
+"""The scheduler service around its engine core: backend links, reconnection, health, outputs.
+
+The engine core (engine/core.py) runs the loop; this keeps its gRPC ports alive:
+
+- It connects the tokenizers and the executor at start, attaches the executor to the core and
+  runs the core's loop and output stage as two tasks.
+- Every backend link reconnects. When the executor stream breaks, the core ends every running
+  request with one Finished (error) and drops its lane; this reconnects in the background and
+  attaches the new session. When a tokenizer's Detokenize session ends, the requests pinned to
+  it end the same way (their text state died with it) and that link reconnects on its own.
+  The drafter link keeps itself connected (a missing drafter only costs speed).
+- Health follows ``ready``: NOT_SERVING while the executor or every tokenizer is away.
+- Each request's deltas go to a queue its Generate handler reads (``RequestHandle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.common.errors import UnavailableError
+from services.common.sampling_params import SamplingParams
+from services.common.tls import ClientTLS
+from services.scheduler.core.config import SchedulerLimits
+from services.scheduler.core.speculation import SpeculationConfig
+from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
+from services.scheduler.engine.request_table import FinishedObserver
+from services.scheduler.links.drafter_link import DrafterLink
+from services.scheduler.links.executor_link import ExecutorLink
+from services.scheduler.links.tokenizer_link import TokenizerPool
+from services.scheduler.request.stop import StopConditions
+
+_log = structlog.get_logger("tokenmill.scheduler")
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+class HealthReport:
+    """Tells the server's health what ``ready`` says whenever a link changes, in order, from one
+    task (reports are awaited, and a change may come while one is on its way)."""
+
+    def __init__(self, ready: Callable[[], bool]) -> None:
+        self._ready = ready
+        self._set_serving: Callable[[bool], Awaitable[None]] | None = None
+        self._reported = True
+        """What health was last told (the server starts SERVING once the supervisor started)."""
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+
+    def report_to(self, set_serving: Callable[[bool], Awaitable[None]]) -> None:
+        """From now on, tell ``set_serving`` whenever ``ready`` changes."""
+        self._set_serving = set_serving
+
+    def changed(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._report(), name="scheduler-health")
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    async def _report(self) -> None:
+        while not self._stopped and self._reported != self._ready():
+            self._reported = self._ready()
+            _log.info("serving_changed", serving=self._reported)
+            if self._set_serving is not None:
+                await self._set_serving(self._reported)
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    request_id: str
+    prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """GenerationDelta items, the last one finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backends:
+    """Where the scheduler's backends listen, and how to reach them."""
+
+    executor_address: str
+    tokenizer_addresses: Sequence[str]
+    drafter_address: str = ""
+    """Empty: no speculative decoding."""
+    drafter_deadline_s: float = 0.05
+    tls: ClientTLS | None = None
+
+
+class Supervisor:
+    def __init__(self, limits: SchedulerLimits, backends: Backends, connect_timeout_s: float, *,
+                 speculation: SpeculationConfig | None = None, on_finished: FinishedObserver | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.executor = ExecutorLink(backends.executor_address, backends.tls, on_lost=self._wake_core)
+        self.tokenizers = TokenizerPool(backends.tokenizer_addresses, backends.tls, on_lost=self._on_tokenizer_lost)
+        self.drafter = (DrafterLink(backends.drafter_address, backends.drafter_deadline_s, backends.tls)
+                        if backends.drafter_address else None)
+        self.core = EngineCore(limits, self.tokenizers.links, drafter=self.drafter, speculation=speculation,
+                               clock=clock, on_finished=on_finished, on_executor_lost=self._on_executor_lost)
+        self._tasks: list[asyncio.Task] = []
+        self._reconnecting: asyncio.Task | None = None
+        self._tokenizer_reconnects: dict[int, asyncio.Task] = {}
+        self._stopping = False
+        self.health = HealthReport(lambda: self.ready)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.tokenizers.connect(self.connect_timeout_s)
+        await self._connect_executor()
+        if self.drafter is not None:
+            self.drafter.start()  # in the background: requests never wait for a drafter
+        self._tasks = [asyncio.create_task(self.core.run(), name="scheduler-loop"),
+                       asyncio.create_task(self.core.publisher.run(), name="scheduler-publisher")]
+
+    async def _connect_executor(self) -> None:
+        info = await self.executor.connect(self.connect_timeout_s)
+        tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
+        self.core.attach(self.executor, info, tokenizer_eos)
+        _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,
+                  block_size=info.block_size, max_model_len=info.max_model_len)
+
+    async def shutdown(self, grace: float) -> None:
+        """Refuse new requests, let running ones finish for up to ``grace`` seconds, then end
+        the rest with Finished (error), so no client stream hangs."""
+        self._stopping = True
+        self.health.stop()
+        deadline = time.monotonic() + grace
+        while self.core.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.core.requests.end_all(SHUTTING_DOWN)
+        pending = [*self._tasks, *([self._reconnecting] if self._reconnecting else []),
+                   *self._tokenizer_reconnects.values()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.executor.close()
+        await self.tokenizers.close()
+        if self.drafter is not None:
+            await self.drafter.close()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def ready(self) -> bool:
+        return (self.core.lane is not None and self.executor.connected and self.tokenizers.connected
+                and not self._stopping)
+
+    def unavailable_reason(self) -> str | None:
+        """Why no request can be accepted now (the server stops, the executor is away); None if one can."""
+        if self._stopping:
+            return SHUTTING_DOWN
+        if self.core.lane is None or not self.executor.connected:
+            return EXECUTOR_UNAVAILABLE
+        return None
+
+    def check_accepting(self) -> None:
+        """Raise UnavailableError while the server stops or the executor is away (restarting)."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise UnavailableError(reason)
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
+               priority: int, num_speculative_tokens: int | None = None, tenant: str = "") -> RequestHandle:
+        """Admit a request (EngineCore.submit, which names what it raises); its deltas arrive on
+        the handle's queue."""
+        self.check_accepting()
+        handle = RequestHandle(request_id, len(prompt_ids))
+        self.core.submit(request_id, prompt_ids, sampling, stop, handle.queue.put_nowait, priority,
+                         num_speculative_tokens, tenant)
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (client cancelled or Abort RPC); its blocks are freed now."""
+        return self.core.abort(request_id) is not None
+
+    # ------------------------------------------------------------------ links going away
+    def _wake_core(self) -> None:
+        self.core.wake()  # an idle loop finds the executor port disconnected and detaches it
+
+    def _on_executor_lost(self, error: str) -> None:
+        # run_service froze the objects alive at start-up out of the cyclic GC, the first core
+        # among them; its free-block list is a cycle, so without this it would never be freed
+        # (about 100 bytes a KV block, once per process: later cores are not frozen).
+        gc.unfreeze()
+        self.health.changed()
+        if not self._stopping and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = asyncio.create_task(self._reconnect(), name="executor-reconnect")
+
+    async def _reconnect(self) -> None:
+        """Retry until the executor is back; health reports NOT_SERVING meanwhile."""
+        # Free the dropped core now (the loop has let go of it by the time this task runs), not
+        # at some later full collection, so the next core's blocks and the load that resumes can
+        # reuse its memory. One full collection per executor loss, while no request runs.
+        gc.collect()
+        delay = 0.2
+        while not self._stopping:
+            try:
+                await self._connect_executor()
+            except Exception as exc:  # noqa: BLE001 - e.g. a config the core refuses: keep trying, loudly
+                _log.warning("executor_reconnect_failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            self.health.changed()
+            return
+
+    def _on_tokenizer_lost(self, index: int) -> None:
+        """A tokenizer's Detokenize session ended: end the requests whose text state lived
+        there, and reconnect that link in the background."""
+        link = self.tokenizers.links[index]
+        _log.error("tokenizer_lost", address=link.address)
+        self.core.requests.end_all(f"tokenizer at {link.address} went away", detokenizer=index)
+        self.health.changed()
+        if not self._stopping and index not in self._tokenizer_reconnects:
+            self._tokenizer_reconnects[index] = asyncio.create_task(self._reconnect_tokenizer(index),
+                                                                    name=f"tokenizer-{index}-reconnect")
+
+    async def _reconnect_tokenizer(self, index: int) -> None:
+        link = self.tokenizers.links[index]
+        delay = 0.1
+        try:
+            while not self._stopping:
+                try:
+                    await link.connect(min(self.connect_timeout_s, 2.0))
+                except Exception as exc:  # noqa: BLE001 - keep trying, loudly
+                    _log.warning("tokenizer_reconnect_failed", address=link.address, error=str(exc),
+                                 retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                _log.info("tokenizer_reconnected", address=link.address)
+                return
+        finally:
+            self._tokenizer_reconnects.pop(index, None)
+            self.health.changed()
+            self.core.wake()
