@@ -239,9 +239,13 @@ class SchedulerSource(Protocol):
     def step_times(self): ...
 
     @property
-    def lane(self):
-        """The executor being served (None while it is away); its ``info`` (ExecutorInfo) gives
-        the KV pool's capacity."""
+    def lanes(self):
+        """The executors being served, by name; each one's ``info`` (ExecutorInfo) gives its KV
+        pool's capacity, its ``scheduler`` its gauges."""
+
+    @property
+    def handoff(self):
+        """Its ``counters``: KV copies into each executor."""
 
 
 class SchedulerCollector(Collector):
@@ -263,12 +267,15 @@ class SchedulerCollector(Collector):
         """The metric names, valueless: the registry maps names to collectors with it, which a
         filtered scrape (``/metrics?name[]=...``) needs even before a source is set."""
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_waste_perc",
-                     "kv_cache_blocks", "kv_cache_capacity_tokens", "kv_cache_bytes"):
+                     "kv_cache_blocks", "kv_cache_capacity_tokens", "kv_cache_bytes", "executor_num_requests_running",
+                     "executor_num_requests_waiting", "executor_kv_cache_usage_perc"):
             yield GaugeMetricFamily(PREFIX + name, "")
         for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "scheduler_steps",
                      "scheduler_step_sequences", "scheduler_step_phase_seconds", "spec_decode_num_drafts",
                      "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                     "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens_per_pos"):
+                     "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens_per_pos",
+                     "executor_kv_transfers", "executor_kv_transfer_bytes", "executor_kv_transfer_seconds",
+                     "executor_kv_transfer_failures"):
             yield CounterMetricFamily(PREFIX + name, "")
 
     def collect(self) -> Iterable[Metric]:
@@ -290,7 +297,8 @@ class SchedulerCollector(Collector):
             yield _gauge("kv_cache_waste_perc",
                          "Allocated KV slots holding no token, over all allocated slots of running requests",
                          slots.waste_fraction)
-        yield from _kv_capacity(getattr(source.lane, "info", None))
+        yield from _kv_capacity([lane.info for lane in source.lanes.values()])
+        yield from _per_executor(source.lanes, source.handoff.counters)
         totals = source.step_times
         yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
         yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
@@ -324,19 +332,53 @@ def _spec_decode(spec) -> Iterable[Metric]:
         yield family
 
 
-def _kv_capacity(info) -> Iterable[Metric]:
-    """The executor's KV pool: blocks, tokens and bytes, labelled with its storage dtype (int8 or
-    fp8_e4m3 when quantized), so a dashboard sees what --kv-cache-dtype bought."""
-    if info is None:
+def _kv_capacity(infos) -> Iterable[Metric]:
+    """The executors' KV pools together: blocks, tokens and bytes, labelled with their storage
+    dtype (int8 or fp8_e4m3 when quantized), so a dashboard sees what --kv-cache-dtype bought."""
+    if not infos:
         return
-    labels = {"kv_cache_dtype": info.kv_cache_dtype, "block_size": str(info.block_size)}
+    first = infos[0]
+    labels = {"kv_cache_dtype": first.kv_cache_dtype, "block_size": str(first.block_size)}
     for name, help_, value in (
-            ("kv_cache_blocks", "KV-cache blocks the executor holds", info.num_blocks),
-            ("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size)", info.kv_cache_tokens),
-            ("kv_cache_bytes", "Bytes of the executor's KV pool, quantization scales included", info.kv_cache_bytes)):
+            ("kv_cache_blocks", "KV-cache blocks the executors hold", sum(i.num_blocks for i in infos)),
+            ("kv_cache_capacity_tokens", "Tokens the KV caches hold (blocks x block size)",
+             sum(i.kv_cache_tokens for i in infos)),
+            ("kv_cache_bytes", "Bytes of the executors' KV pools, quantization scales included",
+             sum(i.kv_cache_bytes for i in infos))):
         gauge = GaugeMetricFamily(PREFIX + name, help_, labels=list(labels))
         gauge.add_metric(list(labels.values()), float(value))
         yield gauge
+
+
+def _per_executor(lanes, transfers) -> Iterable[Metric]:
+    """Each executor's placement and KV usage, and the KV copies into it (disaggregated prefill)."""
+    families = {
+        "executor_num_requests_running": GaugeMetricFamily(
+            PREFIX + "executor_num_requests_running", "Requests running on the executor", labels=["executor", "role"]),
+        "executor_num_requests_waiting": GaugeMetricFamily(
+            PREFIX + "executor_num_requests_waiting", "Requests waiting for the executor", labels=["executor", "role"]),
+        "executor_kv_cache_usage_perc": GaugeMetricFamily(
+            PREFIX + "executor_kv_cache_usage_perc", "Fraction of the executor's KV blocks held, in [0, 1]",
+            labels=["executor", "role"]),
+    }
+    for name, lane in lanes.items():
+        stats = lane.scheduler.get_stats()
+        labels = [name, lane.role]
+        families["executor_num_requests_running"].add_metric(labels, stats.num_running)
+        families["executor_num_requests_waiting"].add_metric(labels, stats.num_waiting)
+        families["executor_kv_cache_usage_perc"].add_metric(labels, stats.kv_cache_usage)
+    yield from families.values()
+    copies = {key: CounterMetricFamily(PREFIX + key, help_, labels=["executor"]) for key, help_ in (
+        ("executor_kv_transfers", "KV copies into the executor from a prefill executor"),
+        ("executor_kv_transfer_bytes", "Bytes of KV copied into the executor"),
+        ("executor_kv_transfer_seconds", "Time spent copying KV into the executor"),
+        ("executor_kv_transfer_failures", "KV copies that failed (the request recomputed instead)"))}
+    for name, counters in transfers.items():
+        copies["executor_kv_transfers"].add_metric([name], counters.transfers)
+        copies["executor_kv_transfer_bytes"].add_metric([name], counters.bytes)
+        copies["executor_kv_transfer_seconds"].add_metric([name], counters.seconds)
+        copies["executor_kv_transfer_failures"].add_metric([name], counters.failures)
+    yield from copies.values()
 
 
 def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:

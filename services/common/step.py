@@ -150,6 +150,12 @@ class ExecutorInfo:
     """K/V storage: the model's dtype name, or "int8" / "fp8_e4m3" when quantized."""
     kv_cache_bytes: int = 0
     """Bytes of the KV pool (all layers, K and V, scales included)."""
+    role: str = "mixed"
+    """What the scheduler runs on it: "prefill" (prompts, then their KV moves to a decode
+    executor), "decode" (requests whose prompt another executor computed), or "mixed" (both)."""
+    kv_layout: str = ""
+    """The KV pool's layout (model, layers, kv heads, head size, block size, storage dtype):
+    KV blocks copy only between executors that report the same one."""
 
     @property
     def kv_cache_tokens(self) -> int:

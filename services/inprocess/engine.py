@@ -71,7 +71,7 @@ class Engine:
         # Built on the engine's loop: its events and queues belong to it.
         core = EngineCore(config.limits, [LocalDetokenizer(self.tokenizer)], drafter=drafter,
                           speculation=config.speculation, clock=clock)
-        core.attach(self._executor, self.info, self.tokenizer.eos_token_ids)
+        core.attach("local", self._executor, self.info, self.tokenizer.eos_token_ids)
         return core
 
     def _run(self, coroutine):

@@ -31,7 +31,10 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                                     backend_tls=True)):
     """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
 
-    executor_address: str = _f("127.0.0.1:50053", "executor service address", "TOKENMILL_EXECUTOR_ADDRESS")
+    executor_addresses: tuple[str, ...] = _f(
+        ("127.0.0.1:50053",), "executor service address(es), comma-separated: each keeps its own KV pool and "
+        "requests are placed on the one holding their longest cached prefix, else the least loaded; a lost one's "
+        "requests move to the others", "TOKENMILL_EXECUTOR_ADDRESSES")
     tokenizer_addresses: tuple[str, ...] = _f(
         ("127.0.0.1:50052",), "tokenizer service address(es), comma-separated; load is spread over them",
         "TOKENMILL_TOKENIZER_ADDRESSES")

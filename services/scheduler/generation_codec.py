@@ -77,3 +77,29 @@ def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids) -> g
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     return msg
+
+
+def profile_to_proto(snap, stats, executors) -> generation_pb2.LatencyProfile:
+    """GetProfile's answer: a LatencySnapshot of the window, the engine's live gauges
+    (``stats``: SchedulerStats, None while no executor is connected) and each executor's
+    (``executors``: (name, role, SchedulerStats, TransferCounters or None))."""
+    msg = generation_pb2.LatencyProfile(
+        window_seconds=snap.window_s, num_requests=snap.num_requests,
+        ttft_p50_ms=snap.ttft_p50_ms, ttft_p99_ms=snap.ttft_p99_ms,
+        tpot_p50_ms=snap.tpot_p50_ms, tpot_p99_ms=snap.tpot_p99_ms,
+        tokens_per_second_per_stream=snap.tokens_per_s_per_stream,
+        tokens_per_second_total=snap.tokens_per_s_total,
+        max_output_tokens=snap.max_output_tokens)
+    if stats is not None:
+        msg.kv_cache_usage = stats.kv_cache_usage
+        msg.num_running = stats.num_running
+        msg.num_waiting = stats.num_waiting
+        msg.spec_mean_accepted_length = stats.spec_decode.mean_accepted_length
+        msg.spec_acceptance_rate = stats.spec_decode.acceptance_rate
+    for name, role, lane_stats, copies in executors:
+        entry = msg.executors.add(name=name, role=role, kv_cache_usage=lane_stats.kv_cache_usage,
+                                  num_running=lane_stats.num_running, num_waiting=lane_stats.num_waiting)
+        if copies is not None:
+            entry.kv_transfers, entry.kv_transfer_bytes = copies.transfers, copies.bytes
+            entry.kv_transfer_seconds, entry.kv_transfer_failures = copies.seconds, copies.failures
+    return msg

@@ -209,26 +209,3 @@ class LatencyProfileRecorder:
             tokens_per_s_total=sum(tokens) / covered if covered > 0 else 0.0,
             max_output_tokens=int(max(tokens, default=0)),
         )
-
-    def to_proto(self, window_s: float | None, stats):
-        """GetProfile's answer: the window's statistics plus the scheduler's live gauges
-        (``stats``: SchedulerStats, or None while no executor is connected)."""
-        from services.common.pb.tokenmill.v1 import generation_pb2
-
-        snap = self.snapshot(window_s)
-        msg = generation_pb2.LatencyProfile(
-            window_seconds=snap.window_s, num_requests=snap.num_requests,
-            ttft_p50_ms=snap.ttft_p50_ms, ttft_p99_ms=snap.ttft_p99_ms,
-            tpot_p50_ms=snap.tpot_p50_ms, tpot_p99_ms=snap.tpot_p99_ms,
-            tokens_per_second_per_stream=snap.tokens_per_s_per_stream,
-            tokens_per_second_total=snap.tokens_per_s_total,
-            max_output_tokens=snap.max_output_tokens)
-        if stats is not None:
-            msg.kv_cache_usage = stats.kv_cache_usage
-            msg.num_running = stats.num_running
-            msg.num_waiting = stats.num_waiting
-            spec = getattr(stats, "spec_decode", None)
-            if spec is not None:
-                msg.spec_mean_accepted_length = spec.mean_accepted_length
-                msg.spec_acceptance_rate = spec.acceptance_rate
-        return msg

@@ -44,7 +44,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
             observe(delta, output_state)
 
     drafting = config.drafter_address and config.num_speculative_tokens > 0
-    backends = Backends(config.executor_address, config.tokenizer_addresses,
+    backends = Backends(config.executor_addresses, config.tokenizer_addresses,
                         config.drafter_address if drafting else "", config.spec_draft_deadline_ms / 1000,
                         ClientTLS.for_backends(config))
     supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=config.speculation(),
@@ -53,7 +53,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     auth_table = load_auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else None
     admission = Admission(config.limits.max_waiting_requests, config.max_waiting_per_tenant)
     servicer = GenerationServicer(supervisor, admission, max_prompt_chars=config.max_prompt_chars, profile=profile,
-                                  model_name=Path(supervisor.core.lane.info.model).name,
+                                  model_name=Path(next(iter(supervisor.core.lanes.values())).info.model).name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
                                   auth_table=auth_table)
     if config.metrics_port >= 0:

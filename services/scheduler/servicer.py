@@ -15,7 +15,8 @@ from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
-from services.scheduler.generation_codec import delta_to_protos, model_info_to_proto, stop_from_proto
+from services.scheduler.generation_codec import (
+    delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto)
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.supervisor import Supervisor
@@ -57,7 +58,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """request_id -> tenant of each live request, so a tenant can abort only its own."""
 
     def _executor_info(self) -> ExecutorInfo:
-        lane = self.supervisor.core.lane
+        """The model's facts, as the first attached executor reports them (every executor of
+        an engine serves the same model)."""
+        lane = next(iter(self.supervisor.core.lanes.values()), None)
         if lane is None:
             raise UnavailableError(EXECUTOR_UNAVAILABLE)
         return lane.info
@@ -190,4 +193,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.profile is None:
             raise NotImplementedError("latency profiles are not enabled on this scheduler")
         window = request.window_seconds if request.HasField("window_seconds") else None
-        return self.profile.to_proto(window, self.supervisor.core.stats())
+        core = self.supervisor.core
+        executors = [(name, lane.role, lane.scheduler.get_stats(), core.handoff.counters.get(name))
+                     for name, lane in core.lanes.items()]
+        return profile_to_proto(self.profile.snapshot(window), core.stats(), executors)

@@ -2,14 +2,17 @@
 
 The engine core (engine/core.py) runs the loop; this keeps its gRPC ports alive:
 
-- It connects the tokenizers and the executor at start, attaches the executor to the core and
-  runs the core's loop and output stage as two tasks.
-- Every backend link reconnects. When the executor stream breaks, the core ends every running
-  request with one Finished (error) and drops its lane; this reconnects in the background and
-  attaches the new session. When a tokenizer's Detokenize session ends, the requests pinned to
-  it end the same way (their text state died with it) and that link reconnects on its own.
-  The drafter link keeps itself connected (a missing drafter only costs speed).
-- Health follows ``ready``: NOT_SERVING while the executor or every tokenizer is away.
+- It connects the tokenizers and the executors at start (at least one executor must answer;
+  the others are retried in the background), attaches each executor to the core as a lane,
+  and runs the core's lanes and output stage as tasks.
+- Every backend link reconnects. When an executor's stream breaks, the core moves its requests
+  to the other executors (or holds them until one is back, SchedulerLimits.executor_wait_s)
+  and drops its lane; this reconnects in the background and attaches the new session. When a
+  tokenizer's Detokenize session ends, the requests pinned to it end with Finished (error)
+  (their text state died with it) and that link reconnects on its own. The drafter link keeps
+  itself connected (a missing drafter only costs speed).
+- Health follows ``ready``: NOT_SERVING while no executor takes new requests or every
+  tokenizer is away.
 - Each request's deltas go to a queue its Generate handler reads (``RequestHandle``).
 """
 
@@ -29,6 +32,7 @@ from services.common.tls import ClientTLS
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
+from services.scheduler.engine.placement import ROLES_FOR_NEW
 from services.scheduler.engine.request_table import FinishedObserver
 from services.scheduler.links.drafter_link import DrafterLink
 from services.scheduler.links.executor_link import ExecutorLink
@@ -83,7 +87,7 @@ class RequestHandle:
 class Backends:
     """Where the scheduler's backends listen, and how to reach them."""
 
-    executor_address: str
+    executor_addresses: Sequence[str]
     tokenizer_addresses: Sequence[str]
     drafter_address: str = ""
     """Empty: no speculative decoding."""
@@ -96,14 +100,18 @@ class Supervisor:
                  speculation: SpeculationConfig | None = None, on_finished: FinishedObserver | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self.executor = ExecutorLink(backends.executor_address, backends.tls, on_lost=self._wake_core)
+        if not backends.executor_addresses or len(set(backends.executor_addresses)) != len(backends.executor_addresses):
+            raise ValueError(f"executor_addresses must name one or more distinct executors, got "
+                             f"{list(backends.executor_addresses)}")
+        self.executors = {address: ExecutorLink(address, backends.tls, on_lost=self._wake_core)
+                          for address in backends.executor_addresses}
         self.tokenizers = TokenizerPool(backends.tokenizer_addresses, backends.tls, on_lost=self._on_tokenizer_lost)
         self.drafter = (DrafterLink(backends.drafter_address, backends.drafter_deadline_s, backends.tls)
                         if backends.drafter_address else None)
         self.core = EngineCore(limits, self.tokenizers.links, drafter=self.drafter, speculation=speculation,
                                clock=clock, on_finished=on_finished, on_executor_lost=self._on_executor_lost)
         self._tasks: list[asyncio.Task] = []
-        self._reconnecting: asyncio.Task | None = None
+        self._reconnecting: dict[str, asyncio.Task] = {}
         self._tokenizer_reconnects: dict[int, asyncio.Task] = {}
         self._stopping = False
         self.health = HealthReport(lambda: self.ready)
@@ -111,17 +119,24 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         await self.tokenizers.connect(self.connect_timeout_s)
-        await self._connect_executor()
+        results = await asyncio.gather(*(self._connect_executor(a) for a in self.executors), return_exceptions=True)
+        failed = {address: r for address, r in zip(self.executors, results) if isinstance(r, BaseException)}
+        if len(failed) == len(self.executors):
+            raise next(iter(failed.values()))
+        for address, error in failed.items():
+            _log.warning("executor_unreachable_at_start", address=address, error=str(error))
+            self._reconnect_later(address)
         if self.drafter is not None:
             self.drafter.start()  # in the background: requests never wait for a drafter
         self._tasks = [asyncio.create_task(self.core.run(), name="scheduler-loop"),
                        asyncio.create_task(self.core.publisher.run(), name="scheduler-publisher")]
 
-    async def _connect_executor(self) -> None:
-        info = await self.executor.connect(self.connect_timeout_s)
+    async def _connect_executor(self, address: str) -> None:
+        link = self.executors[address]
+        info = await link.connect(self.connect_timeout_s)
         tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
-        self.core.attach(self.executor, info, tokenizer_eos)
-        _log.info("executor_connected", address=self.executor.address, num_blocks=info.num_blocks,
+        self.core.attach(address, link, info, tokenizer_eos)
+        _log.info("executor_connected", address=address, role=info.role, num_blocks=info.num_blocks,
                   block_size=info.block_size, max_model_len=info.max_model_len)
 
     async def shutdown(self, grace: float) -> None:
@@ -133,12 +148,11 @@ class Supervisor:
         while self.core.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         self.core.requests.end_all(SHUTTING_DOWN)
-        pending = [*self._tasks, *([self._reconnecting] if self._reconnecting else []),
-                   *self._tokenizer_reconnects.values()]
+        pending = [*self._tasks, *self._reconnecting.values(), *self._tokenizer_reconnects.values()]
         for task in pending:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.executor.close()
+        await asyncio.gather(*(link.close() for link in self.executors.values()), return_exceptions=True)
         await self.tokenizers.close()
         if self.drafter is not None:
             await self.drafter.close()
@@ -146,14 +160,14 @@ class Supervisor:
     # ------------------------------------------------------------------ requests
     @property
     def ready(self) -> bool:
-        return (self.core.lane is not None and self.executor.connected and self.tokenizers.connected
-                and not self._stopping)
+        return self.unavailable_reason() is None and self.tokenizers.connected
 
     def unavailable_reason(self) -> str | None:
-        """Why no request can be accepted now (the server stops, the executor is away); None if one can."""
+        """Why no request can be accepted now (the server stops, no executor takes new
+        requests); None if one can."""
         if self._stopping:
             return SHUTTING_DOWN
-        if self.core.lane is None or not self.executor.connected:
+        if not any(lane.role in ROLES_FOR_NEW and lane.port.connected for lane in self.core.lanes.values()):
             return EXECUTOR_UNAVAILABLE
         return None
 
@@ -181,27 +195,33 @@ class Supervisor:
     def _wake_core(self) -> None:
         self.core.wake()  # an idle loop finds the executor port disconnected and detaches it
 
-    def _on_executor_lost(self, error: str) -> None:
-        # run_service froze the objects alive at start-up out of the cyclic GC, the first core
-        # among them; its free-block list is a cycle, so without this it would never be freed
-        # (about 100 bytes a KV block, once per process: later cores are not frozen).
+    def _on_executor_lost(self, address: str, error: str) -> None:
+        # run_service froze the objects alive at start-up out of the cyclic GC, the first cores
+        # among them; a free-block list is a cycle, so without this a lost executor's would never
+        # be freed (about 100 bytes a KV block, once per lane: later cores are not frozen).
         gc.unfreeze()
         self.health.changed()
-        if not self._stopping and (self._reconnecting is None or self._reconnecting.done()):
-            self._reconnecting = asyncio.create_task(self._reconnect(), name="executor-reconnect")
+        self._reconnect_later(address)
 
-    async def _reconnect(self) -> None:
-        """Retry until the executor is back; health reports NOT_SERVING meanwhile."""
-        # Free the dropped core now (the loop has let go of it by the time this task runs), not
-        # at some later full collection, so the next core's blocks and the load that resumes can
-        # reuse its memory. One full collection per executor loss, while no request runs.
+    def _reconnect_later(self, address: str) -> None:
+        task = self._reconnecting.get(address)
+        if not self._stopping and (task is None or task.done()):
+            self._reconnecting[address] = asyncio.create_task(self._reconnect(address),
+                                                              name=f"executor-reconnect-{address}")
+
+    async def _reconnect(self, address: str) -> None:
+        """Retry until the executor is back; health reports NOT_SERVING meanwhile if it was the
+        last one taking new requests."""
+        # Free the dropped lane's core now (the engine has let go of it by the time this task
+        # runs), not at some later full collection, so the next core's blocks and the load that
+        # resumes can reuse its memory. One full collection per executor loss.
         gc.collect()
         delay = 0.2
         while not self._stopping:
             try:
-                await self._connect_executor()
+                await self._connect_executor(address)
             except Exception as exc:  # noqa: BLE001 - e.g. a config the core refuses: keep trying, loudly
-                _log.warning("executor_reconnect_failed", error=str(exc), retry_in_s=delay)
+                _log.warning("executor_reconnect_failed", address=address, error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue

@@ -32,12 +32,12 @@ from services.common.tls import ClientTLS
 from services.stack.client import open_channel
 from services.stack.dev_ca import DevCertificates, write_dev_certificates
 
-START_ORDER = ("tokenizer", "executor", "drafter", "scheduler")
 
 
 @dataclass
 class ServiceProcess:
     name: str
+    """Unique in the stack: the service kind, numbered after the first (executor, executor-1, ...)."""
     args: list[str]
     port: int
     port_file: Path
@@ -50,6 +50,11 @@ class ServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def kind(self) -> str:
+        """The service this process runs (its module: services.<kind>)."""
+        return self.name.split("-")[0]
+
 
 @dataclass
 class LaunchConfig:
@@ -59,7 +64,10 @@ class LaunchConfig:
     internal_ports: dict[str, int] = field(default_factory=dict)
     """Fixed ports for tokenizer / executor / drafter (missing = any free port)."""
     executor_args: list[str] = field(default_factory=list)
-    """Extra flags for the executor (dtype, device, kv cache size, ...)."""
+    """Extra flags for every executor (dtype, device, kv cache size, ...)."""
+    executor_roles: list[str] = field(default_factory=lambda: ["mixed"])
+    """One executor per entry, with that role (mixed, prefill or decode), all behind the one
+    scheduler; the first is named "executor", the others "executor-1", "executor-2", ..."""
     scheduler_args: list[str] = field(default_factory=list)
     drafter_args: list[str] = field(default_factory=list)
     """Extra flags for the drafter (--method draft_model --draft-model DIR, ...); it is always
@@ -98,14 +106,15 @@ class Launcher:
         return ClientTLS(str(certs.ca), str(certs.client_cert), str(certs.client_key)) if certs else None
 
     # ------------------------------------------------------------------ start
-    def _command(self, name: str, port: int) -> list[str]:
+    def _command(self, svc: ServiceProcess) -> list[str]:
         c = self.config
-        base = [sys.executable, "-m", f"services.{name}", "--port", str(port),
-                "--port-file", str(self._state_dir / f"{name}.port")]
+        name = svc.kind
+        base = [sys.executable, "-m", f"services.{name}", "--port", str(svc.port), "--port-file", str(svc.port_file)]
         if name in ("tokenizer", "executor"):
             base += ["--model", c.model]
         if name == "executor":
-            base += c.executor_args
+            role = c.executor_roles[self.executor_names.index(svc.name)]
+            base += (["--role", role] if role != "mixed" else []) + c.executor_args
         if name == "drafter":
             base += ["--target-model", c.model] + c.drafter_args
         if self.certificates is not None:
@@ -117,7 +126,7 @@ class Launcher:
                          "--backend-tls-key", str(certs.client_key)]
         if name == "scheduler":
             base += ["--host", c.public_host,
-                     "--executor-address", self.services["executor"].address,
+                     "--executor-addresses", ",".join(self.services[n].address for n in self.executor_names),
                      "--tokenizer-addresses", self.services["tokenizer"].address,
                      "--drafter-address", self.services["drafter"].address] + c.scheduler_args
         return base
@@ -131,7 +140,7 @@ class Launcher:
         if svc.log_path is not None:
             svc.log_handle = open(svc.log_path, "ab")
             stderr = svc.log_handle
-        svc.process = subprocess.Popen(self._command(svc.name, svc.port), env=env, stdout=subprocess.DEVNULL,
+        svc.process = subprocess.Popen(self._command(svc), env=env, stdout=subprocess.DEVNULL,
                                        stderr=stderr, start_new_session=True)
 
     def _wait_serving(self, svc: ServiceProcess, timeout: float) -> None:
@@ -147,20 +156,29 @@ class Launcher:
             time.sleep(0.05)
         raise TimeoutError(f"{svc.name} did not report SERVING within {timeout:.0f}s")
 
+    @property
+    def executor_names(self) -> list[str]:
+        return ["executor" if i == 0 else f"executor-{i}" for i in range(len(self.config.executor_roles))]
+
+    def _service_names(self) -> list[str]:
+        """In start order: the backends (loaded in parallel), then the scheduler."""
+        return ["tokenizer", *self.executor_names, "drafter", "scheduler"]
+
     def start(self) -> None:
         log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
-        for name in START_ORDER:
+        for name in self._service_names():
             port = self.config.public_port if name == "scheduler" else self.config.internal_ports.get(name, 0)
             svc = ServiceProcess(name, [], port, self._state_dir / f"{name}.port",
                                  log_dir / f"{name}.log" if log_dir else None)
             self.services[name] = svc
+        backends = self._service_names()[:-1]
         try:
-            # Tokenizer, executor and drafter load in parallel; the scheduler needs their addresses.
-            for name in START_ORDER[:3]:
+            # The backends load in parallel; the scheduler needs their addresses.
+            for name in backends:
                 self._spawn(self.services[name])
-            for name in START_ORDER[:3]:
+            for name in backends:
                 self._wait_serving(self.services[name], self.config.start_timeout_s)
             self._spawn(self.services["scheduler"])
             self._wait_serving(self.services["scheduler"], self.config.start_timeout_s)
@@ -210,7 +228,7 @@ class Launcher:
     def stop(self, timeout: float = 15.0) -> None:
         with self._spawn_lock:
             self._stopping.set()
-        for name in reversed(START_ORDER):
+        for name in reversed(list(self.services)):
             svc = self.services.get(name)
             if svc is None or svc.process is None or svc.process.poll() is not None:
                 continue

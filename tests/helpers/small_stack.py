@@ -55,7 +55,7 @@ async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, **sc
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=str(STORIES_DIR), block_size=block_size,
                                                           num_blocks=num_blocks, skip_warmup=True, **ENGINE_FLAGS))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **scheduler_overrides))
     channel = create_channel(scheduler.address)
     return SmallStack(tokenizer, executor, scheduler, channel, generation_pb2_grpc.GenerationStub(channel))

@@ -10,6 +10,7 @@ tests/inprocess/test_engine_loop.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 
 import pytest
@@ -20,7 +21,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
-from services.scheduler.engine.core import EngineCore, model_eos_token_ids
+from services.scheduler.engine.core import NO_EXECUTOR_LEFT, EngineCore, model_eos_token_ids
 from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.stop import StopConditions
@@ -169,13 +170,13 @@ class Clock:
 
 
 def make_core(executor=None, drafter=None, clock=None, **limits) -> tuple[EngineCore, CountingExecutor, list]:
-    lost: list[str] = []
+    lost: list[tuple[str, str]] = []
     limits = SchedulerLimits(**{"max_num_seqs": 4, "max_num_batched_tokens": 64, **limits})
     core = EngineCore(limits, [LetterDetokenizer()], drafter=drafter,
                       speculation=SpeculationConfig(num_speculative_tokens=3, adaptive=False),
-                      clock=clock or Clock(), on_executor_lost=lost.append)
+                      clock=clock or Clock(), on_executor_lost=lambda name, error: lost.append((name, error)))
     executor = executor or CountingExecutor()
-    core.attach(executor, INFO)
+    core.attach("e0", executor, INFO)
     return core, executor, lost
 
 
@@ -281,33 +282,65 @@ async def test_timings_come_from_the_injected_clock():
     core, _, _ = make_core(clock=clock, overlap_scheduling=False, num_scheduler_steps=1)
     deltas: list[GenerationDelta] = []
     core.submit("a", PROMPT, GREEDY, StopConditions(max_tokens=1), deltas.append)  # arrival 0.25
-    await run_to_end(core)  # scheduled at 0.5; the publisher stamps 1.0 (update's last_step_time took 0.75)
+    await run_to_end(core)  # scheduled at 0.5; the output stage stamps 0.75
     (final,) = deltas
-    assert final.timings == Timings(queue_time_ms=250.0, time_to_first_token_ms=750.0, decode_time_ms=0.0,
-                                    e2e_ms=750.0)
+    assert final.timings == Timings(queue_time_ms=250.0, time_to_first_token_ms=500.0, decode_time_ms=0.0,
+                                    e2e_ms=500.0)
 
 
-async def test_a_lost_executor_ends_every_request_once_and_detaches():
+async def test_a_lost_executors_requests_move_to_the_other_and_finish_as_if_nothing_happened():
+    failing = CountingExecutor()
+    failing.fail_on_send = 3
+    core, _, lost = make_core(executor=failing, num_scheduler_steps=1)
+    survivor = CountingExecutor()
+    core.attach("e1", survivor, INFO)
+    streams: dict[str, list[GenerationDelta]] = {f"r{i}": [] for i in range(6)}
+    for request_id, sink in streams.items():
+        core.submit(request_id, PROMPT, GREEDY, StopConditions(max_tokens=20), sink.append)
+    assert {len(lane.scheduler.requests) for lane in core.lanes.values()} == {3}  # spread by load
+    await run_to_end(core)
+    for deltas in streams.values():
+        out = merged(deltas)  # exactly one final delta
+        assert (out.token_ids, out.finish_reason) == (continuation(PROMPT, 20), FinishReason.LENGTH)
+    assert lost == [("e0", "the executor went away")] and list(core.lanes) == ["e1"]
+    assert core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+
+
+async def test_with_no_executor_left_requests_wait_then_end_with_one_error():
     executor = CountingExecutor()
     executor.fail_on_send = 2
-    core, _, lost = make_core(executor=executor, num_scheduler_steps=1)
+    core, _, lost = make_core(executor=executor, num_scheduler_steps=1, executor_wait_s=0.2)
     streams: dict[str, list[GenerationDelta]] = {"a": [], "b": []}
     for request_id, sink in streams.items():
         core.submit(request_id, PROMPT, GREEDY, StopConditions(max_tokens=20), sink.append)
-    for _ in range(10):
+    for _ in range(4):
         await core.step()
         await core.publisher.drain()
-    for deltas in streams.values():
-        assert [d.finished for d in deltas].count(True) == 1
-        assert deltas[-1].finish_reason is FinishReason.ERROR and "went away" in deltas[-1].error_message
-    assert lost == ["the executor went away"] and core.lane is None
+    assert not core.lanes and len(core.parked) == 2
+    assert all(not d.finished for deltas in streams.values() for d in deltas)  # a pause, not an error yet
     with pytest.raises(UnavailableError, match="executor is unavailable"):
         core.submit("c", PROMPT, GREEDY, StopConditions(max_tokens=2), lambda d: None)
-    core.attach(CountingExecutor(), INFO)  # a new session serves again
+    await asyncio.sleep(0.3)
+    for deltas in streams.values():
+        assert [d.finished for d in deltas].count(True) == 1
+        assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error_message == NO_EXECUTOR_LEFT
+    assert not core.has_unfinished() and not core.parked
+
+
+async def test_a_parked_request_resumes_when_an_executor_comes_back():
+    executor = CountingExecutor()
+    executor.fail_on_send = 2
+    core, _, _ = make_core(executor=executor, num_scheduler_steps=1)
     deltas: list[GenerationDelta] = []
-    core.submit("c", PROMPT, GREEDY, StopConditions(max_tokens=2), deltas.append)
+    core.submit("a", PROMPT, GREEDY, StopConditions(max_tokens=12), deltas.append)
+    for _ in range(4):
+        await core.step()
+        await core.publisher.drain()
+    assert not core.lanes and len(core.parked) == 1
+    core.attach("e0", CountingExecutor(), INFO)  # the executor restarted
     await run_to_end(core)
-    assert merged(deltas).token_ids == continuation(PROMPT, 2)
+    out = merged(deltas)
+    assert (out.token_ids, out.finish_reason) == (continuation(PROMPT, 12), FinishReason.LENGTH)
 
 
 async def test_refusals_name_the_reason_and_keep_nothing():

@@ -37,6 +37,7 @@ def executor_info(**overrides) -> ExecutorInfo:
         (dict(multi_step_max_delay_ms=-1.0), "multi_step_max_delay_ms must be a finite number >= 0, got -1.0"),
         (dict(multi_step_max_delay_ms=float("nan")), "multi_step_max_delay_ms must be a finite number >= 0, got nan"),
         (dict(multi_step_max_delay_ms=float("inf")), "multi_step_max_delay_ms must be a finite number >= 0, got inf"),
+        (dict(executor_wait_s=-1.0), "executor_wait_s must be a finite number >= 0, got -1.0"),
         (dict(max_num_batched_tokens=4, max_num_seqs=8),
          "max_num_batched_tokens=4 is below max_num_seqs=8: not every running sequence could decode in a step"),
         (dict(enable_chunked_prefill=False, long_prefill_token_threshold=8),
@@ -97,6 +98,7 @@ FLAGS = {
     "overlap_scheduling": ("--overlap-scheduling", "TOKENMILL_OVERLAP_SCHEDULING"),
     "num_scheduler_steps": ("--num-scheduler-steps", "TOKENMILL_NUM_SCHEDULER_STEPS"),
     "multi_step_max_delay_ms": ("--multi-step-max-delay-ms", "TOKENMILL_MULTI_STEP_MAX_DELAY_MS"),
+    "executor_wait_s": ("--executor-wait-s", "TOKENMILL_EXECUTOR_WAIT_S"),
 }
 
 

@@ -14,6 +14,8 @@ import pytest
 from services.common.errors import InvalidArgumentError
 from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.core.stats import SchedulerStats
+from services.scheduler.engine.handoff import TransferCounters
+from services.scheduler.generation_codec import profile_to_proto
 from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder, percentile
 
 
@@ -109,21 +111,24 @@ def test_bad_windows_are_rejected():
         recorder.snapshot(-1.0)
 
 
-def test_to_proto_adds_live_gauges():
+def test_the_proto_adds_live_gauges_and_each_executor():
     clock = FakeClock()
     recorder = LatencyProfileRecorder(window_s=30.0, clock=clock)
     clock.now += 30.0
     recorder.on_finished(finished(12.0, 40.0, 5))
     stats = SchedulerStats(num_running=3, num_waiting=4, num_preemptions=0, kv_cache_usage=0.25,
                            num_free_blocks=30, num_blocks=40, prefix_cache_queries=0, prefix_cache_hits=0)
-    msg = recorder.to_proto(None, stats)
+    copies = TransferCounters(transfers=2, blocks=6, bytes=6000, seconds=0.5, failures=1)
+    msg = profile_to_proto(recorder.snapshot(None), stats, [("a:1", "decode", stats, copies), ("b:2", "mixed", stats, None)])
     assert (msg.window_seconds, msg.num_requests, msg.max_output_tokens) == (30.0, 1, 5)
     assert msg.ttft_p50_ms == 12.0 and msg.tpot_p50_ms == 10.0
     assert msg.tokens_per_second_per_stream == pytest.approx(100.0)
     assert msg.tokens_per_second_total == pytest.approx(5 / 30.0)
     assert (msg.kv_cache_usage, msg.num_running, msg.num_waiting) == (0.25, 3, 4)
-    empty = recorder.to_proto(10.0, None)
-    assert (empty.num_running, empty.kv_cache_usage) == (0, 0.0)
+    assert [(e.name, e.role, e.num_running, e.kv_transfers, e.kv_transfer_bytes, e.kv_transfer_failures)
+            for e in msg.executors] == [("a:1", "decode", 3, 2, 6000, 1), ("b:2", "mixed", 3, 0, 0, 0)]
+    empty = profile_to_proto(recorder.snapshot(10.0), None, [])
+    assert (empty.num_running, empty.kv_cache_usage, len(empty.executors)) == (0, 0.0, 0)
 
 
 def test_retention_with_compaction_keeps_exactly_the_recent_samples_and_bounds_the_count():
@@ -179,6 +184,8 @@ def _rss_kib() -> int:
 
 _RESIDENT_CHECK = """
 from tests.scheduler.test_profile import FakeClock, _rss_kib
+from services.scheduler.engine.handoff import TransferCounters
+from services.scheduler.generation_codec import profile_to_proto
 from services.scheduler.latency_profile import LatencyProfileRecorder
 before = _rss_kib()
 recorder = LatencyProfileRecorder(window_s=60.0, clock=FakeClock(), capacity=500_000)  # 20 MB

@@ -25,10 +25,10 @@ class _Tokenizers:
 
 def _servicer(connected: bool):
     tokenizers = _Tokenizers()
-    executor = SimpleNamespace(address="127.0.0.1:1", connected=connected)
-    lane = SimpleNamespace(info=SimpleNamespace(max_model_len=512)) if connected else None
-    supervisor = SimpleNamespace(core=SimpleNamespace(lane=lane), executor=executor, tokenizers=tokenizers,
-                                 _stopping=False,
+    port = SimpleNamespace(connected=connected)
+    lanes = {"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512), role="mixed", port=port)} if connected \
+        else {}
+    supervisor = SimpleNamespace(core=SimpleNamespace(lanes=lanes), tokenizers=tokenizers, _stopping=False,
                                  submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
     supervisor.unavailable_reason = functools.partial(Supervisor.unavailable_reason, supervisor)  # the real checks
     supervisor.check_accepting = functools.partial(Supervisor.check_accepting, supervisor)

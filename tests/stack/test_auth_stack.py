@@ -50,7 +50,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[AuthStack]:
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=64, dtype="fp32",
                                                           device="cpu", attention_backend="torch"))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=str(tokens_file), metrics_port=0))
     async with create_channel(scheduler.address) as channel:
         yield AuthStack([scheduler, executor, tokenizer], generation_pb2_grpc.GenerationStub(channel), channel)

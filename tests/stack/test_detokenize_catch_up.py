@@ -52,7 +52,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple]:
         # One token per step (no multi-step bursts): the catch-up is told apart by counting
         # steps against round trips.
         scheduler = await serve_scheduler(SchedulerServiceConfig(
-            port=0, executor_address=executor.address, tokenizer_addresses=(f"127.0.0.1:{port}",),
+            port=0, executor_addresses=(executor.address,), tokenizer_addresses=(f"127.0.0.1:{port}",),
             connect_timeout_s=30, limits=SchedulerLimits(num_scheduler_steps=1)))
         async with create_channel(scheduler.address) as channel:
             yield tokenizer, scheduler, generation_pb2_grpc.GenerationStub(channel)

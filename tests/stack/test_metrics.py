@@ -52,7 +52,7 @@ async def stack() -> AsyncIterator[dict]:
         port=0, model=model, dtype="fp32", device="cpu", attention_backend="torch", block_size=8, num_blocks=128,
         metrics_port=0))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), metrics_port=0,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), metrics_port=0,
         profile_window_s=60.0))
     yield {"tokenizer": tokenizer, "executor": executor, "scheduler": scheduler}
     for running in (scheduler, executor, tokenizer):

@@ -80,7 +80,7 @@ async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
             port=0, model=MODEL, block_size=16, num_blocks=NUM_BLOCKS, padded_decode_on_cpu=name == "overlap",
             **{**ENGINE_FLAGS, **({"attention_backend": "cpu", "cpu_decode": "fused"} if steps > 1 else {})}))
         scheduler = await serve_scheduler(SchedulerServiceConfig(
-            port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
+            port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,),
             connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap, num_scheduler_steps=steps)))
         assert scheduler.app.core.scheduler.config.limits.overlap_scheduling is overlap
         assert (executor.model_runner.decode_graphs is not None) is (name == "overlap")

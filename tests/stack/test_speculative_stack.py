@@ -77,7 +77,7 @@ async def stacks() -> AsyncIterator[dict[str, Stack]]:
                                                               num_blocks=NUM_BLOCKS, max_model_len=256, skip_warmup=True,
                                                               **ENGINE_FLAGS))
         scheduler = await serve_scheduler(SchedulerServiceConfig(
-            port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,),
+            port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,),
             connect_timeout_s=10, **spec))
         channel = create_channel(scheduler.address)
         stacks[name] = Stack(scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
@@ -185,7 +185,7 @@ async def test_sigkill_of_the_drafter_mid_run_leaves_every_stream_complete_and_c
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=16, num_blocks=64,
                                                           skip_warmup=True, **ENGINE_FLAGS))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         drafter_address=f"127.0.0.1:{port}", num_speculative_tokens=4, spec_draft_deadline_ms=2000))
     channel = create_channel(scheduler.address)
     stub = generation_pb2_grpc.GenerationStub(channel)

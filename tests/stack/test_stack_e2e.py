@@ -136,7 +136,7 @@ def prompt_ids(tokenizer: TextTokenizer, prompt: str | list[int]) -> list[int]:
 
 async def start_scheduler(executor: RunningServer, tokenizer: RunningServer, **overrides) -> RunningServer:
     return await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **overrides))
 
 

@@ -71,7 +71,7 @@ async def start_stack(pki: DevCertificates | None) -> Stack:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **server_flags(pki)))
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, **EXECUTOR_FLAGS, **server_flags(pki)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **server_flags(pki), **(backend_flags(pki) if pki else {})))
     channel = create_channel(scheduler.address, tls=client_tls(pki) if pki else None)
     return Stack([scheduler, executor, tokenizer], tokenizer, executor, scheduler, channel)
@@ -136,7 +136,7 @@ async def test_a_scheduler_that_does_not_do_mtls_cannot_reach_the_backends(stack
         wrong_ca.write_bytes(write_dev_certificates(pki.folder.parent / "wrong").ca.read_bytes())
     with pytest.raises(UnavailableError, match="did not become reachable"):
         await serve_scheduler(SchedulerServiceConfig(
-            port=0, executor_address=secure.executor.address, tokenizer_addresses=(secure.tokenizer.address,),
+            port=0, executor_addresses=(secure.executor.address,), tokenizer_addresses=(secure.tokenizer.address,),
             connect_timeout_s=1.5, **backend(pki)))
 
 

@@ -45,7 +45,7 @@ async def stack():
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=str(STORIES_DIR), block_size=16,
                                                           num_blocks=256, skip_warmup=True, **ENGINE_FLAGS))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=tuple(t.address for t in tokenizers),
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=tuple(t.address for t in tokenizers),
         connect_timeout_s=10))
     channel = create_channel(scheduler.address)
     yield tokenizers, scheduler, channel

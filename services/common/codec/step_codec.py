@@ -311,6 +311,8 @@ def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
         eos_token_ids=info.eos_token_ids,
         kv_cache_dtype=info.kv_cache_dtype,
         kv_cache_bytes=info.kv_cache_bytes,
+        role=info.role,
+        kv_layout=info.kv_layout,
     )
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
@@ -325,4 +327,5 @@ def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
         bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
         eos_token_ids=tuple(msg.eos_token_ids),
         kv_cache_dtype=msg.kv_cache_dtype, kv_cache_bytes=msg.kv_cache_bytes,
+        role=msg.role or "mixed", kv_layout=msg.kv_layout,
     )

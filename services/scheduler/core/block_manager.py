@@ -204,13 +204,37 @@ class BlockManager:
         In reverse order: the tail of a sequence is its least shareable part, so it is appended
         first and evicted before the prefix blocks that other prompts are likelier to reuse.
         """
-        for block_id in reversed(request.block_ids):
+        self.release(self.detach(request))
+
+    def detach(self, request: Request) -> list[int]:
+        """Take the request's blocks away from it, still held: its KV is being copied to
+        another executor, and the blocks must not be handed out before ``release``."""
+        block_ids, request.block_ids = request.block_ids, []
+        self._block_hashes.pop(request.request_id, None)
+        self._num_registered_blocks.pop(request.request_id, None)
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one hold on each block (see ``free``); those nobody holds become free."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_queue.append(block)
-        request.block_ids = []
-        self._block_hashes.pop(request.request_id, None)
-        self._num_registered_blocks.pop(request.request_id, None)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` this pool's prefix cache holds, in full blocks (never the
+        last token): a placement probe that records nothing."""
+        if not self.enable_prefix_caching:
+            return 0
+        size = self.block_size
+        parent = b""
+        hits = 0
+        for index in range((len(token_ids) - 1) // size):
+            parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
+            if parent not in self._cached_blocks:
+                break
+            hits += 1
+        return hits * size

@@ -57,9 +57,8 @@ class SchedulerLimits:
     )
     """Let the scheduler plan step N+1 while the executor runs step N (two steps in flight),
     so the executor does not wait for the scheduler's round trip and bookkeeping. A stop is
-    then seen one step late and the extra token dropped. The scheduler service's loop uses
-    it; the in-process engine runs one step at a time (its core and model share a thread,
-    so nothing would overlap). Off: one step at a time."""
+    then seen one step late and the extra token dropped. The services and the in-process
+    engine (whose model runs on a worker thread) run the same loop. Off: one step at a time."""
 
     num_scheduler_steps: int = _limit(
         16, "most decode steps a plan asks for while nothing waits (1 = off)"
@@ -83,6 +82,15 @@ class SchedulerLimits:
     where a step takes longer than this, there are none. 0 = every burst is
     num_scheduler_steps long."""
 
+    executor_wait_s: float = _limit(
+        30.0, "how long requests wait for an executor to come back when none is left, in seconds "
+              "(0 = they end at once with an error)",
+    )
+    """When an executor is lost its requests move to the others (recomputing what they lost)
+    and their streams go on. When none is left they wait this long for one to come back (a
+    restarted executor) before ending with Finished (error); a client's own deadline still
+    applies."""
+
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
@@ -93,6 +101,8 @@ class SchedulerLimits:
             raise ValueError(
                 f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}"
             )
+        if not math.isfinite(self.executor_wait_s) or self.executor_wait_s < 0:
+            raise ValueError(f"executor_wait_s must be a finite number >= 0, got {self.executor_wait_s}")
         if not math.isfinite(self.multi_step_max_delay_ms) or self.multi_step_max_delay_ms < 0:
             raise ValueError(
                 f"multi_step_max_delay_ms must be a finite number >= 0, got {self.multi_step_max_delay_ms}"

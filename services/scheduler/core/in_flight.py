@@ -63,13 +63,6 @@ def mark_in_flight(step: StepInFlight, request: Request, num_new: int, draft_tok
         request.drafts_in_flight = True
 
 
-def forget_in_flight(request: Request) -> None:
-    """The request's steps in flight no longer count: their records are stale (not current)."""
-    request.num_in_flight_tokens = 0
-    request.num_output_placeholders = 0
-    request.drafts_in_flight = False
-
-
 def check_output(in_flight: dict[int, ScheduledWork], output: SequenceOutput) -> None:
     """Raise ValueError when an output does not match what its plan asked (the executor is
     held to the plan before anything is applied)."""

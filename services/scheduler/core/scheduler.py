@@ -77,14 +77,16 @@ Invariants with two steps in flight (what makes them safe):
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
+from collections.abc import Iterator
 
 from services.common.step import NewSequence, RunningSequence, StepPlan, StepResult
 from services.scheduler.core import step_size
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
-from services.scheduler.core.in_flight import StepInFlight, check_output, forget_in_flight, mark_in_flight
+from services.scheduler.core.in_flight import StepInFlight, check_output, mark_in_flight
 from services.scheduler.core.preemption import victim_for
 from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.stats import SchedulerStats
@@ -95,7 +97,10 @@ from services.scheduler.request.update import RequestUpdate
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, seq_ids: Iterator[int] | None = None) -> None:
+        """``seq_ids``: where sequence ids come from; an engine with several executors shares
+        one counter between their schedulers, so an id names one sequence across all of them
+        (the drafter and the text streams see them all)."""
         config.validate()
         self.config = config
         self.block_manager = BlockManager(
@@ -108,7 +113,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every unfinished request by request_id."""
         self.num_preemptions = 0
-        self._next_seq_id = 0
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []
         """Sequences the executor must forget, reported in the next plan."""
@@ -122,27 +127,45 @@ class Scheduler:
 
     # ---- requests in and out -----------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, moved: bool = False) -> None:
         """Validate, assign a seq_id and queue the request.
 
         Raises ValueError (naming the field and the limit) for a request that can never be
         served, QueueFullError when max_waiting_requests are already waiting.
+
+        ``moved``: the request comes from another executor's scheduler (Request.leave_executor):
+        it keeps its outputs and restarts here from its known tokens, or from the KV blocks it
+        already holds in this pool (``block_ids`` covering ``num_computed_tokens``: its prompt
+        was computed elsewhere and copied here). A moved request is never refused for a full
+        queue: it was admitted once already.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.seq_id != -1 or request.status is not RequestStatus.WAITING:
+        if moved != (request.status is RequestStatus.PREEMPTED) or request.seq_id != -1:
             raise ValueError(f"request {request.request_id!r} was already added to a scheduler")
         request.validate(self.config.max_model_len, self.config.vocab_size)
         max_waiting = self.config.limits.max_waiting_requests
-        if len(self.waiting) >= max_waiting:
+        if not moved and len(self.waiting) >= max_waiting:
             raise QueueFullError(
                 f"waiting queue is full: {len(self.waiting)} requests waiting, "
                 f"max_waiting_requests={max_waiting}"
             )
-        request.seq_id = self._next_seq_id
-        self._next_seq_id += 1
+        request.seq_id = next(self._seq_ids)
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def detach_request(self, request_id: str) -> list[int]:
+        """Hand a running request over to another executor: it leaves this scheduler (the
+        executor forgets it in the next plan) and its blocks stay held, returned, until
+        ``block_manager.release``: its KV is being copied from them."""
+        request = self.requests.pop(request_id)
+        if request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running here (status {request.status.name})")
+        self.running.remove(request)
+        self._finished_seq_ids.append(request.seq_id)
+        block_ids = self.block_manager.detach(request)
+        request.leave_executor()
+        return block_ids
 
     def finish_request(
         self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
@@ -284,7 +307,10 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None or request.seq_id in victims:
                 break  # a request preempted in this plan cannot also start in it
-            hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
+            if request.block_ids:  # its KV was copied here from the executor that computed it
+                hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if limits.long_prefill_token_threshold > 0:
                 num_new = min(num_new, limits.long_prefill_token_threshold)
@@ -353,7 +379,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        forget_in_flight(request)  # a step in flight for it is ignored at its update()
+        request.forget_in_flight()  # a step in flight for it is ignored at its update()
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -445,7 +471,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.spec_token_ids = []
-        forget_in_flight(request)
+        request.forget_in_flight()
         self.block_manager.free(request)
         del self.requests[request.request_id]
 

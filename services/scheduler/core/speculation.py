@@ -129,6 +129,17 @@ class SpecDecodeStats:
             if i < num_accepted:
                 self.accepted_per_position[i] += 1
 
+    def merge(self, other: SpecDecodeStats) -> None:
+        """Add another scheduler's counters to these (an engine over several executors)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per drafted step: accepted drafts + the one the target always adds."""

@@ -29,3 +29,19 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def combined_stats(parts: list[SchedulerStats]) -> SchedulerStats:
+    """Several executors' stats as one engine's: counts and counters summed, the KV usage over
+    all their blocks."""
+    num_blocks = sum(p.num_blocks for p in parts)
+    held = sum(p.kv_cache_usage * p.num_blocks for p in parts)
+    spec = SpecDecodeStats()
+    for part in parts:
+        spec.merge(part.spec_decode)
+    return SchedulerStats(
+        num_running=sum(p.num_running for p in parts), num_waiting=sum(p.num_waiting for p in parts),
+        num_preemptions=sum(p.num_preemptions for p in parts), kv_cache_usage=held / num_blocks if num_blocks else 0.0,
+        num_free_blocks=sum(p.num_free_blocks for p in parts), num_blocks=num_blocks,
+        prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+        prefix_cache_hits=sum(p.prefix_cache_hits for p in parts), spec_decode=spec)

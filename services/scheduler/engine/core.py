@@ -1,31 +1,25 @@
-"""The engine core: one loop for the services and the in-process engine.
+"""The engine core: one loop for the services and the in-process engine, over one or more executors.
 
-    schedule → send (executor port) → receive → update → publish (detokenizer ports → deltas)
+Transport-free: executors, detokenizers and the drafter are ports (ports.py). The scheduler
+service drives it with gRPC links (services/scheduler/supervisor.py), the in-process engine
+with local objects (services/inprocess/), both through ``step`` (one round of every
+executor) or ``run`` (each executor's rounds as a task of its own), so "services vs
+in-process" compares the same loop over two transports.
 
-Transport-free: the executor, the detokenizers and the drafter are ports (ports.py). The
-scheduler service drives it with gRPC links (services/scheduler/supervisor.py), the
-in-process engine with local objects (services/inprocess/), both through ``step`` (one
-round) or ``run`` (rounds until cancelled), so "services vs in-process" compares the same
-loop over two transports.
+Each executor is an ``ExecutorLane`` (lane.py): its port, the scheduler core of its memory
+(block manager, prefix cache, waiting queue, fairness and priorities are per executor) and
+its steps in flight. A request is placed at admission on the executor holding the longest
+cached prefix of its prompt, else the least loaded (placement.py). Sequence ids come from
+one counter, so the drafter and the text streams see one namespace over all executors.
 
-With overlapped scheduling (``SchedulerLimits.overlap_scheduling``, on by default) the loop
-keeps two steps in flight: it sends step N+1 before it reads step N's result, so the
-executor starts N+1 as soon as N is done, while the result travels back and the loop
-updates the scheduler core and plans N+2:
+When an executor is lost, its requests move to the others as a preemption by recompute:
+the engine knows every token of every request, so each restarts from its known tokens and
+its stream goes on (the client sees a pause; greedy and seeded tokens are those of a run
+without the loss, since seeded draws depend on the position only). With no executor left
+they wait ``executor_wait_s`` for one to come back, then end with one Finished (error).
 
-    schedule N, send N; schedule N+1, send N+1
-    round: receive N → update N → publish N → schedule N+2, send N+2 → receive N+1 → ...
-
-Stops are then seen a step late (the scheduler core drops the surplus token). Off, it is one
-step at a time. Speculation (drafting.py) keeps one step in flight while drafts pay.
-
-Everything the core holds of an executor lives in one ``ExecutorLane`` (its port, its
-scheduler core with its block manager and prefix cache, its steps in flight), so more than
-one executor behind one engine is more lanes, not another loop. When an executor port fails,
-every request on its lane ends with one final Finished (reason error, the cause in
-error_message: a client that saw partial output must not see a bare error, or a retry would
-duplicate text), the lane is dropped, and ``on_executor_lost`` tells the owner, which
-reconnects and ``attach``es again.
+Executors may take a role (prefill, decode, mixed): handoff.py moves a request whose prompt a
+prefill executor computed to a decode executor, its KV blocks copied executor to executor.
 
 Request handlers call ``submit``/``abort`` on the same event loop (no locks); each request's
 deltas go to its sink.
@@ -34,27 +28,30 @@ deltas go to its sink.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
 from services.common.errors import ResourceExhaustedError, UnavailableError
 from services.common.sampling_params import SamplingParams
-from services.common.step import ExecutorInfo, StepPlan
+from services.common.step import ExecutorInfo
 from services.scheduler.core.config import SchedulerConfig, SchedulerLimits
 from services.scheduler.core.kv_slots import KVSlotUsage, kv_slot_usage
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.speculation import SpeculationConfig
-from services.scheduler.core.stats import SchedulerStats
+from services.scheduler.core.stats import SchedulerStats, combined_stats
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.engine.drafting import Drafting
-from services.scheduler.engine.ports import EXECUTOR_LOST, DetokenizerPort, DrafterPort, ExecutorPort
+from services.scheduler.engine.handoff import Handoff
+from services.scheduler.engine.lane import ExecutorLane, LaneContext
+from services.scheduler.engine.parking import ParkedRequests
+from services.scheduler.engine.placement import ROLES_FOR_DECODE, ROLES_FOR_NEW, choose_lane
+from services.scheduler.engine.ports import DetokenizerPort, DrafterPort, ExecutorPort
 from services.scheduler.engine.publisher import Publisher
-from services.scheduler.engine.step_times import StepTimeTotals
 from services.scheduler.engine.request_table import FinishedObserver, RequestTable
+from services.scheduler.engine.step_times import StepTimeTotals
 from services.scheduler.engine.tracked import DeltaSink
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.finish_reason import FinishReason
@@ -67,25 +64,7 @@ _log = structlog.get_logger("tokenmill.scheduler")
 EXECUTOR_UNAVAILABLE = "the executor is unavailable (restarting or unreachable); retry shortly"
 """What a request hears while no executor is attached. No address: the door sends it before
 authentication, to any caller."""
-
-@dataclass(slots=True)
-class _Sent:
-    """A step sent to the executor whose result the loop has not read yet."""
-
-    plan: StepPlan
-    schedule_s: float
-    send_s: float
-
-
-@dataclass(slots=True)
-class ExecutorLane:
-    """One executor as the engine sees it: its port and the scheduler core of its memory."""
-
-    port: ExecutorPort
-    scheduler: Scheduler
-    info: ExecutorInfo
-    sent: deque[_Sent] = field(default_factory=deque)
-    """Steps sent and not yet read, oldest first: one, or two with overlapped scheduling."""
+NO_EXECUTOR_LEFT = "no executor came back within executor_wait_s"
 
 
 def model_eos_token_ids(tokenizer_eos_token_ids: Sequence[int], info: ExecutorInfo) -> tuple[int, ...]:
@@ -98,60 +77,79 @@ class EngineCore:
     def __init__(self, limits: SchedulerLimits, detokenizers: Sequence[DetokenizerPort], *,
                  drafter: DrafterPort | None = None, speculation: SpeculationConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, on_finished: FinishedObserver | None = None,
-                 on_executor_lost: Callable[[str], None] | None = None) -> None:
+                 on_executor_lost: Callable[[str, str], None] | None = None) -> None:
         if not detokenizers:
             raise ValueError("an engine needs at least one detokenizer")
         self.limits = limits
         self.detokenizers = list(detokenizers)
         self.clock = clock
-        self.drafting = Drafting(drafter, speculation or SpeculationConfig()) if drafter is not None else None
-        self._on_executor_lost = on_executor_lost or (lambda error: None)
-        self.lane: ExecutorLane | None = None
+        self._on_executor_lost = on_executor_lost or (lambda name, error: None)
+        self.lanes: dict[str, ExecutorLane] = {}
         self.eos_token_ids: tuple[int, ...] = ()
-        self._wake = asyncio.Event()
-        self.requests = RequestTable(self.detokenizers, clock, self._finish_in_core, on_finished, self._wake.set)
+        self._seq_ids = itertools.count()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._running = False
+        self.requests = RequestTable(self.detokenizers, clock, self._finish_in_core, on_finished, self.wake)
+        self.parked = ParkedRequests(limits.executor_wait_s, self._no_executor_left)
+        """Requests whose executor was lost with no other to take them, waiting for one."""
         self.step_times = StepTimeTotals()
-        self.step_count = 0
-        self.last_step_time = 0.0
         self.publisher = Publisher(self.requests, self.detokenizers, clock, self.step_times)
+        live = lambda: [r.seq_id for lane in self.lanes.values() for r in lane.scheduler.running]  # noqa: E731
+        drafting = Drafting(drafter, speculation or SpeculationConfig(), live) if drafter else None
+        self.drafting = drafting
+        self.handoff = Handoff(self)
+        self._context = LaneContext(limits, clock, self.requests, self.publisher, self.step_times, drafting,
+                                    self._lost, self.handoff.after_update)
 
     # ------------------------------------------------------------------ executors
-    def attach(self, port: ExecutorPort, info: ExecutorInfo, tokenizer_eos_token_ids: Sequence[int] = ()) -> None:
-        """Serve on this executor: a scheduler core for its memory (SchedulerConfig.for_executor
-        raises ValueError naming the limit its facts break)."""
-        scheduler = Scheduler(SchedulerConfig.for_executor(self.limits, info))
-        if self.drafting is not None:
-            self.drafting.forget_all()  # seq ids start over with the new core
+    def attach(self, name: str, port: ExecutorPort, info: ExecutorInfo,
+               tokenizer_eos_token_ids: Sequence[int] = ()) -> ExecutorLane:
+        """Serve on this executor under ``name``: a scheduler core for its memory
+        (SchedulerConfig.for_executor raises ValueError naming the limit its facts break).
+        Requests parked for want of an executor move to it."""
+        if name in self.lanes:
+            raise ValueError(f"executor {name!r} is already attached")
+        scheduler = Scheduler(SchedulerConfig.for_executor(self.limits, info), self._seq_ids)
         self.eos_token_ids = model_eos_token_ids(tokenizer_eos_token_ids, info)
-        self.lane = ExecutorLane(port, scheduler, info)
-        self._wake.set()
-
-    def wake(self) -> None:
-        """Make an idle loop look again (a port changed state)."""
-        self._wake.set()
+        lane = ExecutorLane(name, port, info, scheduler, self._context)
+        self.lanes[name] = lane
+        if self._running:
+            self._tasks[name] = asyncio.create_task(lane.run(), name=f"engine-lane-{name}")
+        for request in self.parked.take_all():
+            self.requeue(request)
+        lane.wake()
+        return lane
 
     @property
     def scheduler(self) -> Scheduler | None:
-        return self.lane.scheduler if self.lane is not None else None
+        """The scheduler core of the only (or first) executor: for one-executor engines and tests."""
+        lane = next(iter(self.lanes.values()), None)
+        return lane.scheduler if lane is not None else None
+
+    def wake(self) -> None:
+        """Make idle lanes look again (a port or a request changed state)."""
+        for lane in self.lanes.values():
+            lane.wake()
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
                sink: DeltaSink, priority: int = 0, num_speculative_tokens: int | None = None,
                tenant: str = "") -> RequestOutput:
-        """Admit a request; its deltas go to ``sink``, the last one finished.
+        """Admit a request on the executor placement chooses; its deltas go to ``sink``, the
+        last one finished.
 
-        Raises UnavailableError while no executor (or no detokenizer) is attached,
+        Raises UnavailableError while no executor (or no detokenizer) takes new requests,
         InvalidArgumentError for a request_id in use, ValueError (naming the field) for a
         request the scheduler core refuses, ResourceExhaustedError when the waiting queue is
         full. ``tenant`` ("" without authentication) is whom admission is fair between.
         """
-        lane = self.lane
-        if lane is None:
-            raise UnavailableError(EXECUTOR_UNAVAILABLE)
         detokenizer = self.requests.check_new(request_id)
         now = self.clock()
         request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
                           arrival_time=now, tenant=tenant)
+        lane = choose_lane(request, list(self.lanes.values()), ROLES_FOR_NEW)
+        if lane is None:
+            raise UnavailableError(EXECUTOR_UNAVAILABLE)
         try:
             lane.scheduler.add_request(request)
         except QueueFullError as exc:
@@ -160,7 +158,7 @@ class EngineCore:
             request.draft_length = self.drafting.draft_length(num_speculative_tokens)
         output = RequestOutput(request, now)
         self.requests.add(output, sink, detokenizer)
-        self._wake.set()
+        lane.wake()
         return output
 
     def abort(self, request_id: str) -> GenerationDelta | None:
@@ -173,115 +171,78 @@ class EngineCore:
         return len(self.requests) > 0
 
     def stats(self) -> SchedulerStats | None:
-        return self.lane.scheduler.get_stats() if self.lane is not None else None
+        """Every executor's gauges and counters summed; None while none is attached."""
+        return combined_stats([lane.scheduler.get_stats() for lane in self.lanes.values()]) if self.lanes else None
 
     def kv_slots(self) -> KVSlotUsage | None:
-        lane = self.lane
-        return kv_slot_usage(lane.scheduler.running, lane.scheduler.config.block_size) if lane is not None else None
-
-    def _finish_in_core(self, request_id: str, reason: FinishReason, stop_string: str | None) -> None:
-        if self.lane is not None:
-            self.lane.scheduler.finish_request(request_id, reason, stop_string)
+        usages = [kv_slot_usage(lane.scheduler.running, lane.scheduler.config.block_size)
+                  for lane in self.lanes.values()]
+        if not usages:
+            return None
+        return KVSlotUsage(sum(u.allocated_slots for u in usages), sum(u.used_slots for u in usages))
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        """Rounds until cancelled; idle while there is nothing to plan."""
-        while True:
-            if await self.step():
-                await asyncio.sleep(0)  # let request handlers and the output stage run between steps
-            else:
-                self._wake.clear()
-                await self._wake.wait()
+        """Each executor's rounds as a task of its own, until cancelled."""
+        self._running = True
+        for lane in self.lanes.values():
+            self._tasks[lane.name] = asyncio.create_task(lane.run(), name=f"engine-lane-{lane.name}")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._running = False
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def step(self) -> bool:
-        """One round: plan and send until the pipeline is full (overlap depth) or nothing is
-        left to plan, then receive the oldest step, update the scheduler core and queue its
-        updates for the output stage. False when there was nothing to do."""
-        lane = self.lane
-        if lane is None:
+        """One round of every executor, concurrently. False when none had anything to do."""
+        lanes = list(self.lanes.values())
+        if not lanes:
             return False
-        if not lane.port.connected:
-            # The executor went away between steps: handle it as a failed step now, not when
-            # the next request is sent into it.
-            self._lost(lane, "the executor ended the step stream")
-            return True
-        await self._fill(lane)
-        if self.lane is not lane:
-            return True
-        if not lane.sent:
-            closed = self.requests.take_pending_close()
-            if closed:
-                self.publisher.put([], closed)
-            return False
-        await self._receive(lane)
-        return True
+        return any(await asyncio.gather(*(lane.round() for lane in lanes)))
 
-    async def _fill(self, lane: ExecutorLane) -> None:
-        overlap_depth = 2 if self.limits.overlap_scheduling else 1
-        depth = 1 if self.drafting is not None and self.drafting.speculating(lane.scheduler) else overlap_depth
-        totals = self.step_times
-        while len(lane.sent) < depth:
-            started = time.perf_counter()
-            if not lane.sent and self.drafting is not None:
-                await self.drafting.draft(lane.scheduler)
-                if self.lane is not lane:
-                    return
-            plan = lane.scheduler.schedule(self.clock())
-            if plan.is_empty and not plan.finished_seq_ids:
-                return
-            scheduled = time.perf_counter()
-            try:
-                await lane.port.send(plan)
-            except EXECUTOR_LOST as exc:
-                _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
-                self._lost(lane, str(exc))
-                return
-            if lane.sent:
-                totals.overlapped += 1
-            lane.sent.append(_Sent(plan, scheduled - started, time.perf_counter() - scheduled))
-
-    async def _receive(self, lane: ExecutorLane) -> None:
-        sent = lane.sent.popleft()
-        plan = sent.plan
-        waited = time.perf_counter()
-        try:
-            result = await lane.port.receive(plan.step_id)
-        except EXECUTOR_LOST as exc:
-            _log.error("executor_step_failed", error=str(exc), step_id=plan.step_id)
-            self._lost(lane, str(exc))
-            return
-        if self.lane is not lane:
-            return
-        stepped = time.perf_counter()
-        try:
-            updates = lane.scheduler.update(plan, result)
-        except ValueError as exc:  # the executor broke the step contract: it cannot be trusted
-            _log.error("executor_result_invalid", error=str(exc), step_id=plan.step_id)
-            self._lost(lane, f"the executor sent an invalid result for step {plan.step_id}: {exc}")
-            return
-        self.step_count += 1
-        self.last_step_time = self.clock()
-        totals = self.step_times
-        totals.steps += 1
-        totals.sequences += len(plan.new) + len(plan.running)
-        totals.schedule_s += sent.schedule_s
-        totals.executor_s += sent.send_s + stepped - waited
-        totals.execute_s += result.execute_seconds
-        totals.update_s += time.perf_counter() - stepped
-        closed = self.requests.take_pending_close()
-        for update in updates:
-            tracked = self.requests.get(update.request_id)
-            if update.finish_reason is not None and tracked is not None:
-                closed.append((update.seq_id, tracked.detokenizer))
-        self.publisher.put(updates, closed)
-
+    # ------------------------------------------------------------------ requests that move
     def _lost(self, lane: ExecutorLane, error: str) -> None:
-        """End every request with Finished (error) and drop the lane (its scheduler core
-        described the lost executor's memory); the owner reconnects."""
-        self.requests.end_all(error)
-        closed = self.requests.take_pending_close()
-        if closed:  # the detokenizers outlive the executor: close the streams now
-            self.publisher.put([], closed)
-        if self.lane is lane:
-            self.lane = None
-        self._on_executor_lost(error)
+        """Drop the lane (its scheduler core described the lost executor's memory) and move
+        each of its requests to another executor, or park it until one comes back."""
+        if self.lanes.get(lane.name) is not lane:
+            return
+        _log.error("executor_lost", executor=lane.name, error=error, requests=len(lane.scheduler.requests))
+        del self.lanes[lane.name]
+        lane.attached = False
+        lane.wake()
+        task = self._tasks.pop(lane.name, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        for request in sorted(lane.scheduler.requests.values(), key=lambda r: r.sort_key):
+            if self.requests.get(request.request_id) is not None:
+                request.leave_executor()
+                self.requeue(request)
+        self._on_executor_lost(lane.name, error)
+
+    def requeue(self, request: Request) -> ExecutorLane | None:
+        """Queue a request that left its executor (Request.leave_executor) on another, to
+        recompute what it lost (a decode executor once it has outputs); park it when none is
+        attached. Returns the lane it went to. (A failed copy of its KV ends here too.)"""
+        lanes = list(self.lanes.values())
+        roles = ROLES_FOR_DECODE if request.num_output_tokens else ROLES_FOR_NEW
+        lane = choose_lane(request, lanes, roles) or choose_lane(request, lanes, ("prefill", "decode", "mixed"))
+        if lane is None:
+            self.parked.park(request)
+            return None
+        lane.scheduler.add_request(request, moved=True)
+        lane.wake()
+        return lane
+
+    def _no_executor_left(self, request_id: str) -> None:
+        tracked = self.requests.get(request_id)
+        if tracked is not None:
+            self.requests.end(tracked, FinishReason.ERROR, NO_EXECUTOR_LEFT)
+
+    def _finish_in_core(self, request_id: str, reason: FinishReason, stop_string: str | None) -> None:
+        self.parked.forget(request_id)
+        self.handoff.forget(request_id)
+        for lane in self.lanes.values():
+            if lane.scheduler.finish_request(request_id, reason, stop_string):
+                return

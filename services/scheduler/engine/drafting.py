@@ -10,15 +10,25 @@ fallen to 0 (drafts do not pay), it overlaps again.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.speculation import DraftLength, SpeculationConfig
 from services.scheduler.engine.ports import DrafterPort
 
 
 class Drafting:
-    def __init__(self, drafter: DrafterPort, speculation: SpeculationConfig) -> None:
+    """One drafter shared by every executor of the engine: their asks take turns (the drafter
+    answers one at a time), and each ask names every live sequence of all of them, so the
+    drafter forgets only those that left."""
+
+    def __init__(self, drafter: DrafterPort, speculation: SpeculationConfig,
+                 live_seq_ids: Callable[[], list[int]]) -> None:
         self.drafter = drafter
         self.speculation = speculation
+        self._live_seq_ids = live_seq_ids
+        self._turn = asyncio.Lock()
 
     def draft_length(self, num_speculative_tokens: int | None) -> DraftLength:
         """A new request's draft length: None = the server's cap; 0 turns speculation off for it."""
@@ -43,7 +53,8 @@ class Drafting:
                 asks.append((request, k))
         if not asks:
             return
-        drafts = await self.drafter.propose(asks, (r.seq_id for r in scheduler.running))
+        async with self._turn:
+            drafts = await self.drafter.propose(asks, self._live_seq_ids())
         if drafts is None:  # no answer in time: this step goes without drafts
             return
         for request, k in asks:

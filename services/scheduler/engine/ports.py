@@ -9,6 +9,7 @@ the same scheduler, is one more implementation, not a change to the loop.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.detokenize import DetokenizeBatch, DetokenizeResult
@@ -34,6 +35,25 @@ class ExecutorPort(Protocol):
 
     async def receive(self, step_id: int) -> StepResult:
         """The result of the oldest plan sent and not yet received; raises one of EXECUTOR_LOST."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """What one copy of KV blocks between executors moved."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+class KVReceiverPort(Protocol):
+    """An executor that can copy KV blocks from another one (a decode executor, from the
+    prefill executor that computed a prompt)."""
+
+    async def pull_kv(self, source: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
+        """Copy ``source_block_ids`` of the executor at ``source`` into this executor's
+        ``block_ids`` (same layout: checked by both sides); raises on any failure (nothing the
+        copy wrote is used then)."""
 
 
 class DetokenizerPort(Protocol):

@@ -42,7 +42,7 @@ class _Published:
 
     updates: list[RequestUpdate]
     closed: list[tuple[int, int]]
-    """(stream id = seq id, detokenizer index) of text streams to close after this step."""
+    """(stream id, detokenizer index) of text streams to close after this step."""
 
 
 class Publisher:
@@ -100,7 +100,7 @@ class Publisher:
         batches = [DetokenizeBatch() for _ in self._detokenizers]
         live: list[tuple[RequestUpdate, TrackedRequest]] = []
         entries: dict[int, list[int]] = {}
-        """seq id -> its token list in a batch (several steps' tokens appended to one)."""
+        """stream id -> its token list in a batch (several steps' tokens appended to one)."""
         for update in (u for item in items for u in item.updates):
             tracked = self._requests.get(update.request_id)
             if tracked is None:
@@ -110,16 +110,16 @@ class Publisher:
                 tracked.stream_opened = True
                 request = tracked.output.request
                 batch.new_streams.append(NewTextStream(
-                    update.seq_id, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], request.stop.stop,
+                    tracked.stream_id, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], request.stop.stop,
                     request.stop.include_stop_str_in_output))
-            if update.seq_id in entries:
-                entries[update.seq_id].extend(update.new_token_ids)
+            if tracked.stream_id in entries:
+                entries[tracked.stream_id].extend(update.new_token_ids)
             else:
-                entries[update.seq_id] = ids = list(update.new_token_ids)
-                batch.appended.append((update.seq_id, ids))
+                entries[tracked.stream_id] = ids = list(update.new_token_ids)
+                batch.appended.append((tracked.stream_id, ids))
             live.append((update, tracked))
-        for seq_id, index in (c for item in items for c in item.closed):
-            batches[index].closed.append(seq_id)
+        for stream_id, index in (c for item in items for c in item.closed):
+            batches[index].closed.append(stream_id)
         return batches, live
 
     async def _publish_steps(self, items: list[_Published]) -> None:
@@ -157,13 +157,13 @@ class Publisher:
                  stopped: dict[int, str]) -> None:
         requests = self._requests
         now = self._clock()
-        last = {update.seq_id: position for position, (update, _) in enumerate(live)}
+        last = {tracked.stream_id: position for position, (_, tracked) in enumerate(live)}
         for position, (update, tracked) in enumerate(live):
             if requests.get(update.request_id) is not tracked:
                 continue
-            is_last = last[update.seq_id] == position
-            text = texts.get(update.seq_id, "") if is_last else ""
-            stop_string = stopped.get(update.seq_id) if is_last else None
+            is_last = last[tracked.stream_id] == position
+            text = texts.get(tracked.stream_id, "") if is_last else ""
+            stop_string = stopped.get(tracked.stream_id) if is_last else None
             delta = tracked.output.on_update(update, text, now, stop_string)
             if stop_string is not None and update.finish_reason is None:
                 requests.stopped_by_string(tracked, stop_string)  # the core still runs it

@@ -35,6 +35,7 @@ class RequestTable:
         self._pending_close: list[tuple[int, int]] = []
         """(stream id, detokenizer index) of text streams to close with the next batch."""
         self._turn = itertools.cycle(range(len(detokenizers)))
+        self._stream_ids = itertools.count()
 
     def check_new(self, request_id: str) -> int:
         """The detokenizer a new request would be pinned to (connected, round-robin).
@@ -50,7 +51,7 @@ class RequestTable:
         raise UnavailableError("every tokenizer is unavailable; retry shortly")
 
     def add(self, output: RequestOutput, sink: DeltaSink, detokenizer: int) -> None:
-        self._tracked[output.request_id] = TrackedRequest(output, sink, detokenizer)
+        self._tracked[output.request_id] = TrackedRequest(output, sink, detokenizer, next(self._stream_ids))
 
     def get(self, request_id: str) -> TrackedRequest | None:
         return self._tracked.get(request_id)
@@ -75,7 +76,7 @@ class RequestTable:
         request = tracked.output.request
         self._finish_in_core(request.request_id, reason, None)
         if tracked.stream_opened and close_stream:
-            self._pending_close.append((request.seq_id, tracked.detokenizer))
+            self._pending_close.append((tracked.stream_id, tracked.detokenizer))
         delta = tracked.output.end(self._clock(), reason, error)
         self.deliver(tracked, delta)
         self._wake()

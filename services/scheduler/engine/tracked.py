@@ -19,8 +19,7 @@ class TrackedRequest:
     sink: DeltaSink
     detokenizer: int
     """Index of the detokenizer its text stream lives on (its state is there)."""
+    stream_id: int
+    """Its text stream's id: fixed for the request's life, while its seq id changes when it
+    moves to another executor."""
     stream_opened: bool = False
-
-    @property
-    def seq_id(self) -> int:
-        return self.output.request.seq_id

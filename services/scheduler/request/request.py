@@ -199,6 +199,24 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
+    def forget_in_flight(self) -> None:
+        """Its steps in flight no longer count: their records are stale (not current)."""
+        self.num_in_flight_tokens = 0
+        self.num_output_placeholders = 0
+        self.drafts_in_flight = False
+
+    def leave_executor(self) -> None:
+        """It no longer runs on its executor (that executor was lost, or computed its prompt for
+        another): nothing of it is in flight, no block of that pool is its, and it restarts
+        from its known tokens wherever it is added next (a new seq id there)."""
+        self.forget_in_flight()
+        self.num_preemptions += 1  # what its old executor still computes for it is stale
+        self.status = RequestStatus.PREEMPTED
+        self.seq_id = -1
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.spec_token_ids = []
+
     def append_outputs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
                        max_model_len: int) -> RequestUpdate:
         """Append one step's sampled tokens one by one, checking the stop rules after each
