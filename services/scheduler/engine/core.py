@@ -219,6 +219,9 @@ class EngineCore:
             if self.requests.get(request.request_id) is not None:
                 request.leave_executor()
                 self.requeue(request)
+        # The lane's task may still be on its way out; its scheduler core (whose free-block
+        # list is a cycle) becomes garbage now, for the owner's next collection.
+        lane.scheduler = None
         self._on_executor_lost(lane.name, error)
 
     def requeue(self, request: Request) -> ExecutorLane | None:

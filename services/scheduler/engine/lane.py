@@ -73,7 +73,8 @@ class ExecutorLane:
     name: str
     port: ExecutorPort
     info: ExecutorInfo
-    scheduler: Scheduler
+    scheduler: Scheduler | None
+    """None once the lane is dropped (its executor lost)."""
     context: LaneContext
     sent: deque[_Sent] = field(default_factory=deque)
     """Steps sent and not yet read, oldest first: one, or two with overlapped scheduling."""
