@@ -38,7 +38,14 @@ class UpConfig:
     executor_port: int = _flag(0, "executor port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
     drafter_port: int = _flag(0, "drafter port (0 = any free port)", "TOKENMILL_DRAFTER_PORT")
     log_dir: str = _flag(".tokenmill/logs", "where each service writes its JSON log", "TOKENMILL_LOG_DIR")
-    executor_arg: tuple[str, ...] = _flag((), "extra flag passed to the executor, e.g. --executor-arg=--dtype=bf16 "
+    executors: int = _flag(1, "executors behind the scheduler, each with its own KV pool (requests are placed on "
+                              "the one holding their longest cached prefix, else the least loaded; a lost one's "
+                              "requests move to the others)", "TOKENMILL_EXECUTORS")
+    prefill_executors: int = _flag(0, "prefill/decode disaggregation: executors that compute prompts (with "
+                                      "--decode-executors; replaces --executors)", "TOKENMILL_PREFILL_EXECUTORS")
+    decode_executors: int = _flag(0, "prefill/decode disaggregation: executors that decode, the KV of each prompt "
+                                     "copied to them from the prefill executor", "TOKENMILL_DECODE_EXECUTORS")
+    executor_arg: tuple[str, ...] = _flag((), "extra flag passed to every executor, e.g. --executor-arg=--dtype=bf16 "
                                               "(repeatable)", repeat=True)
     kv_cache_dtype: str | None = _flag(None, "executor KV-cache storage: " + ", ".join(KV_CACHE_DTYPE_NAMES) +
                                        " (auto = the model's dtype; int8 / fp8_e4m3 are quantized with a scale per "
@@ -66,6 +73,19 @@ class UpConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.speculate is not None and self.speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0 = off), got {self.speculate}")
+        if self.executors < 1:
+            raise ValueError(f"executors must be >= 1, got {self.executors}")
+        if (self.prefill_executors > 0) != (self.decode_executors > 0) or min(self.prefill_executors,
+                                                                               self.decode_executors) < 0:
+            raise ValueError(f"prefill_executors and decode_executors go together, each >= 1 (got "
+                             f"{self.prefill_executors} and {self.decode_executors})")
+
+    @property
+    def executor_roles(self) -> list[str]:
+        """One role per executor to start."""
+        if self.prefill_executors:
+            return ["prefill"] * self.prefill_executors + ["decode"] * self.decode_executors
+        return ["mixed"] * self.executors
 
 
 def parse_up_config(argv: list[str] | None = None) -> UpConfig:
@@ -134,7 +154,8 @@ def main(argv: list[str]) -> int:
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
     launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
                                      internal_ports={k: v for k, v in ports.items() if v},
-                                     executor_args=executor_args(args), scheduler_args=scheduler_args(args),
+                                     executor_args=executor_args(args), executor_roles=args.executor_roles,
+                                     scheduler_args=scheduler_args(args),
                                      drafter_args=drafter_args(args),
                                      log_dir=args.log_dir, on_event=_print_event, tls=args.tls))
     print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",

@@ -47,6 +47,12 @@ class InvalidArgumentError(TokenmillError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class FailedPreconditionError(TokenmillError):
+    """The request is well formed but the server's state refuses it (a KV layout mismatch)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class NotFoundError(TokenmillError):
     """The named entity (request id, sequence id, stream id) does not exist."""
 

@@ -21,8 +21,10 @@ from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import create_channel
 from services.common.step import ExecutorInfo, StepPlan, StepResult
 from services.common.tls import ClientTLS
+from services.scheduler.engine.ports import KVTransfer
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, wait_ready
 
+PULL_TIMEOUT_S = 60.0
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens; scheduler step ids count up from 0."""
 
@@ -121,6 +123,20 @@ class ExecutorLink:
                 raise InvalidArgumentError(f"executor rejected step {step_id}: {details}")
             raise UnavailableError(f"executor at {self.address} ended the step stream: {code.name}: {details}")
         return result_from_proto(response)
+
+    async def pull_kv(self, source: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
+        """Have this executor copy KV blocks from the executor at ``source`` (PullKVBlocks)."""
+        if self._channel is None:
+            raise UnavailableError(f"executor at {self.address} is not connected")
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        request = executor_pb2.PullKVBlocksRequest(source_address=source, source_block_ids=source_block_ids,
+                                                   block_ids=block_ids)
+        try:
+            reply = await stub.PullKVBlocks(request, timeout=PULL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"executor at {self.address} could not copy KV from {source}: "
+                                   f"{exc.code().name}: {exc.details()}") from None
+        return KVTransfer(reply.num_blocks, reply.num_bytes, reply.seconds)
 
     async def close(self) -> None:
         call, self._call = self._call, None  # first, so the watcher sees a closed link

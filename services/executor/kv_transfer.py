@@ -1,0 +1,99 @@
+"""The executor's side of KV copies between executors (disaggregated prefill).
+
+A decode executor pulls a prompt's blocks from the prefill executor that computed them:
+``pull`` opens a ReadKVBlocks stream to it, asking with its own pool layout (kv_layout:
+model, geometry, storage dtype), and writes each chunk into the blocks the scheduler chose;
+``read`` answers such a stream, refusing a layout that is not its own. Both touch the pool on
+the runner's one worker thread, so a copy interleaves with steps but never races one: the
+scheduler only names blocks no step of either executor uses meanwhile (the prefill side
+holds them until the copy is acknowledged, the decode side has not handed them to a
+sequence yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+from services.common.server import channel_options, create_channel
+from services.common.tls import ClientTLS
+from services.runtime.kv_blocks import read_blocks, write_blocks
+from services.runtime.kv_cache import KVCache
+
+CHUNK_BYTES = 4 * 1024 * 1024
+"""About how much one KVBlockChunk carries (at least one block): well under the message limit."""
+READ_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PullReport:
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+def _check_ids(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    for index, block_id in enumerate(block_ids):
+        if not 0 <= block_id < num_blocks:
+            raise InvalidArgumentError(f"{field}[{index}] = {block_id} is outside the pool's [0, {num_blocks})")
+
+
+class KVTransfer:
+    """``on_worker(fn, *args)`` runs fn on the runner's worker thread and awaits it."""
+
+    def __init__(self, cache: KVCache, layout: str, block_bytes: int, num_blocks: int,
+                 on_worker: Callable[..., Awaitable], tls: ClientTLS | None = None) -> None:
+        self._cache = cache
+        self.layout = layout
+        self._num_blocks = num_blocks
+        self._blocks_per_chunk = max(1, CHUNK_BYTES // block_bytes)
+        self._on_worker = on_worker
+        self._tls = tls
+
+    async def read(self, layout: str, block_ids: Sequence[int]) -> AsyncIterator[tuple[int, int, list[bytes]]]:
+        """(first, count, layers) chunks of ``block_ids`` for a reader whose pool has ``layout``."""
+        if layout != self.layout:
+            raise FailedPreconditionError(f"the reader's KV layout {layout!r} is not this executor's {self.layout!r}")
+        _check_ids("block_ids", block_ids, self._num_blocks)
+        step = self._blocks_per_chunk
+        for first in range(0, len(block_ids), step):
+            ids = list(block_ids[first:first + step])
+            yield first, len(ids), await self._on_worker(read_blocks, self._cache, ids)
+
+    async def pull(self, source_address: str, source_block_ids: Sequence[int],
+                   block_ids: Sequence[int]) -> PullReport:
+        """Copy ``source_block_ids`` of the executor at ``source_address`` into ``block_ids``."""
+        if len(source_block_ids) != len(block_ids):
+            raise InvalidArgumentError(f"source_block_ids has {len(source_block_ids)} entries and block_ids "
+                                       f"{len(block_ids)}: one target block per source block")
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgumentError("block_ids names a block more than once")
+        _check_ids("block_ids", block_ids, self._num_blocks)
+        started = time.perf_counter()
+        num_bytes = copied = 0
+        async with create_channel(source_address, tls=self._tls, options=channel_options()) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            request = executor_pb2.ReadKVBlocksRequest(kv_layout=self.layout, block_ids=list(source_block_ids))
+            try:
+                async for chunk in stub.ReadKVBlocks(request, timeout=READ_TIMEOUT_S):
+                    if chunk.first != copied or chunk.count < 1 or copied + chunk.count > len(block_ids):
+                        raise InvalidArgumentError(f"the source sent blocks [{chunk.first}, "
+                                                   f"{chunk.first + chunk.count}) after {copied}")
+                    targets = list(block_ids[chunk.first:chunk.first + chunk.count])
+                    try:
+                        await self._on_worker(write_blocks, self._cache, targets, list(chunk.layers))
+                    except ValueError as exc:
+                        raise InvalidArgumentError(f"the source's blocks do not fit this pool: {exc}") from None
+                    copied += chunk.count
+                    num_bytes += sum(len(layer) for layer in chunk.layers)
+            except grpc.RpcError as exc:
+                raise UnavailableError(f"reading KV blocks from {source_address} failed: "
+                                       f"{exc.code().name}: {exc.details()}") from None
+        if copied != len(block_ids):
+            raise UnavailableError(f"the source at {source_address} sent {copied} of {len(block_ids)} blocks")
+        return PullReport(copied, num_bytes, time.perf_counter() - started)
