@@ -20,14 +20,21 @@ CHAT_MODEL         := models/smollm2-135m-instruct
 CHAT_MODEL_Q4      := models/smollm2-135m-instruct-q4_1
 TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
 
-.PHONY: install proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec clean
+# What $(STAMP) installs: the runtime and the test tools (the container image installs the runtime
+# alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
+REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-install: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP) $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
+.PHONY: install runtime proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec clean
+
+install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
+
+# What serving needs: the venv, the gRPC stubs and the C++ CPU kernels (no converted chat model).
+runtime: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP)
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68"
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q $(addprefix -r ,$(REQUIREMENTS))
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -53,12 +53,16 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Unique per source, flags, CPU, torch and checkout, so a build never runs where it was not made for."""
+    """Unique per source, flags, CPU (under -march=native), torch and checkout, so a build never runs where
+    it was not made for."""
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    digest.update(_cpu_flags().encode())
+    if "-march=native" in _CFLAGS:
+        # -march=native: the build fits this CPU alone. A named -march (a container image built
+        # for a fleet) fits every CPU that has it, so the image's build is reused on any node.
+        digest.update(_cpu_flags().encode())
     digest.update(torch.__version__.encode())
     # torch rebuilds a name whose build file names other source paths: two checkouts sharing
     # the build cache must not take turns rebuilding (and locking) one directory.

