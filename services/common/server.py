@@ -22,9 +22,9 @@ port is TLS only (mTLS when the config names a client CA), and ``create_channel`
 with a ``ClientTLS``.
 
 Stopping, in order: health flips to NOT_SERVING (watchers and load balancers see it),
-an optional drain period while still accepting calls, then the server refuses new calls
-and gives in-flight ones ``grace`` seconds before cancelling them, then the ``on_stop``
-callbacks run (newest first). ``run_service`` does this on SIGINT/SIGTERM; a second
+an optional drain period while still accepting calls, the ``on_stopping`` hooks, then the server
+refuses new calls and gives in-flight ones what is left of ``grace`` (one grace for the hooks and
+the calls together) before cancelling them, then the ``on_stop`` callbacks run (newest first). ``run_service`` does this on SIGINT/SIGTERM; a second
 signal cuts the grace period short. On SIGHUP it reloads a TLS server's certificate files
 (new connections get them; open ones keep theirs).
 """
@@ -35,6 +35,7 @@ import asyncio
 import gc
 import inspect
 import signal
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,10 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_PING_INTERVAL_MS = 10_000
 """Servers accept client pings this often (must be below KEEPALIVE_TIME_MS, or the server
 answers the pings with GOAWAY "too_many_pings")."""
+
+FINAL_WRITES_S = 1.0
+"""After the on_stopping hooks took the grace, calls still get this long to send what the hooks
+ended them with (the scheduler's last Finished) before the server cancels them."""
 
 Servicers = Callable[[grpc.aio.Server], Sequence[str]]
 """Registers servicers on the server; returns the full names of the services it added."""
@@ -172,14 +177,19 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         if drain_seconds > 0:
             await asyncio.sleep(drain_seconds)
+        # One grace for the whole stop: what the on_stopping hooks spend (the scheduler waits
+        # there for its streams to finish) is not given again to the calls, so the process ends
+        # within the grace an orchestrator's termination period was sized for.
+        deadline = time.monotonic() + grace
         for callback in self._on_stopping:
             try:
-                result = callback(grace)
+                result = callback(max(0.0, deadline - time.monotonic()))
                 if inspect.isawaitable(result):
                     await result
             except Exception:  # noqa: BLE001 - a failing hook must not block the stop
                 _log.exception("on_stopping_callback_failed", server=self.name, callback=repr(callback))
-        await self.server.stop(grace)
+        remaining = deadline - time.monotonic()
+        await self.server.stop(max(remaining, min(grace, FINAL_WRITES_S)))
         for callback in reversed(self._on_stop):
             try:
                 result = callback()

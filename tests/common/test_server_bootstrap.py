@@ -30,7 +30,7 @@ from services.common.errors import (
     error_from_rpc,
 )
 from services.common.pb.tokenmill.v1 import tokenizer_pb2
-from services.common.server import RunningServer, create_channel, start_server
+from services.common.server import FINAL_WRITES_S, RunningServer, create_channel, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROBE_SERVICE = "tokenmill.test.Probe"
@@ -374,6 +374,29 @@ async def test_grace_expiry_cancels_long_calls() -> None:
             await in_flight
     assert time.monotonic() - started < 3
     assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_one_grace_covers_the_stopping_hooks_and_the_calls() -> None:
+    """A hook that waits out the grace (the scheduler waiting for its streams) leaves the calls only
+    the final-writes allowance, so the stop ends within grace + FINAL_WRITES_S, not two graces."""
+    server = await start_server("bounded", add_probe, port=0)
+    hook_grace: list[float] = []
+
+    async def wait_out(grace: float) -> None:
+        hook_grace.append(grace)
+        await asyncio.sleep(grace)
+
+    server.on_stopping(wait_out)
+    async with create_channel(server.address) as ch:
+        in_flight = asyncio.ensure_future(method(ch, "unary_unary", "Unary")(b"sleep:30", timeout=20))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await server.stop(grace=3)
+        elapsed = time.monotonic() - started
+        with pytest.raises(grpc.aio.AioRpcError):
+            await in_flight
+    assert hook_grace and 2.9 < hook_grace[0] <= 3
+    assert 3 + FINAL_WRITES_S - 0.2 < elapsed < 3 + FINAL_WRITES_S + 0.8, elapsed
 
 
 # --- run_service in a real process: uvloop, SIGTERM, graceful stop ---

@@ -22,7 +22,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,22 @@ def pod_spec(workload: dict) -> dict:
     return workload["spec"]["template"]["spec"]
 
 
+def sidecars(spec: dict) -> list[dict]:
+    """Native sidecars: init containers that keep running (restartPolicy Always). The kubelet starts
+    them first, each one's startupProbe passing before the next container starts, and stops them
+    after the main containers have exited."""
+    init = spec.get("initContainers", [])
+    plain = [c["name"] for c in init if c.get("restartPolicy") != "Always"]
+    if plain:
+        raise ManifestError(f"init containers that run to completion are not modelled here: {plain}")
+    return list(init)
+
+
+def all_containers(spec: dict) -> list[dict]:
+    """Sidecars, then the main containers: every process of the pod."""
+    return [*sidecars(spec), *spec["containers"]]
+
+
 def service_module(container: dict) -> str:
     """The tokenmill service a container runs (``python -m services.NAME``)."""
     argv = [*container.get("command", []), *container.get("args", [])]
@@ -125,7 +141,12 @@ class LocalPod:
 
     @property
     def containers(self) -> list[dict]:
-        return self.spec["containers"]
+        """Every container of the pod, sidecars first."""
+        return all_containers(self.spec)
+
+    @property
+    def sidecar_names(self) -> list[str]:
+        return [c["name"] for c in sidecars(self.spec)]
 
     def container(self, name: str) -> dict:
         for container in self.containers:
@@ -180,6 +201,7 @@ class LocalCluster:
                         pod.named_ports[port["name"]] = number
             self.pods[name] = pod
         self._hosts = self._cluster_dns()
+        self._log_dir = workdir / "logs"
 
     # ------------------------------------------------------------------ names
     def _dns_forms(self, name: str) -> list[str]:
@@ -349,35 +371,85 @@ class LocalCluster:
         return f"{match.group(1)}={pod.local_port(int(match.group(2)), f'{who} {match.group(1)}')}"
 
     # ------------------------------------------------------------------ processes
-    def start(self, pod_names: Iterable[str] | None = None, log_dir: Path | None = None) -> None:
-        """Start every container of the pods (all of them by default) at once, as the kubelet does."""
+    def start(self, pod_names: Iterable[str] | None = None, log_dir: Path | None = None,
+              startup_timeout_s: float = 240.0) -> None:
+        """Start the pods (all of them by default) as the kubelet does: every pod at once; in a pod
+        the sidecars first, the main containers once each sidecar's startupProbe reports SERVING."""
         names = list(pod_names) if pod_names is not None else list(self.pods)
-        log_dir = log_dir or self.workdir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_dir = log_dir or self.workdir / "logs"
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         for name in names:
             pod = self.pods[name]
-            mounts = self._mounts(pod, pod.containers[0])
-            self._rewrite_files(pod, mounts)
-            for container in pod.containers:
-                local = self.local_container(pod, container)
-                base = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
-                env = {**base, **local.env, **self.extra_env}
-                with open(log_dir / f"{pod.name}.{container['name']}.log", "ab") as log:
-                    pod.processes[container["name"]] = subprocess.Popen(
-                        local.argv, env=env, cwd=local.cwd, stdout=subprocess.DEVNULL, stderr=log,
-                        start_new_session=True)
+            self._rewrite_files(pod, self._mounts(pod, pod.containers[0]))
+            for container in sidecars(pod.spec) or pod.spec["containers"]:
+                self._spawn(pod, container)
+        for name in names:
+            pod = self.pods[name]
+            for container in sidecars(pod.spec):
+                if "startupProbe" in container:
+                    self.wait_probe(pod, container["name"], container["startupProbe"], startup_timeout_s)
+            if pod.sidecar_names:
+                for container in pod.spec["containers"]:
+                    self._spawn(pod, container)
+
+    def _spawn(self, pod: LocalPod, container: dict) -> None:
+        local = self.local_container(pod, container)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env = {**base, **local.env, **self.extra_env}
+        with open(self._log_dir / f"{pod.name}.{container['name']}.log", "ab") as log:
+            pod.processes[container["name"]] = subprocess.Popen(
+                local.argv, env=env, cwd=local.cwd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    def wait_probe(self, pod: LocalPod, container: str, probe: dict, timeout_s: float) -> None:
+        """Until the gRPC probe reports SERVING (what the kubelet's probe accepts); fails with the
+        container's log when a process of the pod exits or the time runs out."""
+        from services.stack.launcher import health_status
+
+        address = f"127.0.0.1:{pod.local_port(probe['grpc']['port'], f'{pod.name}/{container} probe')}"
+        deadline = time.monotonic() + timeout_s
+        status = ""
+        while time.monotonic() < deadline:
+            for name, process in pod.processes.items():
+                if process.poll() is not None:
+                    raise ManifestError(f"{pod.name}/{name} exited with {process.returncode} while starting:\n"
+                                        f"{self.log(pod.name, name)[-3000:]}")
+            status = health_status(address, probe["grpc"].get("service", ""), timeout=2.0)
+            if status == "SERVING":
+                return
+            time.sleep(0.25)
+        raise ManifestError(f"{pod.name}/{container}: probe still {status} after {timeout_s:.0f}s:\n"
+                            f"{self.log(pod.name, container)[-3000:]}")
 
     def log(self, pod: str, container: str) -> str:
-        path = self.workdir / "logs" / f"{pod}.{container}.log"
+        path = self._log_dir / f"{pod}.{container}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def terminate(self, pod_name: str) -> float:
-        """SIGTERM to every container of the pod at once (after their preStop, which is a wait);
-        returns the monotonic time it was sent."""
+    def stop_pod(self, pod_name: str, grace_s: float, on_signal: Callable[[float], None] = lambda t: None
+                 ) -> dict[str, tuple[int | None, float]]:
+        """The kubelet's stop of one pod (after preStop, which is a wait): SIGTERM to every main
+        container at once, then, once they all exited, to the sidecars; SIGKILL to whatever still
+        runs ``grace_s`` after the first SIGTERM. Returns {container: (exit status, seconds after
+        the first SIGTERM)}; ``on_signal`` gets the monotonic time of that SIGTERM."""
+        pod = self.pods[pod_name]
         sent = time.monotonic()
-        for process in self.pods[pod_name].processes.values():
-            process.send_signal(signal.SIGTERM)
-        return sent
+        on_signal(sent)
+        deadline = sent + grace_s
+        exits: dict[str, tuple[int | None, float]] = {}
+        mains = [c["name"] for c in pod.spec["containers"]]
+        for group in (mains, pod.sidecar_names):
+            for name in group:
+                pod.processes[name].send_signal(signal.SIGTERM)
+            for name in group:
+                process = pod.processes[name]
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                    exits[name] = (None, round(time.monotonic() - sent, 2))
+                    continue
+                exits[name] = (process.returncode, round(time.monotonic() - sent, 2))
+        return exits
 
     def stop(self) -> None:
         for pod in self.pods.values():

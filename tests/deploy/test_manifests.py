@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import (
-    OVERLAYS, WILDCARD_HOSTS, ManifestError, by_kind, one, parse_container, pod_spec, prestop_seconds, service_module,
+    OVERLAYS, WILDCARD_HOSTS, ManifestError, all_containers, by_kind, one, parse_container, pod_spec, prestop_seconds,
+    service_module, sidecars,
 )
 
 KUBERNETES_VERSION = "1.34.0"
@@ -41,7 +42,7 @@ def _workloads(docs: list[dict]) -> list[dict]:
 
 def _containers(docs: list[dict]):
     for workload in _workloads(docs):
-        for container in pod_spec(workload)["containers"]:
+        for container in all_containers(pod_spec(workload)):
             yield workload, container
 
 
@@ -127,27 +128,39 @@ def test_every_probe_names_a_served_health_service(rendered, overlay):
 
 @each_overlay
 def test_drain_fits_the_termination_grace(rendered, overlay):
-    """preStop's wait + the longest service grace (+ the stop itself) fits terminationGracePeriodSeconds,
-    and in an engine pod the executor outlives the scheduler's drain."""
+    """The kubelet's stop of each pod fits terminationGracePeriodSeconds: the main containers'
+    preStop wait and grace, then the sidecars' grace (they get SIGTERM once the main ones exited),
+    and the stop itself. Every main container waits in preStop for endpoints to let go."""
     docs = rendered[overlay]
     for workload in _workloads(docs):
         spec = pod_spec(workload)
-        graces = {}
-        for container in spec["containers"]:
+
+        def grace(container: dict) -> float:
             config, _ = parse_container(service_module(container), container.get("args", []), _env(docs, container))
-            graces[service_module(container)] = config.shutdown_grace_seconds
-            budget = prestop_seconds(container) + config.shutdown_grace_seconds + DRAIN_MARGIN_S
-            assert budget <= spec["terminationGracePeriodSeconds"], (workload["metadata"]["name"], container["name"])
+            return config.shutdown_grace_seconds
+
+        mains = max(prestop_seconds(c) + grace(c) for c in spec["containers"])
+        after = max((grace(c) for c in sidecars(spec)), default=0.0)
+        assert mains + after + DRAIN_MARGIN_S <= spec["terminationGracePeriodSeconds"], workload["metadata"]["name"]
+        for container in spec["containers"]:
             assert prestop_seconds(container) > 0, f"{container['name']}: no preStop wait for endpoints to let go"
-        if "scheduler" in graces and "executor" in graces:
-            assert graces["executor"] > graces["scheduler"], graces
+
+
+def test_engine_executor_is_a_sidecar_started_first(rendered):
+    """The scheduler exits when its executor still loads at start; as a native sidecar with a
+    startupProbe the executor is SERVING before the scheduler starts, and stops after it."""
+    for overlay, docs in rendered.items():
+        spec = pod_spec(one(docs, "StatefulSet", "tokenmill-engine"))
+        (executor,) = sidecars(spec)
+        assert service_module(executor) == "executor" and "startupProbe" in executor, overlay
+        assert [service_module(c) for c in spec["containers"]] == ["scheduler"], overlay
 
 
 def test_engine_pod_keeps_the_executor_local(rendered):
     """One pod, two containers: the scheduler's executor address is its own pod's executor port."""
     for overlay, docs in rendered.items():
         engine = one(docs, "StatefulSet", "tokenmill-engine")
-        containers = {c["name"]: c for c in pod_spec(engine)["containers"]}
+        containers = {c["name"]: c for c in all_containers(pod_spec(engine))}
         scheduler, _ = parse_container("scheduler", containers["scheduler"]["args"], _env(docs, containers["scheduler"]))
         executor, _ = parse_container("executor", containers["executor"]["args"], _env(docs, containers["executor"]))
         assert scheduler.executor_address == f"127.0.0.1:{executor.port}", overlay
@@ -187,7 +200,7 @@ def test_network_policies(rendered, overlay):
     for (component, port), sources in allowed.items():
         if sources == {"ns:monitoring"}:
             workload = next(w for w in _workloads(docs) if _component(w["metadata"]["labels"]) == component)
-            names = {p.get("name") for c in pod_spec(workload)["containers"] for p in c.get("ports", [])
+            names = {p.get("name") for c in all_containers(pod_spec(workload)) for p in c.get("ports", [])
                      if p["containerPort"] == port}
             assert names & {"metrics", "executor-metrics"}, (component, port, names)
         else:
@@ -224,12 +237,12 @@ def test_autoscaler_targets_the_engines(rendered):
 
 def test_gpu_overlay_gives_each_engine_a_gpu(rendered):
     engine = one(rendered["gpu"], "StatefulSet", "tokenmill-engine")
-    executor = next(c for c in pod_spec(engine)["containers"] if c["name"] == "executor")
+    executor = next(c for c in all_containers(pod_spec(engine)) if c["name"] == "executor")
     assert executor["resources"]["limits"]["nvidia.com/gpu"] == "1"
     config, _ = parse_container("executor", executor["args"], _env(rendered["gpu"], executor))
     assert config.device == "cuda"
     cpu_engine = one(rendered["cpu"], "StatefulSet", "tokenmill-engine")
-    cpu_executor = next(c for c in pod_spec(cpu_engine)["containers"] if c["name"] == "executor")
+    cpu_executor = next(c for c in all_containers(pod_spec(cpu_engine)) if c["name"] == "executor")
     assert "nvidia.com/gpu" not in str(cpu_executor["resources"])
     config, _ = parse_container("executor", cpu_executor["args"], _env(rendered["cpu"], cpu_executor))
     assert config.device == "cpu"

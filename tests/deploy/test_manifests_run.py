@@ -1,0 +1,198 @@
+"""The manifests are the truth: the cpu overlay, rendered, run as local processes.
+
+Each container's command, args and env come from the rendered YAML (tests/deploy/manifests.py maps
+only what a cluster would provide: ports, DNS names, volumes, the image's folder). Every probe the
+manifests declare reaches SERVING; a request streams end to end through the engine's DNS name as a
+gateway reaches it (tokenizer and drafter found through their Services); the autoscaler's metrics
+and the alerts' series are on the running engine's /metrics; and the engine pod, sent SIGTERM in
+both containers at once with 16 streams in flight, finishes every stream, refuses new calls with
+UNAVAILABLE, and both processes exit within the grace the manifest gives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.metrics import parse_samples
+from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.server import create_channel
+from tests.deploy.manifests import (
+    KUSTOMIZE_ROOT, LocalCluster, LocalPod, by_kind, parse_container, pod_spec, prestop_seconds, probe_targets, render,
+    service_module,
+)
+from tests.helpers.stack_streams import greedy_request, record_stream
+
+# slow: starts the cpu overlay's pods (engine, tokenizer, drafter) as processes
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+START_TIMEOUT_S = 240.0
+"""Every probe SERVING within this long (the processes start together, as in a pod; loaded CPU)."""
+ENGINE = "tokenmill-engine-0"
+ENGINE_ADDRESS = "tokenmill-engine-0.tokenmill-engine:50051"
+"""How the gateway's routes file reaches replica 0 (the StatefulSet's pod under its headless Service)."""
+PROMPT = "Once upon a time, there was a little girl. The little girl"
+DRAIN_STREAMS = 16
+DRAIN_MAX_TOKENS = 448
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> LocalCluster:
+    docs = render("cpu")
+    # One OpenMP thread a process (the manifest asks for 4 cores; this machine has 2 in all).
+    local = LocalCluster(docs, tmp_path_factory.mktemp("cluster"), extra_env={"OMP_NUM_THREADS": "1"})
+    local.start(startup_timeout_s=START_TIMEOUT_S)
+    yield local
+    local.stop()
+
+
+async def _health(address: str, service: str) -> str:
+    async with create_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.aio.AioRpcError as err:
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def serving(cluster: LocalCluster) -> LocalCluster:
+    for pod in cluster.pods.values():
+        for container, kind, probe in probe_targets(pod):
+            await asyncio.to_thread(cluster.wait_probe, pod, container, probe, START_TIMEOUT_S)
+    return cluster
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(serving: LocalCluster) -> AsyncIterator[generation_pb2_grpc.GenerationStub]:
+    host, port = ENGINE_ADDRESS.rsplit(":", 1)
+    port = serving.resolve(host, int(port), serving.pods[ENGINE], "test client")
+    async with create_channel(f"127.0.0.1:{port}") as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return parse_samples(reply.read().decode())
+
+
+def _metrics_port(cluster: LocalCluster, pod: str, name: str = "metrics") -> int:
+    return cluster.pods[pod].local_port(name, f"{pod} PodMonitor port {name}")
+
+
+async def test_every_declared_probe_is_serving(serving: LocalCluster):
+    probes = {(pod.name, c, kind) for pod in serving.pods.values() for c, kind, _ in probe_targets(pod)}
+    assert {(ENGINE, "scheduler", "readinessProbe"), (ENGINE, "executor", "startupProbe"),
+            ("tokenmill-tokenizer", "tokenizer", "livenessProbe"),
+            ("tokenmill-drafter", "drafter", "readinessProbe")} <= probes
+    for pod in serving.pods.values():
+        for container, kind, probe in probe_targets(pod):
+            address = f"127.0.0.1:{pod.local_port(probe['grpc']['port'], container)}"
+            assert await _health(address, probe["grpc"].get("service", "")) == "SERVING", (pod.name, container, kind)
+
+
+async def test_a_request_streams_end_to_end(serving: LocalCluster, engine):
+    record = await record_stream(engine, greedy_request(PROMPT, 48))
+    assert record.finish_reason == "length", (record.code, record.details, record.kinds())
+    assert len(record.token_ids) == 48 and record.text.strip()
+    scheduler = _scrape(_metrics_port(serving, ENGINE))
+    assert scheduler.get("tokenmill:scheduler_steps_total", 0) > 0
+    # The prompt was encoded by the tokenizer behind its headless Service. (The drafter's Propose
+    # stream, open while the scheduler runs, is counted once it ends: test_sigterm_drains_the_engine_pod.)
+    tokenizer = _scrape(_metrics_port(serving, "tokenmill-tokenizer"))
+    assert _rpc_count(tokenizer, "Encode") >= 1, sorted(tokenizer)
+
+
+def _rpc_count(samples: dict[str, float], method: str) -> float:
+    return sum(v for k, v in samples.items()
+               if k.startswith("tokenmill:rpc_latency_seconds_count") and f'method="{method}"' in k)
+
+
+def _adapter_rules() -> list[dict]:
+    values = yaml.safe_load((KUSTOMIZE_ROOT / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    return values["rules"]["custom"]
+
+
+def _adapter_names(rules: list[dict], series: set[str]) -> set[str]:
+    """The custom-metric names the adapter publishes for these Prometheus series names."""
+    published = set()
+    for rule in rules:
+        wanted = re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1)
+        for name in series:
+            if re.fullmatch(wanted.strip("^$"), name) and re.match(rule["name"]["matches"], name):
+                published.add(re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), name))
+    return published
+
+
+async def test_autoscaler_metrics_exist_on_the_running_engine(serving: LocalCluster, engine):
+    scraped = _scrape(_metrics_port(serving, ENGINE))
+    series = {key.split("{")[0] for key in scraped}
+    for name in ("tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc"):
+        assert name in series, sorted(series)
+    published = _adapter_names(_adapter_rules(), series | {"DCGM_FI_DEV_GPU_UTIL"})
+    for overlay in ("cpu", "gpu"):
+        (hpa,) = by_kind(render(overlay), "HorizontalPodAutoscaler")
+        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+        assert names <= published, (overlay, names - published, published)
+        assert {"tokenmill_num_requests_waiting", "tokenmill_kv_cache_usage_perc"} <= names
+
+
+async def test_alert_rules_name_series_the_engine_exports(serving: LocalCluster, engine):
+    series = {key.split("{")[0] for key in _scrape(_metrics_port(serving, ENGINE))}
+    series |= {key.split("{")[0] for key in _scrape(_metrics_port(serving, ENGINE, "executor-metrics"))}
+    for overlay in ("cpu", "gpu"):
+        for rule_set in by_kind(render(overlay), "PrometheusRule"):
+            for group in rule_set["spec"]["groups"]:
+                recorded = {r["record"] for r in group["rules"] if "record" in r}
+                for rule in group["rules"]:
+                    for name in re.findall(r"\b(tokenmill:[a-z_:0-9]+|DCGM_[A-Z_]+)", rule["expr"]):
+                        assert name in series | recorded | {"DCGM_FI_DEV_GPU_UTIL"}, (overlay, rule.get("alert"), name)
+
+
+async def test_sigterm_drains_the_engine_pod(serving: LocalCluster, engine):
+    """The kubelet's stop of the engine pod: SIGTERM to the scheduler, the executor (a sidecar)
+    after it exited. 16 streams in flight finish whole; health turns NOT_SERVING and a new call gets
+    UNAVAILABLE; both exit 0, within the pod's termination grace."""
+    pod = serving.pods[ENGINE]
+    spec = pod_spec(pod.workload)
+    preStop = max(prestop_seconds(c) for c in spec["containers"])
+    first_token = [asyncio.Event() for _ in range(DRAIN_STREAMS)]
+    streams = [asyncio.ensure_future(record_stream(engine, greedy_request(PROMPT, DRAIN_MAX_TOKENS), timeout=120,
+                                                   on_delta=first_token[i])) for i in range(DRAIN_STREAMS)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_token)), timeout=60)
+    assert not any(s.done() for s in streams), "a stream ended before SIGTERM: raise DRAIN_MAX_TOKENS"
+    signalled: list[float] = []
+    stopping = asyncio.ensure_future(asyncio.to_thread(
+        serving.stop_pod, ENGINE, spec["terminationGracePeriodSeconds"] - preStop, signalled.append))
+    address = f"127.0.0.1:{pod.local_port(50051, 'test client')}"
+    deadline = time.monotonic() + 10
+    while not signalled or await _health(address, "tokenmill.v1.Generation") != "NOT_SERVING":
+        assert time.monotonic() < deadline, "health never turned NOT_SERVING after SIGTERM"
+        await asyncio.sleep(0.05)
+    refused = await record_stream(engine, greedy_request(PROMPT, 4), timeout=10)
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and not refused.messages, (refused.code, refused.details)
+    records = await asyncio.gather(*streams)
+    for record in records:
+        assert record.finish_reason == "length", (record.code, record.details, record.finish_reason)
+        assert len(record.token_ids) == DRAIN_MAX_TOKENS
+    assert all(r.ended_at > signalled[0] for r in records)  # every one was in flight at SIGTERM
+    exits = await stopping
+    assert exits["scheduler"][0] == 0 and exits["executor"][0] == 0, (exits, serving.log(ENGINE, "scheduler")[-2000:])
+    assert exits["executor"][1] >= exits["scheduler"][1]
+    assert preStop + exits["executor"][1] <= spec["terminationGracePeriodSeconds"], exits
+    # Speculation is on in the manifest: the scheduler held a Propose stream with the drafter,
+    # reached through its Service, which its stop has now closed.
+    assert _rpc_count(_scrape(_metrics_port(serving, "tokenmill-drafter")), "Propose") >= 1
+    last_stream = max(r.ended_at for r in records) - signalled[0]
+    print(f"drain: {DRAIN_STREAMS} streams in flight at SIGTERM finished within {last_stream:.2f} s; "
+          f"(exit status, seconds after SIGTERM): {exits}")
