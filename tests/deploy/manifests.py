@@ -31,7 +31,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_ROOT = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-2x")
 IMAGE_ROOT = "/opt/tokenmill"
 """Where the Dockerfile puts the checkout (its WORKDIR); test_dockerfile.py checks the two agree."""
 CLUSTER_DOMAIN = "cluster.local"

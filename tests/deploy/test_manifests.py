@@ -151,22 +151,40 @@ def test_engine_executor_is_a_sidecar_started_first(rendered):
     startupProbe the executor is SERVING before the scheduler starts, and stops after it."""
     for overlay, docs in rendered.items():
         spec = pod_spec(one(docs, "StatefulSet", "tokenmill-engine"))
-        (executor,) = sidecars(spec)
-        assert service_module(executor) == "executor" and "startupProbe" in executor, overlay
+        assert sidecars(spec), overlay
+        for executor in sidecars(spec):
+            assert service_module(executor) == "executor" and "startupProbe" in executor, overlay
         assert [service_module(c) for c in spec["containers"]] == ["scheduler"], overlay
 
 
-def test_engine_pod_keeps_the_executor_local(rendered):
-    """One pod, two containers: the scheduler's executor address is its own pod's executor port."""
+def test_engine_pod_keeps_its_executors_local(rendered):
+    """One pod: the scheduler's executor addresses are its own pod's executor sidecars, each on its
+    own port, in the order they are listed."""
     for overlay, docs in rendered.items():
         engine = one(docs, "StatefulSet", "tokenmill-engine")
-        containers = {c["name"]: c for c in all_containers(pod_spec(engine))}
-        scheduler, _ = parse_container("scheduler", containers["scheduler"]["args"], _env(docs, containers["scheduler"]))
-        executor, _ = parse_container("executor", containers["executor"]["args"], _env(docs, containers["executor"]))
-        assert scheduler.executor_address == f"127.0.0.1:{executor.port}", overlay
+        spec = pod_spec(engine)
+        (scheduler_container,) = spec["containers"]
+        scheduler, _ = parse_container("scheduler", scheduler_container["args"], _env(docs, scheduler_container))
+        ports = []
+        for sidecar in sidecars(spec):
+            executor, _ = parse_container("executor", sidecar["args"], _env(docs, sidecar))
+            ports.append(executor.port)
+        assert sorted(scheduler.executor_addresses) == sorted(f"127.0.0.1:{p}" for p in ports), overlay
+        assert len(set(ports)) == len(ports) == (2 if overlay == "gpu-2x" else 1), overlay
         assert engine["spec"]["serviceName"] == "tokenmill-engine"
         assert one(docs, "Service", "tokenmill-engine")["spec"]["clusterIP"] == "None"
         assert one(docs, "Service", "tokenmill-tokenizer")["spec"]["clusterIP"] == "None"
+
+
+@each_overlay
+def test_port_names_are_valid_service_names(rendered, overlay):
+    """A port name is an IANA service name (at most 15 characters): the API server refuses others,
+    and the schemas do not say so."""
+    for workload, container in _containers(rendered[overlay]):
+        for port in container.get("ports", []):
+            name = port.get("name", "")
+            assert re.fullmatch(r"(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", name) and "--" not in name, \
+                (container["name"], name)
 
 
 def _selected(policy: dict, docs: list[dict]) -> list[dict]:
@@ -202,7 +220,7 @@ def test_network_policies(rendered, overlay):
             workload = next(w for w in _workloads(docs) if _component(w["metadata"]["labels"]) == component)
             names = {p.get("name") for c in all_containers(pod_spec(workload)) for p in c.get("ports", [])
                      if p["containerPort"] == port}
-            assert names & {"metrics", "executor-metrics"}, (component, port, names)
+            assert any(n and n.endswith("metrics") for n in names), (component, port, names)
         else:
             assert expected.get((component, port)) == sources, (component, port, sources)
     assert set(expected) <= set(allowed)
@@ -235,12 +253,13 @@ def test_autoscaler_targets_the_engines(rendered):
         assert pdb["spec"]["maxUnavailable"] == 1
 
 
-def test_gpu_overlay_gives_each_engine_a_gpu(rendered):
-    engine = one(rendered["gpu"], "StatefulSet", "tokenmill-engine")
-    executor = next(c for c in all_containers(pod_spec(engine)) if c["name"] == "executor")
-    assert executor["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    config, _ = parse_container("executor", executor["args"], _env(rendered["gpu"], executor))
-    assert config.device == "cuda"
+def test_gpu_overlays_give_each_executor_a_gpu(rendered):
+    for overlay in ("gpu", "gpu-2x"):
+        engine = one(rendered[overlay], "StatefulSet", "tokenmill-engine")
+        for executor in sidecars(pod_spec(engine)):
+            assert executor["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            config, _ = parse_container("executor", executor["args"], _env(rendered[overlay], executor))
+            assert config.device == "cuda"
     cpu_engine = one(rendered["cpu"], "StatefulSet", "tokenmill-engine")
     cpu_executor = next(c for c in all_containers(pod_spec(cpu_engine)) if c["name"] == "executor")
     assert "nvidia.com/gpu" not in str(cpu_executor["resources"])
@@ -256,3 +275,17 @@ def test_a_wrong_flag_or_variable_is_caught():
     assert "TOKENMILL_EXECUTOR_DEVICE" in read and "TOKENMILL_EXECUTOR_DEVIC" not in read
     with pytest.raises(ManifestError, match="runs no"):
         service_module({"name": "x", "command": ["python", "-m", "tokenmill"]})
+
+
+@each_overlay
+def test_pod_monitor_scrapes_every_metrics_port(rendered, overlay):
+    """Prometheus (through the PodMonitor) scrapes each /metrics port the services serve, by name."""
+    docs = rendered[overlay]
+    (monitor,) = by_kind(docs, "PodMonitor")
+    scraped = {endpoint["port"] for endpoint in monitor["spec"]["podMetricsEndpoints"]}
+    served = set()
+    for workload, container in _containers(docs):
+        config, _ = parse_container(service_module(container), container.get("args", []), _env(docs, container))
+        (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == config.metrics_port]
+        served.add(name)
+    assert scraped == served, (scraped, served)

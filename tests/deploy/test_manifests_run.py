@@ -149,7 +149,7 @@ async def test_autoscaler_metrics_exist_on_the_running_engine(serving: LocalClus
 
 async def test_alert_rules_name_series_the_engine_exports(serving: LocalCluster, engine):
     series = {key.split("{")[0] for key in _scrape(_metrics_port(serving, ENGINE))}
-    series |= {key.split("{")[0] for key in _scrape(_metrics_port(serving, ENGINE, "executor-metrics"))}
+    series |= {key.split("{")[0] for key in _scrape(_metrics_port(serving, ENGINE, "exec-metrics"))}
     for overlay in ("cpu", "gpu"):
         for rule_set in by_kind(render(overlay), "PrometheusRule"):
             for group in rule_set["spec"]["groups"]:
