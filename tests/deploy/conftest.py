@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.manifests import OVERLAYS, render
+from tests.deploy.manifests import VARIANTS, render_variant
 
 
 @pytest.fixture(scope="session")
-def rendered() -> dict[str, list[dict]]:
-    return {overlay: render(overlay) for overlay in OVERLAYS}
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every overlay, and the overlays with opt-in components (VARIANTS)."""
+    workdir = tmp_path_factory.mktemp("kustomize")
+    return {name: render_variant(name, workdir) for name in VARIANTS}

@@ -32,6 +32,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_ROOT = REPO_ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu", "gpu-2x")
+COMPOSED = {"cpu+auth": ("cpu", ("auth",))}
+"""Overlays with opt-in components added, as a user's kustomization would: (overlay, components)."""
+VARIANTS = (*OVERLAYS, *COMPOSED)
 IMAGE_ROOT = "/opt/tokenmill"
 """Where the Dockerfile puts the checkout (its WORKDIR); test_dockerfile.py checks the two agree."""
 CLUSTER_DOMAIN = "cluster.local"
@@ -65,6 +68,21 @@ def render(overlay: str | Path) -> list[dict]:
     if done.returncode != 0:
         raise ManifestError(f"kubectl kustomize {path} failed: {done.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def render_variant(name: str, workdir: Path) -> list[dict]:
+    """An overlay, or one of COMPOSED: a kustomization written in ``workdir`` that takes the
+    overlay and adds the components."""
+    if name not in COMPOSED:
+        return render(name)
+    overlay, components = COMPOSED[name]
+    folder = workdir / name.replace("+", "-")
+    folder.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(KUSTOMIZE_ROOT, folder)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"{rel}/overlays/{overlay}"], "components": [f"{rel}/components/{c}" for c in components]}))
+    return render(folder)
 
 
 def by_kind(docs: Iterable[dict], kind: str) -> list[dict]:

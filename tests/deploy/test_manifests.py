@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import (
-    OVERLAYS, WILDCARD_HOSTS, ManifestError, all_containers, by_kind, one, parse_container, pod_spec, prestop_seconds,
+    VARIANTS, WILDCARD_HOSTS, ManifestError, all_containers, by_kind, one, parse_container, pod_spec, prestop_seconds,
     service_module, sidecars,
 )
 
@@ -32,7 +32,7 @@ PROCESS_ENV = {"OMP_NUM_THREADS"}
 DRAIN_MARGIN_S = 5.0
 """What a pod keeps between its last service's grace and the kubelet's SIGKILL (the stop itself)."""
 DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
-each_overlay = pytest.mark.parametrize("overlay", OVERLAYS, ids=[f"overlays/{o}" for o in OVERLAYS])
+each_overlay = pytest.mark.parametrize("overlay", VARIANTS, ids=[f"overlays/{o}" for o in VARIANTS])
 """(ids not the bare names: a test whose keywords hold "gpu" counts as needing a CUDA device)"""
 
 
@@ -171,6 +171,8 @@ def test_engine_pod_keeps_its_executors_local(rendered):
             ports.append(executor.port)
         assert sorted(scheduler.executor_addresses) == sorted(f"127.0.0.1:{p}" for p in ports), overlay
         assert len(set(ports)) == len(ports) == (2 if overlay == "gpu-2x" else 1), overlay
+        if overlay == "cpu+auth":
+            assert scheduler.auth_tokens_file == "/etc/tokenmill/auth/tokens.json"
         assert engine["spec"]["serviceName"] == "tokenmill-engine"
         assert one(docs, "Service", "tokenmill-engine")["spec"]["clusterIP"] == "None"
         assert one(docs, "Service", "tokenmill-tokenizer")["spec"]["clusterIP"] == "None"

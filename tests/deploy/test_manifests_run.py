@@ -1,4 +1,5 @@
-"""The manifests are the truth: the cpu overlay, rendered, run as local processes.
+"""The manifests are the truth: the cpu overlay with bearer tokens (components/auth), rendered,
+run as local processes.
 
 Each container's command, args and env come from the rendered YAML (tests/deploy/manifests.py maps
 only what a cluster would provide: ports, DNS names, volumes, the image's folder). Every probe the
@@ -12,6 +13,7 @@ UNAVAILABLE, and both processes exit within the grace the manifest gives them.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -27,8 +29,8 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
 from tests.deploy.manifests import (
-    KUSTOMIZE_ROOT, LocalCluster, LocalPod, by_kind, parse_container, pod_spec, prestop_seconds, probe_targets, render,
-    service_module,
+    KUSTOMIZE_ROOT, LocalCluster, by_kind, parse_container, pod_spec, prestop_seconds, probe_targets, render,
+    render_variant, service_module,
 )
 from tests.helpers.stack_streams import greedy_request, record_stream
 
@@ -41,15 +43,19 @@ ENGINE = "tokenmill-engine-0"
 ENGINE_ADDRESS = "tokenmill-engine-0.tokenmill-engine:50051"
 """How the gateway's routes file reaches replica 0 (the StatefulSet's pod under its headless Service)."""
 PROMPT = "Once upon a time, there was a little girl. The little girl"
+TOKEN = "deploy-test-token"
+"""The tenant's token in the tokenmill-auth Secret a user creates (components/auth)."""
 DRAIN_STREAMS = 16
 DRAIN_MAX_TOKENS = 448
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> LocalCluster:
-    docs = render("cpu")
+    workdir = tmp_path_factory.mktemp("cluster")
+    docs = render_variant("cpu+auth", workdir)
+    secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])}}
     # One OpenMP thread a process (the manifest asks for 4 cores; this machine has 2 in all).
-    local = LocalCluster(docs, tmp_path_factory.mktemp("cluster"), extra_env={"OMP_NUM_THREADS": "1"})
+    local = LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
     local.start(startup_timeout_s=START_TIMEOUT_S)
     yield local
     local.stop()
@@ -78,7 +84,17 @@ async def engine(serving: LocalCluster) -> AsyncIterator[generation_pb2_grpc.Gen
     host, port = ENGINE_ADDRESS.rsplit(":", 1)
     port = serving.resolve(host, int(port), serving.pods[ENGINE], "test client")
     async with create_channel(f"127.0.0.1:{port}") as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
+        yield _Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN)
+
+
+class _Tenant:
+    """A Generation stub whose calls carry a bearer token."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub, token: str) -> None:
+        self.stub, self.metadata = stub, (("authorization", f"Bearer {token}"),)
+
+    def Generate(self, request, **kwargs):  # noqa: N802 - the stub's method name
+        return self.stub.Generate(request, metadata=self.metadata, **kwargs)
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -99,6 +115,13 @@ async def test_every_declared_probe_is_serving(serving: LocalCluster):
         for container, kind, probe in probe_targets(pod):
             address = f"127.0.0.1:{pod.local_port(probe['grpc']['port'], container)}"
             assert await _health(address, probe["grpc"].get("service", "")) == "SERVING", (pod.name, container, kind)
+
+
+async def test_the_tokens_secret_is_what_the_scheduler_checks(serving: LocalCluster, engine):
+    anonymous = await record_stream(engine.stub, greedy_request(PROMPT, 4), timeout=10)
+    assert anonymous.code == grpc.StatusCode.UNAUTHENTICATED, (anonymous.code, anonymous.details)
+    stranger = await record_stream(_Tenant(engine.stub, "not-a-token"), greedy_request(PROMPT, 4), timeout=10)
+    assert stranger.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_a_request_streams_end_to_end(serving: LocalCluster, engine):
