@@ -29,8 +29,7 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
 from tests.deploy.manifests import (
-    KUSTOMIZE_ROOT, LocalCluster, by_kind, parse_container, pod_spec, prestop_seconds, probe_targets, render,
-    render_variant, service_module,
+    KUSTOMIZE_ROOT, LocalCluster, by_kind, pod_spec, prestop_seconds, probe_targets, render, render_variant,
 )
 from tests.helpers.stack_streams import greedy_request, record_stream
 
