@@ -60,6 +60,7 @@ def _validate(path: Path, version: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a kubernetes-validate process per overlay and version, a few seconds each
 @each_overlay
 @pytest.mark.parametrize("version", [KUBERNETES_VERSION, NEWEST_VERSION])
 def test_overlay_validates_strict(rendered, overlay, version, tmp_path):
@@ -74,6 +75,7 @@ def test_overlay_validates_strict(rendered, overlay, version, tmp_path):
     assert passed == sum(1 for d in rendered[overlay] if d["kind"] not in CRD_KINDS)
 
 
+@pytest.mark.slow
 def test_validation_catches_an_unknown_field(rendered, tmp_path):
     """The validator is strict: a field Kubernetes does not know fails (so the pass above means something)."""
     docs = copy.deepcopy(rendered["cpu"])
