@@ -106,6 +106,11 @@ class Launcher:
         return ClientTLS(str(certs.ca), str(certs.client_cert), str(certs.client_key)) if certs else None
 
     # ------------------------------------------------------------------ start
+    def command(self, name: str, port: int = 0) -> list[str]:
+        """The command line the launcher runs service ``name`` (executor-1, say) with on ``port``;
+        the scheduler's names its backends, so the stack must have been laid out (``start``)."""
+        return self._command(ServiceProcess(name, [], port, self._state_dir / f"{name}.port", None))
+
     def _command(self, svc: ServiceProcess) -> list[str]:
         c = self.config
         name = svc.kind

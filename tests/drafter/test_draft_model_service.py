@@ -157,12 +157,13 @@ async def test_the_launcher_passes_drafter_flags_and_the_target(stories_dir) -> 
 
     launcher = Launcher(LaunchConfig(model=str(stories_dir), drafter_args=[
         "--method=draft_model", f"--draft-model={stories_dir}", "--draft-layers=2"]))
-    command = launcher._command("drafter", 0)
+    command = launcher.command("drafter")
     assert command[1:3] == ["-m", "services.drafter"]
     config = parse_config(DrafterConfig, command[3:], env={})
     assert (config.method, config.draft_model, config.draft_layers, config.target_model) == (
         DraftMethod.DRAFT_MODEL, str(stories_dir), 2, str(stories_dir))
     config.validate()
     # An n-gram drafter is told the target too and ignores it.
-    plain = parse_config(DrafterConfig, Launcher(LaunchConfig(model=str(stories_dir)))._command("drafter", 0)[3:], env={})
+    plain = parse_config(DrafterConfig, Launcher(LaunchConfig(model=str(stories_dir))).command("drafter")[3:],
+                         env={})
     assert plain.method is DraftMethod.NGRAM and plain.target_model == str(stories_dir)
