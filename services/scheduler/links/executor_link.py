@@ -61,16 +61,21 @@ class ExecutorLink:
     async def connect(self, timeout: float) -> ExecutorInfo:
         await self.close()
         self._channel = create_channel(self.address, tls=self.tls, options=BACKEND_CHANNEL_OPTIONS)
+        deadline = asyncio.get_running_loop().time() + timeout
         await wait_ready(self._channel, self.address, timeout)
         stub = executor_pb2_grpc.ExecutorStub(self._channel)
-        try:
-            self.info = executor_info_from_proto(await stub.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(),
-                                                                            timeout=timeout))
-        except grpc.RpcError as exc:
-            raise UnavailableError(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from None
+        while True:
+            try:
+                self.info = executor_info_from_proto(await stub.GetExecutorInfo(
+                    executor_pb2.GetExecutorInfoRequest(), timeout=timeout))
+                break
+            except grpc.RpcError as exc:
+                # UNAVAILABLE while it still loads its model (it binds its port first): wait for it.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+                    raise UnavailableError(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from None
+                await asyncio.sleep(0.2)
         # The executor notices a previous session's end asynchronously and refuses a second
         # concurrent session (FAILED_PRECONDITION); an empty step confirms this one is live.
-        deadline = asyncio.get_running_loop().time() + timeout
         while True:
             self._call = stub.Step()
             self._awaiting.clear()  # a failed attempt's handshake
