@@ -22,6 +22,7 @@ import torch
 from benchmarks.machine import cpu_model_name
 from services.common.service_config import REPO_ROOT
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.step_inputs import pack_step_inputs
 
@@ -61,11 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     runner = ModelRunner(ExecutorConfig(model=args.model, dtype="fp32", device="cpu", attention_backend="cpu",
-                                        block_size=BLOCK_SIZE, num_blocks=256))
-    fused = runner.fused_decode
+                                        block_size=BLOCK_SIZE, num_blocks=256,
+                                        fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=max(args.sizes) + 7)))
+    fused = next((path.fused for path in runner.paths if path.name == "fused_decode"), None)
     if fused is None:
         raise SystemExit(f"{args.model}: the fused CPU step does not take this model (see the executor's log line)")
-    fused.max_step_tokens = max(args.sizes) + 7
     caches = runner.kv_cache.layers
     print(f"{args.model}, {args.threads} thread(s), {cpu_model_name()}; median of {args.rounds} rounds, ms")
     print(f"{'step':<28} {'fused':>8} {'eager':>8} {'fused/eager':>12}")

@@ -360,6 +360,7 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
         from services.common.sampling_params import SamplingParams
         from services.common.step import NewSequence, RunningSequence, StepPlan
         from services.executor.config import ExecutorConfig
+        from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
         from services.executor.model_runner import ModelRunner
     except Exception as error:  # the engine API is still moving; say so and carry on
         report.note(f"skipped: the engine API is not importable here ({type(error).__name__}: {error})")
@@ -383,17 +384,20 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
             blocks_per_seq = math.ceil(tokens_per_seq / 16)
             runner = ModelRunner(ExecutorConfig(
                 model=model_dir, dtype=shapes.e2e_dtype, device=str(device), attention_backend=backend,
-                block_size=16, num_blocks=max_batch * blocks_per_seq + 1, enforce_eager=eager,
-                cuda_graph_max_batch_size=max_batch, max_model_len=tokens_per_seq + 16,
+                block_size=16, num_blocks=max_batch * blocks_per_seq + 1, max_model_len=tokens_per_seq + 16,
+                decode_graphs=DecodeGraphSettings(enforce_eager=eager, cuda_graph_max_batch_size=max_batch),
             ))
-            if not eager and runner.decode_graphs is None:
+            graphs = any(path.name == "decode_graphs" for path in runner.paths)
+            if not eager and not graphs:
                 label += " (no graphs: eager on this device)"
-            if runner.decode_graphs is not None:
+            if graphs:
                 from services.executor.warmup import warm_up
 
-                capture = warm_up(runner)
-                report.note(f"{label}: warm-up {capture.seconds:.1f} s, of which capturing "
-                            f"{len(capture.graph_batch_sizes)} decode graphs {capture.graph_seconds:.1f} s")
+                warmed = warm_up(runner)
+                captured = warmed.path_facts
+                report.note(f"{label}: warm-up {warmed.seconds:.1f} s, of which capturing "
+                            f"{len(captured.get('graph_batch_sizes', []))} decode graphs "
+                            f"{captured.get('graph_seconds', 0.0):.1f} s")
             step_id = 0
             for batch in shapes.e2e_batches:
                 if time.perf_counter() > deadline:

@@ -23,6 +23,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
 from services.executor import warmup
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
 from services.stack.client import build_request
@@ -41,7 +42,8 @@ class InProcess:
                  multi_step_max_delay_ms: float = SchedulerLimits().multi_step_max_delay_ms) -> None:
         o = replace(ENGINE_OPTIONS, kv_cache_bytes=kv_cache_bytes)
         executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=o.attention_backend,
-                                  block_size=o.block_size, kv_cache_bytes=o.kv_cache_bytes, compile=compile)
+                                  block_size=o.block_size, kv_cache_bytes=o.kv_cache_bytes,
+                                  compiled_decode=CompiledDecodeSettings(compile=compile))
         limits = replace(o.limits(), num_scheduler_steps=num_scheduler_steps,
                          multi_step_max_delay_ms=multi_step_max_delay_ms)
         self.engine = Engine(EngineConfig(executor, limits))

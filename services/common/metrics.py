@@ -406,17 +406,6 @@ def executor_step_histogram(registry: CollectorRegistry = REGISTRY) -> Histogram
         buckets=STEP_LATENCY_BUCKETS, registry=registry))
 
 
-def timed_execute(execute: Callable[[Any], Any], histogram: Histogram) -> Callable[[Any], Any]:
-    """Wrap ModelRunner.execute so each call is observed into ``histogram``."""
-    def wrapper(plan):
-        start = time.perf_counter()
-        try:
-            return execute(plan)
-        finally:
-            histogram.observe(time.perf_counter() - start)
-    return wrapper
-
-
 # ---------------------------------------------------------------------------- reading /metrics
 def parse_samples(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {'name{labels}': value}; for tests and the benchmark."""

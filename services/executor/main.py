@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from services.common.metrics import executor_step_histogram, timed_execute
+from services.common.metrics import executor_step_histogram
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
@@ -29,10 +29,12 @@ _log = structlog.get_logger("tokenmill.executor")
 
 async def serve(config: ExecutorServiceConfig) -> RunningServer:
     """Start the server, load the model, then report SERVING; returns the running server."""
-    engine_config = config.executor_config()
-    engine_config.validate()  # bad flags fail before anything is bound or loaded
+    config.validate()  # bad flags fail before anything is bound or loaded
+    loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-    servicer = ExecutorServicer(worker)
+    loaded: asyncio.Future[ModelRunner] = loop.create_future()
+    observe_step = executor_step_histogram().observe if config.metrics_port >= 0 else None
+    servicer = ExecutorServicer(worker, loaded, observe_step)
     try:
         running = await start_service(config, "executor", registrar(
             servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, executor_pb2, "Executor"))
@@ -41,27 +43,23 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         raise
     running.on_stop(lambda: asyncio.to_thread(worker.shutdown, True))
     caches = compile_cache_dirs()  # before anything compiles: a restart reuses the kernels
-    loop = asyncio.get_running_loop()
     try:
-        runner = await loop.run_in_executor(worker, ModelRunner, engine_config)
+        runner = await loop.run_in_executor(worker, ModelRunner, config.executor)
         if config.skip_warmup:
             _log.info("warmup_skipped")
         else:
             report = await loop.run_in_executor(worker, warm_up, runner)
             _log.info("warmup_done", seconds=round(report.seconds, 3), steps=report.steps,
-                      kernel_launches=report.kernel_launches, graph_seconds=round(report.graph_seconds, 3),
-                      graph_batch_sizes=list(report.graph_batch_sizes), **{k.lower(): v for k, v in caches.items()})
+                      kernel_launches=report.kernel_launches, **report.path_facts,
+                      **{k.lower(): v for k, v in caches.items()})
     except BaseException:
         await running.stop(grace=0)
         raise
-    if config.metrics_port >= 0:
-        runner.execute = timed_execute(runner.execute, executor_step_histogram())
-    servicer.attach(runner)
-    running.model_runner = runner  # for in-process tests
+    loaded.set_result(runner)
     info = runner.info()
     _log.info("model_loaded", model=info.model, device=info.device, dtype=info.dtype,
-              attention_backend=info.attention_backend, num_blocks=info.num_blocks,
-              block_size=info.block_size, max_model_len=info.max_model_len)
+              attention_backend=info.attention_backend, forward_paths=[path.name for path in runner.paths],
+              num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len)
     await announce_serving(running, config)
     return running
 

@@ -23,7 +23,8 @@ the token step N samples). Results go back in the same order.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -56,31 +57,32 @@ class StepRunner(Protocol):
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Serves one runner; `worker` must be a single-thread executor, the only thread touching it."""
+    """Serves one runner; `worker` must be a single-thread executor, the only thread touching it.
 
-    def __init__(self, worker: Executor, runner: StepRunner | None = None) -> None:
+    ``runner`` resolves once the model has loaded and warmed up: the server binds before that,
+    and answers UNAVAILABLE until then. ``observe_step``, when given, receives each step's
+    compute time in seconds (the executor's step histogram)."""
+
+    def __init__(self, worker: Executor, runner: asyncio.Future[StepRunner],
+                 observe_step: Callable[[float], None] | None = None) -> None:
         self._worker = worker
-        self._runner: StepRunner | None = None
+        self._runner = runner
+        self._observe_step = observe_step
         self._info: executor_pb2.ExecutorInfo | None = None
         self._active_session: int | None = None
         self._sessions_started = 0
-        if runner is not None:
-            self.attach(runner)
-
-    def attach(self, runner: StepRunner) -> None:
-        """Start serving `runner` (the server binds before the model finished loading)."""
-        self._runner = runner
-        self._info = executor_info_to_proto(runner.info())
 
     def _require_runner(self) -> StepRunner:
-        if self._runner is None:
+        if not self._runner.done():
             raise UnavailableError("the executor is still loading its model; retry once health reports SERVING")
-        return self._runner
+        return self._runner.result()
 
     async def GetExecutorInfo(
         self, request: executor_pb2.GetExecutorInfoRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ExecutorInfo:
-        self._require_runner()
+        runner = self._require_runner()
+        if self._info is None:
+            self._info = executor_info_to_proto(runner.info())
         return self._info
 
     async def Step(
@@ -137,11 +139,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     done.set_result(StepResult(plan.step_id))
                     steps.put_nowait((done, False))
                     continue
-                steps.put_nowait((loop.run_in_executor(self._worker, runner.execute, plan), True))
+                steps.put_nowait((loop.run_in_executor(self._worker, self._execute, runner, plan), True))
         except Exception as exc:  # noqa: BLE001 - a plan that does not decode, a broken stream
             steps.put_nowait(exc)
             return
         steps.put_nowait(None)
+
+    def _execute(self, runner: StepRunner, plan: StepPlan) -> StepResult:
+        """One step, in the worker thread; timed when there is a histogram to observe."""
+        if self._observe_step is None:
+            return runner.execute(plan)
+        start = time.perf_counter()
+        try:
+            return runner.execute(plan)
+        finally:
+            self._observe_step(time.perf_counter() - start)
 
     def _end_session(self, session: int) -> None:
         """Forget every sequence of `session`, once, in the worker thread after its last step."""
@@ -149,6 +161,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             return
         self._active_session = None
         try:
-            self._worker.submit(self._runner.sequences.clear)
+            self._worker.submit(self._runner.result().sequences.clear)
         except RuntimeError:
             pass  # the worker was shut down with the server; the state goes with the process

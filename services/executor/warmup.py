@@ -26,7 +26,8 @@ are the shape classes of the compiled decode step):
 
 Then the attention backend may launch the kernel buckets the steps cannot reach cheaply
 (``warm_up`` of the Triton backend: every split-K partition bucket and prefill tile size), and
-on CUDA the decode CUDA graphs are captured, one per batch-size bucket (decode_graphs.py).
+each forward path runs its own warm-up (the decode graphs are captured there, one per
+batch-size bucket: services/executor/forward_paths/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.model_runner import ModelRunner
-from services.runtime.sampling.sampler import Sampler
 
 SHORT_PROMPT_LEN = 4
 GREEDY = SamplingParams(temperature=0.0)
@@ -55,10 +56,9 @@ class WarmupReport:
     """ModelRunner steps run (the forgetting step included)."""
     kernel_launches: int
     """Launches by the attention backend's own warm-up (0 where it has none)."""
-    graph_seconds: float = 0.0
-    """Time spent capturing the decode CUDA graphs (0 when none are used)."""
-    graph_batch_sizes: tuple[int, ...] = ()
-    """The decode batch sizes captured as CUDA graphs."""
+    path_facts: dict[str, Any] = field(default_factory=dict)
+    """What the forward paths' own warm-ups report, as log fields (the decode graphs:
+    ``graph_seconds``, ``graph_batch_sizes``)."""
 
 
 def compile_cache_dirs(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -147,19 +147,17 @@ def warm_up(runner: ModelRunner) -> WarmupReport:
     finally:
         runner.execute(StepPlan(plans.next_step, finished_seq_ids=list(plans.lengths)))
         steps += 1
-        runner.sampler = Sampler(seed=runner.config.seed)
+        runner.sampler.reset()
     launches = 0
     backend_warm_up = getattr(runner.backend, "warm_up", None)
     if backend_warm_up is not None:
         k_cache, v_cache = runner.kv_cache.layers[0]
         launches = backend_warm_up(k_cache, v_cache, runner.model_config.num_heads, runner.max_model_len,
                                    dtype=runner.dtype)
-    graph_seconds, graph_sizes = 0.0, ()
-    if runner.decode_graphs is not None:
-        # After the eager steps: every kernel the graphs record is compiled by now, and the
-        # capture's own first launch (outside the graph) finds them in the cache.
-        capture = runner.decode_graphs.capture()
-        if capture.captured:
-            graph_seconds, graph_sizes = capture.seconds, capture.batch_sizes
+    path_facts: dict[str, Any] = {}
+    for path in runner.paths:
+        # After the eager steps: every kernel a decode graph records is compiled by now, and
+        # the capture's own first launch (outside the graph) finds it in the cache.
+        path_facts.update(path.warm_up())
     return WarmupReport(seconds=time.perf_counter() - start, steps=steps, kernel_launches=launches,
-                        graph_seconds=graph_seconds, graph_batch_sizes=graph_sizes)
+                        path_facts=path_facts)

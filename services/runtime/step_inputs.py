@@ -2,7 +2,8 @@
 
 The executor's model runner and the drafter's draft model build the same inputs: int64
 [input ids | positions | slots] and int32 [context lens | query starts | block table], every
-tensor the model reads a view into one of the two.
+tensor the model reads a view into one of the two. Both describe a step as rows (``pack_rows``):
+a sequence's new tokens, the position of the first, and its block table.
 """
 
 from __future__ import annotations
@@ -13,6 +14,32 @@ from itertools import accumulate
 import torch
 
 from services.runtime.model.attention.base import AttentionMetadata
+
+
+def pack_rows(
+    rows: Sequence[tuple[Sequence[int], int, list[int]]], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """``pack_step_inputs`` of rows (tokens, position of the first, block ids): each row's
+    tokens take the positions from there on, and their slots through its block table."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    bs = block_size
+    for tokens, start, blocks in rows:
+        n = len(tokens)
+        input_ids += tokens
+        if n == 1:  # a decode row: scalars, no ranges
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+        else:
+            positions += range(start, start + n)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        query_lens.append(n)
+        context_lens.append(start + n)
+    return pack_step_inputs(input_ids, positions, slots, query_lens, context_lens,
+                            [blocks for _, _, blocks in rows], block_size, device)
 
 
 def pack_step_inputs(

@@ -13,6 +13,7 @@ from services.cli.up import parse_up_config, executor_args
 from services.common.sampling_params import SamplingParams
 from services.scheduler.request.stop import StopConditions
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
 from services.inprocess.engine import Engine, EngineConfig
 from tests.conftest import REPO_ROOT
 from tests.helpers.engine_runs import generate_all
@@ -22,7 +23,7 @@ def test_config_names_the_allowed_values():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, got 'int4'"):
         ExecutorConfig(model="m", kv_cache_dtype="int4").validate()
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs compile off"):
-        ExecutorConfig(model="m", kv_cache_dtype="int8", compile=True).validate()
+        ExecutorConfig(model="m", kv_cache_dtype="int8", compiled_decode=CompiledDecodeSettings(compile=True)).validate()
     ExecutorConfig(model="m", kv_cache_dtype="fp8_e4m3").validate()
 
 

@@ -19,6 +19,7 @@ from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.draft_model import DraftModelProposer
 from services.drafter.proposer import DraftMethod, ProposerInfo
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
 from services.inprocess.engine import Engine, EngineConfig
 from tests.helpers.engine_runs import generate_all
 
@@ -234,5 +235,6 @@ def test_on_cuda_the_full_depth_draft_equals_the_targets_greedy_continuation(sto
     for seq_id, prompt in enumerate(prompts):
         session.open(seq_id, prompt)
     cuda_target = Engine(EngineConfig(ExecutorConfig(model=str(stories_dir), dtype="float32", device="cuda",
-                                                     num_blocks=256, enforce_eager=True)))
+                                                     num_blocks=256,
+                                                     decode_graphs=DecodeGraphSettings(enforce_eager=True))))
     assert session.propose_batch(list(range(len(prompts)))) == target_greedy(cuda_target, prompts)

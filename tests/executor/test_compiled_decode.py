@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.executor.warmup import warm_up
 from tests.conftest import STORIES_DIR
@@ -25,7 +26,7 @@ def make_runner(**overrides) -> ModelRunner:
 
 
 def test_compiled_decode_gives_the_eager_tokens_and_never_recompiles_after_warm_up():
-    compiled = make_runner(compile=True)
+    compiled = make_runner(compiled_decode=CompiledDecodeSettings(compile=True))
     warm_up(compiled)
     with torch.compiler.set_stance("fail_on_recompile"):
         got = run_requests(compiled)
@@ -35,4 +36,5 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_recompiles_after_warm_
 
 def test_compile_is_refused_off_the_cpu_backend():
     with pytest.raises(ValueError, match="compile runs on the CPU with the cpu attention backend"):
-        ExecutorConfig(model=str(STORIES_DIR), attention_backend="torch", compile=True).validate()
+        ExecutorConfig(model=str(STORIES_DIR), attention_backend="torch",
+                       compiled_decode=CompiledDecodeSettings(compile=True)).validate()

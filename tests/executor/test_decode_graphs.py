@@ -11,11 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sampling_params import SamplingParams
+from services.common.step import NewSequence, StepPlan
 from services.executor.config import ExecutorConfig
-from services.executor.decode_graphs import bucket_for, graph_batch_sizes
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
 from services.executor.model_runner import ModelRunner
+from services.runtime.model.decode_graphs import bucket_for, graph_batch_sizes
 from tests.conftest import STORIES_DIR
+from tests.helpers.forward_paths import decode_graphs
 from tests.helpers.scripted_requests import run_requests
+
+PADDED = DecodeGraphSettings(padded_decode_on_cpu=True)
 
 BLOCK_SIZE = 16
 # Up to ten sequences at once: decode batches of 3, 5, 6, 7, 9 and 10 pad to buckets 4, 8 and
@@ -45,23 +52,24 @@ def test_buckets_are_powers_of_two_to_eight_then_steps_of_eight_up_to_the_cap():
 @pytest.mark.parametrize("backend,kv_cache_dtype", [("cpu", "auto"), ("torch", "auto"), ("cpu", "int8")])
 def test_padded_decode_gives_the_plain_runners_tokens(backend, kv_cache_dtype):
     plain = run_requests(make_runner(attention_backend=backend, kv_cache_dtype=kv_cache_dtype), WIDE_REQUESTS)
-    padded_runner = make_runner(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, padded_decode_on_cpu=True,
-                                cuda_graph_max_batch_size=8)
-    assert padded_runner.decode_graphs is not None
-    assert padded_runner.decode_graphs.batch_sizes == [1, 2, 4, 8]
+    padded_runner = make_runner(attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+                                decode_graphs=DecodeGraphSettings(padded_decode_on_cpu=True,
+                                                                  cuda_graph_max_batch_size=8))
+    assert decode_graphs(padded_runner) is not None
+    assert decode_graphs(padded_runner).batch_sizes == [1, 2, 4, 8]
     assert run_requests(padded_runner, WIDE_REQUESTS) == plain
     assert padded_runner.sequences == {}
 
 
 def test_the_scratch_block_is_reserved_and_padding_writes_nowhere_else():
-    runner = make_runner(padded_decode_on_cpu=True)
+    runner = make_runner(decode_graphs=PADDED)
     plain = make_runner()
     # One block more in the pool than the scheduler is told about: the padding rows' block.
     assert runner.info().num_blocks == plain.info().num_blocks == 96
     assert runner.kv_cache.num_blocks == 97 and plain.kv_cache.num_blocks == 96
-    assert runner.decode_graphs.scratch_block == 96
+    assert decode_graphs(runner).scratch_block == 96
     with pytest.raises(ValueError, match="block id 96 is outside the KV pool of 96 blocks"):
-        runner._check_block_ids(0, [96])
+        runner.execute(StepPlan(0, new=[NewSequence(0, [1, 2], 2, 0, 2, [96], SamplingParams(temperature=0.0))]))
     for layer in runner.kv_cache.layers:
         for cache in layer:
             cache.fill_(7.0)
@@ -76,8 +84,7 @@ def test_the_scratch_block_is_reserved_and_padding_writes_nowhere_else():
 
 
 def test_prefill_and_mixed_steps_run_eagerly_beside_padded_decode():
-    runner = make_runner(padded_decode_on_cpu=True)
-    graphs = runner.decode_graphs
+    graphs = decode_graphs(make_runner(decode_graphs=PADDED))
     assert graphs.takes(3, [1, 1, 1], max_blocks=2)
     assert not graphs.takes(2, [1, 5], max_blocks=2), "a mixed step is not a decode step"
     assert not graphs.takes(129, [1] * 129, max_blocks=1), "beyond the largest bucket runs eagerly"
@@ -85,7 +92,9 @@ def test_prefill_and_mixed_steps_run_eagerly_beside_padded_decode():
 
 
 def test_padded_decode_is_off_unless_asked_and_never_with_compile():
-    assert make_runner().decode_graphs is None
-    assert make_runner(padded_decode_on_cpu=True, compile=True).decode_graphs is None
+    assert decode_graphs(make_runner()) is None
+    compiled = make_runner(decode_graphs=PADDED, compiled_decode=CompiledDecodeSettings(compile=True))
+    assert decode_graphs(compiled) is None
     with pytest.raises(ValueError, match="cuda_graph_max_batch_size must be >= 1"):
-        ExecutorConfig(model=str(STORIES_DIR), cuda_graph_max_batch_size=0).validate()
+        ExecutorConfig(model=str(STORIES_DIR),
+                       decode_graphs=DecodeGraphSettings(cuda_graph_max_batch_size=0)).validate()

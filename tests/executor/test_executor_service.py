@@ -18,10 +18,13 @@ from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.server import RunningServer, create_channel, start_server
 from services.common.service_config import read_port_file
-from services.common.settings import parse_config
+from services.common.settings import parse_config, to_argv
 from services.common.step import NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.main import serve
 from services.common.step import ExecutorInfo
 from services.executor.model_runner import ModelRunner
@@ -45,10 +48,9 @@ EOS = 2
 MAX_NEW_TOKENS = 30
 
 
-def service_config(**overrides) -> ExecutorServiceConfig:
-    values = dict(port=0, model=str(STORIES_DIR), dtype="fp32", device="cpu", attention_backend="torch",
-                  block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
-    return ExecutorServiceConfig(**{**values, **overrides})
+def engine_config() -> ExecutorConfig:
+    return ExecutorConfig(model=str(STORIES_DIR), dtype="fp32", device="cpu", attention_backend="torch",
+                          block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def tokenizer() -> TextTokenizer:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def server(tmp_path_factory) -> AsyncIterator[RunningServer]:
     port_file = tmp_path_factory.mktemp("executor") / "executor.port"
-    running = await serve(service_config(port_file=str(port_file)))
+    running = await serve(ExecutorServiceConfig(port=0, port_file=str(port_file), executor=engine_config()))
     assert read_port_file(port_file) == running.port
     yield running
     await running.stop(grace=0)
@@ -73,7 +75,7 @@ async def stub(server: RunningServer) -> AsyncIterator[executor_pb2_grpc.Executo
 
 
 def reference_runner() -> ModelRunner:
-    return ModelRunner(service_config().executor_config())
+    return ModelRunner(engine_config())
 
 
 # --- a hand-made scheduler ---------------------------------------------------------------------
@@ -311,7 +313,10 @@ class BlockingRunner:
 async def test_info_and_health_answer_while_a_step_runs() -> None:
     worker = ThreadPoolExecutor(max_workers=1)
     runner = BlockingRunner()
-    loading = ExecutorServicer(worker)  # no runner attached yet: still loading its model
+    loop = asyncio.get_running_loop()
+    loading = ExecutorServicer(worker, loop.create_future())  # never resolved: still loading its model
+    loaded = loop.create_future()
+    loaded.set_result(runner)
 
     def add(servicer: ExecutorServicer):
         def register(server: grpc.aio.Server) -> list[str]:
@@ -319,7 +324,7 @@ async def test_info_and_health_answer_while_a_step_runs() -> None:
             return [SERVICE]
         return register
 
-    running = await start_server("executor", add(ExecutorServicer(worker, runner)), port=0)
+    running = await start_server("executor", add(ExecutorServicer(worker, loaded)), port=0)
     still_loading = await start_server("executor", add(loading), port=0)
     try:
         async with create_channel(running.address) as channel, create_channel(still_loading.address) as other:
@@ -353,5 +358,19 @@ async def test_service_config_carries_every_engine_field() -> None:
         env={"TOKENMILL_EXECUTOR_DTYPE": "bf16", "TOKENMILL_MODEL": "/models/x", "TOKENMILL_EXECUTOR_SEED": "3"},
     )
     assert config.port == 0
-    assert config.executor_config() == ExecutorConfig(model="/models/x", dtype="bf16", num_blocks=8, seed=3)
-    assert parse_config(ExecutorServiceConfig, [], env={}).executor_config() == ExecutorConfig(model=str(STORIES_DIR))
+    assert config.executor == ExecutorConfig(model="/models/x", dtype="bf16", num_blocks=8, seed=3)
+    assert parse_config(ExecutorServiceConfig, [], env={}).executor == ExecutorConfig(model=str(STORIES_DIR))
+
+
+async def test_forward_path_flags_keep_their_names_and_variables() -> None:
+    argv = ["--compile", "--cuda-graph-max-batch-size", "8", "--cpu-fused-max-tokens", "0"]
+    env = {"TOKENMILL_EXECUTOR_CPU_DECODE": "eager", "TOKENMILL_EXECUTOR_PADDED_DECODE_ON_CPU": "1",
+           "TOKENMILL_EXECUTOR_ENFORCE_EAGER": "true"}
+    config = parse_config(ExecutorServiceConfig, argv, env=env).executor
+    assert config.compiled_decode == CompiledDecodeSettings(compile=True)
+    assert config.decode_graphs == DecodeGraphSettings(enforce_eager=True, cuda_graph_max_batch_size=8,
+                                                       padded_decode_on_cpu=True)
+    assert config.fused_decode == FusedDecodeSettings(cpu_decode="eager", cpu_fused_max_tokens=0)
+    # A launcher hands the settings to a child process as the same flags.
+    service = ExecutorServiceConfig(executor=config)
+    assert parse_config(ExecutorServiceConfig, to_argv(service, only_changed=False), env={}) == service

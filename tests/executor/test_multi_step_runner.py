@@ -10,6 +10,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from tests.conftest import STORIES_DIR
 
@@ -22,7 +23,8 @@ NUM_TOKENS = 13
 
 def make_runner(cpu_decode: str) -> ModelRunner:
     return ModelRunner(ExecutorConfig(model=str(STORIES_DIR), dtype="fp32", device="cpu", attention_backend="cpu",
-                                      block_size=BLOCK_SIZE, num_blocks=64, seed=5, cpu_decode=cpu_decode))
+                                      block_size=BLOCK_SIZE, num_blocks=64, seed=5,
+                                      fused_decode=FusedDecodeSettings(cpu_decode=cpu_decode)))
 
 
 def start(runner: ModelRunner) -> dict[int, tuple[list[int], list]]:

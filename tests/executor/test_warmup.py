@@ -66,8 +66,8 @@ def test_warm_up_refuses_a_runner_that_holds_sequences():
 
 @pytest.mark.parametrize("skip", [False, True])
 async def test_executor_logs_its_warm_up_before_serving(skip):
-    config = ExecutorServiceConfig(port=0, model=str(STORIES_DIR), dtype="fp32", device="cpu", num_blocks=64,
-                                   skip_warmup=skip)
+    config = ExecutorServiceConfig(port=0, skip_warmup=skip, executor=ExecutorConfig(
+        model=str(STORIES_DIR), dtype="fp32", device="cpu", num_blocks=64))
     with structlog.testing.capture_logs() as logs:
         running = await serve(config)
     await running.stop(grace=0)

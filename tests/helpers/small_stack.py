@@ -12,7 +12,7 @@ import grpc
 
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
@@ -52,8 +52,8 @@ class SmallStack:
 
 async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, **scheduler_overrides) -> SmallStack:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(STORIES_DIR)))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=str(STORIES_DIR), block_size=block_size,
-                                                          num_blocks=num_blocks, skip_warmup=True, **ENGINE_FLAGS))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
+        model=str(STORIES_DIR), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **scheduler_overrides))

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
@@ -47,8 +47,8 @@ async def stack(tmp_path_factory) -> AsyncIterator[AuthStack]:
     tokens_file.write_text(json.dumps(TENANTS))
     model = str(STORIES_DIR)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=64, dtype="fp32",
-                                                          device="cpu", attention_backend="torch"))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
+        model=model, num_blocks=64, dtype="fp32", device="cpu", attention_backend="torch")))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=str(tokens_file), metrics_port=0))

@@ -21,7 +21,7 @@ import torch
 
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core.config import SchedulerLimits
@@ -46,9 +46,8 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple]:
     executor = scheduler = None
     try:
         port = await wait_for_port_file(port_file, tokenizer, timeout=60)
-        executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, dtype="fp32", device="cpu",
-                                                              attention_backend="torch", num_blocks=128,
-                                                              skip_warmup=True))
+        executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
+            model=MODEL, dtype="fp32", device="cpu", attention_backend="torch", num_blocks=128)))
         # One token per step (no multi-step bursts): the catch-up is told apart by counting
         # steps against round trips.
         scheduler = await serve_scheduler(SchedulerServiceConfig(

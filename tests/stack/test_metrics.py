@@ -19,7 +19,7 @@ from services.stack.client import build_request
 from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
@@ -48,9 +48,8 @@ async def scrape(port: int, query: str = "") -> dict[str, float]:
 async def stack() -> AsyncIterator[dict]:
     model = str(STORIES_DIR)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model, metrics_port=0))
-    executor = await serve_executor(ExecutorServiceConfig(
-        port=0, model=model, dtype="fp32", device="cpu", attention_backend="torch", block_size=8, num_blocks=128,
-        metrics_port=0))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, metrics_port=0, executor=ExecutorConfig(
+        model=model, dtype="fp32", device="cpu", attention_backend="torch", block_size=8, num_blocks=128)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), metrics_port=0,
         profile_window_s=60.0))

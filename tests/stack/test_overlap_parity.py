@@ -25,11 +25,14 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import pytest_asyncio
+import structlog
 import torch
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core.config import SchedulerLimits
@@ -76,15 +79,19 @@ async def stacks(one_torch_thread) -> AsyncIterator[dict[bool, Stack]]:
         overlap, steps = name != "off", SchedulerLimits().num_scheduler_steps if name == "multi-step" else 1
         # The overlapped stack's executor also runs decode steps through the CUDA-graph path's
         # padded buffers (what a GPU replays), so "every switch on" is held to "every switch off".
-        executor = await serve_executor(ExecutorServiceConfig(
-            port=0, model=MODEL, block_size=16, num_blocks=NUM_BLOCKS, padded_decode_on_cpu=name == "overlap",
-            **{**ENGINE_FLAGS, **({"attention_backend": "cpu", "cpu_decode": "fused"} if steps > 1 else {})}))
+        multi_step = {"attention_backend": "cpu", "fused_decode": FusedDecodeSettings(cpu_decode="fused")}
+        with structlog.testing.capture_logs() as logs:
+            executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
+                model=MODEL, block_size=16, num_blocks=NUM_BLOCKS,
+                decode_graphs=DecodeGraphSettings(padded_decode_on_cpu=name == "overlap"),
+                **{**ENGINE_FLAGS, **(multi_step if steps > 1 else {})})))
+        (loaded,) = [entry for entry in logs if entry["event"] == "model_loaded"]
+        expected_paths = {"overlap": ["decode_graphs", "eager"], "multi-step": ["fused_decode", "eager"]}
+        assert loaded["forward_paths"] == expected_paths.get(name, ["eager"])
         scheduler = await serve_scheduler(SchedulerServiceConfig(
             port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,),
             connect_timeout_s=10, limits=SchedulerLimits(overlap_scheduling=overlap, num_scheduler_steps=steps)))
         assert scheduler.app.core.scheduler.config.limits.overlap_scheduling is overlap
-        assert (executor.model_runner.decode_graphs is not None) is (name == "overlap")
-        assert (executor.model_runner.fused_decode is not None) is (name == "multi-step")
         channel = create_channel(scheduler.address)
         stacks[name] = Stack(executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
     yield stacks

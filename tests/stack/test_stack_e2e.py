@@ -143,8 +143,8 @@ async def start_scheduler(executor: RunningServer, tokenizer: RunningServer, **o
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(one_torch_thread) -> AsyncIterator[Stack]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=BLOCK_SIZE,
-                                                          num_blocks=NUM_BLOCKS, **ENGINE_FLAGS))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
+        model=MODEL, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, **ENGINE_FLAGS)))
     scheduler = await start_scheduler(executor, tokenizer)
     async with create_channel(scheduler.address) as channel:
         yield Stack(tokenizer, executor, scheduler, generation_pb2_grpc.GenerationStub(channel), channel)
@@ -385,8 +385,8 @@ async def test_bad_request_is_invalid_argument_naming_the_field(stack, case) -> 
 async def test_full_waiting_queue_is_resource_exhausted(stack) -> None:
     # Its own executor (one scheduler session per executor) and a scheduler that runs one
     # request and lets one wait.
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, block_size=BLOCK_SIZE,
-                                                          num_blocks=64, **ENGINE_FLAGS))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
+        model=MODEL, block_size=BLOCK_SIZE, num_blocks=64, **ENGINE_FLAGS)))
     scheduler = await start_scheduler(executor, stack.tokenizer,
                                       limits=SchedulerLimits(max_num_seqs=1, max_waiting_requests=1))
     try:

@@ -21,7 +21,7 @@ from services.common.errors import UnavailableError
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from services.common.tls import ClientTLS
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
@@ -69,7 +69,8 @@ def client_tls(pki: DevCertificates) -> ClientTLS:
 
 async def start_stack(pki: DevCertificates | None) -> Stack:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **server_flags(pki)))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=MODEL, **EXECUTOR_FLAGS, **server_flags(pki)))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(model=MODEL, **EXECUTOR_FLAGS),
+                                                          **server_flags(pki)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **server_flags(pki), **(backend_flags(pki) if pki else {})))

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from services.common.server import create_channel
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
@@ -42,8 +42,8 @@ def one_torch_thread():
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack():
     tokenizers = [await serve_tokenizer(TokenizerConfig(port=0, model=str(STORIES_DIR))) for _ in range(2)]
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=str(STORIES_DIR), block_size=16,
-                                                          num_blocks=256, skip_warmup=True, **ENGINE_FLAGS))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
+        model=str(STORIES_DIR), block_size=16, num_blocks=256, **ENGINE_FLAGS)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=tuple(t.address for t in tokenizers),
         connect_timeout_s=10))

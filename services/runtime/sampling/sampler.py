@@ -113,6 +113,11 @@ class Sampler:
         # generator per row, without allocating one per row per step.
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
+    def reset(self) -> None:
+        """Start over as a new ``Sampler(seed)``: the next unseeded draws are a fresh one's."""
+        self._shared_generators.clear()
+        self._row_generators.clear()
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         _check_logits(logits, batch)
         flags = batch.flags

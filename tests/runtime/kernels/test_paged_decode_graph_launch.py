@@ -1,6 +1,6 @@
 """Paged decode launched the way a captured CUDA graph launches it.
 
-A decode graph fixes the host-side arguments at capture (services/executor/decode_graphs.py):
+A decode graph fixes the host-side arguments at capture (services/runtime/model/decode_graphs.py):
 ``max_context_len`` is the longest context the executor serves, so the partition size and count
 follow it, while the real contexts are far shorter and vary per replay; padding rows are
 one-token sequences in a scratch block. The kernel must give the reference's result anyway.

@@ -19,6 +19,7 @@ from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
 from tests.helpers.engine_runs import generate_all
+from tests.helpers.forward_paths import fused_decode
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 48
@@ -77,13 +78,14 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_mixed_batch(engine, prompts)
 
 
 def test_logprobs_are_bitwise_the_same_alone_and_in_a_batch(engine, prompts):
-    assert engine.runner.fused_decode is not None and engine.runner.fused_decode.computes_logits
+    fused = fused_decode(engine.runner)
+    assert fused is not None and fused.computes_logits
     with_logprobs = SamplingParams(temperature=0.8, top_p=0.9, seed=11, logprobs=3)
     alone = generate_all(engine, [prompts[5]], with_logprobs, STOP)[0]
     batch = [prompts[5], *prompts[:4]]
     # Every step within the fused call's limit: a step over it runs eagerly, whose sums round
     # differently in the last bits, so invariance holds per path, not across the limit.
-    assert sum(len(p) for p in batch) <= engine.runner.fused_decode.max_step_tokens
+    assert sum(len(p) for p in batch) <= fused.max_step_tokens
     together = generate_all(engine, batch, [with_logprobs] + [GREEDY] * 4, STOP)[0]
     assert together.token_ids == alone.token_ids
     values = [[(lp.logprob, lp.top_token_ids, lp.top_logprobs) for lp in run.logprobs] for run in (alone, together)]

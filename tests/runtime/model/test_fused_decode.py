@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.model.fused_decode import FusedDecode, why_not
 from services.runtime.step_inputs import pack_step_inputs
 from tests.conftest import STORIES_DIR
+from tests.helpers.forward_paths import fused_decode
 from tests.helpers.scripted_requests import run_requests
 
 BLOCK_SIZE = 16
@@ -82,13 +85,13 @@ def step_inputs(runner: ModelRunner, contexts: list[int], query_lens: list[int],
 @pytest.mark.parametrize("name", ["stories260K", "llama-gqa-8-2", "llama-mqa", "qwen2-bias"])
 def test_fused_step_equals_the_eager_forward(name, kv_cache_dtype, random_model_dirs):
     runner = make_runner(model_dir(name, random_model_dirs), kv_cache_dtype=kv_cache_dtype)
-    assert runner.fused_decode is not None
+    assert fused_decode(runner) is not None
     tables, (ids, positions, meta, _) = decode_inputs(runner, CONTEXTS, seed=1)
     fill_pool(runner, tables, CONTEXTS, seed=2)
     caches = runner.kv_cache.layers
     quantized = isinstance(caches[0][0], ScaledCache)
     with torch.inference_mode():
-        fused = runner.fused_decode(ids, positions, caches, meta)
+        fused = fused_decode(runner)(ids, positions, caches, meta)
         written = [tuple(step_rows(c, meta.slot_mapping) for c in layer) for layer in caches]
         eager = runner.model(ids, positions, caches, meta)
     assert fused.shape == eager.shape == (len(CONTEXTS), runner.model_config.hidden_size)
@@ -122,11 +125,11 @@ def test_a_step_with_prompt_tokens_equals_the_eager_forward(name, kv_cache_dtype
     runner = make_runner(model_dir(name, random_model_dirs), kv_cache_dtype=kv_cache_dtype)
     contexts, query_lens = [n for n, _ in MIXED], [q for _, q in MIXED]
     tables, (ids, positions, meta, _) = step_inputs(runner, contexts, query_lens, seed=5)
-    assert not meta.is_decode_only and runner.fused_decode.takes(meta)
+    assert not meta.is_decode_only and fused_decode(runner).takes(meta)
     fill_pool(runner, tables, contexts, seed=6)
     caches = runner.kv_cache.layers
     with torch.inference_mode():
-        fused = runner.fused_decode(ids, positions, caches, meta)
+        fused = fused_decode(runner)(ids, positions, caches, meta)
         eager = runner.model(ids, positions, caches, meta)
     assert fused.shape == eager.shape == (sum(query_lens), runner.model_config.hidden_size)
     assert torch.isfinite(fused).all()
@@ -136,15 +139,15 @@ def test_a_step_with_prompt_tokens_equals_the_eager_forward(name, kv_cache_dtype
 
 
 def test_steps_over_the_token_limit_run_eagerly():
-    runner = make_runner(STORIES_DIR, cpu_fused_max_tokens=16)
-    fused = runner.fused_decode
+    runner = make_runner(STORIES_DIR, fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=16))
+    fused = fused_decode(runner)
     assert fused.takes(step_inputs(runner, [16, 3], [15, 1], seed=0)[1][2])
     assert not fused.takes(step_inputs(runner, [16, 3], [16, 1], seed=0)[1][2])
     assert fused.takes(decode_inputs(runner, list(range(1, 40)), seed=0)[1][2]), "decode steps have no limit"
-    off = make_runner(STORIES_DIR, cpu_fused_max_tokens=0).fused_decode
+    off = fused_decode(make_runner(STORIES_DIR, fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=0)))
     assert not off.takes(step_inputs(runner, [2], [2], seed=0)[1][2])
     with pytest.raises(ValueError, match="cpu_fused_max_tokens must be >= 0"):
-        ExecutorConfig(model=str(STORIES_DIR), cpu_fused_max_tokens=-1).validate()
+        ExecutorConfig(model=str(STORIES_DIR), fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=-1)).validate()
 
 
 def step_rows(cache, slot_mapping: torch.Tensor):
@@ -164,11 +167,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            batch = runner.fused_decode(ids, positions, runner.kv_cache.layers, meta)
+            batch = fused_decode(runner)(ids, positions, runner.kv_cache.layers, meta)
             for row, n in enumerate(CONTEXTS):
                 one = pack_step_inputs([int(ids[row])], [n - 1], [int(meta.slot_mapping[row])], [1], [n],
                                        [tables[row]], BLOCK_SIZE, runner.device)
-                alone = runner.fused_decode(one[0], one[1], runner.kv_cache.layers, one[2])
+                alone = fused_decode(runner)(one[0], one[1], runner.kv_cache.layers, one[2])
                 assert torch.equal(alone[0], batch[row]), f"row {row} (context {n}) changed with the batch"
     finally:
         torch.set_num_threads(previous)
@@ -177,7 +180,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
 @pytest.mark.parametrize("name", ["stories260K", "llama-gqa-8-2", "qwen2-bias"])
 def test_logits_equal_the_models_lm_head(name, random_model_dirs):
     runner = make_runner(model_dir(name, random_model_dirs))
-    fused = runner.fused_decode
+    fused = fused_decode(runner)
     assert fused.computes_logits
     hidden = torch.randn(9, runner.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -193,10 +196,10 @@ def test_a_rows_logits_do_not_depend_on_its_batch(threads):
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            batch = runner.fused_decode.logits(hidden)
+            batch = fused_decode(runner).logits(hidden)
             for n in (1, 2, 3, 4, 5, 8, 17):
-                assert torch.equal(runner.fused_decode.logits(hidden[:n]), batch[:n]), f"{n} rows"
-            assert torch.equal(runner.fused_decode.logits(hidden[7:8])[0], batch[7])
+                assert torch.equal(fused_decode(runner).logits(hidden[:n]), batch[:n]), f"{n} rows"
+            assert torch.equal(fused_decode(runner).logits(hidden[7:8])[0], batch[7])
     finally:
         torch.set_num_threads(previous)
 
@@ -205,9 +208,10 @@ def test_a_rows_logits_do_not_depend_on_its_batch(threads):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_serving_gives_the_eager_runners_greedy_tokens(kv_cache_dtype, max_step_tokens):
     # The scripted prompts (1-40 tokens, arriving into decode steps) run fused or eagerly by size.
-    fused = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, cpu_fused_max_tokens=max_step_tokens)
-    eager = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, cpu_decode="eager")
-    assert fused.fused_decode is not None and eager.fused_decode is None
+    fused = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype,
+                        fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=max_step_tokens))
+    eager = make_runner(STORIES_DIR, kv_cache_dtype=kv_cache_dtype, fused_decode=FusedDecodeSettings(cpu_decode="eager"))
+    assert fused_decode(fused) is not None and fused_decode(eager) is None
     assert run_requests(fused) == run_requests(eager)
     assert fused.sequences == {}
 
@@ -218,34 +222,35 @@ def test_bad_step_inputs_are_errors_not_reads():
     ids, positions, meta, _ = pack_step_inputs([runner.model_config.vocab_size], [0], [0], [1], [1], [[0]],
                                                BLOCK_SIZE, runner.device)
     with pytest.raises(RuntimeError, match=r"input_ids\[0\] = 512 is outside the vocabulary of 512"):
-        runner.fused_decode(ids, positions, caches, meta)
+        fused_decode(runner)(ids, positions, caches, meta)
     ids, positions, meta, _ = pack_step_inputs([3], [0], [0], [1], [1], [[runner.num_usable_blocks]],
                                                BLOCK_SIZE, runner.device)
     with pytest.raises(ValueError, match="outside the pool"):
-        runner.fused_decode(ids, positions, caches, meta)
+        fused_decode(runner)(ids, positions, caches, meta)
     other = make_runner(STORIES_DIR).kv_cache.layers
     with pytest.raises(ValueError, match="KV pools it was built with"):
-        runner.fused_decode(ids, positions, other, meta)
+        fused_decode(runner)(ids, positions, other, meta)
 
 
 def test_models_it_does_not_fit_keep_the_eager_step(random_model_dirs):
     # Big enough that its products are prepacked for oneDNN: the products dominate, eager wins.
     wide = make_runner(random_model_dirs["llama-wide-prepacked"])
-    assert wide.fused_decode is None
+    assert fused_decode(wide) is None
     assert "prepacked" in why_not(wide.model, wide.kv_cache.layers)
     bf16 = make_runner(STORIES_DIR, dtype="bf16")
-    assert bf16.fused_decode is None
+    assert fused_decode(bf16) is None
     assert "bfloat16" in why_not(bf16.model, bf16.kv_cache.layers)
     torch_backend = make_runner(STORIES_DIR, attention_backend="torch")
-    assert torch_backend.fused_decode is None
+    assert fused_decode(torch_backend) is None
     with pytest.raises(ValueError, match="cpu_decode 'fused'.*prepacked"):
-        make_runner(random_model_dirs["llama-wide-prepacked"], cpu_decode="fused")
+        make_runner(random_model_dirs["llama-wide-prepacked"], fused_decode=FusedDecodeSettings(cpu_decode="fused"))
     with pytest.raises(ValueError, match="fused CPU decode step cannot run this model"):
         FusedDecode(bf16.model, bf16.kv_cache.layers)
 
 
 def test_cpu_decode_flag_is_validated():
     with pytest.raises(ValueError, match="cpu_decode must be one of auto, fused, eager"):
-        ExecutorConfig(model=str(STORIES_DIR), cpu_decode="fast").validate()
+        ExecutorConfig(model=str(STORIES_DIR), fused_decode=FusedDecodeSettings(cpu_decode="fast")).validate()
     with pytest.raises(ValueError, match="cpu_decode 'fused' runs on the CPU without compile"):
-        ExecutorConfig(model=str(STORIES_DIR), cpu_decode="fused", compile=True).validate()
+        ExecutorConfig(model=str(STORIES_DIR), fused_decode=FusedDecodeSettings(cpu_decode="fused"),
+                       compiled_decode=CompiledDecodeSettings(compile=True)).validate()

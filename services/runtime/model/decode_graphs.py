@@ -20,6 +20,9 @@ Prefill and mixed steps run eagerly: their shapes vary with every prompt.
 
 On a CPU there is nothing to capture, but the same buffers, buckets and padding can run eagerly
 (``capture=False``), so CPU tests cover everything here except the capture call itself.
+
+The executor's flags, its choice of this path and its warm-up are in
+services/executor/forward_paths/decode_graphs.py.
 """
 
 from __future__ import annotations
@@ -31,11 +34,6 @@ import torch
 
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
-
-GRAPH_BACKENDS = ("triton",)
-"""Backends whose forward is capturable: no host reads of device data, no host branching on
-per-step lengths beyond AttentionMetadata's bucketed fields."""
-
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """The buckets: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch_size`` (itself included)."""

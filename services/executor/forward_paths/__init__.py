@@ -1,0 +1,74 @@
+"""The registry of the executor's forward paths, in priority order.
+
+A forward path is one way to run the model over a step (base.py says what a path provides).
+The first path in ``FORWARD_PATHS`` whose flags, device and attention backend want it is the
+executor's; once the model is loaded it is set up over it (or declines, when the model does not
+suit it), and every step goes to it if it ``takes`` the step, else to eager, the last path,
+which takes every step. One path besides eager, because each changes how the whole executor
+runs: the compiled step needs plain weights, the decode graphs a scratch KV block and the
+graphs' memory, and the fused step's LM head serves every step.
+
+Adding a path is one file here, a class of ``ForwardPath`` with its settings dataclass, and
+its place in ``FORWARD_PATHS``: its settings become a field of ExecutorConfig named for it,
+so its flags, TOKENMILL_EXECUTOR_* variables and help exist on every command line built from
+the config, and its ``validate`` runs with the config's.
+
+The policy (flags, which steps, warm-up) is here because it is the executor's; the torch code
+each path runs (services/runtime/model/compiled_decode.py, decode_graphs.py, fused_decode.py)
+is model runtime beside the model it runs, which the drafter's draft model shares. Nothing
+here imports torch until a path is set up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from services.common.settings import embedded
+from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement
+from services.executor.forward_paths.compiled_decode import CompiledDecodePath
+from services.executor.forward_paths.decode_graphs import DecodeGraphsPath
+from services.executor.forward_paths.eager import EagerPath
+from services.executor.forward_paths.fused_decode import FusedDecodePath
+
+if TYPE_CHECKING:
+    from services.executor.config import ExecutorConfig
+
+FORWARD_PATHS: tuple[type[ForwardPath], ...] = (CompiledDecodePath, DecodeGraphsPath, FusedDecodePath, EagerPath)
+"""In priority order. The compiled step and the decode graphs never meet (the first runs on a
+CPU, the second on CUDA or, padded, on a CPU without ``--compile``); the fused step defers to
+both, as before them it did."""
+
+
+def path_settings(env_prefix: str) -> type:
+    """A dataclass base with one field per path that has settings, named for the path and
+    embedding its settings dataclass (flags of their own names, variables ``env_prefix + NAME``)."""
+    fields = [(path.name, path.settings, embedded(path.settings, env_prefix=env_prefix))
+              for path in FORWARD_PATHS if path.settings is not None]
+    return dataclasses.make_dataclass("ForwardPathSettings", fields, slots=True)
+
+
+def validate_paths(config: ExecutorConfig) -> None:
+    for path in FORWARD_PATHS:
+        path.validate(config)
+
+
+def choose_path(config: ExecutorConfig, placement: Placement) -> type[ForwardPath]:
+    """The first path that the flags, the device and the attention backend want (eager at the latest)."""
+    return next(path for path in FORWARD_PATHS if path.wanted(config, placement))
+
+
+def set_up_paths(chosen: type[ForwardPath], config: ExecutorConfig, runtime: PathRuntime) -> tuple[ForwardPath, ...]:
+    """The paths each step is offered to, in order: the chosen one, where it takes the model,
+    then eager."""
+    paths = []
+    if chosen is not EagerPath:
+        path = chosen.set_up(config, runtime)
+        if path is not None:
+            paths.append(path)
+    paths.append(EagerPath.set_up(config, runtime))
+    return tuple(paths)
+
+
+__all__ = ["FORWARD_PATHS", "ForwardPath", "PathRuntime", "Placement", "choose_path", "path_settings",
+           "set_up_paths", "validate_paths"]

@@ -1,0 +1,97 @@
+"""What a forward path is: a way to run the model over one step, with its own settings.
+
+A path class speaks twice. Before anything loads, as a class: its ``settings`` (a dataclass
+that ExecutorConfig embeds as ``config.<name>``, so its fields are the executor's flags),
+``validate`` (the flag checks that need no model), and ``wanted`` (whether the flags, the
+device and the attention backend ask for it). Once the model and the KV pool exist, ``set_up``
+builds an instance (or declines, None, when the model does not suit it), and the instance
+answers ``takes(step)`` and ``forward(step)`` for every step, and ``warm_up()`` once before
+the executor serves.
+
+This module imports no torch: the executor's config (and every command line built from it)
+reads the settings without loading a model runtime. Paths import their torch code inside
+``set_up``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.executor.config import ExecutorConfig
+    from services.executor.forward_paths.step import ForwardStep
+    from services.runtime.model.llama import KVCaches, LlamaForCausalLM
+
+
+def setting(default: Any, help_text: str) -> Any:
+    """A setting with its default and the one-line help its flag shows (the flag and its
+    TOKENMILL_EXECUTOR_* variable are named after the field)."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the model will run, known before it loads."""
+
+    device_type: str
+    """"cpu" or "cuda"."""
+    attention_backend: str
+    """The resolved backend name: torch, triton or cpu."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathRuntime:
+    """What a path is set up over: the loaded model and its KV pool."""
+
+    model: LlamaForCausalLM
+    kv_caches: KVCaches
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    scratch_block: int
+    """The first KV block past those the scheduler is told about; a path asking for
+    ``scratch_blocks`` owns the blocks from here."""
+
+
+class ForwardPath:
+    """One forward path; subclasses override what they need (see the module docstring)."""
+
+    name: ClassVar[str]
+    """The path's name, in logs and as the ExecutorConfig attribute that holds its settings."""
+    settings: ClassVar[type | None] = None
+    """Its settings dataclass, embedded in ExecutorConfig (None: it has no flags)."""
+    plain_weights: ClassVar[bool] = False
+    """When in use: load the model without weights prepacked for oneDNN."""
+    scratch_blocks: ClassVar[int] = 0
+    """When in use: KV blocks past the scheduler's pool that the path owns."""
+
+    @classmethod
+    def validate(cls, config: ExecutorConfig) -> None:
+        """Raise ValueError naming a bad or conflicting flag (no model loaded yet)."""
+
+    @classmethod
+    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> ForwardPath | None:
+        """The path over ``runtime``, or None where the model does not suit it (logged)."""
+        raise NotImplementedError
+
+    def takes(self, step: ForwardStep) -> bool:
+        raise NotImplementedError
+
+    def forward(self, step: ForwardStep) -> torch.Tensor:
+        """The model over the step's tokens: final hidden states [T, D]."""
+        raise NotImplementedError
+
+    lm_head = None
+    """A callable hidden [N, D] -> fp32 logits [N, V] that replaces the model's LM head for
+    every step (None: the model's own)."""
+
+    def warm_up(self) -> dict[str, Any]:
+        """Run once after the warm-up's steps, before serving; returns fields for its log line."""
+        return {}

@@ -1,0 +1,68 @@
+"""Decode-only steps through a torch.compile'd forward on a CPU, behind ``--compile``
+(services/runtime/model/compiled_decode.py).
+
+The compiled graph calls the C++ decode ops over a plain KV pool with the cpu attention
+backend, and inductor cannot lower oneDNN's prepacked linear, so the model loads with plain
+weights. The warm-up's decode steps compile its shape classes; it has no warm-up of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement, setting
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.executor.config import ExecutorConfig
+    from services.executor.forward_paths.step import ForwardStep
+    from services.runtime.model.compiled_decode import CompiledDecode
+    from services.runtime.model.llama import KVCaches
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledDecodeSettings:
+    compile: bool = setting(False, "CPU: compile the decode step with torch.compile (slower start-up)")
+    """Start-up pays the compilation; outputs may differ from the eager path's in the last bits
+    of the logits."""
+
+
+class CompiledDecodePath(ForwardPath):
+    name = "compiled_decode"
+    settings = CompiledDecodeSettings
+    plain_weights = True
+
+    def __init__(self, compiled: CompiledDecode, kv_caches: KVCaches) -> None:
+        self.compiled = compiled
+        self.kv_caches = kv_caches
+
+    @classmethod
+    def validate(cls, config: ExecutorConfig) -> None:
+        if not config.compiled_decode.compile:
+            return
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(f"compile runs the C++ decode ops over a plain KV pool; kv_cache_dtype "
+                             f"{config.kv_cache_dtype!r} needs compile off")
+        if config.device not in ("auto", "cpu") or config.attention_backend not in ("auto", "cpu"):
+            raise ValueError(f"compile runs on the CPU with the cpu attention backend; got device {config.device!r}, "
+                             f"attention_backend {config.attention_backend!r}")
+
+    @classmethod
+    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+        return config.compiled_decode.compile
+
+    @classmethod
+    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> CompiledDecodePath:
+        # Imported only when asked for: it brings in torch.compile's machinery.
+        from services.runtime.model.compiled_decode import CompiledDecode
+
+        return cls(CompiledDecode(runtime.model), runtime.kv_caches)
+
+    def takes(self, step: ForwardStep) -> bool:
+        return self.compiled.takes(step.packed.meta)
+
+    def forward(self, step: ForwardStep) -> torch.Tensor:
+        packed = step.packed
+        return self.compiled(packed.input_ids, packed.positions, self.kv_caches, packed.meta)

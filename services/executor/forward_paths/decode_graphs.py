@@ -1,0 +1,80 @@
+"""Decode steps replayed from CUDA graphs (services/runtime/model/decode_graphs.py).
+
+In use on CUDA with a capturable attention backend unless ``--enforce-eager``; on a CPU only
+with ``--padded-decode-on-cpu``, a testing aid that runs the same persistent buffers, buckets
+and padding eagerly. It owns one KV block past the scheduler's pool (padding rows write only
+there) and captures its graphs at the end of the warm-up, when every kernel they record is
+already compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement, setting
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.executor.config import ExecutorConfig
+    from services.executor.forward_paths.step import ForwardStep
+    from services.runtime.model.decode_graphs import DecodeGraphs
+
+GRAPH_BACKENDS = ("triton",)
+"""Backends whose forward is capturable: no host reads of device data, no host branching on
+per-step lengths beyond AttentionMetadata's bucketed fields."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGraphSettings:
+    enforce_eager: bool = setting(False, "CUDA: run every step eagerly (no CUDA graphs for decode)")
+    cuda_graph_max_batch_size: int = setting(
+        128, "CUDA: largest decode batch captured as a graph; larger batches run eagerly")
+    """Buckets 1, 2, 4, 8, then steps of 8 up to it."""
+    padded_decode_on_cpu: bool = setting(
+        False, "testing aid: run CPU decode steps through the CUDA-graph path's padded buffers")
+    """Eagerly (there is nothing to capture on a CPU), so the path is tested without a GPU."""
+
+
+class DecodeGraphsPath(ForwardPath):
+    name = "decode_graphs"
+    settings = DecodeGraphSettings
+    scratch_blocks = 1
+
+    def __init__(self, graphs: DecodeGraphs) -> None:
+        self.graphs = graphs
+
+    @classmethod
+    def validate(cls, config: ExecutorConfig) -> None:
+        if config.decode_graphs.cuda_graph_max_batch_size < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 1, "
+                             f"got {config.decode_graphs.cuda_graph_max_batch_size}")
+
+    @classmethod
+    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+        if placement.device_type == "cuda":
+            return not config.decode_graphs.enforce_eager and placement.attention_backend in GRAPH_BACKENDS
+        return config.decode_graphs.padded_decode_on_cpu
+
+    @classmethod
+    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> DecodeGraphsPath:
+        from services.runtime.model.decode_graphs import DecodeGraphs
+
+        return cls(DecodeGraphs(
+            runtime.model, runtime.kv_caches, block_size=runtime.block_size, max_model_len=runtime.max_model_len,
+            max_batch_size=config.decode_graphs.cuda_graph_max_batch_size, scratch_block=runtime.scratch_block,
+            device=runtime.device, capture=runtime.device.type == "cuda",
+        ))
+
+    def takes(self, step: ForwardStep) -> bool:
+        return self.graphs.takes(len(step.rows), [n for _, n in step.rows], step.max_blocks)
+
+    def forward(self, step: ForwardStep) -> torch.Tensor:
+        return self.graphs.run(step.decode_rows())
+
+    def warm_up(self) -> dict[str, Any]:
+        capture = self.graphs.capture()
+        if not capture.captured:
+            return {}
+        return {"graph_seconds": round(capture.seconds, 3), "graph_batch_sizes": list(capture.batch_sizes)}
