@@ -38,7 +38,7 @@ import torch
 from services.drafter.config import DraftModelSettings
 from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
 from services.runtime.device import resolve_device, resolve_dtype
-from services.runtime.step_inputs import pack_step_inputs
+from services.runtime.step_inputs import pack_rows
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig
@@ -140,23 +140,9 @@ class DraftModelProposer(Proposer):
     def greedy_step(self, rows: list[tuple[_DraftSequence, int, list[int]]]) -> list[int]:
         """Write K/V of each row's tokens (placed from position ``start``) and return the argmax
         after each row's last token. rows: (sequence, start, tokens), its blocks allocated."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        for seq, start, tokens in rows:
-            blocks = seq.block_ids
-            end = start + len(tokens)
-            input_ids += tokens
-            positions += range(start, end)
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            query_lens.append(len(tokens))
-            context_lens.append(end)
-        ids, pos, meta, cu = pack_step_inputs(input_ids, positions, slots, query_lens, context_lens,
-                                              [seq.block_ids for seq, _, _ in rows], bs, self.device)
-        num_seqs, num_tokens = len(rows), len(input_ids)
+        ids, pos, meta, cu = pack_rows([(tokens, start, seq.block_ids) for seq, start, tokens in rows],
+                                       self.block_size, self.device)
+        num_seqs, num_tokens = len(rows), cu[-1]
         hidden = self.model(ids, pos, self.kv_cache.layers, meta)
         if num_tokens > num_seqs:  # else every row is one token: its own last
             hidden = hidden[torch.tensor(cu[1:], device=self.device) - 1]
