@@ -79,10 +79,6 @@ class ScaledCache:
                    torch.empty(shape[:3], dtype=SCALE_DTYPE, device=device))
 
 
-def is_quantized(cache: object) -> bool:
-    return isinstance(cache, ScaledCache)
-
-
 def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
     """None for "auto" (the model's dtype), else the quantized storage dtype."""
     if name == "auto":

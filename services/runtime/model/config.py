@@ -66,10 +66,6 @@ class ModelConfig:
     """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def max_model_len(self) -> int:
         """Longest context the engine serves exactly. A sliding window shorter than the
         position limit caps it, because the attention backends attend over the full context."""
