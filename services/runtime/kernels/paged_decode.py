@@ -4,7 +4,8 @@ Flash-decoding layout. Stage 1 runs one program per (sequence, kv head, context 
 the program holds every query head of its KV group (GQA), so each K/V tile is loaded once
 per group, and keeps an fp32 online softmax over its partition. Stage 2 combines the
 partitions of each (sequence, head) with their log-sum-exp. With one partition stage 1
-writes the final output and stage 2 is skipped.
+writes the final output and stage 2 is skipped. The loop over a partition's K/V tiles is the
+one the prefill kernel runs (paged_kv_tiles.py).
 
 Shapes (B = sequences, H = query heads, KH = kv heads, D = head dim, P = partitions):
   q            [B, H, D]                      one token per sequence
@@ -32,9 +33,10 @@ import triton
 import triton.language as tl
 
 from services.runtime.kernels._common import (
-    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, kv_quant_args, round_up,
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot_flags, kv_quant_args, round_up,
 )
 from services.runtime.kernels.kv_quant import gather_dequantized
+from services.runtime.kernels.paged_kv_tiles import attend_kv_tiles
 
 TILE_TOKENS = 64
 """Context tokens per inner-loop tile (independent of the cache block size)."""
@@ -85,38 +87,13 @@ def _paged_decode_partition_kernel(
         acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
 
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for tile_start in range(part_start, part_end, TILE_N):
-            tokens = tile_start + tl.arange(0, TILE_N)  # [N]
-            token_valid = tokens < part_end
-            # int64 before multiplying by the block stride: a large pool overflows int32
-            block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_valid, other=0).to(tl.int64)
-            in_block = (tokens % BLOCK_SIZE).to(tl.int64)
-            kv_mask = token_valid[:, None] & dim_valid[None, :]
-            k_offsets = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh  # [N]
-            k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
-            v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-            v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
-                scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
-                k_scale = tl.load(k_scale_ptr + scale_offsets, mask=token_valid, other=0.0).to(tl.float32)
-                v_scale = tl.load(v_scale_ptr + scale_offsets, mask=token_valid, other=0.0).to(tl.float32)
-                k = k.to(tl.float32).to(q.dtype)
-                v = v.to(tl.float32).to(q.dtype)
-
-            scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
-            if KV_QUANT:
-                scores = scores * k_scale[None, :]
-            scores = scores * qk_scale_log2
-            scores = tl.where(token_valid[None, :], scores, float("-inf"))
-            # every tile holds >= 1 valid token, so m_new is finite and no row becomes NaN
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if KV_QUANT:
-                p = p * v_scale[None, :]
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+        # Every tile holds a valid token, and the query (the sequence's last position) sees every
+        # key: masked at part_end, not causal, so the query position argument goes unread.
+        acc, l_i, m_i = attend_kv_tiles(
+            acc, l_i, m_i, q, context_len - 1, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
+            kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            part_start, part_end, qk_scale_log2, dims, dim_valid,
+            BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
 
         store_mask = head_valid[:, None] & dim_valid[None, :]
         if SINGLE_PARTITION:

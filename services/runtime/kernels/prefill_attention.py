@@ -8,7 +8,8 @@ decode rows in a mixed batch (query_len 1) and speculative verification (k+1 tok
 
 One program per (sequence, query tile, kv head). The tile's rows are (query token, head in
 the KV group) pairs, so every query head of one group shares each K/V tile load (GQA). Key
-tiles wholly left of the tile's first query need no causal mask and take the unmasked loop.
+tiles wholly left of the tile's first query need no causal mask and take the unmasked loop
+(paged_kv_tiles.py, the loop the decode kernel runs too).
 
 Shapes (T = new tokens, B = sequences, H = query heads, KH = kv heads, D = head dim):
   q               [T, H, D]
@@ -29,62 +30,10 @@ import triton
 import triton.language as tl
 
 from services.runtime.kernels._common import (
-    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot, dot_flags, kv_quant_args,
+    LOG2E, NOT_SPECIALIZED, check_out, check_paged_attention_inputs, dot_flags, kv_quant_args,
 )
 from services.runtime.kernels.kv_quant import gather_dequantized
-
-
-@triton.jit
-def _attend_key_tiles(
-    acc, l_i, m_i, q, query_pos,
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    key_start, key_end, qk_scale_log2, dims, dim_valid,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-):
-    """Online softmax of the rows of ``q`` over keys [key_start, key_end). With MASKED, keys past
-    key_end or past a row's own position (query_pos) are excluded; without, all are visible."""
-    for tile_start in range(key_start, key_end, TILE_N):
-        keys = tile_start + tl.arange(0, TILE_N)  # [N]
-        if MASKED:
-            key_valid = keys < key_end
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-        else:
-            key_valid = keys >= 0
-            kv_mask = dim_valid[None, :]
-        # int64 before multiplying by the block stride: a large pool overflows int32
-        block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        in_block = (keys % BLOCK_SIZE).to(tl.int64)
-        k_offsets = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh  # [N]
-        k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
-        v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
-            scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
-            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
-            k = k.to(tl.float32).to(q.dtype)
-            v = v.to(tl.float32).to(q.dtype)
-
-        scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
-        if KV_QUANT:
-            scores = scores * k_scale[None, :]
-        scores = scores * qk_scale_log2
-        if MASKED:
-            visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-        # key 0 is visible to every row and lies in the first tile, so m_i is finite from the
-        # first tile on and a row with no visible key in a later tile gets p = 0, not NaN
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_QUANT:
-            p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
-    return acc, l_i, m_i
+from services.runtime.kernels.paged_kv_tiles import attend_kv_tiles
 
 
 @triton.jit(**NOT_SPECIALIZED)
@@ -136,16 +85,16 @@ def _prefill_attention_kernel(
         unmasked_end = (prefix_len + tile_first_query + 1) // TILE_N * TILE_N
         # the tile's last real query sees up to its own position
         key_end = tl.minimum(prefix_len + tile_first_query + BLOCK_Q, context_len)
-        acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i = attend_kv_tiles(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             0, unmasked_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
-        acc, l_i, m_i = _attend_key_tiles(
+            BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+        acc, l_i, m_i = attend_kv_tiles(
             acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+            BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
 
         o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
