@@ -164,70 +164,17 @@ class SamplingBatch:
         ``min_tokens_bans``: per row, the ids it may not draw yet (``NewSequence.min_tokens_ban``);
         None = no row bans anything.
         """
+        bans = _checked_bans(params, prompt_token_ids, output_token_ids, vocab_size, min_tokens_bans)
         size = len(params)
-        if size == 0:
-            raise ValueError("params is empty: a sampling batch needs at least one row")
-        if len(prompt_token_ids) != size or len(output_token_ids) != size:
-            raise ValueError(
-                f"prompt_token_ids ({len(prompt_token_ids)} rows) and output_token_ids "
-                f"({len(output_token_ids)} rows) must have one row per params entry ({size})"
-            )
-        bans = min_tokens_bans if min_tokens_bans is not None else [None] * size
-        if len(bans) != size:
-            raise ValueError(f"min_tokens_bans has {len(bans)} rows; expected one per params entry ({size})")
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         device = torch.device(device)
-
         positions = tuple(len(out) for out in output_token_ids)
         greedy = [p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
-        sampling_rows = [row for row in range(size) if not greedy[row]]
-
-        # Scalar rows of the packed upload; the order is the unpack order below.
-        scalars = np.array(
-            [
-                [1.0 if greedy[row] else p.temperature for row, p in enumerate(params)],
-                [min(p.top_k, vocab_size) for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                greedy,
-            ],
-            dtype=np.float32,
-        )  # [8, B]; top_k (clamped to V) is exact in float32 for any vocab below 2^24
-
-        bias_rows = [row for row, p in enumerate(params) if p.logit_bias]
-        bias_ids = [list(params[row].logit_bias) for row in bias_rows]
+        rows = _StageRows.of(params, bans, positions, greedy)
+        index_parts = rows.flat_indices(params, bans, prompt_token_ids, output_token_ids, positions, vocab_size)
         bias_values = np.fromiter(
-            chain.from_iterable(params[row].logit_bias.values() for row in bias_rows), dtype=np.float32
+            chain.from_iterable(params[row].logit_bias.values() for row in rows.bias), dtype=np.float32
         )
-        ban_rows = [
-            row
-            for row, ban in enumerate(bans)
-            if ban is not None and ban.token_ids and positions[row] < ban.min_tokens
-        ]
-        repetition_rows = [row for row, p in enumerate(params) if p.repetition_penalty != 1.0]
-        count_rows = [
-            row for row, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        ]
-        top_p_rows = [row for row in sampling_rows if params[row].top_p < 1.0]
-
-        index_parts = [
-            _flat_indices(bias_rows, bias_ids, vocab_size, "logit_bias"),
-            _flat_indices(ban_rows, [bans[row].token_ids for row in ban_rows], vocab_size, "min_tokens_ban"),
-            _flat_indices(
-                repetition_rows,
-                [chain(prompt_token_ids[row], output_token_ids[row]) for row in repetition_rows],
-                vocab_size,
-                "prompt_token_ids/output_token_ids",
-                lengths=[len(prompt_token_ids[row]) + positions[row] for row in repetition_rows],
-            ),
-            _flat_indices(count_rows, [output_token_ids[row] for row in count_rows], vocab_size, "output_token_ids"),
-            np.asarray(top_p_rows if len(top_p_rows) < size else [], dtype=np.int64),
-        ]
-        scalars_dev = _upload(np.concatenate([scalars.reshape(-1), bias_values]), device)
+        scalars_dev = _upload(np.concatenate([_scalars(params, greedy, vocab_size).reshape(-1), bias_values]), device)
         indices_dev = _upload(np.concatenate(index_parts), device)
         (temperature, top_k, top_p, min_p, repetition, presence, frequency, is_greedy) = (
             scalars_dev[: 8 * size].view(8, size).unbind(0)
@@ -235,29 +182,13 @@ class SamplingBatch:
         bias_index, ban_index, seen_index, output_index, top_p_row_index = _split(
             indices_dev, [len(part) for part in index_parts]
         )
-
-        top_k_max = min(max((params[row].top_k for row in sampling_rows), default=0), vocab_size)
-        seeded_rows = tuple(row for row in sampling_rows if params[row].seed is not None)
-        logprobs_per_row = tuple(p.logprobs for p in params)
-        requested = [n for n in logprobs_per_row if n is not None]
-        flags = StageFlags(
-            any_sampling=bool(sampling_rows),
-            any_greedy=len(sampling_rows) < size,
-            logit_bias=bool(bias_rows),
-            min_tokens_ban=bool(ban_rows),
-            repetition_penalty=bool(repetition_rows),
-            frequency_presence=bool(count_rows),
-            temperature=any(params[row].temperature != 1.0 for row in sampling_rows),
-            min_p=any(params[row].min_p > 0.0 for row in sampling_rows),
-            top_k=top_k_max > 0,
-            top_p=bool(top_p_rows),
-            max_logprobs=max(requested) if requested else None,
-        )
+        top_k_max = min(max((params[row].top_k for row in rows.sampling), default=0), vocab_size)
+        seeded_rows = tuple(row for row in rows.sampling if params[row].seed is not None)
         return cls(
             size=size,
             vocab_size=vocab_size,
             device=device,
-            flags=flags,
+            flags=rows.flags(params, top_k_max),
             temperature=temperature,
             top_k=top_k.to(torch.int64),
             top_p=top_p,
@@ -267,7 +198,7 @@ class SamplingBatch:
             frequency_penalty=frequency,
             is_greedy=is_greedy > 0.5,
             bias_index=bias_index,
-            bias_value=scalars_dev[8 * size :] if bias_rows else None,
+            bias_value=scalars_dev[8 * size :] if rows.bias else None,
             ban_index=ban_index,
             seen_index=seen_index,
             output_index=output_index,
@@ -275,8 +206,112 @@ class SamplingBatch:
             positions=positions,
             seeded_rows=seeded_rows,
             seeded_row_seeds=tuple(derive_row_seed(params[row].seed, positions[row]) for row in seeded_rows),
-            logprobs_per_row=logprobs_per_row,
+            logprobs_per_row=tuple(p.logprobs for p in params),
             top_k_max=top_k_max,
+        )
+
+
+def _checked_bans(
+    params: list[SamplingParams],
+    prompt_token_ids: list[Sequence[int]],
+    output_token_ids: list[Sequence[int]],
+    vocab_size: int,
+    min_tokens_bans: Sequence[MinTokensBan | None] | None,
+) -> Sequence[MinTokensBan | None]:
+    """The per-row bans (None for every row when none are given), after checking the row counts."""
+    size = len(params)
+    if size == 0:
+        raise ValueError("params is empty: a sampling batch needs at least one row")
+    if len(prompt_token_ids) != size or len(output_token_ids) != size:
+        raise ValueError(
+            f"prompt_token_ids ({len(prompt_token_ids)} rows) and output_token_ids "
+            f"({len(output_token_ids)} rows) must have one row per params entry ({size})"
+        )
+    bans = min_tokens_bans if min_tokens_bans is not None else [None] * size
+    if len(bans) != size:
+        raise ValueError(f"min_tokens_bans has {len(bans)} rows; expected one per params entry ({size})")
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+    return bans
+
+
+def _scalars(params: list[SamplingParams], greedy: list[bool], vocab_size: int) -> np.ndarray:
+    """[8, B] float32: the per-row scalars in SamplingBatch.build's unpack order."""
+    return np.array(
+        [
+            [1.0 if greedy[row] else p.temperature for row, p in enumerate(params)],
+            [min(p.top_k, vocab_size) for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            greedy,
+        ],
+        dtype=np.float32,
+    )  # top_k (clamped to V) is exact in float32 for any vocab below 2^24
+
+
+@dataclass(slots=True)
+class _StageRows:
+    """The rows each stage applies to."""
+
+    size: int
+    sampling: list[int]
+    bias: list[int]
+    ban: list[int]
+    repetition: list[int]
+    count: list[int]
+    """Rows with a presence or frequency penalty."""
+    top_p: list[int]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], bans: Sequence[MinTokensBan | None], positions: tuple[int, ...],
+           greedy: list[bool]) -> _StageRows:
+        sampling = [row for row in range(len(params)) if not greedy[row]]
+        return cls(
+            size=len(params),
+            sampling=sampling,
+            bias=[row for row, p in enumerate(params) if p.logit_bias],
+            ban=[row for row, ban in enumerate(bans)
+                 if ban is not None and ban.token_ids and positions[row] < ban.min_tokens],
+            repetition=[row for row, p in enumerate(params) if p.repetition_penalty != 1.0],
+            count=[row for row, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0],
+            top_p=[row for row in sampling if params[row].top_p < 1.0],
+        )
+
+    def flat_indices(self, params: list[SamplingParams], bans: Sequence[MinTokensBan | None],
+                     prompt_token_ids: list[Sequence[int]], output_token_ids: list[Sequence[int]],
+                     positions: tuple[int, ...], vocab_size: int) -> list[np.ndarray]:
+        """The index upload's parts: logit bias, ban, seen tokens, output tokens, top-p rows."""
+        return [
+            _flat_indices(self.bias, [list(params[row].logit_bias) for row in self.bias], vocab_size, "logit_bias"),
+            _flat_indices(self.ban, [bans[row].token_ids for row in self.ban], vocab_size, "min_tokens_ban"),
+            _flat_indices(
+                self.repetition,
+                [chain(prompt_token_ids[row], output_token_ids[row]) for row in self.repetition],
+                vocab_size,
+                "prompt_token_ids/output_token_ids",
+                lengths=[len(prompt_token_ids[row]) + positions[row] for row in self.repetition],
+            ),
+            _flat_indices(self.count, [output_token_ids[row] for row in self.count], vocab_size, "output_token_ids"),
+            np.asarray(self.top_p if len(self.top_p) < self.size else [], dtype=np.int64),
+        ]
+
+    def flags(self, params: list[SamplingParams], top_k_max: int) -> StageFlags:
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return StageFlags(
+            any_sampling=bool(self.sampling),
+            any_greedy=len(self.sampling) < self.size,
+            logit_bias=bool(self.bias),
+            min_tokens_ban=bool(self.ban),
+            repetition_penalty=bool(self.repetition),
+            frequency_presence=bool(self.count),
+            temperature=any(params[row].temperature != 1.0 for row in self.sampling),
+            min_p=any(params[row].min_p > 0.0 for row in self.sampling),
+            top_k=top_k_max > 0,
+            top_p=bool(self.top_p),
+            max_logprobs=max(requested) if requested else None,
         )
 
 
