@@ -45,8 +45,7 @@ ACCEPTANCE_LAYERS = (2, 4, 8, 16, 24)
 
 
 def make(model, layers: int, k: int) -> DraftModelProposer:
-    return DraftModelProposer(DraftModelSettings(draft_model=str(model), draft_layers=layers,
-                                                 num_speculative_tokens=k, device="cpu"))
+    return DraftModelProposer(DraftModelSettings(draft_model=str(model), draft_layers=layers, device="cpu"), k)
 
 
 class ProposalTimer:

@@ -35,7 +35,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.drafter.config import DraftModelSettings
+from services.drafter.config import DraftModelSettings, check_num_speculative_tokens
 from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.step_inputs import pack_rows
@@ -104,7 +104,9 @@ class DraftModelProposer(Proposer):
 
     runs_model = True
 
-    def __init__(self, settings: DraftModelSettings) -> None:
+    def __init__(self, settings: DraftModelSettings, num_speculative_tokens: int) -> None:
+        settings.validate()
+        check_num_speculative_tokens(num_speculative_tokens)
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.backend_name = resolve_backend_name(settings.attention_backend, self.device)
@@ -115,7 +117,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = self.model_config.max_model_len
         self.block_size = settings.block_size
-        self.num_speculative_tokens = settings.num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         num_blocks = settings.num_blocks or self._blocks_for_budget()
         self.kv_cache = KVCache.allocate(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from services.common.sampling_params import SamplingParams
 from services.scheduler.request.stop import StopConditions
+from services.common.settings import parse_config, to_argv
 from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.draft_model import DraftModelProposer
 from services.drafter.proposer import DraftMethod, ProposerInfo
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def settings(model_dir: Path, **overrides) -> DraftModelSettings:
-    fields = {"draft_model": str(model_dir), "num_speculative_tokens": K, "device": "cpu", "num_blocks": 256}
+    fields = {"draft_model": str(model_dir), "device": "cpu", "num_blocks": 256}
     return DraftModelSettings(**(fields | overrides))
 
 
@@ -45,7 +46,7 @@ def target_greedy(engine: Engine, prompts: list[list[int]], k: int = K) -> list[
 
 @pytest.fixture(scope="module")
 def proposer(stories_dir) -> DraftModelProposer:
-    return DraftModelProposer(settings(stories_dir))
+    return DraftModelProposer(settings(stories_dir), K)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_closed_sequences_free_their_blocks(proposer, prompts):
 
 
 def test_a_full_pool_gives_empty_drafts_not_errors(stories_dir, engine, prompts):
-    small = DraftModelProposer(settings(stories_dir, num_blocks=4))  # 64 slots
+    small = DraftModelProposer(settings(stories_dir, num_blocks=4), K)  # 64 slots
     session = small.new_session()
     session.open(1, prompts[0][:30])  # 30 + 3 slots: 3 blocks
     session.open(2, prompts[1])       # 16 + 3 slots: 2 blocks, only 1 left
@@ -161,9 +162,9 @@ def test_a_draft_with_another_vocabulary_is_refused(stories_dir, tmp_path, propo
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"draft_model {stories_dir} has vocab_size 512 but target_model {target} "
                                          "has 600: a draft must share the target's vocabulary"):
-        DraftModelProposer(settings(stories_dir, target_model=str(target)))
+        DraftModelProposer(settings(stories_dir, target_model=str(target)), K)
     # The same vocabulary passes; a token id past it is refused by name before it reaches the model.
-    assert DraftModelProposer(settings(stories_dir, target_model=str(stories_dir), num_blocks=1)).vocab_size == VOCAB
+    assert DraftModelProposer(settings(stories_dir, target_model=str(stories_dir), num_blocks=1), K).vocab_size == VOCAB
     session = proposer.new_session()
     with pytest.raises(ValueError, match=r"sequence 4: token id 512 is outside the draft model's vocabulary \[0, 512\)"):
         session.open(4, [1, 512])
@@ -193,7 +194,7 @@ def truncated_checkpoint(model_dir: Path, num_layers: int, out: Path) -> Path:
 
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_self_speculative_draft_runs_the_first_n_layers(stories_dir, tmp_path, prompts, proposer, num_layers):
-    draft = DraftModelProposer(settings(stories_dir, draft_layers=num_layers, target_model=str(stories_dir)))
+    draft = DraftModelProposer(settings(stories_dir, draft_layers=num_layers, target_model=str(stories_dir)), K)
     assert draft.model_config.num_layers == num_layers and len(draft.kv_cache.layers) == num_layers
     reference = target_engine(truncated_checkpoint(stories_dir, num_layers, tmp_path / "truncated"))
     session = draft.new_session()
@@ -210,14 +211,22 @@ def test_self_speculative_draft_runs_the_first_n_layers(stories_dir, tmp_path, p
 
 def test_settings_are_checked_by_name(stories_dir):
     with pytest.raises(ValueError, match="draft_layers 6 exceeds the draft model's num_hidden_layers 5"):
-        DraftModelProposer(settings(stories_dir, draft_layers=6))
+        DraftModelProposer(settings(stories_dir, draft_layers=6), K)
     with pytest.raises(ValueError, match="draft_model must name a model directory when method is draft_model"):
         DrafterConfig(method=DraftMethod.DRAFT_MODEL).validate()
     with pytest.raises(ValueError, match="draft_layers must be >= 0"):
-        DraftModelSettings(draft_model="x", draft_layers=-1)
+        DraftModelSettings(draft_model="x", draft_layers=-1).validate()
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 32\], got 0"):
-        DrafterConfig(method=DraftMethod.DRAFT_MODEL, draft_model="x", num_speculative_tokens=0).validate()
-    DrafterConfig(method=DraftMethod.DRAFT_MODEL, draft_model="x").validate()  # loads nothing
+        DrafterConfig(method=DraftMethod.DRAFT_MODEL, draft=DraftModelSettings(draft_model="x"),
+                      num_speculative_tokens=0).validate()
+    DrafterConfig(method=DraftMethod.DRAFT_MODEL, draft=DraftModelSettings(draft_model="x")).validate()  # loads nothing
+
+
+def test_draft_model_flags_keep_their_names_and_variables():
+    config = parse_config(DrafterConfig, ["--method", "draft_model", "--draft-layers", "3", "--device", "cpu"],
+                          env={"TOKENMILL_DRAFTER_DRAFT_MODEL": "/m", "TOKENMILL_DRAFTER_NUM_BLOCKS": "8"})
+    assert config.draft == DraftModelSettings(draft_model="/m", draft_layers=3, device="cpu", num_blocks=8)
+    assert parse_config(DrafterConfig, to_argv(config), env={}) == config
 
 
 def test_info_names_the_method_and_vocabulary(proposer, stories_dir):
@@ -229,7 +238,7 @@ def test_info_names_the_method_and_vocabulary(proposer, stories_dir):
 def test_on_cuda_the_full_depth_draft_equals_the_targets_greedy_continuation(stories_dir, prompts):
     """The pool sized from free device memory, the Triton backend, fp32: the same drafts as the
     target's greedy decoding on the same device."""
-    draft = DraftModelProposer(settings(stories_dir, device="cuda", dtype="float32", num_blocks=0))
+    draft = DraftModelProposer(settings(stories_dir, device="cuda", dtype="float32", num_blocks=0), K)
     assert draft.backend_name == "triton" and draft.pool.num_blocks > 0
     session = draft.new_session()
     for seq_id, prompt in enumerate(prompts):

@@ -17,7 +17,7 @@ from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.server import RunningServer, create_channel
 from services.scheduler.request.stop import StopConditions
-from services.drafter.config import DrafterConfig
+from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.main import serve
 from services.drafter.proposer import DraftMethod
 from services.executor.config import ExecutorConfig
@@ -47,8 +47,8 @@ def target_greedy(engine: Engine, prompt: list[int], k: int = K) -> list[int]:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def server(stories_dir) -> AsyncIterator[RunningServer]:
     running = await serve(DrafterConfig(
-        port=0, method=DraftMethod.DRAFT_MODEL, draft_model=str(stories_dir), target_model=str(stories_dir),
-        num_speculative_tokens=K, device="cpu", num_blocks=NUM_BLOCKS))
+        port=0, method=DraftMethod.DRAFT_MODEL, num_speculative_tokens=K, draft=DraftModelSettings(
+            draft_model=str(stories_dir), target_model=str(stories_dir), device="cpu", num_blocks=NUM_BLOCKS)))
     yield running
     await running.stop(grace=0)
 
@@ -160,10 +160,10 @@ async def test_the_launcher_passes_drafter_flags_and_the_target(stories_dir) -> 
     command = launcher.command("drafter")
     assert command[1:3] == ["-m", "services.drafter"]
     config = parse_config(DrafterConfig, command[3:], env={})
-    assert (config.method, config.draft_model, config.draft_layers, config.target_model) == (
+    assert (config.method, config.draft.draft_model, config.draft.draft_layers, config.draft.target_model) == (
         DraftMethod.DRAFT_MODEL, str(stories_dir), 2, str(stories_dir))
     config.validate()
     # An n-gram drafter is told the target too and ignores it.
     plain = parse_config(DrafterConfig, Launcher(LaunchConfig(model=str(stories_dir))).command("drafter")[3:],
                          env={})
-    assert plain.method is DraftMethod.NGRAM and plain.target_model == str(stories_dir)
+    assert plain.method is DraftMethod.NGRAM and plain.draft.target_model == str(stories_dir)

@@ -26,7 +26,7 @@ import pytest_asyncio
 from services.common.metrics import SchedulerCollector
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
-from services.drafter.config import DrafterConfig
+from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.main import serve as serve_drafter
 from services.drafter.proposer import DraftMethod
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
@@ -65,9 +65,9 @@ async def stacks() -> AsyncIterator[dict[str, Stack]]:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL))
     drafter = await serve_drafter(DrafterConfig(port=0))
     # Self-speculative: stories260K's first 3 of 5 layers, with its own KV pool in the drafter.
-    draft_model = await serve_drafter(DrafterConfig(
-        port=0, method=DraftMethod.DRAFT_MODEL, draft_model=MODEL, draft_layers=3, target_model=MODEL,
-        device="cpu", dtype="fp32", attention_backend="torch", num_blocks=256))
+    draft_model = await serve_drafter(DrafterConfig(port=0, method=DraftMethod.DRAFT_MODEL, draft=DraftModelSettings(
+        draft_model=MODEL, draft_layers=3, target_model=MODEL, device="cpu", dtype="fp32", attention_backend="torch",
+        num_blocks=256)))
     servers = [tokenizer, drafter, draft_model]
     stacks: dict[str, Stack] = {}
     speculation = dict(num_speculative_tokens=4, spec_draft_deadline_ms=2000)
