@@ -67,6 +67,9 @@ class ForwardPath:
     """When in use: load the model without weights prepacked for oneDNN."""
     scratch_blocks: ClassVar[int] = 0
     """When in use: KV blocks past the scheduler's pool that the path owns."""
+    lm_head = None
+    """Set by an instance whose LM head replaces the model's for every step: a callable
+    hidden [N, D] -> fp32 logits [N, V] (None: the model's own)."""
 
     @classmethod
     def validate(cls, config: ExecutorConfig) -> None:
@@ -87,10 +90,6 @@ class ForwardPath:
     def forward(self, step: ForwardStep) -> torch.Tensor:
         """The model over the step's tokens: final hidden states [T, D]."""
         raise NotImplementedError
-
-    lm_head = None
-    """A callable hidden [N, D] -> fp32 logits [N, V] that replaces the model's LM head for
-    every step (None: the model's own)."""
 
     def warm_up(self) -> dict[str, Any]:
         """Run once after the warm-up's steps, before serving; returns fields for its log line."""
