@@ -1,0 +1,175 @@
+"""The gateway's routes file (YAML or JSON): the targets, and for each model id how to route it.
+
+    targets:
+      - name: fast                     # unique; metrics and logs use it
+        address: 10.0.0.5:50051        # a tokenmill engine's public Generation API
+        model: SmolLM2-135M-Instruct   # what the engine serves (informational)
+        cost: 1.0                      # relative price of a token there (default 1)
+        tags: [gpu]
+        tls: {ca: ca.pem, cert: client.pem, key: client.key}   # optional: TLS / mTLS to it
+        token_env: FAST_TOKEN          # optional: bearer token (from this variable) for the
+                                       # gateway's own GetProfile calls when the engine has tenants
+      - {name: weak, address: 10.0.0.6:50051, cost: 0.2}
+    models:
+      chat:                            # the model id clients ask for
+        route: {strategy: latency, targets: [fast, weak]}
+        sla_ms: 2000                   # default SLA when the request names none (absent: none)
+        sla_percentile: 50             # 50 = judge on medians, 99 = on p99s (the worst case)
+        expected_output_tokens: 256    # when the request sets no max_tokens
+        tokenizer: models/smollm2      # optional: a model directory or tokenizer.json, to name
+                                       # tokens in logprobs and echo token-id prompts
+      small: weak                      # a bare target name routes everything there
+    default_model: chat                # for gRPC clients that name no model (default: the first)
+
+A route is a target name or a strategy node ``{strategy, targets, ...}``; nodes nest (see
+routing/build.py for each strategy's options). Loading checks everything and raises
+ValueError naming the file and the path of the bad entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TargetTLS:
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    name: str
+    address: str
+    model: str = ""
+    cost: float = 1.0
+    tags: tuple[str, ...] = ()
+    tls: TargetTLS | None = None
+    token: str = ""
+    """Bearer token the gateway presents on its own calls (GetProfile, GetModelInfo); clients' calls
+    carry the client's own Authorization."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    route: Any
+    """The route node as written (checked and built by routing/build.py)."""
+    sla_ms: float | None = None
+    sla_percentile: int = 50
+    expected_output_tokens: int = DEFAULT_EXPECTED_OUTPUT_TOKENS
+    tokenizer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutesFile:
+    targets: tuple[TargetSpec, ...]
+    models: dict[str, ModelSpec]
+    default_model: str
+
+
+def _check_keys(item: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise ValueError(f"{where} has unknown fields {unknown} (allowed: {sorted(allowed)})")
+
+
+def _target(item: Any, where: str, base: Path) -> TargetSpec:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object with name and address")
+    _check_keys(item, {"name", "address", "model", "cost", "tags", "tls", "token_env"}, where)
+    name, address = item.get("name"), item.get("address")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.name must be a non-empty string")
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"{where}.address must be host:port, got {address!r}")
+    cost = item.get("cost", 1.0)
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
+        raise ValueError(f"{where}.cost must be a number >= 0, got {cost!r}")
+    tags = item.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"{where}.tags must be a list of strings")
+    token = ""
+    if (env := item.get("token_env")) is not None:
+        if not isinstance(env, str) or env not in os.environ:
+            raise ValueError(f"{where}.token_env: environment variable {env!r} is not set")
+        token = os.environ[env]
+    return TargetSpec(name, address, str(item.get("model", "")), float(cost), tuple(tags),
+                      _tls(item.get("tls"), f"{where}.tls", base), token)
+
+
+def _tls(item: Any, where: str, base: Path) -> TargetTLS | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object {{ca, cert, key}}")
+    _check_keys(item, {"ca", "cert", "key"}, where)
+    paths = {k: str(base / v) if v and not Path(v).is_absolute() else str(v or "") for k, v in item.items()}
+    if bool(paths.get("cert")) != bool(paths.get("key")):
+        raise ValueError(f"{where}: cert and key go together")
+    return TargetTLS(**paths)
+
+
+def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:
+    if not isinstance(item, dict) or "route" not in item:
+        return ModelSpec(name, item)  # the route itself (a target name or a node)
+    _check_keys(item, {"route", "sla_ms", "sla_percentile", "expected_output_tokens", "tokenizer"}, where)
+    sla = item.get("sla_ms")
+    if sla is not None and (isinstance(sla, bool) or not isinstance(sla, (int, float)) or sla <= 0):
+        raise ValueError(f"{where}.sla_ms must be a number > 0, got {sla!r}")
+    percentile = item.get("sla_percentile", 50)
+    if percentile not in (50, 99):
+        raise ValueError(f"{where}.sla_percentile must be 50 or 99, got {percentile!r}")
+    expected = item.get("expected_output_tokens", DEFAULT_EXPECTED_OUTPUT_TOKENS)
+    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 1:
+        raise ValueError(f"{where}.expected_output_tokens must be an integer >= 1, got {expected!r}")
+    tokenizer = item.get("tokenizer", "")
+    if tokenizer and not Path(tokenizer).is_absolute():
+        tokenizer = str(base / tokenizer)
+    return ModelSpec(name, item["route"], None if sla is None else float(sla), percentile, expected, tokenizer)
+
+
+def parse_routes(data: Any, origin: str = "routes", base: Path | None = None) -> RoutesFile:
+    """Check a routes document (already parsed from YAML/JSON); relative paths are under ``base``."""
+    base = base or Path.cwd()
+    if not isinstance(data, dict):
+        raise ValueError(f"{origin}: expected an object with targets and models")
+    _check_keys(data, {"targets", "models", "default_model"}, origin)
+    raw_targets, raw_models = data.get("targets"), data.get("models")
+    if not isinstance(raw_targets, list) or not raw_targets:
+        raise ValueError(f"{origin}: targets must be a non-empty list")
+    targets = tuple(_target(item, f"{origin}: targets[{i}]", base) for i, item in enumerate(raw_targets))
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"{origin}: target name {duplicate!r} is used twice")
+    if not isinstance(raw_models, dict) or not raw_models:
+        raise ValueError(f"{origin}: models must be a non-empty object of model id -> route")
+    models = {str(k): _model(str(k), v, f"{origin}: models.{k}", base) for k, v in raw_models.items()}
+    default = data.get("default_model", next(iter(models)))
+    if default not in models:
+        raise ValueError(f"{origin}: default_model {default!r} is not among the models {sorted(models)}")
+    return RoutesFile(targets, models, default)
+
+
+def load_routes(path: str | Path) -> RoutesFile:
+    """Read and check a routes file: JSON when it ends in .json, else YAML (JSON is YAML too)."""
+    origin = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"routes file {origin}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if origin.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"routes file {origin}: does not parse: {exc}") from None
+    return parse_routes(data, f"routes file {origin}", Path(path).resolve().parent)
