@@ -1,0 +1,67 @@
+"""Gateway service configuration: flags and TOKENMILL_GATEWAY_* environment variables.
+
+The targets and routes are not flags: they live in the routes file (``--config``, see
+services/gateway/routes_file.py). The ``--backend-tls-*`` flags are the TLS every target gets
+unless its entry in the routes file has a ``tls`` of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.service_config import service_process_fields
+from services.gateway.routes_file import load_routes
+from services.gateway.routing.build import build_route
+from services.gateway.routing.target import TargetState
+
+DEFAULT_GRPC_PORT = 50050
+DEFAULT_HTTP_PORT = 8000
+MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
+"""As the scheduler's public API: a prompt of a million token ids is some 4 MiB."""
+
+
+def _f(default, help_: str, env: str):
+    return field(default=default, metadata={"help": help_, "env": env})
+
+
+@dataclass
+class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, MAX_PUBLIC_MESSAGE_BYTES,
+                                                  backend_tls=True)):
+    """tokenmill gateway: an OpenAI-compatible HTTP API and the Generation gRPC API in front of tokenmill
+    engines, routing each request over them on their live latency profiles, its SLA and cost."""
+
+    config: str = _f("", "routes file (YAML or JSON): the targets, and for each model id how to route it "
+                         "(required; see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG")
+    http_port: int = _f(DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)",
+                        "TOKENMILL_GATEWAY_HTTP_PORT")
+    http_port_file: str = field(default="", metadata={
+        "help": "write the bound HTTP port to this file once serving (empty = don't)"})
+    profile_interval_s: float = _f(0.25, "how often each target's health and GetProfile are read, seconds; an "
+                                         "unhealthy target is probed at the same pace", "TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
+    profile_window_s: float = _f(10.0, "the window GetProfile is asked for, seconds (short: the profile follows the "
+                                       "live load)", "TOKENMILL_GATEWAY_PROFILE_WINDOW_S")
+    max_attempts: int = _f(3, "targets one request may try: a failure before anything was streamed moves it to "
+                              "the next target of its route", "TOKENMILL_GATEWAY_MAX_ATTEMPTS")
+    request_timeout_s: float = _f(600.0, "a request still running after this long ends with 504 / DEADLINE_EXCEEDED",
+                                  "TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
+    max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body; larger ones get 413",
+                                "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
+    max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
+                          "TOKENMILL_GATEWAY_MAX_CHOICES")
+
+    def validate(self) -> None:
+        """The numbers, and the routes file read and built (every route's targets exist)."""
+        if not self.config:
+            raise ValueError("config: a routes file is required (--config FILE or TOKENMILL_GATEWAY_CONFIG)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
+        for name in ("profile_interval_s", "profile_window_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_attempts", "max_choices", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        routes = load_routes(self.config)
+        states = {t.name: TargetState(t.name) for t in routes.targets}
+        for model in routes.models.values():
+            build_route(model, states, where=f"routes file {self.config}: models.{model.name}.route")

@@ -1,0 +1,201 @@
+"""One request through its route: rank the targets, call the first, move on when it fails early.
+
+The dispatcher is the gateway's client of the engines' Generation API: it forwards the
+GenerateRequest as it came (the HTTP front end builds one) and yields the engine's messages.
+Started is held back until the first Delta (or Finished): until then nothing has been streamed
+to the client, and a failure whose code the route retries (routing/build.py: UNAVAILABLE
+always; RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED too under a ``fallback`` node), or a Finished
+with reason ERROR (the engine lost its executor), moves the request to the next target, at most
+``max_attempts`` in all. Once a token went out, a failure ends the stream.
+
+Each finished request feeds its target's estimator (TTFT and TPOT at the load it was sent
+at) and the metrics; a call that fails UNAVAILABLE takes its target out of the pool at once.
+Errors leave as the typed errors of services/common/errors.py (a RESOURCE_EXHAUSTED keeps the
+engine's retry pushback), which each front end maps to its own statuses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from services.common.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    TokenmillError,
+    UnavailableError,
+    error_from_rpc,
+)
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pool import Target, TargetPool
+from services.gateway.routing.build import Route
+from services.gateway.routing.request import RouteRequest
+
+GOOD_FINISHES = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_EOS)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished request as the gateway saw it (for the estimate's error and benchmarks)."""
+
+    model: str
+    target: str
+    estimate_ms: float | None
+    """At dispatch, for the request's expected output tokens."""
+    estimate_actual_ms: float | None
+    """At dispatch, for the tokens it turned out to generate."""
+    observed_ms: float
+    ttft_ms: float
+    completion_tokens: int
+    sla_ms: float | None
+    explore: bool
+
+
+class _Retry(Exception):
+    def __init__(self, code: str, error: TokenmillError) -> None:
+        super().__init__(code)
+        self.code = code
+        self.error = error
+
+
+def engine_error(err: grpc.aio.AioRpcError) -> TokenmillError:
+    """The typed error of a failed engine call; RESOURCE_EXHAUSTED keeps the retry pushback."""
+    error = error_from_rpc(err)
+    if isinstance(error, ResourceExhaustedError):
+        for key, value in err.trailing_metadata() or ():
+            if key == "grpc-retry-pushback-ms":
+                try:
+                    error.retry_after_s = int(value) / 1000.0
+                except ValueError:
+                    pass
+    return error
+
+
+class Dispatcher:
+    def __init__(self, routes: dict[str, Route], pool: TargetPool, *, default_model: str, max_attempts: int = 3,
+                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.routes = routes
+        self.pool = pool
+        self.default_model = default_model
+        self.max_attempts = max_attempts
+        self.metrics = metrics or pool.metrics
+        self.clock = clock
+        self.live: dict[str, Target] = {}
+        """request_id -> the target serving it now (for Abort)."""
+        self.observers: list[Callable[[Outcome], None]] = []
+
+    def route(self, model: str) -> Route:
+        route = self.routes.get(model)
+        if route is None:
+            raise NotFoundError(f"the model '{model}' does not exist (models: {', '.join(sorted(self.routes))})")
+        return route
+
+    async def generate(self, route: Route, request: RouteRequest, message: generation_pb2.GenerateRequest,
+                       metadata: Sequence[tuple[str, str]], timeout_s: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        began = time.perf_counter()
+        ranking = route.node.rank(request)
+        self.metrics.routing_seconds.observe(time.perf_counter() - began)
+        if not ranking.targets:
+            if ranking.reason == "no_condition_matched":
+                raise InvalidArgumentError(f"no routing rule of model '{route.model}' matches this request and the "
+                                           "route has no default")
+            raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        deadline = self.clock() + timeout_s
+        error: TokenmillError | None = None
+        for index, state in enumerate(ranking.targets[:self.max_attempts]):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise DeadlineExceededError(f"the request took more than {timeout_s:g} s")
+            target = self.pool.targets[state.name]
+            first = index == 0
+            self.metrics.decisions.labels(route.model, target.name, ranking.reason if first else "fallback").inc()
+            estimate = ranking.estimate_ms if first else None
+            try:
+                async for reply in self._attempt(route, request, target, message, metadata, remaining,
+                                                 first and ranking.explore, estimate):
+                    yield reply
+                return
+            except _Retry as retry:
+                self.metrics.fallbacks.labels(route.model, target.name, retry.code).inc()
+                error = retry.error
+        raise error if error is not None else UnavailableError(f"no target could serve model '{route.model}'")
+
+    async def _attempt(self, route: Route, request: RouteRequest, target: Target,
+                       message: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]],
+                       timeout_s: float, explore: bool, estimate: float | None):
+        state = target.state
+        load = state.engine_load()
+        state.inflight += 1
+        state.exploring += explore
+        started_at = self.clock()
+        call = target.stub.Generate(message, metadata=tuple(metadata), timeout=timeout_s)
+        held: generation_pb2.GenerateResponse | None = None
+        first_token_at: float | None = None
+        done = False
+        request_id = message.request_id
+        self.live[request_id] = target
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("event")
+                if kind == "started":
+                    held = reply
+                    continue
+                if kind == "finished":
+                    done = True
+                    finished = reply.finished
+                    if first_token_at is None and finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                        self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
+                        raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
+                    if finished.finish_reason in GOOD_FINISHES:
+                        self._observe(route, request, target, load, started_at, first_token_at, finished,
+                                      estimate, explore)
+                elif first_token_at is None:
+                    first_token_at = self.clock()
+                if held is not None:
+                    yield held
+                    held = None
+                yield reply
+            self.metrics.requests.labels(route.model, target.name, "ok").inc()
+        except grpc.aio.AioRpcError as err:
+            done = True
+            code = err.code().name
+            self._failed(route, target, code, err.details() or "")
+            if first_token_at is None and code in route.retry_codes:
+                raise _Retry(code, engine_error(err)) from None
+            raise engine_error(err) from None
+        finally:
+            state.inflight -= 1
+            state.exploring -= explore
+            if self.live.get(request_id) is target:
+                del self.live[request_id]
+            if not done:
+                call.cancel()  # the client went away: the engine aborts the request at its next step
+
+    def _failed(self, route: Route, target: Target, code: str, details: str) -> None:
+        self.metrics.requests.labels(route.model, target.name, code).inc()
+        if code == "UNAVAILABLE":
+            self.pool.eject(target, details)
+
+    def _observe(self, route: Route, request: RouteRequest, target: Target, load: float, started_at: float,
+                 first_token_at: float | None, finished: generation_pb2.Finished,
+                 estimate: float | None, explore: bool) -> None:
+        now = self.clock()
+        tokens = finished.usage.completion_tokens
+        observed = (now - started_at) * 1000.0
+        ttft = ((first_token_at or now) - started_at) * 1000.0
+        estimator = target.state.estimator
+        actual = estimator.estimate_ms(tokens, load, request.worst_case, now)
+        if actual is not None and actual > 0:
+            self.metrics.estimate_ratio.labels(target.name).observe(observed / actual)
+        estimator.observe(load, ttft, tokens, observed, now)
+        if self.observers:
+            outcome = Outcome(route.model, target.name, estimate, actual, observed, ttft, tokens, request.sla_ms, explore)
+            for observer in self.observers:
+                observer(outcome)

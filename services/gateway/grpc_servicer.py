@@ -1,0 +1,123 @@
+"""The gateway's ``tokenmill.v1.Generation``: the engines' own API, routed.
+
+A gRPC client talks to the gateway as it would to one engine. The model id comes from the
+``x-tokenmill-model`` metadata (absent: the routes file's default model); SLA and routing
+metadata from the keys of services/gateway/request_meta.py; ``authorization`` is passed on.
+Generate streams what the chosen engine streams (Started held until the first token, so a
+failure before it can still move to another target). Abort goes to the engine serving the
+request; GetModelInfo answers for a healthy target of the model (with the model id as its
+name); GetProfile sums the live state of the model's healthy targets.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+import grpc.aio
+
+from services.common.errors import UnavailableError
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.gateway.dispatch import Dispatcher, engine_error
+from services.gateway.request_meta import (
+    MODEL_HEADER,
+    forwarded_auth,
+    ids_prefix,
+    chat_prefix,
+    metadata_from,
+    sla_from,
+)
+from services.gateway.routing.build import Route
+from services.gateway.routing.request import RouteRequest
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+
+
+def route_request(route: Route, request: generation_pb2.GenerateRequest, md: Mapping[str, str]) -> RouteRequest:
+    sla, worst = sla_from(md, route.sla_ms, route.worst_case)
+    stop, sampling = request.stop, request.sampling
+    max_tokens = stop.max_tokens if stop.HasField("max_tokens") else None
+    params = {"max_tokens": max_tokens, "priority": request.priority, "top_k": sampling.top_k}
+    if sampling.HasField("temperature"):
+        params["temperature"] = sampling.temperature
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        prefix = request.text[:4096]
+    elif kind == "chat":
+        prefix = chat_prefix([(m.role, m.content) for m in request.chat.messages])
+    elif kind == "token_ids":
+        prefix = ids_prefix(request.token_ids.ids)
+    else:
+        prefix = ""
+    return RouteRequest(route.model, max_tokens or route.expected_output_tokens, sla, worst, prefix, params,
+                        metadata_from(md))
+
+
+class GatewayServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, dispatcher: Dispatcher, timeout_s: float) -> None:
+        self.dispatcher = dispatcher
+        self.timeout_s = timeout_s
+
+    def _route(self, md: Mapping[str, str]) -> Route:
+        return self.dispatcher.route(md.get(MODEL_HEADER) or self.dispatcher.default_model)
+
+    async def Generate(self, request, context):
+        md = _metadata(context)
+        route = self._route(md)
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex  # one id on every target tried, and for Abort
+        remaining = context.time_remaining()
+        timeout = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
+        async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
+                                                    forwarded_auth(md.get("authorization")), timeout):
+            yield reply
+
+    async def Abort(self, request, context):
+        target = self.dispatcher.live.get(request.request_id)
+        if target is None:
+            return generation_pb2.AbortResponse(found=False)
+        md = _metadata(context)
+        try:
+            return await target.stub.Abort(request, metadata=forwarded_auth(md.get("authorization")), timeout=10)
+        except grpc.aio.AioRpcError as err:
+            raise engine_error(err) from None
+
+    def _healthy_targets(self, route: Route):
+        pool = self.dispatcher.pool
+        return [pool.targets[s.name] for s in dict.fromkeys(route.node.leaves()) if s.healthy]
+
+    async def GetModelInfo(self, request, context):
+        route = self._route(_metadata(context))
+        for target in self._healthy_targets(route):
+            if target.model_info is not None:
+                info = generation_pb2.ModelInfo()
+                info.CopyFrom(target.model_info)
+                info.model_name = route.model
+                return info
+        raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+
+    async def GetProfile(self, request, context):
+        route = self._route(_metadata(context))
+        targets = self._healthy_targets(route)
+        if not targets:
+            raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        out = generation_pb2.LatencyProfile(window_seconds=self.dispatcher.pool.window_s)
+        profiles = [t.state.estimator.profile for t in targets if t.state.estimator.profile is not None]
+        for p in profiles:
+            out.num_requests += p.num_requests
+            out.num_running += p.num_running
+            out.num_waiting += p.num_waiting
+            out.ttft_p99_ms = max(out.ttft_p99_ms, p.ttft_p99_ms)
+            out.tpot_p99_ms = max(out.tpot_p99_ms, p.tpot_p99_ms)
+        weighted = [p for p in profiles if p.num_requests > 0]
+        total = sum(p.num_requests for p in weighted)
+        if total:
+            out.ttft_p50_ms = sum(p.ttft_p50_ms * p.num_requests for p in weighted) / total
+            out.tpot_p50_ms = sum(p.tpot_p50_ms * p.num_requests for p in weighted) / total
+            out.tokens_per_second_per_stream = sum(p.tokens_per_second_per_stream * p.num_requests
+                                                   for p in weighted) / total
+        if profiles:
+            out.kv_cache_usage = sum(p.kv_cache_usage for p in profiles) / len(profiles)
+        return out

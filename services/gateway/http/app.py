@@ -1,0 +1,59 @@
+"""The OpenAI-compatible HTTP API: the FastAPI application and its routes.
+
+    GET  /v1/models                  the routes file's model ids
+    GET  /v1/models/{model}
+    POST /v1/completions             http/completions.py
+    POST /v1/chat/completions        http/chat.py
+    GET  /health                     200 while some target of every model is healthy, else 503
+    GET  /metrics                    Prometheus (services/gateway/metrics.py)
+    GET  /openapi.json               the OpenAPI document (FastAPI's)
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from services.gateway.http.chat import create_chat_completion
+from services.gateway.http.completions import create_completion
+from services.gateway.http.context import HttpContext
+from services.gateway.http.errors import install_error_handlers
+from services.gateway.http.middleware import GatewayMiddleware
+from services.gateway.http.models import list_models, retrieve_model
+from services.gateway.http.protocol import ChatCompletion, Completion, ErrorResponse, Model, ModelList
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503, 504)}
+STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "data: {chunk} lines, then data: [DONE]"}}}
+
+
+async def health(request: Request) -> JSONResponse:
+    ctx: HttpContext = request.app.state.gateway
+    down = [route.model for route in ctx.dispatcher.routes.values()
+            if not any(t.healthy for t in route.node.leaves())]
+    if down:
+        return JSONResponse({"status": "unavailable", "models_without_targets": down}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    ctx: HttpContext = request.app.state.gateway
+    return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+def build_app(ctx: HttpContext) -> FastAPI:
+    app = FastAPI(title="tokenmill gateway", version="1", description="OpenAI-compatible API routed over tokenmill "
+                  "engines on their live latency profiles.", docs_url=None, redoc_url=None)
+    app.state.gateway = ctx
+    install_error_handlers(app)
+    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/v1/models/{model}", retrieve_model, methods=["GET"], response_model=Model,
+                      responses={404: {"model": ErrorResponse}})
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"], response_model=None,
+                      responses={200: {"model": Completion, "content": STREAM}, **ERRORS})
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], response_model=None,
+                      responses={200: {"model": ChatCompletion, "content": STREAM}, **ERRORS})
+    app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
+    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+    app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics)
+    return app

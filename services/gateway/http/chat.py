@@ -1,0 +1,90 @@
+"""``POST /v1/chat/completions``: a conversation through the model's chat template.
+
+Streamed, each choice opens with a ``{"role": "assistant", "content": ""}`` delta, then its
+content deltas, then one chunk with an empty delta and its ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
+from services.gateway.http.context import context_of, request_id_of
+from services.gateway.http.engine_request import chat_template
+from services.gateway.http.errors import OpenAIError, bad_request, from_error
+from services.gateway.http.logprobs import chat_logprobs
+from services.gateway.http.protocol import ChatCompletionRequest
+from services.gateway.http.requests import call_plan
+from services.gateway.http.streaming import DONE, SSE_HEADERS, dumps, sse
+from services.gateway.http.tokens import TokenNamer
+from services.gateway.request_meta import chat_prefix
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    if (unsupported := body.unsupported()) is not None:
+        raise bad_request(*unsupported)
+    route = ctx.dispatcher.route(body.model)
+    namer = ctx.namer(route)
+    rid = request_id_of(request)
+    prefix = chat_prefix([(m.role, m.text()) for m in body.messages])
+    calls, metadata = call_plan(ctx, route, body, request, [(prefix, chat_template(body))], rid)
+    streams = ChoiceStreams(ctx.dispatcher, route, calls, metadata, ctx.timeout_s)
+    await streams.start()
+    states = [ChoiceState(i, 0) for i in range(len(calls))]
+    head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.model}
+    if body.stream:
+        return StreamingResponse(_chunks(streams, states, head, body, namer), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for index, reply in streams.events():
+            states[index].apply(reply)
+    finally:
+        await streams.close()
+    choices = [{"index": s.index, "message": {"role": "assistant", "content": "".join(s.text)},
+                "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
+                "finish_reason": s.finish_reason} for s in states]
+    payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
+               "system_fingerprint": None}
+    return Response(dumps(payload), media_type="application/json")
+
+
+async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: ChatCompletionRequest,
+                  namer: TokenNamer) -> AsyncIterator[bytes]:
+    usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
+    extra = {"usage": None} if usage_chunks else {}
+    opened = [False] * len(states)
+    try:
+        async for index, reply in streams.events():
+            state = states[index]
+            state.apply(reply)
+            kind = reply.WhichOneof("event")
+            if kind == "started":
+                continue
+            if not opened[index]:
+                opened[index] = True
+                choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}
+                yield sse({**head, "choices": [choice], **extra})
+            if kind == "delta":
+                delta = reply.delta
+                if not delta.text and not (body.logprobs and delta.logprobs):
+                    continue
+                logprobs = chat_logprobs(delta.logprobs, namer) if body.logprobs else None
+                choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                          "finish_reason": None}
+            else:
+                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": state.finish_reason}
+            yield sse({**head, "choices": [choice], **extra})
+        if usage_chunks:
+            yield sse({**head, "choices": [], "usage": usage_of(states)})
+    except Exception as exc:  # noqa: BLE001 - a stream already answering reports failures in-band
+        yield sse((exc if isinstance(exc, OpenAIError) else from_error(exc)).body())
+    finally:
+        await streams.close()
+    yield DONE

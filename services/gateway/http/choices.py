@@ -1,0 +1,130 @@
+"""The engine streams of one HTTP request's choices: started together, read as one stream.
+
+Each choice (prompt x n) is its own routed engine call. ``start`` begins them all and waits
+for each one's first event, so that everything that can fail before a token is produced
+(routing, the engine's validation, a tenant's budget) fails before the HTTP answer begins and
+gets its own status; a stream that is already answering reports later failures in-band.
+``events`` then yields (choice index, engine message) as they come; ``close`` cancels the
+calls still open (a client that went away aborts its engine requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from services.common.errors import UnavailableError
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.dispatch import Dispatcher
+from services.gateway.routing.build import Route
+from services.gateway.routing.request import RouteRequest
+
+FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+                common_pb2.FINISH_REASON_EOS: "stop"}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice as its events arrive: what a non-streamed answer and the usage are made of."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def apply(self, reply: generation_pb2.GenerateResponse) -> None:
+        """Take one engine message in; a stream the engine ended badly raises UnavailableError."""
+        kind = reply.WhichOneof("event")
+        if kind == "delta":
+            self.text.append(reply.delta.text)
+            self.logprobs.extend(reply.delta.logprobs)
+        elif kind == "started":
+            self.prompt_tokens = reply.started.prompt_tokens
+        elif kind == "finished":
+            finished = reply.finished
+            self.prompt_tokens = finished.usage.prompt_tokens or self.prompt_tokens
+            self.completion_tokens = finished.usage.completion_tokens
+            self.cached_tokens = finished.usage.cached_tokens
+            reason = FINISH_NAMES.get(finished.finish_reason)
+            if reason is None:
+                raise UnavailableError(f"the engine ended choice {self.index} without finishing it: "
+                                       f"{finished.error_message or 'aborted'}")
+            self.finish_reason = reason
+
+
+def usage_of(states: Sequence[ChoiceState]) -> dict:
+    """OpenAI's usage: each prompt's tokens once (n choices share it), every choice's output."""
+    prompts: dict[int, ChoiceState] = {}
+    for state in states:
+        prompts.setdefault(state.prompt_index, state)
+    prompt_tokens = sum(s.prompt_tokens for s in prompts.values())
+    completion = sum(s.completion_tokens for s in states)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts.values())}}
+
+
+class ChoiceStreams:
+    def __init__(self, dispatcher: Dispatcher, route: Route,
+                 calls: Sequence[tuple[RouteRequest, generation_pb2.GenerateRequest]],
+                 metadata: Sequence[tuple[str, str]], timeout_s: float) -> None:
+        self._streams = [dispatcher.generate(route, rr, message, metadata, timeout_s) for rr, message in calls]
+        self._first: list[generation_pb2.GenerateResponse] = []
+        self._pumps: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Every call's first event (their first tokens); the first failure raises, after closing all."""
+        try:
+            if len(self._streams) == 1:
+                self._first = [await anext(self._streams[0])]
+                return
+            results = await asyncio.gather(*(anext(s) for s in self._streams), return_exceptions=True)
+        except BaseException:
+            await self.close()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self._first = list(results)
+
+    async def events(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        if len(self._streams) == 1:
+            yield 0, self._first[0]
+            async for reply in self._streams[0]:
+                yield 0, reply
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        for index, first in enumerate(self._first):
+            queue.put_nowait((index, first))
+        self._pumps = [asyncio.create_task(self._pump(i, s, queue)) for i, s in enumerate(self._streams)]
+        open_streams = len(self._streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+
+    @staticmethod
+    async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+        try:
+            async for reply in stream:
+                queue.put_nowait((index, reply))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))
+
+    async def close(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()

@@ -1,0 +1,113 @@
+"""OpenAI request fields -> the engine's GenerateRequest, one per choice.
+
+``n`` choices are n engine calls. With a seed, choice j draws with a seed derived from it
+(j = 0 keeps the seed itself, so n=1 and the first of n=2 agree), so a seeded request is
+reproducible as a whole; without one each call draws on its own. OpenAI's seed is a signed
+64-bit integer and the engine's unsigned: negative seeds wrap around (two's complement).
+"""
+
+from __future__ import annotations
+
+from services.common.pb.tokenmill.v1 import generation_pb2
+from services.gateway.http.errors import bad_request
+from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+SEED_STRIDE = 0x9E3779B97F4A7C15
+"""2^64 / golden ratio: consecutive choices get seeds far apart."""
+
+
+def choice_seed(seed: int, index: int) -> int:
+    return (seed + index * SEED_STRIDE) % (1 << 64)
+
+
+def _logit_bias(fields: SamplingFields) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (fields.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        if not 0 <= token_id < 2**31:
+            raise bad_request("logit_bias", f"logit_bias token id {token_id} is out of range")
+        out[token_id] = value
+    return out
+
+
+def _fill_common(message: generation_pb2.GenerateRequest, fields: SamplingFields, max_tokens: int | None,
+                 logprobs: int | None) -> None:
+    s = message.sampling
+    if fields.temperature is not None:
+        s.temperature = fields.temperature
+    if fields.top_p is not None:
+        s.top_p = fields.top_p
+    if fields.top_k is not None and fields.top_k > 0:
+        s.top_k = fields.top_k
+    if fields.min_p is not None:
+        s.min_p = fields.min_p
+    if fields.repetition_penalty is not None:
+        s.repetition_penalty = fields.repetition_penalty
+    s.presence_penalty = fields.presence_penalty or 0.0
+    s.frequency_penalty = fields.frequency_penalty or 0.0
+    s.logit_bias.update(_logit_bias(fields))
+    if logprobs is not None:
+        s.logprobs = logprobs
+    stop = message.stop
+    if max_tokens is not None:
+        stop.max_tokens = max_tokens
+    if fields.stop is not None:
+        stop.stop.extend([fields.stop] if isinstance(fields.stop, str) else fields.stop)
+    stop.stop_token_ids.extend(fields.stop_token_ids or ())
+    stop.ignore_eos = fields.ignore_eos
+    stop.min_tokens = fields.min_tokens
+    stop.include_stop_str_in_output = fields.include_stop_str_in_output
+    message.priority = fields.priority
+
+
+def per_choice(template: generation_pb2.GenerateRequest, fields: SamplingFields, request_id: str,
+               index: int, count: int) -> generation_pb2.GenerateRequest:
+    """Choice ``index`` of ``count``: the template with its own request id and seed."""
+    if count == 1 and fields.seed is None:
+        template.request_id = request_id
+        return template
+    message = generation_pb2.GenerateRequest()
+    message.CopyFrom(template)
+    message.request_id = f"{request_id}-{index}"
+    if fields.seed is not None:
+        message.sampling.seed = choice_seed(fields.seed, index % fields.n)
+    return message
+
+
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one string, strings, token ids, or lists of ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt", "prompt must not be an empty list")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise bad_request("prompt", "a token-id prompt must not be empty")
+    return list(prompt)
+
+
+def completion_template(body: CompletionRequest, prompt: str | list[int]) -> generation_pb2.GenerateRequest:
+    message = generation_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.ids.extend(prompt)
+    _fill_common(message, body, body.max_tokens, body.logprobs)
+    return message
+
+
+def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest:
+    message = generation_pb2.GenerateRequest()
+    for turn in body.messages:
+        role = "system" if turn.role == "developer" else turn.role
+        message.chat.messages.add(role=role, content=turn.text())
+    message.chat.add_generation_prompt = body.add_generation_prompt
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    _fill_common(message, body, max_tokens, logprobs)
+    return message

@@ -1,0 +1,82 @@
+"""Around every HTTP request (plain ASGI, cheaper than Starlette's BaseHTTPMiddleware):
+
+- ``X-Request-Id``: the client's (at most MAX_REQUEST_ID_CHARS printable characters, else 400)
+  or a new one, on the response and as the engine request's id;
+- the body limit: a ``Content-Length`` over ``max_request_bytes``, or a body that grows past
+  it, gets 413 before it is parsed;
+- the count of answers by endpoint and status.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.http.context import MAX_REQUEST_ID_CHARS
+from services.gateway.http.errors import OpenAIError
+from services.gateway.metrics import GatewayMetrics
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+
+
+class GatewayMiddleware:
+    def __init__(self, app: Any, max_request_bytes: int, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+        rid = ""
+        for key, value in scope.get("headers", ()):
+            if key == b"x-request-id":
+                rid = value.decode("latin-1")
+            elif key == b"content-length" and value.isdigit() and int(value) > self.max_request_bytes:
+                await self._refuse(send, endpoint, rid, _too_large(self.max_request_bytes))
+                return
+        if rid and (len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable() or not rid.isascii()):
+            await self._refuse(send, endpoint, "", OpenAIError(
+                400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters", param=None))
+            return
+        rid = rid or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+        status = [500]
+        seen = [0]
+        limit = self.max_request_bytes
+
+        async def limited_receive() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
+                    # An HTTPException: FastAPI lets it through its body parsing to the handler
+                    # (errors.py), which answers 413 in the envelope.
+                    raise StarletteHTTPException(413, _too_large(limit).message)
+            return message
+
+        async def tagged_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, limited_receive, tagged_send)
+        self.metrics.http.labels(endpoint, str(status[0])).inc()
+
+    async def _refuse(self, send: Any, endpoint: str, rid: str, error: OpenAIError) -> None:
+        response = error.response()
+        if rid:
+            response.headers["x-request-id"] = rid
+        await response({"type": "http"}, None, send)
+        self.metrics.http.labels(endpoint, str(error.status)).inc()
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than max_request_bytes={limit}", code="request_too_large")

@@ -1,0 +1,222 @@
+"""The OpenAI request and response bodies the gateway serves, as pydantic models.
+
+Request models forbid unknown fields: a field tokenmill does not know is a 400 naming it
+(OpenAI's own answer), never silently dropped. Fields OpenAI defines that tokenmill does not
+support yet (``tools``, ``response_format``, ``suffix`` ...) are declared, so that null is
+accepted, and refused by ``unsupported()`` when set. Ranges follow OpenAI's where it states
+them (temperature [0, 2], penalties [-2, 2], logit bias [-100, 100]) and the engine's
+otherwise. Response models document /openapi.json; handlers build the same shapes as dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonNegInt = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_STOP_TOKEN_IDS = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+    """Send one last chunk with the usage (and empty choices) before [DONE]."""
+    continuous_usage_stats: bool | None = None
+    """Accepted as vLLM does; tokenmill sends usage in the last chunk only."""
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: sampling, stop rules and tokenmill's (vLLM's) extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=256)
+    # vLLM's extra sampling parameters.
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)
+    """-1 or 0 disables."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """Scheduling priority: lower is served first."""
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first set field tokenmill cannot serve."""
+        if self.suffix is not None:
+            return "suffix", "suffix (insertion) is not supported by tokenmill"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of={self.best_of} is not supported (only best_of equal to n={self.n})"
+        return None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format",
+                           "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options",
+                           "reasoning_effort")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    """OpenAI's request metadata; tokenmill's conditional routes read it as metadata.<key>."""
+    store: bool | None = None
+    service_tier: str | None = None
+    add_generation_prompt: bool = True
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for name in UNSUPPORTED_CHAT_FIELDS:
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported by tokenmill yet"
+        if self.store:
+            return "store", "store=true is not supported (tokenmill keeps no completions)"
+        if self.service_tier not in (None, "auto", "default"):
+            return "service_tier", f"service_tier {self.service_tier!r} is not supported (only auto or default)"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        return None
+
+
+# ---------------------------------------------------------------------------- responses (documentation)
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

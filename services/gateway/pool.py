@@ -1,0 +1,164 @@
+"""The targets as the gateway reaches them: one channel each, polled for health and profile.
+
+Every ``interval_s`` each target is asked for its health and its ``GetProfile`` (over the
+``window_s`` last seconds, so the profile follows the live load); the answers update the
+target's routing state (routing/target.py). A target leaves the pool when its health is not
+SERVING, when a poll fails, or at once when a request's call to it fails UNAVAILABLE
+(``eject``); it is probed at the same pace, and comes back after ``READMIT_AFTER`` polls in a
+row that found it SERVING. The model info of each target is read once it first answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import channel_options, create_channel
+from services.common.tls import ClientTLS
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routes_file import TargetSpec
+from services.gateway.routing.profile import ProfileView
+from services.gateway.routing.target import TargetState
+
+_log = structlog.get_logger("tokenmill.gateway.pool")
+
+READMIT_AFTER = 2
+"""SERVING polls in a row that bring an ejected target back (one could be a flap)."""
+RECONNECT_OPTIONS = [
+    # A target that restarts is found again within a second, not after gRPC's default back-off
+    # (up to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(eq=False)
+class Target:
+    spec: TargetSpec
+    state: TargetState
+    channel: grpc.aio.Channel
+    stub: generation_pb2_grpc.GenerationStub
+    health: health_pb2_grpc.HealthStub
+    model_info: generation_pb2.ModelInfo | None = None
+    successes: int = 0
+    """SERVING polls in a row since it last failed."""
+    ejected: bool = False
+    """Out after a failure; needs READMIT_AFTER good polls to come back."""
+    own_metadata: tuple[tuple[str, str], ...] = field(default=())
+    """The gateway's own bearer token, for its polls."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def profile_view(msg: generation_pb2.LatencyProfile, read_at: float) -> ProfileView:
+    return ProfileView(read_at, msg.num_requests, msg.ttft_p50_ms, msg.ttft_p99_ms, msg.tpot_p50_ms, msg.tpot_p99_ms,
+                       msg.tokens_per_second_per_stream, msg.kv_cache_usage, msg.num_running, msg.num_waiting)
+
+
+class TargetPool:
+    def __init__(self, specs: tuple[TargetSpec, ...], *, interval_s: float = 0.25, window_s: float = 10.0,
+                 default_tls: ClientTLS | None = None, metrics: GatewayMetrics | None = None,
+                 max_message_bytes: int = 16 * 1024 * 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.metrics = metrics or GatewayMetrics()
+        self.clock = clock
+        self.targets: dict[str, Target] = {}
+        options = channel_options(max_message_bytes) + RECONNECT_OPTIONS
+        for spec in specs:
+            tls = ClientTLS(spec.tls.ca, spec.tls.cert, spec.tls.key) if spec.tls is not None else default_tls
+            channel = create_channel(spec.address, options=options, tls=tls)
+            own = (("authorization", f"Bearer {spec.token}"),) if spec.token else ()
+            self.targets[spec.name] = Target(spec, TargetState(spec.name, cost=spec.cost, tags=spec.tags), channel,
+                                             generation_pb2_grpc.GenerationStub(channel),
+                                             health_pb2_grpc.HealthStub(channel), own_metadata=own)
+        self.states = {name: target.state for name, target in self.targets.items()}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, wait_s: float = 0.0) -> None:
+        """Start polling; with ``wait_s``, wait up to that long for the first poll of every target."""
+        first = [asyncio.ensure_future(self.poll_once(t)) for t in self.targets.values()]
+        if wait_s > 0:
+            await asyncio.wait(first, timeout=wait_s)
+        for target in self.targets.values():
+            self._tasks.append(asyncio.create_task(self._poll_forever(target), name=f"gateway-poll-{target.name}"))
+
+    async def _poll_forever(self, target: Target) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.poll_once(target)
+
+    async def poll_once(self, target: Target) -> None:
+        timeout = max(4 * self.interval_s, 1.0)
+        try:
+            reply = await target.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving:
+                await self._read_profile(target, timeout)
+        except grpc.aio.AioRpcError as err:
+            serving = False
+            if target.state.healthy:
+                _log.warning("target_unreachable", target=target.name, code=err.code().name, details=err.details())
+        except Exception:  # noqa: BLE001 - a poll must never kill the polling task
+            serving = False
+            _log.exception("target_poll_failed", target=target.name)
+        self._set_serving(target, serving)
+
+    async def _read_profile(self, target: Target, timeout: float) -> None:
+        request = generation_pb2.GetProfileRequest(window_seconds=self.window_s)
+        try:
+            if target.model_info is None:
+                target.model_info = await target.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                                                   timeout=timeout, metadata=target.own_metadata)
+            msg = await target.stub.GetProfile(request, timeout=timeout, metadata=target.own_metadata)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            # Serving but not telling (tenants without a gateway token, profiles off): route on
+            # the gateway's own observations alone.
+            _log.debug("target_profile_refused", target=target.name, code=err.code().name)
+            return
+        target.state.set_profile(profile_view(msg, self.clock()))
+
+    def _set_serving(self, target: Target, serving: bool) -> None:
+        state = target.state
+        if not serving:
+            target.successes = 0
+            if state.healthy:
+                _log.warning("target_left_pool", target=target.name)
+            state.healthy = False
+        else:
+            target.successes += 1
+            if not state.healthy and (not target.ejected or target.successes >= READMIT_AFTER):
+                _log.info("target_joined_pool", target=target.name)
+                state.healthy = True
+                target.ejected = False
+        self.metrics.healthy.labels(target.name).set(1.0 if state.healthy else 0.0)
+
+    def eject(self, target: Target, reason: str) -> None:
+        """Take a target out now (a call to it failed); polls bring it back once it serves again."""
+        if target.state.healthy:
+            _log.warning("target_ejected", target=target.name, reason=reason)
+        target.ejected = True
+        target.successes = 0
+        target.state.healthy = False
+        self.metrics.healthy.labels(target.name).set(0.0)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for target in self.targets.values():
+            await target.channel.close()

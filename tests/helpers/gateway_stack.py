@@ -1,0 +1,48 @@
+"""A gateway in front of real engines, for tests: routes files written on the fly, servers on port 0."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.server import RunningServer
+from services.executor.config import ExecutorServiceConfig
+from services.executor.main import serve as serve_executor
+from services.gateway.config import GatewayServiceConfig
+from services.gateway.main import serve as serve_gateway
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.main import serve as serve_scheduler
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.main import serve as serve_tokenizer
+from tests.helpers.service_harness import STORIES_DIR
+
+
+async def serve_engine(*, auth_tokens_file: str = "", num_blocks: int = 256,
+                       scheduler: Mapping[str, Any] | None = None) -> list[RunningServer]:
+    """stories260K's tokenizer, executor and scheduler in this process; the scheduler is last."""
+    model = str(STORIES_DIR)
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=num_blocks, dtype="fp32",
+                                                          device="cpu", attention_backend="torch"))
+    sched = await serve_scheduler(SchedulerServiceConfig(
+        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        auth_tokens_file=auth_tokens_file, **dict(scheduler or {})))
+    return [tokenizer, executor, sched]
+
+
+def write_routes(path: Path, routes: Mapping[str, Any]) -> str:
+    path.write_text(json.dumps(routes))
+    return str(path)
+
+
+async def serve_gateway_for(routes_path: str, **fields: Any) -> RunningServer:
+    """The gateway process's serve() in this process: gRPC and HTTP on free ports."""
+    config = GatewayServiceConfig(port=0, http_port=0, config=routes_path, profile_interval_s=0.1, **fields)
+    return await serve_gateway(config)
+
+
+async def stop_all(servers: Sequence[RunningServer]) -> None:
+    for running in servers:
+        await running.stop(grace=0)
