@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,24 @@ from services.tokenizer.main import serve as serve_tokenizer
 from tests.helpers.service_harness import STORIES_DIR
 
 
-async def serve_engine(*, auth_tokens_file: str = "", num_blocks: int = 256,
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def stories_with_chat_template(root: Path) -> Path:
+    """stories260K with a small chat template beside it (the shipped model has none)."""
+    target = root / "stories260K-chat"
+    if not target.exists():
+        shutil.copytree(STORIES_DIR, target)
+        (target / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return target
+
+
+async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str = "", num_blocks: int = 256,
                        scheduler: Mapping[str, Any] | None = None) -> list[RunningServer]:
-    """stories260K's tokenizer, executor and scheduler in this process; the scheduler is last."""
-    model = str(STORIES_DIR)
+    """A model's tokenizer, executor and scheduler in this process (stories260K by default); the
+    scheduler is last."""
+    model = str(model)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=num_blocks, dtype="fp32",
                                                           device="cpu", attention_backend="torch"))

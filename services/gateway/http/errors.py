@@ -119,7 +119,9 @@ def _validation_message(error: dict[str, Any]) -> tuple[str | None, str]:
 
 
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+    # A union field (stop, prompt) fails once per member; the deepest location is the one that
+    # says what is wrong ("stop.0: String should have at least 1 character").
+    errors = sorted(exc.errors(), key=lambda e: -len(e.get("loc", ())))
     param, message = _validation_message(errors[0]) if errors else (None, "invalid request")
     if not errors or errors[0].get("loc", ("body",))[0] != "body":
         param = None

@@ -84,4 +84,4 @@ class TokenNamer:
         """The text of a token-id prompt (for echo); None without a tokenizer."""
         if self._tokenizer is None:
             return None
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
