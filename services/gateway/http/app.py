@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
@@ -56,4 +57,17 @@ def build_app(ctx: HttpContext) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics)
+    app.openapi = lambda: _openapi_with_models(app, sorted(ctx.dispatcher.routes))
     return app
+
+
+def _openapi_with_models(app: FastAPI, models: list[str]) -> dict:
+    """FastAPI's document, with the ``model`` fields listing this gateway's model ids."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            model = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get("model")
+            if model is not None:
+                model["enum"] = models
+        app.openapi_schema = schema
+    return app.openapi_schema
