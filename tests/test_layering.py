@@ -3,6 +3,8 @@
     cli, benchmarks                      entry points and measurement: may import anything below
     inprocess, stack, tools              engine in one process; launching and calling a stack;
                                          model conversion and building
+    gateway                              OpenAI HTTP + routed Generation API, a client of the
+                                         engines' public API only (and its engine simulator)
     scheduler | tokenizer | executor | drafter
                                          the four services: never import each other
     runtime                              model, kernels, sampler, KV layout (torch): executor, drafter
@@ -35,13 +37,14 @@ ALLOWED: dict[str, set[str]] = {
     "drafter": {"common", "runtime", "drafter"},
     "tools": {"common", "runtime", "tools"},
     "stack": {"common", "stack"},
+    "gateway": {"common", "gateway"},
     "inprocess": {"common", "runtime", "scheduler", "tokenizer", "executor", "drafter", "inprocess"},
     "cli": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack", "inprocess",
-            "cli"},
+            "gateway", "cli"},
     "benchmarks": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack",
-                   "inprocess", "benchmarks"},
+                   "inprocess", "gateway", "benchmarks"},
 }
-TORCH_FREE = {"common", "tokenizer", "scheduler", "stack"}
+TORCH_FREE = {"common", "tokenizer", "scheduler", "stack", "gateway"}
 TORCH_MODULES = {"torch", "triton"}
 
 
@@ -176,6 +179,7 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
     ["services.tokenizer.main", "services.tokenizer.servicer"],
     ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.detokenize"],
     ["services.stack.launcher", "services.stack.client"],
+    ["services.gateway.main", "services.gateway.simulator.main"],
 ])
 def test_torch_free_processes_never_load_torch(modules):
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules) + \

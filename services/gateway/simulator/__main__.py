@@ -1,0 +1,3 @@
+from services.gateway.simulator.main import main
+
+raise SystemExit(main())

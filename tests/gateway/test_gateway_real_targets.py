@@ -1,0 +1,172 @@
+"""The gateway over two real stories260K stacks (processes, as `tokenmill up` starts them).
+
+- One stack is slowed (its executor stopped and continued on a duty cycle, as a noisy
+  neighbour would slow it): the latency route keeps requests with an SLA on the fast one and
+  sends SLA-free ones to the cheap slow one.
+- One stack's scheduler is SIGKILLed under load: every request that had not started streaming
+  still succeeds (it moves to the other target), and the killed target, restarted by its
+  launcher, is probed back into the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import statistics
+import threading
+import time
+
+import openai
+import pytest
+import pytest_asyncio
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import create_channel
+from tests.helpers.gateway_stack import serve_gateway_for, write_routes
+from tests.helpers.launched_stack import launched_stack
+from tests.helpers.service_harness import STORIES_DIR
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+EXECUTOR = dict(dtype="fp32", device="cpu", attention_backend="torch", num_blocks=256)
+PROMPT = "Once upon a time"
+STOPPED_S, RUNNING_S = 0.03, 0.01
+"""The slowed executor runs 10 ms of every 40: about four times slower."""
+
+
+class DutyCycle:
+    """SIGSTOP / SIGCONT a process on a cycle, from a thread, until closed."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGSTOP)
+            time.sleep(STOPPED_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            time.sleep(RUNNING_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    with launched_stack(STORIES_DIR, logs / "a", executor=EXECUTOR) as fast, \
+            launched_stack(STORIES_DIR, logs / "b", executor=EXECUTOR) as cheap:
+        yield fast, cheap
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def gateway(stacks, tmp_path_factory):
+    fast, cheap = stacks
+    routes = write_routes(tmp_path_factory.mktemp("routes") / "routes.json", {
+        "targets": [{"name": "fast", "address": fast.public_address, "cost": 1.0},
+                    {"name": "cheap", "address": cheap.public_address, "cost": 0.2}],
+        "models": {"stories": {"route": {"strategy": "latency", "targets": ["fast", "cheap"]}},
+                   "spread": {"strategy": "loadbalance", "targets": ["fast", "cheap"]}}})
+    running = await serve_gateway_for(routes)
+    yield running
+    await running.stop(grace=0)
+
+
+def served(gateway, model: str) -> dict[str, float]:
+    """requests_total{outcome="ok"} per target of one model, from the gateway's metrics."""
+    text = gateway.dispatcher.metrics.exposition().decode()
+    pattern = rf'tokenmill:gateway_requests_total{{model="{model}",outcome="ok",target="(\w+)"}} ([0-9.]+)'
+    return {target: float(count) for target, count in re.findall(pattern, text)}
+
+
+async def direct_e2e_ms(address: str, n: int, max_tokens: int) -> float:
+    async with create_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        times = []
+        for i in range(n):
+            request = generation_pb2.GenerateRequest(text=f"{PROMPT} {i}")
+            request.sampling.temperature = 0.0
+            request.stop.max_tokens = max_tokens
+            request.stop.ignore_eos = True
+            began = time.monotonic()
+            async for _ in stub.Generate(request, timeout=60):
+                pass
+            times.append((time.monotonic() - began) * 1000.0)
+    return statistics.median(times)
+
+
+async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_on_the_cheap_one(stacks, gateway):
+    fast, cheap = stacks
+    slow = DutyCycle(cheap.services["executor"].process.pid)
+    try:
+        fast_ms = await direct_e2e_ms(fast.public_address, 6, 32)
+        slow_ms = await direct_e2e_ms(cheap.public_address, 6, 32)
+        assert slow_ms > 2.5 * fast_ms, (fast_ms, slow_ms)
+        await asyncio.sleep(0.3)  # a poll reads both profiles
+        sla = (fast_ms * slow_ms) ** 0.5
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="-", max_retries=0)
+        before = served(gateway, "stories")
+        for i in range(16):
+            await client.completions.create(model="stories", prompt=f"{PROMPT} {i}", max_tokens=32,
+                                            extra_body={"ignore_eos": True},
+                                            extra_headers={"x-tokenmill-sla-ms": f"{sla:.0f}"})
+        with_sla = {k: v - before.get(k, 0) for k, v in served(gateway, "stories").items()}
+        for i in range(8):
+            await client.completions.create(model="stories", prompt=f"{PROMPT} {i}", max_tokens=32,
+                                            extra_body={"ignore_eos": True})
+        after = served(gateway, "stories")
+        without_sla = {k: after[k] - before.get(k, 0) - with_sla.get(k, 0) for k in after}
+    finally:
+        slow.close()
+    assert with_sla.get("fast", 0) >= 14, (with_sla, fast_ms, slow_ms, sla)
+    assert without_sla.get("cheap", 0) == 8, without_sla
+
+
+async def test_a_target_killed_under_load_fails_no_request_that_had_not_streamed(stacks, gateway):
+    fast, cheap = stacks
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="-", max_retries=0)
+    outcomes: list[tuple[bool, str]] = []  # (had streamed a token, error or "")
+
+    async def one(i: int) -> None:
+        streamed = False
+        try:
+            stream = await client.completions.create(model="spread", prompt=f"{PROMPT} {i}", max_tokens=48,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                streamed = streamed or bool(chunk.choices and chunk.choices[0].text)
+                if chunk.choices and chunk.choices[0].finish_reason is None and "error" in (chunk.model_extra or {}):
+                    raise RuntimeError("in-band error")
+            outcomes.append((streamed, ""))
+        except Exception as exc:  # noqa: BLE001 - recorded and judged below
+            outcomes.append((streamed, f"{type(exc).__name__}: {exc}"))
+
+    fallbacks_before = gateway.dispatcher.metrics.fallbacks.labels("spread", "cheap", "UNAVAILABLE")._value.get()
+    load = [asyncio.create_task(one(i)) for i in range(16)]
+    await asyncio.sleep(0.15)
+    cheap.services["scheduler"].process.send_signal(signal.SIGKILL)
+    burst = [asyncio.create_task(one(100 + i)) for i in range(16)]  # sent before any poll notices
+    await asyncio.gather(*load, *burst)
+    failed = [(streamed, error) for streamed, error in outcomes if error]
+    assert all(streamed for streamed, _ in failed), failed
+    assert len(outcomes) == 32 and len(failed) < 16
+    fallbacks = gateway.dispatcher.metrics.fallbacks.labels("spread", "cheap", "UNAVAILABLE")._value.get()
+    assert fallbacks > fallbacks_before or failed, "the kill reached no request: the test proved nothing"
+    # The launcher restarts the scheduler on its port; the pool probes it back in.
+    target = gateway.dispatcher.pool.targets["cheap"]
+    deadline = time.monotonic() + 90
+    while not target.state.healthy and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert target.state.healthy
+    reply = await client.completions.create(model="spread", prompt=PROMPT, max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"
