@@ -47,6 +47,7 @@ class Outcome:
 
     model: str
     target: str
+    request_id: str
     estimate_ms: float | None
     """At dispatch, for the request's expected output tokens."""
     estimate_actual_ms: float | None
@@ -155,7 +156,7 @@ class Dispatcher:
                         raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
                     if finished.finish_reason in GOOD_FINISHES:
                         self._observe(route, request, target, load, started_at, first_token_at, finished,
-                                      estimate, explore)
+                                      estimate, explore, request_id)
                 elif first_token_at is None:
                     first_token_at = self.clock()
                 if held is not None:
@@ -185,17 +186,19 @@ class Dispatcher:
 
     def _observe(self, route: Route, request: RouteRequest, target: Target, load: float, started_at: float,
                  first_token_at: float | None, finished: generation_pb2.Finished,
-                 estimate: float | None, explore: bool) -> None:
+                 estimate: float | None, explore: bool, request_id: str) -> None:
         now = self.clock()
         tokens = finished.usage.completion_tokens
         observed = (now - started_at) * 1000.0
         ttft = ((first_token_at or now) - started_at) * 1000.0
         estimator = target.state.estimator
-        actual = estimator.estimate_ms(tokens, load, request.worst_case, now)
+        raw = estimator.raw_estimate_ms(tokens, load, request.worst_case, now)
+        actual = None if raw is None else raw * estimator.median_ratio
         if actual is not None and actual > 0:
             self.metrics.estimate_ratio.labels(target.name).observe(observed / actual)
-        estimator.observe(load, ttft, tokens, observed, now)
+        estimator.observe(load, ttft, tokens, observed, now, raw)
         if self.observers:
-            outcome = Outcome(route.model, target.name, estimate, actual, observed, ttft, tokens, request.sla_ms, explore)
+            outcome = Outcome(route.model, target.name, request_id, estimate, actual, observed, ttft, tokens,
+                              request.sla_ms, explore)
             for observer in self.observers:
                 observer(outcome)

@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway.routes_file import ModelSpec, parse_routes
 from services.gateway.routing.build import RETRY_ALWAYS, RETRY_FALLBACK, build_route
-from services.gateway.routing.estimate import MIN_OBSERVATIONS, ResponseTimeEstimator
+from services.gateway.routing.estimate import MIN_OBSERVATIONS, PRIOR_SLOWDOWN, ResponseTimeEstimator
 from services.gateway.routing.prefix_affinity import prefix_key
 from services.gateway.routing.profile import ProfileView
 from services.gateway.routing.query import compile_query
@@ -63,9 +63,31 @@ def test_own_observations_fit_latency_as_a_line_in_the_load():
         ttft, tpot = 20 + 5 * load, 2 + 1 * load
         est.observe(load, ttft, 11, ttft + 10 * tpot, now=0.0)
     assert est.ttft.count >= MIN_OBSERVATIONS
-    assert est.estimate_ms(11, 10, False, 0.0) == pytest.approx((20 + 50) + 10 * (2 + 10), rel=1e-6)
+    # The slope's prior (5 % per request) weighs as 4 points: against 24 spread points, a few %.
+    assert est.estimate_ms(11, 10, False, 0.0) == pytest.approx((20 + 50) + 10 * (2 + 10), rel=0.05)
     # p99: the fitted values scaled by the profile's p99/p50 ratios (200/500 -> 1, 20/50 -> 1)
-    assert est.estimate_ms(11, 0, True, 0.0) == pytest.approx(20 + 10 * 2, rel=1e-6)
+    assert est.estimate_ms(11, 0, True, 0.0) == pytest.approx(20 + 10 * 2, rel=0.05)
+
+
+def test_points_at_one_load_take_the_prior_slope():
+    est = ResponseTimeEstimator()
+    for _ in range(10):
+        est.observe(2, 100.0, 11, 100.0 + 10 * 10.0, now=0.0)
+    # 5 % of the mean per request in flight, relative to the load the points were seen at
+    per_request = PRIOR_SLOWDOWN * 100.0 / (1 + PRIOR_SLOWDOWN * 2)
+    assert est.ttft.slope == pytest.approx(per_request)
+    assert est.ttft.predict(6) == pytest.approx(100.0 + 4 * per_request)
+
+
+def test_the_estimate_is_calibrated_on_its_own_errors():
+    est = ResponseTimeEstimator()
+    est.set_profile(profile(ttft50=100, tpot50=10))
+    raw = est.raw_estimate_ms(11, 0, False, 0.0)
+    assert raw == est.estimate_ms(11, 0, False, 0.0) == pytest.approx(200)
+    for i in range(20):  # observed 1.5x (and up to 1.95x) what the estimate said
+        est.observe(0, 150.0, 11, raw * (1.5 + 0.05 * (i % 10)), now=0.0, raw_estimate_ms=raw)
+    assert est.median_ratio == pytest.approx(1.75)
+    assert est.quantile_ratio(0.9) == pytest.approx(1.95)
 
 
 def test_stale_own_observations_give_way_to_a_profile_with_data():

@@ -6,7 +6,7 @@
     {strategy: fallback, targets: [primary, {strategy: loadbalance, targets: [c, d]}]}
     {strategy: conditional, conditions: [{query: {"metadata.tier": {"$eq": "gold"}}, then: big}],
      default: small}
-    {strategy: latency, targets: [fast, weak], explore_rate: 0.05, max_exploring: 1}
+    {strategy: latency, targets: [fast, weak], explore_rate: 0.05, max_exploring: 1, confidence: 0.9}
     {strategy: prefix-affinity, targets: [r1, r2, r3], prefix_chars: 256, block_chars: 64,
      load_factor: 1.25}
 
@@ -125,11 +125,12 @@ class _Builder:
         return leaves
 
     def latency(self, spec: dict, where: str) -> Node:
-        _only(spec, {"strategy", "targets", "explore_rate", "max_exploring", "weight"}, where)
+        _only(spec, {"strategy", "targets", "explore_rate", "max_exploring", "confidence", "weight"}, where)
         rate = _number(spec, "explore_rate", 0.05, where, 0.0, 1.0)
         exploring = int(_number(spec, "max_exploring", 1, where, 0, 1 << 20))
+        confidence = _number(spec, "confidence", 0.9, where, 0.5, 0.99)
         return LatencyRouted(self._leaves(spec, where), explore_rate=rate, max_exploring=exploring,
-                             rng=self.rng, clock=self.clock)
+                             confidence=confidence, rng=self.rng, clock=self.clock)
 
     def prefix_affinity(self, spec: dict, where: str) -> Node:
         _only(spec, {"strategy", "targets", "prefix_chars", "block_chars", "load_factor", "weight"}, where)

@@ -12,7 +12,15 @@ target (each finished request gives one point):
 plus waiting from the last GetProfile, plus what this gateway sent since). The fits weigh
 recent points more (each point's weight decays by ``DECAY`` per later point), so they follow a
 target that slows down or speeds up. Slopes are kept >= 0: more load never makes a target
-faster.
+faster. Points seen at nearly one load say nothing about the slope, so the slope is pulled
+toward a prior, ``PRIOR_SLOWDOWN`` of the mean per request in flight (ridge regression with
+``PRIOR_WEIGHT``), which the data outweighs as soon as it spans a few loads.
+
+The fitted estimate is then calibrated on its own errors: each finished request leaves the
+ratio observed / estimated (the load a request meets changes after it is sent, output may end
+early), and the last ``RATIO_WINDOW`` ratios give quantiles. ``estimate_ms`` scales the raw
+estimate by the median ratio (the best guess), ``quantile_ratio(q)`` gives the margin a
+strategy needs to be right a fraction q of the time (the latency strategy's ``confidence``).
 
 Until a target has ``MIN_OBSERVATIONS`` points of its own, its live profile stands in: TTFT and
 TPOT medians (p99s for the worst case) measured by the engine over its recent window, at
@@ -22,6 +30,8 @@ ratio (``WORST_CASE_FALLBACK`` when the profile has no data).
 
 from __future__ import annotations
 
+from collections import deque
+
 from services.gateway.routing.profile import ProfileView
 
 DECAY = 0.97
@@ -29,6 +39,13 @@ DECAY = 0.97
 MIN_OBSERVATIONS = 3
 WORST_CASE_FALLBACK = 2.0
 MAX_WORST_CASE_RATIO = 10.0
+PRIOR_SLOWDOWN = 0.05
+"""Relative latency a request in flight adds before the data says otherwise (in-flight batching)."""
+PRIOR_WEIGHT = 4.0
+"""Weight of the slope's prior, in points one load unit from the mean."""
+RATIO_WINDOW = 64
+MIN_RATIOS = 8
+"""Calibration starts once this many ratios were seen (before: ratio 1)."""
 
 
 class DecayingLine:
@@ -52,8 +69,10 @@ class DecayingLine:
         self.count += 1
         w = self._w
         mean_x, mean_y = self._sx / w, self._sy / w
-        var_x = self._sxx / w - mean_x * mean_x
-        slope = (self._sxy / w - mean_x * mean_y) / var_x if var_x > 1e-6 else 0.0
+        sxx = max(self._sxx - w * mean_x * mean_x, 0.0)  # sum of w (x - mean_x)^2
+        sxy = self._sxy - w * mean_x * mean_y
+        prior = PRIOR_SLOWDOWN * mean_y / (1.0 + PRIOR_SLOWDOWN * mean_x)
+        slope = (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT)
         self.slope = slope if slope > 0.0 else 0.0
         self.intercept = mean_y - self.slope * mean_x
         # Extrapolating a steep line below the loads it saw could go negative: never below a
@@ -68,7 +87,8 @@ class DecayingLine:
 class ResponseTimeEstimator:
     """One target's TTFT and TPOT fits, and its profile as the fallback."""
 
-    __slots__ = ("ttft", "tpot", "profile", "last_observed_at", "stale_after_s", "_worst_ttft", "_worst_tpot")
+    __slots__ = ("ttft", "tpot", "profile", "last_observed_at", "stale_after_s", "_worst_ttft", "_worst_tpot",
+                 "_ratios", "_sorted_ratios", "median_ratio")
 
     def __init__(self, stale_after_s: float = 30.0) -> None:
         self.ttft = DecayingLine()
@@ -79,6 +99,21 @@ class ResponseTimeEstimator:
         self.stale_after_s = stale_after_s
         """Own observations older than this give way to a profile that has data."""
         self._worst_ttft = self._worst_tpot = WORST_CASE_FALLBACK
+        self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
+        self._sorted_ratios: list[float] = []
+        self.median_ratio = 1.0
+
+    def quantile_ratio(self, q: float) -> float:
+        """The q-quantile of observed / raw estimate over the last requests (1 before MIN_RATIOS)."""
+        ordered = self._sorted_ratios
+        if len(ordered) < MIN_RATIOS:
+            return 1.0
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def estimate_ms(self, output_tokens: int, load: float, worst_case: bool, now: float) -> float | None:
+        """The calibrated estimate: the raw one times the median observed / estimated ratio."""
+        raw = self.raw_estimate_ms(output_tokens, load, worst_case, now)
+        return None if raw is None else raw * self.median_ratio
 
     def set_profile(self, profile: ProfileView) -> None:
         self.profile = profile
@@ -93,8 +128,9 @@ class ResponseTimeEstimator:
         return (now - self.last_observed_at > self.stale_after_s
                 and (profile is None or not profile.has_latency))
 
-    def estimate_ms(self, output_tokens: int, load: float, worst_case: bool, now: float) -> float | None:
-        """Expected response time in ms for ``output_tokens`` tokens at ``load``; None without data."""
+    def raw_estimate_ms(self, output_tokens: int, load: float, worst_case: bool, now: float) -> float | None:
+        """Expected response time in ms for ``output_tokens`` tokens at ``load`` from the fits (or the
+        profile), before calibration; None without data."""
         profile = self.profile
         own = self.ttft.count >= MIN_OBSERVATIONS
         if own and now - self.last_observed_at > self.stale_after_s and profile is not None and profile.has_latency:
@@ -114,9 +150,16 @@ class ResponseTimeEstimator:
                 tpot = 1000.0 / p.tokens_per_second_per_stream
         return ttft + max(output_tokens - 1, 0) * tpot
 
-    def observe(self, load: float, ttft_ms: float, output_tokens: int, e2e_ms: float, now: float) -> None:
-        """One finished request of this target, as the gateway timed it."""
+    def observe(self, load: float, ttft_ms: float, output_tokens: int, e2e_ms: float, now: float,
+                raw_estimate_ms: float | None = None) -> None:
+        """One finished request of this target, as the gateway timed it; ``raw_estimate_ms`` is what
+        raw_estimate_ms said for it at dispatch (for its actual output), for the calibration."""
         self.last_observed_at = now
+        if raw_estimate_ms is not None and raw_estimate_ms > 0 and e2e_ms > 0:
+            self._ratios.append(e2e_ms / raw_estimate_ms)
+            self._sorted_ratios = sorted(self._ratios)
+            if len(self._sorted_ratios) >= MIN_RATIOS:
+                self.median_ratio = self._sorted_ratios[len(self._sorted_ratios) // 2]
         self.ttft.add(load, ttft_ms)
         if output_tokens > 1:
             self.tpot.add(load, max(e2e_ms - ttft_ms, 0.0) / (output_tokens - 1))

@@ -4,8 +4,10 @@ For every healthy target the estimator (routing/estimate.py) gives the response 
 request at the target's live load: TTFT + (max_tokens - 1) x TPOT, medians or, when the
 request asks for the worst case, p99s. Then:
 
-1. the targets whose estimate fits the request's SLA, cheapest first (ties: lower estimate);
-   without an SLA every target fits, so SLA-free traffic goes to the cheapest (the weak model);
+1. the targets whose estimate fits the request's SLA with ``confidence``: the estimate times the
+   ``confidence`` quantile of the target's own observed / estimated ratios (a target whose
+   estimates have run short gets a wider margin), cheapest first (ties: lower estimate); without
+   an SLA every target fits, so SLA-free traffic goes to the cheapest (the weak model);
 2. then the targets that do not fit, lowest estimate first;
 3. then the targets with no data yet.
 
@@ -29,8 +31,10 @@ from services.gateway.routing.target import TargetState
 
 class LatencyRouted:
     def __init__(self, targets: list[TargetState], *, explore_rate: float = 0.05, max_exploring: int = 1,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 confidence: float = 0.9, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.targets = targets
+        self.confidence = confidence
         self.explore_rate = explore_rate
         self.max_exploring = max_exploring
         self.rng = rng or random.Random()
@@ -46,13 +50,15 @@ class LatencyRouted:
         for target in self.targets:
             if not target.healthy:
                 continue
-            estimate = target.estimate_ms(tokens, worst, now)
-            if estimate is None:
+            raw = target.raw_estimate_ms(tokens, worst, now)
+            if raw is None:
                 unknown.append(target)
                 if target.exploring < self.max_exploring:
                     learn.append(target)
                 continue
-            if sla is None or estimate <= sla:
+            estimator = target.estimator
+            estimate = raw * estimator.median_ratio
+            if sla is None or raw * estimator.quantile_ratio(self.confidence) <= sla:
                 fits.append((target.cost, estimate, target))
             else:
                 misses.append((estimate, target))

@@ -42,4 +42,8 @@ class TargetState:
         return float(load if load > self.inflight else self.inflight)
 
     def estimate_ms(self, output_tokens: int, worst_case: bool, now: float) -> float | None:
+        """The calibrated estimate of a response at the live load (None without data)."""
         return self.estimator.estimate_ms(output_tokens, self.engine_load(), worst_case, now)
+
+    def raw_estimate_ms(self, output_tokens: int, worst_case: bool, now: float) -> float | None:
+        return self.estimator.raw_estimate_ms(output_tokens, self.engine_load(), worst_case, now)

@@ -1,0 +1,3 @@
+from benchmarks.gateway.driver import main
+
+raise SystemExit(main())
