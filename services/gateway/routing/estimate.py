@@ -22,10 +22,11 @@ early), and the last ``RATIO_WINDOW`` ratios give quantiles. ``estimate_ms`` sca
 estimate by the median ratio (the best guess), ``quantile_ratio(q)`` gives the margin a
 strategy needs to be right a fraction q of the time (the latency strategy's ``confidence``).
 
-Until a target has ``MIN_OBSERVATIONS`` points of its own, its live profile stands in: TTFT and
-TPOT medians (p99s for the worst case) measured by the engine over its recent window, at
-whatever load it had. For the worst case a fitted value is scaled by the profile's p99/p50
-ratio (``WORST_CASE_FALLBACK`` when the profile has no data).
+Until a target has ``MIN_OBSERVATIONS`` points of its own (or when they have gone stale while
+the engine's profile has recent data), its live profile stands in: TTFT and TPOT medians
+measured by the engine over its recent window, at whatever load it had. For the worst case the
+values are scaled by the profile's p99/p50 ratios (so the profile's own p99s;
+``WORST_CASE_FALLBACK`` when the profile has no data).
 """
 
 from __future__ import annotations
@@ -85,10 +86,16 @@ class DecayingLine:
 
 
 class ResponseTimeEstimator:
-    """One target's TTFT and TPOT fits, and its profile as the fallback."""
+    """One target's TTFT and TPOT fits, and its profile as the fallback.
+
+    A routing decision reads every target's estimate, so the coefficients in use (the fits', or
+    the profile's) are kept as one tuple, rebuilt only when an observation or a profile arrives
+    or the fits go stale: an estimate is then a handful of float operations.
+    """
 
     __slots__ = ("ttft", "tpot", "profile", "last_observed_at", "stale_after_s", "_worst_ttft", "_worst_tpot",
-                 "_ratios", "_sorted_ratios", "median_ratio")
+                 "_ratios", "_sorted_ratios", "median_ratio", "_coefficients", "_dirty", "_own_until",
+                 "_quantiles")
 
     def __init__(self, stale_after_s: float = 30.0) -> None:
         self.ttft = DecayingLine()
@@ -102,13 +109,20 @@ class ResponseTimeEstimator:
         self._ratios: deque[float] = deque(maxlen=RATIO_WINDOW)
         self._sorted_ratios: list[float] = []
         self.median_ratio = 1.0
+        self._coefficients: tuple[float, ...] | None = None
+        self._dirty = True
+        self._own_until = float("inf")
+        """While the coefficients are the fits': when they go stale."""
+        self._quantiles: dict[float, float] = {}
 
     def quantile_ratio(self, q: float) -> float:
         """The q-quantile of observed / raw estimate over the last requests (1 before MIN_RATIOS)."""
-        ordered = self._sorted_ratios
-        if len(ordered) < MIN_RATIOS:
-            return 1.0
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        value = self._quantiles.get(q)
+        if value is None:
+            ordered = self._sorted_ratios
+            value = 1.0 if len(ordered) < MIN_RATIOS else ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+            self._quantiles[q] = value
+        return value
 
     def estimate_ms(self, output_tokens: int, load: float, worst_case: bool, now: float) -> float | None:
         """The calibrated estimate: the raw one times the median observed / estimated ratio."""
@@ -120,6 +134,7 @@ class ResponseTimeEstimator:
         if profile.has_latency:
             self._worst_ttft = _ratio(profile.ttft_p99_ms, profile.ttft_p50_ms)
             self._worst_tpot = _ratio(profile.tpot_p99_ms, profile.tpot_p50_ms)
+        self._dirty = True
 
     def is_stale(self, now: float) -> bool:
         """The estimate rests on old points alone: no observation of our own for ``stale_after_s``
@@ -128,36 +143,61 @@ class ResponseTimeEstimator:
         return (now - self.last_observed_at > self.stale_after_s
                 and (profile is None or not profile.has_latency))
 
+    def coefficients(self, now: float) -> tuple[float, ...] | None:
+        """(ttft intercept, slope, floor, tpot intercept, slope, floor, worst-case ttft and tpot
+        factors), or None without data."""
+        if self._dirty or now > self._own_until:
+            self._coefficients = self._build(now)
+            self._dirty = False
+        return self._coefficients
+
+    def _build(self, now: float) -> tuple[float, ...] | None:
+        profile = self.profile
+        with_profile = profile is not None and profile.has_latency
+        self._own_until = float("inf")
+        if self.ttft.count >= MIN_OBSERVATIONS:
+            own_until = self.last_observed_at + self.stale_after_s
+            if now <= own_until or not with_profile:  # else the engine's recent window knows better
+                if with_profile:
+                    self._own_until = own_until
+                t, p = self.ttft, self.tpot
+                return (t.intercept, t.slope, t.floor, p.intercept, p.slope, p.floor, self._worst_ttft,
+                        self._worst_tpot)
+        if not with_profile:
+            return None
+        tpot = profile.tpot_p50_ms
+        if tpot <= 0.0 and profile.tokens_per_second_per_stream > 0:
+            tpot = 1000.0 / profile.tokens_per_second_per_stream
+        return profile.ttft_p50_ms, 0.0, 0.0, tpot, 0.0, 0.0, self._worst_ttft, self._worst_tpot
+
     def raw_estimate_ms(self, output_tokens: int, load: float, worst_case: bool, now: float) -> float | None:
         """Expected response time in ms for ``output_tokens`` tokens at ``load`` from the fits (or the
-        profile), before calibration; None without data."""
-        profile = self.profile
-        own = self.ttft.count >= MIN_OBSERVATIONS
-        if own and now - self.last_observed_at > self.stale_after_s and profile is not None and profile.has_latency:
-            own = False  # the engine's recent window knows better than our old points
-        if own:
-            ttft, tpot = self.ttft.predict(load), self.tpot.predict(load)
-            if worst_case:
-                ttft *= self._worst_ttft
-                tpot *= self._worst_tpot
-        else:
-            p = profile
-            if p is None or not p.has_latency:
-                return None
-            ttft = p.ttft_p99_ms if worst_case else p.ttft_p50_ms
-            tpot = p.tpot_p99_ms if worst_case else p.tpot_p50_ms
-            if tpot <= 0.0 and p.tokens_per_second_per_stream > 0:
-                tpot = 1000.0 / p.tokens_per_second_per_stream
-        return ttft + max(output_tokens - 1, 0) * tpot
+        profile: its medians, its p99s for the worst case), before calibration; None without data."""
+        c = self.coefficients(now)
+        if c is None:
+            return None
+        ttft_a, ttft_b, ttft_floor, tpot_a, tpot_b, tpot_floor, worst_ttft, worst_tpot = c
+        ttft = ttft_a + ttft_b * load
+        if ttft < ttft_floor:
+            ttft = ttft_floor
+        tpot = tpot_a + tpot_b * load
+        if tpot < tpot_floor:
+            tpot = tpot_floor
+        if worst_case:
+            ttft *= worst_ttft
+            tpot *= worst_tpot
+        return ttft + (output_tokens - 1 if output_tokens > 1 else 0) * tpot
 
     def observe(self, load: float, ttft_ms: float, output_tokens: int, e2e_ms: float, now: float,
                 raw_estimate_ms: float | None = None) -> None:
         """One finished request of this target, as the gateway timed it; ``raw_estimate_ms`` is what
         raw_estimate_ms said for it at dispatch (for its actual output), for the calibration."""
         self.last_observed_at = now
+        self._dirty = True
         if raw_estimate_ms is not None and raw_estimate_ms > 0 and e2e_ms > 0:
             self._ratios.append(e2e_ms / raw_estimate_ms)
             self._sorted_ratios = sorted(self._ratios)
+            self._quantiles.clear()
             if len(self._sorted_ratios) >= MIN_RATIOS:
                 self.median_ratio = self._sorted_ratios[len(self._sorted_ratios) // 2]
         self.ttft.add(load, ttft_ms)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from services.gateway.routing.node import Node, Ranking, concat, leaves_of
+from services.gateway.routing.node import Node, Ranking, child_ranking, concat, leaves_of
 from services.gateway.routing.request import RouteRequest
 from services.gateway.routing.target import TargetState
 
@@ -18,11 +18,12 @@ class Fallback:
         self.children = children
 
     def rank(self, request: RouteRequest) -> Ranking:
-        rankings = [child.rank(request) for child in self.children]
-        first = next((r for r in rankings if r.targets), None)
+        rankings = [child_ranking(child, request) for child in self.children]
+        first = next((r for r in rankings if r is not None), None)
         if first is None:
             return Ranking([], "no_healthy_target")
         reason = "primary" if first is rankings[0] else "fallback_unhealthy"
+        rankings = [r for r in rankings if r is not None]
         return Ranking(concat(r.targets for r in rankings), reason, first.explore, first.estimate_ms)
 
     def leaves(self) -> Iterator[TargetState]:

@@ -47,22 +47,38 @@ class LatencyRouted:
         misses: list[tuple[float, TargetState]] = []
         unknown: list[TargetState] = []
         learn: list[TargetState] = []
+        confidence = self.confidence
+        n1 = tokens - 1 if tokens > 1 else 0
         for target in self.targets:
             if not target.healthy:
                 continue
-            raw = target.raw_estimate_ms(tokens, worst, now)
-            if raw is None:
+            estimator = target.estimator
+            c = estimator.coefficients(now)
+            if c is None:
                 unknown.append(target)
                 if target.exploring < self.max_exploring:
                     learn.append(target)
                 continue
-            estimator = target.estimator
+            # raw_estimate_ms, inlined: this loop runs over every target for every request
+            inflight = target.inflight
+            load = target.profile_load + inflight - target.inflight_at_read if target.profile_load >= 0 else inflight
+            if load < inflight:
+                load = inflight
+            ttft_a, ttft_b, ttft_floor, tpot_a, tpot_b, tpot_floor, worst_ttft, worst_tpot = c
+            ttft = ttft_a + ttft_b * load
+            if ttft < ttft_floor:
+                ttft = ttft_floor
+            tpot = tpot_a + tpot_b * load
+            if tpot < tpot_floor:
+                tpot = tpot_floor
+            raw = ttft * worst_ttft + n1 * tpot * worst_tpot if worst else ttft + n1 * tpot
             estimate = raw * estimator.median_ratio
-            if sla is None or raw * estimator.quantile_ratio(self.confidence) <= sla:
+            if sla is None or raw * estimator.quantile_ratio(confidence) <= sla:
                 fits.append((target.cost, estimate, target))
             else:
                 misses.append((estimate, target))
-            if target.exploring < self.max_exploring and target.estimator.is_stale(now):
+            if target.exploring < self.max_exploring and now - estimator.last_observed_at > estimator.stale_after_s \
+                    and estimator.is_stale(now):
                 learn.append(target)
         if not fits and not misses:
             return self._without_data(unknown)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from services.gateway.routing.node import Node, Ranking, concat, leaves_of
+from services.gateway.routing.node import Node, Ranking, child_ranking, concat, leaves_of
 from services.gateway.routing.request import RouteRequest
 from services.gateway.routing.target import TargetState
 
@@ -24,12 +24,13 @@ class LoadBalance:
 
     def rank(self, request: RouteRequest) -> Ranking:
         keyed = []
+        draw = self.rng.random
         for child, weight in zip(self.children, self.weights):
             if weight <= 0:
                 continue
-            ranking = child.rank(request)
-            if ranking.targets:
-                keyed.append((self.rng.random() ** (1.0 / weight), ranking))
+            ranking = child_ranking(child, request)
+            if ranking is not None:
+                keyed.append((draw() ** (1.0 / weight), ranking))
         if not keyed:
             return Ranking([], "no_healthy_target")
         keyed.sort(key=lambda pair: pair[0], reverse=True)

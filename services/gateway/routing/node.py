@@ -51,14 +51,17 @@ class TargetNode:
 
 def concat(rankings: Iterable[list[TargetState]]) -> list[TargetState]:
     """The rankings one after the other, each target kept at its first place."""
-    seen: set[int] = set()
-    out: list[TargetState] = []
-    for ranking in rankings:
-        for target in ranking:
-            if id(target) not in seen:
-                seen.add(id(target))
-                out.append(target)
-    return out
+    return list(dict.fromkeys(target for ranking in rankings for target in ranking))
+
+
+def child_ranking(child: Node, request: RouteRequest) -> Ranking | None:
+    """``child.rank(request)``, None when it ranks nothing; a leaf is answered without a call (a
+    strategy over 64 targets asks 64 leaves per request)."""
+    if type(child) is TargetNode:
+        target = child.target
+        return Ranking([target], "target") if target.healthy else None
+    ranking = child.rank(request)
+    return ranking if ranking.targets else None
 
 
 def leaves_of(children: Iterable[Node]) -> Iterator[TargetState]:

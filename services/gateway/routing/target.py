@@ -24,6 +24,8 @@ class TargetState:
     """Requests this gateway has open on the target now."""
     inflight_at_read: int = 0
     """``inflight`` when the profile was read: what the engine's own counts already include."""
+    profile_load: int = -1
+    """running + waiting of the last profile (-1: none read yet)."""
     exploring: int = 0
     """Requests in flight that were sent to learn the target's latency (not on its estimate)."""
     estimator: ResponseTimeEstimator = field(default_factory=ResponseTimeEstimator)
@@ -31,15 +33,16 @@ class TargetState:
     def set_profile(self, profile: ProfileView) -> None:
         self.estimator.set_profile(profile)
         self.inflight_at_read = self.inflight
+        self.profile_load = profile.num_running + profile.num_waiting
 
     def engine_load(self) -> float:
         """Requests on the engine now: its running + waiting when last read, plus what this
         gateway sent since; never less than what this gateway has open there."""
-        profile = self.estimator.profile
-        if profile is None:
-            return float(self.inflight)
-        load = profile.num_running + profile.num_waiting + self.inflight - self.inflight_at_read
-        return float(load if load > self.inflight else self.inflight)
+        inflight = self.inflight
+        if self.profile_load < 0:
+            return float(inflight)
+        load = self.profile_load + inflight - self.inflight_at_read
+        return float(load if load > inflight else inflight)
 
     def estimate_ms(self, output_tokens: int, worst_case: bool, now: float) -> float | None:
         """The calibrated estimate of a response at the live load (None without data)."""
