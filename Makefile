@@ -24,7 +24,7 @@ TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec clean
+.PHONY: install runtime proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
 
@@ -93,6 +93,11 @@ bench-spec: install
 # SmolLM2-135M-Instruct in fp32, bf16, int8 and int4 (its shipped Q4_1), one run (benchmarks/weights_bench.py)
 bench-smollm2: install
 	$(PY) -m benchmarks.weights_bench
+
+# The gateway: HTTP overhead against gRPC, routing policies on a simulated heterogeneous pool,
+# decision time with 64 targets, routed requests/s on one core (benchmarks/gateway/; ~6 minutes).
+bench-gateway: install
+	$(PY) -m benchmarks.gateway
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

@@ -104,7 +104,7 @@ def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Ou
 
 
 async def run_policy(policy: str, jobs: list[Job]) -> PolicyResult:
-    with simulator(sim_engines()) as addresses:
+    with simulator(sim_engines()) as (addresses, _):
         specs = tuple(TargetSpec(name, addresses[name], cost=cost_of(name)) for name in engine_names())
         pool = TargetPool(specs, interval_s=0.25, window_s=10.0)
         await pool.start(wait_s=3.0)

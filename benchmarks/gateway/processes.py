@@ -42,7 +42,7 @@ def _prefix(cpus: str | None) -> list[str]:
 
 @contextmanager
 def simulator(engines: list[dict], cpus: str | None = None):
-    """A simulator process serving ``engines``; yields {name: address}."""
+    """A simulator process serving ``engines``; yields ({name: address}, pid)."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-sim-") as tmp:
         ports = Path(tmp) / "ports.json"
         proc = subprocess.Popen([*_prefix(cpus), sys.executable, "-m", "services.gateway.simulator",
@@ -51,18 +51,19 @@ def simulator(engines: list[dict], cpus: str | None = None):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             text = _wait_file(ports, proc, "the simulator")
-            yield {name: f"127.0.0.1:{port}" for name, port in json.loads(text).items()}
+            yield {name: f"127.0.0.1:{port}" for name, port in json.loads(text).items()}, proc.pid
         finally:
             _stop(proc)
 
 
 @contextmanager
 def gateway(routes: dict, cpus: str | None = None, args: tuple[str, ...] = ()):
-    """A gateway process over ``routes``; yields (grpc address, http base url)."""
+    """A gateway process over ``routes``; yields (grpc address, http base url, pid)."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-gw-") as tmp:
         config = Path(tmp) / "routes.json"
         config.write_text(json.dumps(routes))
         grpc_file, http_file = Path(tmp) / "grpc.port", Path(tmp) / "http.port"
+        # exec: with taskset the pid is the gateway's own
         proc = subprocess.Popen([*_prefix(cpus), sys.executable, "-m", "services.gateway", "--config", str(config),
                                  "--port", "0", "--port-file", str(grpc_file), "--http-port", "0",
                                  "--http-port-file", str(http_file), "--log-level", "warning", *args],
@@ -71,6 +72,6 @@ def gateway(routes: dict, cpus: str | None = None, args: tuple[str, ...] = ()):
         try:
             grpc_port = _wait_file(grpc_file, proc, "the gateway").strip()
             http_port = _wait_file(http_file, proc, "the gateway").strip()
-            yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
+            yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", proc.pid
         finally:
             _stop(proc)

@@ -5,7 +5,10 @@ once) and this load generator on the other. Closed loop: ``concurrency`` clients
 request as soon as their previous one finished, for ``seconds``, over the gateway's gRPC API
 (unary-shaped streams of one token) and over HTTP (non-streamed /v1/completions). Reported:
 requests/s, the gateway's CPU time in that window (from /proc), and requests per CPU-second of
-the gateway: what one core sustains when nothing else limits it.
+the gateway: what one core sustains when nothing else limits it. For scale, the simulator's CPU
+per request too: it serves the same streamed call the gateway serves, and the gateway also makes
+one (to the simulator), so a gateway near twice the simulator's cost is spending its time in
+gRPC, not in routing.
 """
 
 from __future__ import annotations
@@ -29,19 +32,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def _gateway_pid(grpc_address: str) -> int:
-    port = grpc_address.rsplit(":", 1)[1]
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = open(f"/proc/{pid}/cmdline").read()
-            except OSError:
-                continue
-            if "services.gateway" in cmd and "--config" in cmd and "simulator" not in cmd:
-                return int(pid)
-    raise RuntimeError(f"no gateway process for {port}")
 
 
 async def _grpc_load(address: str, concurrency: int, seconds: float) -> int:
@@ -84,20 +74,22 @@ async def _http_load(base: str, concurrency: int, seconds: float) -> int:
 def measure(seconds: float = 8.0, concurrency: int = 32, gateway_cpu: str = "1", others_cpu: str = "0") -> dict:
     os.sched_setaffinity(0, {int(c) for c in others_cpu.split(",")})
     out = {}
-    with simulator(ENGINES, cpus=others_cpu) as addresses:
+    with simulator(ENGINES, cpus=others_cpu) as (addresses, sim_pid):
         names = sorted(addresses)
         routes = {"targets": [{"name": n, "address": a} for n, a in sorted(addresses.items())],
                   "models": {"sim": {"strategy": "latency", "targets": names}}}
-        with gateway(routes, cpus=gateway_cpu) as (grpc_address, http_base):
-            pid = _gateway_pid(grpc_address)
+        with gateway(routes, cpus=gateway_cpu) as (grpc_address, http_base, pid):
             for front, load in (("grpc", lambda: _grpc_load(grpc_address, concurrency, seconds)),
                                 ("http", lambda: _http_load(http_base, concurrency, seconds))):
                 asyncio.run(_warm(front, grpc_address, http_base))
-                cpu0, t0 = cpu_seconds(pid), time.monotonic()
+                cpu0, sim0, t0 = cpu_seconds(pid), cpu_seconds(sim_pid), time.monotonic()
                 count = asyncio.run(load())
                 wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+                sim_cpu = cpu_seconds(sim_pid) - sim0
                 out[front] = {"requests": count, "requests_per_s": count / wall, "gateway_cpu_s": cpu,
-                              "gateway_cpu_share": cpu / wall, "requests_per_gateway_cpu_s": count / max(cpu, 1e-9)}
+                              "gateway_cpu_share": cpu / wall, "requests_per_gateway_cpu_s": count / max(cpu, 1e-9),
+                              "gateway_cpu_us_per_request": cpu / max(count, 1) * 1e6,
+                              "simulator_cpu_us_per_request": sim_cpu / max(count, 1) * 1e6}
     return out
 
 

@@ -19,7 +19,7 @@ from services.gateway.http.errors import OpenAIError, bad_request, from_error
 from services.gateway.http.logprobs import chat_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
-from services.gateway.http.streaming import DONE, SSE_HEADERS, dumps, sse
+from services.gateway.http.streaming import DONE, SSE_HEADERS, ChunkFrames, dumps, sse
 from services.gateway.http.tokens import TokenNamer
 from services.gateway.request_meta import chat_prefix
 
@@ -59,6 +59,7 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
     usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
     extra = {"usage": None} if usage_chunks else {}
     opened = [False] * len(states)
+    frames = ChunkFrames(head, chat=True, usage_null=usage_chunks)
     try:
         async for index, reply in streams.events():
             state = states[index]
@@ -74,6 +75,9 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
             if kind == "delta":
                 delta = reply.delta
                 if not delta.text and not (body.logprobs and delta.logprobs):
+                    continue
+                if not body.logprobs:
+                    yield frames.text(index, delta.text)
                     continue
                 logprobs = chat_logprobs(delta.logprobs, namer) if body.logprobs else None
                 choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,

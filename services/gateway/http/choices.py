@@ -41,8 +41,10 @@ class ChoiceState:
         """Take one engine message in; a stream the engine ended badly raises UnavailableError."""
         kind = reply.WhichOneof("event")
         if kind == "delta":
-            self.text.append(reply.delta.text)
-            self.logprobs.extend(reply.delta.logprobs)
+            delta = reply.delta
+            self.text.append(delta.text)
+            if delta.logprobs:
+                self.logprobs.extend(delta.logprobs)
         elif kind == "started":
             self.prompt_tokens = reply.started.prompt_tokens
         elif kind == "finished":

@@ -19,7 +19,7 @@ from services.gateway.http.engine_request import completion_prompts, completion_
 from services.gateway.http.errors import OpenAIError, bad_request, from_error
 from services.gateway.http.logprobs import completion_logprobs
 from services.gateway.http.protocol import CompletionRequest
-from services.gateway.http.streaming import DONE, SSE_HEADERS, dumps, sse
+from services.gateway.http.streaming import DONE, SSE_HEADERS, ChunkFrames, dumps, sse
 from services.gateway.http.requests import call_plan
 from services.gateway.http.tokens import TokenNamer
 
@@ -79,6 +79,7 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
     extra = {"usage": None} if usage_chunks else {}
     offsets = [len(echoes[s.prompt_index]) for s in states]
     fresh = [bool(echoes[s.prompt_index]) for s in states]
+    frames = ChunkFrames(head, chat=False, usage_null=usage_chunks)
     try:
         async for index, reply in streams.events():
             state = states[index]
@@ -88,6 +89,9 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
             if fresh[index]:
                 text, fresh[index] = echoes[state.prompt_index] + text, False
             if kind == "started" or (kind == "delta" and not text and not reply.delta.token_ids):
+                continue
+            if kind == "delta" and body.logprobs is None:
+                yield frames.text(index, text)
                 continue
             logprobs = None
             if body.logprobs is not None and kind == "delta":

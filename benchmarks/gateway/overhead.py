@@ -1,0 +1,114 @@
+"""What the gateway's HTTP API costs over calling the engine's gRPC API directly.
+
+One stories260K stack (the four services as `tokenmill up` starts them) and one gateway process
+in front of it. Alternating rounds, the same requests both ways:
+
+- TTFT: sequential streamed requests (8 tokens); time from sending to the first token's bytes
+  (gRPC: the first Delta; HTTP: the first SSE chunk with text), p50 of each way;
+- throughput: ``streams`` concurrent streams of ``tokens`` tokens (EOS ignored), total tokens
+  over the wall time of the round.
+
+Clients: grpc.aio for gRPC, httpx2 (the HTTP client the openai package is built on) reading SSE
+lines for HTTP, in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import httpx2
+
+from benchmarks.gateway.processes import REPO_ROOT, gateway
+from benchmarks.gateway.throughput import cpu_seconds
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import create_channel
+from services.stack.launcher import LaunchConfig, Launcher
+
+PROMPT = "Once upon a time"
+
+
+def _request(tokens: int, i: int) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(text=f"{PROMPT} {i}")
+    request.sampling.temperature = 0.0
+    request.stop.max_tokens = tokens
+    request.stop.ignore_eos = True
+    return request
+
+
+async def _grpc_one(stub, tokens: int, i: int) -> float:
+    began, first = time.perf_counter(), None
+    async for reply in stub.Generate(_request(tokens, i), timeout=120):
+        if first is None and reply.WhichOneof("event") == "delta":
+            first = time.perf_counter()
+    return ((first or time.perf_counter()) - began) * 1000.0
+
+
+async def _http_one(client: httpx2.AsyncClient, tokens: int, i: int) -> float:
+    body = {"model": "stories", "prompt": f"{PROMPT} {i}", "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    began, first = time.perf_counter(), None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                first = time.perf_counter()
+    return ((first or time.perf_counter()) - began) * 1000.0
+
+
+async def _round(mode: str, stub, client, ttft_requests: int, streams: int, tokens: int) -> tuple[list[float], float]:
+    one = (lambda t, i: _grpc_one(stub, t, i)) if mode == "grpc" else (lambda t, i: _http_one(client, t, i))
+    ttfts = [await one(8, i) for i in range(ttft_requests)]
+    began = time.perf_counter()
+    await asyncio.gather(*(one(tokens, 1000 + i) for i in range(streams)))
+    return ttfts, streams * tokens / (time.perf_counter() - began)
+
+
+async def _measure(engine: str, http_base: str, pid: int, rounds: int, ttft_requests: int, streams: int,
+                   tokens: int) -> dict:
+    results = {"grpc": {"ttft": [], "tps": []}, "http": {"ttft": [], "tps": []}}
+    gateway_cpu = 0.0
+    http_tokens = 0
+    limits = httpx2.Limits(max_connections=streams, max_keepalive_connections=streams)
+    async with create_channel(engine) as channel, httpx2.AsyncClient(base_url=http_base, limits=limits,
+                                                                     timeout=120) as client:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await _round("grpc", stub, client, 3, 4, 16)  # warm both paths
+        await _round("http", stub, client, 3, 4, 16)
+        for r in range(rounds):
+            for mode in (("grpc", "http") if r % 2 == 0 else ("http", "grpc")):
+                cpu0 = cpu_seconds(pid)
+                ttfts, tps = await _round(mode, stub, client, ttft_requests, streams, tokens)
+                if mode == "http":
+                    gateway_cpu += cpu_seconds(pid) - cpu0
+                    http_tokens += ttft_requests * 8 + streams * tokens
+                results[mode]["ttft"].extend(ttfts)
+                results[mode]["tps"].append(tps)
+    out = {}
+    for mode, data in results.items():
+        out[mode] = {"ttft_p50_ms": statistics.median(data["ttft"]), "tokens_per_s": statistics.median(data["tps"]),
+                     "tokens_per_s_rounds": data["tps"]}
+    out["ttft_p50_added_ms"] = out["http"]["ttft_p50_ms"] - out["grpc"]["ttft_p50_ms"]
+    out["tokens_per_s_ratio"] = out["http"]["tokens_per_s"] / out["grpc"]["tokens_per_s"]
+    out["gateway_cpu_us_per_token"] = gateway_cpu / max(http_tokens, 1) * 1e6
+    return out
+
+
+def measure(rounds: int = 3, ttft_requests: int = 20, streams: int = 32, tokens: int = 128) -> dict:
+    model = str(REPO_ROOT / "models" / "stories260K")
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-gw-") as logs:
+        launcher = Launcher(LaunchConfig(model=model, public_port=0, log_dir=logs, restart=False,
+                                         env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}))
+        launcher.start()
+        try:
+            routes = {"targets": [{"name": "engine", "address": launcher.public_address}],
+                      "models": {"stories": "engine"}}
+            with gateway(routes) as (_, http_base, pid):
+                return asyncio.run(_measure(launcher.public_address, http_base, pid, rounds, ttft_requests, streams,
+                                            tokens))
+        finally:
+            launcher.stop()
