@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks.gateway import decision, overhead, policies, throughput
 from benchmarks.gateway.processes import REPO_ROOT
 from benchmarks.gateway.workload import poisson_trace
+from services.common.logging import configure_logging
 
 PARTS = ("overhead", "policies", "decision", "throughput")
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.gatewa
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    configure_logging("bench-gateway", "warning")  # the pools' target_joined lines are not the report
     began = time.time()
     report = {"command": " ".join([prog, *(argv if argv is not None else sys.argv[1:])]), "commit": _commit(),
               "load_before": _load(), "cpus": os.cpu_count()}

@@ -316,3 +316,17 @@ def test_bad_route_nodes_are_refused_naming_the_path(spec, message):
 def test_portkey_spelling_of_the_strategy_is_accepted():
     r = route({"strategy": {"mode": "fallback"}, "targets": ["a", "b"]}, states(a=1, b=1))
     assert names(r.node.rank(req())) == ["a", "b"]
+
+
+def test_the_readme_routes_example_loads(tmp_path, monkeypatch):
+    import re as _re
+    from pathlib import Path as _Path
+
+    from services.gateway.config import GatewayServiceConfig
+
+    readme = (_Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Gateway"):]
+    example = _re.search(r"```yaml\n(.*?)```", section, _re.S).group(1)
+    (tmp_path / "routes.yaml").write_text(example)
+    monkeypatch.setenv("FAR_TOKEN", "secret")
+    GatewayServiceConfig(config=str(tmp_path / "routes.yaml")).validate()

@@ -72,10 +72,12 @@ class SimFinished:
 class SimEngine:
     """Requests in, ("tokens", n) and ("finished", SimFinished) events out on each request's queue."""
 
-    def __init__(self, spec: SimSpec, on_finished=None, clock=time.monotonic) -> None:
+    def __init__(self, spec: SimSpec, on_finished=None, clock=time.monotonic, sleep=asyncio.sleep) -> None:
         spec.validate()
         self.spec = spec
         self.clock = clock
+        self.sleep = sleep
+        """How a step's time passes (a test passes a virtual clock's)."""
         self.on_finished = on_finished
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -116,7 +118,7 @@ class SimEngine:
             step_ms = spec.tpot_ms * (1.0 + spec.batch_slowdown * (len(self.running) - 1)) + spec.prefill_ms * admitted
             if spec.jitter:
                 step_ms *= 1.0 + self._rng.uniform(-spec.jitter, spec.jitter)
-            await asyncio.sleep(step_ms / 1000.0)
+            await self.sleep(step_ms / 1000.0)
             self.steps += 1
             self._advance()
 
