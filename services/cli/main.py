@@ -1,8 +1,9 @@
 """``tokenmill``: one command line for the whole project.
 
-    tokenmill up                         start the four services with the default model and stream a demo
+    tokenmill up                         start the four services (and the gateway) with the default model, stream a demo
+    tokenmill gateway --config FILE      the gateway alone: OpenAI-compatible HTTP + routed gRPC over engines
     tokenmill generate "PROMPT"          stream a completion from a running stack (or --in-process)
-    tokenmill serve SERVICE              run one service (tokenizer, scheduler, executor, drafter)
+    tokenmill serve SERVICE              run one service (tokenizer, scheduler, executor, drafter, gateway)
     tokenmill convert llama2c ...        convert a llama2.c checkpoint to a Hugging Face-style directory
     tokenmill quantize DIR --weights int8|int4 --out DIR2   weight-only quantization of a model directory
     tokenmill random-model ...           write a deterministic random-weight model (benchmarks)
@@ -18,7 +19,9 @@ import sys
 # subcommand -> (module, help). Modules are imported lazily so `tokenmill --help` is instant
 # and a subcommand never pays for another's imports (torch, grpc, triton).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("services.cli.up", "start all four services locally, stream a demo, serve until Ctrl-C"),
+    "up": ("services.cli.up", "start the services and the gateway locally, stream a demo, serve until Ctrl-C"),
+    "gateway": ("services.gateway.main", "run the gateway alone: OpenAI-compatible HTTP and routed gRPC over "
+                                         "engines (--config FILE)"),
     "generate": ("services.cli.generate", "stream a completion (from a running stack, or --in-process)"),
     "serve": ("services.cli.serve", "run one service: tokenizer, scheduler, executor or drafter"),
     "convert": ("services.cli.convert", "convert a checkpoint into tokenmill's model directory format"),

@@ -17,6 +17,7 @@ SERVICES: dict[str, str] = {
     "executor": "services.executor.main",
     "drafter": "services.drafter.main",
     "scheduler": "services.scheduler.main",
+    "gateway": "services.gateway.main",
 }
 
 
