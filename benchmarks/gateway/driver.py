@@ -51,8 +51,11 @@ def _overhead(quick: bool) -> dict:
           f"TTFT p50: gRPC {r['grpc']['ttft_p50_ms']:.2f} ms, HTTP {r['http']['ttft_p50_ms']:.2f} ms, "
           f"added {r['ttft_p50_added_ms']:+.2f} ms (goal <= +1 ms)\n"
           f"32 streams: gRPC {r['grpc']['tokens_per_s']:.0f} tok/s, HTTP {r['http']['tokens_per_s']:.0f} tok/s, "
-          f"ratio {r['tokens_per_s_ratio']:.2f}x (goal >= 0.95x); gateway CPU {r['gateway_cpu_us_per_token']:.0f} us "
-          f"per token", flush=True)
+          f"ratio {r['tokens_per_s_ratio']:.2f}x (goal >= 0.95x); per token: gateway CPU "
+          f"{r['gateway_cpu_us_per_token']:.0f} us, engine CPU {r['engine_cpu_us_per_token']:.0f} us (CPU-bound ratio "
+          f"{r['cpu_bound_ratio'] or float('nan'):.2f}x)\n"
+          f"rounds, tokens/s: gRPC {[round(x) for x in r['grpc']['tokens_per_s_rounds']]}, HTTP "
+          f"{[round(x) for x in r['http']['tokens_per_s_rounds']]}", flush=True)
     return r
 
 

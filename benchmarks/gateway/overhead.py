@@ -9,7 +9,10 @@ in front of it. Alternating rounds, the same requests both ways:
   over the wall time of the round.
 
 Clients: grpc.aio for gRPC, httpx2 (the HTTP client the openai package is built on) reading SSE
-lines for HTTP, in this process.
+lines for HTTP, in this process. On a machine shared with other work the wall-clock ratios move
+with the other load, so CPU time is read from /proc too: the engine's four processes per token
+(gRPC rounds) and the gateway's per token (HTTP rounds); where the engine is bound by the CPU the
+gateway shares, its tokens/s scale by engine / (engine + gateway) (``cpu_bound_ratio``).
 """
 
 from __future__ import annotations
@@ -68,11 +71,11 @@ async def _round(mode: str, stub, client, ttft_requests: int, streams: int, toke
     return ttfts, streams * tokens / (time.perf_counter() - began)
 
 
-async def _measure(engine: str, http_base: str, pid: int, rounds: int, ttft_requests: int, streams: int,
-                   tokens: int) -> dict:
+async def _measure(engine: str, http_base: str, pid: int, engine_pids: list[int], rounds: int, ttft_requests: int,
+                   streams: int, tokens: int) -> dict:
     results = {"grpc": {"ttft": [], "tps": []}, "http": {"ttft": [], "tps": []}}
-    gateway_cpu = 0.0
-    http_tokens = 0
+    gateway_cpu = engine_cpu = 0.0
+    http_tokens = grpc_tokens = 0
     limits = httpx2.Limits(max_connections=streams, max_keepalive_connections=streams)
     async with create_channel(engine) as channel, httpx2.AsyncClient(base_url=http_base, limits=limits,
                                                                      timeout=120) as client:
@@ -81,11 +84,14 @@ async def _measure(engine: str, http_base: str, pid: int, rounds: int, ttft_requ
         await _round("http", stub, client, 3, 4, 16)
         for r in range(rounds):
             for mode in (("grpc", "http") if r % 2 == 0 else ("http", "grpc")):
-                cpu0 = cpu_seconds(pid)
+                cpu0, engine0 = cpu_seconds(pid), sum(cpu_seconds(p) for p in engine_pids)
                 ttfts, tps = await _round(mode, stub, client, ttft_requests, streams, tokens)
                 if mode == "http":
                     gateway_cpu += cpu_seconds(pid) - cpu0
                     http_tokens += ttft_requests * 8 + streams * tokens
+                else:
+                    engine_cpu += sum(cpu_seconds(p) for p in engine_pids) - engine0
+                    grpc_tokens += ttft_requests * 8 + streams * tokens
                 results[mode]["ttft"].extend(ttfts)
                 results[mode]["tps"].append(tps)
     out = {}
@@ -95,6 +101,10 @@ async def _measure(engine: str, http_base: str, pid: int, rounds: int, ttft_requ
     out["ttft_p50_added_ms"] = out["http"]["ttft_p50_ms"] - out["grpc"]["ttft_p50_ms"]
     out["tokens_per_s_ratio"] = out["http"]["tokens_per_s"] / out["grpc"]["tokens_per_s"]
     out["gateway_cpu_us_per_token"] = gateway_cpu / max(http_tokens, 1) * 1e6
+    out["engine_cpu_us_per_token"] = engine_cpu / max(grpc_tokens, 1) * 1e6
+    # Where the engine is bound by CPU the gateway shares, its tokens/s scale by this much:
+    engine_us = out["engine_cpu_us_per_token"]
+    out["cpu_bound_ratio"] = engine_us / (engine_us + out["gateway_cpu_us_per_token"]) if engine_us else None
     return out
 
 
@@ -107,8 +117,9 @@ def measure(rounds: int = 3, ttft_requests: int = 20, streams: int = 32, tokens:
         try:
             routes = {"targets": [{"name": "engine", "address": launcher.public_address}],
                       "models": {"stories": "engine"}}
+            engine_pids = [svc.process.pid for svc in launcher.services.values()]
             with gateway(routes) as (_, http_base, pid):
-                return asyncio.run(_measure(launcher.public_address, http_base, pid, rounds, ttft_requests, streams,
-                                            tokens))
+                return asyncio.run(_measure(launcher.public_address, http_base, pid, engine_pids, rounds,
+                                            ttft_requests, streams, tokens))
         finally:
             launcher.stop()
