@@ -17,7 +17,6 @@ import asyncio
 import os
 import time
 
-import grpc.aio
 import httpx2
 
 from benchmarks.gateway.processes import gateway, simulator
