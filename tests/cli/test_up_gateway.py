@@ -55,3 +55,22 @@ def test_up_with_two_replicas_serves_the_printed_examples(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_printed_examples_are_valid_commands(capsys, tmp_path, chat):
+    import shlex
+
+    from services.cli.up import _print_examples
+    from services.stack.gateway_launcher import GatewayProcess
+
+    _print_examples(GatewayProcess({}, tmp_path, http_port=8123, grpc_port=50123), "smollm2-135m-instruct-q4_1", chat)
+    err = capsys.readouterr().err
+    curl = shlex.split(re.search(r"^\[tokenmill up\]   (curl .*)$", err, re.M).group(1))
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert body["model"] == "smollm2-135m-instruct-q4_1" and ("messages" in body) == chat
+    assert curl[2] == "http://127.0.0.1:8123/v1/" + ("chat/completions" if chat else "completions")
+    python = shlex.split(re.search(r"^\[tokenmill up\]   (\S*python\S* -c .*)$", err, re.M).group(1))
+    assert python[0] == sys.executable and python[1] == "-c"
+    compile(python[2], "<printed>", "exec")
+    assert 'base_url="http://127.0.0.1:8123/v1"' in python[2]
