@@ -2,10 +2,12 @@
 
 Every ``interval_s`` each target is asked for its health and its ``GetProfile`` (over the
 ``window_s`` last seconds, so the profile follows the live load); the answers update the
-target's routing state (routing/target.py). A target leaves the pool when its health is not
-SERVING, when a poll fails, or at once when a request's call to it fails UNAVAILABLE
-(``eject``); it is probed at the same pace, and comes back after ``READMIT_AFTER`` polls in a
-row that found it SERVING. The model info of each target is read once it first answers.
+target's routing state (routing/target.py). A target leaves the pool when its health says
+NOT_SERVING, when it cannot be reached (UNAVAILABLE), when ``SLOW_POLLS_TO_LEAVE`` polls in a row
+time out (one slow answer on a busy machine is not a dead target), or at once when a request's
+call to it fails UNAVAILABLE (``eject``); it is probed at the same pace, and comes back after
+``READMIT_AFTER`` polls in a row that found it SERVING. The model info of each target is read
+once it first answers.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ _log = structlog.get_logger("tokenmill.gateway.pool")
 
 READMIT_AFTER = 2
 """SERVING polls in a row that bring an ejected target back (one could be a flap)."""
+SLOW_POLLS_TO_LEAVE = 3
+"""Polls in a row that time out before a target leaves the pool."""
+MIN_POLL_TIMEOUT_S = 2.0
 RECONNECT_OPTIONS = [
     # A target that restarts is found again within a second, not after gRPC's default back-off
     # (up to two minutes).
@@ -53,6 +58,8 @@ class Target:
     """SERVING polls in a row since it last failed."""
     ejected: bool = False
     """Out after a failure; needs READMIT_AFTER good polls to come back."""
+    slow_polls: int = 0
+    """Polls in a row that timed out."""
     own_metadata: tuple[tuple[str, str], ...] = field(default=())
     """The gateway's own bearer token, for its polls."""
 
@@ -69,8 +76,10 @@ def profile_view(msg: generation_pb2.LatencyProfile, read_at: float) -> ProfileV
 class TargetPool:
     def __init__(self, specs: tuple[TargetSpec, ...], *, interval_s: float = 0.25, window_s: float = 10.0,
                  default_tls: ClientTLS | None = None, metrics: GatewayMetrics | None = None,
-                 max_message_bytes: int = 16 * 1024 * 1024, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_message_bytes: int = 16 * 1024 * 1024, clock: Callable[[], float] = time.monotonic,
+                 poll_timeout_s: float | None = None) -> None:
         self.interval_s = interval_s
+        self.poll_timeout_s = poll_timeout_s if poll_timeout_s is not None else max(4 * interval_s, MIN_POLL_TIMEOUT_S)
         self.window_s = window_s
         self.metrics = metrics or GatewayMetrics()
         self.clock = clock
@@ -100,13 +109,18 @@ class TargetPool:
             await self.poll_once(target)
 
     async def poll_once(self, target: Target) -> None:
-        timeout = max(4 * self.interval_s, 1.0)
+        timeout = self.poll_timeout_s
         try:
             reply = await target.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
                 await self._read_profile(target, timeout)
+            target.slow_polls = 0
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                target.slow_polls += 1
+                if target.slow_polls < SLOW_POLLS_TO_LEAVE:
+                    return  # slow, not gone: keep the state it has
             serving = False
             if target.state.healthy:
                 _log.warning("target_unreachable", target=target.name, code=err.code().name, details=err.details())

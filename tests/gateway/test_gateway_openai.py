@@ -28,6 +28,7 @@ from tests.helpers.gateway_stack import (
     serve_gateway_for,
     stop_all,
     stories_with_chat_template,
+    wait_healthy,
     write_routes,
 )
 
@@ -74,6 +75,7 @@ async def gw(tmp_path_factory, monkeypatch_module) -> AsyncIterator[Gateway]:
                    "plain": "e1",
                    "down": "dead"}})
     gateway = await serve_gateway_for(routes, max_request_bytes=64 * 1024)
+    await wait_healthy(gateway, ["e1"])
     base = f"http://127.0.0.1:{gateway.http_port}"
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
     async with create_channel(scheduler.address) as c1, create_channel(gateway.address) as c2, \
@@ -456,6 +458,7 @@ async def test_a_request_over_the_timeout_is_504(gw, tmp_path):
         "targets": [{"name": "e1", "address": gw.scheduler.address, "token_env": "TEST_GATEWAY_TOKEN"}],
         "models": {"stories": "e1"}})
     hasty = await serve_gateway_for(routes, request_timeout_s=0.2)
+    await wait_healthy(hasty, ["e1"])
     try:
         client = gw.client.with_options(base_url=f"http://127.0.0.1:{hasty.http_port}/v1")
         with pytest.raises(openai.InternalServerError) as info:
@@ -464,3 +467,16 @@ async def test_a_request_over_the_timeout_is_504(gw, tmp_path):
         assert info.value.status_code == 504 and envelope(info.value)["type"] == "timeout"
     finally:
         await hasty.stop(grace=0)
+
+
+async def test_streamed_logprobs_cover_every_token(gw):
+    chunks = await collect(await gw.client.completions.create(model="stories", prompt=PROMPT, max_tokens=10,
+                                                              temperature=0, logprobs=2, stream=True))
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert len(tokens) == 10 and "".join(tokens) == text
+    chat = await collect(await gw.client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "A dog"}], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=1, stream=True))
+    entries = [e for c in chat for ch in c.choices if ch.logprobs and ch.logprobs.content for e in ch.logprobs.content]
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 1 for e in entries)

@@ -25,7 +25,7 @@ import pytest_asyncio
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
-from tests.helpers.gateway_stack import serve_gateway_for, write_routes
+from tests.helpers.gateway_stack import serve_gateway_for, wait_healthy, write_routes
 from tests.helpers.launched_stack import launched_stack
 from tests.helpers.service_harness import STORIES_DIR
 
@@ -79,6 +79,7 @@ async def gateway(stacks, tmp_path_factory):
         "models": {"stories": {"route": {"strategy": "latency", "targets": ["fast", "cheap"]}},
                    "spread": {"strategy": "loadbalance", "targets": ["fast", "cheap"]}}})
     running = await serve_gateway_for(routes)
+    await wait_healthy(running, ["fast", "cheap"])
     yield running
     await running.stop(grace=0)
 

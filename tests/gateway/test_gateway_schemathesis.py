@@ -15,7 +15,14 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 
 from tests.helpers.background_loop import BackgroundLoop
-from tests.helpers.gateway_stack import serve_engine, serve_gateway_for, stop_all, stories_with_chat_template, write_routes
+from tests.helpers.gateway_stack import (
+    serve_engine,
+    serve_gateway_for,
+    stop_all,
+    stories_with_chat_template,
+    wait_healthy,
+    write_routes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +40,7 @@ def gateway_url(tmp_path_factory):
         "models": {"stories": {"route": {"strategy": "latency", "targets": ["e1"]}, "tokenizer": str(model)}}})
     # Few choices per request and a short timeout: generated requests stay cheap on a small CPU.
     gateway = background.run(serve_gateway_for(routes, max_choices=4, request_timeout_s=20))
+    background.run(wait_healthy(gateway, ["e1"]))
     yield f"http://127.0.0.1:{gateway.http_port}"
     background.run(stop_all([gateway, *reversed(engine)]))
     background.close()

@@ -15,7 +15,7 @@ from services.common.server import create_channel
 from services.gateway.simulator.config import SimulatorConfig
 from services.gateway.simulator.engine import SimEngine, SimSpec
 from services.gateway.simulator.main import serve_engine
-from tests.helpers.gateway_stack import serve_gateway_for, stop_all, write_routes
+from tests.helpers.gateway_stack import serve_gateway_for, stop_all, wait_healthy, write_routes
 
 
 class VirtualTime:
@@ -92,6 +92,7 @@ async def test_the_gateway_routes_over_simulated_engines_on_their_live_latency(t
                     for s, srv in zip(specs, sims)],
         "models": {"m": {"strategy": "latency", "targets": ["fast", "slow", "cheap"]}}})
     gateway = await serve_gateway_for(routes)
+    await wait_healthy(gateway, ["fast", "slow", "cheap"])
     try:
         async with create_channel(gateway.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)

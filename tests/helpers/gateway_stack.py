@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,16 @@ async def serve_gateway_for(routes_path: str, **fields: Any) -> RunningServer:
     """The gateway process's serve() in this process: gRPC and HTTP on free ports."""
     config = GatewayServiceConfig(port=0, http_port=0, config=routes_path, profile_interval_s=0.1, **fields)
     return await serve_gateway(config)
+
+
+async def wait_healthy(gateway: RunningServer, names: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Until the gateway's pool holds every named target (a loaded machine may answer its first
+    polls late)."""
+    targets = gateway.dispatcher.pool.targets
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(targets[n].state.healthy for n in names):
+        assert asyncio.get_running_loop().time() < deadline, f"targets {list(names)} never became healthy"
+        await asyncio.sleep(0.05)
 
 
 async def stop_all(servers: Sequence[RunningServer]) -> None:

@@ -34,6 +34,8 @@ class SimSpec:
     stream_interval: int = 1
     default_max_tokens: int = 128
     seed: int = 0
+    profile_delay_ms: float = 0.0
+    """GetProfile answers this late (an engine whose event loop is busy), for tests of slow polls."""
 
     def validate(self) -> None:
         if self.prefill_ms < 0 or self.tpot_ms <= 0 or self.batch_slowdown < 0 or not 0 <= self.jitter < 1:

@@ -8,6 +8,7 @@ not tokenized: token ids one each, text one per four characters (at least one).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from services.common.errors import InvalidArgumentError
@@ -79,6 +80,8 @@ class SimulatorServicer(generation_pb2_grpc.GenerationServicer):
                                         eos_token_ids=[2])
 
     async def GetProfile(self, request, context):
+        if self.engine.spec.profile_delay_ms > 0:
+            await asyncio.sleep(self.engine.spec.profile_delay_ms / 1000.0)
         window = request.window_seconds if request.HasField("window_seconds") else None
         snap = self.profile.snapshot(window)
         engine = self.engine
