@@ -16,6 +16,7 @@ from services.cli.serve import main as serve_main
         ("drafter", ["--num-speculative-tokens", "--ngram-max", "TOKENMILL_DRAFTER_PORT"]),
         ("scheduler", ["--max-num-seqs", "TOKENMILL_MAX_NUM_SEQS", "--long-prefill-token-threshold",
                        "TOKENMILL_SCHEDULER_METRICS_PORT", "TOKENMILL_SCHEDULER_PORT"]),
+        ("gateway", ["--config", "--http-port", "TOKENMILL_GATEWAY_HTTP_PORT", "--backend-tls-ca"]),
     ],
 )
 def test_serve_dispatches_to_the_service(service: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,10 +30,10 @@ def test_serve_dispatches_to_the_service(service: str, flags: list[str], capsys:
 
 
 def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) -> None:
-    assert serve_main(["gateway"]) == 2
-    assert "unknown service 'gateway'" in capsys.readouterr().err
+    assert serve_main(["frobnicator"]) == 2
+    assert "unknown service 'frobnicator'" in capsys.readouterr().err
     assert serve_main([]) == 0
-    assert "tokenizer,executor,drafter,scheduler" in capsys.readouterr().out
+    assert "tokenizer,executor,drafter,scheduler,gateway" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
