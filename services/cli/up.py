@@ -1,11 +1,16 @@
-"""``tokenmill up``: start the four services locally with the default model, stream a demo
-generation (one chat turn when the model has a chat template, else a story continued), then
-serve until Ctrl-C and shut down gracefully. A crashed service is restarted."""
+"""``tokenmill up``: start the four services locally with the default model (``--replicas N``:
+N engines), the gateway in front of them (OpenAI-compatible HTTP on 127.0.0.1:8000, the routed
+gRPC API on 50050), stream a demo generation (one chat turn when the model has a chat template,
+else a story continued), print a curl and an openai example, then serve until Ctrl-C and shut
+down gracefully. A crashed service is restarted."""
 
 from __future__ import annotations
 
+import json
+import shlex
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +20,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2
 from services.common.settings import parse_config
 from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 from services.stack.client import build_request
+from services.stack.gateway_launcher import GatewayProcess, replica_routes
 from services.stack.launcher import LaunchConfig, Launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +65,16 @@ class UpConfig:
                                         "--drafter-arg=--num-speculative-tokens=K")
     scheduler_arg: tuple[str, ...] = _flag((), "extra flag passed to the scheduler, e.g. "
                                                "--scheduler-arg=--max-num-seqs=64 (repeatable)", repeat=True)
+    replicas: int = _flag(1, "engines to start, each its own tokenizer, executor(s), drafter and scheduler (the "
+                             "first on --port, the others on free ports), routed by the gateway",
+                          "TOKENMILL_REPLICAS")
+    http_port: int = _flag(8000, "the gateway's OpenAI-compatible HTTP port (0 = any free port)",
+                           "TOKENMILL_GATEWAY_HTTP_PORT")
+    gateway_port: int = _flag(50050, "the gateway's routed Generation gRPC port (0 = any free port)",
+                              "TOKENMILL_GATEWAY_PORT")
+    no_gateway: bool = _flag(False, "start the engine(s) without the gateway in front")
+    gateway_arg: tuple[str, ...] = _flag((), "extra flag passed to the gateway, e.g. "
+                                             "--gateway-arg=--request-timeout-s=60 (repeatable)", repeat=True)
     tls: bool = _flag(False, "mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
                              "written to the run directory (their paths are printed)")
     demo_prompt: str = _flag("Once upon a time", "prompt of the demo generation (models without a chat template)")
@@ -75,6 +91,8 @@ class UpConfig:
             raise ValueError(f"speculate must be >= 0 (0 = off), got {self.speculate}")
         if self.executors < 1:
             raise ValueError(f"executors must be >= 1, got {self.executors}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if (self.prefill_executors > 0) != (self.decode_executors > 0) or min(self.prefill_executors,
                                                                                self.decode_executors) < 0:
             raise ValueError(f"prefill_executors and decode_executors go together, each >= 1 (got "
@@ -149,43 +167,133 @@ def drafter_args(args: UpConfig) -> list[str]:
     return own + list(args.drafter_arg)
 
 
+def _launchers(args: UpConfig) -> list[Launcher]:
+    """One Launcher per replica: the first on --port (and the fixed internal ports), the others on
+    free ports; with several replicas each logs into its own LOG_DIR/replica-N."""
+    ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
+    launchers = []
+    for i in range(args.replicas):
+        log_dir = args.log_dir if args.replicas == 1 or not args.log_dir else str(Path(args.log_dir) / f"replica-{i}")
+        launchers.append(Launcher(LaunchConfig(
+            model=args.model, public_host=args.host, public_port=args.port if i == 0 else 0,
+            internal_ports={k: v for k, v in ports.items() if v} if i == 0 else {},
+            executor_args=executor_args(args), executor_roles=args.executor_roles,
+            scheduler_args=scheduler_args(args), drafter_args=drafter_args(args),
+            log_dir=log_dir, on_event=_print_event, tls=args.tls)))
+    return launchers
+
+
+def _start_all(launchers: list[Launcher]) -> None:
+    """Start the replicas side by side (each loads its model in its own processes)."""
+    errors: list[BaseException] = []
+
+    def start(launcher: Launcher) -> None:
+        try:
+            launcher.start()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(launcher,)) for launcher in launchers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        for launcher in launchers:
+            launcher.stop()
+        raise errors[0]
+
+
+def _gateway(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess:
+    first = launchers[0]
+    extra = list(args.gateway_arg)
+    if first.certificates is not None:
+        certs = first.certificates
+        extra += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                  "--tls-client-ca", str(certs.ca), "--backend-tls-ca", str(certs.ca),
+                  "--backend-tls-cert", str(certs.client_cert), "--backend-tls-key", str(certs.client_key)]
+    routes = replica_routes(Path(args.model).name, [launcher.public_address for launcher in launchers], args.model)
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    return GatewayProcess(routes, Path(tempfile.mkdtemp(prefix="tokenmill-gateway-")), args.host, args.gateway_port,
+                          args.http_port, log_dir / "gateway.log" if log_dir else None, extra)
+
+
+def _print_examples(gateway: GatewayProcess, model_id: str, chat: bool) -> None:
+    """A curl and an openai command that work as printed (the openai package is installed with the
+    test requirements, in this interpreter's environment)."""
+    base, model = gateway.http_base, json.dumps(model_id)
+    if chat:
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Tell me a joke"}], "max_tokens": 64}
+        path = "/v1/chat/completions"
+        call = (f'chat.completions.create(model={model}, messages=[{{"role": "user", "content": "Tell me a joke"}}], '
+                'max_tokens=64).choices[0].message.content')
+    else:
+        body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 64}
+        path = "/v1/completions"
+        call = f'completions.create(model={model}, prompt="Once upon a time", max_tokens=64).choices[0].text'
+    code = f'from openai import OpenAI; print(OpenAI(base_url="{base}/v1", api_key="none").{call})'
+    print(f"[tokenmill up] OpenAI-compatible API: {base}/v1 (model {model}); routed gRPC: {gateway.grpc_address}\n"
+          f"[tokenmill up]   curl -s {base}{path} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}\n"
+          f"[tokenmill up]   {shlex.quote(sys.executable)} -c {shlex.quote(code)}", file=sys.stderr)
+
+
+def _start(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess | None:
+    """The engines, then the gateway in front of them (unless --no-gateway); stops what started on failure."""
+    _start_all(launchers)
+    if args.no_gateway:
+        return None
+    gateway = _gateway(args, launchers)
+    try:
+        gateway.start()
+    except BaseException:
+        for launcher in launchers:
+            launcher.stop()
+        raise
+    return gateway
+
+
 def main(argv: list[str]) -> int:
     args = parse_up_config(argv)
-    ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
-    launcher = Launcher(LaunchConfig(model=args.model, public_host=args.host, public_port=args.port,
-                                     internal_ports={k: v for k, v in ports.items() if v},
-                                     executor_args=executor_args(args), executor_roles=args.executor_roles,
-                                     scheduler_args=scheduler_args(args),
-                                     drafter_args=drafter_args(args),
-                                     log_dir=args.log_dir, on_event=_print_event, tls=args.tls))
-    print(f"[tokenmill up] starting tokenizer, executor, drafter and scheduler with {args.model} ...",
-          file=sys.stderr)
+    launchers = _launchers(args)
+    engines = "an engine" if args.replicas == 1 else f"{args.replicas} engines"
+    print(f"[tokenmill up] starting {engines} (tokenizer, executor, drafter and scheduler) with {args.model}"
+          + ("" if args.no_gateway else " and the gateway") + " ...", file=sys.stderr)
     try:
-        launcher.start()
+        gateway = _start(args, launchers)
     except (RuntimeError, TimeoutError) as exc:
         print(f"[tokenmill up] failed to start: {exc}", file=sys.stderr)
         return 1
-    for name, svc in launcher.services.items():
-        print(f"[tokenmill up] {name:<9} SERVING on {svc.address} (pid {svc.process.pid})", file=sys.stderr)
-    print(f"[tokenmill up] public API: {launcher.public_address}  (logs in {args.log_dir})", file=sys.stderr)
-    if launcher.certificates is not None:
-        _print_tls(launcher)
+    for index, launcher in enumerate(launchers):
+        tag = "" if len(launchers) == 1 else f"[{index}]"
+        for name, svc in launcher.services.items():
+            print(f"[tokenmill up] {name + tag:<12} SERVING on {svc.address} (pid {svc.process.pid})", file=sys.stderr)
+    address = gateway.grpc_address if gateway is not None else launchers[0].public_address
+    print(f"[tokenmill up] public API: {launchers[0].public_address}  (logs in {args.log_dir})", file=sys.stderr)
+    if launchers[0].certificates is not None:
+        _print_tls(launchers[0])
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         chat = has_chat_template(args.model)
+        if gateway is not None:
+            _print_examples(gateway, Path(args.model).name, chat)
         if not args.no_demo:
             echo, request = demo_request(chat, args.demo_prompt, args.demo_chat)
             print(f"[tokenmill up] demo (greedy, at most {DEMO_MAX_TOKENS} tokens):\n", file=sys.stderr)
             sys.stdout.write(echo)
-            stream_to_terminal(launcher.public_address, request, tls=launcher.client_tls)
+            stream_to_terminal(address, request, tls=launchers[0].client_tls)
         if not args.exit_after_demo:
             example = '--chat "Tell me a joke"' if chat else '"Once upon"'
-            print(f"[tokenmill up] serving on {launcher.public_address}; try `tokenmill generate {example}`. "
+            print(f"[tokenmill up] serving on {address}; try `tokenmill generate --address {address} {example}`. "
                   "Ctrl-C to stop.", file=sys.stderr)
             stop.wait()
     finally:
         print("[tokenmill up] shutting down ...", file=sys.stderr)
-        launcher.stop()
+        if gateway is not None:
+            gateway.stop()
+        for launcher in launchers:
+            launcher.stop()
     return 0

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from services.cli.up import build_parser
+from services.cli.up import parse_up_config
 from services.stack.gateway_launcher import replica_routes
 from tests.conftest import REPO_ROOT
 
@@ -22,8 +22,13 @@ def test_replica_routes_route_one_model_over_every_engine():
     routes = replica_routes("stories260K", ["127.0.0.1:1", "127.0.0.1:2"], "models/stories260K")
     assert routes["models"]["stories260K"]["route"] == {"strategy": "latency", "targets": ["replica-0", "replica-1"]}
     assert [t["address"] for t in routes["targets"]] == ["127.0.0.1:1", "127.0.0.1:2"]
-    args = build_parser().parse_args([])
+    args = parse_up_config([])
     assert (args.replicas, args.http_port, args.gateway_port, args.no_gateway) == (1, 8000, 50050, False)
+    args = parse_up_config(["--replicas", "3", "--gateway-arg=--max-attempts=2", "--gateway-arg=--http-port=1"])
+    assert args.replicas == 3 and args.gateway_arg == ("--max-attempts=2", "--http-port=1")
+    with pytest.raises(SystemExit) as exited:
+        parse_up_config(["--replicas", "0"])
+    assert exited.value.code == 2
 
 
 @pytest.mark.slow
