@@ -43,7 +43,7 @@ async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str
     executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=num_blocks, dtype="fp32",
                                                           device="cpu", attention_backend="torch"))
     sched = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_address=executor.address, tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=auth_tokens_file, **dict(scheduler or {})))
     return [tokenizer, executor, sched]
 
