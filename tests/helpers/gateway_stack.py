@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.server import RunningServer
-from services.executor.config import ExecutorServiceConfig
+from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.main import serve as serve_gateway
@@ -40,8 +40,8 @@ async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str
     scheduler is last."""
     model = str(model)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, model=model, num_blocks=num_blocks, dtype="fp32",
-                                                          device="cpu", attention_backend="torch"))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
+        model=model, num_blocks=num_blocks, dtype="fp32", device="cpu", attention_backend="torch")))
     sched = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=auth_tokens_file, **dict(scheduler or {})))
