@@ -66,14 +66,24 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
 DEFAULT_PORT = 50053
 
 
+EXECUTOR_ROLES = ("mixed", "prefill", "decode")
+
+
 @dataclass(slots=True)
-class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT)):
+class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, backend_tls=True)):
     """tokenmill executor: runs the model over the step batches the scheduler plans."""
 
     executor: ExecutorConfig = embedded(ExecutorConfig, env_prefix=ENV_PREFIX)
+    role: str = field(default="mixed", metadata={
+        "help": "what the scheduler runs here: mixed (prompts and decoding), prefill (prompts, whose KV then "
+                "moves to a decode executor) or decode (requests whose prompt a prefill executor computed; it "
+                "pulls their KV from there, over the --backend-tls-* credentials when set)",
+        "env": "TOKENMILL_EXECUTOR_ROLE"})
     skip_warmup: bool = field(default=False, metadata={
         "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
         "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
 
     def validate(self) -> None:
         self.executor.validate()
+        if self.role not in EXECUTOR_ROLES:
+            raise ValueError(f"role must be one of {', '.join(EXECUTOR_ROLES)}, got {self.role!r}")

@@ -54,6 +54,8 @@ class KVTransfer:
         self._blocks_per_chunk = max(1, CHUNK_BYTES // block_bytes)
         self._on_worker = on_worker
         self._tls = tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        """One channel per source executor, kept: a copy is on the path of a request's second token."""
 
     async def read(self, layout: str, block_ids: Sequence[int]) -> AsyncIterator[tuple[int, int, list[bytes]]]:
         """(first, count, layers) chunks of ``block_ids`` for a reader whose pool has ``layout``."""
@@ -76,24 +78,32 @@ class KVTransfer:
         _check_ids("block_ids", block_ids, self._num_blocks)
         started = time.perf_counter()
         num_bytes = copied = 0
-        async with create_channel(source_address, tls=self._tls, options=channel_options()) as channel:
-            stub = executor_pb2_grpc.ExecutorStub(channel)
-            request = executor_pb2.ReadKVBlocksRequest(kv_layout=self.layout, block_ids=list(source_block_ids))
-            try:
-                async for chunk in stub.ReadKVBlocks(request, timeout=READ_TIMEOUT_S):
-                    if chunk.first != copied or chunk.count < 1 or copied + chunk.count > len(block_ids):
-                        raise InvalidArgumentError(f"the source sent blocks [{chunk.first}, "
-                                                   f"{chunk.first + chunk.count}) after {copied}")
-                    targets = list(block_ids[chunk.first:chunk.first + chunk.count])
-                    try:
-                        await self._on_worker(write_blocks, self._cache, targets, list(chunk.layers))
-                    except ValueError as exc:
-                        raise InvalidArgumentError(f"the source's blocks do not fit this pool: {exc}") from None
-                    copied += chunk.count
-                    num_bytes += sum(len(layer) for layer in chunk.layers)
-            except grpc.RpcError as exc:
-                raise UnavailableError(f"reading KV blocks from {source_address} failed: "
-                                       f"{exc.code().name}: {exc.details()}") from None
+        channel = self._channels.get(source_address)
+        if channel is None:
+            channel = self._channels[source_address] = create_channel(source_address, tls=self._tls,
+                                                                      options=channel_options())
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        request = executor_pb2.ReadKVBlocksRequest(kv_layout=self.layout, block_ids=list(source_block_ids))
+        try:
+            async for chunk in stub.ReadKVBlocks(request, timeout=READ_TIMEOUT_S):
+                if chunk.first != copied or chunk.count < 1 or copied + chunk.count > len(block_ids):
+                    raise InvalidArgumentError(f"the source sent blocks [{chunk.first}, "
+                                               f"{chunk.first + chunk.count}) after {copied}")
+                targets = list(block_ids[chunk.first:chunk.first + chunk.count])
+                try:
+                    await self._on_worker(write_blocks, self._cache, targets, list(chunk.layers))
+                except ValueError as exc:
+                    raise InvalidArgumentError(f"the source's blocks do not fit this pool: {exc}") from None
+                copied += chunk.count
+                num_bytes += sum(len(layer) for layer in chunk.layers)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPreconditionError(exc.details()) from None
+            stale = self._channels.pop(source_address, None)
+            if stale is not None:
+                await stale.close()  # a restarted source is reached afresh
+            raise UnavailableError(f"reading KV blocks from {source_address} failed: "
+                                   f"{exc.code().name}: {exc.details()}") from None
         if copied != len(block_ids):
             raise UnavailableError(f"the source at {source_address} sent {copied} of {len(block_ids)} blocks")
         return PullReport(copied, num_bytes, time.perf_counter() - started)

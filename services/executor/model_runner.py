@@ -19,6 +19,7 @@ from services.executor.forward_paths.step import ForwardStep
 from services.executor.sequences import PoolLimits, Scheduled, SequenceState, apply_plan
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
+from services.runtime.kv_blocks import kv_layout
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
@@ -75,6 +76,7 @@ class ModelRunner:
             eos_token_ids=mc.eos_token_ids,
             kv_cache_dtype=dtype_name(self.dtype) if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
             kv_cache_bytes=self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype),
+            kv_layout=kv_layout(mc, self.block_size, self.kv_dtype, self.dtype),
         )
 
     # ------------------------------------------------------------------ the step

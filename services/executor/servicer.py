@@ -26,6 +26,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import Protocol
 
 import grpc
@@ -36,6 +37,8 @@ from services.common.errors import TokenmillError, UnavailableError
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.step import ExecutorInfo, StepPlan, StepResult
+from services.common.tls import ClientTLS
+from services.executor.kv_transfer import KVTransfer
 
 _log = structlog.get_logger("tokenmill.executor")
 
@@ -64,10 +67,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     compute time in seconds (the executor's step histogram)."""
 
     def __init__(self, worker: Executor, runner: asyncio.Future[StepRunner],
-                 observe_step: Callable[[float], None] | None = None) -> None:
+                 observe_step: Callable[[float], None] | None = None, role: str = "mixed",
+                 peer_tls: ClientTLS | None = None) -> None:
         self._worker = worker
         self._runner = runner
         self._observe_step = observe_step
+        self._role = role
+        self._peer_tls = peer_tls
+        """How this executor reaches another to pull KV blocks from it."""
+        self._kv_transfer: KVTransfer | None = None
         self._info: executor_pb2.ExecutorInfo | None = None
         self._active_session: int | None = None
         self._sessions_started = 0
@@ -82,8 +90,35 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.ExecutorInfo:
         runner = self._require_runner()
         if self._info is None:
-            self._info = executor_info_to_proto(runner.info())
+            self._info = executor_info_to_proto(replace(runner.info(), role=self._role))
         return self._info
+
+    async def PullKVBlocks(
+        self, request: executor_pb2.PullKVBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.PullKVBlocksResponse:
+        report = await self._transfer().pull(request.source_address, list(request.source_block_ids),
+                                             list(request.block_ids))
+        _log.info("kv_pulled", source=request.source_address, blocks=report.num_blocks, bytes=report.num_bytes,
+                  ms=round(report.seconds * 1000, 3))
+        return executor_pb2.PullKVBlocksResponse(num_blocks=report.num_blocks, num_bytes=report.num_bytes,
+                                                 seconds=report.seconds)
+
+    async def ReadKVBlocks(
+        self, request: executor_pb2.ReadKVBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[executor_pb2.KVBlockChunk]:
+        async for first, count, layers in self._transfer().read(request.kv_layout, list(request.block_ids)):
+            yield executor_pb2.KVBlockChunk(first=first, count=count, layers=layers)
+
+    def _transfer(self) -> KVTransfer:
+        """The KV copies' side of this executor (services/executor/kv_transfer.py), once loaded."""
+        if self._kv_transfer is None:
+            runner = self._require_runner()
+            info = runner.info()
+            loop = asyncio.get_running_loop()
+            self._kv_transfer = KVTransfer(
+                runner.kv_cache, info.kv_layout, info.kv_cache_bytes // info.num_blocks, info.num_blocks,
+                lambda fn, *args: loop.run_in_executor(self._worker, fn, *args), self._peer_tls)
+        return self._kv_transfer
 
     async def Step(
         self, request_iterator: AsyncIterator[executor_pb2.StepRequest], context: grpc.aio.ServicerContext

@@ -65,6 +65,8 @@ class LaunchConfig:
     """Fixed ports for tokenizer / executor / drafter (missing = any free port)."""
     executor_args: list[str] = field(default_factory=list)
     """Extra flags for every executor (dtype, device, kv cache size, ...)."""
+    executor_role_args: dict[str, list[str]] = field(default_factory=dict)
+    """Extra flags for the executors of one role (after executor_args: they win)."""
     executor_roles: list[str] = field(default_factory=lambda: ["mixed"])
     """One executor per entry, with that role (mixed, prefill or decode), all behind the one
     scheduler; the first is named "executor", the others "executor-1", "executor-2", ..."""
@@ -119,7 +121,7 @@ class Launcher:
             base += ["--model", c.model]
         if name == "executor":
             role = c.executor_roles[self.executor_names.index(svc.name)]
-            base += (["--role", role] if role != "mixed" else []) + c.executor_args
+            base += (["--role", role] if role != "mixed" else []) + c.executor_args + c.executor_role_args.get(role, [])
         if name == "drafter":
             base += ["--target-model", c.model] + c.drafter_args
         if self.certificates is not None:

@@ -115,6 +115,9 @@ class Handoff:
         """Copy the KV of every token but the last into ``target``'s pool; True when done
         (``request`` then holds its blocks there, those tokens computed)."""
         counters = self.counters.setdefault(target.name, TransferCounters())
+        if source.info.kv_layout != target.info.kv_layout or not source.info.kv_layout:
+            counters.failures += 1
+            return False  # pools of different layouts: the decode side recomputes the prompt
         manager = target.scheduler.block_manager
         num_tokens = request.num_tokens - 1
         hit_ids, hit_tokens = manager.get_computed_blocks(request)
