@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.latency_profile import percentile
+from services.common.percentile import percentile
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError
+from services.common.percentile import percentile, sorted_percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,25 +81,6 @@ class LatencySnapshot:
 
 DEFAULT_CAPACITY = 65_536
 """Samples the ring holds: 2.5 MiB. Over a 60 s window that is 1,092 finished requests a second."""
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks; 0 when empty."""
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    if not values:
-        return 0.0
-    return _sorted_percentile(sorted(values), q)
-
-
-def _sorted_percentile(ordered: Sequence[float], q: float) -> float:
-    """percentile() over values already sorted."""
-    if not ordered:
-        return 0.0
-    position = (len(ordered) - 1) * q / 100.0
-    lower = math.floor(position)
-    upper = min(lower + 1, len(ordered) - 1)
-    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
 class LatencyProfileRecorder:
@@ -201,11 +183,11 @@ class LatencyProfileRecorder:
         return LatencySnapshot(
             window_s=window_s,
             num_requests=len(tokens),
-            ttft_p50_ms=_sorted_percentile(ttfts, 50),
-            ttft_p99_ms=_sorted_percentile(ttfts, 99),
-            tpot_p50_ms=_sorted_percentile(tpots, 50),
-            tpot_p99_ms=_sorted_percentile(tpots, 99),
-            tokens_per_s_per_stream=_sorted_percentile(rates, 50),
+            ttft_p50_ms=sorted_percentile(ttfts, 50),
+            ttft_p99_ms=sorted_percentile(ttfts, 99),
+            tpot_p50_ms=sorted_percentile(tpots, 50),
+            tpot_p99_ms=sorted_percentile(tpots, 99),
+            tokens_per_s_per_stream=sorted_percentile(rates, 50),
             tokens_per_s_total=sum(tokens) / covered if covered > 0 else 0.0,
             max_output_tokens=int(max(tokens, default=0)),
         )

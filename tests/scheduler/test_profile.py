@@ -16,7 +16,8 @@ from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.core.stats import SchedulerStats
 from services.scheduler.engine.handoff import TransferCounters
 from services.scheduler.generation_codec import profile_to_proto
-from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder, percentile
+from services.common.percentile import percentile
+from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder
 
 
 class FakeClock:
