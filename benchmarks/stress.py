@@ -63,7 +63,7 @@ from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generati
 from services.common.server import create_channel
 from services.common.service_config import REPO_ROOT
 from services.stack.client import build_request
-from services.stack.launcher import LaunchConfig, Launcher, health_status
+from services.stack.launcher import LaunchConfig, Launcher, ServiceProcess, health_status
 
 STORIES = str(REPO_ROOT / "models" / "stories260K")
 PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "One day, a little bird",
@@ -269,8 +269,9 @@ class StressLauncher(Launcher):
         self.scheduler_env = scheduler_env or {}
         """Variables for the scheduler alone, set by ``env`` (which execs: the process id is the service's)."""
 
-    def _command(self, name: str, port: int) -> list[str]:
-        command = super()._command(name, port)
+    def _command(self, svc: ServiceProcess) -> list[str]:
+        command = super()._command(svc)
+        name = svc.kind
         if name == "scheduler" and self.scheduler_env:
             command = ["env", *(f"{k}={v}" for k, v in self.scheduler_env.items()), *command]
         if self.heaptrack_dir and name == self.heaptrack_service:

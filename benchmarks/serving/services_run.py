@@ -98,23 +98,29 @@ def scrape(url: str | None, names: tuple[str, ...] = ()) -> dict[str, float]:
         return parse_samples(reply.read().decode())
 
 
-async def _one(stub, request: BenchRequest, record: RequestRecord) -> None:
+async def _one(stub, request: BenchRequest, record: RequestRecord, on_first_token=None) -> None:
     message = build_request(list(request.prompt_ids), max_tokens=request.output_len, temperature=0.0,
                             ignore_eos=True)
     try:
         async for reply in stub.Generate(message, timeout=3600):
             kind = reply.WhichOneof("event")
             if kind == "delta":
+                first = not record.chunk_times
                 record.add_chunk(time.perf_counter(), list(reply.delta.token_ids))
+                if first and on_first_token is not None:
+                    on_first_token()
             elif kind == "finished":
                 record.finish_time = time.perf_counter()
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
 
 
-async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Event) -> None:
+async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Event, wake: asyncio.Event) -> None:
+    """Polls GetProfile, and at once whenever ``wake`` is set (a request's first token: it holds
+    KV blocks now), so a run shorter than the polling interval still sees its peak."""
     started = time.perf_counter()
     while not stop.is_set():
+        wake.clear()
         try:
             profile = await stub.GetProfile(generation_pb2.GetProfileRequest(), timeout=5)
             waste = None
@@ -126,9 +132,12 @@ async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Eve
             pass  # a missed sample is not worth failing the run for
         try:
             early = time.perf_counter() - started < FIRST_SAMPLES_WINDOW_S
-            await asyncio.wait_for(stop.wait(), FIRST_SAMPLES_INTERVAL_S if early else SAMPLE_INTERVAL_S)
-        except asyncio.TimeoutError:
-            pass
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+            await asyncio.wait(waiters, timeout=FIRST_SAMPLES_INTERVAL_S if early else SAMPLE_INTERVAL_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
 
 async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, progress) -> SystemRun:
@@ -140,10 +149,11 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
         slots = asyncio.Semaphore(concurrency)
         samples: list[KVSample] = []
         stop = asyncio.Event()
+        wake = asyncio.Event()
         cpu = CpuMeter(stack.pids.values())
         cpu.start()
         start = time.perf_counter()
-        sampler = asyncio.create_task(_sample(stub, stack, samples, stop))
+        sampler = asyncio.create_task(_sample(stub, stack, samples, stop, wake))
 
         async def send(request: BenchRequest) -> None:
             delay = request.arrival_s - (time.perf_counter() - start)
@@ -152,7 +162,7 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
             async with slots:
                 record = records[request.index]
                 record.send_time = time.perf_counter()
-                await _one(stub, request, record)
+                await _one(stub, request, record, wake.set)
                 if progress is not None:
                     progress.update(1)
 

@@ -39,9 +39,9 @@ def test_scheduler_env_prefixes_only_the_scheduler():
     try:
         for name in ("tokenizer", "executor", "drafter"):
             launcher.services[name] = ServiceProcess(name, [], 1234, Path("/nonexistent"), None)
-        scheduler = launcher._command("scheduler", 5678)
+        scheduler = launcher.command("scheduler", 5678)
         assert scheduler[:2] == ["env", "PYTHONMALLOC=malloc"] and "services.scheduler" in scheduler
-        assert launcher._command("tokenizer", 1234)[0] != "env"
+        assert launcher.command("tokenizer", 1234)[0] != "env"
     finally:
         shutil.rmtree(launcher._state_dir, ignore_errors=True)
 

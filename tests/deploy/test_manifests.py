@@ -263,12 +263,12 @@ def test_gpu_overlays_give_each_executor_a_gpu(rendered):
         for executor in sidecars(pod_spec(engine)):
             assert executor["resources"]["limits"]["nvidia.com/gpu"] == "1"
             config, _ = parse_container("executor", executor["args"], _env(rendered[overlay], executor))
-            assert config.device == "cuda"
+            assert config.executor.device == "cuda"
     cpu_engine = one(rendered["cpu"], "StatefulSet", "tokenmill-engine")
     cpu_executor = next(c for c in all_containers(pod_spec(cpu_engine)) if c["name"] == "executor")
     assert "nvidia.com/gpu" not in str(cpu_executor["resources"])
     config, _ = parse_container("executor", cpu_executor["args"], _env(rendered["cpu"], cpu_executor))
-    assert config.device == "cpu"
+    assert config.executor.device == "cpu"
 
 
 def test_a_wrong_flag_or_variable_is_caught():
