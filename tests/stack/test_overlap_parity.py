@@ -26,7 +26,6 @@ import grpc
 import pytest
 import pytest_asyncio
 import structlog
-import torch
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
@@ -43,7 +42,7 @@ from services.tokenizer.main import serve as serve_tokenizer
 from tests.helpers.service_harness import STORIES_DIR
 from tests.helpers.stack_streams import StreamRecord, assert_framed, record_stream
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("one_torch_thread")]
 
 MODEL = str(STORIES_DIR)
 ENGINE_FLAGS = dict(dtype="fp32", device="cpu", attention_backend="torch")
@@ -61,14 +60,6 @@ class Stack:
 
     def stats(self):
         return self.scheduler.app.core.stats()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -17,7 +17,6 @@ import time
 import grpc
 import pytest
 import pytest_asyncio
-import torch
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,17 +27,9 @@ from tests.helpers.service_harness import REPO_ROOT
 from tests.helpers.small_stack import start_small_stack
 from tests.helpers.stack_streams import greedy_request
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("one_torch_thread")]
 
 BURST = 50
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-import torch
 
 from services.scheduler.request.delta import GenerationDelta
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
@@ -48,7 +47,7 @@ from tests.helpers.stack_streams import (
 )
 from tests.helpers.engine_runs import generate_all
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("one_torch_thread")]
 
 MODEL = str(STORIES_DIR)
 ENGINE_FLAGS = dict(dtype="fp32", device="cpu", attention_backend="torch")
@@ -107,16 +106,6 @@ class References:
 
 def greedy(prompt, max_tokens: int = PARITY_TOKENS, **kwargs) -> generation_pb2.GenerateRequest:
     return greedy_request(prompt, max_tokens, **kwargs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """CPU steps of this tiny model are dominated by thread hand-offs; on a shared machine two
-    OpenMP threads make each step ten times slower. Engine and executor share this setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 import grpc
 import pytest
 import pytest_asyncio
-import torch
 from grpc_health.v1 import health_pb2
 
 from services.common.server import create_channel
@@ -26,17 +25,9 @@ from tests.helpers.service_harness import STORIES_DIR, health_status
 from tests.helpers.small_stack import ENGINE_FLAGS
 from tests.helpers.stack_streams import greedy_request, record_stream
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("one_torch_thread")]
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
