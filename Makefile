@@ -24,7 +24,7 @@ TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto run test bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway clean
+.PHONY: install runtime proto run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
 
@@ -72,27 +72,28 @@ FUZZ_EXAMPLES ?= 5000
 fuzz: install
 	TOKENMILL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/stack/test_fuzz.py
 
+# The benchmarks: `$(PY) -m benchmarks` lists every run, `$(PY) -m benchmarks NAME --help` its flags.
 # Hundreds of concurrent streams under abuse for STRESS_SECONDS (not part of make test).
 STRESS_SECONDS ?= 600
 stress: install
-	$(PY) -m benchmarks.stress --seconds $(STRESS_SECONDS)
+	$(PY) -m benchmarks stress --seconds $(STRESS_SECONDS)
 
 bench: install
-	$(VENV)/bin/tokenmill bench --preset headline
+	$(PY) -m benchmarks serving --preset headline
 
 bench-quick: install
-	$(VENV)/bin/tokenmill bench --preset quick
+	$(PY) -m benchmarks serving --preset quick
 
 bench-decode: install
-	$(PY) -m benchmarks.decode_bench --threads 1
+	$(PY) -m benchmarks decode --threads 1
 
-# Speculative decoding off / n-gram / draft model on SmolLM2-135M-Instruct, one run (benchmarks/spec_bench.py)
+# Speculative decoding off / n-gram / draft model on SmolLM2-135M-Instruct, one run (benchmarks/spec.py)
 bench-spec: install
-	$(VENV)/bin/tokenmill bench --preset spec
+	$(PY) -m benchmarks spec
 
-# SmolLM2-135M-Instruct in fp32, bf16, int8 and int4 (its shipped Q4_1), one run (benchmarks/weights_bench.py)
+# SmolLM2-135M-Instruct in fp32, bf16, int8 and int4 (its shipped Q4_1), one run (benchmarks/weights.py)
 bench-smollm2: install
-	$(PY) -m benchmarks.weights_bench
+	$(PY) -m benchmarks weights
 
 # The gateway: HTTP overhead against gRPC, routing policies on a simulated heterogeneous pool,
 # decision time with 64 targets, routed requests/s on one core (benchmarks/gateway/; ~6 minutes).
@@ -111,7 +112,7 @@ $(LLAMA_CPP_STAMP): $(STAMP)
 	touch $@
 
 bench-peer: install $(LLAMA_CPP_STAMP)
-	$(PY) -m benchmarks.peer
+	$(PY) -m benchmarks peer
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) .pytest_cache

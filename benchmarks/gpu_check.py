@@ -14,16 +14,17 @@
 Each section is guarded: an error is printed and the next section runs. Timings are medians of
 triton.testing.do_bench (CUDA events). The markdown report goes to stdout and to ``--out``.
 
-  python benchmarks/gpu_check.py --out gpu_check.md
-  python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.md   # CPU: tiny shapes, every path
+  python -m benchmarks gpu --out gpu_check.md
+  python -m benchmarks gpu --dry-run --out /tmp/gpu_check.md   # CPU: tiny shapes, every path
 
-Imports only torch, triton, numpy and the standard library at module level (the GPU image has
-no structlog); the engine is imported inside section (c).
+Run from the checkout's root (the GPU image runs it without installing the package). Imports
+only torch, triton, numpy, the standard library and the harness's standard-library parts at
+module level (the GPU image has no structlog); the engine is imported inside section (c), the
+services inside (d).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
@@ -38,7 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
+from benchmarks.harness.paths import REPO_ROOT
+from benchmarks.harness.report import command_line, git_revision
+
+PROG = "python -m benchmarks gpu"
+SECTIONS = ("tests", "kernels", "e2e", "services")
 
 
 @dataclass
@@ -434,44 +441,32 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
 
 
 # ---------------------------------------------------------------------------------------- (d)
-async def _stream(stub, request, sent_at: float) -> tuple[float, list[float]]:
-    """(TTFT seconds, arrival time of every token) of one Generate stream."""
-    times: list[float] = []
-    async for message in stub.Generate(request, timeout=600):
-        if message.WhichOneof("event") == "delta" and message.delta.token_ids:
-            times.extend([time.perf_counter()] * len(message.delta.token_ids))
-    if not times:
-        raise RuntimeError("a stream produced no tokens")
-    return times[0] - sent_at, times
+async def _burst(address: str, prompts: list[list[int]], tokens: int) -> list:
+    """The streams of ``prompts`` sent at once: their RequestRecords, sent when the burst was."""
+    from benchmarks.harness.client import generation_stub, greedy_request, stream
+    from benchmarks.harness.records import RequestRecord
 
-
-async def _burst(address: str, prompts: list[list[int]], tokens: int) -> list[tuple[float, list[float]]]:
-    from services.common.pb.tokenmill.v1 import generation_pb2_grpc
-    from services.common.server import create_channel
-    from services.stack.client import build_request
-
-    async with create_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(address) as stub:
         sent_at = time.perf_counter()
-        return await asyncio.gather(*[
-            _stream(stub, build_request(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True), sent_at)
-            for prompt in prompts])
+        records = await asyncio.gather(*[
+            stream(stub, greedy_request(prompt, tokens), RequestRecord(i, len(prompt), tokens, sent_at), timeout=600)
+            for i, prompt in enumerate(prompts)])
+    failed = [r.error or "no tokens" for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} streams failed: {failed[0]}")
+    return records
 
 
-def _tpot_ms(streams: list[tuple[float, list[float]]]) -> float:
+def _tpot_ms(records: list) -> float:
     """Median over streams of the mean time between a stream's tokens."""
-    return statistics.median(1e3 * (t[-1] - t[0]) / (len(t) - 1) for _, t in streams)
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return statistics.median(1e3 * r.tpot_s for r in records)
 
 
 def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> None:
     """The four services as `tokenmill up` starts them, on the same model as (c)."""
     try:
-        from services.stack.launcher import LaunchConfig, Launcher
+        from benchmarks.harness.launch import LaunchSpec, launched
+        from benchmarks.harness.stats import percentile
         from services.tools.random_model import PRESETS, build_random_model
     except Exception as error:
         report.note(f"skipped: the services are not importable here ({type(error).__name__}: {error})")
@@ -482,18 +477,16 @@ def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> N
                 f"{shapes.services_prompt_len} token ids, {tokens} greedy tokens per stream (ignore_eos). The first "
                 f"burst of {burst} streams is sent the moment the scheduler reports SERVING; TPOT is the median "
                 "over streams of (last token - first token) / (tokens - 1).")
-    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as log_dir:
+    with tempfile.TemporaryDirectory() as model_dir:
         build_random_model(spec, model_dir)
-        launcher = Launcher(LaunchConfig(
-            model=model_dir, public_port=0, log_dir=log_dir, restart=False, start_timeout_s=max(60.0, deadline - time.perf_counter()),
-            executor_args=[f"--device={device.type}", f"--dtype={shapes.e2e_dtype}",
-                           f"--max-model-len={shapes.services_prompt_len + tokens + 64}"],
-        ))
+        launch = LaunchSpec(model_dir, (f"--device={device.type}", f"--dtype={shapes.e2e_dtype}",
+                                        f"--max-model-len={shapes.services_prompt_len + tokens + 64}"),
+                            threads=None, quiet=False, metrics=False,
+                            start_timeout_s=max(60.0, deadline - time.perf_counter()), log_prefix="gpu-check-")
         started = time.perf_counter()
-        launcher.start()
-        report.note(f"stack started (warm-up and graph capture included) in {time.perf_counter() - started:.1f} s")
-        try:
-            address = launcher.public_address
+        with launched(launch) as stack:
+            report.note(f"stack started (warm-up and graph capture included) in {time.perf_counter() - started:.1f} s")
+            address = stack.address
             vocab = spec.vocab_size
 
             def prompts(n: int, salt: int) -> list[list[int]]:
@@ -503,7 +496,7 @@ def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> N
             rows = []
             cold = asyncio.run(_burst(address, prompts(burst, 0), tokens))
             warm = asyncio.run(_burst(address, prompts(burst, 1000), tokens))
-            cold_p99, warm_p99 = _p99([t for t, _ in cold]), _p99([t for t, _ in warm])
+            cold_p99, warm_p99 = (percentile([r.ttft_s for r in burst_records], 99) for burst_records in (cold, warm))
             rows.append([f"first burst of {burst} after SERVING: TTFT p99", cold_p99 * 1e3, "",
                          f"{cold_p99 / warm_p99:.2f}x the warm burst's (target <= 2x)"])
             rows.append([f"warm burst of {burst}: TTFT p99", warm_p99 * 1e3, "", ""])
@@ -519,20 +512,24 @@ def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> N
                          f"ModelRunner batch {burst} {runner_b:.2f} ms: {multi_ms / runner_b:.2f}x its step "
                          "(target <= 1.15x)" if runner_b else ""])
             report.table(["what", "ms", "tokens/s", "against"], rows)
-        finally:
-            launcher.stop()
 
 
 # ---------------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="markdown report path")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on a CPU through the interpreter")
-    parser.add_argument("--sections", default="tests,kernels,e2e,services",
-                        help="comma list of tests, kernels, e2e, services")
-    parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds for section (a)")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True, slots=True)
+class GpuCheckSettings:
+    out: str = field(metadata={"help": "markdown report path"})
+    dry_run: bool = setting(False, "tiny shapes; runs on a CPU through the interpreter")
+    sections: tuple[str, ...] = setting(SECTIONS, f"comma list of {', '.join(SECTIONS)}")
+    test_timeout: float = setting(240.0, "seconds for section (a)")
+    budget: float = setting(450.0, "seconds for the whole run")
+
+    def validate(self) -> None:
+        flags.check_choices("sections", self.sections, SECTIONS)
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(GpuCheckSettings, argv, prog=prog, description=__doc__)
 
     import torch
 
@@ -542,11 +539,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not on_gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel module import
-    sys.path.insert(0, str(REPO_ROOT))
     shapes = DRY_RUN_SHAPES if args.dry_run else Shapes()
     device = torch.device("cuda" if on_gpu else "cpu")
     timer = Timer(on_gpu)
-    sections = set(args.sections.split(","))
+    sections = set(args.sections)
     start = time.perf_counter()
     end = start + args.budget
 
@@ -554,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     gpu = torch.cuda.get_device_name(device) if on_gpu else "CPU (dry run: Triton interpreter, tiny shapes)"
-    report.note(f"# tokenmill GPU check\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}")
+    git = git_revision()
+    report.note(f"# tokenmill GPU check\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}; "
+                f"commit {git['short']}{' (tracked files changed)' if git['dirty'] else ''}; "
+                f"`{command_line(prog, argv)}`")
 
     def section(title: str, body: Callable[[], object]) -> object:
         report.heading(title)
@@ -592,6 +591,3 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(report.render())
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The stress suite: hundreds of concurrent streams under abuse, then a check that nothing leaked.
 
-    python -m benchmarks.stress [--seconds 600] [--streams 200]      (make stress STRESS_SECONDS=...)
+    python -m benchmarks stress [--seconds 600] [--streams 200]      (make stress STRESS_SECONDS=...)
 
 The stack runs as `tokenmill up` runs it (the Launcher: four processes, restarts on). For
 ``--seconds``, ``--streams`` client tasks each run greedy streams back to back, each stream
@@ -31,7 +31,7 @@ high-water mark still being reached (growth in the first round only). ``--trace-
 scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/);
 ``--heaptrack DIR`` runs the scheduler under heaptrack (every malloc with its C call stack, to
 read with ``heaptrack_print``; its resident memory then includes heaptrack's own);
-``--scheduler-env NAME=VALUE`` sets a variable for the scheduler alone (``PYTHONMALLOC=malloc``).
+``--scheduler-env NAME=VALUE[,...]`` sets variables for the scheduler alone (``PYTHONMALLOC=malloc``).
 The table also gives each service's CPU seconds during the run, and a throughput line the
 tokens the clients received per second and the scheduler's CPU time per token (on a shared
 machine the CPU time compares better between runs than the wall-clock rates). Then the summary line
@@ -41,31 +41,34 @@ machine the CPU time compares better between runs than the wall-clock rates). Th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from benchmarks.overload_burst import BurstResult, burst, one_by_one, percentile
-from benchmarks.serving.cpu_time import process_cpu_seconds
-from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.common.server import create_channel
-from services.common.service_config import REPO_ROOT
-from services.stack.client import build_request
+from benchmarks.harness import child as harness_child, flags
+from benchmarks.harness.bursts import BurstResult, burst, one_by_one
+from benchmarks.harness.client import generation_stub, greedy_request
+from benchmarks.harness.cpu import ProcStatus, proc_status
+from benchmarks.harness.flags import setting
+from benchmarks.harness.launch import LaunchSpec, executor_flags, launched, scheduler_flags
+from benchmarks.harness.paths import BENCHMARKS, REPO_ROOT, STORIES as _STORIES
+from benchmarks.harness.stats import percentile
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.executor.config import ExecutorConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.stack.launcher import LaunchConfig, Launcher, ServiceProcess, health_status
 
-STORIES = str(REPO_ROOT / "models" / "stories260K")
+PROG = "python -m benchmarks stress"
+STORIES = str(_STORIES)
 PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "One day, a little bird",
            "The sun was hot", "Ben saw a big", "Mom said", "The little girl", "A fish swam", "The tree was tall",
            "Sam had a red ball", "It was a rainy day", "The king", "Two friends", "Max ran fast"]
@@ -95,7 +98,7 @@ class Tally:
 
 
 def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
-    return build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return greedy_request(prompt, max_tokens)
 
 
 async def solo_runs(stub) -> dict[tuple[str, int], list[int]]:
@@ -178,19 +181,13 @@ async def burst_loop(stub, n: int, every: float, stop_at: float) -> BurstResult:
         sent_at = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
         result = await burst(stub, n)
         if result.refused_ms:
-            total.bursts.append((sent_at, max(result.refused_ms)))
-        total.refused_ms += result.refused_ms
-        total.admitted += result.admitted
-        total.without_pushback += result.without_pushback
-        total.other += result.other
+            result.bursts.append((sent_at, max(result.refused_ms)))
+        total.add(result)
     return total
 
 
 def tally_bursts(result: BurstResult, tally: Tally) -> None:
-    tally.overload.bursts += [tuple(b) for b in result.bursts]
-    tally.overload.refused_ms += result.refused_ms
-    tally.overload.admitted += result.admitted
-    tally.overload.without_pushback += result.without_pushback
+    tally.overload.add(BurstResult(result.refused_ms, result.admitted, [], result.without_pushback, result.bursts))
     for name in result.other:
         if name not in ("UNAVAILABLE",):
             tally.crashes.append(f"burst call answered {name}")
@@ -208,25 +205,26 @@ async def overload_bursts(stub, address: str, n: int, every: float, stop_at: flo
     if in_process:
         tally_bursts(await burst_loop(stub, n, every, stop_at), tally)
         return
+    command = harness_child.command("benchmarks.stress:burst_client", address=address, n=n, every=every,
+                                    seconds=max(0.0, stop_at - time.monotonic()))
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "benchmarks.stress", "--burst-at", address, "--burst", str(n),
-        "--burst-every", str(every), "--seconds", str(max(0.0, stop_at - time.monotonic())),
-        cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE)
+        *command, cwd=harness_child.CWD, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE)
     out, _ = await process.communicate()
     if process.returncode != 0:
         tally.crashes.append(f"the burst client exited {process.returncode}")
         return
-    tally_bursts(BurstResult(**json.loads(out.decode().strip().splitlines()[-1])), tally)
+    tally_bursts(BurstResult(**harness_child.result(out.decode())), tally)
 
 
-async def burst_client(address: str, n: int, every: float, seconds: float) -> None:
-    """The burst client process: its bursts' results as one JSON line on stdout."""
-    stop_at = time.monotonic() + seconds
-    async with create_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        await one_by_one(stub, 3)  # a connected channel: the first burst must not time its handshake
-        result = await burst_loop(stub, n, every, stop_at)
-    print(json.dumps(asdict(result)))
+def burst_client(address: str, n: int, every: float, seconds: float) -> dict:
+    """The burst client process (harness.child): its bursts' results."""
+    async def run() -> BurstResult:
+        stop_at = time.monotonic() + seconds
+        async with generation_stub(address) as stub:
+            await one_by_one(stub, 3)  # a connected channel: the first burst must not time its handshake
+            return await burst_loop(stub, n, every, stop_at)
+
+    return asdict(asyncio.run(run()))
 
 
 async def killed_clients(address: str, every: float, stop_at: float, tally: Tally) -> None:
@@ -335,19 +333,6 @@ async def kill_executor_at(launcher: StressLauncher, at: float, tally: Tally) ->
     os.kill(launcher.pid("executor"), signal.SIGKILL)
 
 
-def proc_status(pid: int) -> tuple[int, int, float]:
-    """(resident KiB, threads, CPU seconds used so far: user + system) of a process."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    cpu = process_cpu_seconds(pid)
-    if cpu is None:
-        raise ProcessLookupError(f"process {pid} is gone")
-    return int(fields["VmRSS"].split()[0]), int(fields["Threads"]), cpu
-
-
 IDLE_SETTLE_S = 3.0
 """How long the stack is left idle before its memory is read: the scheduler gives free memory
 back (malloc_trim) once it has made no step for a second or two."""
@@ -380,8 +365,7 @@ async def wait_idle(stub, timeout: float = 30.0):
 async def run(launcher: StressLauncher, args) -> int:
     tally = Tally()
     address = launcher.public_address
-    async with create_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(address) as stub:
         refs = await solo_runs(stub)
         await settle_and_trace(launcher, args)
         cold = {name: proc_status(launcher.pid(name)) for name in launcher.services}
@@ -405,7 +389,7 @@ async def run(launcher: StressLauncher, args) -> int:
         round_s = args.seconds / args.rounds
         kill_round, kill_at = kill_placement(args.seconds, args.rounds, args.kill_executor_at)
         load_s = 0.0
-        between: list[dict[str, tuple[int, int, float]]] = []
+        between: list[dict[str, ProcStatus]] = []
         """Each round's idle reading but the last (that one is ``after``)."""
         for index in range(args.rounds):
             round_start = time.monotonic()
@@ -452,7 +436,7 @@ async def run(launcher: StressLauncher, args) -> int:
     ms = tally.overload.refused_ms
     print(f"{'overload burst calls refused (RESOURCE_EXHAUSTED)':<52}{len(ms):>10}")
     print(f"{'  ... admitted anyway / without pushback':<52}{tally.overload.admitted:>5} /{tally.overload.without_pushback:>3}")
-    print(f"{'  ... p50 / p99 / max ms':<52}{percentile(ms, 0.5):>8.2f} / {percentile(ms, 0.99):.2f} / "
+    print(f"{'  ... p50 / p99 / max ms':<52}{percentile(ms, 50):>8.2f} / {percentile(ms, 99):.2f} / "
           f"{max(ms) if ms else float('nan'):.2f}")
     slowest = sorted(tally.overload.bursts, key=lambda b: -b[1])[:3]
     if slowest:
@@ -493,70 +477,65 @@ async def run(launcher: StressLauncher, args) -> int:
               f"heaptrack_print reads it; its RSS above includes heaptrack's own)")
     for crash in tally.crashes[:20]:
         print("crash:", crash)
-    p99 = percentile(ms, 0.99)
+    p99 = percentile(ms, 99)
     print(f"stress: {tally.streams} streams, {len(tally.crashes)} crashes, {leaked} leaked blocks, "
           f"{tally.lost_or_duplicated} lost or duplicated tokens, overload p99 {p99:.1f} ms")
     return 1 if tally.crashes or leaked or tally.lost_or_duplicated else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=float(os.environ.get("STRESS_SECONDS", 600)))
-    parser.add_argument("--streams", type=int, default=200, help="concurrent client tasks")
-    parser.add_argument("--burst", type=int, default=200, help="calls in one overload burst")
-    parser.add_argument("--burst-every", type=float, default=15.0)
-    parser.add_argument("--kill-client-every", type=float, default=5.0)
-    parser.add_argument("--warmup-seconds", type=float, default=30.0,
-                        help="the same load (streams and bursts) before the memory baseline is read; 0 = none")
-    parser.add_argument("--kill-executor-at", type=float, default=0.5,
-                        help="when to SIGKILL the executor, as a fraction of --seconds (one at a round's start "
-                             f"comes {KILL_AFTER_ROUND_START_S:g} s into it, while its streams run); negative = never")
-    parser.add_argument("--trace-memory", metavar="DIR", default="",
-                        help="trace one service's memory into DIR (benchmarks/memtrace/sitecustomize.py): a JSON "
-                             "line every TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after")
-    parser.add_argument("--trace-service", default="scheduler",
-                        help="the service --trace-memory and --heaptrack trace")
-    parser.add_argument("--scheduler-env", metavar="NAME=VALUE", action="append", default=[],
-                        help="an environment variable for the scheduler process only (repeatable), e.g. "
-                             "PYTHONMALLOC=malloc")
-    parser.add_argument("--heaptrack", metavar="DIR", default="",
-                        help="run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
-                             "it: leaked and peak allocations with their C stacks)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="split --seconds into this many rounds, reading every service's idle RSS after each: "
+@dataclass(frozen=True, slots=True)
+class StressSettings:
+    seconds: float = field(default=600.0, metadata={"help": "seconds of load, split into --rounds", "env": "STRESS_SECONDS"})
+    streams: int = setting(200, "concurrent client tasks")
+    burst: int = setting(200, "calls in one overload burst")
+    burst_every: float = setting(15.0, "seconds between overload bursts")
+    kill_client_every: float = setting(5.0, "seconds between clients SIGKILLed mid-stream")
+    warmup_seconds: float = setting(30.0, "the same load (streams and bursts) before the memory baseline is read; 0 = none")
+    kill_executor_at: float = setting(
+        0.5, "when to SIGKILL the executor, as a fraction of --seconds (one at a round's start comes "
+             f"{KILL_AFTER_ROUND_START_S:g} s into it, while its streams run); negative = never")
+    trace_memory: str = setting("", "trace one service's memory into this directory (benchmarks/memtrace/"
+                                    "sitecustomize.py): a JSON line every TOKENMILL_MEMTRACE_EVERY seconds (60) and "
+                                    "at cold, before, after")
+    trace_service: str = setting("scheduler", "the service --trace-memory and --heaptrack trace")
+    scheduler_env: tuple[str, ...] = setting((), "NAME=VALUE environment variables for the scheduler process only, "
+                                                 "comma-separated, e.g. PYTHONMALLOC=malloc")
+    heaptrack: str = setting("", "run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
+                                 "it: leaked and peak allocations with their C stacks)")
+    rounds: int = setting(2, "split --seconds into this many rounds, reading every service's idle RSS after each: "
                              "a leak grows in every round, a high-water mark levels off")
-    parser.add_argument("--burst-client", choices=("process", "same"), default="process",
-                        help="send the overload bursts from a client process of their own (default), or from this "
-                             "one, whose event loop also reads every stream")
-    parser.add_argument("--burst-at", help=argparse.SUPPRESS)  # the burst client process
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.burst_at:
-        asyncio.run(burst_client(args.burst_at, args.burst, args.burst_every, args.seconds))
-        return 0
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}
-    if args.trace_memory:
-        os.makedirs(args.trace_memory, exist_ok=True)
-        env.update(PYTHONPATH=f"{REPO_ROOT / 'benchmarks' / 'memtrace'}{os.pathsep}{REPO_ROOT}",
-                   TOKENMILL_MEMTRACE_DIR=os.path.abspath(args.trace_memory),
-                   TOKENMILL_MEMTRACE_SERVICE=args.trace_service)
-    if args.heaptrack:
-        os.makedirs(args.heaptrack, exist_ok=True)
-    launcher = StressLauncher(LaunchConfig(
-        model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="tokenmill-stress-"),
-        executor_args=[f"--num-blocks={NUM_BLOCKS}", "--block-size=16", "--dtype=fp32", "--device=cpu"],
+    burst_client: str = setting("process", "send the overload bursts from a client process of their own (process), "
+                                           "or from this one (same), whose event loop also reads every stream")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "rounds", "streams", "burst")
+        flags.check_choices("burst_client", self.burst_client, ("process", "same"))
+        bad = [item for item in self.scheduler_env if "=" not in item]
+        if bad:
+            raise ValueError(f"--scheduler-env: expected NAME=VALUE, got {', '.join(bad)}")
+
+    def launch(self) -> LaunchSpec:
+        env, python_path = (), None
+        if self.trace_memory:
+            python_path = str(BENCHMARKS / "memtrace")
+            env = (("TOKENMILL_MEMTRACE_DIR", os.path.abspath(self.trace_memory)),
+                   ("TOKENMILL_MEMTRACE_SERVICE", self.trace_service))
+        executor = ExecutorConfig(model=STORIES, num_blocks=NUM_BLOCKS, block_size=16, dtype="fp32", device="cpu")
         # A queue the client tasks alone do not fill, so the bursts are what overflows it.
-        scheduler_args=["--max-num-seqs=128", f"--max-waiting-requests={max(1, args.streams // 2)}"],
-        env=env), heaptrack_dir=os.path.abspath(args.heaptrack) if args.heaptrack else "",
-        heaptrack_service=args.trace_service,
-        scheduler_env=dict(item.split("=", 1) for item in args.scheduler_env))
-    launcher.start()
-    try:
-        return asyncio.run(run(launcher, args))
-    finally:
-        launcher.stop()
+        limits = SchedulerLimits(max_num_seqs=128, max_waiting_requests=max(1, self.streams // 2))
+        return LaunchSpec(STORIES, tuple(executor_flags(executor, only_changed=True)),
+                          tuple(scheduler_flags(limits, only_changed=True)), threads=1, restart=True, metrics=False,
+                          env=env, python_path=python_path, log_prefix="tokenmill-stress-")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    settings = flags.parse(StressSettings, argv, prog=prog, description=__doc__)
+    if settings.trace_memory:
+        os.makedirs(settings.trace_memory, exist_ok=True)
+    if settings.heaptrack:
+        os.makedirs(settings.heaptrack, exist_ok=True)
+    with launched(settings.launch(), StressLauncher,
+                  heaptrack_dir=os.path.abspath(settings.heaptrack) if settings.heaptrack else "",
+                  heaptrack_service=settings.trace_service,
+                  scheduler_env=dict(item.split("=", 1) for item in settings.scheduler_env)) as stack:
+        return asyncio.run(run(stack.launcher, settings))

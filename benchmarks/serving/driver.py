@@ -1,79 +1,109 @@
 """The serving benchmark against Hugging Face baselines.
 
-    tokenmill bench --preset headline          (make bench)
-    tokenmill bench --preset quick             (make bench-quick)
-    tokenmill bench --preset stories --num-requests 64 --request-rate 8 --slo-ttft-ms 300
-    python -m benchmarks.serving --preset quick  (the same, without the CLI)
+    python -m benchmarks serving --preset headline      (make bench)
+    python -m benchmarks serving --preset quick         (make bench-quick)
+    python -m benchmarks serving --preset stories --num-requests 64 --request-rate 8 --slo-ttft-ms 300
 
 Runs one workload (same prompts, same forced output lengths, greedy) through up to four
 systems: tokenmill's four services over gRPC, the in-process engine, HF generate() one
 request at a time, and HF static batching. Writes a JSON result and a PNG under
 benchmarks/results/ and ends with a one-line summary of the headline ratios.
 
-This module is the driver (flags, presets, the workload, running the systems, the report);
-the systems live beside it: inprocess.py, services_run.py (through services.stack), hf.py.
+This module is the entry (settings, presets, the workload, running the systems); the systems
+live beside it (inprocess.py, services_run.py, hf.py) and the report in report.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.harness import flags, report as harness_report
+from benchmarks.harness.engine import EngineSettings
+from benchmarks.harness.flags import config_field, setting
+from benchmarks.harness.models import resolve_model
+from benchmarks.harness.records import SLO
 from benchmarks.serving import presets
 from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
-from services.runtime.model.attention.names import BACKEND_NAMES
+from services.common.settings import embedded
+from services.executor.config import ExecutorConfig
 
-PROG = "python -m benchmarks.serving"
+PROG = "python -m benchmarks serving"
 
 SYSTEM_ORDER = ("inprocess", "services", "hf-static", "hf-sequential")
 """In-process and services run back to back, so their comparison sees the same machine load."""
 
 
-def build_parser(preset_names: list[str], prog: str = PROG) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=preset_names, default="quick", help="starting configuration")
-    w = p.add_argument_group("workload (defaults come from the preset)")
-    w.add_argument("--model", help="model directory, or random:PRESET (built into benchmarks/.cache)")
-    w.add_argument("--num-requests", type=int)
-    w.add_argument("--concurrency", type=int, help="requests in flight (closed loop); HF static batch size")
-    w.add_argument("--request-rate", type=float, help="Poisson arrivals per second (concurrency then caps in-flight)")
-    w.add_argument("--prompt-len", help="prompt tokens: N or LOW:HIGH (uniform)")
-    w.add_argument("--output-len", help="output tokens: N or LOW:HIGH (uniform), forced with ignore_eos")
-    w.add_argument("--prompts-file", help="JSONL prompts ({'prompt': text} or {'prompt_ids': [...]})")
-    w.add_argument("--shared-prefix-fraction", type=float, help="leading share of every prompt that is identical")
-    w.add_argument("--seed", type=int, default=0)
-    s = p.add_argument_group("systems")
-    s.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEM_ORDER)} (default: the preset's)")
-    s.add_argument("--address", help="benchmark a running stack at this address instead of launching one")
-    s.add_argument("--scheduler-metrics-url", help="with --address: the scheduler's /metrics URL (KV waste, steps)")
-    s.add_argument("--executor-metrics-url", help="with --address: the executor's /metrics URL (compute time)")
-    s.add_argument("--hf-sequential-requests", type=int,
-                   help="run HF sequential on the first N requests only (0 = all; default: the preset's)")
-    s.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
-                   help="intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); "
-                        "default: every core, as torch would use (%(default)s here). On a machine other jobs "
-                        "share, 1 is steadier: OpenMP threads that lose their core stall each other")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
-                   help="both tokenmill systems' attention (auto = cpu, the C++ paged decode kernel, when it builds)")
-    s.add_argument("--kv-cache-bytes", type=int, help="KV pool of both tokenmill systems (default: the preset's)")
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    o = p.add_argument_group("SLO (goodput counts requests meeting every one given)")
-    o.add_argument("--slo-ttft-ms", type=float)
-    o.add_argument("--slo-tpot-ms", type=float)
-    o.add_argument("--slo-e2e-ms", type=float)
-    r = p.add_argument_group("output")
-    r.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default: benchmarks/results)")
-    r.add_argument("--name", help="file name stem (default: bench-PRESET-TIMESTAMP)")
-    r.add_argument("--no-plot", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
-    return p
+@dataclass(frozen=True, slots=True)
+class ServingSettings:
+    """Workload fields left at none take the preset's value."""
+
+    preset: str = setting("quick", f"starting configuration: {', '.join(sorted(presets.PRESETS))}")
+    model: str | None = setting(None, "model directory, or random:PRESET (built into benchmarks/.cache)")
+    num_requests: int | None = setting(None, "requests in the workload")
+    concurrency: int | None = setting(None, "requests in flight (closed loop); HF static batch size")
+    request_rate: float | None = setting(None, "Poisson arrivals per second (concurrency then caps in-flight)")
+    prompt_len: str | None = setting(None, "prompt tokens: N or LOW:HIGH (uniform)")
+    output_len: str | None = setting(None, "output tokens: N or LOW:HIGH (uniform), forced with ignore_eos")
+    prompts_file: str | None = setting(None, "JSONL prompts ({'prompt': text} or {'prompt_ids': [...]})")
+    shared_prefix_fraction: float | None = setting(None, "leading share of every prompt that is identical")
+    seed: int = setting(0, "seed of the workload")
+    systems: tuple[str, ...] = setting((), f"comma-separated subset of {','.join(SYSTEM_ORDER)} (empty: the preset's)")
+    address: str | None = setting(None, "benchmark a running stack at this address instead of launching one")
+    scheduler_metrics_url: str | None = setting(None, "with --address: the scheduler's /metrics URL (KV waste, steps)")
+    executor_metrics_url: str | None = setting(None, "with --address: the executor's /metrics URL (compute time)")
+    hf_sequential_requests: int | None = setting(
+        None, "run HF sequential on the first N requests only (0 = all; none: the preset's)")
+    torch_threads: int = setting(
+        os.cpu_count() or 1,
+        "intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); "
+        "default: every core, as torch would use. On a machine other jobs share, 1 is steadier: "
+        "OpenMP threads that lose their core stall each other")
+    kv_cache_bytes: int | None = config_field(ExecutorConfig, "kv_cache_bytes", default=None,
+                                              note="Both tokenmill systems' pool (none: the preset's).")
+    engine: EngineSettings = embedded(EngineSettings, env_prefix="")
+    slo_ttft_ms: float | None = setting(None, "SLO on time to first token (goodput counts requests meeting every SLO)")
+    slo_tpot_ms: float | None = setting(None, "SLO on time per output token")
+    slo_e2e_ms: float | None = setting(None, "SLO on end-to-end latency")
+    out_dir: str | None = setting(None, "where the JSON and PNG go (none: benchmarks/results)")
+    name: str | None = setting(None, "file name stem (none: bench-PRESET-TIMESTAMP)")
+    plot: bool = setting(True, "write the PNG")
+    progress: bool = setting(True, "progress bars on stderr")
+
+    def validate(self) -> None:
+        flags.check_choices("preset", self.preset, sorted(presets.PRESETS))
+        if self.systems:
+            flags.check_choices("systems", self.systems, SYSTEM_ORDER)
+        flags.check_at_least(self, 1, "torch_threads")
+        self.engine.validate()
+
+    @property
+    def preset_config(self) -> presets.Preset:
+        return presets.PRESETS[self.preset]
+
+    def workload(self) -> WorkloadSpec:
+        preset = self.preset_config
+        return WorkloadSpec(
+            num_requests=_pick(self.num_requests, preset.num_requests),
+            prompt_len=LengthDist.parse(_pick(self.prompt_len, preset.prompt_len), "--prompt-len"),
+            output_len=LengthDist.parse(_pick(self.output_len, preset.output_len), "--output-len"),
+            concurrency=_pick(self.concurrency, preset.concurrency),
+            request_rate=_pick(self.request_rate, preset.request_rate),
+            shared_prefix_fraction=_pick(self.shared_prefix_fraction, preset.shared_prefix_fraction),
+            prompts_file=self.prompts_file, seed=self.seed)
+
+    def slo(self) -> SLO:
+        preset = self.preset_config
+        return SLO(_pick(self.slo_ttft_ms, preset.slo_ttft_ms), _pick(self.slo_tpot_ms, preset.slo_tpot_ms),
+                   self.slo_e2e_ms)
+
+    def pool_bytes(self) -> int:
+        """A preset's pool is sized for its own model; another model gets the engine's default pool."""
+        default = self.preset_config.kv_cache_bytes if self.model is None else ExecutorConfig(model="").kv_cache_bytes
+        return _pick(self.kv_cache_bytes, default)
 
 
 def _pick(value, default):
@@ -103,35 +133,22 @@ def format_table(summaries: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """Run the benchmark; ``prog`` names the command in messages, the plot and the JSON result."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(sorted(presets.PRESETS), prog).parse_args(argv)
-    preset = presets.PRESETS[args.preset]
-    systems = tuple(args.systems.split(",")) if args.systems else preset.systems
-    unknown = set(systems) - set(SYSTEM_ORDER)
-    if unknown:
-        print(f"{prog}: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEM_ORDER)}", file=sys.stderr)
-        return 2
+    settings = flags.parse(ServingSettings, argv, prog=prog, description=__doc__)
     try:
-        if args.torch_threads < 1:
-            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
-        model_dir = presets.resolve_model(_pick(args.model, preset.model))
-        spec = WorkloadSpec(
-            num_requests=_pick(args.num_requests, preset.num_requests),
-            prompt_len=LengthDist.parse(_pick(args.prompt_len, preset.prompt_len), "--prompt-len"),
-            output_len=LengthDist.parse(_pick(args.output_len, preset.output_len), "--output-len"),
-            concurrency=_pick(args.concurrency, preset.concurrency),
-            request_rate=_pick(args.request_rate, preset.request_rate),
-            shared_prefix_fraction=_pick(args.shared_prefix_fraction, preset.shared_prefix_fraction),
-            prompts_file=args.prompts_file, seed=args.seed)
+        model_dir = resolve_model(_pick(settings.model, settings.preset_config.model))
+        spec = settings.workload()
         requests = _workload(model_dir, spec)
     except ValueError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    hf_seq_n = _pick(args.hf_sequential_requests, preset.hf_sequential_requests) or None
+    preset = settings.preset_config
+    hf_seq_n = _pick(settings.hf_sequential_requests, preset.hf_sequential_requests) or None
     if hf_seq_n is not None and hf_seq_n >= len(requests):
         hf_seq_n = None
-    args.prog = prog
-    args.command = f"{prog} {shlex.join(argv)}"
-    result = run_systems(args, preset, model_dir, spec, requests, [s for s in SYSTEM_ORDER if s in systems], hf_seq_n)
+    systems = settings.systems or preset.systems
+    command = harness_report.command_line(prog, argv)
+    result = run_systems(settings, command, prog, model_dir, spec, requests,
+                         [s for s in SYSTEM_ORDER if s in systems], hf_seq_n)
     return 0 if result is not None else 1
 
 
@@ -147,38 +164,33 @@ def _workload(model_dir: str, spec: WorkloadSpec):
     return build_workload(spec, config.vocab_size, config.max_model_len, tokenizer)
 
 
-def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str], hf_seq_n: int | None):
+def run_systems(settings: ServingSettings, command: str, prog: str, model_dir: str, spec: WorkloadSpec, requests,
+                systems: list[str], hf_seq_n: int | None):
+    import torch
     from tqdm import tqdm
 
-    from benchmarks.serving.inprocess import EngineOptions
-    from benchmarks.serving.records import SLO, summarize
-    from benchmarks.serving.report import build_result, write_json, write_plot
+    from benchmarks.harness.records import summarize
+    from benchmarks.serving.report import build_result, write_plot
     from services.runtime.model.attention.registry import resolve_backend_name
 
-    # A preset's pool is sized for its own model; another model gets the engine's default pool.
-    default_kv = preset.kv_cache_bytes if args.model is None else EngineOptions().kv_cache_bytes
-    options = EngineOptions(block_size=args.block_size, kv_cache_bytes=_pick(args.kv_cache_bytes, default_kv),
-                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            attention_backend=args.attention_backend)
-    slo = SLO(_pick(args.slo_ttft_ms, preset.slo_ttft_ms), _pick(args.slo_tpot_ms, preset.slo_tpot_ms),
-              args.slo_e2e_ms)
-    import torch
-
-    torch.set_num_threads(args.torch_threads)
+    engine, slo = settings.engine, settings.slo()
+    executor = engine.executor_config(model_dir, settings.pool_bytes())
+    torch.set_num_threads(settings.torch_threads)
     runs, summaries = {}, {}
     hf_model = None
-    print(f"{args.prog} --preset {args.preset}: {len(requests)} requests, model {model_dir}, "
+    print(f"{prog} --preset {settings.preset}: {len(requests)} requests, model {model_dir}, "
           f"systems {', '.join(systems)}", file=sys.stderr)
+    load = harness_report.LoadWatch()
     for system in systems:
         subset = requests[:hf_seq_n] if system == "hf-sequential" and hf_seq_n else requests
-        bar = tqdm(total=len(subset), desc=f"{system:13s}", unit="req", disable=args.no_progress, file=sys.stderr)
+        bar = tqdm(total=len(subset), desc=f"{system:13s}", unit="req", disable=not settings.progress, file=sys.stderr)
         try:
             if system in ("hf-static", "hf-sequential") and hf_model is None:
-                from benchmarks.serving.hf import load_hf_model
+                from benchmarks.harness.hf import load_model
 
-                hf_model = load_hf_model(model_dir)
+                hf_model = load_model(model_dir)
             load_before = os.getloadavg()[0]
-            run = _run_one(system, args, model_dir, spec, subset, options, hf_model, bar)
+            run = _run_one(system, settings, executor, spec, subset, hf_model, bar)
             # Other processes on the machine skew timings; the 1-minute load says how much.
             run.extra["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
         finally:
@@ -187,9 +199,10 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
             run.notes.append(f"ran on the first {hf_seq_n} of {len(requests)} requests; throughput is over those")
         runs[run.name] = run
         summaries[run.name] = summarize(run, slo)
+    load.stop()
+    preset = settings.preset_config
     meta = {
-        "command": args.command,
-        "preset": args.preset,
+        "preset": settings.preset,
         "preset_description": preset.description,
         "model": model_dir,
         "workload": {"num_requests": spec.num_requests, "concurrency": spec.concurrency,
@@ -198,47 +211,50 @@ def run_systems(args, preset, model_dir: str, spec, requests, systems: list[str]
                      "prompts_file": spec.prompts_file, "seed": spec.seed,
                      "mean_prompt_len": sum(len(r.prompt_ids) for r in requests) / len(requests),
                      "mean_output_len": sum(r.output_len for r in requests) / len(requests)},
-        "engine_options": {"block_size": options.block_size, "kv_cache_bytes": options.kv_cache_bytes,
-                           "max_num_seqs": options.max_num_seqs,
-                           "max_num_batched_tokens": options.max_num_batched_tokens,
-                           "attention_backend": options.attention_backend,
-                           "attention_backend_resolved": resolve_backend_name(options.attention_backend,
+        "engine_options": {"block_size": executor.block_size, "kv_cache_bytes": executor.kv_cache_bytes,
+                           "max_num_seqs": engine.limits.max_num_seqs,
+                           "max_num_batched_tokens": engine.limits.max_num_batched_tokens,
+                           "attention_backend": executor.attention_backend,
+                           "attention_backend_resolved": resolve_backend_name(executor.attention_backend,
                                                                               torch.device("cpu")),
-                           "dtype": "fp32", "device": "cpu"},
+                           "dtype": executor.dtype, "device": executor.device, "compile": executor.compiled_decode.compile,
+                           "scheduler_flags": engine.scheduler_flags()},
         "slo": slo.as_dict(),
-        "torch_threads": args.torch_threads,
+        "torch_threads": settings.torch_threads,
         "hf_sequential_requests": hf_seq_n,
         "hf_sequential_subset": hf_seq_n is not None,
-        "address": args.address,
+        "address": settings.address,
     }
-    result = build_result(runs, summaries, meta)
-    out_dir = Path(args.out_dir) if args.out_dir else presets.RESULTS_DIR  # read now: tests redirect it
-    stem = args.name or f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    json_path = out_dir / f"{stem}.json"
-    write_json(result, json_path)
+    result = build_result(runs, summaries, harness_report.provenance(command, load) | meta)
+    out_dir = Path(settings.out_dir) if settings.out_dir else None
+    stem = settings.name or f"bench-{settings.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    json_path = harness_report.write_result(result, harness_report.result_path("bench", out_dir=out_dir, name=stem))
     print(format_table(summaries))
     print(f"wrote {json_path}")
-    if not args.no_plot:
-        png_path = out_dir / f"{stem}.png"
-        write_plot(runs, png_path, f"{args.prog} --preset {args.preset} ({Path(model_dir).name})")
+    if settings.plot:
+        png_path = json_path.with_suffix(".png")
+        write_plot(runs, png_path, f"{prog} --preset {settings.preset} ({Path(model_dir).name})")
         print(f"wrote {png_path}")
     print(result["summary"])
     return result
 
 
-def _run_one(system: str, args, model_dir: str, spec, requests, options, hf_model, bar):
+def _run_one(system: str, settings: ServingSettings, executor: ExecutorConfig, spec: WorkloadSpec, requests,
+             hf_model, bar):
     if system == "inprocess":
         from benchmarks.serving.inprocess import run_inprocess
 
-        return run_inprocess(model_dir, requests, spec.concurrency, options, bar)
+        return run_inprocess(settings.engine.engine(executor), requests, spec.concurrency, bar)
     if system == "services":
-        from benchmarks.serving.services_run import Stack, launched_stack, run_services
+        from benchmarks.harness.launch import LaunchSpec, Stack, launched
+        from benchmarks.serving.services_run import run_services
 
-        if args.address:
-            stack = Stack(args.address, args.scheduler_metrics_url, args.executor_metrics_url)
+        if settings.address:
+            stack = Stack(settings.address, settings.scheduler_metrics_url, settings.executor_metrics_url)
             return run_services(stack, requests, spec.concurrency, bar)
-        with launched_stack(model_dir, options.executor_flags(), options.scheduler_flags(),
-                            args.torch_threads) as stack:
+        launch = LaunchSpec(executor.model, tuple(settings.engine.executor_flags(executor)),
+                            tuple(settings.engine.scheduler_flags()), threads=settings.torch_threads)
+        with launched(launch) as stack:
             return run_services(stack, requests, spec.concurrency, bar)
     from benchmarks.serving.hf import run_hf_sequential, run_hf_static
 

@@ -7,8 +7,8 @@
     requests ride along producing tokens nobody uses. Only each request's own output
     tokens count as useful.
 
-Both are greedy with no EOS (eos_token_id=None): every row runs its full length, the same
-work as tokenmill's max_tokens + ignore_eos. A streamer timestamps every decoding step, and
+Both are greedy with no EOS (the model loaded by harness.hf, eos_token_id=None): every row
+runs its full length, the same work as tokenmill's max_tokens + ignore_eos. A streamer timestamps every decoding step, and
 each request's tokens are credited at the step that produced them, as if streamed: this is
 kind to the baselines (a static batch normally returns when the whole batch ends), so the
 latency comparison errs in their favour.
@@ -27,24 +27,10 @@ from collections import deque
 
 import torch
 
-from benchmarks.serving.records import RequestRecord, SystemRun
+from benchmarks.harness.records import RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
 
 PAD_ID = 0
-
-
-def load_hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # No end token at all, like tokenmill's ignore_eos: generate() merges the model's own
-    # generation_config, so an eos_token_id=None passed per call does not clear it, and
-    # min_new_tokens would *ban* the end tokens, which ignore_eos does not.
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def _streamer():

@@ -12,41 +12,12 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
+from benchmarks.harness.engine import greedy, warm_up
+from benchmarks.harness.records import KVSample, RequestRecord, SystemRun
 from benchmarks.serving.workload import BenchRequest
-from services.common.sampling_params import SamplingParams
-from services.common.settings import to_argv
-from services.scheduler.request.stop import StopConditions
-from services.executor.config import ExecutorConfig
-from services.inprocess.engine import Engine, EngineConfig
-from services.scheduler.core.config import SchedulerLimits
+from services.inprocess.engine import Engine
 from services.scheduler.core.kv_slots import kv_slot_usage
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    """Settings both tokenmill systems run with, so they hold the same KV pool and batch limits."""
-
-    block_size: int = 16
-    kv_cache_bytes: int = 2 * 1024**3
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    attention_backend: str = "auto"
-    enable_prefix_caching: bool = True
-
-    def executor_flags(self) -> list[str]:
-        return ["--dtype", "fp32", "--device", "cpu", "--attention-backend", self.attention_backend,
-                "--block-size", str(self.block_size), "--kv-cache-bytes", str(self.kv_cache_bytes)]
-
-    def limits(self) -> SchedulerLimits:
-        return SchedulerLimits(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               enable_prefix_caching=self.enable_prefix_caching)
-
-    def scheduler_flags(self) -> list[str]:
-        """Every limit spelled out, so the scheduler service runs with exactly the engine's."""
-        return to_argv(self.limits(), only_changed=False)
 
 
 class _TimedExecute:
@@ -68,27 +39,8 @@ class _TimedExecute:
             self.calls += 1
 
 
-def greedy(output_len: int) -> tuple[SamplingParams, StopConditions]:
-    return SamplingParams(temperature=0.0), StopConditions(max_tokens=output_len, ignore_eos=True)
-
-
-def build_engine(model_dir: str, options: EngineOptions) -> Engine:
-    executor = ExecutorConfig(model=model_dir, dtype="fp32", device="cpu", attention_backend=options.attention_backend,
-                              block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes)
-    return Engine(EngineConfig(executor, options.limits()))
-
-
-def warm_up(engine: Engine) -> None:
-    """One short request, so first-call costs (allocator, kernels) stay out of the timings."""
-    sampling, stop = greedy(4)
-    engine.add_request([5, 6, 7, 8], sampling, stop, request_id="warmup")
-    while engine.has_unfinished():
-        engine.step()
-
-
-def run_inprocess(model_dir: str, requests: list[BenchRequest], concurrency: int, options: EngineOptions,
-                  progress=None) -> SystemRun:
-    engine = build_engine(model_dir, options)
+def run_inprocess(engine: Engine, requests: list[BenchRequest], concurrency: int, progress=None) -> SystemRun:
+    """Drive ``engine`` (built from the run's EngineSettings) through the workload."""
     warm_up(engine)
     timer = _TimedExecute(engine.runner.execute)
     engine.runner.execute = timer

@@ -1,20 +1,16 @@
-"""Named benchmark configurations (``tokenmill bench --preset NAME``) and the models they use.
+"""Named configurations of the serving benchmark (``python -m benchmarks serving --preset NAME``).
 
-The random models are built on first use into benchmarks/.cache/ (git-ignored) by
-services.tools.random_model, deterministic from their preset and seed.
+A preset's model is a directory or "random:PRESET", a random-weight model built into the
+cache on first use (benchmarks/harness/models.py).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from services.common.service_config import REPO_ROOT
+from benchmarks.harness.paths import STORIES as _STORIES
 
-STORIES = str(REPO_ROOT / "models" / "stories260K")
-CACHE_DIR = REPO_ROOT / "benchmarks" / ".cache"
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+STORIES = str(_STORIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,25 +54,3 @@ PRESETS: dict[str, Preset] = {
         slo_ttft_ms=20000.0, slo_tpot_ms=500.0),
 }
 
-
-def resolve_model(model: str) -> str:
-    """A model directory for ``model``; builds "random:PRESET" into the cache when missing or stale."""
-    if not model.startswith("random:"):
-        if not (Path(model) / "config.json").is_file():
-            raise ValueError(f"model {model!r} is not a model directory (no config.json)")
-        return model
-    from services.tools.random_model import PRESETS as RANDOM_PRESETS, build_random_model
-
-    name = model.removeprefix("random:")
-    if name not in RANDOM_PRESETS:
-        raise ValueError(f"unknown random model preset {name!r}; known: {', '.join(sorted(RANDOM_PRESETS))}")
-    spec = RANDOM_PRESETS[name]
-    out = CACHE_DIR / name
-    spec_file = out / "random_model_spec.json"
-    fresh = spec_file.is_file() and json.loads(spec_file.read_text()) == json.loads(json.dumps(asdict(spec)))
-    if not (fresh and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()):
-        build_random_model(spec, out)
-    if not (out / "tokenizer.json").is_file():
-        raise ValueError(f"{out} has no tokenizer.json: the services and the in-process engine need one "
-                         "(build_random_model writes a synthetic one when the vocabulary allows)")
-    return str(out)

@@ -1,15 +1,14 @@
-"""Turn the systems' runs into the result: JSON, a PNG, the services-vs-in-process gap and a summary line."""
+"""Turn the systems' runs into the result: the ratios, the services-vs-in-process gap, goals, a summary line, a PNG.
+
+The figures go beside harness.report's provenance (command, commit, machine, load) in one JSON file.
+"""
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import os
-import platform
-import sys
 from pathlib import Path
 
-from benchmarks.serving.records import SystemRun, throughput_timeline
+from benchmarks.harness.records import SystemRun, throughput_timeline
+from benchmarks.harness.step_codec import codec_ms_per_step
 
 SYSTEM_KEYS = {
     "tokenmill services": "tokenmill_services",
@@ -19,39 +18,6 @@ SYSTEM_KEYS = {
 }
 
 GOALS = {"vs_hf_sequential": 8.0, "vs_hf_static": 1.5, "services_vs_inprocess": 0.9, "kv_waste": 0.04}
-
-
-def git_revision(repo: Path) -> dict:
-    """The commit the run measured, and whether the tree had uncommitted changes."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout
-
-    return {"commit": git("rev-parse", "HEAD").strip() or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
-
-
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-    }
-    try:
-        import transformers
-
-        info["transformers_version"] = transformers.__version__
-    except ImportError:
-        pass
-    if hasattr(os, "getloadavg"):
-        info["load_average_at_end"] = list(os.getloadavg())
-    return info
 
 
 def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
@@ -86,22 +52,6 @@ def output_match(runs: dict[str, SystemRun], reference: str = "tokenmill in-proc
         if pairs:
             out[SYSTEM_KEYS[name]] = sum(a == b for a, b in pairs) / len(pairs)
     return out
-
-
-def codec_ms_per_step(batch_size: float, iters: int = 200) -> float:
-    """Python cost of one step through the codec and wire format, both directions, at this batch size."""
-    from benchmarks.step_codec_bench import decode_step, time_us
-    from services.common.codec.step_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
-    from services.common.pb.tokenmill.v1 import executor_pb2
-
-    plan, result = decode_step(max(1, round(batch_size)))
-    plan_bytes = plan_to_proto(plan).SerializeToString()
-    result_bytes = result_to_proto(result).SerializeToString()
-    total_us = (time_us(lambda: plan_to_proto(plan).SerializeToString(), iters)
-                + time_us(lambda: plan_from_proto(executor_pb2.StepRequest.FromString(plan_bytes)), iters)
-                + time_us(lambda: result_to_proto(result).SerializeToString(), iters)
-                + time_us(lambda: result_from_proto(executor_pb2.StepResponse.FromString(result_bytes)), iters))
-    return total_us / 1000.0
 
 
 def services_gap(systems: dict[str, dict]) -> dict | None:
@@ -156,13 +106,11 @@ def goals(result: dict) -> dict:
 
 
 def build_result(runs: dict[str, SystemRun], summaries: dict[str, dict], meta: dict) -> dict:
+    """The figures of ``summaries`` after ``meta`` (provenance and the run's settings)."""
     systems = {SYSTEM_KEYS[name]: summary for name, summary in summaries.items()}
     headline = systems.get("tokenmill_services") or systems.get("tokenmill_inprocess")
     result = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **meta,
-        "git": git_revision(Path(__file__).resolve().parents[2]),
-        "machine": machine_info(),
         "ratio_basis": "tokenmill_services" if "tokenmill_services" in systems else "tokenmill_inprocess",
         "throughput_ratio_vs_hf_sequential": _ratio(headline, systems.get("hf_sequential")),
         "throughput_ratio_vs_hf_static": _ratio(headline, systems.get("hf_static")),
@@ -203,11 +151,6 @@ def summary_line(result: dict) -> str:
             f"services/in-process {_fmt(result['throughput_ratio_services_vs_inprocess'])}; "
             f"TTFT p99 {head['ttft_ms']['p99']:.0f} ms; "
             f"KV waste {_fmt(None if waste is None else 100 * waste, '.1f', '%')}")
-
-
-def write_json(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
 def write_plot(runs: dict[str, SystemRun], path: Path, title: str) -> None:

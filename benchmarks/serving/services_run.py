@@ -1,35 +1,28 @@
 """System (a): tokenmill through the four services, driven over gRPC like any client.
 
-Either starts the stack with the Launcher (public port 0, the benchmark model, metrics on
-free ports) or uses a running one (``address``). Requests stream over one channel; a
-sampler polls GetProfile (KV usage, running, waiting) and, when the scheduler's metrics
-endpoint is known, its kv_cache_waste_perc gauge. Before and after the run the scheduler's
-and executor's /metrics are read: the differences give the step breakdown (steps, time by
-phase at the scheduler, compute time at the executor).
+Either the stack the run launched (harness.launch: public port 0, metrics on free ports) or
+a running one (``address``). Requests stream over one channel; a sampler polls GetProfile
+(KV usage, running, waiting) and, when the scheduler's metrics endpoint is known, its
+kv_cache_waste_perc gauge. Before and after the run the scheduler's and executor's /metrics
+are read: the differences give the step breakdown (steps, time by phase at the scheduler,
+compute time at the executor).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import tempfile
 import time
-import urllib.parse
-import urllib.request
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import grpc
 import uvloop
 
-from benchmarks.serving.cpu_time import CpuMeter
-from benchmarks.serving.records import KVSample, RequestRecord, SystemRun
+from benchmarks.harness.client import generation_stub, greedy_request, stream
+from benchmarks.harness.cpu import CpuMeter
+from benchmarks.harness.launch import Stack
+from benchmarks.harness.records import KVSample, RequestRecord, SystemRun
+from benchmarks.harness.scrape import moved as scrape_moved, scrape
 from benchmarks.serving.workload import BenchRequest
-from services.common.metrics import parse_samples
-from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
-from services.common.server import create_channel
-from services.stack.client import build_request
-from services.stack.launcher import LaunchConfig, Launcher
+from services.common.pb.tokenmill.v1 import generation_pb2
 
 SAMPLE_INTERVAL_S = 0.5
 """KV usage/waste sampling period. Sampling is work for the scheduler and this client, on the
@@ -44,75 +37,9 @@ below that."""
 KV_WASTE_METRIC = "tokenmill:kv_cache_waste_perc"
 
 
-@dataclass(frozen=True, slots=True)
-class Stack:
-    address: str
-    scheduler_metrics: str | None
-    """http://host:port/metrics of the scheduler, when known."""
-    executor_metrics: str | None
-    log_dir: str | None = None
-    pids: dict[str, int] = field(default_factory=dict)
-    """Service name -> process id, when this benchmark started them (for their CPU time)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def launched_stack(model_dir: str, executor_flags: list[str], scheduler_flags: list[str], torch_threads: int):
-    """Start the four services (torn down on exit); yields a Stack.
-
-    ``torch_threads`` goes to every service as OMP_NUM_THREADS / MKL_NUM_THREADS, the same
-    intra-op thread count the in-process systems get through torch.set_num_threads.
-    """
-    scheduler_port, executor_port = free_port(), free_port()
-    log_dir = tempfile.mkdtemp(prefix="tokenmill-bench-logs-")
-    launcher = Launcher(LaunchConfig(
-        model=model_dir, public_port=0, log_dir=log_dir, restart=False,
-        executor_args=executor_flags + ["--metrics-port", str(executor_port)],
-        scheduler_args=scheduler_flags + ["--metrics-port", str(scheduler_port)],
-        env={"TOKENMILL_LOG_LEVEL": "warning", "TOKENMILL_SCHEDULER_LOG_LEVEL": "warning",
-             "TOKENMILL_EXECUTOR_LOG_LEVEL": "warning", "TOKENMILL_TOKENIZER_LOG_LEVEL": "warning",
-             "TOKENMILL_DRAFTER_LOG_LEVEL": "warning",
-             "OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)}))
-    launcher.start()
-    try:
-        yield Stack(launcher.public_address, f"http://127.0.0.1:{scheduler_port}/metrics",
-                    f"http://127.0.0.1:{executor_port}/metrics", log_dir,
-                    {name: svc.process.pid for name, svc in launcher.services.items()})
-    finally:
-        launcher.stop()
-
-
-def scrape(url: str | None, names: tuple[str, ...] = ()) -> dict[str, float]:
-    """The samples at a /metrics URL; only the named metrics when ``names`` is given (the
-    exposition's name[] filter), so sampling during a run costs the scheduler little."""
-    if url is None:
-        return {}
-    if names:
-        url += "?" + urllib.parse.urlencode([("name[]", name) for name in names])
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return parse_samples(reply.read().decode())
-
-
 async def _one(stub, request: BenchRequest, record: RequestRecord, on_first_token=None) -> None:
-    message = build_request(list(request.prompt_ids), max_tokens=request.output_len, temperature=0.0,
-                            ignore_eos=True)
-    try:
-        async for reply in stub.Generate(message, timeout=3600):
-            kind = reply.WhichOneof("event")
-            if kind == "delta":
-                first = not record.chunk_times
-                record.add_chunk(time.perf_counter(), list(reply.delta.token_ids))
-                if first and on_first_token is not None:
-                    on_first_token()
-            elif kind == "finished":
-                record.finish_time = time.perf_counter()
-    except grpc.aio.AioRpcError as exc:
-        record.error = f"{exc.code().name}: {exc.details()}"
+    await stream(stub, greedy_request(list(request.prompt_ids), request.output_len), record,
+                 on_first_token=on_first_token)
 
 
 async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Event, wake: asyncio.Event) -> None:
@@ -141,8 +68,7 @@ async def _sample(stub, stack: Stack, samples: list[KVSample], stop: asyncio.Eve
 
 
 async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, progress) -> SystemRun:
-    async with create_channel(stack.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(stack.address) as stub:
         await _one(stub, BenchRequest(-1, (5, 6, 7, 8), 4, 0.0), RequestRecord(-1, 4, 4, time.perf_counter()))
         before = [await asyncio.to_thread(scrape, url) for url in (stack.scheduler_metrics, stack.executor_metrics)]
         records = {r.index: RequestRecord(r.index, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
@@ -192,9 +118,9 @@ async def _run(stack: Stack, requests: list[BenchRequest], concurrency: int, pro
 
 
 def step_breakdown(before: list[dict], after: list[dict], duration_s: float) -> dict | None:
-    """Per-step figures from the scheduler's and executor's counters over the run."""
+    """Per-step figures from the scheduler's (index 0) and executor's (1) counters over the run."""
     def moved(index: int, name: str) -> float:
-        return after[index].get(name, 0.0) - before[index].get(name, 0.0)
+        return scrape_moved(before[index], after[index], name)
 
     steps = moved(0, "tokenmill:scheduler_steps_total")
     if steps <= 0:

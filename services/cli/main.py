@@ -7,7 +7,6 @@
     tokenmill convert llama2c ...        convert a llama2.c checkpoint to a Hugging Face-style directory
     tokenmill quantize DIR --weights int8|int4 --out DIR2   weight-only quantization of a model directory
     tokenmill random-model ...           write a deterministic random-weight model (benchmarks)
-    tokenmill bench ...                  serving benchmark against Hugging Face baselines
     tokenmill profile                    print the live latency profile of a running stack
 """
 
@@ -27,9 +26,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("services.cli.convert", "convert a checkpoint into tokenmill's model directory format"),
     "quantize": ("services.tools.quantize", "quantize a safetensors model's weights to int8 or int4"),
     "random-model": ("services.tools.random_model", "write a deterministic random-weight model"),
-    "bench": ("services.cli.bench", "serving benchmark against Hugging Face baselines"),
     "profile": ("services.cli.profile", "print the live latency profile of a running stack"),
 }
+
+
+MOVED = {
+    "bench": "the benchmarks are not part of the installed package: in a checkout of the repository, "
+             "run `python -m benchmarks serving --preset headline` (make bench; `python -m benchmarks` lists every run)",
+}
+"""Commands that left the CLI, and where they went."""
 
 
 def usage() -> str:
@@ -45,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     command, rest = argv[0], argv[1:]
+    if command in MOVED:
+        print(f"tokenmill {command}: {MOVED[command]}", file=sys.stderr)
+        return 2
     if command not in COMMANDS:
         print(f"tokenmill: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2

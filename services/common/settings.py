@@ -127,17 +127,21 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
     return spec.parse(text)
 
 
-def embedded(config_cls: type, *, env_prefix: str) -> Any:
+def embedded(config_cls: type, *, env_prefix: str, default: Any = None) -> Any:
     """A field that holds a whole config dataclass, whose fields become this config's flags.
 
     Each inner field keeps its own flag name (``--max-num-seqs``, under the caller's prefix
     only), takes its help from its metadata, and its environment variable from its metadata
-    or else ``env_prefix + NAME`` (``TOKENMILL_MAX_NUM_SEQS``). The default is the inner
-    dataclass's own defaults.
+    or else ``env_prefix + NAME`` (``TOKENMILL_MAX_NUM_SEQS``; an empty prefix gives the inner
+    fields none). The defaults are the inner dataclass's own, or those of ``default``, an
+    instance of it (a benchmark that runs the scheduler with a small batch by default).
     """
     if not dataclasses.is_dataclass(config_cls):
         raise TypeError(f"{config_cls!r} is not a dataclass")
-    return dataclasses.field(default_factory=config_cls, metadata={"embedded": True, "env_prefix": env_prefix})
+    if default is not None and type(default) is not config_cls:
+        raise TypeError(f"the default of an embedded {config_cls.__name__} must be one, got {default!r}")
+    factory = config_cls if default is None else (lambda: default)
+    return dataclasses.field(default_factory=factory, metadata={"embedded": True, "env_prefix": env_prefix})
 
 
 def _is_embedded(field: dataclasses.Field) -> bool:
@@ -174,7 +178,7 @@ def add_config_arguments(
     its env_prefix + the field name in capitals).
     """
     environ = os.environ if env is None else env
-    _add_arguments(parser, config_cls, prefix, environ, env_prefix=None)
+    _add_arguments(parser, config_cls, prefix, environ, env_prefix=None, defaults=None)
 
 
 def _add_arguments(
@@ -183,17 +187,20 @@ def _add_arguments(
     prefix: str,
     environ: Mapping[str, str],
     env_prefix: str | None,
+    defaults: Any,
 ) -> None:
-    """One argument group per dataclass; an embedded dataclass gets its own group."""
+    """One argument group per dataclass; an embedded dataclass gets its own group.
+    ``defaults``: the embedding field's instance, whose values are the defaults (None: the class's)."""
     group = parser.add_argument_group(config_cls.__name__)
     for field, tp in _fields_with_types(config_cls):
         if _is_embedded(field):
-            _add_arguments(parser, tp, prefix, environ, env_prefix=field.metadata["env_prefix"])
+            inner = _field_default(field) if defaults is None else getattr(defaults, field.name)
+            _add_arguments(parser, tp, prefix, environ, env_prefix=field.metadata["env_prefix"], defaults=inner)
             continue
         spec = _field_spec(field, tp, prefix)
         env_name = field.metadata.get("env") or (env_prefix + field.name.upper() if env_prefix else None)
         help_text = field.metadata.get("help", "")
-        default = _field_default(field)
+        default = _field_default(field) if defaults is None else getattr(defaults, field.name)
         from_env = False
         if env_name and env_name in environ:
             try:
@@ -274,21 +281,23 @@ def parse_config(
     return config_from_args(config_cls, parser.parse_args(argv))
 
 
-def to_argv(config: Any, *, prefix: str = "", only_changed: bool = True) -> list[str]:
+def to_argv(config: Any, *, prefix: str = "", only_changed: bool = True, _defaults: Any = None) -> list[str]:
     """Flags that reproduce config when parsed (by parse_config of the same class and prefix).
 
-    only_changed leaves out fields equal to their dataclass default, keeping command lines
-    short; the child's own environment could then supply a different value, so pass
-    only_changed=False when the child must see exactly this config.
+    only_changed leaves out fields equal to their default (the dataclass's, or an embedding
+    field's instance), keeping command lines short; the child's own environment could then
+    supply a different value, so pass only_changed=False when the child must see exactly
+    this config.
     """
     argv: list[str] = []
     for field, tp in _fields_with_types(type(config)):
         value = getattr(config, field.name)
+        default = _field_default(field) if _defaults is None else getattr(_defaults, field.name)
         if _is_embedded(field):
-            argv.extend(to_argv(value, prefix=prefix, only_changed=only_changed))
+            argv.extend(to_argv(value, prefix=prefix, only_changed=only_changed, _defaults=default))
             continue
         spec = _field_spec(field, tp, prefix)
-        if only_changed and value == _field_default(field):
+        if only_changed and value == default:
             continue
         if spec.kind == "bool" and not spec.optional:
             argv.append(spec.flag if value else "--no-" + spec.flag[2:])

@@ -158,7 +158,7 @@ class DoorInterceptor(grpc.aio.ServerInterceptor):
 
     While the executor restarts, retrying clients send calls by the ten thousand; refused here,
     each costs no decoding, interceptor, servicer or log line, and leaves the scheduler's heap
-    as it was. Measured with ``benchmarks/overload_burst.py``: see docs/design.md, Hardening.
+    as it was. Measured with ``python -m benchmarks overload``: see docs/benchmarks.md, "Hardening runs".
     Other methods (health, GetProfile, Abort) always pass, so the server still answers its
     health checks (NOT_SERVING while the executor is away).
     """

@@ -1,4 +1,5 @@
-"""tokenmill bench end to end on a tiny workload (stories260K, all four systems), and its workload builder."""
+"""The serving benchmark end to end on a tiny workload (stories260K, all four systems), its settings
+and its workload builder."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving import driver, presets
+from benchmarks.__main__ import main as benchmarks
+from benchmarks.harness import paths
+from benchmarks.serving import driver
 from benchmarks.serving.workload import LengthDist, WorkloadSpec, build_workload
-from services.cli import bench
 
 # slow: runs the serving benchmark end to end (four service processes, HF baselines)
 pytestmark = pytest.mark.slow
@@ -31,8 +33,8 @@ def result(tmp_path_factory) -> dict:
     # between two samples, so the peak read 0.
     # The default output folder, redirected: the run must find it without --out-dir.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(presets, "RESULTS_DIR", out)
-        code = bench.main(["--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
+        patch.setattr(paths, "RESULTS_DIR", out)
+        code = benchmarks(["serving", "--preset", "quick", "--num-requests", str(NUM_REQUESTS), "--concurrency", "2",
                            "--prompt-len", "6:12", "--output-len", "48:64", "--hf-sequential-requests",
                            str(HF_SEQUENTIAL_REQUESTS), "--name", "tiny", "--no-progress",
                            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
@@ -50,7 +52,8 @@ def test_result_names_every_headline_field(result):
         assert isinstance(result[key], float) and result[key] > 0, key
     machine = result["machine"]
     assert machine["cpu_count"] >= 1 and machine["torch_threads"] >= 1 and machine["torch_version"]
-    assert result["date"] and result["command"].startswith("tokenmill bench ")
+    assert result["date"] and result["command"].startswith("python -m benchmarks serving ")
+    assert result["git"]["commit"] and len(result["load_average"]) == 2
     assert "--num-requests 4" in result["command"]
     assert result["hf_sequential_requests"] == HF_SEQUENTIAL_REQUESTS and result["hf_sequential_subset"] is True
     assert result["summary"].startswith("tokenmill_services: ")
@@ -117,18 +120,37 @@ def test_workload_is_seeded_and_shares_prefixes():
 
 
 def test_bad_arguments_are_refused_before_running(capsys):
-    assert bench.main(["--preset", "quick", "--systems", "inprocess,bogus"]) == 2
-    assert "unknown systems ['bogus']" in capsys.readouterr().err
-    assert bench.main(["--preset", "quick", "--torch-threads", "0"]) == 2
-    assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
-    assert bench.main(["--preset", "quick", "--output-len", "600"]) == 2  # stories260K's context is 512
+    for argv, message in ((["--systems", "inprocess,bogus"], "--systems: unknown bogus"),
+                          (["--torch-threads", "0"], "--torch-threads must be at least 1, got 0"),
+                          (["--attention-backend", "flash"], "--attention-backend: unknown 'flash'"),
+                          (["--max-num-seqs", "0"], "max_num_seqs")):
+        with pytest.raises(SystemExit) as exc:
+            benchmarks(["serving", "--preset", "quick", *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: python -m benchmarks serving") and message in err, err
+    assert benchmarks(["serving", "--preset", "quick", "--output-len", "600"]) == 2  # stories260K's context is 512
     assert "does not fit max_model_len 512" in capsys.readouterr().err
 
 
-def test_the_driver_runs_without_the_cli(capsys):
-    assert driver.main(["--preset", "quick", "--systems", "bogus"]) == 2
-    assert capsys.readouterr().err.startswith("python -m benchmarks.serving: unknown systems ['bogus']")
-    result = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--help"], cwd=REPO_ROOT,
+def test_both_tokenmill_systems_get_the_same_engine_settings():
+    settings = driver.ServingSettings(kv_cache_bytes=1 << 20)
+    executor = settings.engine.executor_config("m", settings.pool_bytes())
+    flags = settings.engine.executor_flags(executor)
+    assert "--model" not in flags and flags[flags.index("--kv-cache-bytes") + 1] == str(1 << 20)
+    assert flags[flags.index("--dtype") + 1] == "fp32" and "--no-compile" in flags
+    assert driver.ServingSettings().pool_bytes() == driver.presets.PRESETS["quick"].kv_cache_bytes
+    limits = settings.engine.scheduler_flags()
+    assert limits[limits.index("--max-num-seqs") + 1] == "256" and "--overlap-scheduling" in limits
+
+
+def test_the_entry_runs_as_a_module_and_lists_the_runs():
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "serving", "--help"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("usage: python -m benchmarks.serving ")
+    assert result.stdout.startswith("usage: python -m benchmarks serving ")
+    for flag in ("--preset", "--systems", "--torch-threads", "--slo-ttft-ms", "--max-num-seqs", "--block-size"):
+        assert flag in result.stdout
+    listing = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0 and "serving" in listing.stdout and "step-codec" in listing.stdout

@@ -18,6 +18,7 @@ from benchmarks.peer.figures import Ratio, RatioSpec, Run, first_divergence, for
 def test_defaults():
     args = driver.parse_args([])
     assert (args.repeats, args.streams, args.output_len, args.kv_type, args.compile) == (5, 32, 256, "f16", False)
+    assert args.engine.limits == driver.EngineSettings().limits  # the scheduler's own defaults
     assert args.systems == driver.SYSTEMS
     assert args.preset == "stories260K" and args.context == driver.MODEL_CONTEXT == 512
     assert args.gguf is None and driver.resolve_gguf(args) == gguf.DEFAULT_GGUF
@@ -61,7 +62,8 @@ def test_systems_are_put_in_canonical_order_without_duplicates():
     (["--threads", "0"], "--threads must be at least 1"),
     (["--streams", "-2"], "--streams must be at least 1, got -2"),
     (["--output-len", "512"], "--output-len 512 leaves no room for a prompt"),
-    (["--kv-type", "q8_0"], "invalid choice: 'q8_0'"),
+    (["--kv-type", "q8_0"], "--kv-type: unknown q8_0; known: f16, f32"),
+    (["--num-scheduler-steps", "x"], "--num-scheduler-steps"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

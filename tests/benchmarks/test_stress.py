@@ -1,5 +1,5 @@
-"""benchmarks/stress.py's pieces that need no stack: /proc readings, the scheduler's environment, and the
-burst client process (against a bare server that only refuses)."""
+"""The stress suite's pieces that need no stack: /proc readings, the scheduler's environment, its
+flags, and the burst client process (against a bare server that only refuses)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.overload_burst import FLOOR_SERVER
-from benchmarks.stress import (KILL_AFTER_ROUND_START_S, StressLauncher, Tally, kill_placement, overload_bursts,
-                               proc_status)
+import pytest
+
+from benchmarks.harness.bursts import FLOOR_SERVER
+from benchmarks.harness.cpu import proc_status
+from benchmarks.stress import (KILL_AFTER_ROUND_START_S, StressLauncher, StressSettings, Tally, kill_placement, main,
+                               overload_bursts)
 from services.stack.launcher import LaunchConfig, ServiceProcess
 
 
@@ -32,6 +35,21 @@ def test_the_executor_kill_lands_while_streams_run():
     assert kill_placement(600, 2, 1.0) == (1, 300.0)  # the very end stays at the end of the last round
     assert kill_placement(6, 2, 0.5) == (1, 1.5)  # short rounds: half a round in at most
     assert kill_placement(600, 2, -1) == (-1, 0.0)
+
+
+def test_the_stack_it_launches_and_bad_flags(capsys):
+    launch = StressSettings(streams=10).launch()
+    assert launch.scheduler_args == ("--max-num-seqs", "128", "--max-waiting-requests", "5")
+    assert launch.executor_args == ("--dtype", "fp32", "--device", "cpu", "--num-blocks", "1024")
+    assert launch.restart and launch.threads == 1
+    traced = StressSettings(trace_memory="/tmp/trace").launch()
+    assert traced.python_path.endswith("benchmarks/memtrace") and dict(traced.env)["TOKENMILL_MEMTRACE_SERVICE"]
+    for argv, message in ((["--rounds", "0"], "--rounds must be at least 1, got 0"),
+                          (["--burst-client", "thread"], "--burst-client: unknown thread"),
+                          (["--scheduler-env", "PYTHONMALLOC"], "--scheduler-env: expected NAME=VALUE")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_scheduler_env_prefixes_only_the_scheduler():

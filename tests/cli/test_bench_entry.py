@@ -1,40 +1,18 @@
-"""``tokenmill bench``: a thin entry point that finds the benchmark in the checkout by name."""
+"""The benchmarks run from a checkout (``python -m benchmarks``), not through the installed CLI;
+``tokenmill bench`` says where they went."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from services.cli import bench
-from services.cli.main import main as tokenmill
+from services.cli.main import COMMANDS, main as tokenmill
 
 
-def test_bench_help_is_the_drivers_under_the_commands_name(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exited:
-        tokenmill(["bench", "--help"])
-    assert exited.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: tokenmill bench ")
-    for flag in ("--preset", "--systems", "--torch-threads", "--slo-ttft-ms"):
-        assert flag in out
-
-
-def test_without_a_checkout_bench_says_what_it_needs(monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    # None in sys.modules makes the import fail as if benchmarks/ were not there.
-    monkeypatch.setitem(sys.modules, bench.DRIVER, None)
-    assert bench.main(["--preset", "quick"]) == 2
+def test_tokenmill_bench_points_to_the_checkout_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "bench" not in COMMANDS
+    assert tokenmill(["bench", "--preset", "quick"]) == 2
     err = capsys.readouterr().err
-    assert "needs a checkout of the tokenmill repository" in err
-    assert "benchmarks.serving.driver not importable" in err and str(bench.REPO_ROOT) in err
-
-
-def test_a_missing_dependency_of_the_benchmark_is_not_mistaken_for_a_missing_checkout(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    def import_module(name: str):
-        raise ModuleNotFoundError("No module named 'tqdm'", name="tqdm")
-
-    monkeypatch.setattr(bench.importlib, "import_module", import_module)
-    with pytest.raises(ModuleNotFoundError, match="tqdm"):
-        bench.main(["--preset", "quick"])
+    assert err.startswith("tokenmill bench: the benchmarks are not part of the installed package")
+    assert "python -m benchmarks serving --preset headline" in err
+    tokenmill(["--help"])
+    assert "bench" not in capsys.readouterr().out

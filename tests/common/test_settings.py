@@ -196,6 +196,8 @@ def test_embedded_config_round_trips_and_takes_the_prefix() -> None:
 def test_embedded_needs_a_dataclass() -> None:
     with pytest.raises(TypeError, match="is not a dataclass"):
         embedded(int, env_prefix="T_")
+    with pytest.raises(TypeError, match="must be one"):
+        embedded(DemoLimits, env_prefix="T_", default=WithLimits())
 
 
 @dataclass
@@ -212,3 +214,21 @@ def test_a_repeated_field_takes_one_item_per_flag_commas_included() -> None:
     # The environment gives the first items (comma-separated there); flags add to them.
     assert parse_config(_Passthrough, ["--child-arg=--z"], env={"T_CHILD_ARG": "--x,--y"}).child_arg == (
         "--x", "--y", "--z")
+
+
+@dataclass
+class SmallBatch:
+    limits: DemoLimits = embedded(DemoLimits, env_prefix="", default=DemoLimits(max_seqs=1))
+
+
+def test_an_embedded_default_instance_gives_the_defaults_and_an_empty_prefix_no_env(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config(SmallBatch, [], env={"MAX_SEQS": "7"}) == SmallBatch(DemoLimits(max_seqs=1))
+    assert parse_config(SmallBatch, ["--max-seqs", "3"], env={}).limits == DemoLimits(max_seqs=3)
+    assert to_argv(SmallBatch()) == []
+    assert to_argv(SmallBatch(DemoLimits(max_seqs=4))) == ["--max-seqs", "4"]  # the class's default, not this one's
+    assert parse_config(SmallBatch, to_argv(SmallBatch(DemoLimits(max_seqs=4))), env={}) == SmallBatch(DemoLimits())
+    with pytest.raises(SystemExit):
+        parse_config(SmallBatch, ["--help"], env={})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "running batch (default: 1)" in text

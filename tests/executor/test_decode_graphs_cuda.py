@@ -1,7 +1,7 @@
 """CUDA graphs for decode on a real GPU: captured at warm-up for every bucket, replayed by
 decode steps, and giving the eager runner's greedy tokens over a continuous-batching run.
 
-Runs where a GPU is present (benchmarks/gpu_check.py runs the suite there); elsewhere it is
+Runs where a GPU is present (`python -m benchmarks gpu` runs the suite there); elsewhere it is
 reported as skipped with the reason (the `gpu` marker, tests/conftest.py). The buffers and
 padding these graphs read are tested on a CPU in test_decode_graphs.py.
 """

@@ -1,6 +1,6 @@
 """On a CUDA device the runner picks the Triton backend and decodes what the CPU runner decodes.
 
-Runs where a GPU is present (benchmarks/gpu_check.py runs the whole suite there); elsewhere it
+Runs where a GPU is present (`python -m benchmarks gpu` runs the whole suite there); elsewhere it
 is reported as skipped with the reason (the `gpu` marker, tests/conftest.py).
 """
 

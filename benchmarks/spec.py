@@ -1,13 +1,12 @@
 """Speculative decoding through the four services on SmolLM2-135M-Instruct: off, n-gram, draft model.
 
-    python -m benchmarks.spec_bench [--rounds 2] [--tokens 128] [--draft-layers 4]   (make bench-spec)
-    tokenmill bench --preset spec [same flags]
+    python -m benchmarks spec [--rounds 2] [--tokens 128] [--draft-layers 4]   (make bench-spec)
 
 Three stacks run side by side, started as `tokenmill up` starts them (the Launcher: four
 processes, one OpenMP thread each; fp32 on a CPU): the scheduler without a drafter
 (--num-speculative-tokens 0), with the n-gram drafter, and with the self-speculative draft
 model (the target's first --draft-layers layers plus its final norm and head), both at up to
---k (8) drafts per step with adaptive k. Only one stack works at a time; the stacks take turns per
+--num-speculative-tokens (8) drafts per step with adaptive k. Only one stack works at a time; the stacks take turns per
 measurement, so load from other work on the machine falls on all three alike, and the
 speedups are ratios within one run.
 
@@ -27,24 +26,28 @@ the ratio of the two measurements taken back to back).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
-import subprocess
-import tempfile
+import sys
 import time
-from pathlib import Path
+from contextlib import AsyncExitStack as ExitStackAsync, ExitStack
+from dataclasses import dataclass
 
-from benchmarks.serving.services_run import free_port, scrape
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
-from services.common.server import create_channel
-from services.common.service_config import REPO_ROOT
+from benchmarks.harness import flags, report
+from benchmarks.harness.client import generation_stub, stream_ok
+from benchmarks.harness.flags import config_field, setting
+from benchmarks.harness.launch import LaunchSpec, Stack, launched
+from benchmarks.harness.models import require
+from benchmarks.harness.paths import SMOLLM2
+from benchmarks.harness.scrape import scrape
+from services.drafter.config import DrafterConfig
+from services.scheduler.config import SchedulerServiceConfig
 from services.stack.client import build_request
-from services.stack.launcher import LaunchConfig, Launcher
 
-MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PROG = "python -m benchmarks spec"
+MODEL = SMOLLM2
+SYSTEMS = ("off", "ngram", "draft")
+WORKLOADS = ("copy", "free")
 
 PASSAGES = [
     "The river town of Alder Ford was built where the old trade road crossed the water. Every spring the "
@@ -81,23 +84,46 @@ def messages(workload: str, index: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": TOPICS[index % len(TOPICS)]}]
 
 
+@dataclass(frozen=True, slots=True)
+class SpecSettings:
+    rounds: int = setting(2, "measurements of every case, alternating the order of the systems")
+    tokens: int = setting(128, "max output tokens per request")
+    draft_layers: int = config_field(DrafterConfig, "draft_layers", default=4)
+    num_speculative_tokens: int = config_field(
+        SchedulerServiceConfig, "num_speculative_tokens", default=8,
+        note="Given to the scheduler and the drafter of the ngram and draft systems alike.")
+    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
+    workloads: tuple[str, ...] = setting(WORKLOADS, f"comma-separated subset of {','.join(WORKLOADS)}")
+    batches: tuple[int, ...] = setting((1, 8), "requests at once per measurement (1: two one after the other)")
+    out: str = setting("", "result JSON (empty: benchmarks/results/spec-COMMIT.json)")
+
+    def validate(self) -> None:
+        flags.check_choices("systems", self.systems, SYSTEMS)
+        flags.check_choices("workloads", self.workloads, WORKLOADS)
+        flags.check_at_least(self, 1, "rounds", "tokens", "num_speculative_tokens")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"--batches must be positive, got {self.batches}")
+
+    def launch(self, name: str) -> LaunchSpec:
+        k = self.num_speculative_tokens
+        spec = () if name == "off" else (f"--num-speculative-tokens={k}",)
+        drafter = (f"--num-speculative-tokens={k}",) + (
+            ("--method=draft_model", f"--draft-model={MODEL}", f"--draft-layers={self.draft_layers}")
+            if name == "draft" else ())
+        # three executors warming up at once on a busy machine: a long start timeout
+        return LaunchSpec(str(MODEL), executor_args=(f"--kv-cache-bytes={512 * 1024**2}",), scheduler_args=spec,
+                          drafter_args=drafter, threads=1, quiet=False, start_timeout_s=900,
+                          log_prefix=f"spec-bench-{name}-")
+
+
 class System:
-    def __init__(self, name: str, tokens: int, draft_layers: int, k: int) -> None:
+    def __init__(self, name: str, stack: Stack, tokens: int) -> None:
         self.name = name
-        self.metrics_port = free_port()
-        spec = [] if name == "off" else [f"--num-speculative-tokens={k}"]
-        drafter = [f"--num-speculative-tokens={k}"] + (
-            ["--method=draft_model", f"--draft-model={MODEL}", f"--draft-layers={draft_layers}"] if name == "draft" else [])
-        self.launcher = Launcher(LaunchConfig(
-            model=str(MODEL), public_port=0, log_dir=tempfile.mkdtemp(prefix=f"spec-bench-{name}-"),
-            executor_args=[f"--kv-cache-bytes={512 * 1024**2}"], drafter_args=drafter,
-            scheduler_args=spec + [f"--metrics-port={self.metrics_port}"],
-            env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}, restart=False,
-            start_timeout_s=900))  # three executors warming up at once on a busy machine
+        self.stack = stack
         self.tokens = tokens
 
     def counters(self) -> dict[str, float]:
-        samples = scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        samples = scrape(self.stack.scheduler_metrics)
         return {name: samples.get(name + "_total", 0.0) for name in SPEC_METRICS}
 
     async def run(self, stub, workload: str, batch: int, offset: int) -> dict:
@@ -116,17 +142,17 @@ class System:
 
 
 async def one(stub, chat: list[dict[str, str]], max_tokens: int) -> int:
-    request = build_request(None, chat=chat, max_tokens=max_tokens, temperature=0.0)
-    count = 0
-    async for message in stub.Generate(request, timeout=900):
-        if message.WhichOneof("event") == "delta":
-            count += len(message.delta.token_ids)
-    return count
+    record = await stream_ok(stub, build_request(None, chat=chat, max_tokens=max_tokens, temperature=0.0), timeout=900)
+    return record.num_output_tokens
 
 
-async def measure(systems: list[System], rounds: int, workloads=("copy", "free"), batches=(1, 8)) -> dict:
-    channels = [create_channel(s.launcher.public_address) for s in systems]
-    stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
+async def measure(systems: list[System], rounds: int, workloads=WORKLOADS, batches=(1, 8)) -> dict:
+    async with ExitStackAsync() as channels:
+        stubs = [await channels.enter_async_context(generation_stub(s.stack.address)) for s in systems]
+        return await _measure(systems, stubs, rounds, workloads, batches)
+
+
+async def _measure(systems: list[System], stubs: list, rounds: int, workloads, batches) -> dict:
     for system, stub in zip(systems, stubs):
         await system.run(stub, "free", 1, 0)  # warm up (one-time costs, first allocations)
     raw: dict[str, list[dict]] = {}
@@ -142,8 +168,6 @@ async def measure(systems: list[System], rounds: int, workloads=("copy", "free")
                     print(f"round {round_ + 1} {system.name:>5} {workload} b{batch}: {row['tokens']} tokens in "
                           f"{row['seconds']:.1f} s, {row['tokens'] / row['seconds']:.1f} tok/s, accepted "
                           f"{row['num_accepted_tokens']:.0f}/{row['num_draft_tokens']:.0f}", flush=True)
-    for channel in channels:
-        await channel.close()
     return raw
 
 
@@ -175,44 +199,25 @@ def summarize(raw: dict[str, list[dict]]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128, help="max output tokens per request")
-    parser.add_argument("--draft-layers", type=int, default=4, help="layers of the self-speculative draft")
-    parser.add_argument("--k", type=int, default=8, help="most drafts per sequence per step (scheduler and drafter)")
-    parser.add_argument("--systems", default="off,ngram,draft")
-    parser.add_argument("--workloads", default="copy,free")
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--out", default="", help="result JSON (default benchmarks/results/spec-COMMIT.json)")
-    args = parser.parse_args(argv)
-    if not (MODEL / "config.json").is_file():
-        raise SystemExit(f"{MODEL} is missing: run `make install` (it converts SmolLM2-135M-Instruct)")
-    systems = [System(name, args.tokens, args.draft_layers, args.k) for name in args.systems.split(",")]
-    try:
-        for system in systems:
-            system.launcher.start()
-        raw = asyncio.run(measure(systems, args.rounds, args.workloads.split(","),
-                                  [int(b) for b in args.batches.split(",")]))
-    finally:
-        for system in systems:
-            system.launcher.stop()
-    result = summarize(raw)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO_ROOT).stdout.strip() or "unknown"
-    result.update(commit=commit, rounds=args.rounds, max_tokens=args.tokens, draft_layers=args.draft_layers, k=args.k,
-                  model=str(MODEL.name), raw=raw)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = flags.parse(SpecSettings, argv, prog=prog, description=__doc__)
+    require(MODEL, "run `make install` (it converts SmolLM2-135M-Instruct)")
+    load = report.LoadWatch()
+    with ExitStack() as stacks:
+        systems = [System(name, stacks.enter_context(launched(settings.launch(name))), settings.tokens)
+                   for name in settings.systems]
+        raw = asyncio.run(measure(systems, settings.rounds, settings.workloads, settings.batches))
+    load.stop()
+    result = report.provenance(report.command_line(prog, argv), load) | summarize(raw)
+    commit = result["git"]["short"] or "unknown"
+    result.update(commit=commit, rounds=settings.rounds, max_tokens=settings.tokens, draft_layers=settings.draft_layers,
+                  k=settings.num_speculative_tokens, model=str(MODEL.name), raw=raw)
     print(f"\n{'case':<18} {'tok/s':>7} {'accept':>7} {'mean len':>8}")
     for key, case in result["cases"].items():
         print(f"{key:<18} {case['tokens_per_s']:7.1f} {case['acceptance_rate']:7.2f} {case['mean_accepted_length']:8.2f}")
     for key in sorted(k for k in result if k.startswith("spec_speedup_")):
         print(f"{key} = {result[key]:.2f}")
-    out = Path(args.out) if args.out else RESULTS_DIR / f"spec-{commit}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = report.write_result(result, report.result_path("spec", settings.out or None, name=f"spec-{commit}"))
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

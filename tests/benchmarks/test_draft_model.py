@@ -3,7 +3,7 @@ count of a full-depth draft (the target itself) is every drafted token."""
 
 from __future__ import annotations
 
-from benchmarks.draft_model_bench import acceptance, greedy_continuation, make, time_proposals
+from benchmarks.draft_model import acceptance, greedy_continuation, make, time_proposals
 
 
 def test_timing_and_acceptance_of_a_full_depth_draft(stories_dir):

@@ -1,16 +1,15 @@
-"""Time a 256-sequence decode step through the codec and the wire format, both directions.
+"""What one step costs through the codec and the wire format, both directions.
 
-    python -m benchmarks.step_codec_bench [--num-seqs 256] [--iters 2000]
-
-One round trip = plan_to_proto + SerializeToString + FromString + plan_from_proto, then
-the same for the result; that is the Python cost the scheduler and executor pay per step
-on top of the gRPC hop itself.
+One round trip = plan_to_proto + SerializeToString + FromString + plan_from_proto, then the
+same for the result: the Python the scheduler and the executor pay per step on top of the
+gRPC hop itself. The serving benchmark puts it beside the services' gap to the in-process
+engine; ``python -m benchmarks step-codec`` prints it by part.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections.abc import Callable
 
 from services.common.codec.step_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 from services.common.pb.tokenmill.v1 import executor_pb2
@@ -31,35 +30,30 @@ def decode_step(num_seqs: int, block_size: int = 16) -> tuple[StepPlan, StepResu
     return plan, result
 
 
-def time_us(fn, iters: int) -> float:
-    fn()  # warm up
+def time_us(fn: Callable[[], object], iters: int) -> float:
+    """Mean microseconds of ``fn()`` over ``iters`` calls after one untimed call."""
+    fn()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=2000)
-    args = parser.parse_args()
-    plan, result = decode_step(args.num_seqs)
+def codec_parts(num_seqs: int) -> tuple[dict[str, Callable[[], object]], int, int]:
+    """The four parts of a step's round trip as calls, and the plan's and the result's size in bytes."""
+    plan, result = decode_step(num_seqs)
     plan_bytes = plan_to_proto(plan).SerializeToString()
     result_bytes = result_to_proto(result).SerializeToString()
-    rows = {
+    parts = {
         "plan encode (to_proto + serialize)": lambda: plan_to_proto(plan).SerializeToString(),
         "plan decode (parse + from_proto)": lambda: plan_from_proto(executor_pb2.StepRequest.FromString(plan_bytes)),
         "result encode (to_proto + serialize)": lambda: result_to_proto(result).SerializeToString(),
         "result decode (parse + from_proto)": lambda: result_from_proto(executor_pb2.StepResponse.FromString(result_bytes)),
     }
-    total = 0.0
-    for name, fn in rows.items():
-        us = time_us(fn, args.iters)
-        total += us
-        print(f"{name:40s} {us:8.1f} us")
-    print(f"{'step round trip':40s} {total:8.1f} us  ({args.num_seqs} seqs; {len(plan_bytes)} B plan, {len(result_bytes)} B result)")
+    return parts, len(plan_bytes), len(result_bytes)
 
 
-if __name__ == "__main__":
-    main()
+def codec_ms_per_step(batch_size: float, iters: int = 200) -> float:
+    """Python cost of one step through the codec and wire format, both directions, at this batch size."""
+    parts, _, _ = codec_parts(max(1, round(batch_size)))
+    return sum(time_us(fn, iters) for fn in parts.values()) / 1000.0

@@ -1,6 +1,6 @@
 """Per-step time through the four services, overlapped scheduling on vs off.
 
-    python -m benchmarks.overlap_bench [--runs 3] [--streams 1,32] [--tokens 128]
+    python -m benchmarks overlap [--runs 3] [--streams 1,32] [--tokens 128]
 
 For each run and each setting (on/off, alternating which goes first) the stack starts as
 `tokenmill up` runs it (the Launcher: four processes, one OpenMP thread each, the scheduler
@@ -20,36 +20,45 @@ before each stack starts, for a shared machine.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import statistics
-import tempfile
 import time
+from dataclasses import dataclass
 
-from benchmarks.serving.cpu_time import process_cpu_seconds
-from benchmarks.serving.services_run import free_port, scrape
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
-from services.common.server import create_channel
-from services.common.service_config import REPO_ROOT
-from services.stack.client import build_request
-from services.stack.launcher import LaunchConfig, Launcher
+from benchmarks.harness import flags
+from benchmarks.harness.client import generation_stub, greedy_request, stream_ok
+from benchmarks.harness.cpu import process_cpu_seconds
+from benchmarks.harness.flags import setting
+from benchmarks.harness.launch import LaunchSpec, launched
+from benchmarks.harness.paths import STORIES as _STORIES
+from benchmarks.harness.report import load_average
+from benchmarks.harness.scrape import scrape
 
-STORIES = str(REPO_ROOT / "models" / "stories260K")
+PROG = "python -m benchmarks overlap"
+STORIES = str(_STORIES)
 PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "One day, a little bird",
            "The sun was hot", "Ben saw a big", "Mom said"]
 
 
+@dataclass(frozen=True, slots=True)
+class OverlapSettings:
+    runs: int = setting(3, "runs of each setting, alternating which goes first")
+    streams: tuple[int, ...] = setting((1, 32), "stream counts, comma-separated")
+    tokens: int = setting(128, "output tokens per stream")
+    kv_cache_bytes: int = setting(32 * 1024**2, "the executor's KV pool")
+    max_load: float = setting(0.0, "wait for the 1-minute load average to drop below this first (0 = do not wait)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "runs")
+        flags.check_at_least(self, 2, "tokens")
+
+
 async def stream_step_ms(stub, prompt: str, tokens: int) -> float:
     """Milliseconds per token between this stream's first and last token."""
-    request = build_request(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    times: list[float] = []
-    async for message in stub.Generate(request, timeout=600):
-        if message.WhichOneof("event") == "delta" and message.delta.token_ids:
-            times.extend([time.perf_counter()] * len(message.delta.token_ids))
-    if len(times) != tokens:
-        raise RuntimeError(f"expected {tokens} tokens, got {len(times)}")
-    return 1000 * (times[-1] - times[0]) / (tokens - 1)
+    record = await stream_ok(stub, greedy_request(prompt, tokens), timeout=600)
+    if record.num_output_tokens != tokens:
+        raise RuntimeError(f"expected {tokens} tokens, got {record.num_output_tokens}")
+    return 1000 * record.tpot_s
 
 
 def services_cpu_s(pids: list[int]) -> float:
@@ -62,8 +71,7 @@ EXECUTE = "tokenmill:executor_execute_seconds"
 async def measure(address: str, executor_metrics: str, pids: list[int], streams: list[int],
                   tokens: int) -> dict[int, tuple[float, float, float]]:
     """Per stream count, per step: (wall ms, executor compute ms, CPU ms of the service processes)."""
-    async with create_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with generation_stub(address) as stub:
         await stream_step_ms(stub, "Warm up", 16)
         out = {}
         for count in streams:
@@ -79,43 +87,29 @@ async def measure(address: str, executor_metrics: str, pids: list[int], streams:
 
 def wait_for_quiet(max_load: float) -> None:
     deadline = time.monotonic() + 600
-    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+    while load_average() >= max_load and time.monotonic() < deadline:
         time.sleep(5)
 
 
 def run_stack(overlap: bool, streams: list[int], tokens: int,
               kv_cache_bytes: int) -> dict[int, tuple[float, float, float]]:
-    metrics_port = free_port()
-    launcher = Launcher(LaunchConfig(
-        model=STORIES, public_port=0, log_dir=tempfile.mkdtemp(prefix="overlap-bench-"),
-        executor_args=[f"--kv-cache-bytes={kv_cache_bytes}", f"--metrics-port={metrics_port}"],
-        scheduler_args=[] if overlap else ["--no-overlap-scheduling"],
-        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}, restart=False))
-    launcher.start()
-    pids = [launcher.services[name].process.pid for name in ("executor", "scheduler", "tokenizer")]
-    try:
-        return asyncio.run(measure(launcher.public_address, f"http://127.0.0.1:{metrics_port}/metrics", pids,
-                                   streams, tokens))
-    finally:
-        launcher.stop()
+    launch = LaunchSpec(STORIES, (f"--kv-cache-bytes={kv_cache_bytes}",),
+                        () if overlap else ("--no-overlap-scheduling",), threads=1, quiet=False,
+                        log_prefix="overlap-bench-")
+    with launched(launch) as stack:
+        pids = [stack.pids[name] for name in ("executor", "scheduler", "tokenizer")]
+        return asyncio.run(measure(stack.address, stack.executor_metrics, pids, streams, tokens))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--streams", default="1,32", help="comma-separated stream counts")
-    parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
-    parser.add_argument("--kv-cache-bytes", type=int, default=32 * 1024**2)
-    parser.add_argument("--max-load", type=float, default=0.0,
-                        help="wait for the 1-minute load average to drop below this first (0 = do not wait)")
-    args = parser.parse_args()
-    streams = [int(s) for s in args.streams.split(",")]
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(OverlapSettings, argv, prog=prog, description=__doc__)
+    streams = list(args.streams)
     results: dict[tuple[bool, int], list[tuple[float, float, float]]] = {}
     for run in range(args.runs):
         for overlap in ((True, False) if run % 2 == 0 else (False, True)):
             if args.max_load:
                 wait_for_quiet(args.max_load)
-            load = os.getloadavg()[0]
+            load = load_average()
             for count, row in run_stack(overlap, streams, args.tokens, args.kv_cache_bytes).items():
                 results.setdefault((overlap, count), []).append(row)
                 print(f"run {run + 1}: overlap {'on ' if overlap else 'off'} {count:3d} streams: wall {row[0]:7.3f}, "
@@ -130,7 +124,4 @@ def main() -> None:
         off = statistics.median(r[0] for r in results[(False, count)])
         on = statistics.median(r[0] for r in results[(True, count)])
         print(f"{count:>8} {'off/on':>7} {off / on:7.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

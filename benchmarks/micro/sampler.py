@@ -1,6 +1,6 @@
 """Micro-benchmark of the sampler: batch build and sampling time, greedy vs mixed parameters.
 
-    python -m benchmarks.sampler_bench [--device cuda] [--repeats 20]
+    python -m benchmarks sampler [--device cuda] [--repeats 20]
 
 Prints the median over ``repeats`` runs of SamplingBatch.build and of Sampler.__call__ for
 B = 32 and 256 rows at V = 32000. "mixed" is a realistic spread: a quarter greedy, the rest
@@ -10,17 +10,20 @@ some seeded rows and some asking for logprobs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
 from services.runtime.sampling.batch import SamplingBatch
 from services.common.sampling_params import SamplingParams
 from services.runtime.sampling.sampler import Sampler
 
+PROG = "python -m benchmarks sampler"
 VOCAB_SIZE = 32000
 PROMPT_LEN = 512
 OUTPUT_LEN = 128
@@ -77,13 +80,16 @@ def run_benchmark(device: torch.device, repeats: int = 20, batch_sizes: tuple[in
             print(f"{batch_size:>5} {name:>8} {build_s * 1e3:>10.3f} {sample_s * 1e3:>10.3f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+@dataclass(frozen=True, slots=True)
+class SamplerSettings:
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    repeats: int = setting(20, "timed runs of each case (the median is printed)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "repeats")
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(SamplerSettings, argv, prog=prog, description=__doc__)
     run_benchmark(torch.device(args.device), args.repeats)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

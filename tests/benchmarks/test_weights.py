@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import weights_bench
+from benchmarks import weights
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from tests.conftest import STORIES_DIR
@@ -24,7 +24,7 @@ def engine() -> Engine:
 
 def test_perplexity_equals_transformers_on_the_same_ids(engine):
     transformers = pytest.importorskip("transformers")
-    ppl, n = weights_bench.perplexity(engine, TEXT)
+    ppl, n = weights.perplexity(engine, TEXT)
     ids = torch.tensor([engine.encode_prompt(TEXT)])
     assert n == ids.shape[1] > 10
     hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES_DIR, dtype=torch.float32).eval()
@@ -36,7 +36,7 @@ def test_perplexity_equals_transformers_on_the_same_ids(engine):
 
 def test_requests_run_to_their_length_greedily(engine):
     prompts = [engine.encode_prompt("Once upon a time"), engine.encode_prompt("The cat")]
-    seconds, outputs = weights_bench.run_requests(engine, prompts * 2, 12)
+    seconds, outputs = weights.run_requests(engine, prompts * 2, 12)
     assert seconds > 0 and [len(o) for o in outputs] == [12] * 4
     assert outputs[0] == outputs[2] and outputs[1] == outputs[3], "greedy: the same prompt, the same tokens"
 
@@ -46,21 +46,21 @@ def test_report_gives_ratios_and_first_divergence_from_fp32():
             "peak_rss_mib": 900, "greedy_tokens": [1, 2, 3]}
     int4 = base | {"format": "int4", "tokens_per_s_b1": 25.0, "greedy_tokens": [1, 2, 4]}
     bf16 = base | {"format": "bf16", "tokens_per_s_b1": 12.0}
-    text = weights_bench.report([base, bf16, int4], 4)
+    text = weights.report([base, bf16, int4], 4)
     assert "2.50x" in text and "differs at 2" in text and "identical" in text
-    assert weights_bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert weights.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
-        weights_bench.main(["--formats", "fp32,int3"])
+        weights.main(["--formats", "fp32,int3"])
     assert exc.value.code == 2 and "--formats: unknown int3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        weights_bench.main(["--streams", "0"])
+        weights.main(["--streams", "0"])
     assert "--streams must be at least 1" in capsys.readouterr().err
 
 
 def test_the_shipped_prompts_and_text_load():
-    conversations = weights_bench.load_prompts()
+    conversations = weights.load_prompts()
     assert len(conversations) >= 8 and all(c[1]["role"] == "user" and c[1]["content"] for c in conversations)
-    assert len(weights_bench.PERPLEXITY_FILE.read_text().split()) > 500
+    assert len(weights.PERPLEXITY_FILE.read_text().split()) > 500

@@ -1,6 +1,6 @@
 """Steps with prompt tokens: the fused CPU step against the eager forward, by the step's size.
 
-    python -m benchmarks.fused_step_bench [--model models/stories260K] [--threads 1] [--rounds 41]
+    python -m benchmarks fused-step [--model models/stories260K] [--threads 1] [--rounds 41]
 
 For each shape the ModelRunner's forward runs the same step both ways, interleaved round by
 round on one KV pool (``FusedDecode`` with every size allowed, and ``model(...)``): a lone
@@ -13,19 +13,22 @@ dispatched operations whatever the size.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
-from benchmarks.machine import cpu_model_name
-from services.common.service_config import REPO_ROOT
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
+from benchmarks.harness.paths import STORIES
+from benchmarks.harness.report import cpu_model_name
 from services.executor.config import ExecutorConfig
 from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.step_inputs import pack_step_inputs
 
+PROG = "python -m benchmarks fused-step"
 BLOCK_SIZE = 16
 DECODE_CONTEXT = 64
 
@@ -53,13 +56,19 @@ def time_ms(fn, rounds: int) -> list[float]:
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO_ROOT / "models" / "stories260K"))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=41)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64, 96, 128, 256])
-    args = parser.parse_args(argv)
+@dataclass(frozen=True, slots=True)
+class FusedStepSettings:
+    model: str = setting(str(STORIES), "model directory (one the fused CPU step takes)")
+    threads: int = setting(1, "torch intra-op threads")
+    rounds: int = setting(41, "timed rounds of each shape, fused and eager interleaved")
+    sizes: tuple[int, ...] = setting((1, 4, 8, 16, 32, 48, 64, 96, 128, 256), "prompt lengths, comma-separated")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "threads", "rounds")
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(FusedStepSettings, argv, prog=prog, description=__doc__)
     torch.set_num_threads(args.threads)
     runner = ModelRunner(ExecutorConfig(model=args.model, dtype="fp32", device="cpu", attention_backend="cpu",
                                         block_size=BLOCK_SIZE, num_blocks=256,
@@ -82,7 +91,4 @@ def main(argv: list[str] | None = None) -> None:
                     eager_ms += time_ms(lambda: runner.model(ids, positions, caches, meta), 1)
             f, e = statistics.median(fused_ms), statistics.median(eager_ms)
             print(f"{label:<28} {f:8.3f} {e:8.3f} {f / e:12.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """What a draft-model proposal costs, and how often a self-speculative draft is right.
 
-    python -m benchmarks.draft_model_bench [--k 4] [--batches 1,8] [--prompt-len 128] [--iterations 20]
+    python -m benchmarks draft-model [--num-speculative-tokens 4] [--batches 1,8] [--prompt-len 128] [--iterations 20]
 
 Timing: for each draft (stories260K with all 5 layers; SmolLM2-135M-Instruct's first 2, 4 and 8
 of 30 layers, and all 30 for scale) and batch size B, one session of the drafter's
@@ -23,25 +23,45 @@ verification step (accepted + 1).
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from services.common.service_config import REPO_ROOT
-from services.drafter.config import DraftModelSettings
+from benchmarks.harness import flags, report
+from benchmarks.harness.flags import config_field, setting
+from benchmarks.harness.paths import SMOLLM2, STORIES
+from services.drafter.config import DraftModelSettings, DrafterConfig
 from services.drafter.draft_model import DraftModelProposer
 
-STORIES = REPO_ROOT / "models" / "stories260K"
-SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
+PROG = "python -m benchmarks draft-model"
 TEXTS = ["The water cycle is the continuous movement of water on, above and below the surface of the Earth. "
          "It begins when the sun heats",
          "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
 ACCEPTANCE_LAYERS = (2, 4, 8, 16, 24)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelBenchSettings:
+    num_speculative_tokens: int = config_field(DrafterConfig, "num_speculative_tokens", default=4,
+                                               note="(k: tokens each proposal drafts)")
+    batches: tuple[int, ...] = setting((1, 8), "sequences per proposal session, comma-separated")
+    prompt_len: int = setting(128, "random prompt tokens of each timed sequence")
+    iterations: int = setting(20, "timed proposals per case (alternating all accepted / none accepted)")
+    continuation: int = setting(48, "target tokens per acceptance prompt")
+    threads: int = setting(1, "torch intra-op threads (the drafter runs with one)")
+    skip_acceptance: bool = setting(False, "time the proposals only")
+    json: Path | None = setting(None, "result file (none: benchmarks/results/draft-model-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "num_speculative_tokens", "prompt_len", "iterations", "continuation", "threads")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"--batches must be positive, got {self.batches}")
 
 
 def make(model, layers: int, k: int) -> DraftModelProposer:
@@ -117,30 +137,23 @@ def acceptance(proposer: DraftModelProposer, prompt: list[int], target: list[int
     return drafted, accepted, steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--continuation", type=int, default=48, help="target tokens per acceptance prompt")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--skip-acceptance", action="store_true", help="time the proposals only")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(DraftModelBenchSettings, argv, prog=prog, description=__doc__)
+    k = args.num_speculative_tokens
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
-    results: dict = {"k": args.k, "prompt_len": args.prompt_len, "threads": args.threads, "timing": [],
-                     "acceptance": []}
+    batches = list(args.batches)
+    results: dict = report.provenance(report.command_line(prog, argv)) | {
+        "k": k, "prompt_len": args.prompt_len, "threads": args.threads, "timing": [], "acceptance": []}
     cases = [("stories260K", STORIES, 0)] + [("smollm2-135m", SMOLLM2, n) for n in (2, 4, 8, 30)]
-    proposers = [(name, make(model, layers, args.k)) for name, model, layers in cases]
+    proposers = [(name, make(model, layers, k)) for name, model, layers in cases]
     timers = [(name, proposer, batch, ProposalTimer(proposer, batch, args.prompt_len))
               for name, proposer in proposers for batch in batches]
     # Round-robin over the cases, so load from other work on the machine falls on all of them alike.
     for i in range(args.iterations):
         for *_, timer in timers:
             timer.iterate("all_accepted" if i % 2 == 0 else "none_accepted")
-    print(f"k={args.k}, prompt {args.prompt_len} tokens, {args.threads} thread(s): ms per proposal, "
+    print(f"k={k}, prompt {args.prompt_len} tokens, {args.threads} thread(s): ms per proposal, "
           f"median (min) of {args.iterations // 2} each")
     print(f"{'draft':<14}{'layers':>7}{'batch':>6}{'first':>9}{'all accepted':>20}{'none accepted':>20}")
     for name, proposer, batch, timer in timers:
@@ -151,25 +164,25 @@ def main() -> None:
               f"{row['none_accepted_ms']:>11.2f} ({row['none_accepted_min_ms']:>6.2f})")
     del proposers, timers
     if not args.skip_acceptance:
-        acceptance_table(args, results)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+        acceptance_table(k, args.continuation, results)
+    path = report.write_result(results, report.result_path("draft-model", args.json))
+    print(f"result: {path}")
+    return 0
 
 
-def acceptance_table(args: argparse.Namespace, results: dict) -> None:
+def acceptance_table(k: int, continuation: int, results: dict) -> None:
     tokenizer = Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
     prompts = [tokenizer.encode(text).ids for text in TEXTS]
-    full = make(SMOLLM2, 0, args.k)
-    targets = [greedy_continuation(full, prompt, args.continuation) for prompt in prompts]
+    full = make(SMOLLM2, 0, k)
+    targets = [greedy_continuation(full, prompt, continuation) for prompt in prompts]
     del full
     print(f"\nSmolLM2 self-speculative acceptance along its own greedy text ({len(prompts)} prompts x "
-          f"{args.continuation} tokens, k={args.k})")
+          f"{continuation} tokens, k={k})")
     for layers in ACCEPTANCE_LAYERS:
-        proposer = make(SMOLLM2, layers, args.k)
+        proposer = make(SMOLLM2, layers, k)
         drafted = accepted = steps = 0
         for prompt, target in zip(prompts, targets):
-            d, a, s = acceptance(proposer, prompt, target, args.k)
+            d, a, s = acceptance(proposer, prompt, target, k)
             drafted, accepted, steps = drafted + d, accepted + a, steps + s
         row = {"layers": layers, "acceptance_rate": accepted / drafted,
                "tokens_per_step": (accepted + steps) / steps}
@@ -177,6 +190,3 @@ def acceptance_table(args: argparse.Namespace, results: dict) -> None:
         print(f"  first {layers} layers: {100 * row['acceptance_rate']:.1f}% of drafted tokens accepted, "
               f"{row['tokens_per_step']:.2f} tokens per verification step", flush=True)
 
-
-if __name__ == "__main__":
-    main()

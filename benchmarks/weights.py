@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct in each weight format, side by side in one run (make bench-smollm2).
 
-    python -m benchmarks.weights_bench                       # fp32, bf16, int8, int4
-    python -m benchmarks.weights_bench --formats fp32,int4 --output-len 32 --streams 8
+    python -m benchmarks weights                       # fp32, bf16, int8, int4
+    python -m benchmarks weights --formats fp32,int4 --output-len 32 --streams 8
 
 The formats, all of the same trained model:
 
@@ -29,7 +29,6 @@ benchmarks/results/ and prints a table and the ratios to fp32.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -37,17 +36,34 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA = REPO_ROOT / "benchmarks" / "data"
-PROMPTS_FILE = DATA / "smollm2_chat_prompts.jsonl"
-PERPLEXITY_FILE = DATA / "smollm2_perplexity.txt"
-FP32_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
-CACHE = REPO_ROOT / "benchmarks" / ".cache" / "weights"
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+from benchmarks.harness import child as harness_child, flags, report as report_
+from benchmarks.harness.flags import setting
+from benchmarks.harness.launch import QUIET_LOGS
+from benchmarks.harness.paths import CACHE_DIR, DATA_DIR, REPO_ROOT, SMOLLM2
+
+PROG = "python -m benchmarks weights"
+PROMPTS_FILE = DATA_DIR / "smollm2_chat_prompts.jsonl"
+PERPLEXITY_FILE = DATA_DIR / "smollm2_perplexity.txt"
+FP32_DIR = SMOLLM2
+CACHE = CACHE_DIR / "weights"
 FORMATS = ("fp32", "bf16", "int8", "int4")
 TOKENMILL = [sys.executable, "-m", "services.cli.main"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSettings:
+    formats: tuple[str, ...] = setting(FORMATS, f"comma-separated subset of {','.join(FORMATS)}")
+    output_len: int = setting(64, "new tokens per request")
+    streams: int = setting(32, "requests of the batched run")
+    threads: int = setting(os.cpu_count() or 1, "torch threads of each format's process (default: every core)")
+    json: Path | None = setting(None, "result file (none: benchmarks/results/weights-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_choices("formats", self.formats, FORMATS)
+        flags.check_at_least(self, 1, "output_len", "streams", "threads")
 
 
 def load_prompts() -> list[list[dict[str, str]]]:
@@ -115,20 +131,14 @@ def perplexity(engine, text: str) -> tuple[float, int]:
 
 def run_requests(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     """Add ``prompts`` at once, step until done; (seconds, output tokens per prompt)."""
-    from services.common.sampling_params import SamplingParams
-    from services.scheduler.request.stop import StopConditions
+    from benchmarks.harness.engine import run_batch
 
-    sampling, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(list(p), sampling, stop) for p in prompts]
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out.setdefault(delta.request_id, []).extend(delta.token_ids)
-    return time.perf_counter() - start, [out.get(i, []) for i in ids]
+    batch = run_batch(engine, prompts, output_len)
+    return batch.seconds, batch.outputs
 
 
 def child(fmt: str, model_dir: str, dtype: str, output_len: int, streams: int, threads: int) -> dict:
+    """One format's figures, in a process of its own (harness.child): its peak RSS is its own."""
     import torch
 
     from services.executor.config import ExecutorConfig
@@ -190,49 +200,31 @@ def report(results: list[dict], streams: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.weights_bench", description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
-    p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
-    p.add_argument("--streams", type=int, default=32, help="requests of the batched run")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of each format's process")
-    p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/weights-DATE.json)")
-    p.add_argument("--child", nargs=3, metavar=("FORMAT", "DIR", "DTYPE"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        fmt, model_dir, dtype = args.child
-        print(json.dumps(child(fmt, model_dir, dtype, args.output_len, args.streams, args.threads)))
-        return 0
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        p.error(f"--formats: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(FORMATS)}")
-    for name in ("output_len", "streams", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = flags.parse(WeightsSettings, argv, prog=prog, description=__doc__)
+    load = report_.LoadWatch()
     results = []
-    for fmt in formats:
+    for fmt in settings.formats:
         model_dir, dtype = model_dir_for(fmt)
-        command = [sys.executable, "-m", "benchmarks.weights_bench", "--child", fmt, str(model_dir), dtype,
-                   "--output-len", str(args.output_len), "--streams", str(args.streams), "--threads", str(args.threads)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENMILL_LOG_LEVEL": "warning"}
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        command = harness_child.command("benchmarks.weights:child", fmt=fmt, model_dir=str(model_dir), dtype=dtype,
+                                        output_len=settings.output_len, streams=settings.streams,
+                                        threads=settings.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENMILL_LOG_LEVEL": QUIET_LOGS["TOKENMILL_LOG_LEVEL"]}
+        done = subprocess.run(command, cwd=harness_child.CWD, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"{fmt}: the benchmark process failed (exit {done.returncode})")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        results.append(harness_child.result(done.stdout))
         r = results[-1]
-        print(f"{fmt}: b1 {r['tokens_per_s_b1']:.1f} tok/s, b{args.streams} {r[f'tokens_per_s_b{args.streams}']:.1f} "
-              f"tok/s, perplexity {r['perplexity']:.3f}, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+        print(f"{fmt}: b1 {r['tokens_per_s_b1']:.1f} tok/s, b{settings.streams} "
+              f"{r[f'tokens_per_s_b{settings.streams}']:.1f} tok/s, perplexity {r['perplexity']:.3f}, "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+    load.stop()
     print()
-    print(report(results, args.streams))
-    path = args.json or RESULTS_DIR / f"weights-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "output_len": args.output_len,
-                                "streams": args.streams, "threads": args.threads, "results": results}, indent=2) + "\n")
+    print(report(results, settings.streams))
+    path = report_.write_result(report_.provenance(report_.command_line(prog, argv), load) | {
+        "output_len": settings.output_len, "streams": settings.streams, "threads": settings.threads,
+        "results": results}, report_.result_path("weights", settings.json))
     print(f"\nresult: {path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,10 +1,11 @@
 """Decode throughput of the in-process engine against Hugging Face ``generate()`` on the same weights.
 
-    python -m benchmarks.decode_bench [--preset llama-100m] [--batch-sizes 1 8 32]
-        [--prompt-len 64] [--output-len 128] [--repeats 3] [--threads N] [--json PATH]
+    python -m benchmarks decode [--preset llama-100m] [--batch-sizes 1,8,32]
+        [--prompt-len 64] [--output-len 128] [--repeats 3] [--threads N] [--json PATH]   (make bench-decode)
 
 The model is a deterministic random-weight checkpoint (``PRESETS[preset]``), written once
-under ``benchmarks/.cache/`` with a synthetic tokenizer, so both systems load one directory.
+under ``benchmarks/.cache/`` with a synthetic tokenizer (harness.models), so both systems
+load one directory.
 Every request is greedy with ``ignore_eos`` and a fixed prompt of token ids (distinct per
 request and per run; prefix caching off), so every run does the same work.
 
@@ -22,27 +23,46 @@ first token is timed by a streamer. Ratios are engine decode tok/s over HF's at 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.machine import cpu_model_name
-from services.tools.random_model import PRESETS, RandomModelSpec, build_random_model
-from services.common.sampling_params import SamplingParams
-from services.scheduler.request.stop import StopConditions
+from benchmarks.harness import flags, report
+from benchmarks.harness.engine import run_batch
+from benchmarks.harness.flags import setting
+from benchmarks.harness.hf import load_model
+from benchmarks.harness.models import random_model_dir
+from services.tools.random_model import PRESETS
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.config import SchedulerLimits
 
-CACHE_DIR = Path(__file__).resolve().parent / ".cache"
-GREEDY = SamplingParams(temperature=0.0)
+PROG = "python -m benchmarks decode"
 FIRST_REGULAR_TOKEN_ID = 3  # after <unk> <s> </s>: prompts hold no special tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSettings:
+    preset: str = setting("llama-100m", f"random-weight model: {', '.join(sorted(PRESETS))}")
+    device: str = setting("cpu", "cpu, cuda or cuda:N (both systems)")
+    batch_sizes: tuple[int, ...] = setting((1, 8, 32), "the engine's batch sizes, comma-separated")
+    prompt_len: int = setting(64, "prompt tokens of every request")
+    output_len: int = setting(128, "output tokens of every request (EOS ignored)")
+    repeats: int = setting(3, "timed runs of every configuration (medians reported)")
+    threads: int = setting(0, "torch threads (0 = torch's default for this machine)")
+    json: Path | None = setting(None, "also write the results here")
+
+    def validate(self) -> None:
+        flags.check_choices("preset", self.preset, sorted(PRESETS))
+        flags.check_at_least(self, 1, "prompt_len", "repeats")
+        flags.check_at_least(self, 2, "output_len")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive, got {self.batch_sizes}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,18 +102,6 @@ def summarize(system: str, timings: list[RunTiming]) -> Summary:
     )
 
 
-def ensure_model(preset: str) -> Path:
-    """The preset's directory under benchmarks/.cache, written on first use (same seed, same bytes)."""
-    spec: RandomModelSpec = PRESETS[preset]
-    out = CACHE_DIR / preset
-    spec_file = out / "random_model_spec.json"
-    fresh = spec_file.is_file() and json.loads(spec_file.read_text()) == asdict(spec)
-    if not (fresh and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()):
-        print(f"writing {preset} ({spec.num_parameters() / 1e6:.1f}M parameters) to {out} ...", flush=True)
-        build_random_model(spec, out)
-    return out
-
-
 class PromptSource:
     """Distinct random token-id prompts, so no run can reuse another's K/V."""
 
@@ -122,32 +130,12 @@ def make_engine(model_dir: Path, device: str, max_batch: int, prompt_len: int, o
 
 
 def engine_run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[RunTiming, list[list[int]]]:
-    stop = StopConditions(max_tokens=output_len, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    ids = [engine.add_request(p, GREEDY, stop) for p in prompts]
-    first_token_at = None
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-        if first_token_at is None and len(tokens) == len(prompts):
-            first_token_at = time.perf_counter()
-    end = time.perf_counter()
-    outputs = [tokens[i] for i in ids]
-    assert all(len(t) == output_len for t in outputs), "every request must run to output_len"
-    return RunTiming(len(prompts), output_len, first_token_at - start, end - start), outputs
+    batch = run_batch(engine, prompts, output_len)
+    assert all(len(t) == output_len for t in batch.outputs), "every request must run to output_len"
+    return RunTiming(len(prompts), output_len, batch.first_tokens_s, batch.seconds), batch.outputs
 
 
 # ---------------------------------------------------------------------------- Hugging Face
-
-
-def load_hf(model_dir: Path, device: str):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    model.generation_config.eos_token_id = None  # match ignore_eos: never stop early
-    model.generation_config.pad_token_id = None
-    return model
 
 
 def hf_run(model, prompt: list[int], output_len: int) -> tuple[RunTiming, list[int]]:
@@ -185,7 +173,7 @@ def hf_run(model, prompt: list[int], output_len: int) -> tuple[RunTiming, list[i
 
 
 def machine_description(device: str) -> str:
-    text = f"{cpu_model_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    text = f"{report.cpu_model_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
     if device.startswith("cuda"):
         text += f", {torch.cuda.get_device_name()}"
     return text
@@ -199,7 +187,7 @@ def print_table(rows: list[Summary], hf_decode: float) -> None:
 
 
 def run_benchmark(args) -> dict:
-    model_dir = ensure_model(args.preset)
+    model_dir = random_model_dir(args.preset)
     spec = PRESETS[args.preset]
     prompts = PromptSource(spec.vocab_size, args.prompt_len)
     print(f"model {args.preset} ({spec.num_parameters() / 1e6:.1f}M params, fp32) on {args.device}; "
@@ -208,7 +196,7 @@ def run_benchmark(args) -> dict:
           f"median of {args.repeats} runs after a warm-up", flush=True)
 
     engine = make_engine(model_dir, args.device, max(args.batch_sizes), args.prompt_len, args.output_len)
-    hf = load_hf(model_dir, args.device)
+    hf = load_model(str(model_dir), args.device)
 
     # Warm-up (allocator, lazy initialisation), and a check that both systems compute the same thing.
     (check_prompt,) = prompts.take(1)
@@ -220,7 +208,7 @@ def run_benchmark(args) -> dict:
 
     # Repeats are interleaved (each runs every configuration once), so load from other
     # processes on a shared machine lands on all configurations alike.
-    load_before = os.getloadavg()[0]
+    load_before = report.load_average()
     hf_timings: list[RunTiming] = []
     engine_timings: dict[int, list[RunTiming]] = {b: [] for b in args.batch_sizes}
     for repeat in range(args.repeats):
@@ -229,7 +217,7 @@ def run_benchmark(args) -> dict:
             engine_timings[batch_size].append(engine_run(engine, prompts.take(batch_size), args.output_len)[0])
         print(f"  run {repeat + 1}/{args.repeats}: HF b1 {hf_timings[-1].decode_tokens_per_s:.1f} tok/s, engine "
               + ", ".join(f"b{b} {t[-1].decode_tokens_per_s:.1f}" for b, t in engine_timings.items()), flush=True)
-    load_after = os.getloadavg()[0]
+    load_after = report.load_average()
     rows = [summarize("hf", hf_timings)] + [summarize("tokenmill", t) for t in engine_timings.values()]
     hf_decode = rows[0].decode_tokens_per_s
     print(f"\n1-minute load average: {load_before:.2f} before, {load_after:.2f} after")
@@ -246,24 +234,11 @@ def run_benchmark(args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-100m")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default for this machine)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(DecodeSettings, argv, prog=prog, description=__doc__)
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    result = run_benchmark(args)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    result = report.provenance(report.command_line(prog, argv)) | run_benchmark(args)
+    path = report.write_result(result, report.result_path("decode", args.json))
+    print(f"result: {path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,7 @@
-"""What one system's run recorded, and the statistics computed from it.
+"""What a run's requests recorded, and the statistics computed from them.
 
-Every system fills the same RequestRecord: when the request was sent, when each chunk of
+Every system of the serving benchmark fills the same RequestRecord (and the other runs that
+stream through the services, through harness.client): when the request was sent, when each chunk of
 output tokens became available (one chunk per engine step without speculation), when it
 finished. All times are time.perf_counter() seconds in the benchmark process; for the
 services they are client-side (what a caller sees), for the in-process engine and the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.percentile import percentile
+from benchmarks.harness.stats import distribution_ms
 
 
 @dataclass(slots=True)
@@ -70,7 +71,7 @@ class KVSample:
     usage: float
     """Fraction of KV blocks held by requests."""
     waste: float | None
-    """Allocated-but-empty slots over allocated slots (services/scheduler/kv_slots.py); None when unknown."""
+    """Allocated-but-empty slots over allocated slots (services/scheduler/core/kv_slots.py); None when unknown."""
     num_running: int = 0
 
 
@@ -104,18 +105,6 @@ class SLO:
 
     def as_dict(self) -> dict:
         return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms}
-
-
-def distribution_ms(values_s: list[float]) -> dict:
-    values = [v * 1000.0 for v in values_s]
-    return {
-        "mean": sum(values) / len(values) if values else 0.0,
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": max(values, default=0.0),
-        "count": len(values),
-    }
 
 
 def kv_summary(samples: list[KVSample]) -> dict:

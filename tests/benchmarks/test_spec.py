@@ -1,11 +1,12 @@
-"""The spec benchmark's arithmetic and its entry point (the run itself needs SmolLM2 and minutes)."""
+"""The spec benchmark's arithmetic and its flags (the run itself needs SmolLM2 and minutes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.spec_bench import summarize
-from services.cli import bench
+from benchmarks import spec
+from benchmarks.__main__ import main as benchmarks
+from benchmarks.spec import summarize
 
 
 def row(tokens, seconds, drafts=0, draft_tokens=0, accepted=0):
@@ -29,8 +30,16 @@ def test_summary_figures_and_speedup_keys():
     assert "spec_speedup_draft_copy_b1" not in result, "no draft-model figures were measured"
 
 
-def test_the_spec_preset_reaches_its_driver(capsys):
+def test_the_spec_run_has_its_flags_and_the_servicess_names_for_them(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--preset", "spec", "--help"])
+        benchmarks(["spec", "--help"])
     out = capsys.readouterr().out
-    assert "--draft-layers" in out and out.startswith("usage: tokenmill bench")
+    assert out.startswith("usage: python -m benchmarks spec")
+    assert "--draft-layers" in out and "--num-speculative-tokens" in out and "--batches" in out
+    launch = spec.SpecSettings(num_speculative_tokens=3, draft_layers=2).launch("draft")
+    assert launch.scheduler_args == ("--num-speculative-tokens=3",)
+    assert "--draft-layers=2" in launch.drafter_args and "--method=draft_model" in launch.drafter_args
+    assert spec.SpecSettings().launch("off").scheduler_args == ()
+    with pytest.raises(SystemExit):
+        benchmarks(["spec", "--systems", "off,eagle"])
+    assert "--systems: unknown eagle; known: off, ngram, draft" in capsys.readouterr().err

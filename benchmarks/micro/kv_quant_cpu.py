@@ -1,6 +1,6 @@
 """The C++ CPU kernels over a quantized KV pool (int8, fp8 e4m3) against the same kernels over an fp32 pool.
 
-    python -m benchmarks.kv_quant_cpu_bench [--seqs 16] [--context 1024] [--heads 9] [--kv-heads 3]
+    python -m benchmarks kv-quant-cpu [--seqs 16] [--context 1024] [--heads 9] [--kv-heads 3]
         [--head-dim 64] [--repeats 7]
 
 Times ``paged_decode`` (one query per sequence over its whole context) and a 16-token
@@ -11,27 +11,38 @@ shape. Run with OMP_NUM_THREADS=1 for one thread's figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
 from services.runtime.kernels import cpu as cpu_kernels
 from services.runtime.kernels.kv_quant import KV_CACHE_DTYPES, ScaledCache, write_quantized
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqs", type=int, default=16)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+PROG = "python -m benchmarks kv-quant-cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class KvQuantCpuSettings:
+    seqs: int = setting(16, "sequences, one query each")
+    context: int = setting(1024, "context of every sequence")
+    heads: int = setting(9, "query heads (SmolLM2-135M's by default)")
+    kv_heads: int = setting(3, "KV heads")
+    head_dim: int = setting(64, "head dimension")
+    block_size: int = setting(16, "tokens per KV block")
+    repeats: int = setting(7, "interleaved rounds (the median is printed)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "seqs", "context", "heads", "kv_heads", "head_dim", "block_size", "repeats")
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(KvQuantCpuSettings, argv, prog=prog, description=__doc__)
     torch.manual_seed(0)
     b, bs, kh, d = args.seqs, args.block_size, args.kv_heads, args.head_dim
     num_blocks = b * -(-args.context // bs)
@@ -67,8 +78,5 @@ def main() -> None:
             "write_16_tokens_us": 1e6 * statistics.median(write[name]),
             "pool_mib": sum(x.nbytes for x in pools[name]) / 2**20,
         }
-    print(json.dumps({"threads": torch.get_num_threads(), **vars(args), "results": report}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    print(json.dumps({"threads": torch.get_num_threads(), **asdict(args), "results": report}, indent=1))
+    return 0

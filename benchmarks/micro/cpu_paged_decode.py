@@ -1,7 +1,7 @@
 """The C++ CPU paged decode kernel of this checkout against the same kernel at another revision, in one run.
 
-    python -m benchmarks.cpu_paged_decode_bench [--baseline 3f093b1~1] [--shapes 8,4,8 9,3,64]
-        [--batches 1 8 32 64] [--contexts 16 100 1024] [--threads 1 2] [--repeats 7] [--dtype float32]
+    python -m benchmarks cpu-paged-decode [--baseline 3f093b1~1] [--shapes 8:4:8,9:3:64]
+        [--batches 1,8,32,64] [--contexts 16,100,1024] [--threads 1,2] [--repeats 7] [--dtype float32]
 
 The baseline's paged_decode.cpp (``git show REV:...``) is built beside this checkout's kernels
 under a renamed op library (``tokenmill_cpu_baseline``), so both run in the same process on the
@@ -14,7 +14,6 @@ Configurations whose K pool would exceed --max-pool-mib are skipped (a shared ma
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import itertools
@@ -24,13 +23,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
+from benchmarks.harness.paths import REPO_ROOT as REPO
 from services.runtime.kernels import cpu as cpu_kernels
 
-REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks cpu-paged-decode"
+DTYPES = ("float32", "bfloat16", "float16")
 KERNEL = "services/runtime/kernels/cpu/paged_decode.cpp"
 HEADER = "services/runtime/kernels/cpu/paged_decode.h"
 BASELINE_LIB = "tokenmill_cpu_baseline"
@@ -72,19 +76,29 @@ def time_call(fn, inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", default="3f093b1~1", help="git revision of the kernel to compare against")
-    p.add_argument("--shapes", nargs="+", default=["8,4,8", "8,4,16", "8,4,32", "9,3,64", "32,8,128"],
-                   help="query heads,kv heads,head dim")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--contexts", nargs="+", type=int, default=[16, 100, 1024])
-    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-pool-mib", type=float, default=64.0)
-    args = p.parse_args()
+@dataclass(frozen=True, slots=True)
+class CpuPagedDecodeSettings:
+    baseline: str = setting("3f093b1~1", "git revision of the kernel to compare against")
+    shapes: tuple[str, ...] = setting(("8:4:8", "8:4:16", "8:4:32", "9:3:64", "32:8:128"),
+                                      "query heads:kv heads:head dim, comma-separated")
+    batches: tuple[int, ...] = setting((1, 8, 32, 64), "batch sizes, comma-separated")
+    contexts: tuple[int, ...] = setting((16, 100, 1024), "longest context of a sequence, comma-separated")
+    threads: tuple[int, ...] = setting((1, 2), "torch threads, comma-separated")
+    repeats: int = setting(7, "interleaved rounds (the median is printed)")
+    dtype: str = setting("float32", f"one of {', '.join(DTYPES)}")
+    block_size: int = setting(16, "tokens per KV block")
+    max_pool_mib: float = setting(64.0, "skip configurations whose K pool is larger")
+
+    def validate(self) -> None:
+        flags.check_choices("dtype", self.dtype, DTYPES)
+        flags.check_at_least(self, 1, "repeats", "block_size")
+        bad = [s for s in self.shapes if len(s.split(":")) != 3 or not all(p.isdigit() for p in s.split(":"))]
+        if bad:
+            raise ValueError(f"--shapes: expected HEADS:KV_HEADS:HEAD_DIM, got {', '.join(bad)}")
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(CpuPagedDecodeSettings, argv, prog=prog, description=__doc__)
     baseline = load_baseline(args.baseline)
     current = cpu_kernels.load()
     dtype = getattr(torch, args.dtype)
@@ -94,7 +108,7 @@ def main() -> None:
     print("| heads/kv/dim | batch | context | threads | baseline us | current us | baseline/current | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape, batch, context, threads in itertools.product(args.shapes, args.batches, args.contexts, args.threads):
-        heads, kv_heads, head_dim = map(int, shape.split(","))
+        heads, kv_heads, head_dim = map(int, shape.split(":"))
         per_seq = -(-context // bs)
         num_blocks = batch * per_seq + 1
         if num_blocks * bs * kv_heads * head_dim * dtype.itemsize / 2**20 > args.max_pool_mib:
@@ -120,7 +134,4 @@ def main() -> None:
         diff = (outs["baseline"].float() - outs["current"].float()).abs().max().item()
         print(f"| {heads}/{kv_heads}/{head_dim} | {batch} | {context} | {threads} | {base:.1f} | {cur:.1f} | "
               f"{base / cur:.2f} | {diff:.1e} |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

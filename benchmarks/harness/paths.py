@@ -1,0 +1,17 @@
+"""Where a run finds its models and data and leaves its results, in the checkout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+RESULTS_DIR = BENCHMARKS / "results"
+"""Result files (JSON, PNG); git-ignored."""
+CACHE_DIR = BENCHMARKS / ".cache"
+"""Models a run builds or converts (random-weight presets, quantized formats); git-ignored."""
+DATA_DIR = BENCHMARKS / "data"
+STORIES = REPO_ROOT / "models" / "stories260K"
+"""The shipped default model (260K parameters): overhead-dominated runs."""
+SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
+"""SmolLM2-135M-Instruct in fp32, converted by ``make install``."""
