@@ -4,8 +4,8 @@
 
 The stack runs as `tokenmill up` runs it (the Launcher, four processes) with authentication
 (tenants "quiet" and "flood") and a small batch (--max-num-seqs 8), so the flood must queue;
-every scheduler limit is a flag of this run too (``--num-scheduler-steps 1``, ``--no-overlap-scheduling``).
-The quiet tenant sends one greedy request at a time (16 tokens), back to back, and times each
+every scheduler limit is a flag of this run too (``--num-scheduler-steps 1``,
+``--no-overlap-scheduling``). The quiet tenant sends one greedy request at a time (16 tokens), back to back, and times each
 request's first token. First alone (its unloaded TTFT), then while the flood tenant keeps
 ``--flood`` streams of 64 tokens open (ten times the quiet tenant's one, and five times the
 batch), again with the queue ordered by the virtual token counter. Prints p50/p99 TTFT both

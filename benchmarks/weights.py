@@ -41,7 +41,6 @@ from pathlib import Path
 
 from benchmarks.harness import child as harness_child, flags, report as report_
 from benchmarks.harness.flags import setting
-from benchmarks.harness.launch import QUIET_LOGS
 from benchmarks.harness.paths import CACHE_DIR, DATA_DIR, REPO_ROOT, SMOLLM2
 
 PROG = "python -m benchmarks weights"
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         command = harness_child.command("benchmarks.weights:child", fmt=fmt, model_dir=str(model_dir), dtype=dtype,
                                         output_len=settings.output_len, streams=settings.streams,
                                         threads=settings.threads)
-        env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENMILL_LOG_LEVEL": QUIET_LOGS["TOKENMILL_LOG_LEVEL"]}
+        env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENMILL_LOG_LEVEL": "warning"}
         done = subprocess.run(command, cwd=harness_child.CWD, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)

@@ -92,7 +92,8 @@ class LoadWatch:
         return [self.before, self.after]
 
 
-def result_path(kind: str, path: Path | str | None = None, out_dir: Path | None = None, name: str | None = None) -> Path:
+def result_path(kind: str, path: Path | str | None = None, out_dir: Path | None = None,
+                name: str | None = None) -> Path:
     """``path`` when given, else ``out_dir`` (benchmarks/results) / ``name`` or KIND-DATE-TIME, .json."""
     if path:
         return Path(path)

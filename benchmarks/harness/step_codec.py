@@ -48,7 +48,8 @@ def codec_parts(num_seqs: int) -> tuple[dict[str, Callable[[], object]], int, in
         "plan encode (to_proto + serialize)": lambda: plan_to_proto(plan).SerializeToString(),
         "plan decode (parse + from_proto)": lambda: plan_from_proto(executor_pb2.StepRequest.FromString(plan_bytes)),
         "result encode (to_proto + serialize)": lambda: result_to_proto(result).SerializeToString(),
-        "result decode (parse + from_proto)": lambda: result_from_proto(executor_pb2.StepResponse.FromString(result_bytes)),
+        "result decode (parse + from_proto)":
+            lambda: result_from_proto(executor_pb2.StepResponse.FromString(result_bytes)),
     }
     return parts, len(plan_bytes), len(result_bytes)
 

@@ -17,7 +17,7 @@ from benchmarks.harness.launch import QUIET_LOGS, LaunchSpec, executor_flags, sc
 from benchmarks.harness.records import RequestRecord
 from benchmarks.harness.scrape import moved
 from benchmarks.harness.stats import distribution_ms, percentile
-from services.common.settings import add_config_arguments, config_from_args, parse_config
+from services.common.settings import parse_config
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core.config import SchedulerLimits
