@@ -26,7 +26,7 @@ MALLOC_ARENAS = 2
 """glibc malloc arenas for the scheduler's threads (default: one per thread, ten here), so free
 C memory is not scattered over ten arenas. Measured with the stress suite on a 2-core CPU, two
 10-minute runs side by side: idle RSS growth +6.3% with two arenas against +8.4% without, and as
-many streams served (65,443 and 64,137; docs/design.md, Hardening). MALLOC_ARENA_MAX in the
+many streams served (65,443 and 64,137; docs/benchmarks.md, "Hardening runs"). MALLOC_ARENA_MAX in the
 environment wins."""
 
 
