@@ -31,7 +31,7 @@ high-water mark still being reached (growth in the first round only). ``--trace-
 scheduler's memory is made of at those readings and every minute (benchmarks/memtrace/);
 ``--heaptrack DIR`` runs the scheduler under heaptrack (every malloc with its C call stack, to
 read with ``heaptrack_print``; its resident memory then includes heaptrack's own);
-``--scheduler-env NAME=VALUE[,...]`` sets variables for the scheduler alone (``PYTHONMALLOC=malloc``).
+``--scheduler-env NAME=VALUE`` (repeatable) sets a variable for the scheduler alone (``PYTHONMALLOC=malloc``).
 The table also gives each service's CPU seconds during the run, and a throughput line the
 tokens the clients received per second and the scheduler's CPU time per token (on a shared
 machine the CPU time compares better between runs than the wall-clock rates). Then the summary line
@@ -498,8 +498,9 @@ class StressSettings:
                                     "sitecustomize.py): a JSON line every TOKENMILL_MEMTRACE_EVERY seconds (60) and "
                                     "at cold, before, after")
     trace_service: str = setting("scheduler", "the service --trace-memory and --heaptrack trace")
-    scheduler_env: tuple[str, ...] = setting((), "NAME=VALUE environment variables for the scheduler process only, "
-                                                 "comma-separated, e.g. PYTHONMALLOC=malloc")
+    scheduler_env: tuple[str, ...] = field(default=(), metadata={
+        "help": "NAME=VALUE: an environment variable for the scheduler process only (repeatable), e.g. "
+                "PYTHONMALLOC=malloc", "repeat": True})
     heaptrack: str = setting("", "run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
                                  "it: leaked and peak allocations with their C stacks)")
     rounds: int = setting(2, "split --seconds into this many rounds, reading every service's idle RSS after each: "

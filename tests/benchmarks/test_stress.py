@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import flags
 from benchmarks.harness.bursts import FLOOR_SERVER
 from benchmarks.harness.cpu import proc_status
 from benchmarks.stress import (KILL_AFTER_ROUND_START_S, StressLauncher, StressSettings, Tally, kill_placement, main,
@@ -42,6 +43,8 @@ def test_the_stack_it_launches_and_bad_flags(capsys):
     assert launch.scheduler_args == ("--max-num-seqs", "128", "--max-waiting-requests", "5")
     assert launch.executor_args == ("--dtype", "fp32", "--device", "cpu", "--num-blocks", "1024")
     assert launch.restart and launch.threads == 1
+    parsed = flags.parse(StressSettings, ["--scheduler-env", "A=1,2", "--scheduler-env", "B=3"], prog="stress")
+    assert parsed.scheduler_env == ("A=1,2", "B=3")  # one variable a flag: values may hold commas
     traced = StressSettings(trace_memory="/tmp/trace").launch()
     assert traced.python_path.endswith("benchmarks/memtrace") and dict(traced.env)["TOKENMILL_MEMTRACE_SERVICE"]
     for argv, message in ((["--rounds", "0"], "--rounds must be at least 1, got 0"),
@@ -55,7 +58,7 @@ def test_the_stack_it_launches_and_bad_flags(capsys):
 def test_scheduler_env_prefixes_only_the_scheduler():
     launcher = StressLauncher(LaunchConfig(model="m"), scheduler_env={"PYTHONMALLOC": "malloc"})
     try:
-        for name in ("tokenizer", "executor", "drafter"):
+        for name in ("tokenizer", "executor", "drafter", "scheduler"):
             launcher.services[name] = ServiceProcess(name, [], 1234, Path("/nonexistent"), None)
         scheduler = launcher.command("scheduler", 5678)
         assert scheduler[:2] == ["env", "PYTHONMALLOC=malloc"] and "services.scheduler" in scheduler
