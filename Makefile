@@ -98,7 +98,7 @@ bench-smollm2: install
 # The gateway: HTTP overhead against gRPC, routing policies on a simulated heterogeneous pool,
 # decision time with 64 targets, routed requests/s on one core (benchmarks/gateway/; ~6 minutes).
 bench-gateway: install
-	$(PY) -m benchmarks.gateway
+	$(PY) -m benchmarks gateway
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

@@ -24,6 +24,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "stress": ("benchmarks.stress", "hundreds of streams under abuse, then a check that nothing leaked (make stress)"),
     "fairness": ("benchmarks.fairness", "two tenants, one flooding: does the quiet one's TTFT hold"),
     "overload": ("benchmarks.overload", "how fast a full server says no (RESOURCE_EXHAUSTED under a burst)"),
+    "gateway": ("benchmarks.gateway.driver",
+                "the gateway: HTTP overhead, routing policies, decision time, routed requests/s (make bench-gateway)"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""

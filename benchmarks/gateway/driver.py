@@ -1,6 +1,6 @@
 """``make bench-gateway``: the gateway's four questions, answered in one run with ratios.
 
-    python -m benchmarks.gateway [--parts overhead,policies,decision,throughput] [--quick]
+    python -m benchmarks gateway [--parts overhead,policies,decision,throughput] [--quick]
 
 1. overhead    HTTP through the gateway against the engine's gRPC API directly (stories260K):
                TTFT p50 added, 32-stream tokens/s ratio, the gateway's CPU per token.
@@ -10,39 +10,41 @@
 4. throughput  routed requests/s of one gateway process on one core against simulated targets.
 
 Prints the report (with the command, commit and load average, which the figures depend on)
-and writes it as JSON to --out.
+and writes it as JSON to --out (default benchmarks/results/gateway-DATE.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 from benchmarks.gateway import decision, overhead, policies, throughput
-from benchmarks.gateway.processes import REPO_ROOT
 from benchmarks.gateway.workload import poisson_trace
+from benchmarks.harness import flags, report as harness_report
+from benchmarks.harness.flags import setting
 from services.common.logging import configure_logging
 
+PROG = "python -m benchmarks gateway"
 PARTS = ("overhead", "policies", "decision", "throughput")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    parts: tuple[str, ...] = setting(PARTS, f"comma-separated subset of {', '.join(PARTS)}")
+    quick: bool = setting(False, "shorter runs (a smoke test, not figures)")
+    rate: float = setting(16.0, "requests/s of the routing workload")
+    seconds: float = setting(30.0, "length of the routing workload's trace")
+    out: str | None = setting(None, "where the JSON report goes (none: benchmarks/results/gateway-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_choices("parts", self.parts, PARTS)
 
 
 def _load() -> str:
-    path = Path("/proc/loadavg")
-    return " ".join(path.read_text().split()[:3]) if path.exists() else "?"
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
 
 def _overhead(quick: bool) -> dict:
@@ -110,22 +112,14 @@ def _throughput(quick: bool) -> dict:
     return r
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.gateway") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not figures)")
-    parser.add_argument("--rate", type=float, default=16.0, help="requests/s of the routing workload")
-    parser.add_argument("--seconds", type=float, default=30.0, help="length of the routing workload's trace")
-    parser.add_argument("--out", default=".tokenmill/bench-gateway.json", help="where the JSON report goes")
-    args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(GatewaySettings, argv, prog=prog, description=__doc__)
+    parts = list(args.parts)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     configure_logging("bench-gateway", "warning")  # the pools' target_joined lines are not the report
     began = time.time()
-    report = {"command": " ".join([prog, *(argv if argv is not None else sys.argv[1:])]), "commit": _commit(),
+    report = {"command": harness_report.command_line(prog, argv), "commit": harness_report.git_revision()["short"],
               "load_before": _load(), "cpus": os.cpu_count()}
     print(f"# make bench-gateway at {report['commit']}, load average {report['load_before']}, "
           f"{report['cpus']} CPUs", flush=True)
@@ -137,7 +131,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.gatewa
     report["load_after"] = _load()
     report["seconds"] = time.time() - began
     print(f"\nload average after: {report['load_after']}; {report['seconds']:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    out = harness_report.write_result(report, harness_report.result_path("gateway", args.out))
+    print(f"wrote {out}")
     return 0

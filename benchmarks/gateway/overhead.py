@@ -20,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 
 import httpx2
 
-from benchmarks.gateway.processes import REPO_ROOT, gateway
+from benchmarks.gateway.processes import gateway
 from benchmarks.gateway.throughput import cpu_seconds
+from benchmarks.harness.launch import LaunchSpec, launched
+from benchmarks.harness.paths import STORIES
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
-from services.stack.launcher import LaunchConfig, Launcher
 
 PROMPT = "Once upon a time"
 
@@ -108,17 +108,10 @@ async def _measure(engine: str, http_base: str, pid: int, engine_pids: list[int]
 
 
 def measure(rounds: int = 3, ttft_requests: int = 20, streams: int = 32, tokens: int = 128) -> dict:
-    model = str(REPO_ROOT / "models" / "stories260K")
-    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-gw-") as logs:
-        launcher = Launcher(LaunchConfig(model=model, public_port=0, log_dir=logs, restart=False,
-                                         env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}))
-        launcher.start()
-        try:
-            routes = {"targets": [{"name": "engine", "address": launcher.public_address}],
-                      "models": {"stories": "engine"}}
-            engine_pids = [svc.process.pid for svc in launcher.services.values()]
-            with gateway(routes) as (_, http_base, pid):
-                return asyncio.run(_measure(launcher.public_address, http_base, pid, engine_pids, rounds,
-                                            ttft_requests, streams, tokens))
-        finally:
-            launcher.stop()
+    with launched(LaunchSpec(str(STORIES), threads=1, quiet=False, metrics=False, log_prefix="tokenmill-bench-gw-")
+                  ) as stack:
+        routes = {"targets": [{"name": "engine", "address": stack.address}], "models": {"stories": "engine"}}
+        engine_pids = list(stack.pids.values())
+        with gateway(routes) as (_, http_base, pid):
+            return asyncio.run(_measure(stack.address, http_base, pid, engine_pids, rounds, ttft_requests, streams,
+                                        tokens))

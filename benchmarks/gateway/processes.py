@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.harness.paths import REPO_ROOT
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> str:

@@ -20,17 +20,19 @@ import time
 import httpx2
 
 from benchmarks.gateway.processes import gateway, simulator
+from benchmarks.harness.cpu import process_cpu_seconds
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 
 ENGINES = [{"name": "sim", "prefill_ms": 0.0, "tpot_ms": 0.2, "batch_slowdown": 0.0, "max_running": 4096,
             "count": 8}]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    seconds = process_cpu_seconds(pid)
+    if seconds is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return seconds
 
 
 async def _grpc_load(address: str, concurrency: int, seconds: float) -> int:

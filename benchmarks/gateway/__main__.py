@@ -1,3 +1,0 @@
-from benchmarks.gateway.driver import main
-
-raise SystemExit(main())
