@@ -6,9 +6,9 @@ Three stacks run side by side, started as `tokenmill up` starts them (the Launch
 processes, one OpenMP thread each; fp32 on a CPU): the scheduler without a drafter
 (--num-speculative-tokens 0), with the n-gram drafter, and with the self-speculative draft
 model (the target's first --draft-layers layers plus its final norm and head), both at up to
---num-speculative-tokens (8) drafts per step with adaptive k. Only one stack works at a time; the stacks take turns per
-measurement, so load from other work on the machine falls on all three alike, and the
-speedups are ratios within one run.
+--num-speculative-tokens (8) drafts per step with adaptive k. Only one stack works at a time;
+the stacks take turns per measurement, so load from other work on the machine falls on all
+three alike, and the speedups are ratios within one run.
 
 Two workloads of greedy chat requests, batch 1 (requests one after another) and batch 8
 (eight at once):
@@ -40,7 +40,7 @@ from benchmarks.harness.launch import LaunchSpec, Stack, launched
 from benchmarks.harness.models import require
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.scrape import scrape
-from services.drafter.config import DrafterConfig
+from services.drafter.config import DraftModelSettings
 from services.scheduler.config import SchedulerServiceConfig
 from services.stack.client import build_request
 
@@ -88,7 +88,7 @@ def messages(workload: str, index: int) -> list[dict[str, str]]:
 class SpecSettings:
     rounds: int = setting(2, "measurements of every case, alternating the order of the systems")
     tokens: int = setting(128, "max output tokens per request")
-    draft_layers: int = config_field(DrafterConfig, "draft_layers", default=4)
+    draft_layers: int = config_field(DraftModelSettings, "draft_layers", default=4)
     num_speculative_tokens: int = config_field(
         SchedulerServiceConfig, "num_speculative_tokens", default=8,
         note="Given to the scheduler and the drafter of the ngram and draft systems alike.")

@@ -45,10 +45,19 @@ def test_the_listing_names_runs_and_micro_benchmarks_and_refuses_others(capsys):
 # ---------------------------------------------------------------------------- flags from dataclasses
 
 
+@dataclasses.dataclass
+class EngineLike:
+    block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per block"})
+    pool_bytes: int = 1024
+    """Bytes of the pool.
+
+    Only the first paragraph is the help."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Demo:
-    block_size: int = flags.config_field(ExecutorConfig, "block_size")
-    kv_cache_bytes: int | None = flags.config_field(ExecutorConfig, "kv_cache_bytes", default=None, note="(run's)")
+    block_size: int = flags.config_field(EngineLike, "block_size")
+    pool_bytes: int | None = flags.config_field(EngineLike, "pool_bytes", default=None, note="(run's)")
     rounds: int = flags.setting(2, "rounds")
 
     def validate(self) -> None:
@@ -61,13 +70,17 @@ def test_a_config_field_takes_the_engines_name_default_and_help(capsys):
     with pytest.raises(SystemExit):
         flags.parse(Demo, ["--help"], prog="demo")
     text = " ".join(capsys.readouterr().out.split())
-    assert "--block-size BLOCK_SIZE Tokens per KV block. (default: 16)" in text
-    assert "KV pool budget on CPU, in bytes (all layers, K and V). (run's) (default: none)" in text
+    assert "--block-size BLOCK_SIZE tokens per block (default: 16)" in text  # the field's metadata
+    assert "--pool-bytes POOL_BYTES Bytes of the pool. (run's) (default: none)" in text  # else its docstring
     with pytest.raises(SystemExit) as exc:
         flags.parse(Demo, ["--rounds", "0"], prog="demo")
     assert exc.value.code == 2 and "demo: error: --rounds must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(AttributeError, match="no field 'blocksize'"):
         flags.config_field(ExecutorConfig, "blocksize")
+    executor_help = {f.name: f.metadata["help"] for f in dataclasses.fields(ExecutorConfig) if "help" in f.metadata}
+    from benchmarks.harness.engine import EngineSettings
+    ours = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineSettings) if "help" in f.metadata}
+    assert ours["block_size"] == executor_help["block_size"]
 
 
 def test_engine_settings_are_the_engines_own_fields():
