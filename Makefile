@@ -24,7 +24,7 @@ TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway clean
+.PHONY: install runtime proto run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
 
@@ -99,6 +99,11 @@ bench-smollm2: install
 # decision time with 64 targets, routed requests/s on one core (benchmarks/gateway/; ~6 minutes).
 bench-gateway: install
 	$(PY) -m benchmarks gateway
+
+# Two executors against one (each pinned to a core), 1 prefill + 1 decode against 2 mixed, and
+# an executor SIGKILLed under load (benchmarks/executors.py; ~10 minutes on 2 cores).
+bench-executors: install
+	$(PY) -m benchmarks executors
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

@@ -26,6 +26,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "overload": ("benchmarks.overload", "how fast a full server says no (RESOURCE_EXHAUSTED under a burst)"),
     "gateway": ("benchmarks.gateway.driver",
                 "the gateway: HTTP overhead, routing policies, decision time, routed requests/s (make bench-gateway)"),
+    "executors": ("benchmarks.executors", "two executors against one, prefill/decode split, failover (make bench-executors)"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""

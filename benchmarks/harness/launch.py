@@ -100,16 +100,21 @@ class LaunchSpec:
     python_path: str | None = None
     """A directory put first on the services' PYTHONPATH (a sitecustomize that traces them)."""
     log_prefix: str = "tokenmill-bench-"
+    executor_roles: tuple[str, ...] = ("mixed",)
+    """One executor per entry, with that role, all behind the one scheduler. With several,
+    the executors get no metrics port (they would share one); GetProfile has their figures."""
 
     def launch_config(self) -> tuple[LaunchConfig, int | None, int | None]:
         """The launcher's config, and the scheduler's and executor's metrics ports (None without metrics)."""
-        scheduler_port, executor_port = (free_port(), free_port()) if self.metrics else (None, None)
-        executor_args = list(self.executor_args) + (["--metrics-port", str(executor_port)] if self.metrics else [])
+        scheduler_port = free_port() if self.metrics else None
+        executor_port = free_port() if self.metrics and len(self.executor_roles) == 1 else None
+        executor_args = list(self.executor_args) + (["--metrics-port", str(executor_port)] if executor_port else [])
         scheduler_args = list(self.scheduler_args) + (["--metrics-port", str(scheduler_port)] if self.metrics else [])
         config = LaunchConfig(
             model=self.model, public_port=0, log_dir=tempfile.mkdtemp(prefix=self.log_prefix + "logs-"),
             restart=self.restart, start_timeout_s=self.start_timeout_s,
             executor_args=executor_args, scheduler_args=scheduler_args, drafter_args=list(self.drafter_args),
+            executor_roles=list(self.executor_roles),
             env=service_env(self.threads, quiet=self.quiet, extra=dict(self.env), python_path=self.python_path))
         return config, scheduler_port, executor_port
 
