@@ -81,3 +81,6 @@ class DetokenizeResult:
     stopped: dict[int, str] = field(default_factory=dict)
     """Streams whose text reached a stop string this batch: the string. Their text is cut
     there (the string kept only with include_stop_str_in_output) and the stream is closed."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Streams this batch could not serve, with why (naming the field): each is dropped, and
+    only its request ends; one bad stream never fails the others of the batch."""

@@ -275,7 +275,7 @@ class SchedulerCollector(Collector):
                      "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                      "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens_per_pos",
                      "executor_kv_transfers", "executor_kv_transfer_bytes", "executor_kv_transfer_seconds",
-                     "executor_kv_transfer_failures"):
+                     "executor_kv_transfer_failures", "spec_decode_invalid_drafts"):
             yield CounterMetricFamily(PREFIX + name, "")
 
     def collect(self) -> Iterable[Metric]:
@@ -312,6 +312,10 @@ class SchedulerCollector(Collector):
         phases.add_metric(["update"], totals.update_s)
         yield phases
         yield from _spec_decode(getattr(stats, "spec_decode", None))
+        drafting = getattr(source, "drafting", None)
+        if drafting is not None:
+            yield _counter("spec_decode_invalid_drafts", "Drafts cut at an id outside the vocabulary (dropped there, "
+                           "never sent to the executor)", drafting.num_invalid_drafts)
 
 
 def _spec_decode(spec) -> Iterable[Metric]:

@@ -24,6 +24,7 @@ from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, 
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.sampler import Sampler
 from services.runtime.sampling.verify import emitted_tokens
@@ -53,12 +54,14 @@ class ModelRunner:
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks))
         """The forward paths a step is offered to, in order; eager, the last, takes every step."""
-        self._logits = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
+        self._lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
         """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
         never depend on their batch), else the model's."""
+        self.vocab_size = sampled_vocab_size(config.model, mc.vocab_size)
+        """Ids it may sample: the LM head's rows past the tokenizer's ids are masked (vocab.py)."""
         self.sampler = Sampler(seed=config.seed)
         self.sequences: dict[int, SequenceState] = {}
-        self._limits = PoolLimits(self.num_usable_blocks, self.block_size, mc.vocab_size)
+        self._limits = PoolLimits(self.num_usable_blocks, self.block_size, self.vocab_size)
 
     def info(self) -> ExecutorInfo:
         mc = self.model_config
@@ -66,7 +69,7 @@ class ModelRunner:
             num_blocks=self.num_usable_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            vocab_size=mc.vocab_size,
+            vocab_size=self.vocab_size,
             dtype=dtype_name(self.dtype),
             device=str(self.device),
             attention_backend=self.backend_name,
@@ -89,6 +92,13 @@ class ModelRunner:
         outputs = self._run_step(scheduled, drafts)
         self._run_more_steps(plan, scheduled, outputs)
         return StepResult(plan.step_id, outputs, time.perf_counter() - start)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> fp32 [N, V], the padded rows past ``vocab_size`` at -inf."""
+        logits = self._lm_head(hidden)
+        if self.vocab_size < logits.shape[-1]:
+            logits[:, self.vocab_size:] = float("-inf")  # padded rows: ids no tokenizer can decode
+        return logits
 
     def _forward(self, step: ForwardStep) -> torch.Tensor:
         """The model over the step's tokens, by the first path that takes it: final hidden states [T, D]."""

@@ -28,6 +28,7 @@ from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.engine.vocab import servable_info
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 from services.tokenizer.text_tokenizer import TextTokenizer
@@ -49,8 +50,8 @@ class Engine:
         config.speculation.validate()
         self.config = config
         self.runner = ModelRunner(config.executor)
-        self.info = self.runner.info()
         self.tokenizer = TextTokenizer.from_dir(config.executor.model)
+        self.info = servable_info(self.runner.info(), self.tokenizer.vocab_size)
         # Special-token text typed in a prompt ("<s>") stays text, as in sentencepiece and
         # the tokenizer service; this tokenizer only encodes prompts and decodes outputs.
         self.tokenizer.backend.encode_special_tokens = True

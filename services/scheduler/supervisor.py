@@ -34,6 +34,7 @@ from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
 from services.scheduler.engine.placement import ROLES_FOR_NEW
 from services.scheduler.engine.request_table import FinishedObserver
+from services.scheduler.engine.vocab import servable_info
 from services.scheduler.links.drafter_link import DrafterLink
 from services.scheduler.links.executor_link import ExecutorLink
 from services.scheduler.links.tokenizer_link import TokenizerPool
@@ -135,6 +136,7 @@ class Supervisor:
         link = self.executors[address]
         info = await link.connect(self.connect_timeout_s)
         tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
+        info = servable_info(info, self.tokenizers.info.vocab_size if self.tokenizers.info else None)
         self.core.attach(address, link, info, tokenizer_eos)
         _log.info("executor_connected", address=address, role=info.role, num_blocks=info.num_blocks,
                   block_size=info.block_size, max_model_len=info.max_model_len)

@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
-from services.common.detokenize import DetokenizeBatch, DetokenizeResult
+from services.common.detokenize import DetokenizeBatch, DetokenizeResult, validate_stop_strings
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -211,23 +211,44 @@ class DetokenizerPool:
 
     def apply(self, batch: DetokenizeBatch) -> DetokenizeResult:
         """One step: open ``new_streams``, decode ``appended``, then close ``closed`` (a stream
-        closed with tokens in this batch gets its held-back text). Raises ValueError naming the
-        stream for an id already open (new) or not open (appended); closing an unknown id is
-        ignored, since a stream stopped here may be closed by the scheduler too."""
-        for new in batch.new_streams:
-            self.open(new.stream_id, new.prompt_tail, skip_special=new.skip_special_tokens, keep_leading_space=True,
-                      stop=new.stop, include_stop_str_in_output=new.include_stop_str_in_output)
-        for stream_id, _ in batch.appended:
-            if stream_id not in self._streams:
-                raise ValueError(f"stream_ids names {stream_id}, which is not open")
+        closed with tokens in this batch gets its held-back text); closing an unknown id is
+        ignored, since a stream stopped here may be closed by the scheduler too.
+
+        A stream the batch cannot serve (opened twice, appended to while not open, an id outside
+        the vocabulary, bad stop strings, the open-stream limit) is dropped and named in
+        ``failed`` with the reason: only its request ends. The streams of every other request
+        share this pool (and, in the services, one Detokenize call), so one request's bad item
+        must never fail the batch.
+        """
         result = DetokenizeResult()
-        texts, stopped = result.texts, result.stopped
+        texts, stopped, failed = result.texts, result.stopped, result.failed
+        for index, new in enumerate(batch.new_streams):
+            try:
+                if new.stream_id in self._streams:
+                    raise ValueError(f"new_streams[{index}].stream_id {new.stream_id} is already open")
+                self._check_ids(f"new_streams[{index}].prompt_token_ids", new.prompt_tail)
+                validate_stop_strings(new.stop, field=f"new_streams[{index}].stop")
+                self.open(new.stream_id, new.prompt_tail, skip_special=new.skip_special_tokens,
+                          keep_leading_space=True, stop=new.stop,
+                          include_stop_str_in_output=new.include_stop_str_in_output)
+            except ValueError as exc:
+                self._fail(failed, new.stream_id, str(exc))
         closed = set(batch.closed)
         for stream_id, ids in batch.appended:
-            stream = self._streams[stream_id]
-            text = stream.detokenizer.append(ids)
-            if stream_id in closed:
-                text += stream.detokenizer.finish()
+            if stream_id in failed:
+                continue
+            stream = self._streams.get(stream_id)
+            if stream is None:
+                failed[stream_id] = f"stream_ids names {stream_id}, which is not open"
+                continue
+            try:
+                self._check_ids(f"token_ids of stream {stream_id}", ids)
+                text = stream.detokenizer.append(ids)
+                if stream_id in closed:
+                    text += stream.detokenizer.finish()
+            except ValueError as exc:
+                self._fail(failed, stream_id, str(exc))
+                continue
             matcher = stream.matcher
             if matcher is not None:
                 text, matched = matcher.feed(text)
@@ -240,6 +261,17 @@ class DetokenizerPool:
         for stream_id in closed:
             self._streams.pop(stream_id, None)
         return result
+
+    def _check_ids(self, field: str, ids: Sequence[int]) -> None:
+        vocab_size = self._tokenizer.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+
+    def _fail(self, failed: dict[int, str], stream_id: int, reason: str) -> None:
+        # A stream opened twice is dropped whole: two requests claim the id.
+        self._streams.pop(stream_id, None)
+        failed[stream_id] = reason
 
     def open(
         self,

@@ -17,7 +17,10 @@ request message carries a whole step and gets exactly one response:
    message (aborted, or stopped by a stop string on earlier text) is dropped as it is;
    unknown ids are ignored, since finish and abort may both report one.
 
-A malformed message ends the stream with INVALID_ARGUMENT naming the field.
+A malformed message (stream ids, counts and tokens that do not add up) ends the call with
+INVALID_ARGUMENT naming the field. A bad item of one stream (an id outside the vocabulary, a
+stream opened twice or not open, bad stop strings) fails that stream alone: it is named in
+failed_stream_ids and dropped, and the call goes on serving the scheduler's other requests.
 """
 
 from __future__ import annotations
@@ -31,12 +34,10 @@ import grpc
 import structlog
 
 from services.common.codec.detokenize_codec import batch_from_proto, result_to_proto
-from services.common.detokenize import validate_stop_strings
-from services.common.errors import InvalidArgumentError
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.detokenizer import DetokenizerPool
-from services.tokenizer.text_service import TextService, check_token_ids
+from services.tokenizer.text_service import TextService
 
 INLINE_WORK_LIMIT = 16_384
 """Characters (Encode, RenderChat) or ids (Decode) handled on the event loop; more go to a thread."""
@@ -55,7 +56,6 @@ async def _run(size: int, work: Callable[[], T]) -> T:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, service: TextService) -> None:
         self._service = service
-        self._vocab_size = service.tokenizer.vocab_size
         facts = service.facts
         self._info = tokenizer_pb2.TokenizerInfo(
             tokenizer_path=facts.tokenizer_path,
@@ -118,20 +118,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def _detokenize_step(
         self, pool: DetokenizerPool, request: tokenizer_pb2.DetokenizeRequest
     ) -> tokenizer_pb2.DetokenizeResponse:
-        batch = batch_from_proto(request)
-        for index, new in enumerate(batch.new_streams):
-            check_token_ids(f"new_streams[{index}].prompt_token_ids", new.prompt_tail, self._vocab_size)
-            if new.stream_id in pool:
-                raise InvalidArgumentError(f"new_streams[{index}].stream_id {new.stream_id} is already open")
-            try:
-                validate_stop_strings(new.stop, field=f"new_streams[{index}].stop")
-            except ValueError as exc:
-                raise InvalidArgumentError(str(exc)) from None
-        check_token_ids("token_ids", request.token_ids, self._vocab_size)
-        try:
-            result = pool.apply(batch)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
+        batch = batch_from_proto(request)  # a malformed message (counts that do not add up) ends the call
+        result = pool.apply(batch)  # a bad stream fails alone (DetokenizerPool.apply)
+        for stream_id, reason in result.failed.items():
+            _log.warning("detokenize_stream_failed", stream_id=stream_id, reason=reason)
         return result_to_proto(result, request.step_id)
 
 

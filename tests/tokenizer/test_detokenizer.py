@@ -316,18 +316,31 @@ def test_pool_interleaves_streams_like_separate_detokenizers(llama):
     assert len(pool) == 0
 
 
-def test_pool_errors_name_the_stream_and_the_limit(llama):
-    pool = DetokenizerPool(llama, max_streams=1)
+def test_pool_fails_a_bad_stream_alone_naming_the_field_and_the_limit(llama):
+    pool = DetokenizerPool(llama, max_streams=2)
+    ids = llama.encode("the cat sat", add_special_tokens=False)
     pool.apply(DetokenizeBatch([NewTextStream(7, [])]))
-    with pytest.raises(ValueError, match="stream_id 7 is already open"):
-        pool.apply(DetokenizeBatch([NewTextStream(7, [])]))
-    with pytest.raises(ValueError, match="max_streams is 1"):
-        pool.apply(DetokenizeBatch([NewTextStream(8, [])]))
-    with pytest.raises(ValueError, match="stream_ids names 8, which is not open"):
-        pool.apply(DetokenizeBatch(appended=[(8, [5])]))
-    pool.apply(DetokenizeBatch(closed=[7]))
-    pool.apply(DetokenizeBatch(closed=[7]))  # idempotent: a stop and an abort may both close one
-    assert 7 not in pool
+    # Each bad item fails its own stream; stream 5, in the same batches, is served as usual.
+    result = pool.apply(DetokenizeBatch([NewTextStream(5, []), NewTextStream(7, [])], appended=[(5, ids[:1])]))
+    assert result.failed == {7: "new_streams[1].stream_id 7 is already open"}
+    assert 7 not in pool  # two requests claimed it: both are dropped
+    text = result.texts[5]
+    result = pool.apply(DetokenizeBatch([NewTextStream(8, []), NewTextStream(9, [])], appended=[(5, ids[1:2])]))
+    assert result.failed == {9: "too many open streams: the limit max_streams is 2"}
+    text += result.texts[5]
+    result = pool.apply(DetokenizeBatch([NewTextStream(3, [llama.vocab_size]), NewTextStream(4, [], ("",))],
+                                        appended=[(6, [5]), (8, [llama.vocab_size + 3]), (5, ids[2:])]))
+    assert result.failed == {
+        3: f"new_streams[0].prompt_token_ids holds {llama.vocab_size}, outside the vocabulary [0, {llama.vocab_size})",
+        4: "new_streams[1].stop[0] is empty; stop strings must be non-empty",
+        6: "stream_ids names 6, which is not open",
+        8: f"token_ids of stream 8 holds {llama.vocab_size + 3}, outside the vocabulary [0, {llama.vocab_size})",
+    }
+    assert 8 not in pool and 3 not in pool and 4 not in pool
+    text += result.texts[5] + pool.apply(DetokenizeBatch(appended=[(5, [])], closed=[5])).texts[5]
+    assert text == llama.decode(ids)
+    pool.apply(DetokenizeBatch(closed=[5]))  # idempotent: a stop and an abort may both close one
+    assert len(pool) == 0
 
 
 def _pieces_text(llama, ids):

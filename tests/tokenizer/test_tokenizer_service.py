@@ -315,12 +315,6 @@ async def test_detokenize_close_without_tokens_and_reuse_of_ids(stub, reference:
         ({"stream_ids": [1, 1], "token_counts": [1, 1], "token_ids": [5, 6]}, "stream_ids lists 1 more than once"),
         ({"stream_ids": [1], "token_counts": [1, 1], "token_ids": [5, 6]},
          "token_counts has 2 entries; expected 1 (one per entry of stream_ids)"),
-        ({"stream_ids": [9], "token_counts": [1], "token_ids": [5]}, "stream_ids names 9, which is not open"),
-        ({"stream_ids": [1], "token_counts": [1], "token_ids": [600]},
-         "token_ids holds 600, outside the vocabulary [0, 512)"),
-        ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=1)]}, "new_streams[0].stream_id 1 is already open"),
-        ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=2, prompt_token_ids=[-1])]},
-         "new_streams[0].prompt_token_ids holds -1, outside the vocabulary [0, 512)"),
     ],
 )
 async def test_malformed_detokenize_message_ends_the_stream(stub, request_fields: dict, details: str) -> None:
@@ -332,6 +326,45 @@ async def test_malformed_detokenize_message_ends_the_stream(stub, request_fields
         session.exchange(tokenizer_pb2.DetokenizeRequest(step_id=2, **request_fields)), grpc.StatusCode.INVALID_ARGUMENT
     )
     assert got == details
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "failed", "reason"),
+    [
+        ({"stream_ids": [9], "token_counts": [1], "token_ids": [5]}, 9, "stream_ids names 9, which is not open"),
+        ({"stream_ids": [2], "token_counts": [1], "token_ids": [600]}, 2,
+         "token_ids of stream 2 holds 600, outside the vocabulary [0, 512)"),
+        ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=2)]}, 2,
+         "new_streams[0].stream_id 2 is already open"),
+        ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=3, prompt_token_ids=[-1])]}, 3,
+         "new_streams[0].prompt_token_ids holds -1, outside the vocabulary [0, 512)"),
+        ({"new_streams": [tokenizer_pb2.DetokenizeStream(stream_id=3, stop=["x" * 300])]}, 3,
+         "new_streams[0].stop[0] has 300 characters; the limit MAX_STOP_STRING_CHARS is 256"),
+    ],
+)
+async def test_a_bad_stream_fails_alone_and_the_call_serves_the_others(stub, request_fields: dict, failed: int,
+                                                                       reason: str) -> None:
+    # The scheduler's requests share one Detokenize call: one request's bad item (an id the
+    # model may sample but the tokenizer lacks, say) must end that request, not every stream.
+    session = StreamSession(stub.Detokenize)
+    ids = await stub.Encode(tokenizer_pb2.EncodeRequest(text="the cat sat", add_special_tokens=False), timeout=10)
+    opened = await session.exchange(tokenizer_pb2.DetokenizeRequest(
+        step_id=1, new_streams=[tokenizer_pb2.DetokenizeStream(stream_id=1), tokenizer_pb2.DetokenizeStream(stream_id=2)]))
+    assert opened.step_id == 1
+    fields = dict(request_fields)
+    fields.setdefault("stream_ids", [])
+    fields.setdefault("token_counts", [])
+    fields.setdefault("token_ids", [])
+    fields["stream_ids"] = [1, *fields["stream_ids"]]
+    fields["token_counts"] = [len(ids.token_ids), *fields["token_counts"]]
+    fields["token_ids"] = [*ids.token_ids, *fields["token_ids"]]
+    reply = await session.exchange(tokenizer_pb2.DetokenizeRequest(step_id=2, **fields))
+    assert dict(zip(reply.failed_stream_ids, reply.failed_reasons)) == {failed: reason}
+    assert dict(zip(reply.stream_ids, reply.text_deltas))[1] == "the cat sat"
+    after = await session.exchange(tokenizer_pb2.DetokenizeRequest(step_id=3, stream_ids=[1], token_counts=[1],
+                                                                   token_ids=ids.token_ids[:1]))
+    assert after.step_id == 3 and list(after.stream_ids) == [1]
+    assert await session.close() == grpc.StatusCode.OK
 
 
 # --- a real process ----------------------------------------------------------------------------

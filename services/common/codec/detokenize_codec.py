@@ -40,11 +40,13 @@ def batch_from_proto(msg: tokenizer_pb2.DetokenizeRequest) -> DetokenizeBatch:
 
 
 def result_to_proto(result: DetokenizeResult, step_id: int) -> tokenizer_pb2.DetokenizeResponse:
-    texts, stopped = result.texts, result.stopped
+    texts, stopped, failed = result.texts, result.stopped, result.failed
     return tokenizer_pb2.DetokenizeResponse(step_id=step_id, stream_ids=list(texts), text_deltas=list(texts.values()),
-                                            stopped_stream_ids=list(stopped), stopped_strings=list(stopped.values()))
+                                            stopped_stream_ids=list(stopped), stopped_strings=list(stopped.values()),
+                                            failed_stream_ids=list(failed), failed_reasons=list(failed.values()))
 
 
 def result_from_proto(msg: tokenizer_pb2.DetokenizeResponse) -> DetokenizeResult:
     return DetokenizeResult(dict(zip(msg.stream_ids, msg.text_deltas)),
-                            dict(zip(msg.stopped_stream_ids, msg.stopped_strings)))
+                            dict(zip(msg.stopped_stream_ids, msg.stopped_strings)),
+                            dict(zip(msg.failed_stream_ids, msg.failed_reasons)))

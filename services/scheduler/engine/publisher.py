@@ -35,6 +35,9 @@ _log = structlog.get_logger("tokenmill.scheduler")
 PROMPT_CONTEXT_TOKENS = 8
 """Prompt tail sent with a new text stream: enough to space the first output token."""
 
+TEXT_FAILED = "the text of this request's output could not be made"
+"""What a request hears when its detokenizer refused its stream (the reason is logged)."""
+
 
 @dataclass(slots=True)
 class _Published:
@@ -84,7 +87,7 @@ class Publisher:
                 for update in (u for item in group for u in item.updates):
                     tracked = self._requests.get(update.request_id)
                     if tracked is not None:
-                        self._requests.end(tracked, FinishReason.ERROR, f"detokenizing failed: {exc}")
+                        self._requests.end(tracked, FinishReason.ERROR, TEXT_FAILED)  # details: logged above
 
     def _text_can_wait(self, item: _Published) -> bool:
         """No request of `item` has stop strings (whose text must be checked step by step)."""
@@ -143,6 +146,7 @@ class Publisher:
                                            return_exceptions=True)
         texts: dict[int, str] = {}
         stopped: dict[int, str] = {}
+        failed: dict[int, str] = {}
         for reply in replies:
             if isinstance(reply, UnavailableError):
                 _log.error("detokenize_failed", error=str(reply))  # its requests end via the supervisor
@@ -151,15 +155,20 @@ class Publisher:
             else:
                 texts.update(reply.texts)
                 stopped.update(reply.stopped)
-        self._deliver(live, texts, stopped)
+                failed.update(reply.failed)
+        self._deliver(live, texts, stopped, failed)
 
     def _deliver(self, live: list[tuple[RequestUpdate, TrackedRequest]], texts: dict[int, str],
-                 stopped: dict[int, str]) -> None:
+                 stopped: dict[int, str], failed: dict[int, str]) -> None:
         requests = self._requests
         now = self._clock()
         last = {tracked.stream_id: position for position, (_, tracked) in enumerate(live)}
         for position, (update, tracked) in enumerate(live):
             if requests.get(update.request_id) is not tracked:
+                continue
+            if tracked.stream_id in failed:  # this stream alone: the detokenizer serves the others on
+                _log.error("request_text_failed", request_id=update.request_id, reason=failed[tracked.stream_id])
+                requests.end(tracked, FinishReason.ERROR, TEXT_FAILED)
                 continue
             is_last = last[tracked.stream_id] == position
             text = texts.get(tracked.stream_id, "") if is_last else ""
