@@ -34,6 +34,10 @@ MAX_TOTAL_CONTENT_CHARS = 2_000_000
 """Sum of the text content of all messages (about 500K tokens of English)."""
 MAX_RENDERED_CHARS = 4_000_000
 """Rendering stops as soon as the output passes this size, so a looping template cannot fill memory."""
+MAX_POWER_BITS = 4096
+"""Largest integer power a template may compute."""
+MAX_ROLE_CHARS = 64
+"""Characters of one message's role ("system", "assistant", "tool" ...)."""
 
 
 class ChatTemplateError(ValueError):
@@ -53,14 +57,31 @@ def _strftime_now(date_format: str) -> str:
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Refuse unsafe attributes outright.
+    """Refuse unsafe attributes outright, and products too large to make.
 
     Jinja's sandbox turns ``x.__class__`` into an undefined value that prints as "", so a probing
     template would render quietly; raising makes the attempt visible to the client and the logs.
+    A product ``'x' * 10**9`` or a power ``10**10**8`` runs in C, where the rendering deadline
+    (services/tokenizer/deadline_worker.py) cannot interrupt it, so their sizes are checked first.
     """
+
+    intercepted_binops = frozenset({"*", "**"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for sequence, count in ((left, right), (right, left)):
+                if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) \
+                        and len(sequence) * count > MAX_RENDERED_CHARS:
+                    raise ChatTemplateError(f"chat template: a product of {len(sequence)} x {count} items passes "
+                                            f"the limit MAX_RENDERED_CHARS ({MAX_RENDERED_CHARS})")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) \
+                and right > 0 and max(abs(left), 2).bit_length() * right > MAX_POWER_BITS:
+            raise ChatTemplateError(f"chat template: {left} ** {right} passes the limit MAX_POWER_BITS "
+                                    f"({MAX_POWER_BITS} bits)")
+        return super().call_binop(context, operator, left, right)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -89,7 +110,7 @@ def _content_chars(content: Any, index: int) -> int:
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Check the message count, roles and total content size against the limits."""
+    """Check the message count, roles and total size (roles and contents) against the limits."""
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"messages has {len(messages)} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
     total = 0
@@ -99,10 +120,14 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{index}].role must be a non-empty string")
-        total += _content_chars(message.get("content"), index)
+        if len(role) > MAX_ROLE_CHARS:
+            raise ChatTemplateError(f"messages[{index}].role has {len(role)} characters; the limit MAX_ROLE_CHARS is "
+                                    f"{MAX_ROLE_CHARS}")
+        total += len(role) + _content_chars(message.get("content"), index)
         if total > MAX_TOTAL_CONTENT_CHARS:
             raise ChatTemplateError(
-                f"messages content exceeds {MAX_TOTAL_CONTENT_CHARS} characters (the limit MAX_TOTAL_CONTENT_CHARS)"
+                f"messages roles and content exceed {MAX_TOTAL_CONTENT_CHARS} characters (the limit "
+                "MAX_TOTAL_CONTENT_CHARS)"
             )
 
 

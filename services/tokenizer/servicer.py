@@ -1,8 +1,11 @@
 """The Tokenizer gRPC servicer: tokenizer.proto <-> TextService and DetokenizerPool.
 
-Unary calls (Encode, Decode, RenderChat) on long inputs run in a worker thread, so one
-megabyte prompt does not stall the Detokenize streams that share this event loop; short
-inputs run inline, where the thread hop would cost more than the work.
+Unary calls (Encode, Decode) on long inputs run in a worker thread, so one megabyte prompt does
+not stall the Detokenize streams that share this event loop; short inputs run inline, where the
+thread hop would cost more than the work. RenderChat always runs off the loop, under
+``--chat-template-timeout-s`` (deadline_worker.py): the template is code shipped with the
+model, and its cost is not the size of its input. Its message count and size are checked on
+the request before a dict is built for any message.
 
 Detokenize is one long-lived stream per scheduler with a DetokenizerPool of its own. Each
 request message carries a whole step and gets exactly one response:
@@ -36,11 +39,16 @@ import structlog
 from services.common.codec.detokenize_codec import batch_from_proto, result_to_proto
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.errors import InvalidArgumentError
+from services.tokenizer.chat_template import MAX_MESSAGES, MAX_TOTAL_CONTENT_CHARS
+from services.tokenizer.deadline_worker import DeadlineWorker
 from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_service import TextService
 
 INLINE_WORK_LIMIT = 16_384
-"""Characters (Encode, RenderChat) or ids (Decode) handled on the event loop; more go to a thread."""
+"""Characters (Encode) or ids (Decode) handled on the event loop; more go to a thread."""
+MESSAGE_FRAMING_BYTES = 32
+"""Tags and lengths of one ChatMessage in a RenderChatRequest, rounded up."""
 
 _log = structlog.get_logger("tokenmill.tokenizer")
 
@@ -54,8 +62,9 @@ async def _run(size: int, work: Callable[[], T]) -> T:
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, service: TextService) -> None:
+    def __init__(self, service: TextService, chat_template_timeout_s: float = 2.0) -> None:
         self._service = service
+        self._renderer = DeadlineWorker("chat-template", chat_template_timeout_s)
         facts = service.facts
         self._info = tokenizer_pb2.TokenizerInfo(
             tokenizer_path=facts.tokenizer_path,
@@ -90,11 +99,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def RenderChat(
         self, request: tokenizer_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.RenderChatResponse:
+        _check_chat_size(request)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        size = sum(len(m["content"]) for m in messages)
         started = time.perf_counter()
-        rendered = await _run(size, lambda: self._service.render_chat(messages, add_prompt))
+        rendered = await self._renderer.run(lambda: self._service.render_chat(messages, add_prompt),
+                                            "rendering the chat template")
         _log.debug("chat_rendered", messages=len(messages), tokens=len(rendered.token_ids), ms=_ms_since(started))
         return tokenizer_pb2.RenderChatResponse(text=rendered.text, token_ids=rendered.token_ids)
 
@@ -123,6 +133,22 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         for stream_id, reason in result.failed.items():
             _log.warning("detokenize_stream_failed", stream_id=stream_id, reason=reason)
         return result_to_proto(result, request.step_id)
+
+
+    def close(self) -> None:
+        self._renderer.close()
+
+
+def _check_chat_size(request: tokenizer_pb2.RenderChatRequest) -> None:
+    """The message count, then the serialized size (which bounds the text from above), both read
+    in place: 3 million empty messages cost no dicts and no thread."""
+    count = len(request.messages)
+    if count > MAX_MESSAGES:
+        raise InvalidArgumentError(f"messages has {count} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
+    limit = 4 * MAX_TOTAL_CONTENT_CHARS + MESSAGE_FRAMING_BYTES * count
+    if request.ByteSize() > limit:
+        raise InvalidArgumentError(f"messages hold more than {MAX_TOTAL_CONTENT_CHARS} characters of roles and "
+                                   f"content (the limit MAX_TOTAL_CONTENT_CHARS)")
 
 
 def _ms_since(started: float) -> float:

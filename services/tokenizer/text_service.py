@@ -7,7 +7,8 @@ tokens differ from what sentencepiece, the model's own tokenizer, produces. `tok
 matches added tokens inside the input text by default, so prompts are encoded with a second
 copy of the tokenizer whose ``encode_special_tokens`` is set. Rendered chat templates are the
 one place where special-token text is meant as such (the template writes "<|im_start|>"),
-so RenderChat encodes with the default copy, as transformers' apply_chat_template does.
+and only the template's: the messages' own special-token text stays text there too
+(chat_encoding.py).
 
 Limits (each error names the request field and the limit):
 - MAX_TEXT_BYTES: Encode.text, in UTF-8 bytes;
@@ -26,7 +27,8 @@ import grpc
 import structlog
 
 from services.common.errors import InvalidArgumentError, TokenmillError
-from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from services.tokenizer.chat_encoding import ChatEncoder
+from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError, validate_messages
 from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -72,6 +74,7 @@ class TextService:
         # Treats special-token text in prompts as plain characters (see the module docstring).
         self._prompt_tokenizer = TextTokenizer.from_dir(self.model_dir)
         self._prompt_tokenizer.backend.encode_special_tokens = True
+        self._chat_encoder = ChatEncoder(self.tokenizer, self._prompt_tokenizer)
         self._template, self._template_problem = self._load_template()
         pad = self.tokenizer.pad_token
         self.facts = TokenizerFacts(
@@ -86,8 +89,8 @@ class TextService:
     def _load_template(self) -> tuple[ChatTemplate | None, str]:
         if self.tokenizer.chat_template is None:
             return None, (
-                f"the model at {self.model_dir} has no chat template (none in tokenizer_config.json, "
-                "chat_template.jinja or chat_template.json): send a plain prompt instead of chat messages"
+                "the model has no chat template (none in tokenizer_config.json, chat_template.jinja or "
+                "chat_template.json): send a plain prompt instead of chat messages"
             )
         try:
             return ChatTemplate.from_tokenizer(self.tokenizer), ""
@@ -114,11 +117,14 @@ class TextService:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> RenderedChat:
-        """The template's prompt text and its ids (special tokens recognised, no BOS added)."""
+        """The template's prompt text and its ids (the template's special tokens recognised, the
+        messages' own special-token text encoded as text; no BOS added)."""
         if self._template is None:
             raise NoChatTemplateError(self._template_problem)
-        text = self._template.render(messages, add_generation_prompt)
-        return RenderedChat(text, self.tokenizer.encode(text, add_special_tokens=False))
+        validate_messages(messages)  # before anything is copied for the guard
+        guarded, taken = self._chat_encoder.guard(messages)
+        text = self._template.render(guarded, add_generation_prompt)
+        return RenderedChat(self._chat_encoder.restore(text, taken), self._chat_encoder.encode(text, taken))
 
     def new_detokenizer_pool(self) -> DetokenizerPool:
         return DetokenizerPool(self.tokenizer)

@@ -90,11 +90,11 @@ def test_message_count_limit():
         template.render([{"role": "user", "content": "a"}] * (ct.MAX_MESSAGES + 1))
 
 
-def test_total_content_limit_counts_strings_and_text_parts(monkeypatch):
-    monkeypatch.setattr(ct, "MAX_TOTAL_CONTENT_CHARS", 10)
+def test_total_size_limit_counts_roles_strings_and_text_parts(monkeypatch):
+    monkeypatch.setattr(ct, "MAX_TOTAL_CONTENT_CHARS", 18)  # two roles "user" and two contents of 5
     template = ChatTemplate("{{ messages | length }}")
     assert template.render([{"role": "user", "content": "12345"}, {"role": "user", "content": [{"type": "text", "text": "12345"}]}]) == "2"
-    with pytest.raises(ChatTemplateError, match="exceeds 10 characters .*MAX_TOTAL_CONTENT_CHARS"):
+    with pytest.raises(ChatTemplateError, match="exceed 18 characters .*MAX_TOTAL_CONTENT_CHARS"):
         template.render([{"role": "user", "content": "123456"}, {"role": "user", "content": [{"type": "text", "text": "12345"}]}])
 
 
