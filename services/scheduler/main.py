@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+
+import structlog
 
 from services.common.malloc import cap_arenas, trim_when_idle
 from services.common.metrics import request_metrics, scheduler_collector, tenant_metrics
@@ -15,9 +18,12 @@ from services.scheduler.admission import Admission, DoorInterceptor
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.scheduler.request_release import RequestRelease
 from services.scheduler.servicer import GenerationServicer
 from services.scheduler.supervisor import Backends, Supervisor
 
+
+_log = structlog.get_logger("tokenmill.scheduler")
 
 PROFILE_RETENTION_S = 600.0
 """GetProfile may ask for a window up to this long (or the configured one, if longer)."""
@@ -58,9 +64,13 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                                   auth_table=auth_table)
     if config.metrics_port >= 0:
         scheduler_collector().watch(supervisor.core)
-    running = await start_service(config, "scheduler", registrar(
+    # No message larger than the largest request this model can serve (request_limits.py): a
+    # body padded with unknown fields is refused before it is parsed.
+    message_bytes = min(config.max_message_bytes, servicer.limits().message_bytes())
+    _log.info("public_message_limit", max_message_bytes=message_bytes)
+    running = await start_service(dataclasses.replace(config, max_message_bytes=message_bytes), "scheduler", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
-        interceptors=[AuthInterceptor(auth_table)] if auth_table is not None else [],
+        interceptors=[*([AuthInterceptor(auth_table)] if auth_table is not None else []), RequestRelease()],
         front_interceptors=[DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
         app=supervisor)
     running.on_stopping(supervisor.shutdown)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 
 import structlog
 
 from services.common.codec.step_codec import sampling_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.metrics import TenantMetrics
+from services.common.sampling_params import SamplingParams
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
@@ -19,15 +21,12 @@ from services.scheduler.generation_codec import (
     delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto)
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.request.delta import GenerationDelta
+from services.scheduler.request.stop import StopConditions
+from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
 from services.scheduler.supervisor import Supervisor
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
-MAX_REQUEST_ID_CHARS = 256
-CHARS_PER_TOKEN_BOUND = 32
-"""With max_prompt_chars = 0, a text prompt may have this many characters per token of context:
-far more than any tokenizer packs into a token (runs of spaces in code come closest), so a text
-that cannot fit is refused before it costs the tokenizer anything."""
 
 def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> None:
     """Fold the deltas already waiting behind ``delta`` into it: one write for all of them.
@@ -40,6 +39,17 @@ def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> None:
         delta.absorb(queue.get_nowait())
 
 
+@dataclass(slots=True)
+class _Intake:
+    """What a Generate call keeps of its request once the fields are taken."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopConditions
+    priority: int
+    num_speculative_tokens: int | None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, supervisor: Supervisor, admission: Admission, *, max_prompt_chars: int = 0,
                  profile: LatencyProfileRecorder | None = None, model_name: str = "",
@@ -48,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.admission = admission
         """The bounded queue at the door: refuses a request before it is tokenized."""
         self.max_prompt_chars = max_prompt_chars
-        """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context."""
+        """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context (request_limits.py)."""
         self.profile = profile
         self.model_name = model_name
         self.tenant_metrics = tenant_metrics
@@ -67,6 +77,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _context_limit(self) -> int:
         return self._executor_info().max_model_len
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self._context_limit(), self.max_prompt_chars)
 
     def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
         # The prompt must leave room for one generated token: refused here, by the field the
@@ -88,10 +101,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "text":
             if not request.text:
                 raise InvalidArgumentError("prompt text is empty")
-            max_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * self._context_limit()
-            if len(request.text) > max_chars:
-                raise InvalidArgumentError(
-                    f"prompt text has {len(request.text)} characters; the limit max_prompt_chars is {max_chars}")
             ids = await tokenizers.encode(request.text, True if add_special is None else add_special)
             self._check_prompt_tokens("text", "encodes to", len(ids))
             return ids
@@ -110,6 +119,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._check_prompt_tokens("chat", "renders to", len(ids))
         return ids
 
+    async def _intake(self, request: generation_pb2.GenerateRequest, tenant: Tenant | None) -> _Intake:
+        """Every field the request's life needs, taken from the message: sizes checked in place
+        first (request_limits.py), then copied, then the prompt tokenized."""
+        check_sizes(request, self.limits())
+        sampling = sampling_from_proto(request.sampling)
+        stop = stop_from_proto(request.stop)
+        if tenant is not None:
+            tenant.check_request(self.model_name, request.priority)
+        spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        if spec_k is not None and spec_k < 0:
+            raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
+        priority = request.priority
+        prompt_ids = await self._prompt_ids(request)
+        return _Intake(prompt_ids, sampling, stop, priority, spec_k)
+
     async def Generate(self, request, context):
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgumentError(f"request_id has {len(request.request_id)} characters; the limit is "
@@ -124,27 +148,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
-            sampling = sampling_from_proto(request.sampling)
-            stop = stop_from_proto(request.stop)
-            if tenant is not None:
-                tenant.check_request(self.model_name, request.priority)
-            prompt_ids = await self._prompt_ids(request)
+            intake = await self._intake(request, tenant)
+            # The stream may last minutes: hold what was taken, not the message (the server's own
+            # reference goes with RequestRelease, request_release.py).
+            del request
             budget = self._budget(tenant)
             if budget is not None:
-                budget.admit(tenant.name, len(prompt_ids))
-            spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
-            if spec_k is not None and spec_k < 0:
-                raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
-            handle = self.supervisor.submit(request_id, prompt_ids, sampling, stop, request.priority,
-                                      num_speculative_tokens=spec_k,
-                                      tenant=tenant.name if tenant is not None else "")
+                budget.admit(tenant.name, len(intake.prompt_ids))
+            handle = self.supervisor.submit(request_id, intake.prompt_ids, intake.sampling, intake.stop,
+                                            intake.priority, num_speculative_tokens=intake.num_speculative_tokens,
+                                            tenant=tenant.name if tenant is not None else "")
+            prompt_tokens = len(intake.prompt_ids)
+            _log.info("request_started", prompt_tokens=prompt_tokens, max_tokens=intake.stop.max_tokens)
+            del intake
             if tenant is not None:
                 self._owners[request_id] = tenant.name
-            _log.info("request_started", prompt_tokens=len(prompt_ids), max_tokens=stop.max_tokens)
             finished = False
             try:
                 yield generation_pb2.GenerateResponse(
-                    started=generation_pb2.Started(request_id=request_id, prompt_tokens=len(prompt_ids)))
+                    started=generation_pb2.Started(request_id=request_id, prompt_tokens=prompt_tokens))
                 while not finished:
                     item = await handle.queue.get()
                     self.admission.leave(place)  # first output: it is no longer queued

@@ -50,10 +50,11 @@ class SmallStack:
             await running.stop(grace=0)
 
 
-async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, **scheduler_overrides) -> SmallStack:
-    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(STORIES_DIR)))
+async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, model=STORIES_DIR,
+                            **scheduler_overrides) -> SmallStack:
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(model)))
     executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
-        model=str(STORIES_DIR), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS)))
+        model=str(model), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **scheduler_overrides))

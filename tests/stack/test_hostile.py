@@ -1,0 +1,189 @@
+"""A hostile client against a real stack (tokenizer, executor and scheduler servers on loopback,
+one per module): what one tenant sends must never end, slow or reveal another tenant's streams.
+
+The model is stories260K with its config vocab padded to 1,024 rows past its tokenizer's 512
+ids (tests/helpers/padded_vocab.py), as Qwen2-family checkpoints ship theirs. Each test names
+the finding it guards; the local parts of each finding have unit tests beside their modules
+(tests/scheduler/test_hostile_engine.py, test_request_limits.py, tests/tokenizer/test_hostile_chat.py,
+tests/executor/test_padded_vocab.py ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.scheduler.admission import Admission
+from services.scheduler.request_release import RequestBox
+from services.scheduler.servicer import GenerationServicer
+from tests.helpers.padded_vocab import TOKENIZER_VOCAB, padded_vocab_model
+from tests.helpers.small_stack import start_small_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ATTACKER, VICTIM = "tok-attacker", "tok-victim"
+TENANTS = [{"token": ATTACKER, "tenant": "attacker"}, {"token": VICTIM, "tenant": "victim"}]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    tokens = root / "tokens.json"
+    tokens.write_text(json.dumps(TENANTS))
+    tokens.chmod(0o600)
+    model = padded_vocab_model(root / "stories-padded")
+    stack = await start_small_stack(model=model, num_blocks=256, auth_tokens_file=str(tokens))
+    yield stack
+    await stack.stop()
+
+
+def bearer(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def request(prompt: str | list[int] = "Once upon a time", max_tokens: int = 8, **sampling) -> generation_pb2.GenerateRequest:
+    r = generation_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        r.text = prompt
+    else:
+        r.token_ids.ids.extend(prompt)
+    r.sampling.temperature = 0.0
+    for name, value in sampling.items():
+        if name == "logit_bias":
+            r.sampling.logit_bias.update(value)
+        else:
+            setattr(r.sampling, name, value)
+    r.stop.max_tokens = max_tokens
+    r.stop.ignore_eos = True
+    return r
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.messages: list[generation_pb2.GenerateResponse] = []
+        self.trailers: dict = {}
+
+    @property
+    def finished(self) -> generation_pb2.Finished | None:
+        last = self.messages[-1] if self.messages else None
+        return last.finished if last is not None and last.WhichOneof("event") == "finished" else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for m in self.messages if m.WhichOneof("event") == "delta" for t in m.delta.token_ids]
+
+    def completed(self) -> bool:
+        """The stream ran to its length (no error, no early end)."""
+        return (self.code == grpc.StatusCode.OK and self.finished is not None
+                and self.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH)
+
+
+async def generate(stack, r: generation_pb2.GenerateRequest, token: str | None = VICTIM, timeout: float = 60,
+                   on_tokens: asyncio.Event | None = None) -> Outcome:
+    outcome = Outcome()
+    call = stack.stub.Generate(r, metadata=bearer(token), timeout=timeout)
+    try:
+        async for message in call:
+            outcome.messages.append(message)
+            if on_tokens is not None and message.WhichOneof("event") == "delta" and message.delta.token_ids:
+                on_tokens.set()
+    except grpc.aio.AioRpcError as err:
+        outcome.code, outcome.details = err.code(), err.details() or ""
+        outcome.trailers = dict(err.trailing_metadata() or ())
+    return outcome
+
+
+async def while_victim_streams(stack, attack) -> tuple[Outcome, list]:
+    """Run ``attack()`` while a victim stream is in flight; the victim's outcome and the attack's results."""
+    running = asyncio.Event()
+    victim = asyncio.ensure_future(generate(stack, request(max_tokens=300), on_tokens=running))
+    await asyncio.wait_for(running.wait(), 30)
+    results = await attack()
+    return await victim, results
+
+
+# ---------------------------------------------------------------- a padded vocabulary
+async def test_ids_past_the_tokenizer_are_refused_and_never_end_another_tenants_stream(stack):
+    info = await stack.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=bearer(VICTIM), timeout=10)
+    assert info.vocab_size == TOKENIZER_VOCAB  # the config says 1,024 rows
+
+    async def attack():
+        return await asyncio.gather(
+            generate(stack, request([1, TOKENIZER_VOCAB + 38]), ATTACKER),
+            generate(stack, request("Once", logit_bias={TOKENIZER_VOCAB + 38: 100.0}), ATTACKER),
+            generate(stack, _stop_id_request(), ATTACKER))
+
+    victim, (by_prompt, by_bias, by_stop) = await while_victim_streams(stack, attack)
+    assert by_prompt.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert by_prompt.details == f"prompt_token_ids[1] = {TOKENIZER_VOCAB + 38} is outside [0, {TOKENIZER_VOCAB})"
+    assert by_bias.code == grpc.StatusCode.INVALID_ARGUMENT and f"{TOKENIZER_VOCAB + 38}" in by_bias.details
+    assert by_stop.code == grpc.StatusCode.INVALID_ARGUMENT and f"{TOKENIZER_VOCAB + 38}" in by_stop.details
+    assert victim.completed(), (victim.code, victim.details, victim.finished)
+    assert len(victim.token_ids) == 300
+
+
+def _stop_id_request() -> generation_pb2.GenerateRequest:
+    r = request("Once")
+    r.stop.stop_token_ids.append(TOKENIZER_VOCAB + 38)
+    return r
+
+
+async def test_padded_logit_rows_are_never_sampled(stack):
+    # The padded rows outscore the real ones: unmasked, a plain greedy request samples them.
+    outcomes = await asyncio.gather(generate(stack, request(max_tokens=40)),
+                                    generate(stack, request(max_tokens=40, temperature=1.5, seed=7)),
+                                    generate(stack, request(max_tokens=40, temperature=1.0, top_k=100, logprobs=5)))
+    for outcome in outcomes:
+        assert outcome.completed(), (outcome.code, outcome.details, outcome.finished)
+        assert max(outcome.token_ids) < TOKENIZER_VOCAB
+
+
+# ---------------------------------------------------------------- sizes before work
+async def test_millions_of_chat_messages_are_refused_before_they_are_parsed(stack):
+    r = generation_pb2.GenerateRequest()
+    for _ in range(2_500_000):
+        r.chat.messages.add(role="u")
+    huge_role = generation_pb2.GenerateRequest()
+    huge_role.chat.messages.add(role="u" * 3_900_000, content="hi")
+    stop_ids = request("Once")
+    stop_ids.stop.stop_token_ids.extend(range(1000, 3_001_000))
+
+    async def attack():
+        started = time.monotonic()
+        outcomes = await asyncio.gather(*(generate(stack, x, ATTACKER) for x in (r, huge_role, stop_ids)))
+        return outcomes, time.monotonic() - started
+
+    victim, (outcomes, elapsed) = await while_victim_streams(stack, attack)
+    for outcome in outcomes:
+        assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (outcome.code, outcome.details)
+        assert "larger than max" in outcome.details
+    assert elapsed < 5.0  # was 6.6-8.2 s for the first alone, on the scheduler's event loop
+    assert victim.completed()
+
+
+async def test_a_generate_stream_does_not_hold_its_request_message(stack):
+    # The servicer takes the fields it needs and lets the message go; RequestRelease makes the
+    # server hold a box instead of the message, so nothing keeps a finished intake's body alive.
+    servicer = GenerationServicer(stack.scheduler.app, Admission(8))
+    message = request(max_tokens=20)
+    message.stop.stop.extend(["never-seen-in-stories-" + str(i) for i in range(16)])
+    box = RequestBox(message)
+    baseline = sys.getrefcount(message)
+    stream = servicer.Generate(box.take(), None)
+    try:
+        first = await stream.__anext__()
+        assert first.WhichOneof("event") == "started"
+        assert box.message is None
+        assert sys.getrefcount(message) == baseline - 1  # only this test holds it now (the box let go)
+    finally:
+        await stream.aclose()
+    await stack.wait_idle()
