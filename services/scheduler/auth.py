@@ -4,7 +4,7 @@
 
     [{"token": "s3cret-a", "tenant": "team-a"},
      {"token": "s3cret-b", "tenant": "team-b", "models": ["stories260K"], "max_priority": 0,
-      "tokens_per_minute": 20000}]
+      "tokens_per_minute": 20000, "cache_group": "research"}]
 
 Clients send ``authorization: Bearer TOKEN`` metadata on every Generation call. No token or an
 unknown one is UNAUTHENTICATED; a tenant asking for what it may not (a model it is not given, a
@@ -34,10 +34,10 @@ import structlog
 
 from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
 from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
+from services.scheduler.token_budget import RATE_WINDOW_S, TokenBudget
 
 PROTECTED_SERVICE = "tokenmill.v1.Generation"
 MAX_TOKEN_CHARS = 4096
-RATE_WINDOW_S = 60.0
 
 current_tenant: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("tokenmill_tenant", default=None)
 """The tenant of the call being handled (None when authentication is off)."""
@@ -53,6 +53,15 @@ class Tenant:
     priority is below this is refused); None = any."""
     tokens_per_minute: int | None = None
     """Prompt + generated tokens it may use in any 60 s; None = no limit."""
+    cache_group: str | None = None
+    """Tenants of one group reuse each other's cached prompt prefixes; None = its own prefixes
+    only (the default: a shared prefix cache tells one tenant, through cached_tokens and its
+    time to first token, which prompts another sent)."""
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached prefixes its requests may reuse (Request.cache_scope)."""
+        return f"group:{self.cache_group}" if self.cache_group is not None else f"tenant:{self.name}"
 
     def check_request(self, model_name: str, priority: int) -> None:
         if self.models is not None and model_name not in self.models:
@@ -61,40 +70,6 @@ class Tenant:
         if self.max_priority is not None and priority < self.max_priority:
             raise PermissionDeniedError(f"tenant {self.name!r} may not ask for priority {priority}; its most urgent "
                                         f"priority is max_priority={self.max_priority} (lower is served first)")
-
-
-@dataclass(slots=True)
-class TokenBudget:
-    """Tokens a tenant used in the last RATE_WINDOW_S seconds (prompt tokens at admission,
-    generated tokens as they finish)."""
-
-    limit: int
-    clock: Callable[[], float] = time.monotonic
-    _spent: deque[tuple[float, int]] = field(default_factory=deque)
-    _total: int = 0
-
-    def _expire(self, now: float) -> None:
-        while self._spent and self._spent[0][0] <= now - RATE_WINDOW_S:
-            self._total -= self._spent.popleft()[1]
-
-    def used(self) -> int:
-        self._expire(self.clock())
-        return self._total
-
-    def admit(self, tenant: str, tokens: int) -> None:
-        now = self.clock()
-        self._expire(now)
-        if self._total + tokens > self.limit:
-            retry_s = (self._spent[0][0] + RATE_WINDOW_S - now) if self._spent else RATE_WINDOW_S
-            raise ResourceExhaustedError(
-                f"tenant {tenant!r} has used {self._total} of its tokens_per_minute={self.limit}; this request needs "
-                f"{tokens} more; retry in {max(retry_s, 0.0):.1f} s", retry_after_s=max(retry_s, 0.0))
-        self.spend(tokens, now)
-
-    def spend(self, tokens: int, now: float | None = None) -> None:
-        if tokens > 0:
-            self._spent.append((self.clock() if now is None else now, tokens))
-            self._total += tokens
 
 
 class AuthTable:
@@ -138,7 +113,7 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         where = f"auth_tokens_file {origin}: entry {index}"
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object")
-        unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute"}
+        unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute", "cache_group"}
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
         token, name = item.get("token"), item.get("tenant")
@@ -155,8 +130,11 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
             raise ValueError(f"{where}: models must be a list of model names")
         max_priority = _optional_int(item, "max_priority", where, minimum=None)
         tokens_per_minute = _optional_int(item, "tokens_per_minute", where, minimum=1)
+        cache_group = item.get("cache_group")
+        if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
+            raise ValueError(f"{where}: cache_group must be a non-empty string")
         entries.append((token.encode(), Tenant(name, None if models is None else tuple(models), max_priority,
-                                              tokens_per_minute)))
+                                              tokens_per_minute, cache_group)))
     return AuthTable(entries)
 
 

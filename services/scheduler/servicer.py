@@ -15,7 +15,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
-from services.scheduler.auth import AuthTable, Tenant, TokenBudget, current_tenant
+from services.scheduler.auth import AuthTable, Tenant, current_tenant
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
 from services.scheduler.generation_codec import (
     delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto)
@@ -24,6 +24,7 @@ from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
 from services.scheduler.supervisor import Supervisor
+from services.scheduler.token_budget import Reservation, TokenBudget
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
@@ -37,6 +38,24 @@ def coalesce(delta: GenerationDelta, queue: asyncio.Queue) -> None:
     """
     while not delta.finished and not queue.empty():
         delta.absorb(queue.get_nowait())
+
+
+def scoped_request_id(tenant: Tenant | None, request_id: str) -> str:
+    """The engine's id of a tenant's request: request ids are one namespace per tenant, so one
+    tenant can neither see ("already in use") nor abort another's."""
+    if tenant is None:
+        return request_id
+    return f"{len(tenant.name)}:{tenant.name}/{request_id}"
+
+
+def _final_delta(queue: asyncio.Queue) -> GenerationDelta | None:
+    """The finished delta among those queued and unread, if any."""
+    final = None
+    while not queue.empty():
+        item = queue.get_nowait()
+        if item.finished:
+            final = item
+    return final
 
 
 @dataclass(slots=True)
@@ -64,8 +83,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tenant_metrics = tenant_metrics
         self.auth_table = auth_table
         """With authentication on: the tenants' token budgets."""
-        self._owners: dict[str, str] = {}
-        """request_id -> tenant of each live request, so a tenant can abort only its own."""
 
     def _executor_info(self) -> ExecutorInfo:
         """The model's facts, as the first attached executor reports them (every executor of
@@ -145,6 +162,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # after a tokenizer round trip for the prompt. The door (DoorInterceptor) refuses such
         # calls before they are decoded; this covers a call that passed it just before.
         self.supervisor.check_accepting()
+        key = scoped_request_id(tenant, request_id)
+        if self.supervisor.core.requests.get(key) is not None:
+            raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
@@ -153,60 +173,73 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # reference goes with RequestRelease, request_release.py).
             del request
             budget = self._budget(tenant)
-            if budget is not None:
-                budget.admit(tenant.name, len(intake.prompt_ids))
-            handle = self.supervisor.submit(request_id, intake.prompt_ids, intake.sampling, intake.stop,
-                                            intake.priority, num_speculative_tokens=intake.num_speculative_tokens,
-                                            tenant=tenant.name if tenant is not None else "")
+            reservation = budget.reserve(tenant.name, self._most_tokens(intake)) if budget is not None else None
+            try:
+                handle = self.supervisor.submit(
+                    key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
+                    num_speculative_tokens=intake.num_speculative_tokens,
+                    tenant=tenant.name if tenant is not None else "",
+                    cache_scope=tenant.cache_scope if tenant is not None else "")
+            except BaseException:
+                if reservation is not None:
+                    budget.settle(reservation, 0)  # refused: nothing was used
+                raise
             prompt_tokens = len(intake.prompt_ids)
             _log.info("request_started", prompt_tokens=prompt_tokens, max_tokens=intake.stop.max_tokens)
             del intake
-            if tenant is not None:
-                self._owners[request_id] = tenant.name
-            finished = False
+            final: GenerationDelta | None = None
             try:
                 yield generation_pb2.GenerateResponse(
                     started=generation_pb2.Started(request_id=request_id, prompt_tokens=prompt_tokens))
-                while not finished:
+                while final is None:
                     item = await handle.queue.get()
                     self.admission.leave(place)  # first output: it is no longer queued
                     coalesce(item, handle.queue)
                     for message in delta_to_protos(item):
                         yield message
                     if item.finished:
-                        finished = True
+                        final = item
                         _log.info("request_finished", finish_reason=item.finish_reason.value,
                                   completion_tokens=item.usage.completion_tokens if item.usage else None)
-                        self._tenant_finished(tenant, item)
             finally:
-                self._owners.pop(request_id, None)
-                if not finished:
+                if final is None:
                     # The client went away (cancelled, deadline): free its blocks now.
-                    self.supervisor.abort(request_id)
+                    self.supervisor.abort(key)
+                    final = _final_delta(handle.queue)  # the abort's, or one that came unread
                     _log.info("request_cancelled")
+                self._ended(tenant, reservation, prompt_tokens, final)
         finally:
             self.admission.leave(place)
+
+    def _most_tokens(self, intake: _Intake) -> int:
+        """What a request may use at most: its prompt and max_tokens (or the rest of the context)."""
+        prompt = len(intake.prompt_ids)
+        max_tokens = intake.stop.max_tokens
+        return prompt + (max_tokens if max_tokens is not None else max(self._context_limit() - prompt, 0))
 
     def _budget(self, tenant: Tenant | None) -> TokenBudget | None:
         table = self.auth_table
         return None if tenant is None or table is None else table.budget(tenant)
 
-    def _tenant_finished(self, tenant: Tenant | None, delta: GenerationDelta) -> None:
-        if tenant is None or delta.usage is None:
+    def _ended(self, tenant: Tenant | None, reservation: Reservation | None, prompt_tokens: int,
+               final: GenerationDelta | None) -> None:
+        """However the request ended: its tenant is charged what it used (its reservation
+        settled) and its metrics observe it."""
+        if tenant is None:
             return
+        usage = final.usage if final is not None else None
+        completion = usage.completion_tokens if usage is not None else 0
         budget = self._budget(tenant)
-        if budget is not None:
-            budget.spend(delta.usage.completion_tokens)
-        if self.tenant_metrics is not None:
-            self.tenant_metrics.observe_finished(tenant.name, delta.finish_reason.value, delta.usage.prompt_tokens,
-                                                 delta.usage.completion_tokens)
+        if budget is not None and reservation is not None:
+            budget.settle(reservation, prompt_tokens + completion)
+        if self.tenant_metrics is not None and final is not None and usage is not None:
+            self.tenant_metrics.observe_finished(tenant.name, final.finish_reason.value, usage.prompt_tokens,
+                                                 completion)
 
     async def Abort(self, request, context):
-        tenant = current_tenant.get()
-        if tenant is not None and self._owners.get(request.request_id) != tenant.name:
-            # Another tenant's request (or none): answer as for an unknown id, revealing nothing.
-            return generation_pb2.AbortResponse(found=False)
-        return generation_pb2.AbortResponse(found=self.supervisor.abort(request.request_id))
+        # Scoped to the caller: another tenant's request is as unknown as a made-up id.
+        key = scoped_request_id(current_tenant.get(), request.request_id)
+        return generation_pb2.AbortResponse(found=self.supervisor.abort(key))
 
     async def GetModelInfo(self, request, context):
         return model_info_to_proto(self._executor_info(), self.model_name, self.supervisor.core.eos_token_ids)

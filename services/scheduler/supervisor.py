@@ -180,13 +180,14 @@ class Supervisor:
             raise UnavailableError(reason)
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
-               priority: int, num_speculative_tokens: int | None = None, tenant: str = "") -> RequestHandle:
+               priority: int, num_speculative_tokens: int | None = None, tenant: str = "",
+               cache_scope: str = "") -> RequestHandle:
         """Admit a request (EngineCore.submit, which names what it raises); its deltas arrive on
         the handle's queue."""
         self.check_accepting()
         handle = RequestHandle(request_id, len(prompt_ids))
         self.core.submit(request_id, prompt_ids, sampling, stop, handle.queue.put_nowait, priority,
-                         num_speculative_tokens, tenant)
+                         num_speculative_tokens, tenant, cache_scope)
         return handle
 
     def abort(self, request_id: str) -> bool:

@@ -73,16 +73,40 @@ def test_tenant_rules_name_what_was_refused():
 def test_token_budget_slides_over_a_minute():
     now = [100.0]
     budget = TokenBudget(limit=50, clock=lambda: now[0])
-    budget.admit("b", 30)
+    budget.reserve("b", 30)
     budget.spend(10)
     assert budget.used() == 40
     with pytest.raises(ResourceExhaustedError, match=r"tenant 'b' has used 40 of its tokens_per_minute=50") as error:
-        budget.admit("b", 11)
+        budget.reserve("b", 11)
     assert error.value.retry_after_s == pytest.approx(RATE_WINDOW_S)
     now[0] += 30.0
     with pytest.raises(ResourceExhaustedError) as error:
-        budget.admit("b", 11)
+        budget.reserve("b", 11)
     assert error.value.retry_after_s == pytest.approx(RATE_WINDOW_S - 30.0)
-    now[0] += RATE_WINDOW_S - 30.0  # the first spends leave the window
-    budget.admit("b", 50)
+    now[0] += RATE_WINDOW_S - 30.0  # the first charges leave the window
+    budget.reserve("b", 50)
     assert budget.used() == 50
+
+
+def test_a_reservation_settles_to_what_the_request_used_however_it_ended():
+    now = [0.0]
+    budget = TokenBudget(limit=100, clock=lambda: now[0])
+    first = budget.reserve("b", 60)  # prompt 10 + max_tokens 50
+    with pytest.raises(ResourceExhaustedError):
+        budget.reserve("b", 60)  # reserved, not yet used: many tiny prompts cannot pass the budget
+    now[0] += 1.0
+    budget.settle(first, 10 + 5)  # cancelled after 5 tokens: charged 15, 45 given back
+    budget.settle(first, 0)  # once
+    assert budget.used() == 15
+    now[0] = 30.0
+    second = budget.reserve("b", 80)
+    budget.settle(second, 90)  # more than reserved (no max_tokens cap): the excess is charged now
+    assert budget.used() == 105
+    now[0] = RATE_WINDOW_S + 0.5  # the first reservation ages out by its admission time
+    assert budget.used() == 90
+    now[0] = RATE_WINDOW_S + 30.5
+    assert budget.used() == 0
+    late = budget.reserve("b", 40)
+    now[0] += RATE_WINDOW_S + 1  # settled after it left the window: nothing left to give back
+    budget.settle(late, 1)
+    assert budget.used() == 0

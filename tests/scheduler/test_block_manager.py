@@ -297,3 +297,20 @@ def test_computed_blocks_only_for_a_request_without_blocks():
 def test_constructor_rejects_empty_sizes(num_blocks, block_size, field):
     with pytest.raises(ValueError, match=field):
         BlockManager(num_blocks=num_blocks, block_size=block_size)
+
+
+def test_prefixes_are_cached_per_scope():
+    manager = BlockManager(num_blocks=16, block_size=BLOCK_SIZE)
+    tokens = list(range(1, 11))  # two full blocks and a tail
+    owner = Request("owner", tokens, cache_scope="tenant:a")
+    compute_all(manager, owner)
+    owner_blocks = owner.block_ids[:2]
+    manager.free(owner)
+    # Another tenant's identical prompt finds nothing (no shared block, no cached_tokens to read).
+    assert manager.get_computed_blocks(Request("other", tokens, cache_scope="tenant:b")) == ([], 0)
+    assert manager.get_computed_blocks(Request("unscoped", tokens)) == ([], 0)
+    assert manager.cached_prefix_tokens(tokens, "tenant:b") == 0
+    # The same scope reuses it, as before.
+    again = Request("again", tokens, cache_scope="tenant:a")
+    assert manager.get_computed_blocks(again) == (owner_blocks, 8)
+    assert manager.cached_prefix_tokens(tokens, "tenant:a") == 8

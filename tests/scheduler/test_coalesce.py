@@ -66,7 +66,7 @@ def _servicer_with(queued: list):
     for item in queued:
         handle.queue.put_nowait(item)
     aborted = []
-    core = SimpleNamespace(lanes={"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512))})
+    core = SimpleNamespace(lanes={"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512))}, requests={})
     supervisor = SimpleNamespace(core=core, tokenizers=None, check_accepting=lambda: None,
                                  submit=lambda *a, **k: handle, abort=aborted.append)
     return GenerationServicer(supervisor, Admission(4)), aborted

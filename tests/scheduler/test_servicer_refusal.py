@@ -28,7 +28,7 @@ def _servicer(connected: bool):
     port = SimpleNamespace(connected=connected)
     lanes = {"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512), role="mixed", port=port)} if connected \
         else {}
-    supervisor = SimpleNamespace(core=SimpleNamespace(lanes=lanes), tokenizers=tokenizers, _stopping=False,
+    supervisor = SimpleNamespace(core=SimpleNamespace(lanes=lanes, requests={}), tokenizers=tokenizers, _stopping=False,
                                  submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
     supervisor.unavailable_reason = functools.partial(Supervisor.unavailable_reason, supervisor)  # the real checks
     supervisor.check_accepting = functools.partial(Supervisor.check_accepting, supervisor)

@@ -131,12 +131,13 @@ async def test_tenant_rules_are_permission_denied(stack: AuthStack) -> None:
 
 
 async def test_a_spent_token_budget_is_resource_exhausted_with_a_retry_hint(stack: AuthStack) -> None:
-    # 5 prompt tokens + 10 generated of delta's 19 per minute; the next 5-token prompt does not fit.
+    # 5 prompt tokens + 10 generated of delta's 19 per minute; the next request reserves its
+    # 5-token prompt and its max_tokens, which do not fit.
     messages, code, _, _ = await generate(stack, DELTA, request(max_tokens=10))
     assert code == grpc.StatusCode.OK and messages[0].started.prompt_tokens == 5
     _, code, details, trailers = await generate(stack, DELTA, request(max_tokens=1))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert details.startswith("tenant 'delta' has used 15 of its tokens_per_minute=19; this request needs 5 more")
+    assert details.startswith("tenant 'delta' has used 15 of its tokens_per_minute=19; this request needs 6 more")
     pushback = dict(trailers)["grpc-retry-pushback-ms"]
     assert 0 < int(pushback) <= 60_000
     # Other tenants are not affected.

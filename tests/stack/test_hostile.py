@@ -28,8 +28,11 @@ from tests.helpers.small_stack import start_small_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ATTACKER, VICTIM = "tok-attacker", "tok-victim"
-TENANTS = [{"token": ATTACKER, "tenant": "attacker"}, {"token": VICTIM, "tenant": "victim"}]
+ATTACKER, VICTIM, BUDGETED, GROUP_A, GROUP_B = "tok-attacker", "tok-victim", "tok-budget", "tok-ga", "tok-gb"
+TENANTS = [{"token": ATTACKER, "tenant": "attacker"}, {"token": VICTIM, "tenant": "victim"},
+           {"token": BUDGETED, "tenant": "budgeted", "tokens_per_minute": 400},
+           {"token": GROUP_A, "tenant": "group-a", "cache_group": "team"},
+           {"token": GROUP_B, "tenant": "group-b", "cache_group": "team"}]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -187,3 +190,78 @@ async def test_a_generate_stream_does_not_hold_its_request_message(stack):
     finally:
         await stream.aclose()
     await stack.wait_idle()
+
+
+# ---------------------------------------------------------------- tenants kept apart
+def prefix_prompt(seed: int, length: int = 305) -> list[int]:
+    return [1] + [3 + (seed * 7 + i * 13) % 500 for i in range(length - 1)]
+
+
+async def cached_tokens(stack, prompt: list[int], token: str) -> int:
+    outcome = await generate(stack, request(prompt, max_tokens=2), token)
+    assert outcome.completed(), (outcome.code, outcome.details)
+    return outcome.finished.usage.cached_tokens
+
+
+async def test_the_prefix_cache_tells_no_tenant_what_another_sent(stack):
+    prompt = prefix_prompt(1)
+    assert await cached_tokens(stack, prompt, VICTIM) == 0
+    # The attacker guesses the victim's prompt exactly: no block of it is shared, and no reuse
+    # shows in cached_tokens (at 1f402ef it read 304 of 305).
+    assert await cached_tokens(stack, prompt, ATTACKER) == 0
+    assert await cached_tokens(stack, prompt, VICTIM) == 304  # the victim's own prefix is still reused
+    # Tenants an operator put in one cache group share their prefixes.
+    shared = prefix_prompt(2)
+    assert await cached_tokens(stack, shared, GROUP_A) == 0
+    assert await cached_tokens(stack, shared, GROUP_B) == 304
+    assert await cached_tokens(stack, shared, VICTIM) == 0
+
+
+async def test_a_token_budget_reserves_max_tokens_and_charges_every_ending(stack):
+    # 400 tokens a minute: each request below reserves 5 prompt + 150 = 155, so two fit and a
+    # third does not, however many are sent at once (at 1f402ef eight ran: 2,503 tokens used).
+    outcomes = await asyncio.gather(*(generate(stack, request(max_tokens=150), BUDGETED) for _ in range(6)))
+    ran = [o for o in outcomes if o.code == grpc.StatusCode.OK]
+    refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(ran) == 2 and len(refused) == 4, [(o.code, o.details) for o in outcomes]
+    assert all(o.completed() for o in ran)
+    assert "tokens_per_minute=400" in refused[0].details and "grpc-retry-pushback-ms" in refused[0].trailers
+    # 310 used. A cancelled stream is charged what it generated; the rest of its reservation
+    # comes back, so a small request still fits after it.
+    started = asyncio.Event()
+    r = request(max_tokens=85)
+    call = stack.stub.Generate(r, metadata=bearer(BUDGETED), timeout=30)
+
+    async def read_until_tokens():
+        async for message in call:
+            if message.WhichOneof("event") == "delta" and message.delta.token_ids:
+                started.set()
+                return
+
+    reader = asyncio.ensure_future(read_until_tokens())
+    await asyncio.wait_for(started.wait(), 30)
+    call.cancel()
+    await reader
+    await stack.wait_idle()
+    small = await generate(stack, request(max_tokens=20), BUDGETED)  # 25 more: fits only if 90 - used came back
+    assert small.completed(), (small.code, small.details)
+
+
+async def test_request_ids_are_a_namespace_per_tenant(stack):
+    r = request(max_tokens=200)
+    r.request_id = "only-mine"
+    running = asyncio.Event()
+    victim = asyncio.ensure_future(generate(stack, r, VICTIM, on_tokens=running))
+    await asyncio.wait_for(running.wait(), 30)
+    same = request(max_tokens=2)
+    same.request_id = "only-mine"
+    # The attacker neither learns the id is live (no "already in use") nor can abort it.
+    mine = await generate(stack, same, ATTACKER)
+    assert mine.completed() and mine.messages[0].started.request_id == "only-mine"
+    aborted = await stack.stub.Abort(generation_pb2.AbortRequest(request_id="only-mine"), metadata=bearer(ATTACKER),
+                                     timeout=10)
+    assert not aborted.found
+    outcome = await victim
+    assert outcome.completed() and len(outcome.token_ids) == 200
+    again = await generate(stack, same, VICTIM)  # the victim's id is free once its request ended
+    assert again.completed()

@@ -5,7 +5,11 @@ ids; the executor writes K/V where the plan says.
 
 Prefix caching: once every token of a full block has been computed, the block is registered
 under a hash of its token ids chained with the hash of the block before it, so a hash names
-the whole prefix up to the end of the block. A later request whose prompt starts with the same
+the whole prefix up to the end of the block. The first block's parent is the request's cache
+scope (``Request.cache_scope``: by default its tenant, see services/scheduler/auth.py), so a
+tenant can neither reuse another's K/V nor learn from ``cached_tokens`` or its time to first
+token that another tenant sent a prefix; tenants share only when their operator puts them in
+one cache group. A later request whose prompt starts with the same
 full blocks reuses them (ref counts > 1) instead of recomputing. When a request finishes, its
 blocks go back to the free queue but keep their hash: they stay reusable until the allocator
 needs them for something else (eviction, least recently freed first).
@@ -26,6 +30,14 @@ from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
 
 if TYPE_CHECKING:
     from services.scheduler.request.request import Request
+
+
+def scope_root_hash(cache_scope: str) -> bytes:
+    """The parent hash of a prefix's first block: empty for the shared scope (""), else a digest
+    of the scope, so two scopes never name the same prefix and never share its blocks."""
+    if not cache_scope:
+        return b""
+    return hashlib.sha256(b"tokenmill prefix scope\0" + cache_scope.encode("utf-8", "surrogatepass")).digest()
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -141,7 +153,7 @@ class BlockManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else scope_root_hash(request.cache_scope)
             hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
         return hashes
 
@@ -224,13 +236,13 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free_queue.append(block)
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens of ``token_ids`` this pool's prefix cache holds, in full blocks (never the
-        last token): a placement probe that records nothing."""
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_scope: str = "") -> int:
+        """Tokens of ``token_ids`` this pool's prefix cache holds for ``cache_scope``, in full
+        blocks (never the last token): a placement probe that records nothing."""
         if not self.enable_prefix_caching:
             return 0
         size = self.block_size
-        parent = b""
+        parent = scope_root_hash(cache_scope)
         hits = 0
         for index in range((len(token_ids) - 1) // size):
             parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])

@@ -134,19 +134,20 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
                sink: DeltaSink, priority: int = 0, num_speculative_tokens: int | None = None,
-               tenant: str = "") -> RequestOutput:
+               tenant: str = "", cache_scope: str = "") -> RequestOutput:
         """Admit a request on the executor placement chooses; its deltas go to ``sink``, the
         last one finished.
 
         Raises UnavailableError while no executor (or no detokenizer) takes new requests,
         InvalidArgumentError for a request_id in use, ValueError (naming the field) for a
         request the scheduler core refuses, ResourceExhaustedError when the waiting queue is
-        full. ``tenant`` ("" without authentication) is whom admission is fair between.
+        full. ``tenant`` ("" without authentication) is whom admission is fair between;
+        ``cache_scope`` whose cached prefixes it may reuse (Request.cache_scope).
         """
         detokenizer = self.requests.check_new(request_id)
         now = self.clock()
         request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
-                          arrival_time=now, tenant=tenant)
+                          arrival_time=now, tenant=tenant, cache_scope=cache_scope)
         lane = choose_lane(request, list(self.lanes.values()), ROLES_FOR_NEW)
         if lane is None:
             raise UnavailableError(EXECUTOR_UNAVAILABLE)

@@ -83,6 +83,7 @@ class Request:
         "min_tokens_ban",
         "priority",
         "tenant",
+        "cache_scope",
         "arrival_time",
         "num_computed_tokens",
         "num_in_flight_tokens",
@@ -112,6 +113,7 @@ class Request:
         priority: int = 0,
         arrival_time: float = 0.0,
         tenant: str = "",
+        cache_scope: str = "",
     ) -> None:
         self.request_id = request_id
         self.seq_id = -1
@@ -126,6 +128,9 @@ class Request:
         """What the executor's sampler bans before min_tokens; sent with the NewSequence."""
         self.priority = priority
         """Lower is served first; equal priorities go by arrival_time."""
+        self.cache_scope = cache_scope
+        """Whose cached prefixes it may reuse (block_manager.py): requests of one scope share, two
+        scopes never ("" = the unscoped requests, e.g. without authentication)."""
         self.tenant = tenant
         """Who asked ("" without authentication): admission is fair between tenants
         (core/fairness.py)."""
