@@ -15,7 +15,12 @@ services/common/server.py on every server) turns them into status codes:
     NotImplementedError                -> UNIMPLEMENTED
     a request body that does not decode -> INVALID_ARGUMENT (grpc would say UNKNOWN or INTERNAL)
     grpc.aio.AioRpcError (a downstream call failed) -> the downstream code, passed on
-    anything else                      -> INTERNAL, with the traceback logged
+    anything else                      -> INTERNAL "internal error", with the traceback logged
+
+What a caller reads is the error's own message (typed errors name the field and the limit) and
+never an unexpected exception's text, which can hold paths and addresses; those go to the log.
+Refusals are logged at a bounded rate (services/common/log_limit.py): a client sending them by
+the thousand cannot fill the logs. Internal errors are always logged.
 
 ``error_from_rpc`` goes the other way, for a client that wants the typed error back.
 """
@@ -31,8 +36,12 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
+from services.common.log_limit import RateLimitedLog
 
 _log = structlog.get_logger("tokenmill.errors")
+_refusals = RateLimitedLog(_log)
+
+INTERNAL_ERROR = "internal error"
 
 
 class TokenmillError(Exception):
@@ -116,7 +125,7 @@ def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, INTERNAL_ERROR
 
 
 def error_from_rpc(err: grpc.RpcError) -> TokenmillError:
@@ -134,9 +143,9 @@ def error_from_rpc(err: grpc.RpcError) -> TokenmillError:
 async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     code, details = status_for_exception(exc)
     if code == grpc.StatusCode.INTERNAL:
-        _log.exception("rpc_internal_error", method=method)
+        _log.exception("rpc_internal_error", method=method, error=f"{type(exc).__name__}: {exc}")
     else:
-        _log.info("rpc_error", method=method, code=code.name, details=details)
+        _refusals.log("info", "rpc_error", (method, code), method=method, code=code.name, details=details)
     retry_after_s = getattr(exc, "retry_after_s", None)
     trailers = () if retry_after_s is None else (("grpc-retry-pushback-ms", str(max(0, round(retry_after_s * 1000)))),)
     await context.abort(code, details, trailing_metadata=trailers)

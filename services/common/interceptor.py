@@ -52,17 +52,43 @@ class BehaviorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        for kind, build in _HANDLER_KINDS:
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                deserializer = self.wrap_deserializer(handler.request_deserializer, method, kind.startswith("stream"))
-                return build(self._wrap(behavior, method), request_deserializer=deserializer,
-                             response_serializer=handler.response_serializer)
-        return handler
+        return rebuild_handler(handler, lambda b: self.wrap_unary(b, method), lambda b: self.wrap_stream(b, method),
+                               lambda d, streaming: self.wrap_deserializer(d, method, streaming))
 
-    def _wrap(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-        if inspect.isasyncgenfunction(behavior):
-            return self.wrap_stream(behavior, method)
-        if inspect.iscoroutinefunction(behavior):
-            return self.wrap_unary(behavior, method)
-        return behavior
+
+def rebuild_handler(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
+    wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+    wrap_deserializer: Callable[[Callable[[bytes], Any] | None, bool], Callable[[bytes], Any] | None] | None = None,
+) -> grpc.RpcMethodHandler:
+    """``handler`` of the same kind and serializers, its behavior wrapped by ``wrap_unary`` (a
+    coroutine function) or ``wrap_stream`` (an async generator function)."""
+    for kind, build in _HANDLER_KINDS:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            deserializer = handler.request_deserializer
+            if wrap_deserializer is not None:
+                deserializer = wrap_deserializer(deserializer, kind.startswith("stream"))
+            if inspect.isasyncgenfunction(behavior):
+                behavior = wrap_stream(behavior)
+            elif inspect.iscoroutinefunction(behavior):
+                behavior = wrap_unary(behavior)
+            return build(behavior, request_deserializer=deserializer, response_serializer=handler.response_serializer)
+    return handler
+
+
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str,
+                     trailers: tuple[tuple[str, str], ...] = ()) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that answers ``code`` without decoding the request (no
+    deserializer: a unary body stays raw bytes, a streamed one is never read)."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details, trailing_metadata=trailers)
+
+    # A coroutine (not an async generator) is grpc.aio's writer form for streamed responses; it
+    # writes nothing here.
+    for kind, build in _HANDLER_KINDS:
+        if getattr(handler, kind) is not None:
+            return build(refuse, response_serializer=handler.response_serializer)
+    return handler

@@ -105,8 +105,8 @@ class Admission:
         """Count a refusal by the overall bound: (message naming the bound, pushback seconds)."""
         self.rejected += 1
         retry_s = self.pushback_s(self.queued)
-        return (f"the queue is full: {self.queued} requests queued, max_waiting_requests={self.max_queued}; "
-                f"retry in {retry_s:.2f} s", retry_s)
+        # The bound, not the depth: the door may answer before the caller is known.
+        return f"the queue is full (max_waiting_requests={self.max_queued}); retry in {retry_s:.2f} s", retry_s
 
     def enter(self, tenant: str = "") -> Place:
         """Take a place, or raise ResourceExhaustedError naming the bound, with a pushback."""
@@ -145,6 +145,23 @@ class Admission:
         self.rejected += 1
         retry_s = self.pushback_s(ahead)
         raise ResourceExhaustedError(f"{message}; retry in {retry_s:.2f} s", retry_after_s=retry_s)
+
+
+AUTO_SHARE_TENANTS = 4
+"""With authentication and no --max-waiting-per-tenant, each tenant may hold
+max_waiting_requests / min(tenants, AUTO_SHARE_TENANTS) places."""
+
+
+def per_tenant_bound(configured: int, max_queued: int, num_tenants: int) -> int:
+    """The per-tenant bound Admission gets: ``configured`` when set (> 0); -1: none; 0 (the
+    default): none without authentication (``num_tenants`` 0), else an equal share of the queue
+    among up to AUTO_SHARE_TENANTS tenants, so one tenant can never fill the queue that every
+    tenant shares (one tenant alone may use all of it)."""
+    if configured > 0:
+        return configured
+    if configured < 0 or num_tenants <= 1:
+        return 0
+    return max(1, max_queued // min(num_tenants, AUTO_SHARE_TENANTS))
 
 
 def pushback_trailer(retry_s: float) -> tuple[tuple[str, str], ...]:

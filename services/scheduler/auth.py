@@ -22,19 +22,20 @@ from __future__ import annotations
 import contextvars
 import hmac
 import json
-import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
 
-from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
-from services.common.interceptor import BehaviorInterceptor, StreamBehavior, UnaryBehavior
-from services.scheduler.token_budget import RATE_WINDOW_S, TokenBudget
+from services.common.errors import PermissionDeniedError
+from services.common.interceptor import StreamBehavior, UnaryBehavior, rebuild_handler, refusing_handler
+from services.common.log_limit import RateLimitedLog
+from services.scheduler.token_budget import TokenBudget
+
+_log = structlog.get_logger("tokenmill.scheduler.auth")
 
 PROTECTED_SERVICE = "tokenmill.v1.Generation"
 MAX_TOKEN_CHARS = 4096
@@ -82,6 +83,11 @@ class AuthTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def tenants(self) -> set[str]:
+        """The tenant names (several tokens may name one tenant)."""
+        return {tenant.name for _, tenant in self._entries}
 
     def authenticate(self, token: str) -> Tenant | None:
         presented = token.encode("utf-8", "surrogatepass")
@@ -157,42 +163,60 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(BehaviorInterceptor):
-    """Authenticates every call to the public API; other services on the server pass."""
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call to the public API from its metadata alone, before its body is
+    decoded; other services on the server pass.
+
+    It is a front interceptor (outside the error mapping): an unauthenticated call is answered
+    UNAUTHENTICATED by a handler that has no deserializer, so a caller without a token cannot
+    make the server parse 16 MiB bodies, and its refusals are logged at a bounded rate
+    (services/common/log_limit.py), not one line each. An authenticated call's handler runs with
+    ``current_tenant`` set and the tenant bound to its log lines. ``table`` may be replaced at any
+    time (a reload): each call reads it once.
+    """
 
     def __init__(self, table: AuthTable) -> None:
         self.table = table
+        self.refused = 0
+        self._log = RateLimitedLog(_log)
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        token = bearer_token(context.invocation_metadata())
-        if token is None:
-            raise UnauthenticatedError("missing credentials: send 'authorization: Bearer TOKEN' metadata")
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{PROTECTED_SERVICE}/"):
+            return handler
+        token = bearer_token(details.invocation_metadata)
         tenant = self.table.authenticate(token) if token else None
         if tenant is None:
-            raise UnauthenticatedError("unknown or malformed bearer token")
-        return tenant
+            reason = MISSING_CREDENTIALS if token is None else UNKNOWN_TOKEN
+            self.refused += 1
+            self._log.log("info", "unauthenticated_call", details.method, method=details.method, reason=reason)
+            return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+        return rebuild_handler(handler, lambda behavior: _unary_as(tenant, behavior),
+                               lambda behavior: _stream_as(tenant, behavior))
 
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        if not method.startswith(f"/{PROTECTED_SERVICE}/"):
-            return behavior
 
-        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            tenant = self._tenant(context)
-            current_tenant.set(tenant)
-            with structlog.contextvars.bound_contextvars(tenant=tenant.name):
-                return await behavior(request, context)
+MISSING_CREDENTIALS = "missing credentials: send 'authorization: Bearer TOKEN' metadata"
+UNKNOWN_TOKEN = "unknown or malformed bearer token"
 
-        return handler
 
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        if not method.startswith(f"/{PROTECTED_SERVICE}/"):
-            return behavior
+def _unary_as(tenant: Tenant, behavior: UnaryBehavior) -> UnaryBehavior:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        current_tenant.set(tenant)
+        with structlog.contextvars.bound_contextvars(tenant=tenant.name):
+            return await behavior(request, context)
 
-        async def handler(request: Any, context: grpc.aio.ServicerContext):
-            tenant = self._tenant(context)
-            current_tenant.set(tenant)
-            with structlog.contextvars.bound_contextvars(tenant=tenant.name):
-                async for response in behavior(request, context):
-                    yield response
+    return handler
 
-        return handler
+
+def _stream_as(tenant: Tenant, behavior: StreamBehavior) -> StreamBehavior:
+    async def handler(request: Any, context: grpc.aio.ServicerContext):
+        current_tenant.set(tenant)
+        with structlog.contextvars.bound_contextvars(tenant=tenant.name):
+            async for response in behavior(request, context):
+                yield response
+
+    return handler

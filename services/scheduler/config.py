@@ -56,7 +56,9 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
     max_prompt_chars: int = _f(0, "longest text prompt accepted, in characters (0 = 32 per token of the model's "
                                   "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
     max_waiting_per_tenant: int = _f(0, "requests one tenant may have queued (not yet producing output); beyond "
-                                        "it RESOURCE_EXHAUSTED (0 = only the overall max_waiting_requests)",
+                                        "it RESOURCE_EXHAUSTED. 0 = with --auth-tokens-file, max_waiting_requests "
+                                        "shared equally among up to 4 tenants (none without it); -1 = only the "
+                                        "overall max_waiting_requests",
                                      "TOKENMILL_MAX_WAITING_PER_TENANT")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
@@ -81,9 +83,9 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
         self.speculation().validate()
         if not self.spec_draft_deadline_ms > 0:
             raise ValueError(f"spec_draft_deadline_ms must be > 0, got {self.spec_draft_deadline_ms}")
-        if self.max_waiting_per_tenant < 0:
-            raise ValueError(f"max_waiting_per_tenant must be >= 0 (0 = no per-tenant bound), "
-                             f"got {self.max_waiting_per_tenant}")
+        if self.max_waiting_per_tenant < -1:
+            raise ValueError(f"max_waiting_per_tenant must be >= -1 (0 = an equal share per tenant with "
+                             f"authentication, -1 = none), got {self.max_waiting_per_tenant}")
         if self.profile_capacity < 1:
             raise ValueError(f"profile_capacity must be >= 1, got {self.profile_capacity}")
         if self.auth_tokens_file:

@@ -5,6 +5,8 @@ The servicer (servicer.py) calls these and nothing past it sees a protobuf messa
 
 from __future__ import annotations
 
+from pathlib import PurePath
+
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.common.step import ExecutorInfo
 from services.scheduler.request.delta import GenerationDelta
@@ -68,7 +70,7 @@ def _finished_to_proto(delta: GenerationDelta) -> generation_pb2.Finished:
 
 def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids) -> generation_pb2.ModelInfo:
     msg = generation_pb2.ModelInfo(
-        model_name=model_name, model_path=info.model, architecture=info.architecture,
+        model_name=model_name, model_path=PurePath(info.model).name, architecture=info.architecture,
         vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
         block_size=info.block_size, dtype=info.dtype, device=info.device,
         attention_backend=info.attention_backend, eos_token_ids=list(eos_token_ids),

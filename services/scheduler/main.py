@@ -14,7 +14,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
-from services.scheduler.admission import Admission, DoorInterceptor
+from services.scheduler.admission import Admission, DoorInterceptor, per_tenant_bound
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.latency_profile import LatencyProfileRecorder
@@ -57,7 +57,9 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                             on_finished=on_finished)
     await supervisor.start()
     auth_table = load_auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else None
-    admission = Admission(config.limits.max_waiting_requests, config.max_waiting_per_tenant)
+    per_tenant = per_tenant_bound(config.max_waiting_per_tenant, config.limits.max_waiting_requests,
+                                  len(auth_table.tenants) if auth_table is not None else 0)
+    admission = Admission(config.limits.max_waiting_requests, per_tenant)
     servicer = GenerationServicer(supervisor, admission, max_prompt_chars=config.max_prompt_chars, profile=profile,
                                   model_name=Path(next(iter(supervisor.core.lanes.values())).info.model).name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
@@ -70,8 +72,11 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     _log.info("public_message_limit", max_message_bytes=message_bytes)
     running = await start_service(dataclasses.replace(config, max_message_bytes=message_bytes), "scheduler", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
-        interceptors=[*([AuthInterceptor(auth_table)] if auth_table is not None else []), RequestRelease()],
-        front_interceptors=[DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
+        interceptors=[RequestRelease()],
+        # Authentication first (from metadata, bodies undecoded), so the door's answers (queue
+        # full, executor away) reach only callers with a token.
+        front_interceptors=[*([AuthInterceptor(auth_table)] if auth_table is not None else []),
+                            DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
         app=supervisor)
     running.on_stopping(supervisor.shutdown)
     # Free memory back to the system once the load ends (glibc's malloc_trim; with

@@ -43,6 +43,8 @@ from services.scheduler.request.stop import StopConditions
 _log = structlog.get_logger("tokenmill.scheduler")
 
 SHUTTING_DOWN = "the server is shutting down"
+TOKENIZER_LOST = "the tokenizer holding this request's text went away; retry"
+"""What a request hears when its tokenizer's Detokenize session ended (no address: it reaches clients)."""
 
 
 class HealthReport:
@@ -236,7 +238,7 @@ class Supervisor:
         there, and reconnect that link in the background."""
         link = self.tokenizers.links[index]
         _log.error("tokenizer_lost", address=link.address)
-        self.core.requests.end_all(f"tokenizer at {link.address} went away", detokenizer=index)
+        self.core.requests.end_all(TOKENIZER_LOST, detokenizer=index)  # the address is in the line above
         self.health.changed()
         if not self._stopping and index not in self._tokenizer_reconnects:
             self._tokenizer_reconnects[index] = asyncio.create_task(self._reconnect_tokenizer(index),

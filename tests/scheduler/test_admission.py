@@ -7,7 +7,7 @@ import pytest
 
 from services.common.errors import ResourceExhaustedError
 from services.scheduler.admission import (
-    MAX_PUSHBACK_S, MIN_PUSHBACK_S, UNMEASURED_PUSHBACK_S, Admission, DrainRate)
+    MAX_PUSHBACK_S, MIN_PUSHBACK_S, UNMEASURED_PUSHBACK_S, Admission, DrainRate, per_tenant_bound)
 
 
 class Clock:
@@ -75,3 +75,12 @@ def test_bad_bounds_are_refused() -> None:
         Admission(0)
     with pytest.raises(ValueError, match="max_queued_per_tenant must be >= 0"):
         Admission(1, -1)
+
+
+def test_with_authentication_each_tenant_gets_a_share_of_the_queue_by_default():
+    assert per_tenant_bound(0, 4096, 0) == 0  # no authentication: only the overall bound
+    assert per_tenant_bound(0, 4096, 1) == 0  # one tenant may use it all
+    assert per_tenant_bound(0, 4096, 2) == 2048
+    assert per_tenant_bound(0, 4096, 100) == 1024  # never below a quarter
+    assert per_tenant_bound(0, 3, 4) == 1
+    assert per_tenant_bound(7, 4096, 100) == 7 and per_tenant_bound(-1, 4096, 100) == 0

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from services.common.errors import PermissionDeniedError, ResourceExhaustedError
-from services.scheduler.auth import RATE_WINDOW_S, Tenant, TokenBudget, bearer_token, load_auth_tokens
+from services.scheduler.auth import Tenant, bearer_token, load_auth_tokens
+from services.scheduler.token_budget import RATE_WINDOW_S, TokenBudget
 
 
 def write(tmp_path, data) -> str:

@@ -21,6 +21,7 @@ import pytest_asyncio
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.scheduler.admission import Admission
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.request_release import RequestBox
 from services.scheduler.servicer import GenerationServicer
 from tests.helpers.padded_vocab import TOKENIZER_VOCAB, padded_vocab_model
@@ -35,6 +36,10 @@ TENANTS = [{"token": ATTACKER, "tenant": "attacker"}, {"token": VICTIM, "tenant"
            {"token": GROUP_B, "tenant": "group-b", "cache_group": "team"}]
 
 
+MAX_NUM_SEQS, MAX_WAITING = 4, 16
+"""Few running places, so a flood queues; with five tenants each may hold 16 / 4 queued places."""
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
@@ -42,7 +47,8 @@ async def stack(tmp_path_factory):
     tokens.write_text(json.dumps(TENANTS))
     tokens.chmod(0o600)
     model = padded_vocab_model(root / "stories-padded")
-    stack = await start_small_stack(model=model, num_blocks=256, auth_tokens_file=str(tokens))
+    stack = await start_small_stack(model=model, num_blocks=256, auth_tokens_file=str(tokens),
+                                    limits=SchedulerLimits(max_num_seqs=MAX_NUM_SEQS, max_waiting_requests=MAX_WAITING))
     yield stack
     await stack.stop()
 
@@ -265,3 +271,62 @@ async def test_request_ids_are_a_namespace_per_tenant(stack):
     assert outcome.completed() and len(outcome.token_ids) == 200
     again = await generate(stack, same, VICTIM)  # the victim's id is free once its request ended
     assert again.completed()
+
+
+async def test_one_tenant_cannot_fill_the_queue_every_tenant_shares(stack):
+    # No --max-waiting-per-tenant: with authentication each tenant may hold a quarter of the
+    # queue. The attacker's flood beyond it is refused; the victim's request still gets in.
+    flood = [asyncio.ensure_future(generate(stack, request(max_tokens=300), ATTACKER, timeout=120))
+             for _ in range(3 * MAX_WAITING)]
+    await asyncio.sleep(0.5)
+    victim = await generate(stack, request(max_tokens=4), VICTIM, timeout=120)
+    assert victim.completed(), (victim.code, victim.details)
+    for call in flood:
+        call.cancel()
+    outcomes = [o for o in await asyncio.gather(*flood, return_exceptions=True) if isinstance(o, Outcome)]
+    refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert refused and all("max_waiting_per_tenant=4" in o.details for o in refused), [o.details for o in refused]
+    await stack.wait_idle(timeout=30)
+
+
+# ---------------------------------------------------------------- callers without a token
+async def test_unauthenticated_bodies_are_refused_undecoded_and_their_refusals_barely_logged(stack, capfd):
+    undecodable = b"\xff" * 4096  # not a GenerateRequest: decoding it would be INVALID_ARGUMENT
+    raw = stack.channel.unary_stream("/tokenmill.v1.Generation/Generate")
+    big = request()
+    for _ in range(10_000):
+        big.stop.stop.append("x")  # within the message limit, and costly to parse
+    capfd.readouterr()
+
+    async def attack():
+        outcomes = []
+        for index in range(200):
+            call = raw(undecodable, timeout=10) if index % 2 else stack.stub.Generate(big, timeout=10, metadata=bearer(
+                "not-a-token" if index % 4 else None))
+            try:
+                async for _ in call:
+                    pass
+                outcomes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as err:
+                outcomes.append(err.code())
+        return outcomes
+
+    victim, outcomes = await while_victim_streams(stack, attack)
+    assert set(outcomes) == {grpc.StatusCode.UNAUTHENTICATED}  # never INVALID_ARGUMENT: never parsed
+    assert victim.completed()
+    logged = capfd.readouterr()
+    refusals = [line for line in (logged.out + logged.err).splitlines() if "unauthenticated_call" in line]
+    assert 1 <= len(refusals) <= 5, len(refusals)  # one burst per interval, not 200 lines
+
+
+# ---------------------------------------------------------------- what a client may learn
+async def test_client_visible_messages_name_no_path_or_address(stack):
+    info = await stack.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=bearer(VICTIM), timeout=10)
+    assert info.model_path == "stories-padded"  # the directory's name, not where it lies
+    chat = generation_pb2.GenerateRequest()
+    chat.chat.messages.add(role="user", content="hi")  # stories260K ships no chat template
+    refused = await generate(stack, chat, VICTIM)
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in refused.details
+    full = await generate(stack, request(), None)
+    for details in (refused.details, full.details, info.model_path):
+        assert "/" not in details and "127.0.0.1" not in details, details

@@ -6,9 +6,12 @@ import asyncio
 
 import grpc
 import grpc.aio
+import structlog
 
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from services.common.server import channel_options
+
+_log = structlog.get_logger("tokenmill.scheduler")
 
 BACKEND_CHANNEL_OPTIONS = channel_options() + [
     # gRPC's default back-off after a lost connection starts at 1 s and grows to 120 s; a
@@ -51,8 +54,14 @@ async def ended(call, exc: BaseException | None) -> str:
         return "the stream broke"
 
 
-def map_rpc_error(exc: grpc.RpcError, who: str) -> Exception:
+def map_rpc_error(exc: grpc.RpcError, backend: str, address: str) -> Exception:
+    """The error a request's caller hears when its call to a backend failed: the backend's own
+    words when it judged the request (INVALID_ARGUMENT, FAILED_PRECONDITION, DEADLINE_EXCEEDED),
+    else that the backend is unavailable, without its address or its details (logged here)."""
     code = exc.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidArgumentError(exc.details())
-    return UnavailableError(f"{who}: {code.name}: {exc.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"the {backend} did not answer in time: {exc.details()}")
+    _log.warning("backend_call_failed", backend=backend, address=address, code=code.name, details=exc.details())
+    return UnavailableError(f"the {backend} is unavailable ({code.name}); retry shortly")

@@ -82,7 +82,7 @@ class TokenizerLink:
             reply = await run_to_end(self._stub.Encode(
                 tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30))
         except grpc.RpcError as exc:
-            raise map_rpc_error(exc, f"tokenizer at {self.address}") from None
+            raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
 
     async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
@@ -91,7 +91,7 @@ class TokenizerLink:
             reply = await run_to_end(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
                 messages=messages, add_generation_prompt=add_generation_prompt), timeout=30))
         except grpc.RpcError as exc:
-            raise map_rpc_error(exc, f"tokenizer at {self.address}") from None
+            raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
 
     async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
