@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="tokenmill-fairness-"))
     tokens = run_dir / "tokens.json"
     tokens.write_text(json.dumps([{"token": "tq", "tenant": "quiet"}, {"token": "tf", "tenant": "flood"}]))
+    tokens.chmod(0o600)  # the scheduler refuses a tokens file others may read
     executor = ExecutorConfig(model=STORIES, num_blocks=512, block_size=16, dtype="fp32", device="cpu")
     launch = LaunchSpec(STORIES, tuple(executor_flags(executor, only_changed=True)),
                         (*scheduler_flags(settings.limits, only_changed=True), f"--auth-tokens-file={tokens}"),

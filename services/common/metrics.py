@@ -89,17 +89,18 @@ def rpc_interceptors(metrics_port: int) -> list[grpc.aio.ServerInterceptor]:
     return [RpcMetricsInterceptor()] if metrics_port >= 0 else []
 
 
-def serve_metrics(running, metrics_port: int) -> int | None:
-    """Start /metrics beside a started server (same host) and stop it with the server.
+def serve_metrics(running, metrics_port: int, host: str = "127.0.0.1") -> int | None:
+    """Start /metrics on ``host`` (loopback unless configured: the gRPC port may face clients,
+    and the metrics are plaintext and name tenants) and stop it with the server.
 
     Returns the bound port (also set as ``running.metrics_port``), or None when metrics_port < 0.
     """
     if metrics_port < 0:
         return None
-    port = start_metrics_server(metrics_port, host=running.host)
+    port = start_metrics_server(metrics_port, host=host)
     running.metrics_port = port
     running.on_stop(lambda: stop_metrics_server(port))
-    _log.info("metrics_serving", server=running.name, port=port)
+    _log.info("metrics_serving", server=running.name, host=host, port=port)
     return port
 
 

@@ -26,7 +26,7 @@ an optional drain period while still accepting calls, the ``on_stopping`` hooks,
 refuses new calls and gives in-flight ones what is left of ``grace`` (one grace for the hooks and
 the calls together) before cancelling them, then the ``on_stop`` callbacks run (newest first). ``run_service`` does this on SIGINT/SIGTERM; a second
 signal cuts the grace period short. On SIGHUP it reloads a TLS server's certificate files
-(new connections get them; open ones keep theirs).
+(new connections get them; open ones keep theirs) and runs the ``on_reload`` callbacks.
 """
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ FINAL_WRITES_S = 1.0
 """After the on_stopping hooks took the grace, calls still get this long to send what the hooks
 ended them with (the scheduler's last Finished) before the server cancels them."""
 
+MAX_PING_STRIKES = 2
+"""Pings more frequent than MIN_PING_INTERVAL_MS a server tolerates before it closes the
+connection (gRPC's default): without a bound, a client could ping as fast as it sends."""
+
+DEFAULT_MAX_CONCURRENT_RPCS = 16_384
+"""Calls a server runs at once; more are refused RESOURCE_EXHAUSTED by gRPC before a handler
+runs. Far above what the scheduler's own bounds admit (waiting + running requests)."""
+
 Servicers = Callable[[grpc.aio.Server], Sequence[str]]
 """Registers servicers on the server; returns the full names of the services it added."""
 
@@ -80,7 +88,7 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
-        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
         # Without this, two servers can bind the same fixed port and split its traffic;
         # a clash must fail loudly instead.
         ("grpc.so_reuseport", 0),
@@ -129,6 +137,7 @@ class RunningServer:
     """The application's services (health and reflection not included)."""
     _on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
     _on_stopping: list[Callable[[float], Awaitable[None] | None]] = field(default_factory=list)
+    _on_reload: list[Callable[[], None]] = field(default_factory=list)
     _stop_task: asyncio.Task | None = None
     tls: ServerCertificates | None = None
     """The server's certificates when it serves TLS (None: plaintext)."""
@@ -140,6 +149,21 @@ class RunningServer:
         """Re-read the certificate files for new connections (SIGHUP); False if there is no TLS
         or the files are bad (then the current certificate stays, and the error is logged)."""
         return self.tls.reload() if self.tls is not None else False
+
+    def on_reload(self, callback: Callable[[], None]) -> None:
+        """Run callback on SIGHUP, after the TLS files are re-read (the scheduler re-reads its
+        auth tokens file)."""
+        self._on_reload.append(callback)
+
+    def reload(self) -> None:
+        """What SIGHUP does: re-read the TLS files, then run the reload callbacks; a failing one
+        is logged and the others still run."""
+        self.reload_tls()
+        for callback in self._on_reload:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one bad file must not stop the other reloads
+                _log.exception("reload_callback_failed", server=self.name, callback=repr(callback))
 
     @property
     def address(self) -> str:
@@ -222,6 +246,7 @@ async def start_server(
     reflection_enabled: bool = True,
     tls: ServerTLS | None = None,
     app: Any = None,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> RunningServer:
     """Build, bind and start a server; with serving=True health reports SERVING on return.
 
@@ -235,11 +260,12 @@ async def start_server(
     warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
     server reflection out (callers then need the .proto files). tls: serve TLS only (its files
     are read here; a bad one raises ValueError naming the flag). app: kept as
-    ``RunningServer.app``.
+    ``RunningServer.app``. max_concurrent_rpcs: calls run at once (0 = no bound).
     """
     server = grpc.aio.server(
         interceptors=[*front_interceptors, ErrorMappingInterceptor(), *interceptors],
         options=list(options) if options is not None else server_options(),
+        maximum_concurrent_rpcs=max_concurrent_rpcs or None,
     )
     service_names = tuple(add_servicers(server))
     if not all(isinstance(n, str) and n for n in service_names):
@@ -277,7 +303,8 @@ MainFunction = Callable[[], Awaitable[RunningServer]] | Coroutine[Any, Any, Runn
 
 def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float = 0.0, use_uvloop: bool = True) -> None:
     """Run a service process until SIGINT/SIGTERM or server termination, then stop gracefully.
-    A TLS server reloads its certificate files on SIGHUP (from when it has started).
+    On SIGHUP (from when it has started) a TLS server reloads its certificate files and every
+    server runs its reload callbacks (RunningServer.reload).
 
     main: a coroutine (or a function returning one) that starts the server and returns
     it; everything else the service owns is cleaned up by its on_stop callbacks. Objects
@@ -304,8 +331,7 @@ def run_service(main: MainFunction, *, grace: float = 5.0, drain_seconds: float 
             loop.add_signal_handler(sig, on_signal, sig)
         try:
             running = await (main() if callable(main) else main)
-            if running.tls is not None:
-                loop.add_signal_handler(signal.SIGHUP, running.reload_tls)
+            loop.add_signal_handler(signal.SIGHUP, running.reload)
             gc.freeze()
             if stop_requested.is_set():  # a signal arrived during start-up
                 await running.stop(grace, drain_seconds=drain_seconds)

@@ -26,7 +26,7 @@ import structlog
 
 from services.common.gc_thresholds import GC_OLDER_THRESHOLD, GC_YOUNG_THRESHOLD
 from services.common.logging import LEVELS
-from services.common.server import MAX_MESSAGE_BYTES
+from services.common.server import DEFAULT_MAX_CONCURRENT_RPCS, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from services.common.server import RunningServer
@@ -90,6 +90,13 @@ def metrics_port_field(service: str) -> Any:
                                        "env": _env_prefix(service) + "METRICS_PORT"})
 
 
+def metrics_host_field(service: str) -> Any:
+    return field(default=DEFAULT_HOST, metadata={
+        "help": "interface /metrics listens on (loopback by default, whatever --host is: the metrics are plaintext "
+                "and name tenants)",
+        "env": _env_prefix(service) + "METRICS_HOST"})
+
+
 def max_message_bytes_field(service: str, default: int) -> Any:
     return field(default=default, metadata={
         "help": "largest gRPC message received or sent, in bytes (a larger one is refused with RESOURCE_EXHAUSTED "
@@ -117,6 +124,7 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         log_level: str = log_level_field(service)
         shutdown_grace_seconds: float = shutdown_grace_field(service)
         metrics_port: int = metrics_port_field(service)
+        metrics_host: str = metrics_host_field(service)
         max_message_bytes: int = max_message_bytes_field(service, message_limit)
         reflection: bool = field(default=True, metadata={
             "help": "serve gRPC reflection (grpcurl without .proto files); off hides the API's shape",
@@ -126,6 +134,13 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         tls_key: str = path_field(service, "tls_key", "PEM private key of --tls-cert")
         tls_client_ca: str = path_field(service, "tls_client_ca", "PEM CA certificate(s): require client "
                                                                   "certificates signed by them (mTLS)")
+        allow_insecure_bind: bool = field(default=False, metadata={
+            "help": "listen on a non-loopback --host without mTLS (internal services) or, with bearer tokens, "
+                    "without TLS (scheduler); off: such a bind is refused",
+            "env": _env_prefix(service) + "ALLOW_INSECURE_BIND"})
+        max_concurrent_rpcs: int = field(default=DEFAULT_MAX_CONCURRENT_RPCS, metadata={
+            "help": "calls served at once; beyond it RESOURCE_EXHAUSTED before any handler runs (0 = no bound)",
+            "env": _env_prefix(service) + "MAX_CONCURRENT_RPCS"})
         gc_young_threshold: int = field(default=GC_YOUNG_THRESHOLD, metadata={
             "help": "net allocations between the cyclic garbage collector's young collections (older generations "
                     f"every {GC_OLDER_THRESHOLD}); 0 = Python's defaults (700, 10, 10)",

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import grpc.aio
 
+from services.common.bind_policy import check_bind
 from services.common.gc_thresholds import check_gc_young_threshold, set_gc_thresholds
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
@@ -44,12 +45,15 @@ class ServiceProcessConfig(Protocol):
     log_level: str
     shutdown_grace_seconds: float
     metrics_port: int
+    metrics_host: str
     max_message_bytes: int
     reflection: bool
     tls_cert: str
     tls_key: str
     tls_client_ca: str
     gc_young_threshold: int
+    allow_insecure_bind: bool
+    max_concurrent_rpcs: int
 
 
 ConfigT = TypeVar("ConfigT", bound=ServiceProcessConfig)
@@ -64,6 +68,8 @@ def check_process_fields(config: ServiceProcessConfig) -> None:
     if config.max_message_bytes < MIN_MESSAGE_BYTES:
         raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}")
     check_gc_young_threshold(config.gc_young_threshold)
+    if config.max_concurrent_rpcs < 0:
+        raise ValueError(f"max_concurrent_rpcs must be >= 0 (0 = no bound), got {config.max_concurrent_rpcs}")
     if (server_tls := ServerTLS.from_config(config)) is not None:
         server_tls.load()
     if (backend_tls := ClientTLS.for_backends(config)) is not None:
@@ -94,17 +100,19 @@ async def start_service(
     ``interceptors`` run inside the RPC timer (so refused calls are timed too) and inside the
     error mapping (so their errors become statuses); ``front_interceptors`` before both (see
     start_server). ``app``: kept as ``RunningServer.app``."""
+    check_bind(config, name)
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               front_interceptors=front_interceptors,
                               options=server_options(config.max_message_bytes),
-                              reflection_enabled=config.reflection, tls=ServerTLS.from_config(config), app=app)
+                              reflection_enabled=config.reflection, tls=ServerTLS.from_config(config), app=app,
+                              max_concurrent_rpcs=config.max_concurrent_rpcs)
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:
     """Ready: start /metrics, report SERVING, then publish the port file, in that order: whoever
     waits for the port file may connect and scrape at once."""
-    serve_metrics(running, config.metrics_port)
+    serve_metrics(running, config.metrics_port, config.metrics_host)
     await running.set_serving(True)
     publish_port(running, config.port_file)
 
@@ -127,6 +135,7 @@ def service_main(
     validate = getattr(config, "validate", None)
     try:
         check_process_fields(config)
+        check_bind(config, name, warn=False)  # before a model is loaded; start_service checks again, and warns
         if validate is not None:
             validate()
     except ValueError as exc:

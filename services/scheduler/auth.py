@@ -14,7 +14,9 @@ grpcurl need them, and they reveal nothing a tenant could misuse.
 
 Tokens are compared in constant time (hmac.compare_digest against every known token, so the
 time taken does not say which one, or how much of one, matched) and are never logged: only
-the tenant name is, bound to every log line of the call.
+the tenant name is, bound to every log line of the call. The file must be private to the
+server's user (no group or other permission bits) and is re-read on SIGHUP (``reload_auth``):
+a file that no longer loads leaves the tenants as they were, with an error in the log.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import hmac
 import json
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +84,15 @@ class AuthTable:
         self._budgets = {tenant.name: TokenBudget(tenant.tokens_per_minute)
                          for _, tenant in entries if tenant.tokens_per_minute is not None}
 
+    def keep_budgets_of(self, previous: AuthTable) -> None:
+        """A reloaded file: each tenant that keeps a budget keeps what it used in the window
+        (and its requests in flight settle against it), at the new limit."""
+        for name, budget in self._budgets.items():
+            old = previous._budgets.get(name)
+            if old is not None:
+                old.limit = budget.limit
+                self._budgets[name] = old
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -105,6 +117,11 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
     """Read and check an auth tokens file; ValueError names the entry and the field."""
     origin = str(path)
     try:
+        mode = Path(path).stat().st_mode
+        if mode & 0o077:
+            # As ssh does for a private key: a token file others may read hands out every tenant.
+            raise ValueError(f"auth_tokens_file {origin}: readable by group or others (mode {stat.S_IMODE(mode):04o}); "
+                             f"make it private (chmod 600)")
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"auth_tokens_file {origin}: cannot read it: {exc.strerror or exc}") from None
@@ -220,3 +237,20 @@ def _stream_as(tenant: Tenant, behavior: StreamBehavior) -> StreamBehavior:
                 yield response
 
     return handler
+
+
+def reload_auth(path: str, interceptor: AuthInterceptor, owners: list[Any]) -> AuthTable | None:
+    """SIGHUP: re-read the tokens file into ``interceptor`` and the ``owners`` that hold the
+    table (their ``auth_table``); budgets carry over by tenant. None, the old table kept and the
+    error logged, when the file does not load."""
+    try:
+        table = load_auth_tokens(path)
+    except ValueError as exc:
+        _log.error("auth_tokens_reload_failed", error=str(exc))
+        return None
+    table.keep_budgets_of(interceptor.table)
+    interceptor.table = table
+    for owner in owners:
+        owner.auth_table = table
+    _log.info("auth_tokens_reloaded", tenants=len(table.tenants))
+    return table

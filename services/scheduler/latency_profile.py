@@ -109,6 +109,11 @@ class LatencyProfileRecorder:
     def __len__(self) -> int:
         return self._count - self._oldest
 
+    @property
+    def recorded(self) -> int:
+        """Samples ever recorded (a snapshot taken at the same count and time would be equal)."""
+        return self._count
+
     # ------------------------------------------------------------------ feeding
     def record(self, sample: FinishedSample) -> None:
         self._append(sample.finish_time, sample.ttft_s, sample.decode_s, sample.completion_tokens, sample.e2e_s)

@@ -15,7 +15,7 @@ from services.common.server import RunningServer
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
 from services.scheduler.admission import Admission, DoorInterceptor, per_tenant_bound
-from services.scheduler.auth import AuthInterceptor, load_auth_tokens
+from services.scheduler.auth import AuthInterceptor, load_auth_tokens, reload_auth
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.request_release import RequestRelease
@@ -66,6 +66,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                                   auth_table=auth_table)
     if config.metrics_port >= 0:
         scheduler_collector().watch(supervisor.core)
+    auth = AuthInterceptor(auth_table) if auth_table is not None else None
     # No message larger than the largest request this model can serve (request_limits.py): a
     # body padded with unknown fields is refused before it is parsed.
     message_bytes = min(config.max_message_bytes, servicer.limits().message_bytes())
@@ -75,10 +76,12 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         interceptors=[RequestRelease()],
         # Authentication first (from metadata, bodies undecoded), so the door's answers (queue
         # full, executor away) reach only callers with a token.
-        front_interceptors=[*([AuthInterceptor(auth_table)] if auth_table is not None else []),
+        front_interceptors=[*([auth] if auth is not None else []),
                             DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
         app=supervisor)
     running.on_stopping(supervisor.shutdown)
+    if auth is not None:
+        running.on_reload(lambda: reload_auth(config.auth_tokens_file, auth, [servicer]))
     # Free memory back to the system once the load ends (glibc's malloc_trim; with
     # PYTHONMALLOC=malloc that includes the pages of Python objects freed after a peak).
     trimmer = asyncio.create_task(trim_when_idle(lambda: supervisor.core.step_count), name="scheduler-malloc-trim")

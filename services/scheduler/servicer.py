@@ -20,6 +20,7 @@ from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
 from services.scheduler.generation_codec import (
     delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto)
 from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
@@ -79,6 +80,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_prompt_chars = max_prompt_chars
         """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context (request_limits.py)."""
         self.profile = profile
+        self._profiles = ProfileCache(profile) if profile is not None else None
+        """GetProfile's snapshots, cached and capped (profile_cache.py)."""
         self.model_name = model_name
         self.tenant_metrics = tenant_metrics
         self.auth_table = auth_table
@@ -251,4 +254,4 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core = self.supervisor.core
         executors = [(name, lane.role, lane.scheduler.get_stats(), core.handoff.counters.get(name))
                      for name, lane in core.lanes.items()]
-        return profile_to_proto(self.profile.snapshot(window), core.stats(), executors)
+        return profile_to_proto(self._profiles.snapshot(window), core.stats(), executors)

@@ -138,13 +138,19 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         raise ValueError("GGUF metadata gives no vocabulary size (neither llama.vocab_size nor tokenizer.ggml.tokens)")
     special = special_token_ids(meta) if tokens is not None else {}
     ends = end_token_ids(meta) if tokens is not None else []
+    block_count = int(need("block_count"))
+    for name in tensor_names:
+        match = _LAYER_NAME.fullmatch(name)
+        if match and int(match.group(1)) >= block_count:
+            # Loops over layers are bounded by block_count, never by a name a file chose.
+            raise ValueError(f"GGUF tensor {name!r} names layer {match.group(1)}, past llama.block_count={block_count}")
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": block_count,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -240,7 +246,7 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
     return state, formats
 
 
-def keep_quantization_config(formats: Mapping[str, str]) -> dict[str, Any]:
+def keep_quantization_config(formats: Mapping[str, str], num_layers: int) -> dict[str, Any]:
     """quantization_config for kept tensors: the projections' most common format, the rest as exceptions."""
     from collections import Counter
 
@@ -250,7 +256,6 @@ def keep_quantization_config(formats: Mapping[str, str]) -> dict[str, Any]:
     default = Counter(formats[m] for m in linear).most_common(1)[0][0] if linear else "q8_0"
     modules = {m: f for m, f in formats.items() if f != default or m == EMBEDDING}
     # A projection the file holds in float is named "none".
-    num_layers = 1 + max((int(m.split(".")[2]) for m in formats if m.startswith("model.layers.")), default=-1)
     for i in range(num_layers):
         for proj in LINEAR_NAMES:
             module = f"model.layers.{i}.{proj}"
@@ -315,7 +320,7 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     if weights == "keep":
         state, formats = kept_state_dict(reader, config)
         if formats:
-            config["quantization_config"] = keep_quantization_config(formats)
+            config["quantization_config"] = keep_quantization_config(formats, config["num_hidden_layers"])
     else:
         state = dequantized_state_dict(reader, config, dtype)
     types = sorted({GGMLQuantizationType(t.tensor_type).name for t in reader.tensors})

@@ -46,6 +46,10 @@ def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) ->
         ("executor", ["--gc-young-threshold", "-1"], "gc_young_threshold must be >= 0 (0 = Python's defaults), got -1"),
         ("scheduler", ["--auth-tokens-file", "/nonexistent/tokens.json"],
          "auth_tokens_file /nonexistent/tokens.json: cannot read it: No such file or directory"),
+        ("executor", ["--host", "0.0.0.0"],
+         "executor: --host 0.0.0.0 without client certificates (--tls-cert and --tls-client-ca) would let anyone "
+         "who reaches the port drive the executor; require mTLS, bind loopback, or pass --allow-insecure-bind"),
+        ("executor", ["--max-concurrent-rpcs", "-1"], "max_concurrent_rpcs must be >= 0 (0 = no bound), got -1"),
     ],
 )
 def test_bad_settings_end_the_process_before_it_binds(service, argv, message, capsys) -> None:

@@ -30,7 +30,7 @@ from services.common.errors import (
     error_from_rpc,
 )
 from services.common.pb.tokenmill.v1 import tokenizer_pb2
-from services.common.server import FINAL_WRITES_S, RunningServer, create_channel, start_server
+from services.common.server import FINAL_WRITES_S, RunningServer, create_channel, server_options, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROBE_SERVICE = "tokenmill.test.Probe"
@@ -483,3 +483,25 @@ async def test_second_signal_cuts_the_grace_period_short() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_calls_beyond_max_concurrent_rpcs_are_refused_before_a_handler_runs() -> None:
+    server = await start_server("capped", add_probe, port=0, max_concurrent_rpcs=2)
+    try:
+        async with create_channel(server.address) as channel:
+            sleepers = [asyncio.ensure_future(method(channel, "unary_unary", "Unary")(b"sleep:1.0", timeout=10))
+                        for _ in range(2)]
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await method(channel, "unary_unary", "Unary")(b"now", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await asyncio.gather(*sleepers) == [b"slept", b"slept"]
+            assert await method(channel, "unary_unary", "Unary")(b"now", timeout=10) == b"ok:now"
+    finally:
+        await server.stop(grace=0)
+
+
+def test_pings_are_bounded() -> None:
+    options = dict(server_options())
+    assert options["grpc.http2.max_ping_strikes"] == 2  # 0 let a client ping without limit
+    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] < options["grpc.keepalive_time_ms"]

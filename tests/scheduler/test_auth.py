@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from services.common.errors import PermissionDeniedError, ResourceExhaustedError
-from services.scheduler.auth import Tenant, bearer_token, load_auth_tokens
+from services.scheduler.auth import AuthInterceptor, Tenant, bearer_token, load_auth_tokens, reload_auth
 from services.scheduler.token_budget import RATE_WINDOW_S, TokenBudget
 
 
 def write(tmp_path, data) -> str:
     path = tmp_path / "tokens.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
+    path.chmod(0o600)
     return str(path)
 
 
@@ -111,3 +113,34 @@ def test_a_reservation_settles_to_what_the_request_used_however_it_ended():
     now[0] += RATE_WINDOW_S + 1  # settled after it left the window: nothing left to give back
     budget.settle(late, 1)
     assert budget.used() == 0
+
+def test_a_tokens_file_others_may_read_is_refused(tmp_path):
+    path = write(tmp_path, [{"token": "x", "tenant": "a"}])
+    for mode in (0o644, 0o640, 0o604):
+        Path(path).chmod(mode)
+        with pytest.raises(ValueError, match=rf"readable by group or others \(mode {mode:04o}\); make it private"):
+            load_auth_tokens(path)
+    Path(path).chmod(0o400)
+    assert len(load_auth_tokens(path)) == 1
+
+
+def test_a_reload_swaps_the_tenants_and_keeps_the_budgets_used():
+    class Owner:
+        auth_table = None
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        path = write(Path(folder), [{"token": "a-token", "tenant": "a", "tokens_per_minute": 100}])
+        interceptor = AuthInterceptor(load_auth_tokens(path))
+        budget = interceptor.table.budget(Tenant("a"))
+        budget.reserve("a", 60)
+        write(Path(folder), [{"token": "a-token-2", "tenant": "a", "tokens_per_minute": 80},
+                             {"token": "b-token", "tenant": "b"}])
+        owner = Owner()
+        table = reload_auth(path, interceptor, [owner])
+        assert interceptor.table is table is owner.auth_table
+        assert table.authenticate("a-token") is None and table.authenticate("b-token") == Tenant("b")
+        kept = table.budget(table.authenticate("a-token-2"))
+        assert kept is budget and kept.limit == 80 and kept.used() == 60
+        Path(path).write_text("not json")
+        assert reload_auth(path, interceptor, [owner]) is None and interceptor.table is table

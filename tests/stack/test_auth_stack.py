@@ -45,6 +45,7 @@ class AuthStack:
 async def stack(tmp_path_factory) -> AsyncIterator[AuthStack]:
     tokens_file = tmp_path_factory.mktemp("auth") / "tokens.json"
     tokens_file.write_text(json.dumps(TENANTS))
+    tokens_file.chmod(0o600)
     model = str(STORIES_DIR)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(

@@ -36,6 +36,7 @@ BURST = 50
 async def stack(tmp_path_factory):
     tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
     tokens.write_text(json.dumps([{"token": "tok-a", "tenant": "a"}, {"token": "tok-b", "tenant": "b"}]))
+    tokens.chmod(0o600)
     stack = await start_small_stack(limits=SchedulerLimits(max_num_seqs=1, max_waiting_requests=3),
                                     max_waiting_per_tenant=2, auth_tokens_file=str(tokens), max_prompt_chars=1000)
     yield stack

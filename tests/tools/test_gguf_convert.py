@@ -129,12 +129,16 @@ def test_tokenizer_files(tiny):
     (dict(tokenizer_model="llama"), r"tokenizer.ggml.model is 'llama'"),
     (dict(pre="qwen2"), r"tokenizer.ggml.pre is 'qwen2'; the pre-tokenizers converted are gpt-2, smollm"),
     (dict(extra_tensor="blk.0.attn_q_norm.weight"), r"'blk.0.attn_q_norm.weight' has no place in the Llama layout"),
+    # A layer index the file chose must not size a loop (in keep mode it drove a ~7e9-step one).
+    (dict(extra_tensor="blk.999999999.attn_q.weight"),
+     r"'blk.999999999.attn_q.weight' names layer 999999999, past llama.block_count=2"),
 ])
-def test_what_cannot_be_served_is_refused_by_name(tmp_path, kwargs, message):
+@pytest.mark.parametrize("weights", ["fp32", "keep"])
+def test_what_cannot_be_served_is_refused_by_name(tmp_path, kwargs, message, weights):
     source = tmp_path / "bad.gguf"
     write_tiny_llama_gguf(source, **kwargs)
     with pytest.raises(ValueError, match=message):
-        convert_gguf(source, tmp_path / "model")
+        convert_gguf(source, tmp_path / "model", weights=weights)
     assert not (tmp_path / "model").exists() and not (tmp_path / "model.partial").exists()
 
 

@@ -26,7 +26,7 @@ def find_safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
+        files = sorted({_shard_path(model_dir, name) for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index.name} names shard(s) that do not exist: {', '.join(missing)}")
@@ -41,6 +41,18 @@ def find_safetensors_files(model_dir: Path) -> list[Path]:
             "safetensors only, because unpickling can execute code. Convert them to *.safetensors first."
         )
     raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+
+
+def _shard_path(model_dir: Path, name: object) -> Path:
+    """A shard named in the index, which must be a file of the model directory itself: a name
+    such as "../x", an absolute path or a symlink out would read weights from elsewhere."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or Path(name).name != name:
+        raise ValueError(f"model.safetensors.index.json names shard {name!r}; shards must be plain file names "
+                         f"in the model directory")
+    path = model_dir / name
+    if path.exists() and path.resolve().parent != model_dir.resolve():
+        raise ValueError(f"model.safetensors.index.json names shard {name!r}, which leads out of the model directory")
+    return path
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
