@@ -134,6 +134,11 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         tls_key: str = path_field(service, "tls_key", "PEM private key of --tls-cert")
         tls_client_ca: str = path_field(service, "tls_client_ca", "PEM CA certificate(s): require client "
                                                                   "certificates signed by them (mTLS)")
+        tls_allowed_clients: tuple[str, ...] = field(default=(), metadata={
+            "help": "with --tls-client-ca: only client certificates naming one of these (common name or DNS "
+                    "subject alternative name, comma-separated) may call; others get PERMISSION_DENIED "
+                    "(empty = any certificate the CA signed)",
+            "env": _env_prefix(service) + "TLS_ALLOWED_CLIENTS"})
         allow_insecure_bind: bool = field(default=False, metadata={
             "help": "listen on a non-loopback --host without mTLS (internal services) or, with bearer tokens, "
                     "without TLS (scheduler); off: such a bind is refused",

@@ -30,6 +30,7 @@ from services.common.bind_policy import check_bind
 from services.common.gc_thresholds import check_gc_young_threshold, set_gc_thresholds
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
+from services.common.peer_identity import PeerIdentityInterceptor
 from services.common.server import RunningServer, run_service, server_options, start_server
 from services.common.service_config import publish_port
 from services.common.settings import parse_config
@@ -51,6 +52,7 @@ class ServiceProcessConfig(Protocol):
     tls_cert: str
     tls_key: str
     tls_client_ca: str
+    tls_allowed_clients: tuple[str, ...]
     gc_young_threshold: int
     allow_insecure_bind: bool
     max_concurrent_rpcs: int
@@ -68,6 +70,8 @@ def check_process_fields(config: ServiceProcessConfig) -> None:
     if config.max_message_bytes < MIN_MESSAGE_BYTES:
         raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}")
     check_gc_young_threshold(config.gc_young_threshold)
+    if config.tls_allowed_clients and not config.tls_client_ca:
+        raise ValueError("tls_allowed_clients names client certificates: it needs --tls-client-ca (mTLS)")
     if config.max_concurrent_rpcs < 0:
         raise ValueError(f"max_concurrent_rpcs must be >= 0 (0 = no bound), got {config.max_concurrent_rpcs}")
     if (server_tls := ServerTLS.from_config(config)) is not None:
@@ -101,9 +105,10 @@ async def start_service(
     error mapping (so their errors become statuses); ``front_interceptors`` before both (see
     start_server). ``app``: kept as ``RunningServer.app``."""
     check_bind(config, name)
+    identity = [PeerIdentityInterceptor(config.tls_allowed_clients)] if config.tls_allowed_clients else []
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
-                              front_interceptors=front_interceptors,
+                              front_interceptors=[*identity, *front_interceptors],
                               options=server_options(config.max_message_bytes),
                               reflection_enabled=config.reflection, tls=ServerTLS.from_config(config), app=app,
                               max_concurrent_rpcs=config.max_concurrent_rpcs)

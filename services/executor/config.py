@@ -69,6 +69,10 @@ DEFAULT_PORT = 50053
 EXECUTOR_ROLES = ("mixed", "prefill", "decode")
 
 
+MIN_STEP_IDLE_TIMEOUT_S = 30.0
+"""Three of the scheduler's idle heartbeats (links/executor_link.py): a live session never times out."""
+
+
 @dataclass(slots=True)
 class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, backend_tls=True)):
     """tokenmill executor: runs the model over the step batches the scheduler plans."""
@@ -79,6 +83,10 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
                 "moves to a decode executor) or decode (requests whose prompt a prefill executor computed; it "
                 "pulls their KV from there, over the --backend-tls-* credentials when set)",
         "env": "TOKENMILL_EXECUTOR_ROLE"})
+    step_idle_timeout_s: float = field(default=60.0, metadata={
+        "help": "end a Step session that sends nothing for this long, so a silent client cannot hold the only "
+                "session (the scheduler sends an empty step every 10 s while idle); 0 = never",
+        "env": "TOKENMILL_EXECUTOR_STEP_IDLE_TIMEOUT_S"})
     skip_warmup: bool = field(default=False, metadata={
         "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
         "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
@@ -87,3 +95,8 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         self.executor.validate()
         if self.role not in EXECUTOR_ROLES:
             raise ValueError(f"role must be one of {', '.join(EXECUTOR_ROLES)}, got {self.role!r}")
+        if not self.step_idle_timeout_s >= 0:
+            raise ValueError(f"step_idle_timeout_s must be >= 0 (0 = never), got {self.step_idle_timeout_s}")
+        if 0 < self.step_idle_timeout_s < MIN_STEP_IDLE_TIMEOUT_S:
+            raise ValueError(f"step_idle_timeout_s must be 0 or >= {MIN_STEP_IDLE_TIMEOUT_S:g} (three of the "
+                             f"scheduler's idle heartbeats), got {self.step_idle_timeout_s}")

@@ -8,7 +8,9 @@ scheduler starts from a clean executor. The KV blocks need no freeing: the sched
 their accounting and a new one starts with all of them free.
 
 Only one session at a time: the sequence ids and block ids of two schedulers would collide
-in one runner, so a second concurrent Step call fails with FAILED_PRECONDITION.
+in one runner, so a second concurrent Step call fails with FAILED_PRECONDITION. A session
+that sends nothing for ``idle_timeout_s`` is ended (the scheduler sends an empty step while
+idle), and every plan is checked before it is queued (step_guard.py).
 
 The model runs in one dedicated worker thread (``loop.run_in_executor``), never on the event
 loop, so health checks and GetExecutorInfo answer while a step computes. The same thread
@@ -39,6 +41,7 @@ from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.step import ExecutorInfo, StepPlan, StepResult
 from services.common.tls import ClientTLS
 from services.executor.kv_transfer import KVTransfer
+from services.executor.step_guard import check_plan, idle_limited
 
 _log = structlog.get_logger("tokenmill.executor")
 
@@ -68,7 +71,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def __init__(self, worker: Executor, runner: asyncio.Future[StepRunner],
                  observe_step: Callable[[float], None] | None = None, role: str = "mixed",
-                 peer_tls: ClientTLS | None = None) -> None:
+                 peer_tls: ClientTLS | None = None, idle_timeout_s: float = 0.0) -> None:
         self._worker = worker
         self._runner = runner
         self._observe_step = observe_step
@@ -77,6 +80,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """How this executor reaches another to pull KV blocks from it."""
         self._kv_transfer: KVTransfer | None = None
         self._info: executor_pb2.ExecutorInfo | None = None
+        self._facts: ExecutorInfo | None = None
+        """The runner's bounds every plan is checked against (step_guard.py)."""
+        self.idle_timeout_s = idle_timeout_s
+        """A Step session that sends nothing this long is ended (0 = never; step_guard.py)."""
         self._active_session: int | None = None
         self._sessions_started = 0
 
@@ -162,11 +169,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         encoded and sent and plan N+1 read (about a millisecond of event-loop work here).
         """
         loop = asyncio.get_running_loop()
+        if self._facts is None:
+            self._facts = runner.info()
         try:
-            async for request in request_iterator:
+            async for request in idle_limited(request_iterator, self.idle_timeout_s):
                 if self._active_session != session:
                     return  # the session ended: its cleanup is queued, nothing may follow it
                 plan = plan_from_proto(request)
+                check_plan(plan, self._facts)  # before anything of it reaches the worker
                 if plan.is_empty and not plan.finished_seq_ids:
                     # Nothing to run (the scheduler's session handshake): answer without a trip
                     # to the worker, and without counting a step.

@@ -1,9 +1,11 @@
 """A throwaway local certificate authority for ``tokenmill up --tls`` (and tests).
 
-``write_dev_certificates(folder)`` makes a fresh CA and two leaf certificates signed by it, for
-``127.0.0.1``, ``::1`` and ``localhost``: one to serve with (every service presents it) and
-one to connect with (the scheduler to its backends, the launcher's health checks, the demo
-client, a developer's grpcurl). Keys are P-256, written unencrypted with mode 0600; the CA's
+``write_dev_certificates(folder)`` makes a fresh CA and three leaf certificates signed by it,
+for ``127.0.0.1``, ``::1`` and ``localhost``: one to serve with (every service presents it), one
+for the scheduler to connect to its backends with (common name SCHEDULER_IDENTITY, the only
+client the backends accept: --tls-allowed-clients), and one for clients of the public API (the
+demo, a developer's grpcurl), which the backends refuse: a user holding it cannot open the
+executor's Step session. Keys are P-256, written unencrypted with mode 0600; the CA's
 key is never written, so nothing more can be signed by it once the process ends.
 """
 
@@ -21,6 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 LOCAL_NAMES = ("localhost",)
+SCHEDULER_IDENTITY = "tokenmill scheduler"
+CLIENT_IDENTITY = "tokenmill client"
 LOCAL_IPS = ("127.0.0.1", "::1")
 VALIDITY = datetime.timedelta(days=30)
 CLOCK_SKEW = datetime.timedelta(minutes=5)
@@ -45,6 +49,8 @@ class DevCertificates:
     server_key: Path
     client_cert: Path
     client_key: Path
+    scheduler_cert: Path
+    scheduler_key: Path
 
 
 def _name(common_name: str) -> x509.Name:
@@ -116,17 +122,22 @@ def write_file(path: Path, data: bytes, *, private: bool = False) -> None:
 
 
 def write_dev_certificates(folder: str | os.PathLike[str]) -> DevCertificates:
-    """A fresh CA, a server certificate and a client certificate for loopback, in ``folder``."""
+    """A fresh CA, a server certificate and the scheduler's and a client's certificates for
+    loopback, in ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     authority = make_authority()
     server_cert, server_key = issue(authority, "tokenmill service", server=True)
-    client_cert, client_key = issue(authority, "tokenmill client", server=False, client=True)
+    client_cert, client_key = issue(authority, CLIENT_IDENTITY, server=False, client=True)
+    scheduler_cert, scheduler_key = issue(authority, SCHEDULER_IDENTITY, server=False, client=True)
     files = DevCertificates(folder, folder / "ca.pem", folder / "server.pem", folder / "server-key.pem",
-                            folder / "client.pem", folder / "client-key.pem")
+                            folder / "client.pem", folder / "client-key.pem", folder / "scheduler.pem",
+                            folder / "scheduler-key.pem")
     write_file(files.ca, cert_pem(authority.cert))
     write_file(files.server_cert, cert_pem(server_cert))
     write_file(files.server_key, key_pem(server_key), private=True)
     write_file(files.client_cert, cert_pem(client_cert))
     write_file(files.client_key, key_pem(client_key), private=True)
+    write_file(files.scheduler_cert, cert_pem(scheduler_cert))
+    write_file(files.scheduler_key, key_pem(scheduler_key), private=True)
     return files

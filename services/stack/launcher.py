@@ -8,8 +8,10 @@ stopping sends SIGTERM to the scheduler first, so client streams end cleanly, th
 
 With ``tls`` the launcher makes a throwaway CA and certificates for loopback in its run
 directory (services/stack/dev_ca.py) and every hop is mTLS: each service serves the server
-certificate and requires a client certificate from that CA; the scheduler, the launcher's
-health checks and the demo client present the client certificate (``Launcher.client_tls``).
+certificate and requires a client certificate from that CA; the scheduler presents its own to
+the backends, which accept no other (``--tls-allowed-clients``), the launcher's health checks
+use it for the backends (``Launcher.internal_tls``), and the demo client and users get the
+client certificate (``Launcher.client_tls``), good for the public API only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tls import ClientTLS
 from services.stack.client import open_channel
-from services.stack.dev_ca import DevCertificates, write_dev_certificates
+from services.stack.dev_ca import SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
 
 
 
@@ -103,9 +105,16 @@ class Launcher:
 
     @property
     def client_tls(self) -> ClientTLS | None:
-        """How a client connects to this stack's services (None: plaintext)."""
+        """How a client connects to this stack's public API (None: plaintext)."""
         certs = self.certificates
         return ClientTLS(str(certs.ca), str(certs.client_cert), str(certs.client_key)) if certs else None
+
+    @property
+    def internal_tls(self) -> ClientTLS | None:
+        """How the scheduler (and the launcher's health checks) reach the backends: with the
+        scheduler's certificate, the only client they accept."""
+        certs = self.certificates
+        return ClientTLS(str(certs.ca), str(certs.scheduler_cert), str(certs.scheduler_key)) if certs else None
 
     # ------------------------------------------------------------------ start
     def command(self, name: str, port: int = 0) -> list[str]:
@@ -129,8 +138,10 @@ class Launcher:
             base += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
                      "--tls-client-ca", str(certs.ca)]
             if name == "scheduler":
-                base += ["--backend-tls-ca", str(certs.ca), "--backend-tls-cert", str(certs.client_cert),
-                         "--backend-tls-key", str(certs.client_key)]
+                base += ["--backend-tls-ca", str(certs.ca), "--backend-tls-cert", str(certs.scheduler_cert),
+                         "--backend-tls-key", str(certs.scheduler_key)]
+            else:  # a backend: only the scheduler may call it (the public client certificate may not)
+                base += ["--tls-allowed-clients", SCHEDULER_IDENTITY]
         if name == "scheduler":
             base += ["--host", c.public_host,
                      "--executor-addresses", ",".join(self.services[n].address for n in self.executor_names),
@@ -158,7 +169,8 @@ class Launcher:
                                    + (f"; see {svc.log_path}" if svc.log_path else ""))
             if svc.port_file.is_file() and svc.port_file.read_text().strip():
                 svc.port = int(svc.port_file.read_text())
-                if health_status(svc.address, timeout=1.0, tls=self.client_tls) == "SERVING":
+                tls = self.client_tls if svc.kind == "scheduler" else self.internal_tls
+                if health_status(svc.address, timeout=1.0, tls=tls) == "SERVING":
                     return
             time.sleep(0.05)
         raise TimeoutError(f"{svc.name} did not report SERVING within {timeout:.0f}s")

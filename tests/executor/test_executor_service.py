@@ -223,18 +223,32 @@ def decode_request(step_id: int, seq_id: int, new_blocks: list[int] = ()) -> exe
 
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time"
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.mark.parametrize(
     ("request_message", "details"),
     [
         (decode_request(1, 99), "step 1 continues unknown sequence 99"),
-        (new_sequence_request(1, 5, list(range(3, 23)), [0]),
-         "sequence 5: 20 tokens need 3 blocks, its block table has 1"),
+        (new_sequence_request(1, 5, list(range(3, 23)), [0]), "new[0].block_ids has 1 blocks; 20 tokens need 3"),
         # Block ids index the pool inside kernels: one outside it is refused before any kernel runs.
         (new_sequence_request(1, 5, PROMPT, [NUM_BLOCKS]),
-         f"sequence 5: block id {NUM_BLOCKS} is outside the KV pool of {NUM_BLOCKS} blocks"),
-        (new_sequence_request(1, 5, PROMPT, [-1]), f"sequence 5: block id -1 is outside the KV pool of {NUM_BLOCKS} blocks"),
+         f"new[0].block_ids[0] = {NUM_BLOCKS} is outside the KV pool of {NUM_BLOCKS} blocks"),
+        (new_sequence_request(1, 5, PROMPT, [-1]), f"new[0].block_ids[0] = -1 is outside the KV pool of {NUM_BLOCKS} blocks"),
+        (decode_request(1, 5, [NUM_BLOCKS + 3]),
+         f"running[0].new_block_ids[0] = {NUM_BLOCKS + 3} is outside the KV pool of {NUM_BLOCKS} blocks"),
+        # Everything else a new sequence names is checked too, before the plan reaches the worker.
+        (new_sequence_request(1, 5, [1, 512, 7], [0]), "new[0].token_ids[1] = 512 is outside the vocabulary [0, 512)"),
+        (plan_to_proto(StepPlan(1, new=[NewSequence(5, PROMPT, len(PROMPT), len(PROMPT), 1, [0], GREEDY)])),
+         f"new[0].num_computed_tokens {len(PROMPT)} must be in [0, {len(PROMPT)}): at least the last known token is "
+         "computed by the step"),
+        (plan_to_proto(StepPlan(1, new=[NewSequence(5, PROMPT, 0, 0, len(PROMPT), [0], GREEDY)])),
+         f"new[0].prompt_len 0 must be in [1, {len(PROMPT)}] (its known tokens)"),
+        (plan_to_proto(StepPlan(1, new=[NewSequence(5, list(range(3, 23)), 20, 0, 20, [4, 9, 4], GREEDY)])),
+         "new[0].block_ids names a block twice: [4, 9, 4]"),
+        (plan_to_proto(StepPlan(1, new=[NewSequence(5, PROMPT, len(PROMPT), 0, len(PROMPT), [0],
+                                                    SamplingParams(temperature=0.0, top_p=0.0))])),
+         "new[0].sampling: top_p must be in (0, 1], got 0.0"),
         (executor_pb2.StepRequest(step_id=1, running_seq_ids=[5]),
          "running_num_scheduled_tokens has 0 entries; expected 1 (one per sequence)"),
     ],
@@ -302,7 +316,7 @@ class BlockingRunner:
         self.release = threading.Event()
 
     def info(self) -> ExecutorInfo:
-        return ExecutorInfo(4, 16, 64, 32, "float32", "cpu", "torch", "fake", "LlamaForCausalLM", None, (2,))
+        return ExecutorInfo(4, 16, 64, 512, "float32", "cpu", "torch", "fake", "LlamaForCausalLM", None, (2,))
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.entered.set()

@@ -51,10 +51,10 @@ class SmallStack:
 
 
 async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, model=STORIES_DIR,
-                            **scheduler_overrides) -> SmallStack:
+                            executor_overrides: dict | None = None, **scheduler_overrides) -> SmallStack:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(model)))
     executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
-        model=str(model), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS)))
+        model=str(model), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS), **(executor_overrides or {})))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **scheduler_overrides))

@@ -330,3 +330,20 @@ async def test_client_visible_messages_name_no_path_or_address(stack):
     full = await generate(stack, request(), None)
     for details in (refused.details, full.details, info.model_path):
         assert "/" not in details and "127.0.0.1" not in details, details
+
+
+async def test_a_second_step_session_is_refused_while_the_scheduler_holds_the_executor(stack):
+    # A local process cannot take the executor from the scheduler (its idle session stays up on
+    # heartbeats, tests/executor/test_step_guard.py) nor send it plans: only one session runs.
+    from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+    from services.common.server import create_channel
+    from tests.helpers.service_harness import StreamSession, expect_status
+
+    async def attack():
+        async with create_channel(stack.executor.address) as channel:
+            session = StreamSession(executor_pb2_grpc.ExecutorStub(channel).Step)
+            return await expect_status(session.exchange(executor_pb2.StepRequest(step_id=1)),
+                                       grpc.StatusCode.FAILED_PRECONDITION)
+
+    victim, details = await while_victim_streams(stack, attack)
+    assert "another Step stream" in details and victim.completed()

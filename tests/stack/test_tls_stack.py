@@ -2,8 +2,10 @@
 require the scheduler's client certificate, the scheduler verifies theirs and requires one from
 its own clients. Greedy streams equal those of the same stack without TLS; a scheduler that
 does not present the client certificate, or speaks plaintext, cannot reach its backends; a
-plaintext or certificate-less client is refused by the public API; `tokenmill generate` reaches
-it with --tls-ca/--tls-cert/--tls-key or the TOKENMILL_TLS_* variables."""
+plaintext or certificate-less client is refused by the public API; a client holding the public
+API's certificate (signed by the same CA) is refused by the backends, which take the scheduler's
+alone (--tls-allowed-clients); `tokenmill generate` reaches it with --tls-ca/--tls-cert/--tls-key
+or the TOKENMILL_TLS_* variables."""
 
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ import pytest_asyncio
 import structlog
 
 from services.common.errors import UnavailableError
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, generation_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from services.common.tls import ClientTLS
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
-from services.stack.dev_ca import DevCertificates, write_dev_certificates
+from services.stack.dev_ca import SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
 from tests.helpers.service_harness import STORIES_DIR
@@ -52,6 +54,12 @@ class Stack:
         return generation_pb2_grpc.GenerationStub(self.channel)
 
 
+def backend_server_flags(pki: DevCertificates | None) -> dict:
+    """A backend's: mTLS, and only the scheduler's certificate may call it."""
+    flags = server_flags(pki)
+    return {**flags, "tls_allowed_clients": (SCHEDULER_IDENTITY,)} if pki is not None else flags
+
+
 def server_flags(pki: DevCertificates | None) -> dict[str, str]:
     if pki is None:
         return {}
@@ -59,8 +67,8 @@ def server_flags(pki: DevCertificates | None) -> dict[str, str]:
 
 
 def backend_flags(pki: DevCertificates) -> dict[str, str]:
-    return dict(backend_tls_ca=str(pki.ca), backend_tls_cert=str(pki.client_cert),
-                backend_tls_key=str(pki.client_key))
+    return dict(backend_tls_ca=str(pki.ca), backend_tls_cert=str(pki.scheduler_cert),
+                backend_tls_key=str(pki.scheduler_key))
 
 
 def client_tls(pki: DevCertificates) -> ClientTLS:
@@ -68,9 +76,9 @@ def client_tls(pki: DevCertificates) -> ClientTLS:
 
 
 async def start_stack(pki: DevCertificates | None) -> Stack:
-    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **server_flags(pki)))
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **backend_server_flags(pki)))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(model=MODEL, **EXECUTOR_FLAGS),
-                                                          **server_flags(pki)))
+                                                          **backend_server_flags(pki)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **server_flags(pki), **(backend_flags(pki) if pki else {})))
@@ -167,3 +175,26 @@ async def test_tokenmill_generate_reaches_the_mtls_stack_with_flags_or_environme
     assert await asyncio.to_thread(generate_main, [*common, "--address", secure.scheduler.address]) == 2
     assert capsys.readouterr().err.strip() == (
         "tokenmill generate: error: --tls-ca /nonexistent/ca.pem: cannot read it: No such file or directory")
+
+
+async def test_the_public_client_certificate_cannot_drive_a_backend(stacks, pki) -> None:
+    # The CA signed it, so the TLS handshake passes; the backends serve only the scheduler.
+    secure, _ = stacks
+    user = ClientTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+    async with create_channel(secure.executor.address, tls=user) as channel:
+        step = executor_pb2_grpc.ExecutorStub(channel).Step(iter([executor_pb2.StepRequest(step_id=1)]), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [reply async for reply in step]
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await executor_pb2_grpc.ExecutorStub(channel).GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(),
+                                                                          timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with create_channel(secure.tokenizer.address, tls=user) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await tokenizer_pb2_grpc.TokenizerStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    scheduler = ClientTLS(str(pki.ca), str(pki.scheduler_cert), str(pki.scheduler_key))
+    async with create_channel(secure.tokenizer.address, tls=scheduler) as channel:
+        reply = await tokenizer_pb2_grpc.TokenizerStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=5)
+        assert list(reply.token_ids)

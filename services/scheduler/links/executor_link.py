@@ -26,7 +26,19 @@ from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, wai
 
 PULL_TIMEOUT_S = 60.0
 HANDSHAKE_STEP_ID = 2**64 - 1
-"""An empty step sent when a session opens; scheduler step ids count up from 0."""
+"""An empty step sent when a session opens (and as a heartbeat); scheduler step ids count up from 0."""
+STEP_HEARTBEAT_S = 10.0
+"""With nothing written for this long, an empty step tells the executor the session is alive:
+it ends sessions that go silent (its step_idle_timeout_s, at least three heartbeats)."""
+
+
+class _Beat:
+    """A heartbeat in the order of answers: its empty answer is read and dropped."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call) -> None:
+        self.call = call
 
 
 class ExecutorLink:
@@ -50,6 +62,12 @@ class ExecutorLink:
         """The call each sent plan was written to, oldest first: its result is read there even
         if the watcher has dropped the call meanwhile (to report how the stream ended)."""
         self._watcher: asyncio.Task | None = None
+        self._beating: asyncio.Task | None = None
+        self._last_write = 0.0
+        # A heartbeat may write and read while the engine is idle: one writer and one reader at
+        # a time on the call (uncontended, neither lock waits).
+        self._write_lock = asyncio.Lock()
+        self._read_lock = asyncio.Lock()
         self.info: ExecutorInfo | None = None
         self._on_lost = on_lost
         """Called when a confirmed session ends without a step failing on it."""
@@ -82,6 +100,7 @@ class ExecutorLink:
             try:
                 await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
                 self._watcher = asyncio.create_task(self._watch(self._call), name="executor-session-watch")
+                self._beating = asyncio.create_task(self._beat(self._call), name="executor-session-heartbeat")
                 return self.info
             except UnavailableError:
                 if asyncio.get_running_loop().time() > deadline:
@@ -94,6 +113,27 @@ class ExecutorLink:
             self._call = None
             self._on_lost()
 
+    async def _beat(self, call) -> None:
+        """An empty step whenever nothing was written for STEP_HEARTBEAT_S; read here when no
+        plan was sent behind it, else by ``receive`` in its turn."""
+        loop = asyncio.get_running_loop()
+        while self._call is call:
+            await asyncio.sleep(STEP_HEARTBEAT_S)
+            if self._call is not call or loop.time() - self._last_write < STEP_HEARTBEAT_S:
+                continue
+            beat = _Beat(call)
+            self._awaiting.append(beat)
+            try:
+                async with self._write_lock:
+                    await call.write(plan_to_proto(StepPlan(step_id=HANDSHAKE_STEP_ID)))
+                self._last_write = loop.time()
+                async with self._read_lock:
+                    if self._awaiting and self._awaiting[0] is beat:
+                        self._awaiting.popleft()
+                        await call.read()
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                return  # the watcher reports the end
+
     async def step(self, plan: StepPlan) -> StepResult:
         await self.send(plan)
         return await self.receive(plan.step_id)
@@ -105,16 +145,29 @@ class ExecutorLink:
             raise UnavailableError(f"executor at {self.address} is not connected")
         self._awaiting.append(call)
         try:
-            await call.write(plan_to_proto(plan))
+            async with self._write_lock:
+                await call.write(plan_to_proto(plan))
+            self._last_write = asyncio.get_running_loop().time()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._call = None
             raise UnavailableError(f"executor at {self.address} failed: {await ended(call, exc)}") from None
 
     async def receive(self, step_id: int) -> StepResult:
         """Read the result of the oldest plan sent and not yet received (``step_id``'s)."""
-        if not self._awaiting:
-            raise UnavailableError(f"executor at {self.address}: no step {step_id} was sent on this session")
-        call = self._awaiting.popleft()  # the watcher may drop self._call while this step awaits
+        async with self._read_lock:
+            return await self._receive(step_id)
+
+    async def _receive(self, step_id: int) -> StepResult:
+        while True:
+            if not self._awaiting:
+                raise UnavailableError(f"executor at {self.address}: no step {step_id} was sent on this session")
+            call = self._awaiting.popleft()  # the watcher may drop self._call while this step awaits
+            if not isinstance(call, _Beat):
+                break
+            try:
+                await call.call.read()  # a heartbeat's empty answer, ahead of this step's
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                pass  # the step's own read below reports how the stream ended
         try:
             response = await call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
@@ -151,6 +204,9 @@ class ExecutorLink:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
+        if self._beating is not None:
+            self._beating.cancel()
+            self._beating = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -1,0 +1,67 @@
+"""The executor's Step session cannot be held by a silent client (services/executor/step_guard.py):
+a session that sends nothing for step_idle_timeout_s is ended with DEADLINE_EXCEEDED and the
+next one starts, while the scheduler's own idle session stays up on its heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+from services.common.server import create_channel, start_server
+from services.executor.servicer import ExecutorServicer
+from services.scheduler.links import executor_link
+from tests.executor.test_executor_service import SERVICE, BlockingRunner, decode_request
+from tests.helpers.service_harness import StreamSession, expect_status
+from tests.helpers.small_stack import start_small_stack
+from tests.helpers.stack_streams import greedy_request, record_stream
+
+IDLE_S = 0.6
+
+
+async def test_a_silent_session_is_ended_and_the_next_one_starts():
+    worker = ThreadPoolExecutor(max_workers=1)
+    servicer = ExecutorServicer(worker, BlockingRunner(), idle_timeout_s=IDLE_S)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+        return [SERVICE]
+
+    running = await start_server("executor", register, port=0)
+    try:
+        async with create_channel(running.address) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            holder = StreamSession(stub.Step)
+            reply = await holder.exchange(executor_pb2.StepRequest(step_id=7))  # the handshake, then silence
+            assert reply.step_id == 7
+            second = StreamSession(stub.Step)
+            details = await expect_status(second.exchange(decode_request(1, 3)), grpc.StatusCode.FAILED_PRECONDITION)
+            assert "another Step stream" in details
+            started = time.monotonic()
+            assert await holder.call.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # it sent nothing more
+            assert IDLE_S * 0.5 <= time.monotonic() - started < IDLE_S * 5
+            third = StreamSession(stub.Step)
+            assert (await third.exchange(executor_pb2.StepRequest(step_id=9))).step_id == 9
+            assert await third.close() == grpc.StatusCode.OK
+    finally:
+        await running.stop(grace=0)
+        worker.shutdown(wait=False)
+
+
+async def test_the_schedulers_idle_session_stays_up_on_its_heartbeats(monkeypatch):
+    monkeypatch.setattr(executor_link, "STEP_HEARTBEAT_S", IDLE_S / 4)
+    stack = await start_small_stack(executor_overrides=dict(step_idle_timeout_s=IDLE_S))
+    try:
+        link = next(iter(stack.scheduler.app.executors.values()))
+        session = link._call
+        await asyncio.sleep(4 * IDLE_S)  # idle: nothing to plan, only heartbeats
+        assert link._call is session, "the idle session was ended (and reconnected)"
+        record = await record_stream(stack.stub, greedy_request("Once upon a time", 8))
+        assert record.code == grpc.StatusCode.OK and len(record.token_ids) == 8
+        assert link._call is session
+    finally:
+        await stack.stop()
