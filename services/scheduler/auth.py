@@ -15,7 +15,7 @@ grpcurl need them, and they reveal nothing a tenant could misuse.
 Tokens are compared in constant time (hmac.compare_digest against every known token, so the
 time taken does not say which one, or how much of one, matched) and are never logged: only
 the tenant name is, bound to every log line of the call. The file must be private to the
-server's user (no group or other permission bits) and is re-read on SIGHUP (``reload_auth``):
+server's user (its group may read it) and is re-read on SIGHUP (``reload_auth``):
 a file that no longer loads leaves the tenants as they were, with an error in the log.
 """
 
@@ -118,10 +118,12 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
     origin = str(path)
     try:
         mode = Path(path).stat().st_mode
-        if mode & 0o077:
-            # As ssh does for a private key: a token file others may read hands out every tenant.
-            raise ValueError(f"auth_tokens_file {origin}: readable by group or others (mode {stat.S_IMODE(mode):04o}); "
-                             f"make it private (chmod 600)")
+        if mode & 0o027:
+            # A token file others may read hands out every tenant; one others may write, tenants.
+            # Group read stays allowed: a Kubernetes Secret is mounted root-owned, readable by
+            # the pod's fsGroup.
+            raise ValueError(f"auth_tokens_file {origin}: open to others or writable by its group (mode "
+                             f"{stat.S_IMODE(mode):04o}); make it private (chmod 600, or 640)")
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"auth_tokens_file {origin}: cannot read it: {exc.strerror or exc}") from None

@@ -318,12 +318,16 @@ class LocalCluster:
         return mounts
 
     def _fill(self, folder: Path, data: Mapping[str, str], pod: LocalPod, volume: dict) -> None:
-        items = (volume.get("configMap") or volume.get("secret") or {}).get("items")
+        source = volume.get("configMap") or volume.get("secret") or {}
+        items = source.get("items")
         files = {item["path"]: data[item["key"]] for item in items} if items else dict(data)
         for path, content in files.items():
             target = folder / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content)
+            # The kubelet's file mode (0644 unless the volume says; the scheduler refuses a tokens
+            # file others may read).
+            target.chmod(source.get("defaultMode", 0o644))
 
     def _rewrite_files(self, pod: LocalPod, mounts: Mapping[str, Path]) -> None:
         """Configuration files mounted from ConfigMaps name cluster addresses and image paths too."""

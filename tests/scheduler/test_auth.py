@@ -116,12 +116,14 @@ def test_a_reservation_settles_to_what_the_request_used_however_it_ended():
 
 def test_a_tokens_file_others_may_read_is_refused(tmp_path):
     path = write(tmp_path, [{"token": "x", "tenant": "a"}])
-    for mode in (0o644, 0o640, 0o604):
+    for mode in (0o644, 0o604, 0o660, 0o602):
         Path(path).chmod(mode)
-        with pytest.raises(ValueError, match=rf"readable by group or others \(mode {mode:04o}\); make it private"):
+        with pytest.raises(ValueError, match=rf"open to others or writable by its group \(mode {mode:04o}\); make it "
+                                             r"private"):
             load_auth_tokens(path)
-    Path(path).chmod(0o400)
-    assert len(load_auth_tokens(path)) == 1
+    for mode in (0o400, 0o440, 0o640):  # group read: a Kubernetes Secret's fsGroup
+        Path(path).chmod(mode)
+        assert len(load_auth_tokens(path)) == 1
 
 
 def test_a_reload_swaps_the_tenants_and_keeps_the_budgets_used():
