@@ -2,10 +2,26 @@
 one per module): what one tenant sends must never end, slow or reveal another tenant's streams.
 
 The model is stories260K with its config vocab padded to 1,024 rows past its tokenizer's 512
-ids (tests/helpers/padded_vocab.py), as Qwen2-family checkpoints ship theirs. Each test names
-the finding it guards; the local parts of each finding have unit tests beside their modules
-(tests/scheduler/test_hostile_engine.py, test_request_limits.py, tests/tokenizer/test_hostile_chat.py,
-tests/executor/test_padded_vocab.py ...).
+ids (services/tools/padded_vocab.py), as Qwen2-family checkpoints ship theirs. Here: ids past
+the tokenizer and the padded rows, oversized requests, the prefix cache, token budgets, the
+per-tenant queue share, request ids, callers without a token, what messages reveal, a second
+Step session. The local parts of each finding, and those that need a stack of their own, are
+tested beside their modules:
+
+- a stream the detokenizer refuses, drafts past the vocabulary: tests/scheduler/test_hostile_engine.py
+- the padded rows masked in every sampling path: tests/executor/test_padded_vocab.py
+- per-stream Detokenize failures: tests/tokenizer/test_tokenizer_service.py, test_detokenizer.py
+- sizes on the message, the message limit: tests/scheduler/test_request_limits.py
+- chat counts, template deadlines, special-token text in messages: tests/tokenizer/test_hostile_chat.py
+- cache scopes, budgets, the queue share, refusal logs: tests/scheduler/test_block_manager.py,
+  test_auth.py, test_admission.py, tests/common/test_log_limit.py
+- plan fields, silent sessions, allowed client certificates: tests/executor/test_executor_service.py,
+  test_step_guard.py, tests/stack/test_tls_stack.py
+- GetProfile's cost: tests/scheduler/test_profile_cache.py
+- binds, /metrics on loopback, concurrent calls, pings: tests/common/test_bind_policy.py,
+  test_server_bootstrap.py
+- the tokens file's mode and reload: tests/scheduler/test_auth.py; shard paths:
+  tests/runtime/model/test_shard_paths.py; GGUF layer indices: tests/tools/test_gguf_convert.py
 """
 
 from __future__ import annotations
