@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="each phase (alone, flooded)")
     parser.add_argument("--attackers", type=int, default=4, help="the attacker's concurrent loops")
     parser.add_argument("--victim-streams", type=int, default=2)
+    parser.add_argument("--executor-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra executor flag, e.g. --executor-arg=--attention-backend=torch (repeatable)")
     parser.add_argument("--attack-at", help=argparse.SUPPRESS)  # the attacker's client process
     parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens.chmod(0o600)
     launcher = Launcher(LaunchConfig(
         model=str(model), public_port=0, log_dir=str(run_dir / "logs"),
-        executor_args=["--num-blocks=512", "--block-size=16", "--dtype=fp32", "--device=cpu"],
+        executor_args=["--num-blocks=512", "--block-size=16", "--dtype=fp32", "--device=cpu", *args.executor_arg],
         scheduler_args=["--max-num-seqs=8", f"--auth-tokens-file={tokens}"],
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
     launcher.start()

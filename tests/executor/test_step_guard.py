@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import create_channel, start_server
