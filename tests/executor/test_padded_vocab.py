@@ -13,6 +13,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.model.vocab import sampled_vocab_size, tokenizer_vocab_size
 from tests.conftest import STORIES_DIR
@@ -40,7 +41,8 @@ def test_the_sampled_vocabulary_is_the_smaller_of_config_and_tokenizer(padded_di
 @pytest.mark.parametrize("cpu_decode", ["eager", "fused"])
 def test_padded_rows_are_never_sampled(padded_dir, cpu_decode: str) -> None:
     runner = ModelRunner(ExecutorConfig(model=str(padded_dir), dtype="fp32", device="cpu", attention_backend="cpu",
-                                        block_size=BLOCK_SIZE, num_blocks=64, seed=5, cpu_decode=cpu_decode))
+                                        block_size=BLOCK_SIZE, num_blocks=64, seed=5,
+                                        fused_decode=FusedDecodeSettings(cpu_decode=cpu_decode)))
     assert runner.model_config.vocab_size == 2 * TOKENIZER_VOCAB
     assert runner.info().vocab_size == TOKENIZER_VOCAB
     samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=5),

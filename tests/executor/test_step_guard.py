@@ -12,6 +12,7 @@ import grpc
 
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import create_channel, start_server
+from services.executor import config as executor_config
 from services.executor.servicer import ExecutorServicer
 from services.scheduler.links import executor_link
 from tests.executor.test_executor_service import SERVICE, BlockingRunner, decode_request
@@ -24,7 +25,9 @@ IDLE_S = 0.6
 
 async def test_a_silent_session_is_ended_and_the_next_one_starts():
     worker = ThreadPoolExecutor(max_workers=1)
-    servicer = ExecutorServicer(worker, BlockingRunner(), idle_timeout_s=IDLE_S)
+    loaded = asyncio.get_running_loop().create_future()
+    loaded.set_result(BlockingRunner())
+    servicer = ExecutorServicer(worker, loaded, idle_timeout_s=IDLE_S)
 
     def register(server: grpc.aio.Server) -> list[str]:
         executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
@@ -53,6 +56,7 @@ async def test_a_silent_session_is_ended_and_the_next_one_starts():
 
 async def test_the_schedulers_idle_session_stays_up_on_its_heartbeats(monkeypatch):
     monkeypatch.setattr(executor_link, "STEP_HEARTBEAT_S", IDLE_S / 4)
+    monkeypatch.setattr(executor_config, "MIN_STEP_IDLE_TIMEOUT_S", IDLE_S)  # three heartbeats, scaled down
     stack = await start_small_stack(executor_overrides=dict(step_idle_timeout_s=IDLE_S))
     try:
         link = next(iter(stack.scheduler.app.executors.values()))
