@@ -368,6 +368,21 @@ async def test_a_body_over_the_limit_is_413(gw):
     assert info.value.status_code == 413 and envelope(info.value)["code"] == "request_too_large"
 
 
+async def test_lists_are_counted_before_their_items_are_validated(gw):
+    # 1,025 turns: refused by the gateway itself (an 8 MiB body of empty turns used to cost the
+    # gateway's event loop seconds of validation), and a stream beside it is served.
+    many = await gw.http.post("/v1/chat/completions", headers={"authorization": f"Bearer {ALPHA}"}, json={
+        "model": "stories", "messages": [{"role": "user", "content": ""}] * 1025})
+    assert many.status_code == 400, many.text
+    error = many.json()["error"]
+    assert error["param"] == "messages" and "at most 1024 entries, got 1025" in error["message"], error
+    bias = await gw.http.post("/v1/completions", headers={"authorization": f"Bearer {ALPHA}"}, json={
+        "model": "stories", "prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(1025)}})
+    assert bias.status_code == 400 and bias.json()["error"]["param"] == "logit_bias", bias.text
+    done = await gw.client.completions.create(model="stories", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens == 4
+
+
 async def test_framework_errors_use_the_openai_envelope(gw):
     bad_json = await gw.http.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     missing = await gw.http.post("/v1/chat/completions", json={"model": "stories"})

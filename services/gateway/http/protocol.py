@@ -6,17 +6,36 @@ support yet (``tools``, ``response_format``, ``suffix`` ...) are declared, so th
 accepted, and refused by ``unsupported()`` when set. Ranges follow OpenAI's where it states
 them (temperature [0, 2], penalties [-2, 2], logit bias [-100, 100]) and the engine's
 otherwise. Response models document /openapi.json; handlers build the same shapes as dicts.
+
+Every list and map is counted before its items are validated (``at_most``): pydantic's own
+``max_length`` applies after validation, so a body of 250,000 empty chat messages (8 MiB) cost
+the event loop, which every other client's stream shares, six seconds of validation before
+its refusal.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 1024
+"""As the engine's (its scheduler and tokenizer refuse more turns)."""
+MAX_PROMPTS = 1024
+MAX_CONTENT_PARTS = 1024
+
+
+def at_most(limit: int) -> BeforeValidator:
+    """A list or map of more than ``limit`` entries is refused before any entry is validated."""
+    def check(value: Any) -> Any:
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise ValueError(f"at most {limit} entries, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
 
 
 class StreamOptions(BaseModel):
@@ -40,9 +59,10 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
+                          at_most(1024)] = Field(None, max_length=1024)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    stop: Annotated[str | list[Annotated[str, Field(min_length=1)]] | None, at_most(16)] = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
     # vLLM's extra sampling parameters.
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
@@ -51,14 +71,16 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: Annotated[list[TokenId] | None, at_most(MAX_STOP_TOKEN_IDS)] = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     """Scheduling priority: lower is served first."""
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | Annotated[list[str], at_most(MAX_PROMPTS)] | list[TokenId] \
+        | Annotated[list[list[TokenId]], at_most(MAX_PROMPTS)]
     max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -83,7 +105,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)]
     name: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
@@ -96,12 +118,14 @@ UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call",
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_CHAT_MESSAGES)] = Field(
+        min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]] | None, at_most(16)] = Field(
+        None, max_length=16)
     """OpenAI's request metadata; tokenmill's conditional routes read it as metadata.<key>."""
     store: bool | None = None
     service_tier: str | None = None
