@@ -7,12 +7,15 @@ API would open every backend too: a user could hold the executor's only Step ses
 steps that read K/V blocks another tenant's prompt filled. So each backend names the identities
 it serves (the scheduler's, by default in ``tokenmill up --tls``), matched against the
 certificate's subject common name and its DNS subject alternative names, and refuses any other
-call with PERMISSION_DENIED before its handler runs.
+call with PERMISSION_DENIED before its handler runs. A method may take more identities than its
+service does (``method_clients``): an executor's ReadKVBlocks takes the other executors'
+certificates (--tls-peer-clients), which open nothing else there, not the Step session nor a
+PullKVBlocks that writes into the pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -35,10 +38,12 @@ def peer_names(context: grpc.aio.ServicerContext) -> set[str]:
 
 
 class PeerIdentityInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, allowed: Iterable[str]) -> None:
+    def __init__(self, allowed: Iterable[str], method_clients: Mapping[str, Iterable[str]] | None = None) -> None:
         self.allowed = frozenset(allowed)
         if not self.allowed:
             raise ValueError("tls_allowed_clients must name at least one identity")
+        self._by_method = {method: self.allowed | frozenset(names) for method, names in (method_clients or {}).items()}
+        """Full method name -> the identities it takes (its service's and its own)."""
         self.refused = 0
 
     async def intercept_service(
@@ -55,7 +60,7 @@ class PeerIdentityInterceptor(grpc.aio.ServerInterceptor):
 
     async def _check(self, context: grpc.aio.ServicerContext, method: str) -> None:
         names = peer_names(context)
-        if names & self.allowed:
+        if names & self._by_method.get(method, self.allowed):
             return
         self.refused += 1
         _refusals.log("warning", "peer_not_allowed", method, method=method, peer=context.peer(), names=sorted(names))

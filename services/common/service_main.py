@@ -19,7 +19,7 @@ configured, the server started with the metrics interceptor when metrics are on,
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
@@ -98,14 +98,17 @@ async def start_service(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     front_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     app: Any = None,
+    method_clients: Mapping[str, Sequence[str]] | None = None,
 ) -> RunningServer:
     """Bind and start the server on the config's address (health NOT_SERVING unless ``serving``).
 
     ``interceptors`` run inside the RPC timer (so refused calls are timed too) and inside the
     error mapping (so their errors become statuses); ``front_interceptors`` before both (see
-    start_server). ``app``: kept as ``RunningServer.app``."""
+    start_server). ``app``: kept as ``RunningServer.app``. ``method_clients``: identities a method
+    takes beside ``tls_allowed_clients`` (peer_identity.py)."""
     check_bind(config, name)
-    identity = [PeerIdentityInterceptor(config.tls_allowed_clients)] if config.tls_allowed_clients else []
+    identity = ([PeerIdentityInterceptor(config.tls_allowed_clients, method_clients)]
+                if config.tls_allowed_clients else [])
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               front_interceptors=[*identity, *front_interceptors],

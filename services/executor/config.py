@@ -87,6 +87,10 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         "help": "end a Step session that sends nothing for this long, so a silent client cannot hold the only "
                 "session (the scheduler sends an empty step every 10 s while idle); 0 = never",
         "env": "TOKENMILL_EXECUTOR_STEP_IDLE_TIMEOUT_S"})
+    tls_peer_clients: tuple[str, ...] = field(default=(), metadata={
+        "help": "with --tls-allowed-clients: client certificate identities (comma-separated) that may also call "
+                "ReadKVBlocks, and nothing else here: the other executors, which pull a prompt's KV from this one",
+        "env": "TOKENMILL_EXECUTOR_TLS_PEER_CLIENTS"})
     skip_warmup: bool = field(default=False, metadata={
         "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
         "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
@@ -100,3 +104,6 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         if 0 < self.step_idle_timeout_s < MIN_STEP_IDLE_TIMEOUT_S:
             raise ValueError(f"step_idle_timeout_s must be 0 or >= {MIN_STEP_IDLE_TIMEOUT_S:g} (three of the "
                              f"scheduler's idle heartbeats), got {self.step_idle_timeout_s}")
+        if self.tls_peer_clients and not self.tls_allowed_clients:
+            raise ValueError("tls_peer_clients widens --tls-allowed-clients for ReadKVBlocks: set that too "
+                             "(without it every certificate the CA signed may call everything)")

@@ -8,6 +8,13 @@ the runner's one worker thread, so a copy interleaves with steps but never races
 scheduler only names blocks no step of either executor uses meanwhile (the prefill side
 holds them until the copy is acknowledged, the decode side has not handed them to a
 sequence yet).
+
+Both are bounded before any work: no more block ids than the pool has (a ReadKVBlocks naming
+one block four million times would hold the worker thread, and every step behind it, for
+seconds), a source address of a sane length, and a few kept channels (one per source executor;
+an address per call must not grow them for ever). Who may call either is the port's business:
+PullKVBlocks the scheduler alone, ReadKVBlocks the other executors too
+(``--tls-allowed-clients``, ``--tls-peer-clients``; services/common/peer_identity.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from services.runtime.kv_cache import KVCache
 CHUNK_BYTES = 4 * 1024 * 1024
 """About how much one KVBlockChunk carries (at least one block): well under the message limit."""
 READ_TIMEOUT_S = 60.0
+MAX_SOURCE_ADDRESS_CHARS = 256
+MAX_KEPT_CHANNELS = 8
+"""Source executors whose channels are kept open; the least recently used one is closed beyond."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,8 @@ class PullReport:
 
 
 def _check_ids(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    if len(block_ids) > num_blocks:
+        raise InvalidArgumentError(f"{field} has {len(block_ids)} entries; at most the pool's {num_blocks} blocks")
     for index, block_id in enumerate(block_ids):
         if not 0 <= block_id < num_blocks:
             raise InvalidArgumentError(f"{field}[{index}] = {block_id} is outside the pool's [0, {num_blocks})")
@@ -59,9 +71,10 @@ class KVTransfer:
 
     async def read(self, layout: str, block_ids: Sequence[int]) -> AsyncIterator[tuple[int, int, list[bytes]]]:
         """(first, count, layers) chunks of ``block_ids`` for a reader whose pool has ``layout``."""
-        if layout != self.layout:
-            raise FailedPreconditionError(f"the reader's KV layout {layout!r} is not this executor's {self.layout!r}")
         _check_ids("block_ids", block_ids, self._num_blocks)
+        if layout != self.layout:
+            raise FailedPreconditionError(f"the reader's KV layout {layout[:200]!r} is not this executor's "
+                                          f"{self.layout!r}")
         step = self._blocks_per_chunk
         for first in range(0, len(block_ids), step):
             ids = list(block_ids[first:first + step])
@@ -70,18 +83,23 @@ class KVTransfer:
     async def pull(self, source_address: str, source_block_ids: Sequence[int],
                    block_ids: Sequence[int]) -> PullReport:
         """Copy ``source_block_ids`` of the executor at ``source_address`` into ``block_ids``."""
+        if not 0 < len(source_address) <= MAX_SOURCE_ADDRESS_CHARS or not source_address.isprintable():
+            raise InvalidArgumentError(f"source_address must be 1 to {MAX_SOURCE_ADDRESS_CHARS} printable "
+                                       "characters (host:port)")
+        _check_ids("block_ids", block_ids, self._num_blocks)
         if len(source_block_ids) != len(block_ids):
             raise InvalidArgumentError(f"source_block_ids has {len(source_block_ids)} entries and block_ids "
                                        f"{len(block_ids)}: one target block per source block")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgumentError("block_ids names a block more than once")
-        _check_ids("block_ids", block_ids, self._num_blocks)
         started = time.perf_counter()
         num_bytes = copied = 0
-        channel = self._channels.get(source_address)
+        channel = self._channels.pop(source_address, None)  # re-inserted: the newest
         if channel is None:
-            channel = self._channels[source_address] = create_channel(source_address, tls=self._tls,
-                                                                      options=channel_options())
+            channel = create_channel(source_address, tls=self._tls, options=channel_options())
+        self._channels[source_address] = channel
+        while len(self._channels) > MAX_KEPT_CHANNELS:
+            await self._channels.pop(next(iter(self._channels))).close()
         stub = executor_pb2_grpc.ExecutorStub(channel)
         request = executor_pb2.ReadKVBlocksRequest(kv_layout=self.layout, block_ids=list(source_block_ids))
         try:

@@ -27,6 +27,9 @@ from services.executor.warmup import compile_cache_dirs, warm_up
 
 _log = structlog.get_logger("tokenmill.executor")
 
+READ_KV_METHOD = "/tokenmill.v1.Executor/ReadKVBlocks"
+"""The one method another executor calls here (a decode executor pulling a prompt's KV)."""
+
 
 async def serve(config: ExecutorServiceConfig) -> RunningServer:
     """Start the server, load the model, then report SERVING; returns the running server."""
@@ -39,7 +42,8 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
                                 peer_tls=ClientTLS.for_backends(config), idle_timeout_s=config.step_idle_timeout_s)
     try:
         running = await start_service(config, "executor", registrar(
-            servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, executor_pb2, "Executor"))
+            servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, executor_pb2, "Executor"),
+            method_clients={READ_KV_METHOD: config.tls_peer_clients})
     except BaseException:
         worker.shutdown(wait=False)
         raise

@@ -103,8 +103,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def PullKVBlocks(
         self, request: executor_pb2.PullKVBlocksRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.PullKVBlocksResponse:
-        report = await self._transfer().pull(request.source_address, list(request.source_block_ids),
-                                             list(request.block_ids))
+        # The repeated fields as they are: their lengths are checked before anything is copied.
+        report = await self._transfer().pull(request.source_address, request.source_block_ids, request.block_ids)
         _log.info("kv_pulled", source=request.source_address, blocks=report.num_blocks, bytes=report.num_bytes,
                   ms=round(report.seconds * 1000, 3))
         return executor_pb2.PullKVBlocksResponse(num_blocks=report.num_blocks, num_bytes=report.num_bytes,
@@ -113,7 +113,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def ReadKVBlocks(
         self, request: executor_pb2.ReadKVBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.KVBlockChunk]:
-        async for first, count, layers in self._transfer().read(request.kv_layout, list(request.block_ids)):
+        async for first, count, layers in self._transfer().read(request.kv_layout, request.block_ids):
             yield executor_pb2.KVBlockChunk(first=first, count=count, layers=layers)
 
     def _transfer(self) -> KVTransfer:

@@ -1,11 +1,12 @@
 """A throwaway local certificate authority for ``tokenmill up --tls`` (and tests).
 
-``write_dev_certificates(folder)`` makes a fresh CA and three leaf certificates signed by it,
+``write_dev_certificates(folder)`` makes a fresh CA and four leaf certificates signed by it,
 for ``127.0.0.1``, ``::1`` and ``localhost``: one to serve with (every service presents it), one
 for the scheduler to connect to its backends with (common name SCHEDULER_IDENTITY, the only
 client the backends accept: --tls-allowed-clients), and one for clients of the public API (the
 demo, a developer's grpcurl), which the backends refuse: a user holding it cannot open the
-executor's Step session. Keys are P-256, written unencrypted with mode 0600; the CA's
+executor's Step session; and one the executors present to each other (EXECUTOR_IDENTITY),
+which opens ReadKVBlocks alone (--tls-peer-clients). Keys are P-256, written unencrypted with mode 0600; the CA's
 key is never written, so nothing more can be signed by it once the process ends.
 """
 
@@ -24,6 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 LOCAL_NAMES = ("localhost",)
 SCHEDULER_IDENTITY = "tokenmill scheduler"
+EXECUTOR_IDENTITY = "tokenmill executor"
 CLIENT_IDENTITY = "tokenmill client"
 LOCAL_IPS = ("127.0.0.1", "::1")
 VALIDITY = datetime.timedelta(days=30)
@@ -51,6 +53,8 @@ class DevCertificates:
     client_key: Path
     scheduler_cert: Path
     scheduler_key: Path
+    executor_cert: Path
+    executor_key: Path
 
 
 def _name(common_name: str) -> x509.Name:
@@ -130,9 +134,10 @@ def write_dev_certificates(folder: str | os.PathLike[str]) -> DevCertificates:
     server_cert, server_key = issue(authority, "tokenmill service", server=True)
     client_cert, client_key = issue(authority, CLIENT_IDENTITY, server=False, client=True)
     scheduler_cert, scheduler_key = issue(authority, SCHEDULER_IDENTITY, server=False, client=True)
+    executor_cert, executor_key = issue(authority, EXECUTOR_IDENTITY, server=False, client=True)
     files = DevCertificates(folder, folder / "ca.pem", folder / "server.pem", folder / "server-key.pem",
                             folder / "client.pem", folder / "client-key.pem", folder / "scheduler.pem",
-                            folder / "scheduler-key.pem")
+                            folder / "scheduler-key.pem", folder / "executor.pem", folder / "executor-key.pem")
     write_file(files.ca, cert_pem(authority.cert))
     write_file(files.server_cert, cert_pem(server_cert))
     write_file(files.server_key, key_pem(server_key), private=True)
@@ -140,4 +145,6 @@ def write_dev_certificates(folder: str | os.PathLike[str]) -> DevCertificates:
     write_file(files.client_key, key_pem(client_key), private=True)
     write_file(files.scheduler_cert, cert_pem(scheduler_cert))
     write_file(files.scheduler_key, key_pem(scheduler_key), private=True)
+    write_file(files.executor_cert, cert_pem(executor_cert))
+    write_file(files.executor_key, key_pem(executor_key), private=True)
     return files

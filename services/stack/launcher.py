@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tls import ClientTLS
 from services.stack.client import open_channel
-from services.stack.dev_ca import SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
+from services.stack.dev_ca import EXECUTOR_IDENTITY, SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
 
 
 
@@ -142,6 +142,9 @@ class Launcher:
                          "--backend-tls-key", str(certs.scheduler_key)]
             else:  # a backend: only the scheduler may call it (the public client certificate may not)
                 base += ["--tls-allowed-clients", SCHEDULER_IDENTITY]
+            if name == "executor":  # and the other executors, to read KV blocks (disaggregated prefill)
+                base += ["--tls-peer-clients", EXECUTOR_IDENTITY, "--backend-tls-ca", str(certs.ca),
+                         "--backend-tls-cert", str(certs.executor_cert), "--backend-tls-key", str(certs.executor_key)]
         if name == "scheduler":
             base += ["--host", c.public_host,
                      "--executor-addresses", ",".join(self.services[n].address for n in self.executor_names),

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from services.common.pb.tokenmill.v1 import executor_pb2_grpc
+from services.common.server import start_server
 from services.executor import kv_transfer
 from services.executor.kv_transfer import KVTransfer
 from services.runtime.kv_blocks import kv_layout, read_blocks
@@ -53,3 +55,42 @@ async def test_a_pull_that_cannot_fit_is_refused_naming_the_field(source, target
     transfer, _ = _transfer()
     with pytest.raises(InvalidArgumentError, match=message):
         await transfer.pull("127.0.0.1:1", source, target)
+
+
+async def test_requests_longer_than_the_pool_are_refused_before_any_read():
+    # Four million ids of block 0 would hold the worker thread (and every step) for seconds.
+    transfer, _ = _transfer()
+    with pytest.raises(InvalidArgumentError, match="block_ids has 9 entries; at most the pool's 8 blocks"):
+        [chunk async for chunk in transfer.read(LAYOUT, [0] * 9)]
+    with pytest.raises(InvalidArgumentError, match="block_ids has 9 entries; at most the pool's 8 blocks"):
+        await transfer.pull("127.0.0.1:1", list(range(9)), list(range(9)))
+    with pytest.raises(InvalidArgumentError, match="source_address must be 1 to 256 printable characters"):
+        await transfer.pull("h" * 300 + ":1", [0], [0])
+
+
+class _EmptySource(executor_pb2_grpc.ExecutorServicer):
+    """A source that answers every read with no blocks (a hostile or broken peer)."""
+
+    async def ReadKVBlocks(self, request, context):
+        return
+        yield
+
+
+async def test_kept_channels_are_bounded():
+    # A pull per made-up source must not keep a channel each for ever.
+    sources = []
+    for _ in range(kv_transfer.MAX_KEPT_CHANNELS + 3):
+        def register(server, servicer=_EmptySource()):
+            executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+            return ["tokenmill.v1.Executor"]
+        sources.append(await start_server("executor", register, port=0))
+    transfer, _ = _transfer()
+    try:
+        for source in sources:
+            with pytest.raises(UnavailableError, match="sent 0 of 1 blocks"):
+                await transfer.pull(source.address, [0], [0])
+        assert len(transfer._channels) == kv_transfer.MAX_KEPT_CHANNELS
+        assert list(transfer._channels)[-1] == sources[-1].address
+    finally:
+        for source in sources:
+            await source.stop(grace=0)

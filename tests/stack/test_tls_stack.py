@@ -27,7 +27,7 @@ from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
-from services.stack.dev_ca import SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
+from services.stack.dev_ca import EXECUTOR_IDENTITY, SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
 from tests.helpers.service_harness import STORIES_DIR
@@ -60,6 +60,16 @@ def backend_server_flags(pki: DevCertificates | None) -> dict:
     return {**flags, "tls_allowed_clients": (SCHEDULER_IDENTITY,)} if pki is not None else flags
 
 
+def executor_server_flags(pki: DevCertificates | None) -> dict:
+    """An executor's: a backend's, with the other executors' certificate for ReadKVBlocks, which
+    it presents itself when it pulls KV from one (launcher.py does the same)."""
+    flags = backend_server_flags(pki)
+    if pki is None:
+        return flags
+    return {**flags, "tls_peer_clients": (EXECUTOR_IDENTITY,), "backend_tls_ca": str(pki.ca),
+            "backend_tls_cert": str(pki.executor_cert), "backend_tls_key": str(pki.executor_key)}
+
+
 def server_flags(pki: DevCertificates | None) -> dict[str, str]:
     if pki is None:
         return {}
@@ -78,7 +88,7 @@ def client_tls(pki: DevCertificates) -> ClientTLS:
 async def start_stack(pki: DevCertificates | None) -> Stack:
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=MODEL, **backend_server_flags(pki)))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(model=MODEL, **EXECUTOR_FLAGS),
-                                                          **backend_server_flags(pki)))
+                                                          **executor_server_flags(pki)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         **server_flags(pki), **(backend_flags(pki) if pki else {})))
@@ -198,3 +208,42 @@ async def test_the_public_client_certificate_cannot_drive_a_backend(stacks, pki)
     async with create_channel(secure.tokenizer.address, tls=scheduler) as channel:
         reply = await tokenizer_pb2_grpc.TokenizerStub(channel).Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=5)
         assert list(reply.token_ids)
+
+
+async def test_executors_read_each_others_kv_blocks_and_nothing_else(stacks, pki) -> None:
+    # A second executor pulls blocks from the stack's over mTLS with the executors' certificate;
+    # that certificate opens ReadKVBlocks alone, and the user's not even that.
+    secure, _ = stacks
+    peer = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(model=MODEL, **EXECUTOR_FLAGS),
+                                                      **executor_server_flags(pki)))
+    scheduler = ClientTLS(str(pki.ca), str(pki.scheduler_cert), str(pki.scheduler_key))
+    executor = ClientTLS(str(pki.ca), str(pki.executor_cert), str(pki.executor_key))
+    user = ClientTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+    try:
+        async with create_channel(peer.address, tls=scheduler) as channel:
+            pulled = await executor_pb2_grpc.ExecutorStub(channel).PullKVBlocks(executor_pb2.PullKVBlocksRequest(
+                source_address=secure.executor.address, source_block_ids=[3, 4], block_ids=[0, 1]), timeout=30)
+            assert pulled.num_blocks == 2 and pulled.num_bytes > 0
+        async with create_channel(secure.executor.address, tls=scheduler) as channel:
+            layout = (await executor_pb2_grpc.ExecutorStub(channel).GetExecutorInfo(
+                executor_pb2.GetExecutorInfoRequest(), timeout=5)).kv_layout
+        read = executor_pb2.ReadKVBlocksRequest(kv_layout=layout, block_ids=[0])
+        async with create_channel(secure.executor.address, tls=executor) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            assert [chunk.count async for chunk in stub.ReadKVBlocks(read, timeout=10)] == [1]
+            for call in (lambda: stub.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(), timeout=5),
+                         lambda: stub.PullKVBlocks(executor_pb2.PullKVBlocksRequest(
+                             source_address=peer.address, source_block_ids=[0], block_ids=[0]), timeout=5)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call()
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            step = stub.Step(iter([executor_pb2.StepRequest(step_id=1)]), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [reply async for reply in step]
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        async with create_channel(secure.executor.address, tls=user) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [chunk async for chunk in executor_pb2_grpc.ExecutorStub(channel).ReadKVBlocks(read, timeout=5)]
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await peer.stop(grace=0)
