@@ -24,6 +24,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "stress": ("benchmarks.stress", "hundreds of streams under abuse, then a check that nothing leaked (make stress)"),
     "fairness": ("benchmarks.fairness", "two tenants, one flooding: does the quiet one's TTFT hold"),
     "overload": ("benchmarks.overload", "how fast a full server says no (RESOURCE_EXHAUSTED under a burst)"),
+    "hostile-flood": ("benchmarks.hostile_flood",
+                      "one tenant sends hostile requests: do the other's streams complete, its TTFT beside alone"),
     "gateway": ("benchmarks.gateway.driver",
                 "the gateway: HTTP overhead, routing policies, decision time, routed requests/s (make bench-gateway)"),
     "executors": ("benchmarks.executors", "two executors against one, prefill/decode split, failover (make bench-executors)"),

@@ -1,7 +1,7 @@
 """One tenant floods the stack with hostile requests: do the other tenant's streams all complete,
 and how far does its time to first token move?
 
-    python -m benchmarks.hostile_flood [--seconds 20] [--attackers 4] [--victim-streams 2]
+    python -m benchmarks hostile-flood [--seconds 20] [--attackers 4] [--victim-streams 2]
 
 The stack runs as ``tokenmill up`` runs it (the Launcher, processes) with authentication
 (tenants "victim" and "attacker"), serving stories260K with its config vocab padded to 1,024
@@ -13,20 +13,19 @@ process sends, from ``--attackers`` loops as fast as the answers come, in turn:
 - ids past the tokenizer: token_ids naming id 550, logit_bias {550: 100}, stop_token_ids [550],
   and plain greedy requests, which on this model sample the padded rows unless they are masked;
 - oversized chats: 2.5 million empty messages (12.5 MB), and 1,100 messages within the size limit;
-- calls without a valid token: 16 MiB bodies and undecodable ones, with no token or a wrong one.
+- calls without a valid token: 16 MiB bodies, bodies just under the message limit and
+  undecodable ones, with no token or a wrong one.
 
 Prints the victim's TTFT p50/p99 alone and flooded with their ratio, how many of its streams
-completed (and how the others ended), and the attacker's outcomes by kind and status.
+completed (and how the others ended), and the attacker's outcomes by kind and status; with the
+command, the commit and the load average, also written to benchmarks/results/.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,16 +34,22 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.overload_burst import percentile
-from benchmarks.serving.cpu_time import process_cpu_seconds
+from benchmarks.harness import child as harness_child, flags
+from benchmarks.harness.cpu import process_cpu_seconds
+from benchmarks.harness.flags import setting
+from benchmarks.harness.launch import LaunchSpec, executor_flags, launched, scheduler_flags
+from benchmarks.harness.paths import STORIES
+from benchmarks.harness.report import LoadWatch, command_line, provenance, result_path, write_result
+from benchmarks.harness.stats import percentile
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
-from services.common.service_config import REPO_ROOT
+from services.common.settings import embedded
+from services.executor.config import ExecutorConfig
+from services.scheduler.core.config import SchedulerLimits
 from services.stack.client import build_request
-from services.stack.launcher import LaunchConfig, Launcher
 from services.tools.padded_vocab import pad_vocab
 
-STORIES = REPO_ROOT / "models" / "stories260K"
+PROG = "python -m benchmarks hostile-flood"
 PADDED_VOCAB = 1024
 PADDED_ID = 550
 """An id the model's config has (padding) and its tokenizer does not."""
@@ -93,6 +98,7 @@ def attack_bodies() -> list[tuple[str, str | None, bytes]]:
     turn = _field(1, _field(1, b"user") + _field(2, b"hi"))
     bodies.append(("1,100 chat messages", ATTACKER, _field(4, turn * 1100)))
     bodies.append(("16 MiB without a token", None, _field(2, b"a" * (16 << 20))))
+    bodies.append(("120 KiB without a token", None, _field(2, b"a" * (120 << 10))))
     bodies.append(("undecodable, wrong token", "not-a-token", b"\xff" * 4096))
     return bodies
 
@@ -140,8 +146,16 @@ async def victim(stub, seconds: float, streams: int) -> VictimRun:
     return run
 
 
+def attacker(address: str, attackers: int, report: str) -> None:
+    """The attacker's client process (harness.child): sends until it is terminated."""
+    try:
+        asyncio.run(attack(address, attackers, Path(report)))
+    except KeyboardInterrupt:
+        pass
+
+
 async def attack(address: str, attackers: int, report: Path) -> None:
-    """The attacker's client process: sends until SIGTERM, writing its counts to ``report`` often."""
+    """Sends until terminated, writing its counts to ``report`` twice a second."""
     bodies = attack_bodies()
     counts: dict[str, Counter] = {kind: Counter() for kind, _, _ in bodies}
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -179,8 +193,9 @@ async def run(address: str, seconds: float, attackers: int, streams: int, pids: 
         await victim(stub, 1.0, streams)  # warm up
         alone = await victim(stub, seconds, streams)
         report = run_dir / "attack.json"
-        process = subprocess.Popen([sys.executable, "-m", "benchmarks.hostile_flood", "--attack-at", address,
-                                    "--attackers", str(attackers), "--report", str(report)], cwd=str(REPO_ROOT))
+        process = subprocess.Popen(harness_child.command("benchmarks.hostile_flood:attacker", address=address,
+                                                         attackers=attackers, report=str(report)),
+                                   cwd=harness_child.CWD)
         try:
             await asyncio.sleep(3.0)  # the attacker's client builds its bodies and gets going
             before = cpu_seconds({**pids, "attacker": process.pid})
@@ -203,52 +218,62 @@ def show(result: dict, streams: int, attackers: int) -> None:
     for name, victim_run in (("alone", alone), ("flooded", flooded)):
         total = sum(victim_run.ends.values())
         print(f"{name:<8} streams {total:>4}  completed {victim_run.completed:>4}  "
-              f"TTFT p50 {percentile(victim_run.ttft_ms, 0.5):7.2f} ms  p99 {percentile(victim_run.ttft_ms, 0.99):7.2f} ms"
+              f"TTFT p50 {percentile(victim_run.ttft_ms, 50):7.2f} ms  p99 {percentile(victim_run.ttft_ms, 99):7.2f} ms"
               + ("" if victim_run.completed == total else f"  other ends: {dict(victim_run.ends - Counter(length=victim_run.completed))}"))
     print("attacker's calls while flooded, by kind:")
     for kind, counts in result["attacks"].items():
         print(f"    {kind:<32} " + ", ".join(f"{code} {n}" for code, n in sorted(counts.items())))
     print(f"CPU while flooded, cores: {result['cores']}")
-    print(f"victim TTFT p99 flooded / alone: {percentile(flooded.ttft_ms, 0.99) / percentile(alone.ttft_ms, 0.99):.2f}x "
-          f"(p50 {percentile(flooded.ttft_ms, 0.5) / percentile(alone.ttft_ms, 0.5):.2f}x)")
+    print(f"victim TTFT p99 flooded / alone: {percentile(flooded.ttft_ms, 99) / percentile(alone.ttft_ms, 99):.2f}x "
+          f"(p50 {percentile(flooded.ttft_ms, 50) / percentile(alone.ttft_ms, 50):.2f}x)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="each phase (alone, flooded)")
-    parser.add_argument("--attackers", type=int, default=4, help="the attacker's concurrent loops")
-    parser.add_argument("--victim-streams", type=int, default=2)
-    parser.add_argument("--executor-arg", action="append", default=[], metavar="FLAG",
-                        help="an extra executor flag, e.g. --executor-arg=--attention-backend=torch (repeatable)")
-    parser.add_argument("--attack-at", help=argparse.SUPPRESS)  # the attacker's client process
-    parser.add_argument("--report", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.attack_at:
-        try:
-            asyncio.run(attack(args.attack_at, args.attackers, Path(args.report)))
-        except KeyboardInterrupt:
-            pass
-        return
+@dataclass(frozen=True, slots=True)
+class HostileFloodSettings:
+    seconds: float = setting(20.0, "seconds of the victim's requests, alone and then flooded")
+    attackers: int = setting(4, "the attacker's concurrent loops")
+    victim_streams: int = setting(2, "the victim's greedy streams in flight, back to back")
+    attention_backend: str = setting("auto", "the executor's attention backend (torch, cpu or auto)")
+    limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_",
+                                       default=SchedulerLimits(max_num_seqs=8))
+    out: str = setting("", "result file (default: benchmarks/results/hostile-flood-DATE-TIME.json)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "attackers", "victim_streams")
+        flags.check_at_least(self, 0.5, "seconds")
+        flags.check_choices("attention_backend", self.attention_backend, ("auto", "torch", "cpu"))
+        self.limits.validate()
+
+
+def _summary(victim_run: VictimRun) -> dict:
+    return {"streams": sum(victim_run.ends.values()), "completed": victim_run.completed,
+            "ends": dict(victim_run.ends), "ttft_p50_ms": percentile(victim_run.ttft_ms, 50),
+            "ttft_p99_ms": percentile(victim_run.ttft_ms, 99)}
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    settings = flags.parse(HostileFloodSettings, argv, prog=prog, description=__doc__)
+    load = LoadWatch()
     run_dir = Path(tempfile.mkdtemp(prefix="tokenmill-hostile-"))
     model = pad_vocab(STORIES, run_dir / "stories-padded", PADDED_VOCAB)
     tokens = run_dir / "tokens.json"
     tokens.write_text(json.dumps([{"token": VICTIM, "tenant": "victim"}, {"token": ATTACKER, "tenant": "attacker"}]))
-    tokens.chmod(0o600)
-    launcher = Launcher(LaunchConfig(
-        model=str(model), public_port=0, log_dir=str(run_dir / "logs"),
-        executor_args=["--num-blocks=512", "--block-size=16", "--dtype=fp32", "--device=cpu", *args.executor_arg],
-        scheduler_args=["--max-num-seqs=8", f"--auth-tokens-file={tokens}"],
-        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENMILL_LOG_LEVEL": "warning"}))
-    launcher.start()
-    try:
-        pids = {name: svc.process.pid for name, svc in launcher.services.items() if svc.process is not None}
-        result = asyncio.run(run(launcher.public_address, args.seconds, args.attackers, args.victim_streams, pids,
-                                 run_dir))
-    finally:
-        launcher.stop()
-    show(result, args.victim_streams, args.attackers)
-    print(f"load average after: {os.getloadavg()[0]:.2f} (logs in {run_dir / 'logs'})")
-
-
-if __name__ == "__main__":
-    main()
+    tokens.chmod(0o600)  # the scheduler refuses a tokens file others may read
+    executor = ExecutorConfig(model=str(model), num_blocks=512, block_size=16, dtype="fp32", device="cpu",
+                              attention_backend=settings.attention_backend)
+    launch = LaunchSpec(str(model), tuple(executor_flags(executor, only_changed=True)),
+                        (*scheduler_flags(settings.limits, only_changed=True), f"--auth-tokens-file={tokens}"),
+                        threads=1, metrics=False, log_prefix="tokenmill-hostile-")
+    with launched(launch) as stack:
+        result = asyncio.run(run(stack.address, settings.seconds, settings.attackers, settings.victim_streams,
+                                 stack.pids, run_dir))
+    show(result, settings.victim_streams, settings.attackers)
+    load.stop()
+    record = {**provenance(command_line(prog, argv or []), load), "settings": {
+        "seconds": settings.seconds, "attackers": settings.attackers, "victim_streams": settings.victim_streams,
+        "max_num_seqs": settings.limits.max_num_seqs},
+        "alone": _summary(result["alone"]), "flooded": _summary(result["flooded"]),
+        "attacks": result["attacks"], "cores": result["cores"]}
+    path = write_result(record, result_path("hostile-flood", settings.out or None))
+    print(f"load average before/after: {load.before:.2f}/{load.after:.2f}; result: {path}")
+    return 0
