@@ -63,7 +63,8 @@ async def stack(tmp_path_factory):
     tokens.write_text(json.dumps(TENANTS))
     tokens.chmod(0o600)
     model = padded_vocab_model(root / "stories-padded")
-    stack = await start_small_stack(model=model, num_blocks=256, auth_tokens_file=str(tokens),
+    # Two executors: each has its own block manager (and prefix cache) and its own Step session.
+    stack = await start_small_stack(model=model, num_blocks=256, executors=2, auth_tokens_file=str(tokens),
                                     limits=SchedulerLimits(max_num_seqs=MAX_NUM_SEQS, max_waiting_requests=MAX_WAITING))
     yield stack
     await stack.stop()
@@ -356,10 +357,14 @@ async def test_a_second_step_session_is_refused_while_the_scheduler_holds_the_ex
     from tests.helpers.service_harness import StreamSession, expect_status
 
     async def attack():
-        async with create_channel(stack.executor.address) as channel:
-            session = StreamSession(executor_pb2_grpc.ExecutorStub(channel).Step)
-            return await expect_status(session.exchange(executor_pb2.StepRequest(step_id=1)),
-                                       grpc.StatusCode.FAILED_PRECONDITION)
+        refusals = []
+        for executor in stack.executors:
+            async with create_channel(executor.address) as channel:
+                session = StreamSession(executor_pb2_grpc.ExecutorStub(channel).Step)
+                refusals.append(await expect_status(session.exchange(executor_pb2.StepRequest(step_id=1)),
+                                                    grpc.StatusCode.FAILED_PRECONDITION))
+        return refusals
 
-    victim, details = await while_victim_streams(stack, attack)
-    assert "another Step stream" in details and victim.completed()
+    victim, refusals = await while_victim_streams(stack, attack)
+    assert len(refusals) == 2 and all("another Step stream" in details for details in refusals)
+    assert victim.completed()
