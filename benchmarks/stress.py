@@ -13,7 +13,9 @@ picking at random what its client does:
 - and, on the side, a client process SIGKILLed mid-stream every few seconds, a burst of
   ``--burst`` calls at once every ``--burst-every`` seconds from a client process of its own
   (RESOURCE_EXHAUSTED latency is timed there, issue to status), and one SIGKILL of the executor halfway (``--kill-executor-at``; the launcher
-  restarts it; streams cut by it must end with exactly one Finished, reason error).
+  restarts it). The streams it cuts pause while the scheduler waits for it (``--executor-wait-s``)
+  and then complete, their tokens equal to their solo runs; one that waits past that ends with
+  exactly one Finished, reason error, its tokens so far a prefix of its solo run's.
 
 Crashes are service processes that exited other than the executor we killed, and answers a
 client must never see (UNKNOWN, INTERNAL, a stream without exactly one Finished, an error
