@@ -64,6 +64,7 @@ class Gateway:
 async def gw(tmp_path_factory, monkeypatch_module) -> AsyncIterator[Gateway]:
     root = tmp_path_factory.mktemp("gateway")
     (root / "tenants.json").write_text(json.dumps(TENANTS))
+    (root / "tenants.json").chmod(0o600)  # the scheduler refuses a tokens file others may read
     model = stories_with_chat_template(root)
     engine = await serve_engine(model=model, auth_tokens_file=str(root / "tenants.json"))
     scheduler = engine[-1]
