@@ -5,7 +5,7 @@ The model is stories260K with its config vocab padded to 1,024 rows past its tok
 ids (services/tools/padded_vocab.py), as Qwen2-family checkpoints ship theirs. Here: ids past
 the tokenizer and the padded rows, oversized requests, the prefix cache, token budgets, the
 per-tenant queue share, request ids, callers without a token, what messages reveal, a second
-Step session. The local parts of each finding, and those that need a stack of their own, are
+Step session, on two executors behind the one scheduler. The local parts of each finding, and those that need a stack of their own, are
 tested beside their modules:
 
 - a stream the detokenizer refuses, drafts past the vocabulary: tests/scheduler/test_hostile_engine.py
@@ -17,6 +17,9 @@ tested beside their modules:
   test_auth.py, test_admission.py, tests/common/test_log_limit.py
 - plan fields, silent sessions, allowed client certificates: tests/executor/test_executor_service.py,
   test_step_guard.py, tests/stack/test_tls_stack.py
+- KV copies between executors (sizes, kept channels, the executors' certificate for ReadKVBlocks
+  alone): tests/executor/test_kv_transfer.py, tests/stack/test_tls_stack.py
+- the gateway's lists counted before validation, its body limit: tests/gateway/test_gateway_openai.py
 - GetProfile's cost: tests/scheduler/test_profile_cache.py
 - binds, /metrics on loopback, concurrent calls, pings: tests/common/test_bind_policy.py,
   test_server_bootstrap.py
