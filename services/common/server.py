@@ -19,7 +19,8 @@ reflection (grpcurl works without .proto files), 64 MiB message limits and keepa
 settings that match ``create_channel``'s, so long-lived step streams survive idle periods
 and dead peers are noticed within tens of seconds. With ``tls`` (services/common/tls.py) the
 port is TLS only (mTLS when the config names a client CA), and ``create_channel`` connects
-with a ``ClientTLS``.
+with a ``ClientTLS``; a ``health_port`` then answers health checks (and nothing else) in
+plaintext, for probes that cannot present a client certificate (the kubelet's gRPC probes).
 
 Stopping, in order: health flips to NOT_SERVING (watchers and load balancers see it),
 an optional drain period while still accepting calls, the ``on_stopping`` hooks, then the server
@@ -144,6 +145,9 @@ class RunningServer:
     app: Any = None
     """What the service runs behind its servicer (the scheduler's Supervisor, the executor's
     model runner), for metrics and for tests that run a service in their own process."""
+    health_server: grpc.aio.Server | None = None
+    """The plaintext health-only server (start_server's health_port), stopped last."""
+    health_port: int | None = None
 
     def reload_tls(self) -> bool:
         """Re-read the certificate files for new connections (SIGHUP); False if there is no TLS
@@ -214,6 +218,8 @@ class RunningServer:
                 _log.exception("on_stopping_callback_failed", server=self.name, callback=repr(callback))
         remaining = deadline - time.monotonic()
         await self.server.stop(max(remaining, min(grace, FINAL_WRITES_S)))
+        if self.health_server is not None:  # NOT_SERVING to the probes until the calls are over
+            await self.health_server.stop(0)
         for callback in reversed(self._on_stop):
             try:
                 result = callback()
@@ -247,6 +253,7 @@ async def start_server(
     tls: ServerTLS | None = None,
     app: Any = None,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+    health_port: int = -1,
 ) -> RunningServer:
     """Build, bind and start a server; with serving=True health reports SERVING on return.
 
@@ -260,7 +267,9 @@ async def start_server(
     warming up after binding; call set_serving() when ready. reflection_enabled=False leaves
     server reflection out (callers then need the .proto files). tls: serve TLS only (its files
     are read here; a bad one raises ValueError naming the flag). app: kept as
-    ``RunningServer.app``. max_concurrent_rpcs: calls run at once (0 = no bound).
+    ``RunningServer.app``. max_concurrent_rpcs: calls run at once (0 = no bound). health_port
+    >= 0: a second server on host:health_port, plaintext, with the same health service alone
+    (0 = any free port; ``RunningServer.health_port``).
     """
     server = grpc.aio.server(
         interceptors=[*front_interceptors, ErrorMappingInterceptor(), *interceptors],
@@ -289,7 +298,15 @@ async def start_server(
         raise UnavailableError(f"{name}: cannot listen on {address}")
 
     running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates, app=app)
+    if health_port >= 0:
+        running.health_server = grpc.aio.server(options=server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
+        running.health_port = running.health_server.add_insecure_port(format_address(host, health_port))
+        if running.health_port == 0:
+            raise UnavailableError(f"{name}: cannot listen on {format_address(host, health_port)} (health port)")
     await running.set_serving(False)
+    if running.health_server is not None:
+        await running.health_server.start()
     await server.start()
     if serving:
         await running.set_serving(True)

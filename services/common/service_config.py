@@ -112,8 +112,8 @@ def path_field(service: str, name: str, help_text: str) -> Any:
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
                            backend_tls: bool = False) -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
-    file, log level, stop grace, metrics port, message size limit, reflection, TLS and the
-    garbage collector's young threshold, with TOKENMILL_<SERVICE>_* variables. backend_tls adds
+    file, log level, stop grace, metrics port, message size limit, reflection, TLS, the plaintext
+    health port and the garbage collector's young threshold, with TOKENMILL_<SERVICE>_* variables. backend_tls adds
     the client side of a service that connects to others (--backend-tls-ca/-cert/-key)."""
 
     @dataclass(slots=True)
@@ -146,6 +146,10 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         max_concurrent_rpcs: int = field(default=DEFAULT_MAX_CONCURRENT_RPCS, metadata={
             "help": "calls served at once; beyond it RESOURCE_EXHAUSTED before any handler runs (0 = no bound)",
             "env": _env_prefix(service) + "MAX_CONCURRENT_RPCS"})
+        health_port: int = field(default=-1, metadata={
+            "help": "a second port, plaintext, serving the health service alone: for probes that cannot present a "
+                    "client certificate to a TLS port, such as the kubelet's gRPC probes (-1 = none)",
+            "env": _env_prefix(service) + "HEALTH_PORT"})
         gc_young_threshold: int = field(default=GC_YOUNG_THRESHOLD, metadata={
             "help": "net allocations between the cyclic garbage collector's young collections (older generations "
                     f"every {GC_OLDER_THRESHOLD}); 0 = Python's defaults (700, 10, 10)",

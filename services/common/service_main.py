@@ -53,6 +53,7 @@ class ServiceProcessConfig(Protocol):
     tls_key: str
     tls_client_ca: str
     tls_allowed_clients: tuple[str, ...]
+    health_port: int
     gc_young_threshold: int
     allow_insecure_bind: bool
     max_concurrent_rpcs: int
@@ -114,7 +115,7 @@ async def start_service(
                               front_interceptors=[*identity, *front_interceptors],
                               options=server_options(config.max_message_bytes),
                               reflection_enabled=config.reflection, tls=ServerTLS.from_config(config), app=app,
-                              max_concurrent_rpcs=config.max_concurrent_rpcs)
+                              max_concurrent_rpcs=config.max_concurrent_rpcs, health_port=config.health_port)
 
 
 async def announce_serving(running: RunningServer, config: ServiceProcessConfig) -> None:

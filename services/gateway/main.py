@@ -6,6 +6,7 @@ OpenAI-compatible HTTP server (``--http-port``, 8000) and the pool's polls of th
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
@@ -18,7 +19,7 @@ from services.gateway.dispatch import Dispatcher
 from services.gateway.grpc_servicer import GatewayServicer
 from services.gateway.http.app import build_app
 from services.gateway.http.context import HttpContext
-from services.gateway.http.server import start_http
+from services.gateway.http.server import HttpServer, start_http
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import TargetPool
 from services.gateway.routes_file import load_routes
@@ -50,12 +51,21 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
                           max_request_bytes=config.max_request_bytes, created=int(time.time()))
         http = await start_http(build_app(ctx), config.host, config.http_port)
         running.http_port = http.port
-        running.on_stopping(http.stop)
+        running.on_stopping(lambda grace: _drain(running, http, grace))
         if config.http_port_file:
             write_port_file(config.http_port_file, http.port)
             running.on_stop(lambda: remove_port_file(config.http_port_file, http.port))
     await announce_serving(running, config)
     return running
+
+
+async def _drain(running: RunningServer, http: HttpServer, grace: float) -> None:
+    """Stop both APIs at once (health is NOT_SERVING already): HTTP closes its listener and idle
+    connections, the gRPC server sends GOAWAY so new calls get UNAVAILABLE (a client's channel
+    reconnects to another replica); the open streams of both finish within the one grace. Were
+    the gRPC server stopped only after the HTTP streams, it would keep taking new calls on open
+    connections all the while."""
+    await asyncio.gather(http.stop(grace), running.server.stop(grace))
 
 
 def main(argv: list[str] | None = None) -> int:

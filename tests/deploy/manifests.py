@@ -4,7 +4,9 @@
 gives each workload's pod (one replica; a StatefulSet's is ``NAME-0``) what a cluster would:
 every containerPort a free port on 127.0.0.1 (one namespace here, so pods cannot share numbers),
 cluster DNS names (a Service, a StatefulSet pod under its headless Service; short, namespaced or
-fully qualified) resolved to 127.0.0.1 and the chosen port of the pod the Service selects,
+fully qualified) resolved to 127.0.0.1 and the chosen port of the pod the Service selects (the
+StatefulSet pods beyond the first, up to its autoscaler's maxReplicas, to a port where nothing
+listens: replicas not started, whose names a routes file may list),
 ``localhost`` to the pod's own ports, the image's directory to this checkout, volumes to temporary
 folders filled from the rendered ConfigMaps and Secrets (or from ``secrets`` for the ones a user
 creates). Everything else comes from the manifest unchanged: command, args, env, envFrom. A name
@@ -32,7 +34,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_ROOT = REPO_ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu", "gpu-2x")
-COMPOSED = {"cpu+auth": ("cpu", ("auth",))}
+COMPOSED = {"cpu+auth": ("cpu", ("auth",)), "cpu+auth+tls": ("cpu", ("auth", "tls")), "gpu+tls": ("gpu", ("tls",))}
 """Overlays with opt-in components added, as a user's kustomization would: (overlay, components)."""
 VARIANTS = (*OVERLAYS, *COMPOSED)
 IMAGE_ROOT = "/opt/tokenmill"
@@ -218,6 +220,8 @@ class LocalCluster:
                     if "name" in port:
                         pod.named_ports[port["name"]] = number
             self.pods[name] = pod
+        self._absent = socket.socket()
+        self._absent.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         self._hosts = self._cluster_dns()
         self._log_dir = workdir / "logs"
 
@@ -226,9 +230,18 @@ class LocalCluster:
         ns = self.namespace
         return [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.{CLUSTER_DOMAIN}"]
 
-    def _cluster_dns(self) -> dict[str, tuple[LocalPod, dict | None]]:
-        """host -> (the pod it reaches, the Service whose ports map it; None: the pod's own ports)."""
-        hosts: dict[str, tuple[LocalPod, dict | None]] = {}
+    def _replicas(self, workload: dict) -> int:
+        """The most pods a workload may have: its autoscaler's maxReplicas, else its replicas."""
+        for hpa in by_kind(self.docs, "HorizontalPodAutoscaler"):
+            ref = hpa["spec"]["scaleTargetRef"]
+            if (ref["kind"], ref["name"]) == (workload["kind"], workload["metadata"]["name"]):
+                return int(hpa["spec"]["maxReplicas"])
+        return int(workload["spec"].get("replicas", 1))
+
+    def _cluster_dns(self) -> dict[str, tuple[LocalPod | None, dict | None]]:
+        """host -> (the pod it reaches, None for a replica not started; the Service whose ports map
+        it, None: the pod's own ports)."""
+        hosts: dict[str, tuple[LocalPod | None, dict | None]] = {}
         for service in by_kind(self.docs, "Service"):
             selector = service["spec"].get("selector", {})
             selected = [pod for pod in self.pods.values() if selector and selector.items() <= pod.labels.items()]
@@ -242,6 +255,10 @@ class LocalCluster:
                             pod.workload["spec"].get("serviceName") == service["metadata"]["name"]:
                         for form in self._dns_forms(f"{pod.name}.{service['metadata']['name']}"):
                             hosts[form] = (pod, None)
+                        base = pod.workload["metadata"]["name"]
+                        for index in range(1, self._replicas(pod.workload)):
+                            for form in self._dns_forms(f"{base}-{index}.{service['metadata']['name']}"):
+                                hosts[form] = (None, None)
         return hosts
 
     def resolve(self, host: str, port: int, pod: LocalPod, who: str) -> int:
@@ -252,6 +269,8 @@ class LocalCluster:
             raise ManifestError(f"{who} names host {host}, which no Service of the manifests answers for "
                                 f"(known: {sorted(h for h in self._hosts if '.' not in h)})")
         target, service = self._hosts[host]
+        if target is None:
+            return self._absent.getsockname()[1]
         if service is None:
             return target.local_port(port, who)
         for entry in service["spec"]["ports"]:
@@ -474,6 +493,7 @@ class LocalCluster:
         return exits
 
     def stop(self) -> None:
+        self._absent.close()
         for pod in self.pods.values():
             for process in pod.processes.values():
                 if process.poll() is None:

@@ -108,11 +108,16 @@ def test_containers_parse_as_their_services(rendered, overlay):
         assert config.port in declared, f"{who}: serves on {config.port}, declares {sorted(declared)}"
         if config.metrics_port >= 0:
             assert config.metrics_port in declared, f"{who}: /metrics on {config.metrics_port} is not declared"
+        # A TLS port cannot be probed by the kubelet (plaintext, no client certificate): its
+        # probes ask the plaintext health-only port (components/tls).
+        probed = config.health_port if config.tls_cert else config.port
+        if config.health_port >= 0:
+            assert config.health_port in declared, f"{who}: health port {config.health_port} is not declared"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             if kind in container:
                 probe = container[kind]
                 assert "grpc" in probe, f"{who}: {kind} is not a native gRPC probe"
-                assert probe["grpc"]["port"] == config.port, f"{who}: {kind} probes another port"
+                assert probe["grpc"]["port"] == probed, f"{who}: {kind} probes another port"
 
 
 @each_overlay
@@ -202,8 +207,9 @@ def _component(labels: dict) -> str:
 
 @each_overlay
 def test_network_policies(rendered, overlay):
-    """Ingress: the gateway may call the schedulers; the schedulers (engine pods) the tokenizers and
-    drafters; nothing may call an executor; monitoring may scrape /metrics ports; nothing else."""
+    """Ingress: clients may call the gateway; the gateway the schedulers; the schedulers (engine pods)
+    the tokenizers and drafters; nothing may call an executor; monitoring may scrape /metrics ports;
+    nothing else."""
     docs = rendered[overlay]
     allowed: dict[tuple[str, int], set[str]] = {}
     for policy in by_kind(docs, "NetworkPolicy"):
@@ -212,13 +218,14 @@ def test_network_policies(rendered, overlay):
             for rule in policy["spec"].get("ingress", []):
                 sources = {_component(s["podSelector"].get("matchLabels", {})) if "podSelector" in s else
                            "ns:" + s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
-                           for s in rule["from"]}
+                           for s in rule["from"]} if "from" in rule else {"anyone"}
                 for port in rule["ports"]:
                     allowed.setdefault((_component(workload["metadata"]["labels"]), port["port"]), set()).update(sources)
     assert any(not p["spec"].get("ingress") and p["spec"]["podSelector"]["matchLabels"] ==
                {"app.kubernetes.io/name": "tokenmill", "app.kubernetes.io/part-of": "tokenmill"}
                for p in by_kind(docs, "NetworkPolicy")), "no default-deny policy over every tokenmill pod"
-    expected = {("engine", 50051): {"gateway"}, ("tokenizer", 50052): {"engine"}, ("drafter", 50054): {"engine"}}
+    expected = {("engine", 50051): {"gateway"}, ("tokenizer", 50052): {"engine"}, ("drafter", 50054): {"engine"},
+                ("gateway", 8000): {"anyone"}, ("gateway", 50050): {"anyone"}}
     for (component, port), sources in allowed.items():
         if sources == {"ns:monitoring"}:
             workload = next(w for w in _workloads(docs) if _component(w["metadata"]["labels"]) == component)
@@ -292,4 +299,7 @@ def test_pod_monitor_scrapes_every_metrics_port(rendered, overlay):
         config, _ = parse_container(service_module(container), container.get("args", []), _env(docs, container))
         (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == config.metrics_port]
         served.add(name)
+        if service_module(container) == "gateway":  # its routing metrics: /metrics on the HTTP port
+            (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == config.http_port]
+            served.add(name)
     assert scraped == served, (scraped, served)

@@ -4,9 +4,12 @@ run as local processes.
 Each container's command, args and env come from the rendered YAML (tests/deploy/manifests.py maps
 only what a cluster would provide: ports, DNS names, volumes, the image's folder). Every probe the
 manifests declare reaches SERVING; a request streams end to end through the engine's DNS name as a
-gateway reaches it (tokenizer and drafter found through their Services); the autoscaler's metrics
-and the alerts' series are on the running engine's /metrics; and the engine pod, sent SIGTERM in
-both containers at once with 16 streams in flight, finishes every stream, refuses new calls with
+gateway reaches it (tokenizer and drafter found through their Services), and through the gateway
+itself (its routes file from its ConfigMap) with the official ``openai`` client and over gRPC; the
+autoscaler's metrics and the alerts' series are on the running engine's /metrics. Drains: the
+gateway pod, sent SIGTERM with 16 HTTP streams in flight, finishes every one, refuses new HTTP
+connections and gRPC calls, and exits within its grace; then the engine pod, sent SIGTERM in both
+containers at once with 16 streams in flight, finishes every stream, refuses new calls with
 UNAVAILABLE, and both processes exit within the grace the manifest gives them.
 """
 
@@ -20,6 +23,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
+import openai
 import pytest
 import pytest_asyncio
 import yaml
@@ -46,6 +50,9 @@ TOKEN = "deploy-test-token"
 """The tenant's token in the tokenmill-auth Secret a user creates (components/auth)."""
 DRAIN_STREAMS = 16
 DRAIN_MAX_TOKENS = 448
+GATEWAY = "tokenmill-gateway"
+MODEL = "tokenmill"
+"""The model id of the gateway's routes file (base/gateway-routes.yaml)."""
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +115,62 @@ def _metrics_port(cluster: LocalCluster, pod: str, name: str = "metrics") -> int
 async def test_every_declared_probe_is_serving(serving: LocalCluster):
     probes = {(pod.name, c, kind) for pod in serving.pods.values() for c, kind, _ in probe_targets(pod)}
     assert {(ENGINE, "scheduler", "readinessProbe"), (ENGINE, "executor", "startupProbe"),
-            ("tokenmill-tokenizer", "tokenizer", "livenessProbe"),
+            ("tokenmill-tokenizer", "tokenizer", "livenessProbe"), (GATEWAY, "gateway", "readinessProbe"),
             ("tokenmill-drafter", "drafter", "readinessProbe")} <= probes
     for pod in serving.pods.values():
         for container, kind, probe in probe_targets(pod):
             address = f"127.0.0.1:{pod.local_port(probe['grpc']['port'], container)}"
             assert await _health(address, probe["grpc"].get("service", "")) == "SERVING", (pod.name, container, kind)
+
+
+def _gateway_client(cluster: LocalCluster, token: str = TOKEN) -> openai.AsyncOpenAI:
+    port = cluster.pods[GATEWAY].local_port("http", "test client")
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=120)
+
+
+async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int, first: asyncio.Event | None = None
+                          ) -> tuple[str, list[str], int, float]:
+    """One streamed completion through the gateway: (text, finish reasons, completion tokens, when it ended)."""
+    stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    text, reasons, tokens = [], [], 0
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.text)
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+            if first is not None and choice.text:
+                first.set()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return "".join(text), reasons, tokens, time.monotonic()
+
+
+async def test_a_request_streams_through_the_gateway(serving: LocalCluster, engine):
+    """The gateway's Deployment as written (flags, the routes file from its ConfigMap naming the
+    engine replicas by their DNS names) in front of the engine: the same greedy text over HTTP
+    with the openai client as from the engine directly, over gRPC too, and the client's bearer
+    token is what the engine checks."""
+    direct = await record_stream(engine, greedy_request(PROMPT, 24))
+    assert direct.finish_reason == "length", (direct.code, direct.details)
+    async with _gateway_client(serving) as client:
+        text, reasons, tokens, _ = await _gateway_stream(client, 24)
+        assert (text, reasons, tokens) == (direct.text, ["length"], 24)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+    async with _gateway_client(serving, "not-a-token") as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            await _gateway_stream(stranger, 4)
+    port = serving.pods[GATEWAY].local_port("grpc", "test client")
+    async with create_channel(f"127.0.0.1:{port}") as channel:
+        routed = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
+                                     greedy_request(PROMPT, 24))
+    assert routed.finish_reason == "length" and routed.text == direct.text, (routed.code, routed.details)
+    # The gateway's own metrics, where the PodMonitor scrapes them (/metrics on the HTTP port).
+    scraped = _scrape(serving.pods[GATEWAY].local_port("http", "PodMonitor port http"))
+    assert scraped.get('tokenmill:gateway_target_healthy{target="engine-0"}') == 1.0, sorted(scraped)[:20]
+    assert scraped.get('tokenmill:gateway_target_healthy{target="engine-1"}') == 0.0  # a replica not started
 
 
 async def test_the_tokens_secret_is_what_the_scheduler_checks(serving: LocalCluster, engine):
@@ -179,6 +236,48 @@ async def test_alert_rules_name_series_the_engine_exports(serving: LocalCluster,
                 for rule in group["rules"]:
                     for name in re.findall(r"\b(tokenmill:[a-z_:0-9]+|DCGM_[A-Z_]+)", rule["expr"]):
                         assert name in series | recorded | {"DCGM_FI_DEV_GPU_UTIL"}, (overlay, rule.get("alert"), name)
+
+
+async def test_sigterm_drains_the_gateway_pod(serving: LocalCluster, engine):
+    """The kubelet's stop of a gateway pod (after its preStop wait): 16 HTTP streams in flight
+    finish whole; health turns NOT_SERVING; new HTTP connections are refused and new gRPC calls
+    get UNAVAILABLE (a client's retry reaches another replica); the process exits 0 within the
+    pod's termination grace. (Before the engine's drain, which ends what the gateway routes to.)"""
+    pod = serving.pods[GATEWAY]
+    spec = pod_spec(pod.workload)
+    preStop = max(prestop_seconds(c) for c in spec["containers"])
+    first_token = [asyncio.Event() for _ in range(DRAIN_STREAMS)]
+    async with _gateway_client(serving) as client:
+        streams = [asyncio.ensure_future(_gateway_stream(client, DRAIN_MAX_TOKENS, first_token[i]))
+                   for i in range(DRAIN_STREAMS)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_token)), timeout=60)
+        assert not any(s.done() for s in streams), "a stream ended before SIGTERM: raise DRAIN_MAX_TOKENS"
+        signalled: list[float] = []
+        stopping = asyncio.ensure_future(asyncio.to_thread(
+            serving.stop_pod, GATEWAY, spec["terminationGracePeriodSeconds"] - preStop, signalled.append))
+        grpc_address = f"127.0.0.1:{pod.local_port('grpc', 'test client')}"
+        deadline = time.monotonic() + 10
+        while not signalled or await _health(grpc_address, "tokenmill.v1.Generation") not in ("NOT_SERVING",
+                                                                                               "UNAVAILABLE"):
+            assert time.monotonic() < deadline, "health never left SERVING after SIGTERM"
+            await asyncio.sleep(0.05)
+        async with _gateway_client(serving) as late:
+            with pytest.raises(openai.APIConnectionError):
+                await _gateway_stream(late, 4)
+        async with create_channel(grpc_address) as channel:
+            refused = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
+                                          greedy_request(PROMPT, 4), timeout=10)
+        assert refused.code == grpc.StatusCode.UNAVAILABLE and not refused.messages, (refused.code, refused.details)
+        results = await asyncio.gather(*streams)
+    for text, reasons, tokens, _ in results:
+        assert reasons == ["length"] and tokens == DRAIN_MAX_TOKENS and text, (reasons, tokens)
+    assert all(r[3] > signalled[0] for r in results)  # every one was in flight at SIGTERM
+    exits = await stopping
+    assert exits["gateway"][0] == 0, (exits, serving.log(GATEWAY, "gateway")[-2000:])
+    assert preStop + exits["gateway"][1] <= spec["terminationGracePeriodSeconds"], exits
+    last_stream = max(r[3] for r in results) - signalled[0]
+    print(f"gateway drain: {DRAIN_STREAMS} HTTP streams in flight at SIGTERM finished within {last_stream:.2f} s; "
+          f"exit {exits}")
 
 
 async def test_sigterm_drains_the_engine_pod(serving: LocalCluster, engine):
