@@ -299,11 +299,15 @@ async def start_server(
 
     running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates, app=app)
     if health_port >= 0:
+        health_address = format_address(host, health_port)
         running.health_server = grpc.aio.server(options=server_options())
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
-        running.health_port = running.health_server.add_insecure_port(format_address(host, health_port))
+        try:
+            running.health_port = running.health_server.add_insecure_port(health_address)
+        except RuntimeError as exc:
+            raise UnavailableError(f"{name}: cannot listen on {health_address} (health port): {exc}") from exc
         if running.health_port == 0:
-            raise UnavailableError(f"{name}: cannot listen on {format_address(host, health_port)} (health port)")
+            raise UnavailableError(f"{name}: cannot listen on {health_address} (health port)")
     await running.set_serving(False)
     if running.health_server is not None:
         await running.health_server.start()

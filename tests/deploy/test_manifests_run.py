@@ -143,8 +143,7 @@ async def _gateway_ready(cluster: LocalCluster, timeout_s: float = 30.0) -> None
         await asyncio.sleep(0.1)
 
 
-async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int, first: asyncio.Event | None = None
-                          ) -> tuple[str, list[str], int, float]:
+async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[str, list[str], int, float]:
     """One streamed completion through the gateway: (text, finish reasons, completion tokens, when it ended)."""
     stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
@@ -155,8 +154,6 @@ async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int, first: as
             text.append(choice.text)
             if choice.finish_reason:
                 reasons.append(choice.finish_reason)
-            if first is not None and choice.text:
-                first.set()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return "".join(text), reasons, tokens, time.monotonic()
@@ -254,6 +251,12 @@ async def test_alert_rules_name_series_the_engine_exports(serving: LocalCluster,
                         assert name in series | recorded | {"DCGM_FI_DEV_GPU_UTIL"}, (overlay, rule.get("alert"), name)
 
 
+def _engine_load(cluster: LocalCluster) -> float:
+    """Requests running or waiting on the engine now."""
+    scraped = _scrape(_metrics_port(cluster, ENGINE))
+    return scraped.get("tokenmill:num_requests_running", 0) + scraped.get("tokenmill:num_requests_waiting", 0)
+
+
 async def test_sigterm_drains_the_gateway_pod(serving: LocalCluster, engine):
     """The kubelet's stop of a gateway pod (after its preStop wait): 16 HTTP streams in flight
     finish whole; health turns NOT_SERVING; new HTTP connections are refused and new gRPC calls
@@ -262,20 +265,21 @@ async def test_sigterm_drains_the_gateway_pod(serving: LocalCluster, engine):
     pod = serving.pods[GATEWAY]
     spec = pod_spec(pod.workload)
     preStop = max(prestop_seconds(c) for c in spec["containers"])
-    first_token = [asyncio.Event() for _ in range(DRAIN_STREAMS)]
     async with _gateway_client(serving) as client:
-        streams = [asyncio.ensure_future(_gateway_stream(client, DRAIN_MAX_TOKENS, first_token[i]))
-                   for i in range(DRAIN_STREAMS)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_token)), timeout=60)
-        assert not any(s.done() for s in streams), "a stream ended before SIGTERM: raise DRAIN_MAX_TOKENS"
+        streams = [asyncio.ensure_future(_gateway_stream(client, DRAIN_MAX_TOKENS)) for _ in range(DRAIN_STREAMS)]
+        # In flight on the gateway: every one admitted by the engine (which streams faster than
+        # this client reads, so the client's first tokens would come too late to say so).
+        deadline = time.monotonic() + 60
+        while _engine_load(serving) < DRAIN_STREAMS:
+            assert time.monotonic() < deadline, "the 16 streams never all reached the engine"
+            await asyncio.sleep(0.01)
         signalled: list[float] = []
         stopping = asyncio.ensure_future(asyncio.to_thread(
             serving.stop_pod, GATEWAY, spec["terminationGracePeriodSeconds"] - preStop, signalled.append))
         while not signalled:
             await asyncio.sleep(0.001)
-        # Still generating at SIGTERM (the client's own reading may lag behind what was sent): the
-        # gateway had these streams to forward when its drain began.
-        running = _scrape(_metrics_port(serving, ENGINE)).get("tokenmill:num_requests_running", 0)
+        # Still generating at SIGTERM: the gateway had these streams to forward when its drain began.
+        running = _engine_load(serving)
         assert running >= 1, "the engine had finished every stream by SIGTERM: raise DRAIN_MAX_TOKENS"
         grpc_address = f"127.0.0.1:{pod.local_port('grpc', 'test client')}"
         deadline = time.monotonic() + 10
