@@ -116,9 +116,18 @@ async def test_endpoints_answer_and_counters_move(stack):
         ports["scheduler"], "?name[]=tokenmill:kv_cache_waste_perc&name[]=tokenmill:num_requests_running")
     assert filtered == {"tokenmill:kv_cache_waste_perc": 0.0, "tokenmill:num_requests_running": 0.0}
 
-    # The executor's own endpoint: one timed execute per step the scheduler sent.
-    executor_samples = await scrape(ports["executor"])
-    assert executor_samples["tokenmill:executor_execute_seconds_count"] == after["tokenmill:scheduler_steps_total"]
+    # The executor's own endpoint: one timed execute per step the scheduler sent. The plan that
+    # tells the executor to forget the last finished sequences may go out after the streams
+    # ended, so both sides are read again until they settle (they must then agree).
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        executor_samples = await scrape(ports["executor"])
+        scheduler_steps = (await scrape(ports["scheduler"]))["tokenmill:scheduler_steps_total"]
+        executed = executor_samples["tokenmill:executor_execute_seconds_count"]
+        if executed == scheduler_steps or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert executed == scheduler_steps
     # Every service's RPCs are timed; a stream is observed when it ends, so the scheduler's
     # long-lived Step and Detokenize streams have a labelled series with no observation yet.
     tokenizer_samples = await scrape(ports["tokenizer"])
