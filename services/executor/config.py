@@ -45,6 +45,12 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     """Tests use it."""
     max_model_len: int = setting(0, "cap on context length (0 = the model's own limit)")
     seed: int = setting(0, "seed of the generator used for unseeded sampling")
+    tensor_parallel_size: int = setting(
+        1, "ranks (processes, one device each on CUDA) the model is split over: gloo on a CPU, NCCL on CUDA")
+    """Rank 0 is this process and serves the Step stream; it starts the others. Each holds its
+    share of the heads and MLP columns and of the KV pool (kv_cache_bytes is per rank). The
+    steps run eagerly: the fused CPU step, the compiled step and the decode graphs take no
+    all-reduce yet."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +64,8 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
                              f"got {self.kv_cache_dtype!r}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         validate_paths(self)
 
 
@@ -107,3 +115,8 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         if self.tls_peer_clients and not self.tls_allowed_clients:
             raise ValueError("tls_peer_clients widens --tls-allowed-clients for ReadKVBlocks: set that too "
                              "(without it every certificate the CA signed may call everything)")
+        if self.role != "mixed" and self.executor.tensor_parallel_size > 1:
+            # Moving KV blocks reads one pool; a tensor-parallel executor's is spread over its ranks.
+            raise ValueError(f"role {self.role!r} moves KV blocks between executors, which a tensor-parallel "
+                             f"one cannot yet; tensor_parallel_size {self.executor.tensor_parallel_size} needs "
+                             "role 'mixed'")

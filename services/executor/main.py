@@ -10,6 +10,8 @@ UNAVAILABLE until then.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,6 +63,9 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
     except BaseException:
         await running.stop(grace=0)
         raise
+    if runner.parallel is not None:
+        running.on_stop(lambda: asyncio.to_thread(runner.close))
+        runner.parallel.on_lost(_end_executor)
     loaded.set_result(runner)
     info = runner.info()
     _log.info("model_loaded", model=info.model, device=info.device, dtype=info.dtype,
@@ -68,6 +73,17 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
               num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len)
     await announce_serving(running, config)
     return running
+
+
+def _end_executor(reason: str) -> None:
+    """A tensor-parallel rank is gone: this executor can run no more steps, so it ends, and the
+    scheduler's recovery (reconnect, or failover onto another executor) takes its requests."""
+    _log.error("executor_stopping", reason=reason, exit_status=LOST_RANK_EXIT_STATUS)
+    sys.stderr.flush()
+    os._exit(LOST_RANK_EXIT_STATUS)
+
+
+LOST_RANK_EXIT_STATUS = 3
 
 
 def main(argv: Sequence[str] | None = None) -> int:

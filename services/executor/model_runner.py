@@ -17,6 +17,7 @@ from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import PathRuntime, Placement, choose_path, set_up_paths
 from services.executor.forward_paths.step import ForwardStep
 from services.executor.sequences import PoolLimits, Scheduled, SequenceState, apply_plan
+from services.executor.tensor_parallel import eager_for_tensor_parallel, start_rank_zero
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.kv_blocks import kv_layout
@@ -25,6 +26,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
+from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.sampler import Sampler
 from services.runtime.sampling.verify import emitted_tokens
@@ -40,16 +42,25 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
         self.backend = get_attention_backend(self.backend_name, self.device)
         path = choose_path(config, Placement(self.device.type, self.backend_name))
-        self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,
-                                                      prepack_cpu_weights=not path.plain_weights)
         self.block_size = config.block_size
         self.max_model_len = _max_model_len(config, mc)
         # The pool's storage: the model's dtype, or int8 / float8_e4m3fn values with scales.
         self.kv_dtype = _kv_storage_dtype(config, self.dtype, self.backend_name, self.device)
-        self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device)
-        # A path's scratch blocks lie past the pool the scheduler is told about.
-        self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
-                                         self.kv_dtype, self.device)
+        self.parallel: TensorParallelLeader | None = None
+        """Rank 0's hold on the other ranks of a tensor-parallel executor (None: one rank)."""
+        if config.tensor_parallel_size > 1:
+            path = eager_for_tensor_parallel(path)
+            rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
+                                        self.kv_dtype)
+            self.parallel, self.model = rank_zero.leader, rank_zero.model
+            self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
+        else:
+            self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,
+                                                          prepack_cpu_weights=not path.plain_weights)
+            self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device)
+            # A path's scratch blocks lie past the pool the scheduler is told about.
+            self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
+                                             self.kv_dtype, self.device)
         self.paths = set_up_paths(path, config, PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks))
@@ -63,8 +74,19 @@ class ModelRunner:
         self.sequences: dict[int, SequenceState] = {}
         self._limits = PoolLimits(self.num_usable_blocks, self.block_size, self.vocab_size)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel executor (nothing to do for one rank)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
     def info(self) -> ExecutorInfo:
         mc = self.model_config
+        layout = kv_layout(mc, self.block_size, self.kv_dtype, self.dtype)
+        kv_bytes = self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype)
+        if self.parallel is not None:
+            # All ranks' pools together; a layout of its own, so no peer takes its blocks for its own.
+            kv_bytes = sum(self.parallel.kv_bytes)
+            layout += f":tensor_parallel={self.parallel.world}"
         return ExecutorInfo(
             num_blocks=self.num_usable_blocks,
             block_size=self.block_size,
@@ -78,8 +100,8 @@ class ModelRunner:
             bos_token_id=mc.bos_token_id,
             eos_token_ids=mc.eos_token_ids,
             kv_cache_dtype=dtype_name(self.dtype) if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
-            kv_cache_bytes=self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype),
-            kv_layout=kv_layout(mc, self.block_size, self.kv_dtype, self.dtype),
+            kv_cache_bytes=kv_bytes,
+            kv_layout=layout,
         )
 
     # ------------------------------------------------------------------ the step
@@ -102,7 +124,11 @@ class ModelRunner:
 
     def _forward(self, step: ForwardStep) -> torch.Tensor:
         """The model over the step's tokens, by the first path that takes it: final hidden states [T, D]."""
-        return next(path for path in self.paths if path.takes(step)).forward(step)
+        path = next(path for path in self.paths if path.takes(step))
+        if self.parallel is not None:
+            packed = step.packed
+            return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step))
+        return path.forward(step)
 
     def _run_more_steps(self, plan: StepPlan, scheduled: Scheduled,
                         outputs: list[SequenceOutput]) -> None:

@@ -1,0 +1,92 @@
+"""Rank 0 of a tensor-parallel executor (``--tensor-parallel-size N``): start the other ranks,
+load this rank's shard and KV pool, agree on the pool's size.
+
+The model runner stays the one-device runner: it plans, samples and keeps the sequences; only
+its forward goes through the leader (services/runtime/parallel/leader.py), which broadcasts
+the step's inputs before rank 0 runs its shard. Steps run eagerly: the fused CPU step, the
+compiled step and the decode graphs have no all-reduce inside, so a path other than eager
+that the flags and device would choose is set aside, and the log line says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from services.executor.config import ExecutorConfig
+from services.executor.forward_paths import ForwardPath
+from services.executor.forward_paths.eager import EagerPath
+from services.runtime.kv_cache import KVCache
+from services.runtime.model.attention.base import AttentionBackend
+from services.runtime.model.config import ModelConfig, dtype_name
+from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.parallel.leader import TensorParallelLeader
+from services.runtime.parallel.rank import RankSpec, blocks_for_budget, load_shard
+from services.runtime.parallel.shard import ShardPlan, plan_shards
+
+_log = structlog.get_logger("tokenmill.executor")
+
+
+@dataclass(slots=True)
+class RankZero:
+    leader: TensorParallelLeader
+    model: LlamaForCausalLM
+    """Rank 0's shard; its config is the shard's (its heads, its MLP columns)."""
+    plan: ShardPlan
+    kv_cache: KVCache
+    num_blocks: int
+
+
+def eager_for_tensor_parallel(chosen: type[ForwardPath]) -> type[ForwardPath]:
+    if chosen is not EagerPath:
+        _log.info("tensor parallel forward path", path="eager", instead_of=chosen.name,
+                  reason=f"the {chosen.name} path has no all-reduce between its layers; tensor-parallel steps "
+                         "run eagerly")
+    return EagerPath
+
+
+def rank_devices(device: torch.device, world: int) -> list[torch.device]:
+    """One device a rank: the CPU for all, or consecutive CUDA devices from rank 0's."""
+    if device.type != "cuda":
+        return [device] * world
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    if first + world > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {world} from {device} needs CUDA devices {first}..{first + world - 1}; "
+                         f"this machine has {torch.cuda.device_count()}")
+    return [torch.device("cuda", first + r) for r in range(world)]
+
+
+def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    backend_name: str, backend: AttentionBackend, kv_dtype: torch.dtype) -> RankZero:
+    world = config.tensor_parallel_size
+    plan_shards(mc, world)  # heads that cannot split fail here, before any process starts
+    devices = rank_devices(device, world)
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+
+    def spec(rank: int, port: int) -> RankSpec:
+        return RankSpec(model=str(config.model), dtype=dtype_name(dtype), device=str(devices[rank]),
+                        attention_backend=backend_name, block_size=config.block_size,
+                        kv_dtype=str(kv_dtype).removeprefix("torch."), num_blocks=config.num_blocks,
+                        kv_cache_bytes=config.kv_cache_bytes, gpu_memory_utilization=config.gpu_memory_utilization,
+                        rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
+                        log_level=level if level in ("debug", "info", "warning", "error") else "info")
+
+    leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
+    try:
+        model, hooks, plan = load_shard(config.model, mc, backend, device, dtype, world, 0)
+        blocks = config.num_blocks or blocks_for_budget(model.config, config.block_size, kv_dtype, device,
+                                                        config.kv_cache_bytes, config.gpu_memory_utilization)
+        groups = leader.join(device)
+        hooks.groups = groups
+        blocks = groups.min_int(blocks)  # one pool size for the scheduler: the smallest any rank holds
+        kv_cache = KVCache.allocate(model.config, blocks, config.block_size, kv_dtype, device)
+        leader.kv_bytes = groups.gather_ints(kv_cache.nbytes)
+    except BaseException:
+        leader.close()
+        raise
+    _log.info("tensor_parallel_ready", world=world, num_blocks=blocks, kv_cache_bytes_per_rank=leader.kv_bytes,
+              heads=[plan.heads.start, plan.heads.stop], kv_heads=[plan.kv_heads.start, plan.kv_heads.stop])
+    return RankZero(leader, model, plan, kv_cache, blocks)

@@ -1,0 +1,149 @@
+"""The process groups of one tensor-parallel executor, and the step inputs rank 0 hands the others.
+
+Two groups over one TCPStore that rank 0 serves on loopback: the step channel (gloo, host
+tensors, every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
+row-parallel layers' partial outputs. Separate because they wait differently: a rank idles in
+the step channel's broadcast until the next step comes, for as long as the executor has no
+work (a long timeout; a rank that dies closes its sockets, which ends the wait at once), while
+an all-reduce that stalls means a rank is stuck. The groups are objects, not torch.distributed's
+process-global default group, so a process can hold more than one (the tests do).
+
+A step is two broadcasts from rank 0: a header (kind, tokens, sequences, block-table width)
+and one int64 blob: input ids, positions and slots [3T], then context lengths [B], query
+starts [B + 1] and the block table [B, W], from which every rank builds the same
+AttentionMetadata (its host lists too) on its own device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.runtime.model.attention.base import AttentionMetadata
+
+STEP = 1
+STOP = 0
+
+IDLE_TIMEOUT = timedelta(days=30)
+"""How long a rank waits for the next step: an executor may sit idle for any time."""
+REDUCE_TIMEOUT = timedelta(minutes=10)
+"""An all-reduce waits at most this long for a rank that stopped answering (not one that
+died: its closed sockets fail the collective at once)."""
+
+
+def _gloo(store: dist.Store, prefix: str, rank: int, world: int, timeout: timedelta) -> dist.ProcessGroup:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # Loopback explicitly: the ranks are processes of one host, whatever its hostname resolves to.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, options)
+
+
+@dataclass(slots=True)
+class RankGroups:
+    rank: int
+    world: int
+    step: dist.ProcessGroup
+    reduce: dist.ProcessGroup
+
+    @classmethod
+    def join(cls, store: dist.Store, rank: int, world: int, device: torch.device) -> "RankGroups":
+        """Blocks until every rank has joined (each construction is a rendezvous over the store)."""
+        step = _gloo(store, "step", rank, world, IDLE_TIMEOUT)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = REDUCE_TIMEOUT
+            reduce = dist.ProcessGroupNCCL(dist.PrefixStore("reduce", store), rank, world, options)
+        else:
+            reduce = _gloo(store, "reduce", rank, world, REDUCE_TIMEOUT)
+        return cls(rank, world, step, reduce)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum in place over the ranks."""
+        self.reduce.allreduce([tensor]).wait()
+
+    def min_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.step.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank (a sum of one-hot rows: gloo's all-gather needs lists)."""
+        t = torch.zeros(self.world, dtype=torch.int64)
+        t[self.rank] = value
+        self.step.allreduce([t]).wait()
+        return t.tolist()
+
+    # --- the step channel ------------------------------------------------------------------
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.step.broadcast([tensor], opts).wait()
+
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Rank 0: the step's inputs to the other ranks."""
+        t, b = input_ids.numel(), meta.num_seqs
+        blob = torch.cat([input_ids, positions, meta.slot_mapping, meta.context_lens.long(),
+                          meta.query_start_loc.long(), meta.block_tables.reshape(-1).long()]).cpu()
+        self._broadcast(torch.tensor([STEP, t, b, meta.block_tables.shape[1]], dtype=torch.int64))
+        self._broadcast(blob)
+
+    def send_stop(self) -> None:
+        self._broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64))
+
+    def receive_step(self, block_size: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+        """The other ranks: the next step's (input ids, positions, metadata), or None to stop."""
+        header = torch.empty(4, dtype=torch.int64)
+        self._broadcast(header)
+        kind, t, b, width = header.tolist()
+        if kind == STOP:
+            return None
+        blob = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.int64)
+        self._broadcast(blob)
+        ints = blob[3 * t:]
+        context_lens, query_starts = ints[:b].tolist(), ints[b:2 * b + 1].tolist()
+        longs = blob[:3 * t].to(device)
+        ints_dev = ints.to(torch.int32).to(device)
+        query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
+        meta = AttentionMetadata(
+            slot_mapping=longs[2 * t:],
+            block_tables=ints_dev[2 * b + 1:].view(b, width),
+            context_lens=ints_dev[:b],
+            query_start_loc=ints_dev[b:2 * b + 1],
+            query_lens_cpu=query_lens,
+            context_lens_cpu=context_lens,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            block_size=block_size,
+        )
+        return longs[:t], longs[t:2 * t], meta
+
+
+class AllReduceHooks:
+    """Sums the row-parallel projections' outputs over the ranks (gpt-fast's forward hook): the
+    model code stays the single-device code. ``groups`` is set once the ranks have joined."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.groups: RankGroups | None = None
+        self.seconds = 0.0
+        """Time spent in the all-reduces, when ``timed`` (the benchmark's share of a step)."""
+        self.timed = False
+        for layer in model.layers:
+            for module in (layer.o_proj, layer.down):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, inputs, output: torch.Tensor) -> None:
+        if not self.timed:
+            self.groups.all_reduce(output)
+            return
+        start = time.perf_counter()
+        self.groups.all_reduce(output)
+        self.seconds += time.perf_counter() - start

@@ -1,0 +1,149 @@
+"""Rank 0's side of a tensor-parallel executor: start the other ranks, hand them each step,
+watch them.
+
+The other ranks are processes of their own (``python -m services.runtime.parallel.worker``),
+started before rank 0 loads its own shard so that all load at once. Rank 0 serves the
+TCPStore they meet at, on loopback on a free port. A rank that exits while the executor runs
+is a lost executor: the watcher logs which rank and how it ended, calls the ``on_lost``
+callbacks (the executor service ends its process there), and every later step raises
+TensorParallelError with that reason, as does the step that was waiting on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.parallel.collectives import RankGroups
+from services.runtime.parallel.rank import RankSpec
+
+_log = structlog.get_logger("tokenmill.parallel")
+
+LOAD_TIMEOUT_S = 3600.0
+"""How long rank 0 waits for the other ranks to load their shards."""
+STOP_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the group is gone: the executor cannot run another step."""
+
+
+class TensorParallelLeader:
+    def __init__(self, specs: Callable[[int, int], RankSpec], world: int) -> None:
+        """``specs(rank, store_port)``: what rank ``rank`` (1 .. world - 1) is told."""
+        self.world = world
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
+                                   wait_for_workers=False)
+        self.groups: RankGroups | None = None
+        self.failure: str | None = None
+        self.kv_bytes: list[int] = []
+        """Each rank's KV pool, in bytes, once joined."""
+        self._closing = False
+        self._callbacks: list[Callable[[str], None]] = []
+        self._procs = [
+            subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
+                              specs(rank, self.store.port).to_json()])
+            for rank in range(1, world)
+        ]
+        atexit.register(self._kill)
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True).start()
+        _log.info("tensor_parallel_ranks_started", world=world, pids=[p.pid for p in self._procs],
+                  store_port=self.store.port)
+
+    @property
+    def pids(self) -> list[int]:
+        """The other ranks' process ids, rank 1 first."""
+        return [p.pid for p in self._procs]
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (from the watcher thread) when a rank ends while in use."""
+        self._callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        _log.error("tensor_parallel_rank_lost", rank=rank, pid=proc.pid, returncode=code, reason=self.failure)
+        for callback in self._callbacks:
+            callback(self.failure)
+
+    def join(self, device: torch.device) -> RankGroups:
+        """Wait for every rank to have loaded its shard, then form the groups (rank 0)."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        for rank in range(1, self.world):
+            while not self.store.check([f"loaded/{rank}"]):
+                self._raise_if_lost("while loading its shard")
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} did not load its shard within "
+                                              f"{LOAD_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        self.groups = RankGroups.join(self.store, 0, self.world, device)
+        return self.groups
+
+    def _raise_if_lost(self, when: str = "") -> None:
+        if self.failure is None and any(proc.poll() is not None for proc in self._procs):
+            time.sleep(0.1)  # the watcher thread, woken by the same exit, writes the reason
+        if self.failure is not None:
+            raise TensorParallelError(f"{self.failure}{' ' + when if when else ''}; the executor cannot run steps")
+
+    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 forward: Callable[[], T]) -> T:
+        """Hand the step to the other ranks, then run rank 0's ``forward`` (whose all-reduces
+        meet theirs)."""
+        self._raise_if_lost()
+        try:
+            self.groups.send_step(input_ids, positions, meta)
+            return forward()
+        except RuntimeError as exc:
+            if isinstance(exc, TensorParallelError):
+                raise
+            # A collective failed: a rank is gone (its watcher may be a moment behind) or stuck.
+            for proc in self._procs:
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._raise_if_lost()
+            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loop on a stop header), killing the slow ones."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.groups is not None and self.failure is None:
+            try:
+                self.groups.send_stop()
+            except RuntimeError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        atexit.unregister(self._kill)
+
+    def _kill(self) -> None:
+        self._closing = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()

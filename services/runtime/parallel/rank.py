@@ -1,0 +1,77 @@
+"""One rank's model shard and KV pool, the same on rank 0 and on the others.
+
+Each rank reads the whole checkpoint and keeps its slice (shard.py): simple, and a rank's
+peak host memory is the full checkpoint plus one layer, not its 1/N share. Reading only the
+slice (safetensors' get_slice) is the next step where host memory is what limits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from services.runtime.kv_cache import cuda_kv_budget, num_blocks_for_budget
+from services.runtime.model.attention.base import AttentionBackend
+from services.runtime.model.config import ModelConfig
+from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.weights import load_checkpoint
+from services.runtime.parallel.collectives import AllReduceHooks
+from services.runtime.parallel.shard import ShardPlan, ffn_alignment, plan_shards, shard_checkpoint, shard_config
+
+KV_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8,
+                                                         torch.float8_e4m3fn)}
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a rank other than 0 is told at its start (as JSON on its command line)."""
+
+    model: str
+    dtype: str
+    """torch dtype name without ``torch.`` (float32, bfloat16, float16)."""
+    device: str
+    attention_backend: str
+    """The resolved backend name."""
+    block_size: int
+    kv_dtype: str
+    """The pool's storage dtype name (the model's, or int8 / float8_e4m3fn)."""
+    num_blocks: int
+    """0: from the budget below; the ranks then take the smallest count any of them can hold."""
+    kv_cache_bytes: int
+    gpu_memory_utilization: float
+    rank: int
+    world: int
+    store_port: int
+    threads: int
+    log_level: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankSpec":
+        return cls(**json.loads(text))
+
+
+def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, device: torch.device,
+               dtype: torch.dtype, world: int, rank: int, prepack: bool = True
+               ) -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
+    """The model cut to ``rank``'s shard, its all-reduce hooks not yet joined to a group."""
+    weights = load_checkpoint(model_dir, config, dtype)
+    plan = plan_shards(config, world, ffn_alignment(weights, config))[rank]
+    local = shard_config(config, plan)
+    model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan), backend, device, prepack)
+    return model, AllReduceHooks(model), plan
+
+
+def blocks_for_budget(local: ModelConfig, block_size: int, kv_dtype: torch.dtype, device: torch.device,
+                      kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
+    """The blocks one rank's pool of its own KV heads holds: ``kv_cache_bytes`` on a CPU (per
+    rank), on CUDA what its device has left (10% kept for activations, as on one device)."""
+    if device.type == "cuda":
+        budget = int(cuda_kv_budget(device, gpu_memory_utilization) * 0.9)
+    else:
+        budget = kv_cache_bytes
+    return num_blocks_for_budget(local, block_size, kv_dtype, budget)

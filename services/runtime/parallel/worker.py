@@ -1,0 +1,80 @@
+"""A tensor-parallel rank other than 0: ``python -m services.runtime.parallel.worker SPEC_JSON``.
+
+It loads its shard and its KV pool, joins the groups, then runs every step rank 0 broadcasts
+until a stop header, rank 0's death (its sockets close, or this process finds itself
+orphaned) or an error; any of those ends the process, which rank 0's watcher reports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from services.common.logging import configure_logging
+from services.runtime.kv_cache import KVCache
+from services.runtime.model.attention.registry import get_attention_backend
+from services.runtime.model.config import ModelConfig, parse_dtype
+from services.runtime.parallel.collectives import RankGroups
+from services.runtime.parallel.leader import LOAD_TIMEOUT_S
+from services.runtime.parallel.rank import KV_DTYPES, RankSpec, blocks_for_budget, load_shard
+
+_log = structlog.get_logger("tokenmill.parallel")
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    # A SIGKILLed rank 0 may leave this rank waiting in a collective on a socket that stays open.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def run(spec: RankSpec) -> None:
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds a rank's communicator to the current device
+    config = ModelConfig.from_model_dir(spec.model)
+    backend = get_attention_backend(spec.attention_backend, device)
+    model, hooks, plan = load_shard(spec.model, config, backend, device, parse_dtype(spec.dtype), spec.world,
+                                    spec.rank)
+    kv_dtype = KV_DTYPES[spec.kv_dtype]
+    blocks = spec.num_blocks or blocks_for_budget(model.config, spec.block_size, kv_dtype, device,
+                                                  spec.kv_cache_bytes, spec.gpu_memory_utilization)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    store.set(f"loaded/{spec.rank}", "1")
+    groups = RankGroups.join(store, spec.rank, spec.world, device)
+    hooks.groups = groups
+    blocks = groups.min_int(blocks)
+    kv_cache = KVCache.allocate(model.config, blocks, spec.block_size, kv_dtype, device)
+    groups.gather_ints(kv_cache.nbytes)
+    _log.info("tensor_parallel_rank_ready", rank=spec.rank, world=spec.world, heads=[plan.heads.start, plan.heads.stop],
+              kv_heads=[plan.kv_heads.start, plan.kv_heads.stop], ffn=[plan.ffn.start, plan.ffn.stop],
+              num_blocks=blocks, kv_cache_bytes=kv_cache.nbytes, device=str(device))
+    with torch.inference_mode():
+        while (step := groups.receive_step(spec.block_size, device)) is not None:
+            input_ids, positions, meta = step
+            model(input_ids, positions, kv_cache.layers, meta)
+    _log.info("tensor_parallel_rank_stopped", rank=spec.rank)
+
+
+def main(argv: list[str]) -> int:
+    spec = RankSpec.from_json(argv[0])
+    configure_logging(f"executor-rank{spec.rank}", spec.log_level)
+    # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
