@@ -26,6 +26,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
+from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.sampler import Sampler
@@ -53,6 +54,7 @@ class ModelRunner:
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype)
             self.parallel, self.model = rank_zero.leader, rank_zero.model
+            self.all_reduces: AllReduceHooks | None = rank_zero.hooks
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
         else:
             self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,

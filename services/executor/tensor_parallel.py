@@ -23,6 +23,7 @@ from services.runtime.kv_cache import KVCache
 from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.parallel.rank import RankSpec, blocks_for_budget, load_shard
 from services.runtime.parallel.shard import ShardPlan, plan_shards
@@ -36,6 +37,8 @@ class RankZero:
     model: LlamaForCausalLM
     """Rank 0's shard; its config is the shard's (its heads, its MLP columns)."""
     plan: ShardPlan
+    hooks: AllReduceHooks
+    """Rank 0's all-reduces (their time, when asked: the benchmark's share of a step)."""
     kv_cache: KVCache
     num_blocks: int
 
@@ -89,4 +92,4 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
         raise
     _log.info("tensor_parallel_ready", world=world, num_blocks=blocks, kv_cache_bytes_per_rank=leader.kv_bytes,
               heads=[plan.heads.start, plan.heads.stop], kv_heads=[plan.kv_heads.start, plan.kv_heads.stop])
-    return RankZero(leader, model, plan, kv_cache, blocks)
+    return RankZero(leader, model, plan, hooks, kv_cache, blocks)

@@ -1,0 +1,129 @@
+"""Decode steps on a CPU: tensor-parallel over two ranks against one rank, one run side by side.
+
+    python -m benchmarks.tensor_parallel_bench [--preset llama-100m] [--batches 1 32] [--rounds 5]
+
+Three systems on the same random model, eager forward each (the path a tensor-parallel step
+takes): one rank on one thread, one rank on two threads, and two ranks (this process and one
+more, over gloo on loopback) on one thread each. Each round runs every system in turn: a
+batch of fresh prompts prefilled in one step, then ``--steps`` timed decode steps of the whole
+batch; the table has the median milliseconds per decode step over the rounds, the ratio
+against one rank on one thread, and for two ranks the share of rank 0's step spent in its
+all-reduces (which includes waiting for the other rank to reach them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.decode_bench import ensure_model
+from benchmarks.machine import cpu_model_name
+from services.common.sampling_params import SamplingParams
+from services.common.step import NewSequence, RunningSequence, StepPlan
+from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
+from services.executor.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+PROMPT_LEN = 32
+
+
+class System:
+    def __init__(self, name: str, runner: ModelRunner, threads: int) -> None:
+        self.name, self.runner, self.threads = name, runner, threads
+        self.step_ms: dict[int, list[float]] = {}
+        self.reduce_share: dict[int, list[float]] = {}
+        self._next_id = 0
+        self._step = 0
+
+    def round(self, batch: int, steps: int, vocab: int) -> None:
+        torch.set_num_threads(self.threads)
+        runner = self.runner
+        width = -(-(PROMPT_LEN + steps + 1) // BLOCK_SIZE)
+        generator = torch.Generator().manual_seed(self._next_id)
+        ids = list(range(self._next_id, self._next_id + batch))
+        self._next_id += batch
+        new = [NewSequence(seq, torch.randint(3, vocab, (PROMPT_LEN,), generator=generator).tolist(), PROMPT_LEN, 0,
+                           PROMPT_LEN, list(range(i * width, (i + 1) * width)), SamplingParams(temperature=0.0))
+               for i, seq in enumerate(ids)]
+        self._execute(StepPlan(self._step, new=new))
+        hooks = getattr(runner, "all_reduces", None)
+        if hooks is not None:
+            hooks.timed, hooks.seconds = True, 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            self._execute(StepPlan(self._step, running=[RunningSequence(seq, 1) for seq in ids]))
+        elapsed = time.perf_counter() - start
+        self.step_ms.setdefault(batch, []).append(1000 * elapsed / steps)
+        if hooks is not None:
+            hooks.timed = False
+            self.reduce_share.setdefault(batch, []).append(hooks.seconds / elapsed)
+        self._execute(StepPlan(self._step, finished_seq_ids=ids))
+
+    def _execute(self, plan: StepPlan) -> None:
+        self.runner.execute(plan)
+        self._step += 1
+
+
+def make_runner(model: str, tp: int, blocks: int, threads: int) -> ModelRunner:
+    torch.set_num_threads(threads)  # the other ranks take rank 0's count at their start
+    return ModelRunner(ExecutorConfig(model=model, dtype="fp32", device="cpu", attention_backend="cpu",
+                                      block_size=BLOCK_SIZE, num_blocks=blocks, tensor_parallel_size=tp,
+                                      fused_decode=FusedDecodeSettings(cpu_decode="eager")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-100m")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    model = str(ensure_model(args.preset))
+    width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
+    blocks = max(args.batches) * width + 1
+    one = make_runner(model, 1, blocks, 1)
+    systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2),
+               System("TP=2, 1 thread a rank", make_runner(model, 2, blocks, 1), 1)]
+    vocab = one.model_config.vocab_size
+    try:
+        for system in systems:  # a warm-up round: first-call allocations and oneDNN's caches
+            for batch in args.batches:
+                system.round(batch, 2, vocab)
+            system.step_ms.clear()
+            system.reduce_share.clear()
+        for _ in range(args.rounds):
+            for batch in args.batches:
+                for system in systems:
+                    system.round(batch, args.steps, vocab)
+    finally:
+        systems[2].runner.close()
+    print(f"{cpu_model_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, load {os.getloadavg()}")
+    print(f"{args.preset}, fp32, eager, prompts of {PROMPT_LEN}, {args.steps} decode steps x {args.rounds} rounds "
+          "(median ms per decode step)")
+    print(f"{'system':<24}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
+          + "".join(f"{f'all-reduce b{b}':>16}" for b in args.batches))
+    base = {b: statistics.median(systems[0].step_ms[b]) for b in args.batches}
+    report = {"preset": args.preset, "load": os.getloadavg(), "systems": {}}
+    for system in systems:
+        ms = {b: statistics.median(system.step_ms[b]) for b in args.batches}
+        share = {b: statistics.median(system.reduce_share[b]) for b in system.reduce_share}
+        line = f"{system.name:<24}" + "".join(f"{ms[b]:>14.2f}{base[b] / ms[b]:>11.2f}x" for b in args.batches)
+        line += "".join(f"{share[b]:>15.0%} " for b in share)
+        print(line)
+        report["systems"][system.name] = {"ms_per_step": ms, "speedup": {b: base[b] / ms[b] for b in ms},
+                                          "all_reduce_share": share}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
