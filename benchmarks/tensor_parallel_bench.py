@@ -1,6 +1,7 @@
 """Decode steps on a CPU: tensor-parallel over two ranks against one rank, one run side by side.
 
     python -m benchmarks.tensor_parallel_bench [--preset llama-100m] [--batches 1 32] [--rounds 5]
+        [--device cuda --dtype bf16 --tp 4]
 
 Three systems on the same random model, eager forward each (the path a tensor-parallel step
 takes): one rank on one thread, one rank on two threads, and two ranks (this process and one
@@ -26,6 +27,7 @@ from benchmarks.machine import cpu_model_name
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
 from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 
@@ -70,11 +72,55 @@ class System:
         self._step += 1
 
 
-def make_runner(model: str, tp: int, blocks: int, threads: int) -> ModelRunner:
+def make_runner(args, model: str, tp: int, blocks: int, threads: int) -> ModelRunner:
     torch.set_num_threads(threads)  # the other ranks take rank 0's count at their start
-    return ModelRunner(ExecutorConfig(model=model, dtype="fp32", device="cpu", attention_backend="cpu",
-                                      block_size=BLOCK_SIZE, num_blocks=blocks, tensor_parallel_size=tp,
-                                      fused_decode=FusedDecodeSettings(cpu_decode="eager")))
+    cpu = args.device == "cpu"
+    return ModelRunner(ExecutorConfig(model=model, dtype=args.dtype, device=args.device,
+                                      attention_backend="cpu" if cpu else "auto", block_size=BLOCK_SIZE,
+                                      num_blocks=blocks, tensor_parallel_size=tp,
+                                      fused_decode=FusedDecodeSettings(cpu_decode="eager"),
+                                      decode_graphs=DecodeGraphSettings(enforce_eager=True)))
+
+
+def all_reduce_floor(rank: int, port: int, shapes: list[tuple[int, int]], calls: int) -> dict[str, float]:
+    """Microseconds per all-reduce of each shape between two processes over gloo on loopback,
+    nothing else running in them: the collective's own cost, without the wait for a slower rank
+    that a step's all-reduce also holds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from services.runtime.parallel.collectives import RankGroups
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
+    groups = RankGroups.join(store, rank, 2, torch.device("cpu"))
+    out = {}
+    for rows, cols in shapes:
+        t = torch.ones(rows, cols)
+        for _ in range(20):
+            groups.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(calls):
+            groups.all_reduce(t)
+        out[f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
+    return out
+
+
+def measure_all_reduce(hidden: int, batches: list[int], calls: int = 500) -> dict[str, float]:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shapes = ",".join(f"{b}x{hidden}" for b in batches)
+    peer = subprocess.Popen([sys.executable, "-m", "benchmarks.tensor_parallel_bench", "--all-reduce-peer",
+                             f"{port}:{shapes}:{calls}"])
+    try:
+        return all_reduce_floor(0, port, [(b, hidden) for b in batches], calls)
+    finally:
+        peer.wait(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,14 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (rank r on the r-th GPU)")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel system")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--all-reduce-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.all_reduce_peer:  # the second process of measure_all_reduce
+        port, shapes, calls = args.all_reduce_peer.split(":")
+        all_reduce_floor(1, int(port), [tuple(map(int, s.split("x"))) for s in shapes.split(",")], int(calls))
+        return 0
     model = str(ensure_model(args.preset))
     width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
     blocks = max(args.batches) * width + 1
-    one = make_runner(model, 1, blocks, 1)
+    one = make_runner(args, model, 1, blocks, 1)
     systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2),
-               System("TP=2, 1 thread a rank", make_runner(model, 2, blocks, 1), 1)]
+               System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1)]
     vocab = one.model_config.vocab_size
     try:
         for system in systems:  # a warm-up round: first-call allocations and oneDNN's caches
@@ -105,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         systems[2].runner.close()
     print(f"{cpu_model_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, load {os.getloadavg()}")
-    print(f"{args.preset}, fp32, eager, prompts of {PROMPT_LEN}, {args.steps} decode steps x {args.rounds} rounds "
+    print(f"{args.preset}, {args.dtype} on {args.device}, eager, prompts of {PROMPT_LEN}, {args.steps} decode steps x {args.rounds} rounds "
           "(median ms per decode step)")
     print(f"{'system':<24}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
           + "".join(f"{f'all-reduce b{b}':>16}" for b in args.batches))
@@ -119,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         report["systems"][system.name] = {"ms_per_step": ms, "speedup": {b: base[b] / ms[b] for b in ms},
                                           "all_reduce_share": share}
+    if args.device == "cpu":
+        floor = measure_all_reduce(one.model_config.hidden_size, args.batches)
+        per_step = 2 * one.model_config.num_layers
+        print("all-reduce alone, two processes, gloo on loopback: "
+              + ", ".join(f"[{shape}] {us:.0f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
+                          for shape, us in floor.items()))
+        report["all_reduce_alone_us"] = floor
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=1)
