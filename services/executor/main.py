@@ -64,7 +64,9 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         await running.stop(grace=0)
         raise
     if runner.parallel is not None:
-        running.on_stop(lambda: asyncio.to_thread(runner.close))
+        # On the step thread, after any step in flight (stop callbacks run newest first, so
+        # before that thread shuts down): the stop header must not cross a step's broadcasts.
+        running.on_stop(lambda: loop.run_in_executor(worker, runner.close))
         runner.parallel.on_lost(_end_executor)
     loaded.set_result(runner)
     info = runner.info()

@@ -4,6 +4,8 @@ It keeps the state of every running sequence between steps (services/executor/se
 so a step only carries diffs. Each forward goes to the first of the executor's forward paths
 that takes it (services/executor/forward_paths/: decode graphs, the compiled or the fused CPU
 step, else eager). Logits never leave it: the result holds sampled ids and, when asked, logprobs.
+With ``tensor_parallel_size`` > 1 it is rank 0 (services/executor/tensor_parallel.py): the
+model is its shard, and each forward first hands the step's inputs to the other ranks.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class ModelRunner:
         self.kv_dtype = _kv_storage_dtype(config, self.dtype, self.backend_name, self.device)
         self.parallel: TensorParallelLeader | None = None
         """Rank 0's hold on the other ranks of a tensor-parallel executor (None: one rank)."""
+        self.all_reduces: AllReduceHooks | None = None
+        """Its all-reduces, timed when asked (benchmarks/tensor_parallel_bench.py)."""
         if config.tensor_parallel_size > 1:
             path = eager_for_tensor_parallel(path)
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype)
             self.parallel, self.model = rank_zero.leader, rank_zero.model
-            self.all_reduces: AllReduceHooks | None = rank_zero.hooks
+            self.all_reduces = rank_zero.hooks
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
         else:
             self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,

@@ -56,6 +56,8 @@ class RankGroups:
         """Blocks until every rank has joined (each construction is a rendezvous over the store)."""
         step = _gloo(store, "step", rank, world, IDLE_TIMEOUT)
         if device.type == "cuda":
+            if not dist.is_nccl_available():
+                raise RuntimeError("tensor parallelism on CUDA sums over NCCL, which this torch build lacks")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = REDUCE_TIMEOUT
             reduce = dist.ProcessGroupNCCL(dist.PrefixStore("reduce", store), rank, world, options)
