@@ -29,6 +29,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "gateway": ("benchmarks.gateway.driver",
                 "the gateway: HTTP overhead, routing policies, decision time, routed requests/s (make bench-gateway)"),
     "executors": ("benchmarks.executors", "two executors against one, prefill/decode split, failover (make bench-executors)"),
+    "tensor-parallel": ("benchmarks.tensor_parallel",
+                        "decode steps of a model over tensor-parallel ranks against one rank on one and two threads"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""

@@ -52,7 +52,7 @@ class ModelRunner:
         self.parallel: TensorParallelLeader | None = None
         """Rank 0's hold on the other ranks of a tensor-parallel executor (None: one rank)."""
         self.all_reduces: AllReduceHooks | None = None
-        """Its all-reduces, timed when asked (benchmarks/tensor_parallel_bench.py)."""
+        """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
         if config.tensor_parallel_size > 1:
             path = eager_for_tensor_parallel(path)
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,

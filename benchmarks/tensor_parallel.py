@@ -1,0 +1,198 @@
+"""Decode steps: tensor-parallel ranks against one rank, one run side by side.
+
+    python -m benchmarks tensor-parallel [--model random:llama-100m] [--batches 1,32] [--rounds 5]
+        [--device cuda --dtype bf16 --tp 4]
+
+Three systems on the same model, eager forward each (the path a tensor-parallel step takes):
+one rank on one thread, one rank on two threads, and ``--tp`` ranks (this process and the rank
+processes, over gloo on loopback on a CPU, NCCL on CUDA) on one thread each. Each round runs
+every system in turn: a batch of fresh prompts prefilled in one step, then ``--steps`` timed
+decode steps of the whole batch; the table has the median milliseconds per decode step over
+the rounds, the ratio against one rank on one thread, and for the ranks the share of rank 0's
+step spent in its all-reduces (which includes waiting for the other ranks to reach them). On a
+CPU it then times the all-reduce alone between two processes doing nothing else.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
+from benchmarks.harness.models import resolve_model
+from benchmarks.harness.report import LoadWatch, command_line, cpu_model_name, provenance, result_path, write_result
+from services.common.sampling_params import SamplingParams
+from services.common.step import NewSequence, RunningSequence, StepPlan
+from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
+from services.executor.model_runner import ModelRunner
+
+PROG = "python -m benchmarks tensor-parallel"
+BLOCK_SIZE = 16
+PROMPT_LEN = 32
+
+
+@dataclass(frozen=True)
+class TensorParallelSettings:
+    model: str = setting("random:llama-100m", "model (a directory or random:PRESET)")
+    batches: tuple[int, ...] = setting((1, 32), "decode batch sizes, comma-separated")
+    steps: int = setting(16, "timed decode steps a round")
+    rounds: int = setting(5, "rounds, every system in turn")
+    device: str = setting("cpu", "cpu, or cuda (rank r on the r-th GPU)")
+    dtype: str = setting("fp32", "fp32, bf16 or fp16")
+    tp: int = setting(2, "ranks of the tensor-parallel system")
+    all_reduce_calls: int = setting(500, "CPU: timed all-reduces of the collective alone (0: skip it)")
+    out: str = setting("", "result JSON path (default benchmarks/results/tensor-parallel-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "steps", "rounds")
+        flags.check_at_least(self, 2, "tp")
+        flags.check_at_least(self, 0, "all_reduce_calls")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"--batches must be sizes >= 1, got {self.batches}")
+
+
+class System:
+    def __init__(self, name: str, runner: ModelRunner, threads: int) -> None:
+        self.name, self.runner, self.threads = name, runner, threads
+        self.step_ms: dict[int, list[float]] = {}
+        self.reduce_share: dict[int, list[float]] = {}
+        self._next_id = 0
+        self._step = 0
+
+    def round(self, batch: int, steps: int, vocab: int) -> None:
+        torch.set_num_threads(self.threads)
+        width = -(-(PROMPT_LEN + steps + 1) // BLOCK_SIZE)
+        generator = torch.Generator().manual_seed(self._next_id)
+        ids = list(range(self._next_id, self._next_id + batch))
+        self._next_id += batch
+        new = [NewSequence(seq, torch.randint(3, vocab, (PROMPT_LEN,), generator=generator).tolist(), PROMPT_LEN, 0,
+                           PROMPT_LEN, list(range(i * width, (i + 1) * width)), SamplingParams(temperature=0.0))
+               for i, seq in enumerate(ids)]
+        self._execute(StepPlan(self._step, new=new))
+        hooks = self.runner.all_reduces
+        if hooks is not None:
+            hooks.timed, hooks.seconds = True, 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            self._execute(StepPlan(self._step, running=[RunningSequence(seq, 1) for seq in ids]))
+        elapsed = time.perf_counter() - start
+        self.step_ms.setdefault(batch, []).append(1000 * elapsed / steps)
+        if hooks is not None:
+            hooks.timed = False
+            self.reduce_share.setdefault(batch, []).append(hooks.seconds / elapsed)
+        self._execute(StepPlan(self._step, finished_seq_ids=ids))
+
+    def _execute(self, plan: StepPlan) -> None:
+        self.runner.execute(plan)
+        self._step += 1
+
+
+def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls: int) -> dict[str, float]:
+    """Microseconds per all-reduce of each shape between two processes over gloo on loopback,
+    nothing else running in them: the collective's own cost, without the wait for a slower rank
+    that a step's all-reduce also holds."""
+    import torch.distributed as dist
+
+    from services.runtime.parallel.collectives import RankGroups
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
+    groups = RankGroups.join(store, rank, 2, torch.device("cpu"))
+    out = {}
+    for rows, cols in shapes:
+        t = torch.ones(rows, cols)
+        for _ in range(20):
+            groups.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(calls):
+            groups.all_reduce(t)
+        out[f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
+    return out
+
+
+def _all_reduce_peer() -> None:
+    """Rank 1 of ``measure_all_reduce``: argv PORT SHAPES CALLS."""
+    port, shapes, calls = sys.argv[1:4]
+    all_reduce_alone(1, int(port), [tuple(map(int, s.split("x"))) for s in shapes.split(",")], int(calls))
+
+
+def measure_all_reduce(hidden: int, batches: tuple[int, ...], calls: int) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shapes = ",".join(f"{b}x{hidden}" for b in batches)
+    peer = subprocess.Popen([sys.executable, "-c", "from benchmarks.tensor_parallel import _all_reduce_peer; "
+                             "_all_reduce_peer()", str(port), shapes, str(calls)])
+    try:
+        return all_reduce_alone(0, port, [(b, hidden) for b in batches], calls)
+    finally:
+        peer.wait(timeout=60)
+
+
+def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, threads: int) -> ModelRunner:
+    torch.set_num_threads(threads)  # the other ranks take rank 0's count at their start
+    cpu = args.device == "cpu"
+    return ModelRunner(ExecutorConfig(model=model, dtype=args.dtype, device=args.device,
+                                      attention_backend="cpu" if cpu else "auto", block_size=BLOCK_SIZE,
+                                      num_blocks=blocks, tensor_parallel_size=tp,
+                                      fused_decode=FusedDecodeSettings(cpu_decode="eager"),
+                                      decode_graphs=DecodeGraphSettings(enforce_eager=True)))
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(TensorParallelSettings, argv, prog=prog, description=__doc__)
+    model = resolve_model(args.model)
+    load = LoadWatch()
+    width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
+    blocks = max(args.batches) * width + 1
+    one = make_runner(args, model, 1, blocks, 1)
+    systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2),
+               System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1)]
+    vocab = one.model_config.vocab_size
+    try:
+        for system in systems:  # a warm-up round: first-call allocations and oneDNN's caches
+            for batch in args.batches:
+                system.round(batch, 2, vocab)
+            system.step_ms.clear()
+            system.reduce_share.clear()
+        for _ in range(args.rounds):
+            for batch in args.batches:
+                for system in systems:
+                    system.round(batch, args.steps, vocab)
+    finally:
+        systems[2].runner.close()
+    result: dict = {"model": args.model, "dtype": args.dtype, "device": args.device, "batches": list(args.batches),
+                    "steps": args.steps, "rounds": args.rounds, "systems": {}}
+    print(f"{args.model}, {args.dtype} on {args.device}, eager, prompts of {PROMPT_LEN}, {args.steps} decode steps "
+          f"x {args.rounds} rounds (median ms per decode step); {cpu_model_name()}")
+    print(f"{'system':<24}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
+          + "".join(f"{f'all-reduce b{b}':>16}" for b in args.batches))
+    base = {b: statistics.median(systems[0].step_ms[b]) for b in args.batches}
+    for system in systems:
+        ms = {b: statistics.median(system.step_ms[b]) for b in args.batches}
+        share = {b: statistics.median(system.reduce_share[b]) for b in system.reduce_share}
+        line = f"{system.name:<24}" + "".join(f"{ms[b]:>14.2f}{base[b] / ms[b]:>11.2f}x" for b in args.batches)
+        print(line + "".join(f"{share[b]:>15.0%} " for b in share))
+        result["systems"][system.name] = {"ms_per_step": ms, "vs_one_rank_one_thread": {b: base[b] / ms[b] for b in ms},
+                                          "all_reduce_share": share}
+    if args.device == "cpu" and args.all_reduce_calls:
+        alone = measure_all_reduce(one.model_config.hidden_size, args.batches, args.all_reduce_calls)
+        per_step = 2 * one.model_config.num_layers
+        print("all-reduce alone, two processes, gloo on loopback: "
+              + ", ".join(f"[{shape}] {us:.0f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
+                          for shape, us in alone.items()))
+        result["all_reduce_alone_us"] = alone
+    result |= provenance(command_line(prog, argv or []), load)
+    load.stop()
+    path = write_result(result, result_path("tensor-parallel", args.out or None))
+    print(f"wrote {path}")
+    return 0
