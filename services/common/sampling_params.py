@@ -45,6 +45,10 @@ class SamplingParams:
     never on the rest of the batch."""
     logprobs: int | None = None
     """None: no logprobs. n >= 0: the sampled token's logprob plus the n most likely alternatives."""
+    grammar: str | None = None
+    """The grammar the output is constrained to (llguidance's grammar JSON, as the scheduler
+    compiled and checked it from the request's StructuredOutput); None = unconstrained. Not a
+    field of the public SamplingParams message: only admission sets it."""
 
     @property
     def is_greedy(self) -> bool:

@@ -31,6 +31,7 @@ from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
+from services.runtime.sampling.grammar import GrammarMatchers
 from services.runtime.sampling.sampler import Sampler
 from services.runtime.sampling.verify import emitted_tokens
 
@@ -77,6 +78,7 @@ class ModelRunner:
         self.vocab_size = sampled_vocab_size(config.model, mc.vocab_size)
         """Ids it may sample: the LM head's rows past the tokenizer's ids are masked (vocab.py)."""
         self.sampler = Sampler(seed=config.seed)
+        self.grammars = GrammarMatchers(config.model, mc.vocab_size, mc.eos_token_ids)
         self.sequences: dict[int, SequenceState] = {}
         self._limits = PoolLimits(self.num_usable_blocks, self.block_size, self.vocab_size)
 
@@ -115,6 +117,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         scheduled, drafts = apply_plan(self.sequences, plan, self._limits)
+        for new in plan.new:
+            if new.sampling.grammar:
+                state = self.sequences[new.seq_id]
+                try:
+                    state.matcher = self.grammars.matcher(new.sampling.grammar, state.token_ids[state.prompt_len:])
+                except ValueError:
+                    del self.sequences[new.seq_id]  # refused whole: the plan is rejected
+                    raise
         if not scheduled:
             return StepResult(plan.step_id, [])
         outputs = self._run_step(scheduled, drafts)
@@ -171,6 +181,8 @@ class ModelRunner:
             sampled = self._sample(logits, [(s, 0) for s in states])
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
                 state.token_ids.append(token_id)
+                if state.matcher is not None:
+                    self.grammars.advance(state.matcher, (token_id,))
                 outputs[row].token_ids = [token_id]
                 if logprobs is not None:
                     outputs[row].logprobs = [logprobs]
@@ -206,6 +218,8 @@ class ModelRunner:
             emitted = emitted_tokens([t for t, _ in targets], draft_ids)
             del state.token_ids[len(state.token_ids) - k :]
             state.token_ids.extend(emitted)
+            if state.matcher is not None:
+                self.grammars.advance(state.matcher, emitted)
             outputs[i].token_ids = emitted
             if targets[0][1] is not None:
                 # Each emitted token is its position's target token, so its logprobs are that row's.
@@ -217,7 +231,9 @@ class ModelRunner:
         """One token (and logprobs if asked) per row of ``logits`` [S, V]. A row is a sequence
         and how many of its last tokens are drafts beyond this row's position (not history)."""
         histories = [(s, len(s.token_ids) - cut) for s, cut in rows]  # (state, end of its history)
-        if all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban) for s, end in histories):
+        masks = self._grammar_masks(rows)
+        if masks is None and all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban)
+                                 for s, end in histories):
             # The sampler's argmax-only path, without packing a batch that nothing reads.
             return [(token_id, None) for token_id in logits.argmax(dim=-1).tolist()]
         batch = SamplingBatch.build(
@@ -227,8 +243,26 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
             [s.min_tokens_ban for s, _ in histories],
+            masks,
         )
         return self.sampler(logits, batch).to_lists(batch)
+
+    def _grammar_masks(self, rows: Scheduled) -> tuple[list[int], object] | None:
+        """The bitmasks of the rows a grammar constrains: (their indices, [G, W] int32), None
+        when none is. A drafted sequence's k + 1 rows (cut k .. 0) take the masks after each of
+        its drafts in turn; its matcher sits before the drafts, at cut k."""
+        entries: list[tuple[object, int, list[int]]] = []
+        constrained: list[int] = []
+        for index, (state, cut) in enumerate(rows):
+            if state.matcher is None:
+                continue
+            constrained.append(index)
+            if index == 0 or rows[index - 1][0] is not state:  # the sequence's first row
+                drafts = state.token_ids[len(state.token_ids) - cut:] if cut else []
+                entries.append((state.matcher, len(constrained) - 1, drafts))
+        if not constrained:
+            return None
+        return constrained, self.grammars.fill(len(constrained), entries)
 
 
 def _max_model_len(config: ExecutorConfig, model_config: ModelConfig) -> int:

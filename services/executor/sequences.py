@@ -10,6 +10,7 @@ outside the vocabulary, more scheduled tokens than known ones or than the block 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.sampling_params import SamplingParams
 from services.common.step import MinTokensBan, RunningSequence, StepPlan
@@ -24,6 +25,9 @@ class SequenceState:
     num_computed_tokens: int
     sampling: SamplingParams
     min_tokens_ban: MinTokensBan | None
+    matcher: Any = None
+    """The grammar matcher of a constrained sequence (services/runtime/sampling/grammar.py),
+    having consumed exactly its outputs between steps; None when unconstrained."""
 
 
 @dataclass(frozen=True, slots=True)

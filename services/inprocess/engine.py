@@ -13,6 +13,7 @@ is compared against (outputs and throughput), and the engine behind
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,6 +32,8 @@ from services.scheduler.engine.core import EngineCore
 from services.scheduler.engine.vocab import servable_info
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
+from services.scheduler.structured.grammar_compiler import GrammarCompiler
+from services.scheduler.structured.structured_output import StructuredOutput
 from services.tokenizer.text_tokenizer import TextTokenizer
 
 
@@ -66,6 +69,7 @@ class Engine:
         self._outbox: list[GenerationDelta] = []
         self.core = self._run(self._make_core(config, clock, drafter))
         self._num_admitted = 0
+        self.grammar_compiler = GrammarCompiler(config.limits.max_grammar_bytes)
         """Requests admitted so far: names the next one without an id (req-N)."""
 
     async def _make_core(self, config: EngineConfig, clock, drafter: LocalDrafter | None) -> EngineCore:
@@ -112,13 +116,18 @@ class Engine:
         priority: int = 0,
         add_special_tokens: bool = True,
         num_speculative_tokens: int | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> str:
         """Queue one request; returns its id. Raises ValueError (naming the field and the limit)
         for a request the scheduler refuses, ResourceExhaustedError when the waiting queue is
-        full."""
+        full. ``structured_output`` is compiled here, on the caller's thread, as the
+        scheduler's admission does on a worker thread (InvalidArgumentError, a ValueError)."""
         prompt_ids = self.encode_prompt(prompt, add_special_tokens)
+        sampling = sampling or SamplingParams()
+        if structured_output is not None:
+            sampling = dataclasses.replace(sampling, grammar=self.grammar_compiler.compile_now(structured_output))
         request_id = request_id or f"req-{self._num_admitted}"
-        self._run(self._call(self.core.submit, request_id, prompt_ids, sampling or SamplingParams(),
+        self._run(self._call(self.core.submit, request_id, prompt_ids, sampling,
                              stop or StopConditions(), self._collect, priority, num_speculative_tokens))
         self._num_admitted += 1
         return request_id

@@ -12,6 +12,7 @@ from services.common.step import ExecutorInfo
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.stop import StopConditions
+from services.scheduler.structured.structured_output import StructuredOutput
 
 FINISH_REASON_TO_PROTO = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -31,6 +32,25 @@ def stop_from_proto(msg: common_pb2.StopConditions) -> StopConditions:
         min_tokens=msg.min_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
     )
+
+
+def structured_output_from_proto(request: generation_pb2.GenerateRequest) -> StructuredOutput | None:
+    """The request's structured output; None when it has none (or an empty one)."""
+    if not request.HasField("structured_output"):
+        return None
+    msg = request.structured_output
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(msg.json_schema)
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    if kind == "regex":
+        return StructuredOutput.regex(msg.regex)
+    if kind == "choice":
+        return StructuredOutput.choice(tuple(msg.choice.options))
+    return StructuredOutput.grammar(msg.grammar)
 
 
 def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateResponse]:

@@ -21,6 +21,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import generation_pb2
 from services.common.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from services.scheduler.request.stop import MAX_STOP_TOKEN_IDS
+from services.scheduler.structured.grammar_compiler import MAX_CHOICES
 
 MAX_REQUEST_ID_CHARS = 256
 CHARS_PER_TOKEN_BOUND = 32
@@ -46,6 +47,8 @@ class RequestLimits:
     max_prompt_chars: int = 0
     """Longest text prompt (chat: its roles and contents together); 0 = CHARS_PER_TOKEN_BOUND
     characters per token of the context."""
+    max_grammar_bytes: int = 0
+    """Largest structured output (SchedulerLimits.max_grammar_bytes; checked by the compiler)."""
 
     @property
     def prompt_chars(self) -> int:
@@ -61,7 +64,8 @@ class RequestLimits:
                 + MAX_STOP_TOKEN_IDS * FIELD_FRAMING_BYTES)
         logit_bias = MAX_LOGIT_BIAS_ENTRIES * FIELD_FRAMING_BYTES
         request_id = UTF8_BYTES_PER_CHAR * MAX_REQUEST_ID_CHARS + FIELD_FRAMING_BYTES
-        return max(text, token_ids, chat) + stop + logit_bias + request_id + FIXED_FIELDS_BYTES
+        structured = self.max_grammar_bytes + MAX_CHOICES * FIELD_FRAMING_BYTES if self.max_grammar_bytes else 0
+        return max(text, token_ids, chat) + stop + logit_bias + request_id + structured + FIXED_FIELDS_BYTES
 
 
 def check_sizes(request: generation_pb2.GenerateRequest, limits: RequestLimits) -> None:

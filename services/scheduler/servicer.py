@@ -18,12 +18,13 @@ from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, current_tenant
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
 from services.scheduler.generation_codec import (
-    delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto)
+    delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto, structured_output_from_proto)
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
+from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Supervisor
 from services.scheduler.token_budget import Reservation, TokenBudget
 
@@ -73,7 +74,8 @@ class _Intake:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, supervisor: Supervisor, admission: Admission, *, max_prompt_chars: int = 0,
                  profile: LatencyProfileRecorder | None = None, model_name: str = "",
-                 tenant_metrics: TenantMetrics | None = None, auth_table: AuthTable | None = None) -> None:
+                 tenant_metrics: TenantMetrics | None = None, auth_table: AuthTable | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.supervisor = supervisor
         self.admission = admission
         """The bounded queue at the door: refuses a request before it is tokenized."""
@@ -85,6 +87,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_name = model_name
         self.tenant_metrics = tenant_metrics
         self.auth_table = auth_table
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(supervisor.core.limits.max_grammar_bytes)
+        """Structured outputs, compiled on a worker thread at admission and cached by content."""
         """With authentication on: the tenants' token budgets."""
 
     def _executor_info(self) -> ExecutorInfo:
@@ -99,7 +103,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self._executor_info().max_model_len
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(self._context_limit(), self.max_prompt_chars)
+        return RequestLimits(self._context_limit(), self.max_prompt_chars, self.grammar_compiler.max_grammar_bytes)
 
     def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
         # The prompt must leave room for one generated token: refused here, by the field the
@@ -145,6 +149,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_sizes(request, self.limits())
         sampling = sampling_from_proto(request.sampling)
         stop = stop_from_proto(request.stop)
+        structured = structured_output_from_proto(request)
+        if structured is not None:
+            # Before the prompt: a bad schema costs no tokenizer call, and the request
+            # reaches the waiting queue only with its grammar ready.
+            sampling.grammar = await self.grammar_compiler.compile(structured)
         if tenant is not None:
             tenant.check_request(self.model_name, request.priority)
         spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None

@@ -107,6 +107,7 @@ def _new_sequence_to_proto(seq: NewSequence) -> executor_pb2.NewSequence:
         sampling=sampling_to_proto(seq.sampling),
         min_tokens=ban.min_tokens if ban is not None else 0,
         stop_token_ids=ban.token_ids if ban is not None else (),
+        grammar=seq.sampling.grammar or "",
     )
 
 
@@ -118,13 +119,20 @@ def _new_sequence_from_proto(msg: executor_pb2.NewSequence) -> NewSequence:
         num_computed_tokens=msg.num_computed_tokens,
         num_scheduled_tokens=msg.num_scheduled_tokens,
         block_ids=list(msg.block_ids),
-        sampling=sampling_from_proto(msg.sampling),
+        sampling=_with_grammar(sampling_from_proto(msg.sampling), msg.grammar),
         min_tokens_ban=(
             MinTokensBan(msg.min_tokens, tuple(msg.stop_token_ids))
             if msg.min_tokens > 0 and msg.stop_token_ids
             else None
         ),
     )
+
+
+def _with_grammar(sampling: SamplingParams, grammar: str) -> SamplingParams:
+    # The grammar rides beside the sampling message (the public SamplingParams has no such
+    # field: only admission sets it, after compiling the request's StructuredOutput).
+    sampling.grammar = grammar or None
+    return sampling
 
 
 def plan_to_proto(plan: StepPlan) -> executor_pb2.StepRequest:

@@ -16,6 +16,7 @@ can skip that later without changing the sampler.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -90,10 +91,13 @@ class StageFlags:
     top_p: bool
     max_logprobs: int | None
     """Largest ``logprobs`` over the rows that asked; None when no row did."""
+    grammar: bool = False
+    """Some row is constrained by a grammar mask."""
 
     @property
     def any_penalty(self) -> bool:
-        return self.logit_bias or self.min_tokens_ban or self.repetition_penalty or self.frequency_presence
+        return (self.logit_bias or self.min_tokens_ban or self.repetition_penalty or self.frequency_presence
+                or self.grammar)
 
     @property
     def argmax_only(self) -> bool:
@@ -134,6 +138,10 @@ class SamplingBatch:
     """[N_seen] int64: prompt + output tokens of rows with a repetition penalty (repeats allowed)."""
     output_index: torch.Tensor | None
     """[N_out] int64: output tokens of rows with a frequency/presence penalty, once per occurrence."""
+    grammar_rows: torch.Tensor | None
+    """[G] int64 rows constrained by a grammar; None when no row is."""
+    token_bitmask: torch.Tensor | None
+    """[G, W] int32 allowed-token bitmasks of grammar_rows (services/runtime/sampling/grammar.py)."""
     top_p_rows: torch.Tensor | None
     """[R] int64 rows that need top-p (a full-vocabulary sort), so only those are sorted;
     None when every row needs it or none does (``flags.top_p`` tells which)."""
@@ -158,11 +166,13 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         min_tokens_bans: Sequence[MinTokensBan | None] | None = None,
+        grammar_masks: tuple[Sequence[int], np.ndarray] | None = None,
     ) -> SamplingBatch:
         """Pack one step's rows. ``params`` must already be validated (``SamplingParams.validate``).
 
         ``min_tokens_bans``: per row, the ids it may not draw yet (``NewSequence.min_tokens_ban``);
-        None = no row bans anything.
+        None = no row bans anything. ``grammar_masks``: (rows, [len(rows), W] int32 bitmasks) of
+        the rows a grammar constrains; None = none is.
         """
         bans = _checked_bans(params, prompt_token_ids, output_token_ids, vocab_size, min_tokens_bans)
         size = len(params)
@@ -184,11 +194,18 @@ class SamplingBatch:
         )
         top_k_max = min(max((params[row].top_k for row in rows.sampling), default=0), vocab_size)
         seeded_rows = tuple(row for row in rows.sampling if params[row].seed is not None)
+        grammar_rows = token_bitmask = None
+        if grammar_masks is not None and len(grammar_masks[0]):
+            grammar_rows = _upload(np.asarray(grammar_masks[0], dtype=np.int64), device)
+            token_bitmask = _upload(grammar_masks[1], device)
+        flags = rows.flags(params, top_k_max)
+        if grammar_rows is not None:
+            flags = dataclasses.replace(flags, grammar=True)
         return cls(
             size=size,
             vocab_size=vocab_size,
             device=device,
-            flags=rows.flags(params, top_k_max),
+            flags=flags,
             temperature=temperature,
             top_k=top_k.to(torch.int64),
             top_p=top_p,
@@ -202,6 +219,8 @@ class SamplingBatch:
             ban_index=ban_index,
             seen_index=seen_index,
             output_index=output_index,
+            grammar_rows=grammar_rows,
+            token_bitmask=token_bitmask,
             top_p_rows=top_p_row_index,
             positions=positions,
             seeded_rows=seeded_rows,

@@ -3,7 +3,7 @@
 Pipeline (see penalties.py and truncation.py for the math of each stage)::
 
     logits [B, V] (any float dtype) ──copy to float32──▶
-      logit_bias → min_tokens ban → repetition penalty → frequency/presence penalties
+      grammar mask → logit_bias → min_tokens ban → repetition penalty → frequency/presence penalties
       ──▶ greedy rows: argmax here
       ──▶ temperature → min-p → top-k → top-p → softmax → exponential race → token
 
@@ -36,6 +36,7 @@ import torch
 
 from services.runtime.sampling.batch import SamplingBatch
 from services.runtime.sampling.penalties import apply_penalties
+from services.runtime.sampling.token_mask import apply_token_bitmask_
 from services.runtime.sampling.truncation import apply_temperature, apply_truncation
 from services.common.step import TokenLogprobs
 
@@ -90,13 +91,29 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> ProcessedLogit
     """Every stage before the draw, on a float32 copy (the caller's logits are not modified)."""
     work = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V] contiguous
     work.copy_(logits)
+    if batch.token_bitmask is not None:
+        apply_token_bitmask_(work, batch.token_bitmask, batch.grammar_rows)
     apply_penalties(work, batch)
+    if batch.flags.grammar and batch.flags.min_tokens_ban:
+        _undo_ban_where_nothing_left(work, logits, batch)
     if not batch.flags.any_sampling:
         return ProcessedLogits(logits=work, probs=None)
     if batch.flags.temperature:
         apply_temperature(work, batch)
     apply_truncation(work, batch)
     return ProcessedLogits(logits=work, probs=work.softmax(dim=-1))
+
+
+def _undo_ban_where_nothing_left(work: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """A grammar that is complete allows only EOS, which min_tokens may ban: the grammar wins
+    (its language has ended), so such a row gets back its grammar-masked raw logits."""
+    assert batch.token_bitmask is not None and batch.grammar_rows is not None
+    rows = batch.grammar_rows
+    dead = torch.isinf(work[rows]).all(dim=-1)  # [G]
+    if bool(dead.any()):
+        restored = logits[rows].to(torch.float32)
+        apply_token_bitmask_(restored, batch.token_bitmask)
+        work[rows] = torch.where(dead[:, None], restored, work[rows])
 
 
 class Sampler:

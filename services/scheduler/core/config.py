@@ -42,6 +42,11 @@ class SchedulerLimits:
         4096, "waiting queue bound; beyond it Generate returns RESOURCE_EXHAUSTED"
     )
     """Most requests waiting to start; beyond it add_request raises QueueFullError."""
+    max_grammar_bytes: int = _limit(
+        65536, "largest structured output accepted (JSON schema, regex, choices or grammar), in bytes"
+    )
+    """A request's structured output (its JSON schema text, regex, choices or Lark grammar) may
+    be this long in UTF-8; a longer one is refused at admission (INVALID_ARGUMENT naming it)."""
     enable_prefix_caching: bool = _limit(True, "reuse K/V of shared prompt prefixes")
     """Reuse the K/V of full blocks whose token prefix was computed before."""
     enable_chunked_prefill: bool = _limit(True, "split long prompts over steps")
@@ -93,7 +98,7 @@ class SchedulerLimits:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_grammar_bytes"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

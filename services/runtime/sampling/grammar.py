@@ -1,0 +1,110 @@
+"""The executor's grammar matchers: one per constrained sequence, and the token masks they give.
+
+A constrained sequence (``SamplingParams.grammar``, compiled and checked by the scheduler)
+holds an llguidance matcher that has consumed exactly its output tokens; before each draw the
+matcher's bitmask of allowed next tokens (one bit per vocabulary id, 32 to an int32 word)
+goes to the sampler, which sets the logits of disallowed ids to -inf (token_mask.py).
+
+Why here and not in the scheduler: the executor samples, and with overlapped or multi-step
+scheduling it knows a sequence's last token a step before the scheduler does, so only it can
+mask the next draw without a round trip. The matcher therefore lives beside the sequence:
+
+- a new sequence's matcher starts from a pristine copy of its grammar's (cached by content,
+  so a shared schema is parsed once per executor) and consumes the outputs the sequence
+  already has: after a preemption by recompute the scheduler resends them, and the matcher
+  is where it was;
+- each sampled token is consumed once drawn;
+- with speculation, the masks of the k + 1 positions come from the matcher advanced through
+  the drafts one at a time and rolled back (llguidance's draft-token fill): a draft the
+  grammar forbids at its position cannot equal the masked target there, so it is rejected
+  exactly where a plain decode would have diverged; the emitted tokens are consumed after.
+
+Masks of a batch are filled by llguidance's thread pool in one call (it releases the GIL).
+A row whose mask would allow nothing (a matcher that reached an error, which a masked draw
+never causes) allows the model's EOS ids instead, so its draw is defined and the sequence
+ends.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+TEMPLATE_CACHE_SIZE = 64
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatchers:
+    """The model's vocabulary as llguidance sees it, the pristine matcher of each recent
+    grammar, and the batch mask fill. Built on first use (reading the vocabulary takes ~0.4 s)."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.model_dir = Path(model_dir)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise ValueError(f"structured output needs the model's tokenizer.json; {path} does not exist")
+            self._tokenizer = llguidance.LLTokenizer(str(path), n_vocab=self.vocab_size,
+                                                     eos_token=list(self.eos_token_ids) or None)
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def matcher(self, grammar: str, output_ids: Sequence[int]) -> llguidance.LLMatcher:
+        """A matcher for ``grammar`` that has consumed ``output_ids``. Raises ValueError when
+        the grammar does not build or the outputs do not follow it."""
+        template = self._templates.get(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"the grammar does not build: {template.get_error()}")
+            self._templates[grammar] = template
+            while len(self._templates) > TEMPLATE_CACHE_SIZE:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        matcher = template.deep_copy()
+        if output_ids and not matcher.consume_tokens(list(output_ids)):
+            raise ValueError(f"the sequence's outputs do not follow its grammar: {matcher.get_error()}")
+        return matcher
+
+    def fill(self, rows: int, entries: list[tuple[llguidance.LLMatcher, int, list[int]]]) -> np.ndarray:
+        """[rows, words] int32 masks: for each (matcher, row, drafts), row ``row`` gets the
+        mask at the matcher's position and rows ``row + 1 ..`` those after each draft in turn
+        (the matcher is rolled back after). Rows no entry names allow everything."""
+        mask = np.full((rows, bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        plain = [(m, row) for m, row, drafts in entries if not drafts]
+        drafted = [(m, row, drafts) for m, row, drafts in entries if drafts]
+        self.tokenizer  # noqa: B018 - builds the executor with the vocabulary
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
+        if drafted:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
+        empty = ~mask.any(axis=1)
+        if empty.any():
+            mask[empty] = 0
+            for token_id in self.eos_token_ids:
+                mask[empty, token_id // 32] |= np.int32(np.uint32(1 << (token_id % 32)).view(np.int32))
+        return mask
+
+    @staticmethod
+    def advance(matcher: llguidance.LLMatcher, token_ids: Sequence[int]) -> None:
+        """Consume drawn tokens. A refusal leaves the matcher in its error state, whose masks
+        then allow only EOS (``fill``): the sequence ends instead of the step failing."""
+        matcher.consume_tokens(list(token_ids))
