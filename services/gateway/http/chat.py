@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions``: a conversation through the model's chat template.
 
 Streamed, each choice opens with a ``{"role": "assistant", "content": ""}`` delta, then its
-content deltas, then one chunk with an empty delta and its ``finish_reason``.
+content deltas, then one chunk with an empty delta and its ``finish_reason``. A reply
+constrained to a tool call (structured.py) opens with ``content`` null and streams
+``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls".
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.gateway.http.logprobs import chat_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
 from services.gateway.http.streaming import DONE, SSE_HEADERS, ChunkFrames, dumps, sse
+from services.gateway.http.structured import OutputPlan, ToolCallStream, parse_tool_call, plan_output, tool_call_id
 from services.gateway.http.tokens import TokenNamer
 from services.gateway.request_meta import chat_prefix
 
@@ -32,33 +35,66 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     namer = ctx.namer(route)
     rid = request_id_of(request)
     prefix = chat_prefix([(m.role, m.text()) for m in body.messages])
-    calls, metadata = call_plan(ctx, route, body, request, [(prefix, chat_template(body))], rid)
+    plan = plan_output(body)
+    template = chat_template(body)
+    if plan.structured is not None:
+        template.structured_output.CopyFrom(plan.structured)
+    calls, metadata = call_plan(ctx, route, body, request, [(prefix, template)], rid)
     streams = ChoiceStreams(ctx.dispatcher, route, calls, metadata, ctx.timeout_s)
-    await streams.start()
+    try:
+        await streams.start()
+    except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer here, to name the field
+        raise _refusal(exc, plan) from None
     states = [ChoiceState(i, 0) for i in range(len(calls))]
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     if body.stream:
-        return StreamingResponse(_chunks(streams, states, head, body, namer), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(_chunks(streams, states, head, body, namer, plan, rid),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async for index, reply in streams.events():
             states[index].apply(reply)
     finally:
         await streams.close()
-    choices = [{"index": s.index, "message": {"role": "assistant", "content": "".join(s.text)},
-                "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
-                "finish_reason": s.finish_reason} for s in states]
+    choices = []
+    for s in states:
+        message, finish_reason = _message(s, plan, rid)
+        choices.append({"index": s.index, "message": message,
+                        "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
+                        "finish_reason": finish_reason})
     payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
                "system_fingerprint": None}
     return Response(dumps(payload), media_type="application/json")
 
 
+def _refusal(exc: BaseException, plan: OutputPlan) -> OpenAIError:
+    """An engine's refusal of the request's constraint names the OpenAI field it came from."""
+    error = from_error(exc)
+    if plan.field and error.status == 400 and error.message.startswith("structured_output."):
+        error.param = plan.field
+        error.message = f"{plan.field}: {error.message.split(' ', 1)[1]}"
+    return error
+
+
+def _message(state: ChoiceState, plan: OutputPlan, rid: str) -> tuple[dict, str | None]:
+    """A finished choice's message and finish_reason: a tool call when the reply is a whole one."""
+    text = "".join(state.text)
+    call = parse_tool_call(plan.tool, text) if plan.tool is not None and state.finish_reason == "stop" else None
+    if call is None:
+        return {"role": "assistant", "content": text}, state.finish_reason
+    name, arguments = call
+    tool_call = {"id": tool_call_id(rid, state.index), "type": "function",
+                 "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls"
+
+
 async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: ChatCompletionRequest,
-                  namer: TokenNamer) -> AsyncIterator[bytes]:
+                  namer: TokenNamer, plan: OutputPlan, rid: str) -> AsyncIterator[bytes]:
     usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
     extra = {"usage": None} if usage_chunks else {}
     opened = [False] * len(states)
+    calls = ([ToolCallStream(plan.tool, tool_call_id(rid, i)) for i in range(len(states))]
+             if plan.tool is not None else None)
     frames = ChunkFrames(head, chat=True, usage_null=usage_chunks)
     try:
         async for index, reply in streams.events():
@@ -69,9 +105,15 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
                 continue
             if not opened[index]:
                 opened[index] = True
-                choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}
+                choice = {"index": index, "delta": {"role": "assistant", "content": "" if calls is None else None},
+                          "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [choice], **extra})
+            if kind == "delta" and calls is not None:
+                for tool_delta in calls[index].feed(reply.delta.text):
+                    choice = {"index": index, "delta": {"tool_calls": [tool_delta]}, "logprobs": None,
+                              "finish_reason": None}
+                    yield sse({**head, "choices": [choice], **extra})
+                continue
             if kind == "delta":
                 delta = reply.delta
                 if not delta.text and not (body.logprobs and delta.logprobs):
@@ -83,7 +125,10 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
                 choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
                           "finish_reason": None}
             else:
-                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": state.finish_reason}
+                finish_reason = state.finish_reason
+                if calls is not None and finish_reason == "stop" and calls[index].opened:
+                    finish_reason = "tool_calls"
+                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
             yield sse({**head, "choices": [choice], **extra})
         if usage_chunks:
             yield sse({**head, "choices": [], "usage": usage_of(states)})

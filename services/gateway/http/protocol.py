@@ -2,7 +2,7 @@
 
 Request models forbid unknown fields: a field tokenmill does not know is a 400 naming it
 (OpenAI's own answer), never silently dropped. Fields OpenAI defines that tokenmill does not
-support yet (``tools``, ``response_format``, ``suffix`` ...) are declared, so that null is
+support yet (``functions``, ``audio``, ``suffix`` ...) are declared, so that null is
 accepted, and refused by ``unsupported()`` when set. Ranges follow OpenAI's where it states
 them (temperature [0, 2], penalties [-2, 2], logit bias [-100, 100]) and the engine's
 otherwise. Response models document /openapi.json; handlers build the same shapes as dicts.
@@ -15,6 +15,7 @@ its refusal.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -102,18 +103,88 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call of an assistant turn sent back in a later request's history."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: Annotated[list[ToolCall] | None, at_most(128)] = Field(None, max_length=128)
+    """An assistant turn's calls; rendered into the history as the JSON they were."""
+    tool_call_id: str | None = Field(None, max_length=256)
+    """A tool turn: the call whose result this is."""
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if isinstance(self.content, list):
+            text = "".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        if self.tool_calls:
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in self.tool_calls]
+            text += ("\n" if text else "") + "\n".join(
+                '{"name": %s, "arguments": %s}' % (json_dumps(c["name"]), c["arguments"]) for c in calls)
+        return text
 
 
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format",
-                           "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options",
+def json_dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    """The JSON Schema the reply must satisfy; absent = any JSON value."""
+    strict: bool | None = None
+    """Accepted; tokenmill always constrains decoding to the schema."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON Schema; absent = an object of any shape."""
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
                            "reasoning_effort")
 
 
@@ -130,12 +201,13 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = None
     service_tier: str | None = None
     add_generation_prompt: bool = True
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool] | None, at_most(128)] = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
+    """Accepted; a constrained reply makes one call."""
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -204,13 +276,14 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletion(BaseModel):

@@ -4,8 +4,8 @@ llguidance (its Rust core: an Earley parser over a lazily built lexer) does the 
 scheduler as in the executor, with no torch in either's import. Compiling here means three
 things, none of which needs the model's vocabulary:
 
-1. translate the request's kind into llguidance's grammar JSON (a JSON schema with fixed
-   separators, a regex, a Lark grammar; a choice becomes a Lark alternation of literals);
+1. translate the request's kind into llguidance's grammar JSON (a JSON schema in
+   services/common/json_layout.py's layout, a regex, a Lark grammar; a choice becomes a Lark alternation of literals);
 2. validate it (``LLMatcher.validate_grammar``): an unsupported or contradictory schema, a
    regex or grammar that does not parse, is refused with the library's message;
 3. open a matcher over a byte-level vocabulary and ask for its first mask: a language with no
@@ -29,13 +29,10 @@ import llguidance
 import llguidance.numpy
 
 from services.common.errors import InvalidArgumentError
+from services.common.json_layout import JSON_LAYOUT
 from services.scheduler.structured.structured_output import StructuredKind, StructuredOutput
 
 CACHE_SIZE = 256
-
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""JSON as ``json.dumps`` writes it: no free whitespace, so a small model cannot wander into
-endless newlines inside an object, and every output has one spelling per value."""
 
 MAX_CHOICES = 4096
 
@@ -146,11 +143,11 @@ def _to_grammar(request: StructuredOutput) -> str:
         if schema is False:
             raise InvalidArgumentError(f"{request.field} admits no output: the schema is false")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_LAYOUT)
         except ValueError as exc:
             raise InvalidArgumentError(f"{request.field} does not compile: {exc}") from None
     if kind is StructuredKind.JSON_OBJECT:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if kind is StructuredKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(request.spec)
     if kind is StructuredKind.CHOICE:

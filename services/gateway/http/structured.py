@@ -1,0 +1,155 @@
+"""OpenAI's ``response_format`` and ``tools`` -> the engine's StructuredOutput, and the tool
+calls read back out of a constrained reply (whole, or as OpenAI's streamed deltas).
+
+What maps to what:
+
+- ``response_format`` ``json_object`` -> any JSON object; ``json_schema`` -> its schema
+  (``strict`` or not: decoding is always constrained); ``text`` -> unconstrained.
+- ``tool_choice`` a named function -> the reply is that function's arguments, constrained
+  to its ``parameters`` schema; ``required`` -> the reply is ``{"name": <one of the tools>,
+  "arguments": <its parameters>}`` (a Lark grammar with one alternative per tool, each
+  embedding its schema), from which the call is read. Either answers ``tool_calls`` with
+  ``finish_reason`` "tool_calls" (or "length" when max_tokens cut it).
+- ``tool_choice`` ``auto`` (OpenAI's default when tools are given) and ``none``: the reply is
+  text, unconstrained. Reading calls out of free text needs a tool-call syntax of the model's
+  own chat template; SmolLM2's defines none, and no template format is parsed yet.
+
+Streaming a call: the first chunk names it (``index``, ``id``, ``type``, ``function.name``,
+empty ``arguments``); later chunks carry ``function.arguments`` in pieces, as the text comes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from services.common.json_layout import JSON_LAYOUT
+from services.common.pb.tokenmill.v1 import generation_pb2
+from services.gateway.http.errors import bad_request
+from services.gateway.http.protocol import ChatCompletionRequest, NamedToolChoice
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallShape:
+    """How a constrained reply encodes its call: the whole reply is the arguments of ``name``,
+    or (``name`` None) ``{"name": ..., "arguments": ...}`` over ``names``."""
+
+    name: str | None
+    names: tuple[str, ...] = ()
+
+    def prefix_of(self, name: str) -> str:
+        return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    structured: generation_pb2.StructuredOutput | None = None
+    field: str = ""
+    """The request field the constraint came from, for an engine's refusal."""
+    tool: ToolCallShape | None = None
+
+
+def plan_output(body: ChatCompletionRequest) -> OutputPlan:
+    """The constraint a chat request asks for; a bad combination is a 400 naming the field."""
+    choice = body.tool_choice
+    wants_tool = body.tools and (isinstance(choice, NamedToolChoice) or choice == "required")
+    if choice is not None and not body.tools and choice != "none":
+        raise bad_request("tool_choice", "tool_choice needs tools")
+    if wants_tool and body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("response_format", "response_format cannot be combined with a required or named tool_choice")
+    if wants_tool:
+        return _tool_plan(body)
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return OutputPlan()
+    if fmt.type == "json_object":
+        return OutputPlan(generation_pb2.StructuredOutput(json_object=generation_pb2.JsonObject()),
+                          "response_format")
+    if fmt.json_schema is None:
+        raise bad_request("response_format.json_schema", "response_format type json_schema needs json_schema")
+    schema = fmt.json_schema.schema_
+    text = json.dumps(schema if schema is not None else {})
+    return OutputPlan(generation_pb2.StructuredOutput(json_schema=text), "response_format.json_schema.schema")
+
+
+def _tool_plan(body: ChatCompletionRequest) -> OutputPlan:
+    tools = {t.function.name: t.function for t in body.tools}
+    if len(tools) != len(body.tools):
+        raise bad_request("tools", "tools has two functions of one name")
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        function = tools.get(choice.function.name)
+        if function is None:
+            raise bad_request("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                                             f"among tools ({', '.join(tools)})")
+        schema = function.parameters if function.parameters is not None else {"type": "object"}
+        return OutputPlan(generation_pb2.StructuredOutput(json_schema=json.dumps(schema)), "tools.function.parameters",
+                          ToolCallShape(function.name))
+    shape = ToolCallShape(None, tuple(tools))
+    rules = []
+    for index, (name, function) in enumerate(tools.items()):
+        schema = dict(function.parameters) if function.parameters is not None else {"type": "object"}
+        schema["x-guidance"] = JSON_LAYOUT  # the layout the engine gives a JSON schema
+        rules.append(f"call_{index}: {json.dumps(shape.prefix_of(name))} args_{index} \"}}\"\n"
+                     f"args_{index}: %json {json.dumps(schema)}")
+    grammar = "start: " + " | ".join(f"call_{i}" for i in range(len(tools))) + "\n" + "\n".join(rules)
+    return OutputPlan(generation_pb2.StructuredOutput(grammar=grammar), "tools.function.parameters", shape)
+
+
+def tool_call_id(request_id: str, choice: int) -> str:
+    return f"call_{request_id}_{choice}"
+
+
+def parse_tool_call(shape: ToolCallShape, text: str) -> tuple[str, str] | None:
+    """(name, arguments) of a finished reply; None when it is not a whole call (cut short)."""
+    if shape.name is not None:
+        return shape.name, text
+    for name in shape.names:
+        prefix = shape.prefix_of(name)
+        if text.startswith(prefix) and text.endswith("}"):
+            return name, text[len(prefix):-1]
+    return None
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """One choice's text -> the tool_calls deltas of its chunks, as the text arrives."""
+
+    shape: ToolCallShape
+    call_id: str
+    name: str | None = None
+    buffered: str = ""
+    """With ``required``: the text before the call's name is known."""
+    opened: bool = False
+    held: str = ""
+    """With ``required``: the last character, which may be the closing brace of the wrapper."""
+
+    def __post_init__(self) -> None:
+        self.name = self.shape.name
+
+    def feed(self, text: str) -> list[dict]:
+        """The deltas that ``text`` completes (a name once known, then argument pieces)."""
+        out: list[dict] = []
+        if self.shape.name is None:
+            if self.name is None:
+                self.buffered += text
+                for name in self.shape.names:
+                    prefix = self.shape.prefix_of(name)
+                    if self.buffered.startswith(prefix):
+                        self.name, text = name, self.buffered[len(prefix):]
+                        break
+                else:
+                    return out
+                out.append(self._opening())
+                self.opened = True
+            # Hold the last character back: the wrapper's closing brace is not an argument.
+            text, self.held = (self.held + text)[:-1], (self.held + text)[-1:]
+        elif not self.opened:
+            self.opened = True
+            out.append(self._opening())
+        if text:
+            out.append({"index": 0, "function": {"arguments": text}})
+        return out
+
+    def _opening(self) -> dict:
+        return {"index": 0, "id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": ""}}
