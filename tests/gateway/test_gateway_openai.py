@@ -322,10 +322,9 @@ async def test_bad_parameters_are_400_naming_the_field(gw, kwargs, param, words)
     assert error["param"] == param and words in error["message"], error
 
 
-@pytest.mark.parametrize("field", ["tools", "response_format", "tool_choice"])
+@pytest.mark.parametrize("field", ["functions", "function_call", "audio"])
 async def test_unsupported_chat_fields_are_400_naming_them(gw, field):
-    value = {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"},
-             "tool_choice": "auto"}[field]
+    value = {"functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "alloy"}}[field]
     with pytest.raises(openai.BadRequestError) as info:
         await gw.client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "x"}],
                                                 extra_body={field: value})
