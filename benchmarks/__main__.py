@@ -31,6 +31,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "executors": ("benchmarks.executors", "two executors against one, prefill/decode split, failover (make bench-executors)"),
     "tensor-parallel": ("benchmarks.tensor_parallel",
                         "decode steps of a model over tensor-parallel ranks against one rank on one and two threads"),
+    "structured": ("benchmarks.structured",
+                   "decode tok/s under a JSON schema against unconstrained; first token, new schema against cached"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""
@@ -42,6 +44,7 @@ MICRO: dict[str, tuple[str, str]] = {
     "cpu-paged-decode": ("benchmarks.micro.cpu_paged_decode", "the C++ paged decode kernel against another revision's"),
     "kv-quant-cpu": ("benchmarks.micro.kv_quant_cpu", "the C++ kernels over an int8/fp8 KV pool against fp32"),
     "overlap": ("benchmarks.micro.overlap", "per-step time through the services, overlapped scheduling on and off"),
+    "grammar-masks": ("benchmarks.micro.grammar_masks", "token-mask cost of llguidance against xgrammar (structured outputs)"),
     "step-overhead": ("benchmarks.micro.step_overhead", "CPU per step of each service process against in-process"),
 }
 """Micro-benchmarks (benchmarks/micro/): each answered one question; docs/benchmarks.md has the answer."""

@@ -31,7 +31,7 @@ from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
-from services.runtime.sampling.grammar import GrammarMatchers
+from services.runtime.sampling.grammar import GrammarMatchers, MaskFuture
 from services.runtime.sampling.sampler import Sampler
 from services.runtime.sampling.verify import emitted_tokens
 
@@ -164,21 +164,24 @@ class ModelRunner:
 
     def _run_step(self, scheduled: Scheduled, drafts: dict[int, list[int]]) -> list[SequenceOutput]:
         step = ForwardStep(scheduled, self.block_size, self.device)
-        hidden, cu = self._forward(step), step.query_starts
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [
             i for i, (state, n) in enumerate(scheduled) if state.num_computed_tokens + n == len(state.token_ids)
         ]
+        # The grammar masks depend only on tokens known now: filled on a worker thread while
+        # the forward runs (llguidance and torch's kernels both release the GIL).
+        masks = self.grammars.submit(self._grammar_masks, _sampling_rows(scheduled, sample_rows, drafts))
+        hidden, cu = self._forward(step), step.query_starts
         outputs = [SequenceOutput(state.seq_id) for state, _ in scheduled]
         if sample_rows and drafts:
-            self._verify(hidden, cu, scheduled, sample_rows, drafts, outputs)
+            self._verify(hidden, cu, scheduled, sample_rows, drafts, outputs, masks)
         elif sample_rows:
             if len(sample_rows) < hidden.shape[0]:  # else every token is a sampling row's only one
                 hidden = hidden[torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)]
             logits = self._logits(hidden)  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
-            sampled = self._sample(logits, [(s, 0) for s in states])
+            sampled = self._sample(logits, [(s, 0) for s in states], masks)
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
                 state.token_ids.append(token_id)
                 if state.matcher is not None:
@@ -195,8 +198,8 @@ class ModelRunner:
                 state.num_computed_tokens += n
         return outputs
 
-    def _verify(self, hidden: torch.Tensor, cu: list[int], scheduled: Scheduled,
-                sample_rows: list[int], drafts: dict[int, list[int]], outputs: list[SequenceOutput]) -> None:
+    def _verify(self, hidden: torch.Tensor, cu: list[int], scheduled: Scheduled, sample_rows: list[int],
+                drafts: dict[int, list[int]], outputs: list[SequenceOutput], masks: MaskFuture) -> None:
         """Sample every position of a drafted sequence as a plain decode step there would, then
         keep the drafts the target agrees with (services/runtime/sampling/verify.py)."""
         hidden_rows: list[int] = []
@@ -207,7 +210,7 @@ class ModelRunner:
             # Row j of k + 1 sees the known tokens and d_1..d_j: k - j trailing drafts hidden.
             rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
         logits = self._logits(hidden[torch.tensor(hidden_rows, device=self.device)])  # [R, V]
-        sampled = self._sample(logits, rows)
+        sampled = self._sample(logits, rows, masks)
         start = 0
         for i in sample_rows:
             state = scheduled[i][0]
@@ -226,12 +229,13 @@ class ModelRunner:
                 outputs[i].logprobs = [lp for _, lp in targets[: len(emitted)]]
 
     def _sample(
-        self, logits: torch.Tensor, rows: Scheduled
+        self, logits: torch.Tensor, rows: Scheduled, mask_future: MaskFuture
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """One token (and logprobs if asked) per row of ``logits`` [S, V]. A row is a sequence
-        and how many of its last tokens are drafts beyond this row's position (not history)."""
+        and how many of its last tokens are drafts beyond this row's position (not history);
+        ``mask_future`` gives the grammar masks of exactly these rows (``_grammar_masks``)."""
         histories = [(s, len(s.token_ids) - cut) for s, cut in rows]  # (state, end of its history)
-        masks = self._grammar_masks(rows)
+        masks = mask_future.result()
         if masks is None and all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban)
                                  for s, end in histories):
             # The sampler's argmax-only path, without packing a batch that nothing reads.
@@ -263,6 +267,16 @@ class ModelRunner:
         if not constrained:
             return None
         return constrained, self.grammars.fill(len(constrained), entries)
+
+
+def _sampling_rows(scheduled: Scheduled, sample_rows: list[int], drafts: dict[int, list[int]]) -> Scheduled:
+    """The rows ``_sample`` will see: one per sampling sequence, k + 1 for one with k drafts
+    (row j hides the k - j drafts after its position)."""
+    rows: Scheduled = []
+    for i in sample_rows:
+        k = len(drafts.get(i, ()))
+        rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
+    return rows
 
 
 def _max_model_len(config: ExecutorConfig, model_config: ModelConfig) -> int:

@@ -28,14 +28,29 @@ ends.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 TEMPLATE_CACHE_SIZE = 64
+
+
+class MaskFuture:
+    """A batch's masks being filled (or already known): ``result()`` waits for them."""
+
+    __slots__ = ("_future", "_value")
+
+    def __init__(self, future: Future | None = None, value: Any = None) -> None:
+        self._future = future
+        self._value = value
+
+    def result(self) -> Any:
+        return self._future.result() if self._future is not None else self._value
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -54,6 +69,15 @@ class GrammarMatchers:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._worker: ThreadPoolExecutor | None = None
+
+    def submit(self, fill: Callable[[list], Any], rows: list) -> MaskFuture:
+        """``fill(rows)`` on the mask worker thread when a row is constrained, else None at once."""
+        if not any(state.matcher is not None for state, _ in rows):
+            return MaskFuture(value=None)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return MaskFuture(self._worker.submit(fill, rows))
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:

@@ -1,0 +1,140 @@
+"""Structured outputs: decode throughput under a JSON schema against unconstrained, and the
+first token with a new schema against a cached one, SmolLM2-135M on the in-process engine.
+
+    python -m benchmarks structured [--batch-sizes 1,32] [--output-len 64] [--repeats 3] [--json PATH]
+
+Decode: B requests of one chat prompt, greedy, ``ignore_eos``, ``output_len`` tokens each, once
+unconstrained and once under ``LONG_SCHEMA`` (an array of at least 40 records, so no output
+completes its JSON within ``output_len`` and both runs do the same number of steps). Runs
+alternate (plain, constrained, plain, ...) so that a change of load on a shared machine hits
+both; the figure is each one's median decode tok/s, tokens after the first over the time
+after every request had its first one, and the ratio constrained / plain.
+
+First token: one request whose schema the engine has never seen (a property name made
+unique), then the same schema again: time from ``add_request`` (which compiles on the
+caller's thread, as the scheduler's admission does on a worker thread) to the first token;
+medians, and the ratio new / cached. The cached one skips the compilation and the executor's
+grammar parse (a matcher is then a copy of the cached one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+from benchmarks.harness import flags, report
+from benchmarks.harness.flags import setting
+from benchmarks.harness.models import require
+from benchmarks.harness.paths import REPO_ROOT
+from services.common.sampling_params import SamplingParams
+from services.executor.config import ExecutorConfig
+from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.config import SchedulerLimits
+from services.scheduler.request.stop import StopConditions
+from services.scheduler.structured.structured_output import StructuredOutput
+
+PROG = "python -m benchmarks structured"
+MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+PROMPT = "List forty people as JSON records with a name, a city and an age."
+
+
+def long_schema(name_field: str = "name") -> dict:
+    record = {"type": "object", "properties": {
+        name_field: {"type": "string", "minLength": 3, "maxLength": 12},
+        "city": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 90}},
+        "required": [name_field, "city", "age"], "additionalProperties": False}
+    return {"type": "array", "items": record, "minItems": 40}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredSettings:
+    batch_sizes: str = setting("1,32", "comma-separated batch sizes")
+    output_len: int = setting(64, "tokens generated per request")
+    repeats: int = setting(3, "timed runs of each case (medians reported)")
+    json: str = setting("", "result file (default: benchmarks/results/structured-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_at_least(self, 1, "output_len", "repeats")
+
+
+def chat_prompt(engine: Engine) -> list[int]:
+    return engine.tokenizer.backend.encode(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n").ids
+
+
+def decode_tok_s(engine: Engine, prompt: list[int], batch: int, output_len: int,
+                 structured: StructuredOutput | None) -> float:
+    stop = StopConditions(max_tokens=output_len, ignore_eos=True)
+    ids = [engine.add_request(prompt, SamplingParams(temperature=0.0), stop, structured_output=structured)
+           for _ in range(batch)]
+    seen: set[str] = set()
+    first_at = None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            seen.add(delta.request_id)
+        if first_at is None and len(seen) == len(ids):
+            first_at = time.perf_counter()
+    return batch * (output_len - 1) / (time.perf_counter() - first_at)
+
+
+def first_token_s(engine: Engine, prompt: list[int], structured: StructuredOutput) -> float:
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=1),
+                       structured_output=structured)
+    while engine.has_unfinished():
+        if any(d.token_ids for d in engine.step()):
+            elapsed = time.perf_counter() - start
+            while engine.has_unfinished():
+                engine.step()
+            return elapsed
+    raise RuntimeError("the request produced no token")
+
+
+def run(settings: StructuredSettings) -> dict:
+    require(MODEL_DIR)
+    batch_sizes = [int(b) for b in settings.batch_sizes.split(",")]
+    engine = Engine(EngineConfig(ExecutorConfig(model=str(MODEL_DIR), dtype="fp32", device="cpu"),
+                                 SchedulerLimits(enable_prefix_caching=False)))
+    try:
+        prompt = chat_prompt(engine)
+        schema = StructuredOutput.json_schema(json.dumps(long_schema()))
+        decode_tok_s(engine, prompt, 2, 8, schema)  # warm-up: kernels, the vocabulary, the schema
+        rows = []
+        for batch in batch_sizes:
+            plain, constrained = [], []
+            for _ in range(settings.repeats):
+                plain.append(decode_tok_s(engine, prompt, batch, settings.output_len, None))
+                constrained.append(decode_tok_s(engine, prompt, batch, settings.output_len, schema))
+            row = {"batch": batch, "plain_tok_s": statistics.median(plain),
+                   "json_schema_tok_s": statistics.median(constrained)}
+            row["ratio"] = row["json_schema_tok_s"] / row["plain_tok_s"]
+            rows.append(row)
+            print(f"B={batch:>3}  decode tok/s  plain {row['plain_tok_s']:8.1f}  json schema "
+                  f"{row['json_schema_tok_s']:8.1f}  ratio {row['ratio']:.3f}", flush=True)
+        new, cached = [], []
+        for i in range(settings.repeats * 2):
+            fresh = StructuredOutput.json_schema(json.dumps(long_schema(f"name_{i}_{time.time_ns()}")))
+            new.append(first_token_s(engine, prompt, fresh))
+            cached.append(first_token_s(engine, prompt, fresh))
+        ttft = {"new_schema_ms": statistics.median(new) * 1e3, "cached_schema_ms": statistics.median(cached) * 1e3}
+        ttft["ratio"] = ttft["new_schema_ms"] / ttft["cached_schema_ms"]
+        print(f"first token (B=1): new schema {ttft['new_schema_ms']:.1f} ms, cached {ttft['cached_schema_ms']:.1f} ms, "
+              f"ratio {ttft['ratio']:.3f}")
+        return {"decode": rows, "first_token": ttft}
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    settings = flags.parse(StructuredSettings, argv, prog=prog, description=__doc__)
+    load = report.LoadWatch()
+    figures = run(settings)
+    load.stop()
+    command = report.command_line(prog, list(argv or []))
+    path = report.write_result({**report.provenance(command, load), "settings": dataclasses.asdict(settings),
+                                **figures}, report.result_path("structured", settings.json or None))
+    print(f"load average {load.before:.2f} -> {load.after:.2f}; wrote {path}")
+    return 0
