@@ -33,7 +33,7 @@ MAX_TOKENS = 160
 def engine(**limits) -> Engine:
     assert (SMOLLM2_DIR / "config.json").is_file(), f"{SMOLLM2_DIR} is absent: `make install` converts it"
     executor = ExecutorConfig(model=str(SMOLLM2_DIR), dtype="fp32", device="cpu",
-                              num_blocks=limits.pop("num_blocks", 0), max_model_len=1024)
+                              num_blocks=limits.pop("num_blocks", 0), max_model_len=limits.pop("max_model_len", 1024))
     speculation = SpeculationConfig(num_speculative_tokens=limits.pop("num_speculative_tokens", 0), adaptive=False)
     return Engine(EngineConfig(executor, SchedulerLimits(**limits), speculation))
 
@@ -146,9 +146,9 @@ def test_speculation_gives_the_same_constrained_greedy_output(smollm2):
 def test_preemption_by_recompute_restores_the_matcher(smollm2):
     requests, entries = corpus_sample(smollm2)
     plain = run(smollm2, requests)
-    # 80 blocks of 16 tokens cannot hold 8 running requests of ~100-token prompts and their
+    # 40 blocks of 16 tokens cannot hold 8 running requests of ~100-token prompts and their
     # outputs: some are preempted mid-output and come back with them for the matcher to replay.
-    small = engine(num_blocks=80)
+    small = engine(num_blocks=40, max_model_len=512)
     try:
         squeezed = run(small, corpus_sample(small)[0])
         preemptions = small.core.stats().num_preemptions
