@@ -38,6 +38,10 @@ import llguidance.numpy
 import numpy as np
 
 TEMPLATE_CACHE_SIZE = 64
+OVERLAP_MIN_ROWS = 8
+"""From this many constrained rows a step's masks are filled beside its forward, on a worker
+thread. Below, a few rows' masks cost tens of microseconds, less than waking a thread on a
+busy machine (measured: python -m benchmarks structured, docs/benchmarks.md)."""
 
 
 class MaskFuture:
@@ -72,9 +76,13 @@ class GrammarMatchers:
         self._worker: ThreadPoolExecutor | None = None
 
     def submit(self, fill: Callable[[list], Any], rows: list) -> MaskFuture:
-        """``fill(rows)`` on the mask worker thread when a row is constrained, else None at once."""
-        if not any(state.matcher is not None for state, _ in rows):
+        """``fill(rows)`` on the mask worker thread when at least ``OVERLAP_MIN_ROWS`` rows are
+        constrained, on this thread when fewer are, and None at once when none is."""
+        constrained = sum(state.matcher is not None for state, _ in rows)
+        if not constrained:
             return MaskFuture(value=None)
+        if constrained < OVERLAP_MIN_ROWS:
+            return MaskFuture(value=fill(rows))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return MaskFuture(self._worker.submit(fill, rows))
@@ -116,7 +124,9 @@ class GrammarMatchers:
         plain = [(m, row) for m, row, drafts in entries if not drafts]
         drafted = [(m, row, drafts) for m, row, drafts in entries if drafts]
         self.tokenizer  # noqa: B018 - builds the executor with the vocabulary
-        if plain:
+        if len(plain) == 1:  # one matcher: on this thread, no pool hand-off
+            llguidance.numpy.fill_next_token_bitmask(plain[0][0], mask, plain[0][1])
+        elif plain:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
         if drafted:
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
