@@ -8,7 +8,9 @@ unconstrained and once under ``LONG_SCHEMA`` (an array of at least 40 records, s
 completes its JSON within ``output_len`` and both runs do the same number of steps). Runs
 alternate (plain, constrained, plain, ...) so that a change of load on a shared machine hits
 both; the figure is each one's median decode tok/s, tokens after the first over the time
-after every request had its first one, and the ratio constrained / plain.
+after every request had its first one, and the ratio constrained / plain; beside it the
+executor's own time per step (forward, masks, sampling; ``StepResult.execute_seconds``), whose
+ratio plain / constrained is free of the engine loop's scheduling around the steps.
 
 First token: one request whose schema the engine has never seen (a property name made
 unique), then the same schema again: time from ``add_request`` (which compiles on the
@@ -66,7 +68,11 @@ def chat_prompt(engine: Engine) -> list[int]:
 
 
 def decode_tok_s(engine: Engine, prompt: list[int], batch: int, output_len: int,
-                 structured: StructuredOutput | None) -> float:
+                 structured: StructuredOutput | None) -> tuple[float, float]:
+    """(decode tok/s, executor ms per step): the second is the executor's own time (forward,
+    masks, sampling) as it reports it, free of the loop around it."""
+    totals = engine.core.step_times
+    executed, steps = totals.execute_s, totals.steps
     stop = StopConditions(max_tokens=output_len, ignore_eos=True)
     ids = [engine.add_request(prompt, SamplingParams(temperature=0.0), stop, structured_output=structured)
            for _ in range(batch)]
@@ -77,7 +83,8 @@ def decode_tok_s(engine: Engine, prompt: list[int], batch: int, output_len: int,
             seen.add(delta.request_id)
         if first_at is None and len(seen) == len(ids):
             first_at = time.perf_counter()
-    return batch * (output_len - 1) / (time.perf_counter() - first_at)
+    tok_s = batch * (output_len - 1) / (time.perf_counter() - first_at)
+    return tok_s, (totals.execute_s - executed) * 1e3 / max(totals.steps - steps, 1)
 
 
 def first_token_s(engine: Engine, prompt: list[int], structured: StructuredOutput) -> float:
@@ -108,12 +115,17 @@ def run(settings: StructuredSettings) -> dict:
             for _ in range(settings.repeats):
                 plain.append(decode_tok_s(engine, prompt, batch, settings.output_len, None))
                 constrained.append(decode_tok_s(engine, prompt, batch, settings.output_len, schema))
-            row = {"batch": batch, "plain_tok_s": statistics.median(plain),
-                   "json_schema_tok_s": statistics.median(constrained)}
+            row = {"batch": batch, "plain_tok_s": statistics.median(r[0] for r in plain),
+                   "json_schema_tok_s": statistics.median(r[0] for r in constrained),
+                   "plain_step_ms": statistics.median(r[1] for r in plain),
+                   "json_schema_step_ms": statistics.median(r[1] for r in constrained)}
             row["ratio"] = row["json_schema_tok_s"] / row["plain_tok_s"]
+            row["step_ratio"] = row["plain_step_ms"] / row["json_schema_step_ms"]
             rows.append(row)
             print(f"B={batch:>3}  decode tok/s  plain {row['plain_tok_s']:8.1f}  json schema "
-                  f"{row['json_schema_tok_s']:8.1f}  ratio {row['ratio']:.3f}", flush=True)
+                  f"{row['json_schema_tok_s']:8.1f}  ratio {row['ratio']:.3f}  |  executor ms/step plain "
+                  f"{row['plain_step_ms']:7.2f}  json schema {row['json_schema_step_ms']:7.2f}  "
+                  f"ratio {row['step_ratio']:.3f}", flush=True)
         new, cached = [], []
         for i in range(settings.repeats * 2):
             fresh = StructuredOutput.json_schema(json.dumps(long_schema(f"name_{i}_{time.time_ns()}")))
