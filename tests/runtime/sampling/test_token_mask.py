@@ -11,7 +11,7 @@ from services.common.sampling_params import SamplingParams
 from services.runtime.sampling.batch import SamplingBatch
 from services.runtime.sampling.grammar import bitmask_words
 from services.runtime.sampling.sampler import Sampler
-from services.runtime.sampling.token_mask import apply_token_bitmask_, unpack_token_bitmask
+from services.runtime.sampling.token_mask import apply_token_bitmask_, unpack_token_bitmask, unpack_token_bitmask_host
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -37,6 +37,8 @@ def test_unpack_matches_the_per_token_reference(device, rows, vocab_size):
     bitmask[0, -1] = -1  # bit 31 set (the sign bit): the shift must not smear it into other bits
     got = unpack_token_bitmask(torch.from_numpy(bitmask).to(device), vocab_size).cpu().numpy()
     np.testing.assert_array_equal(got, reference_allowed(bitmask, vocab_size))
+    if device == "cpu":
+        np.testing.assert_array_equal(unpack_token_bitmask_host(bitmask, vocab_size), reference_allowed(bitmask, vocab_size))
 
 
 @pytest.mark.parametrize("device", DEVICES)
