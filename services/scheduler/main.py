@@ -20,6 +20,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.request_release import RequestRelease
 from services.scheduler.servicer import GenerationServicer
+from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Backends, Supervisor
 
 
@@ -63,7 +64,8 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     servicer = GenerationServicer(supervisor, admission, max_prompt_chars=config.max_prompt_chars, profile=profile,
                                   model_name=Path(next(iter(supervisor.core.lanes.values())).info.model).name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
-                                  auth_table=auth_table)
+                                  auth_table=auth_table,
+                                  grammar_compiler=GrammarCompiler(config.limits.max_grammar_bytes))
     if config.metrics_port >= 0:
         scheduler_collector().watch(supervisor.core)
     auth = AuthInterceptor(auth_table) if auth_table is not None else None

@@ -24,6 +24,7 @@ from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
+from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Supervisor
 from services.scheduler.token_budget import Reservation, TokenBudget
@@ -87,7 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_name = model_name
         self.tenant_metrics = tenant_metrics
         self.auth_table = auth_table
-        self.grammar_compiler = grammar_compiler or GrammarCompiler(supervisor.core.limits.max_grammar_bytes)
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(SchedulerLimits().max_grammar_bytes)
         """Structured outputs, compiled on a worker thread at admission and cached by content."""
         """With authentication on: the tenants' token budgets."""
 

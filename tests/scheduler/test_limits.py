@@ -92,6 +92,7 @@ FLAGS = {
     "max_num_seqs": ("--max-num-seqs", "TOKENMILL_MAX_NUM_SEQS"),
     "max_num_batched_tokens": ("--max-num-batched-tokens", "TOKENMILL_MAX_NUM_BATCHED_TOKENS"),
     "max_waiting_requests": ("--max-waiting-requests", "TOKENMILL_MAX_WAITING_REQUESTS"),
+    "max_grammar_bytes": ("--max-grammar-bytes", "TOKENMILL_MAX_GRAMMAR_BYTES"),
     "enable_prefix_caching": ("--enable-prefix-caching", "TOKENMILL_ENABLE_PREFIX_CACHING"),
     "enable_chunked_prefill": ("--enable-chunked-prefill", "TOKENMILL_ENABLE_CHUNKED_PREFILL"),
     "long_prefill_token_threshold": ("--long-prefill-token-threshold", "TOKENMILL_LONG_PREFILL_TOKEN_THRESHOLD"),
