@@ -57,6 +57,10 @@ class LocalDetokenizer:
     def connected(self) -> bool:
         return True
 
+    @property
+    def accepting(self) -> bool:
+        return True
+
     async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
         return self._pool.apply(batch)
 

@@ -114,6 +114,7 @@ class LetterDetokenizer:
     """A DetokenizerPort whose token t reads as one letter; stop strings as the tokenizer matches them."""
 
     connected = True
+    accepting = True
 
     def __init__(self) -> None:
         self.matchers: dict[int, StopStringMatcher | None] = {}

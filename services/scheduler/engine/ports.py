@@ -61,7 +61,12 @@ class DetokenizerPort(Protocol):
 
     @property
     def connected(self) -> bool:
-        """False while it cannot take new requests (the core pins a request to one)."""
+        """False once its session is gone (its streams' state went with it)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Whether a new request may be pinned to it: connected, and not draining (a tokenizer
+        stopping serves its open streams to their end, but takes no new ones)."""
 
     async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
         """One step's text for this detokenizer's streams; raises UnavailableError when the

@@ -38,7 +38,7 @@ class RequestTable:
         self._stream_ids = itertools.count()
 
     def check_new(self, request_id: str) -> int:
-        """The detokenizer a new request would be pinned to (connected, round-robin).
+        """The detokenizer a new request would be pinned to (accepting, round-robin).
 
         Raises InvalidArgumentError for a request_id in use, UnavailableError when every
         detokenizer is away."""
@@ -46,7 +46,7 @@ class RequestTable:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
         for _ in range(len(self._detokenizers)):
             index = next(self._turn)
-            if self._detokenizers[index].connected:
+            if self._detokenizers[index].accepting:
                 return index
         raise UnavailableError("every tokenizer is unavailable; retry shortly")
 

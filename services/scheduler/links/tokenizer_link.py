@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 import grpc
 import grpc.aio
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.common.codec.detokenize_codec import batch_to_proto, result_from_proto
 from services.common.detokenize import DetokenizeBatch, DetokenizeResult
 from services.common.errors import UnavailableError
@@ -31,6 +33,11 @@ class TokenizerLink:
     ``connect`` opens a new one, and ``on_lost`` is called once so the owner can end the
     requests pinned to it and reconnect. The stream is watched, so a tokenizer that dies
     while the scheduler is idle is noticed at once, not when the next step needs it.
+
+    The tokenizer's health is watched too (grpc.health Watch): a tokenizer that is stopping
+    (SIGTERM, a pod's drain) reports NOT_SERVING and refuses new calls while it serves its open
+    session to the end, so from then on the link takes no new request (``accepting`` is
+    False) and the requests already pinned to it keep their text stream.
     """
 
     def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None) -> None:
@@ -40,6 +47,8 @@ class TokenizerLink:
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detok = None
         self._watcher: asyncio.Task | None = None
+        self._health_watch: asyncio.Task | None = None
+        self._draining = False
         self._step_ids = itertools.count()
         self._on_lost = on_lost
         """Called once each time a connected Detokenize session ends."""
@@ -47,6 +56,11 @@ class TokenizerLink:
     @property
     def connected(self) -> bool:
         return self._detok is not None
+
+    @property
+    def accepting(self) -> bool:
+        """Connected and not draining: a new request may be pinned here."""
+        return self._detok is not None and not self._draining
 
     async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
         """Open a new Detokenize session (on a fresh channel after the first, so a restarted
@@ -66,11 +80,24 @@ class TokenizerLink:
         self._step_ids = itertools.count()
         self._detok = call
         self._watcher = asyncio.create_task(self._watch(call), name="tokenizer-session-watch")
+        self._draining = False
+        self._health_watch = asyncio.create_task(self._watch_health(), name="tokenizer-health-watch")
         return info
 
     async def _watch(self, call) -> None:
         await call.code()  # returns when the call ends, whoever ends it
         self._lost(call)
+
+    async def _watch_health(self) -> None:
+        """Follow the tokenizer's overall health; a watch that fails (an old tokenizer without
+        the health service, the channel closing) leaves the link as it is: the session's own
+        watch still notices a tokenizer that goes away."""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for reply in health_pb2_grpc.HealthStub(self._channel).Watch(health_pb2.HealthCheckRequest()):
+                self._draining = reply.status != serving
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass
 
     def _lost(self, call) -> None:
         if self._detok is call and call is not None:  # once per session, and not after close()
@@ -119,6 +146,9 @@ class TokenizerLink:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
+        if self._health_watch is not None:
+            self._health_watch.cancel()
+            self._health_watch = None
 
     async def close(self) -> None:
         await self._drop_session()
@@ -144,13 +174,13 @@ class TokenizerPool:
 
     @property
     def connected(self) -> bool:
-        """At least one tokenizer can take a new request."""
-        return any(link.connected for link in self.links)
+        """At least one tokenizer can take a new request (connected and not draining)."""
+        return any(link.accepting for link in self.links)
 
     def _pick(self) -> TokenizerLink:
         for _ in range(len(self.links)):
             link = self.links[next(self._turn)]
-            if link.connected:
+            if link.accepting:
                 return link
         raise UnavailableError("every tokenizer is unavailable; retry shortly")
 
