@@ -32,7 +32,6 @@ from services.common.tls import ClientTLS
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
-from services.scheduler.engine.placement import ROLES_FOR_NEW
 from services.scheduler.engine.request_table import FinishedObserver
 from services.scheduler.engine.vocab import servable_info
 from services.scheduler.links.drafter_link import DrafterLink
@@ -171,7 +170,7 @@ class Supervisor:
         requests); None if one can."""
         if self._stopping:
             return SHUTTING_DOWN
-        if not any(lane.role in ROLES_FOR_NEW and lane.port.connected for lane in self.core.lanes.values()):
+        if not any(lane.port.connected for lane in self.core.lanes.values()):
             return EXECUTOR_UNAVAILABLE
         return None
 

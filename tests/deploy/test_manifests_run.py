@@ -50,6 +50,8 @@ TOKEN = "deploy-test-token"
 """The tenant's token in the tokenmill-auth Secret a user creates (components/auth)."""
 DRAIN_STREAMS = 16
 DRAIN_MAX_TOKENS = 448
+DRAIN_READ_PAUSE_S = 0.005
+"""The gateway drain's slow reader: ~2 s or more to read a stream."""
 GATEWAY = "tokenmill-gateway"
 MODEL = "tokenmill"
 """The model id of the gateway's routes file (base/gateway-routes.yaml)."""
@@ -143,8 +145,10 @@ async def _gateway_ready(cluster: LocalCluster, timeout_s: float = 30.0) -> None
         await asyncio.sleep(0.1)
 
 
-async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[str, list[str], int, float]:
-    """One streamed completion through the gateway: (text, finish reasons, completion tokens, when it ended)."""
+async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int,
+                          pause_s: float = 0.0) -> tuple[str, list[str], int, float]:
+    """One streamed completion through the gateway: (text, finish reasons, completion tokens, when
+    it ended); ``pause_s`` after each chunk makes a slow reader, whose stream the gateway holds open."""
     stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
@@ -156,6 +160,8 @@ async def _gateway_stream(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[
                 reasons.append(choice.finish_reason)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+        if pause_s:
+            await asyncio.sleep(pause_s)
     return "".join(text), reasons, tokens, time.monotonic()
 
 
@@ -262,11 +268,15 @@ async def test_sigterm_drains_the_gateway_pod(serving: LocalCluster, engine):
     finish whole; health turns NOT_SERVING; new HTTP connections are refused and new gRPC calls
     get UNAVAILABLE (a client's retry reaches another replica); the process exits 0 within the
     pod's termination grace. (Before the engine's drain, which ends what the gateway routes to.)"""
+    await _gateway_ready(serving)  # its pool has seen the engine (also when this test runs alone)
     pod = serving.pods[GATEWAY]
     spec = pod_spec(pod.workload)
     preStop = max(prestop_seconds(c) for c in spec["containers"])
     async with _gateway_client(serving) as client:
-        streams = [asyncio.ensure_future(_gateway_stream(client, DRAIN_MAX_TOKENS)) for _ in range(DRAIN_STREAMS)]
+        # Slow readers: the engine may finish generating before SIGTERM, the gateway still holds
+        # every stream (what its drain must finish) until its client has read it.
+        streams = [asyncio.ensure_future(_gateway_stream(client, DRAIN_MAX_TOKENS, pause_s=DRAIN_READ_PAUSE_S))
+                   for _ in range(DRAIN_STREAMS)]
         # In flight on the gateway: every one admitted by the engine (which streams faster than
         # this client reads, so the client's first tokens would come too late to say so).
         deadline = time.monotonic() + 60
@@ -278,9 +288,10 @@ async def test_sigterm_drains_the_gateway_pod(serving: LocalCluster, engine):
             serving.stop_pod, GATEWAY, spec["terminationGracePeriodSeconds"] - preStop, signalled.append))
         while not signalled:
             await asyncio.sleep(0.001)
-        # Still generating at SIGTERM: the gateway had these streams to forward when its drain began.
+        # Still open at SIGTERM: the gateway had every one of these streams to forward when its
+        # drain began.
+        assert not any(stream.done() for stream in streams), "a stream ended before SIGTERM: raise DRAIN_READ_PAUSE_S"
         running = _engine_load(serving)
-        assert running >= 1, "the engine had finished every stream by SIGTERM: raise DRAIN_MAX_TOKENS"
         grpc_address = f"127.0.0.1:{pod.local_port('grpc', 'test client')}"
         deadline = time.monotonic() + 10
         while not signalled or await _health(grpc_address, "tokenmill.v1.Generation") not in ("NOT_SERVING",

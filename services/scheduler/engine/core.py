@@ -47,7 +47,7 @@ from services.scheduler.engine.drafting import Drafting
 from services.scheduler.engine.handoff import Handoff
 from services.scheduler.engine.lane import ExecutorLane, LaneContext
 from services.scheduler.engine.parking import ParkedRequests
-from services.scheduler.engine.placement import ROLES_FOR_DECODE, ROLES_FOR_NEW, choose_lane
+from services.scheduler.engine.placement import ANY_ROLE, ROLES_FOR_DECODE, ROLES_FOR_NEW, choose_lane
 from services.scheduler.engine.ports import DetokenizerPort, DrafterPort, ExecutorPort
 from services.scheduler.engine.publisher import Publisher
 from services.scheduler.engine.request_table import FinishedObserver, RequestTable
@@ -148,7 +148,8 @@ class EngineCore:
         now = self.clock()
         request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
                           arrival_time=now, tenant=tenant, cache_scope=cache_scope)
-        lane = choose_lane(request, list(self.lanes.values()), ROLES_FOR_NEW)
+        lanes = list(self.lanes.values())
+        lane = choose_lane(request, lanes, ROLES_FOR_NEW) or choose_lane(request, lanes, ANY_ROLE)
         if lane is None:
             raise UnavailableError(EXECUTOR_UNAVAILABLE)
         try:
@@ -231,7 +232,7 @@ class EngineCore:
         attached. Returns the lane it went to. (A failed copy of its KV ends here too.)"""
         lanes = list(self.lanes.values())
         roles = ROLES_FOR_DECODE if request.num_output_tokens else ROLES_FOR_NEW
-        lane = choose_lane(request, lanes, roles) or choose_lane(request, lanes, ("prefill", "decode", "mixed"))
+        lane = choose_lane(request, lanes, roles) or choose_lane(request, lanes, ANY_ROLE)
         if lane is None:
             self.parked.park(request)
             return None

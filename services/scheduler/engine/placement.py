@@ -19,6 +19,9 @@ ROLES_FOR_NEW = ("prefill", "mixed")
 """Executors that take new requests (their prompts)."""
 ROLES_FOR_DECODE = ("decode", "mixed")
 """Executors a request may continue on once its prompt is computed."""
+ANY_ROLE = ("prefill", "decode", "mixed")
+"""The fallback when no executor of the preferred roles is attached: every executor can run a
+whole request (a decode executor computes the prompt itself, as when a KV copy fails)."""
 
 
 def choose_lane(request: Request, lanes: Sequence[ExecutorLane], roles: Sequence[str]) -> ExecutorLane | None:
