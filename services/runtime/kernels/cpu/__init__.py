@@ -28,8 +28,9 @@ from services.runtime.kernels.kv_quant import ScaledCache
 
 # quant_matmul.cpp: the fp32 weight-only quantized matmul (services/runtime/model/quant/linear.py);
 # fused_decode.cpp: a small model's whole decode step (services/runtime/model/fused_decode.py).
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "quant_matmul.cpp", "fused_decode.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("paged_decode.h", "vec_exp.h")]
+_SOURCES = [Path(__file__).with_name(name) for name in
+            ("paged_decode.cpp", "quant_matmul.cpp", "quant_dot.cpp", "fused_decode.cpp")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("paged_decode.h", "vec_exp.h", "cpu_isa.h", "quant_kernels.h")]
 MARCH_ENV = "TOKENMILL_CPU_KERNEL_MARCH"
 """Overrides ``-march=native`` (e.g. ``haswell``: AVX2 without AVX-512). The tests build the
 kernels for an AVX2-only CPU this way on any x86 machine, so the paths without AVX-512 run in
