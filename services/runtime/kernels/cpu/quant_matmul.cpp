@@ -35,6 +35,16 @@
 namespace tokenmill_cpu {
 namespace {
 
+// The blocks b (32 values each) and their group g = b / per_group, walked together: a division
+// per block cost as much as the block's arithmetic.
+struct GroupWalk {
+  explicit GroupWalk(int64_t per_group) : per_group(per_group), left(per_group) {}
+  void next() {
+    if (--left == 0) left = per_group, ++g;
+  }
+  int64_t per_group, left, g = 0;
+};
+
 // ---------------------------------------------------------------------------- portable
 
 void rows_portable(const QuantWeight& w, const float* x, const float* xsum, int64_t m0, int64_t rows, int64_t n,
@@ -45,8 +55,9 @@ void rows_portable(const QuantWeight& w, const float* x, const float* xsum, int6
   float zsum[kMaxRows] = {0};
   float acc[kMaxRows][kLanes] = {{0}};
   float q[32];
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t g = b / per_group;
+  GroupWalk walk(per_group);
+  for (int64_t b = 0; b < blocks; ++b, walk.next()) {
+    const int64_t g = walk.g;
     for (int64_t j = 0; j < 16; ++j) {
       if (w.q4) {
         const uint8_t byte = w.q4[n * row_bytes + b * 16 + j];
@@ -85,8 +96,9 @@ void matmul_rows_portable(const QuantWeight& w, const float* x, const float* xsu
 void dequantize_rows_portable(const QuantWeight& w, int64_t n_begin, int64_t n_end, float* dst) {
   const int64_t K = w.K, groups = K / w.group, per_group = w.group / 32, row_bytes = w.q4 ? K / 2 : K;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const int64_t g = b / per_group;
+    GroupWalk walk(per_group);
+    for (int64_t b = 0; b < K / 32; ++b, walk.next()) {
+      const int64_t g = walk.g;
       const float d = w.scales[n * groups + g], z = w.zeros ? w.zeros[n * groups + g] : 0.0f;
       float* o = dst + (n - n_begin) * K + b * 32;
       for (int64_t j = 0; j < 16; ++j) {
@@ -143,8 +155,9 @@ inline void rows_avx2(const QuantWeight& w, const float* x, const float* xsum, i
   __m256 acc[R], acc_hi[R];
   float zsum[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_hi[r] = _mm256_setzero_ps(), zsum[r] = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t g = b / per_group;
+  GroupWalk walk(per_group);
+  for (int64_t b = 0; b < blocks; ++b, walk.next()) {
+    const int64_t g = walk.g;
     __m256 v[4];
     unpack_block_avx2(w, n, b, w.scales[n * groups + g], v);
 #pragma GCC unroll 4
@@ -216,8 +229,9 @@ inline void rows_avx512(const QuantWeight& w, const float* x, const float* xsum,
   __m512 acc[R], acc_hi[R];
   float zsum[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), acc_hi[r] = _mm512_setzero_ps(), zsum[r] = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t g = b / per_group;
+  GroupWalk walk(per_group);
+  for (int64_t b = 0; b < blocks; ++b, walk.next()) {
+    const int64_t g = walk.g;
     __m512 lo, hi;
     unpack_block_avx512(w, n, b, lo, hi);
     // d * q is exact in fp32 (an fp16 d times an integer of at most 8 bits): the weights' own numbers.
@@ -261,8 +275,9 @@ void matmul_rows_avx512(const QuantWeight& w, const float* x, const float* xsum,
 void dequantize_rows_avx512(const QuantWeight& w, int64_t n_begin, int64_t n_end, float* dst) {
   const int64_t K = w.K, groups = K / w.group, per_group = w.group / 32;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const int64_t g = b / per_group;
+    GroupWalk walk(per_group);
+    for (int64_t b = 0; b < K / 32; ++b, walk.next()) {
+      const int64_t g = walk.g;
       __m512 lo, hi;
       unpack_block_avx512(w, n, b, lo, hi);
       const __m512 dv = _mm512_set1_ps(w.scales[n * groups + g]);
