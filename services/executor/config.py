@@ -22,6 +22,7 @@ from services.executor.forward_paths.base import setting
 from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 
 ENV_PREFIX = "TOKENMILL_EXECUTOR_"
+QUANT_ACTIVATIONS = ("auto", "int8", "none")
 
 
 @dataclass(slots=True)
@@ -51,6 +52,13 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     share of the heads and MLP columns and of the KV pool (kv_cache_bytes is per rank). The
     steps run eagerly: the fused CPU step, the compiled step and the decode graphs take no
     all-reduce yet."""
+    quant_activations: str = setting(
+        "auto", "CPU, quantized weights: int8 (activations rounded to int8 per block, integer dot products), "
+                "none (exact fp32 activations) or auto (int8 on a CPU)")
+    """int8: activations rounded to int8 per block of 32 and multiplied by integer dot products,
+    llama.cpp's arithmetic, for q4_0/q4_1/q8_0 weights; none: fp32 activations, the dequantized
+    model's numbers exactly; auto: int8 on a CPU, none on CUDA (chosen by measurement: speed and
+    quality in docs/benchmarks.md). A tensor-parallel executor's ranks keep fp32 activations."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -62,6 +70,11 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ValueError(f"quant_activations must be one of {', '.join(QUANT_ACTIVATIONS)}, "
+                             f"got {self.quant_activations!r}")
+        if self.quant_activations == "int8" and self.device not in ("auto", "cpu"):
+            raise ValueError(f"quant_activations 'int8' runs on the CPU; got device {self.device!r}")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.tensor_parallel_size < 1:

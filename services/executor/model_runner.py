@@ -63,7 +63,8 @@ class ModelRunner:
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
         else:
             self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,
-                                                          prepack_cpu_weights=not path.plain_weights)
+                                                          prepack_cpu_weights=not path.plain_weights,
+                                                          quant_activations=self._quant_activations())
             self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device)
             # A path's scratch blocks lie past the pool the scheduler is told about.
             self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
@@ -86,6 +87,13 @@ class ModelRunner:
         """Stop the other ranks of a tensor-parallel executor (nothing to do for one rank)."""
         if self.parallel is not None:
             self.parallel.close()
+
+    def _quant_activations(self) -> str:
+        """``quant_activations`` resolved for this device (auto: int8 on a CPU)."""
+        mode = self.config.quant_activations
+        if mode == "int8" and self.device.type != "cpu":
+            raise ValueError(f"quant_activations 'int8' runs on the CPU; the model runs on {self.device}")
+        return ("int8" if self.device.type == "cpu" else "none") if mode == "auto" else mode
 
     def info(self) -> ExecutorInfo:
         mc = self.model_config

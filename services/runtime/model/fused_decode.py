@@ -8,10 +8,13 @@ attention kernel directly. Its ``logits`` runs the LM head the same way (where t
 plain fp32 matrix), so a row's logits never depend on its batch; sampling stays in Python as
 for every step.
 
-It takes a model only where that is the right trade (``why_not``): fp32 weights, none of them
-prepacked for oneDNN or quantized. A model big enough to have prepacked matrices (fp32 from
-2^18 elements, see linear.py) spends its step in the products, where oneDNN's and MKL's
-kernels beat a plain loop, so it keeps the eager path.
+It takes a model only where that is the right trade (``why_not``): fp32 weights none of which
+are prepacked for oneDNN, or quantized weights (QuantLinear's CPU kernels, exact or with int8
+activations). A float model big enough to have prepacked matrices (fp32 from 2^18 elements,
+see linear.py) spends its step in the products, where oneDNN's and MKL's kernels beat a plain
+loop, so it keeps the eager path. A quantized model runs the same kernels either way, so the
+fused step only takes away the per-layer Python: SmolLM2's 30 layers of ~10 dispatched
+operations each.
 
 Steps with several new tokens for a sequence (prompts, chunks, mixed and speculative steps) run
 fused too while they are small (``max_step_tokens``, the executor's ``--cpu-fused-max-tokens``):
@@ -39,6 +42,11 @@ from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
 from services.runtime.model.linear import Linear
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
+from services.runtime.model.quant.formats import bits
+from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear
+
+_QUANT_PATHS = ("cpu_int8", "cpu_kernel")
+"""QuantLinear paths the fused step runs (quant/linear.py): the same C++ kernels, called directly."""
 
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
@@ -50,9 +58,12 @@ def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            if not isinstance(linear, Linear):
-                return f"{name} is {type(linear).__name__} (quantized weights)"
-            if linear.packed is not None:
+            if isinstance(linear, QuantLinear):
+                if linear.path not in _QUANT_PATHS:
+                    return f"{name} is a quantized linear on the {linear.path!r} path, not a CPU kernel's"
+            elif not isinstance(linear, Linear):
+                return f"{name} is {type(linear).__name__}"
+            elif linear.packed is not None:
                 return f"{name} is prepacked for oneDNN: the model is large enough for its products to dominate"
         if layer.o_proj.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
             return "biases outside q|k|v"
@@ -72,27 +83,35 @@ class FusedDecode:
             raise ValueError(f"the fused CPU decode step cannot run this model: {reason}")
         cpu_kernels.load()
         self.backend: CpuAttentionBackend = model.backend
-        layer_tensors: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
+        projections = []
         for layer in model.layers:
-            bias = layer.qkv.bias if layer.qkv.bias is not None else torch.empty(0)
-            layer_tensors += [layer.input_norm, layer.qkv.weight, bias, layer.o_proj.weight, layer.post_norm,
-                              layer.gate_up.weight, layer.down.weight]
+            norms += [layer.input_norm.detach(), layer.post_norm.detach()]
+            projections += [projection(linear) for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         quantized = isinstance(kv_caches[0][0], ScaledCache)
         lm_head = model.lm_head
-        self.computes_logits = (isinstance(lm_head, Linear) and lm_head.packed is None and lm_head.bias is None
-                                and lm_head.weight.dtype == torch.float32)
-        """Whether ``logits`` runs here (a plain fp32 LM head); else the model's own."""
+        self.computes_logits = lm_head.bias is None and (
+            (isinstance(lm_head, Linear) and lm_head.packed is None and lm_head.weight.dtype == torch.float32)
+            or (isinstance(lm_head, QuantLinear) and lm_head.path in _QUANT_PATHS))
+        """Whether ``logits`` runs here (a plain fp32 or a CPU-kernel quantized LM head); else the model's own."""
+        if self.computes_logits:
+            projections.append(projection(lm_head))
         self._decoder = torch.classes.tokenmill_cpu.LlamaDecoder(
-            model.embed.detach(), [t.detach() for t in layer_tensors], model.final_norm.detach(),
-            lm_head.weight.detach() if self.computes_logits else torch.empty(0),
+            model.embed.detach(), norms, projections, model.final_norm.detach(),
             model.rotary.cos_full, model.rotary.sin_signed, model.config.num_heads, model.config.num_kv_heads,
             model.config.head_dim, float(model.config.rms_norm_eps),
             [k.data if quantized else k for k, _ in kv_caches], [v.data if quantized else v for _, v in kv_caches],
             [k.scale for k, _ in kv_caches] if quantized else [], [v.scale for _, v in kv_caches] if quantized else [],
+            torch.get_num_threads(),
         )
         self._k_cache = kv_caches[0][0]
         self.max_step_tokens = max_step_tokens
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
+
+    @property
+    def isa(self) -> str:
+        """The instruction set its quantized products run (cpu_isa.h)."""
+        return cpu_kernels.isa()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, V], each row's independent of the others in the
@@ -120,3 +139,17 @@ class FusedDecode:
             block_tables = block_tables.repeat_interleave(query_lens, dim=0)
             context_lens = (positions + 1).to(torch.int32)
         return self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+
+
+def projection(linear: Linear | QuantLinear):
+    """The decoder's handle on one of the model's projections: the weight it multiplies by, as
+    the eager linear holds it (a plain fp32 matrix, or a quantized one on a CPU kernel's path)."""
+    bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)
+    cls = torch.classes.tokenmill_cpu.Projection
+    if isinstance(linear, Linear):
+        return cls.plain(linear.weight.detach(), bias)
+    w = linear.quantized
+    if linear.path == "cpu_int8":
+        return cls.int8(linear.packed, INT8_FORMAT_CODES[w.fmt], linear.out_features, linear.in_features, bias)
+    scales, zeros, group = linear.cpu_operands()
+    return cls.exact(w.qweight, scales, zeros, bits(w.fmt), group, bias)

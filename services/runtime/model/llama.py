@@ -82,6 +82,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         device: torch.device,
         prepack_cpu_weights: bool = True,
+        quant_activations: str = "none",
     ):
         super().__init__()
         self.config = config
@@ -110,7 +111,8 @@ class LlamaForCausalLM(nn.Module):
                     module.prepack()
         for module in list(self.modules()):
             if isinstance(module, QuantLinear):
-                module.prepare()  # after the move: each device packs its own way (quant/linear.py)
+                # after the move: each device packs its own way (quant/linear.py)
+                module.prepare(quant_activations if device.type == "cpu" else "none")
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
 
     @classmethod
@@ -122,11 +124,14 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         config: ModelConfig | None = None,
         prepack_cpu_weights: bool = True,
+        quant_activations: str = "none",
     ) -> "LlamaForCausalLM":
+        """``quant_activations``: how quantized linears on a CPU take their input, ``none``
+        (exact) or ``int8`` (quant/linear.py)."""
         config = config or ModelConfig.from_model_dir(model_dir)
         dtype = dtype or config.dtype
         weights = load_checkpoint(model_dir, config, dtype)
-        return cls(config, weights, backend, torch.device(device), prepack_cpu_weights)
+        return cls(config, weights, backend, torch.device(device), prepack_cpu_weights, quant_activations)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -27,6 +27,7 @@ from services.runtime.kernels._common import check_paged_attention_inputs, split
 from services.runtime.kernels.kv_quant import ScaledCache
 
 # quant_matmul.cpp: the fp32 weight-only quantized matmul (services/runtime/model/quant/linear.py);
+# quant_dot.cpp: the same weights times int8-quantized activations (services/runtime/kernels/quant_act.py);
 # fused_decode.cpp: a small model's whole decode step (services/runtime/model/fused_decode.py).
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_decode.cpp", "quant_matmul.cpp", "quant_dot.cpp", "fused_decode.cpp")]
@@ -35,6 +36,11 @@ MARCH_ENV = "TOKENMILL_CPU_KERNEL_MARCH"
 """Overrides ``-march=native`` (e.g. ``haswell``: AVX2 without AVX-512). The tests build the
 kernels for an AVX2-only CPU this way on any x86 machine, so the paths without AVX-512 run in
 CI wherever it lands, not only on machines that lack it."""
+ISA_ENV = "TOKENMILL_CPU_ISA"
+"""Caps the instruction set of the quantized-weight kernels (``portable``, ``avx2`` or
+``avx512_vnni``; default: the best the CPU has, read from cpuid at run time). Every path is in
+every build, so an AVX-512 machine measures the AVX2 one with ``TOKENMILL_CPU_ISA=avx2``."""
+ISAS = ("portable", "avx2", "avx512_vnni")
 _CFLAGS = ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -90,7 +96,35 @@ def load() -> object:
         )
     except Exception as exc:  # compiler missing or failing: the reason goes to the caller
         raise CpuKernelsUnavailable(f"could not build the CPU attention kernels: {exc}") from exc
+    cap = os.environ.get(ISA_ENV)
+    if cap:
+        set_isa(cap)
     return torch.ops.tokenmill_cpu
+
+
+def isa() -> str:
+    """The instruction set the quantized-weight kernels run now (cpu_isa.h)."""
+    load()
+    return torch.ops.tokenmill_quant.cpu_isa()
+
+
+def supported_isas() -> tuple[str, ...]:
+    """Every instruction set this CPU can run, portable first."""
+    load()
+    best = torch.ops.tokenmill_quant.supported_cpu_isa()
+    return ISAS[:ISAS.index(best) + 1]
+
+
+def set_isa(name: str) -> str:
+    """Run the quantized-weight kernels on ``name`` (one of ``ISAS`` the CPU has); returns the
+    previous one. A process-wide setting: the tests run every path this way."""
+    ops = torch.ops.tokenmill_quant
+    previous = ops.cpu_isa()
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV} / cpu isa must be one of {', '.join(ISAS)}, got {name!r}")
+    if not ops.set_cpu_isa(name):
+        raise ValueError(f"this CPU cannot run {name!r} kernels: it supports up to {ops.supported_cpu_isa()!r}")
+    return previous
 
 
 def available() -> bool:
@@ -217,5 +251,5 @@ def main() -> int:
     except CpuKernelsUnavailable as exc:
         print(f"warning: {exc}; the CPU path will use PyTorch attention", file=sys.stderr)
         return 0
-    print(f"CPU kernels ready ({build_name()})")
+    print(f"CPU kernels ready ({build_name()}; quantized products on {isa()})")
     return 0

@@ -10,6 +10,10 @@
 // here; the Python side (services/runtime/model/fused_decode.py) decides when, and checks
 // the step's block tables and slots against the pool once before the call.
 //
+// A projection (Projection below) is a plain fp32 matrix, transposed once and multiplied by the
+// loops here, or a quantized one multiplied by the kernels the eager QuantLinear uses
+// (quant_matmul.cpp exactly, quant_dot.cpp with int8 activations), called directly.
+//
 // The math is the eager model's (services/runtime/model/llama.py) with the same rounding
 // points in fp32; sums run in a different order, so results agree to ~1e-6, not bitwise.
 
@@ -22,10 +26,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "paged_decode.h"
+#include "quant_kernels.h"
 #include "vec_exp.h"
+#include "worker_pool.h"
 
 namespace {
 
@@ -74,11 +81,12 @@ inline void linear_tile(const float* x, int64_t in, const float* w_t, const floa
   for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * out, acc[r], sizeof(float) * cols);
 }
 
-void linear_rows(const float* x, int64_t T, int64_t in, const float* w_t, const float* bias, int64_t out, float* y) {
+void linear_rows(const float* x, int64_t T, int64_t in, const float* w_t, const float* bias, int64_t out, float* y,
+                 tokenmill_cpu::WorkerPool* pool) {
   const int64_t row_tiles = (T + kRows - 1) / kRows, col_tiles = (out + kCols - 1) / kCols;
   // Threads only where a product is big enough to pay for waking them.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kRows * in * out));
-  at::parallel_for(0, row_tiles, grain, [&](int64_t begin, int64_t end) {
+  tokenmill_cpu::parallel_for(pool, row_tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t rt = begin; rt < end; ++rt) {
       const int64_t t0 = rt * kRows, rows = std::min(kRows, T - t0);
       for (int64_t ct = 0; ct < col_tiles; ++ct) {
@@ -121,10 +129,6 @@ void rotate_heads(float* heads, int64_t n, int64_t D, const float* cos_full, con
 // exp(x) for the SiLU over the range vec_exp.h covers (e^-87 ~ 0 and e^88 ~ inf next to 1 + e^x).
 inline float exp_vec(float x) { return tokenmill_cpu::exp_in_range(std::min(std::max(x, -87.0f), 88.0f)); }
 
-struct Layer {
-  at::Tensor input_norm, qkv_t, qkv_bias, o_t, post_norm, gate_up_t, down_t;
-};
-
 at::Tensor transposed(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "fused decode weights must be fp32 CPU matrices [out, in]");
@@ -139,46 +143,176 @@ at::Tensor vector_of(const at::Tensor& v, int64_t n, const char* what) {
 
 }  // namespace
 
+// A projection's reusable buffers: the quantized activations, the exact path's per-32 sums.
+struct Workspace {
+  tokenmill_cpu::QuantizedActivations activations;
+  std::vector<float> xsum;
+};
+
+// One projection y = x W^T (+ bias) of the fused step, [out, in]: a plain fp32 matrix (held
+// transposed, multiplied by linear_rows), a quantized weight with fp32 activations (the exact
+// kernel, quant_matmul.cpp) or a GGUF block weight repacked for int8 activations
+// (quant_dot.cpp). Built in Python from the model's Linear / QuantLinear (fused_decode.py).
+struct Projection : torch::CustomClassHolder {
+  enum class Kind { kPlain, kExact, kInt8 };
+
+  static c10::intrusive_ptr<Projection> plain(at::Tensor weight, at::Tensor bias) {
+    auto p = c10::make_intrusive<Projection>();
+    p->kind = Kind::kPlain;
+    p->w_t = transposed(weight);
+    p->in = p->w_t.size(0), p->out = p->w_t.size(1);
+    p->set_bias(bias);
+    return p;
+  }
+
+  // qweight / scales / zeros as QuantLinear's cpu_kernel path holds them (cpu_kernel_operands).
+  static c10::intrusive_ptr<Projection> exact(at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t bits,
+                                              int64_t group, at::Tensor bias) {
+    TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+    TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                    qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+                "qweight must be contiguous [N, K/2] uint8 (4-bit) or [N, K] int8");
+    auto p = c10::make_intrusive<Projection>();
+    p->kind = Kind::kExact;
+    p->tensors = {qweight, scales.contiguous(), zeros.contiguous()};
+    tokenmill_cpu::QuantWeight& w = p->exact_weight;
+    w.N = qweight.size(0), w.K = bits == 4 ? 2 * qweight.size(1) : qweight.size(1), w.group = group;
+    TORCH_CHECK(group > 0 && group % 32 == 0 && w.K % group == 0, "group must be a multiple of 32 dividing K");
+    TORCH_CHECK(p->tensors[1].scalar_type() == at::kFloat && p->tensors[1].numel() == w.N * (w.K / group),
+                "scales must be [N, K / group] fp32");
+    TORCH_CHECK(zeros.numel() == 0 || (zeros.scalar_type() == at::kFloat && zeros.numel() == scales.numel()),
+                "zeros must be empty or like scales");
+    w.q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
+    w.q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
+    w.scales = p->tensors[1].data_ptr<float>();
+    w.zeros = zeros.numel() ? p->tensors[2].data_ptr<float>() : nullptr;
+    p->in = w.K, p->out = w.N;
+    p->set_bias(bias);
+    return p;
+  }
+
+  // packed: repack_int8's tiles of an [out, in] weight of `format` (0 q4_0, 1 q4_1, 2 q8_0).
+  static c10::intrusive_ptr<Projection> int8(at::Tensor packed, int64_t format, int64_t out, int64_t in,
+                                             at::Tensor bias) {
+    TORCH_CHECK(format >= 0 && format <= 2, "format must be 0 (q4_0), 1 (q4_1) or 2 (q8_0)");
+    TORCH_CHECK(out > 0 && in > 0 && in % 32 == 0, "in must be a positive multiple of 32");
+    auto p = c10::make_intrusive<Projection>();
+    p->kind = Kind::kInt8;
+    tokenmill_cpu::PackedInt8Weight& w = p->int8_weight;
+    w.format = static_cast<tokenmill_cpu::QuantFormat>(format);
+    w.N = out, w.K = in, w.block_bytes = tokenmill_cpu::int8_block_bytes(w.format);
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == (out + 15) / 16 * (in / 32) * w.block_bytes,
+                "packed must be repack_int8's tensor for this format and shape");
+    p->tensors = {packed};
+    w.data = packed.data_ptr<uint8_t>();
+    p->in = in, p->out = out;
+    p->set_bias(bias);
+    return p;
+  }
+
+  // y [T, out] = x [T, in] W^T (+ bias), on `pool`.
+  void apply(const float* x, int64_t T, float* y, Workspace& ws, tokenmill_cpu::WorkerPool* pool) const {
+    if (kind == Kind::kPlain) {
+      linear_rows(x, T, in, w_t.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, out, y, pool);
+      return;
+    }
+    if (kind == Kind::kInt8) {
+      tokenmill_cpu::int8_matmul(int8_weight, x, T, in, y, out, ws.activations, pool);
+    } else {
+      const tokenmill_cpu::QuantWeight& w = exact_weight;
+      const float* xsum = nullptr;
+      if (w.zeros) {  // sums of x over every 32 values, for the zero terms
+        ws.xsum.resize(T * (in / 32));
+        for (int64_t i = 0; i < T * (in / 32); ++i) {
+          float sum = 0.f;
+          for (int64_t j = 0; j < 32; ++j) sum += x[i * 32 + j];
+          ws.xsum[i] = sum;
+        }
+        xsum = ws.xsum.data();
+      }
+      const tokenmill_cpu::Isa isa = tokenmill_cpu::active_isa();
+      tokenmill_cpu::parallel_for(pool, out, 16, [&](int64_t begin, int64_t end) {
+        tokenmill_cpu::quant_matmul_rows(w, x, xsum, T, y, out, begin, end, isa);
+      });
+    }
+    if (bias.defined()) {
+      const float* b = bias.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+#pragma omp simd
+        for (int64_t o = 0; o < out; ++o) y[t * out + o] += b[o];
+      }
+    }
+  }
+
+  int64_t in_features() const { return in; }
+  int64_t out_features() const { return out; }
+
+  Kind kind = Kind::kPlain;
+  int64_t in = 0, out = 0;
+  at::Tensor w_t, bias;
+  std::vector<at::Tensor> tensors;  // keeps the quantized parts alive
+  tokenmill_cpu::QuantWeight exact_weight;
+  tokenmill_cpu::PackedInt8Weight int8_weight;
+
+ private:
+  void set_bias(const at::Tensor& b) {
+    if (b.numel() > 0) bias = vector_of(b, out, "bias");
+  }
+};
+
+namespace {
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  c10::intrusive_ptr<Projection> qkv, o, gate_up, down;
+};
+
+}  // namespace
+
 struct LlamaDecoder : torch::CustomClassHolder {
-  // layer_tensors: per layer, in this order: input_norm [D], qkv [Q+2KV, D], qkv bias ([Q+2KV] or
-  // empty), o [D, Q], post_norm [D], gate_up [2F, D], down [D, F]. caches: per layer K and V
-  // pools; scales empty for plain pools, else per layer K and V scales (kv_quant.ScaledCache).
-  // lm_head: [V, D], or empty when the logits are not computed here (see logits()).
-  LlamaDecoder(at::Tensor embed, std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor lm_head,
-               at::Tensor cos_full, at::Tensor sin_signed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-               std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales)
-      : embed_(embed.contiguous()), cos_full_(cos_full.contiguous()), sin_signed_(sin_signed.contiguous()),
+  // norms: per layer input_norm [D] and post_norm [D]. projections: per layer q|k|v
+  // [(H + 2 KH) hd, D] (its bias, if any, inside), o [D, H hd], gate|up [2F, D], down [D, F];
+  // then the LM head [V, D] when the logits are computed here (see logits()). caches: per layer
+  // K and V pools; scales empty for plain pools, else per layer K and V scales (kv_quant.ScaledCache).
+  LlamaDecoder(at::Tensor embed, std::vector<at::Tensor> norms, std::vector<c10::intrusive_ptr<Projection>> projections,
+               at::Tensor final_norm, at::Tensor cos_full, at::Tensor sin_signed, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<at::Tensor> k_caches,
+               std::vector<at::Tensor> v_caches, std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
+               int64_t threads)
+      : pool_(std::make_unique<tokenmill_cpu::WorkerPool>(static_cast<int>(std::max<int64_t>(1, threads)))),
+        embed_(embed.contiguous()), cos_full_(cos_full.contiguous()), sin_signed_(sin_signed.contiguous()),
         H_(num_heads), KH_(num_kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), k_caches_(k_caches),
         v_caches_(v_caches), k_scales_(k_scales), v_scales_(v_scales) {
     TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == at::kFloat, "embed must be fp32 [V, D]");
-    TORCH_CHECK(layer_tensors.size() % 7 == 0 && !layer_tensors.empty(), "7 tensors per layer");
+    TORCH_CHECK(norms.size() % 2 == 0 && !norms.empty(), "2 norms per layer");
+    const int64_t L = static_cast<int64_t>(norms.size()) / 2;
+    TORCH_CHECK(static_cast<int64_t>(projections.size()) == 4 * L || static_cast<int64_t>(projections.size()) == 4 * L + 1,
+                "4 projections per layer, then the LM head or nothing");
     TORCH_CHECK(H_ % KH_ == 0 && hd_ % 2 == 0, "query heads must be a multiple of kv heads, head_dim even");
     D_ = embed_.size(1);
-    const int64_t L = static_cast<int64_t>(layer_tensors.size()) / 7;
     const int64_t qkv = (H_ + 2 * KH_) * hd_;
+    auto shaped = [](const c10::intrusive_ptr<Projection>& p, int64_t out, int64_t in, const char* what) {
+      TORCH_CHECK(p->out == out && p->in == in, what, " must be [", out, ", ", in, "], got [", p->out, ", ", p->in, "]");
+      return p;
+    };
     for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor* w = layer_tensors.data() + 7 * l;
+      const c10::intrusive_ptr<Projection>* w = projections.data() + 4 * l;
       Layer layer;
-      layer.input_norm = vector_of(w[0], D_, "input_norm");
-      layer.qkv_t = transposed(w[1]);
-      TORCH_CHECK(layer.qkv_t.size(0) == D_ && layer.qkv_t.size(1) == qkv, "qkv must be [(H + 2 KH) hd, D]");
-      if (w[2].numel() > 0) layer.qkv_bias = vector_of(w[2], qkv, "qkv bias");
-      layer.o_t = transposed(w[3]);
-      TORCH_CHECK(layer.o_t.size(0) == H_ * hd_ && layer.o_t.size(1) == D_, "o must be [D, H hd]");
-      layer.post_norm = vector_of(w[4], D_, "post_norm");
-      layer.gate_up_t = transposed(w[5]);
-      TORCH_CHECK(layer.gate_up_t.size(0) == D_ && layer.gate_up_t.size(1) % 2 == 0, "gate_up must be [2F, D]");
-      layer.down_t = transposed(w[6]);
-      TORCH_CHECK(layer.down_t.size(0) * 2 == layer.gate_up_t.size(1) && layer.down_t.size(1) == D_,
-                  "down must be [D, F]");
+      layer.input_norm = vector_of(norms[2 * l], D_, "input_norm");
+      layer.post_norm = vector_of(norms[2 * l + 1], D_, "post_norm");
+      layer.qkv = shaped(w[0], qkv, D_, "qkv");
+      layer.o = shaped(w[1], D_, H_ * hd_, "o");
+      TORCH_CHECK(w[2]->in == D_ && w[2]->out % 2 == 0, "gate_up must be [2F, D]");
+      layer.gate_up = w[2];
+      layer.down = shaped(w[3], D_, w[2]->out / 2, "down");
       layers_.push_back(std::move(layer));
     }
-    final_norm_ = vector_of(final_norm, D_, "final_norm");
-    if (lm_head.numel() > 0) {
-      lm_head_t_ = transposed(lm_head);
-      TORCH_CHECK(lm_head_t_.size(0) == D_, "lm_head must be [V, D]");
+    if (static_cast<int64_t>(projections.size()) == 4 * L + 1) {
+      lm_head_ = projections.back();
+      TORCH_CHECK(lm_head_->in == D_ && !lm_head_->bias.defined(), "lm_head must be [V, D] without a bias");
     }
+    final_norm_ = vector_of(final_norm, D_, "final_norm");
     TORCH_CHECK(cos_full_.dim() == 2 && cos_full_.size(1) == hd_ && sin_signed_.sizes() == cos_full_.sizes(),
                 "rotary tables must be [P, head_dim]");
     TORCH_CHECK(static_cast<int64_t>(k_caches_.size()) == L && v_caches_.size() == k_caches_.size(),
@@ -219,7 +353,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     at::Tensor hidden = at::empty({B, D}, f32), x = at::empty({B, D}, f32);
     at::Tensor qkv = at::empty({B, qkv_size}, f32);
     at::Tensor q = at::empty({B, H_, hd}, f32), attn = at::empty({B, H_, hd}, f32);
-    const int64_t F = layers_.empty() ? 0 : layers_[0].down_t.size(0);
+    const int64_t F = layers_.empty() ? 0 : layers_[0].down->in;
     at::Tensor gate_up = at::empty({B, 2 * F}, f32), act = at::empty({B, F}, f32);
     at::Tensor tmp = at::empty({B, D}, f32);
     float* h = hidden.data_ptr<float>();
@@ -245,8 +379,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       rms_norm_rows(h, B, D, layer.input_norm.data_ptr<float>(), eps_, xp);
-      linear_rows(xp, B, D, layer.qkv_t.data_ptr<float>(),
-                  layer.qkv_bias.defined() ? layer.qkv_bias.data_ptr<float>() : nullptr, qkv_size, qkvp);
+      layer.qkv->apply(xp, B, qkvp, workspace_, pool_.get());
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkvp + b * qkv_size;
         rotate_heads(row, H_ + KH_, hd, cos_tab + pos[b] * hd, sin_tab + pos[b] * hd);
@@ -268,12 +401,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
         }
       }
       tokenmill_cpu::decode_attention(attn, q, k_caches_[l], v_caches_[l], quantized_ ? &k_scales_[l] : nullptr,
-                                      quantized_ ? &v_scales_[l] : nullptr, block_tables, context_lens, scale);
-      linear_rows(ap, B, q_size, layer.o_t.data_ptr<float>(), nullptr, D, tp);
+                                      quantized_ ? &v_scales_[l] : nullptr, block_tables, context_lens, scale,
+                                      pool_.get());
+      layer.o->apply(ap, B, tp, workspace_, pool_.get());
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
       rms_norm_rows(h, B, D, layer.post_norm.data_ptr<float>(), eps_, xp);
-      linear_rows(xp, B, D, layer.gate_up_t.data_ptr<float>(), nullptr, 2 * F, gup);
+      layer.gate_up->apply(xp, B, gup, workspace_, pool_.get());
       for (int64_t b = 0; b < B; ++b) {
         const float* g = gup + b * 2 * F;
         const float* u = g + F;
@@ -281,7 +415,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
 #pragma omp simd
         for (int64_t f = 0; f < F; ++f) a[f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
       }
-      linear_rows(actp, B, F, layer.down_t.data_ptr<float>(), nullptr, D, tp);
+      layer.down->apply(actp, B, tp, workspace_, pool_.get());
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
     }
@@ -290,24 +424,27 @@ struct LlamaDecoder : torch::CustomClassHolder {
   }
 
   // hidden [N, D] -> logits [N, V]. Each row is summed in one fixed order whatever N (the same
-  // register tiles as the layers' products), so a request's logits, and the logprobs it is
-  // shown, do not depend on how many other rows sample in its step: BLAS picks another kernel
-  // for one or two rows than for more, which moves the last bits.
+  // kernels as the layers' products, whose rows never mix), so a request's logits, and the
+  // logprobs it is shown, do not depend on how many other rows sample in its step: BLAS picks
+  // another kernel for one or two rows than for more, which moves the last bits.
   at::Tensor logits(at::Tensor hidden) {
-    TORCH_CHECK(lm_head_t_.defined(), "this decoder was built without an LM head");
+    TORCH_CHECK(lm_head_, "this decoder was built without an LM head");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D_ && hidden.scalar_type() == at::kFloat &&
                     hidden.device().is_cpu(),
                 "hidden must be fp32 CPU [N, ", D_, "]");
     hidden = hidden.contiguous();
-    const int64_t N = hidden.size(0), V = lm_head_t_.size(1);
-    at::Tensor out = at::empty({N, V}, at::TensorOptions().dtype(at::kFloat));
-    linear_rows(hidden.data_ptr<float>(), N, D_, lm_head_t_.data_ptr<float>(), nullptr, V, out.data_ptr<float>());
+    const int64_t N = hidden.size(0);
+    at::Tensor out = at::empty({N, lm_head_->out}, at::TensorOptions().dtype(at::kFloat));
+    lm_head_->apply(hidden.data_ptr<float>(), N, out.data_ptr<float>(), workspace_, pool_.get());
     return out;
   }
 
  private:
-  at::Tensor embed_, cos_full_, sin_signed_, final_norm_, lm_head_t_;
+  std::unique_ptr<tokenmill_cpu::WorkerPool> pool_;  // first: the last member destroyed
+  at::Tensor embed_, cos_full_, sin_signed_, final_norm_;
+  c10::intrusive_ptr<Projection> lm_head_;
   std::vector<Layer> layers_;
+  Workspace workspace_;  // one step at a time: the executor never runs two concurrently
   int64_t H_, KH_, hd_, D_ = 0;
   float eps_;
   std::vector<at::Tensor> k_caches_, v_caches_, k_scales_, v_scales_;
@@ -315,10 +452,16 @@ struct LlamaDecoder : torch::CustomClassHolder {
 };
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.class_<Projection>("Projection")
+      .def_static("plain", &Projection::plain)
+      .def_static("exact", &Projection::exact)
+      .def_static("int8", &Projection::int8)
+      .def("in_features", &Projection::in_features)
+      .def("out_features", &Projection::out_features);
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
-                       int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def(torch::init<at::Tensor, std::vector<at::Tensor>, std::vector<c10::intrusive_ptr<Projection>>, at::Tensor,
+                       at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>())
       .def("forward", &LlamaDecoder::forward)
       .def("logits", &LlamaDecoder::logits);
 }

@@ -33,6 +33,7 @@
 
 #include "paged_decode.h"
 #include "vec_exp.h"
+#include "worker_pool.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -447,7 +448,7 @@ template <typename scalar_t, typename cache_t>
 void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr, const cache_t* v_ptr,
                   const at::Half* k_scale, const at::Half* v_scale,
                   const int32_t* tables, const int32_t* lens, int64_t B, int64_t max_blocks, int64_t H, int64_t KH,
-                  int64_t D, int64_t block_size, float scale) {
+                  int64_t D, int64_t block_size, float scale, tokenmill_cpu::WorkerPool* pool) {
   // Longest contexts first, handed out one at a time: the threads finish together even
   // when lengths differ widely, and a thread the OS takes away for a moment (another
   // process on the same cores) holds up one sequence rather than half the batch, as a
@@ -465,15 +466,23 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr
                : D == 32 ? decode_sequence<scalar_t, cache_t, 32> : D == 64 ? decode_sequence<scalar_t, cache_t, 64>
 #endif
                : D == 128 ? decode_sequence<scalar_t, cache_t, 128> : decode_sequence<scalar_t, cache_t, 0>;
+  auto run = [&](int64_t i, Scratch& scratch) {
+    const int64_t b = order[i];
+    decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, k_scale, v_scale, tables + b * max_blocks, lens[b], H,
+           KH, D, block_size, scale, scratch);
+  };
+  if (pool != nullptr) {  // the fused step's threads (worker_pool.h), a sequence a chunk
+    pool->parallel_for(B, 1, [&](int64_t begin, int64_t end) {
+      thread_local Scratch scratch;
+      for (int64_t i = begin; i < end; ++i) run(i, scratch);
+    });
+    return;
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < B; ++i) {
-      const int64_t b = order[i];
-      decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, k_scale, v_scale, tables + b * max_blocks,
-             lens[b], H, KH, D, block_size, scale, scratch);
-    }
+    for (int64_t i = 0; i < B; ++i) run(i, scratch);
   }
 }
 
@@ -509,20 +518,6 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& q, const at::Ten
   }
 }
 
-void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, out and the caches must share a dtype");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_batch<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                     v_cache.data_ptr<scalar_t>(), nullptr, nullptr, block_tables.data_ptr<int32_t>(),
-                                     context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H, k_cache.size(2), D,
-                                     k_cache.size(1), static_cast<float>(scale));
-  });
-}
-
 // Quantized pools: int8 or float8_e4m3fn values, fp16 scales [NB, BS, KH] (see the top).
 void check_scales(const at::Tensor& cache, const at::Tensor& scales) {
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
@@ -541,24 +536,50 @@ void dispatch_quantized(at::ScalarType cache_type, Body&& body) {
   }
 }
 
-void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+// Decode attention over a plain pool (null scales) or a quantized one: the checks, then the
+// batch in q's dtype and the pool's storage type. Both registered ops and the fused step run it.
+void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
+                const at::Tensor& context_lens, double scale, tokenmill_cpu::WorkerPool* pool) {
   check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v pools must share a dtype");
-  check_scales(k_cache, k_scale);
-  check_scales(v_cache, v_scale);
+  const bool quantized = k_scale != nullptr;
+  if (quantized) {
+    TORCH_CHECK(v_scale != nullptr && k_cache.scalar_type() == v_cache.scalar_type(),
+                "k and v pools must share a dtype and both have scales");
+    check_scales(k_cache, *k_scale);
+    check_scales(v_cache, *v_scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                "q, out and the caches must share a dtype");
+  }
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_quantized", [&] {
-    dispatch_quantized(k_cache.scalar_type(), [&](auto stored) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto batch = [&](auto stored) {
       using cache_t = decltype(stored);
       decode_batch<scalar_t, cache_t>(
           q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), static_cast<const cache_t*>(k_cache.data_ptr()),
-          static_cast<const cache_t*>(v_cache.data_ptr()), k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
-          block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H,
-          k_cache.size(2), D, k_cache.size(1), static_cast<float>(scale));
-    });
+          static_cast<const cache_t*>(v_cache.data_ptr()), quantized ? k_scale->data_ptr<at::Half>() : nullptr,
+          quantized ? v_scale->data_ptr<at::Half>() : nullptr, block_tables.data_ptr<int32_t>(),
+          context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H, k_cache.size(2), D, k_cache.size(1),
+          static_cast<float>(scale), pool);
+    };
+    if (quantized) {
+      dispatch_quantized(k_cache.scalar_type(), batch);
+    } else {
+      batch(scalar_t{});
+    }
   });
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  run_decode(out, q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens, scale, nullptr);
+}
+
+void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  run_decode(out, q, k_cache, v_cache, &k_scale, &v_scale, block_tables, context_lens, scale, nullptr);
 }
 
 // Stores a step's new K and V rows, k/v [T, KH, D] (any token and head strides, unit last
@@ -566,27 +587,34 @@ void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tenso
 // [NB, BS, KH, D]. One call for both pools, where the torch path takes two index_copy_ and
 // their dtype and view calls. For callers whose slots come from checked block tables (the
 // compiled decode step); the slot check here is a second line.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v must be [T, KH, D] with unit last stride");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "k/v cache must be contiguous [NB, BS, KH, D]");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows must match the cache's [KH, D]");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+// The checks both K/V writes share: shapes, layouts, and every slot inside the pool (raw
+// pointer writes follow). The dtypes are checked by each.
+void check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
                   k.scalar_type() == v.scalar_type(),
-              "k, v and the caches must share a dtype");
+              "k and v must be [T, KH, D] of one dtype with unit last stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v cache must be contiguous [NB, BS, KH, D] of one dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows must match the cache's [KH, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == k.size(0),
               "slot_mapping must be contiguous int64 [T]");
-  const int64_t T = k.size(0), KH = k.size(1), D = k.size(2);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < k.size(0); ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                 " is outside the pool of ", num_slots, " slots");
   }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "k, v and the caches must share a dtype");
+  const int64_t T = k.size(0), KH = k.size(1), D = k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
     const int64_t row = KH * D;
     for (const auto& [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
@@ -636,25 +664,11 @@ inline void quantize_row(const scalar_t* x, cache_t* values, at::Half* scale, in
 // [NB, BS, KH, D] int8 or float8_e4m3fn, scales [NB, BS, KH] fp16, all contiguous.
 void write_kv_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                         at::Tensor k_scale, at::Tensor v_scale, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
-                  k.scalar_type() == v.scalar_type(),
-              "k and v must be [T, KH, D] of one dtype with unit last stride");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k/v cache must be contiguous [NB, BS, KH, D] of one dtype");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows must match the cache's [KH, D]");
+  check_kv_write(k, v, k_cache, v_cache, slot_mapping);
   check_scales(k_cache, k_scale);
   check_scales(v_cache, v_scale);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == k.size(0),
-              "slot_mapping must be contiguous int64 [T]");
   const int64_t T = k.size(0), KH = k.size(1), D = k.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
-                " is outside the pool of ", num_slots, " slots");
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_quantized", [&] {
     dispatch_quantized(k_cache.scalar_type(), [&](auto stored) {
       using cache_t = decltype(stored);
@@ -715,12 +729,8 @@ namespace tokenmill_cpu {
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, double scale) {
-  if (k_scale == nullptr) {
-    paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale);
-  } else {
-    paged_decode_quantized(out, q, k_cache, v_cache, *k_scale, *v_scale, block_tables, context_lens, scale);
-  }
+                      const at::Tensor& context_lens, double scale, WorkerPool* pool) {
+  run_decode(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, pool);
 }
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor* k_scale,

@@ -51,6 +51,7 @@
 
 #include "cpu_isa.h"
 #include "quant_kernels.h"
+#include "worker_pool.h"
 
 namespace tokenmill_cpu {
 namespace {
@@ -408,14 +409,14 @@ void int8_matmul_tiles(const PackedInt8Weight& w, const QuantizedActivations& a,
 }
 
 void int8_matmul(const PackedInt8Weight& w, const float* x, int64_t M, int64_t x_stride, float* out,
-                 int64_t out_stride, QuantizedActivations& scratch) {
+                 int64_t out_stride, QuantizedActivations& scratch, WorkerPool* pool) {
   const Isa isa = active_isa();
   quantize_activations(x, M, x_stride, w.K, isa, scratch);
   const int64_t tiles = (w.N + kTile - 1) / kTile;
   // Grain: a thread's share is at least ~64 K multiply-adds per row, so small products stay on
   // the calling thread instead of paying the pool's wake-up.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kTile * w.K));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(pool, tiles, grain, [&](int64_t begin, int64_t end) {
     int8_matmul_tiles(w, scratch, out, out_stride, begin, end, isa);
   });
 }

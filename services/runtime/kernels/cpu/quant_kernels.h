@@ -10,6 +10,8 @@
 
 namespace tokenmill_cpu {
 
+class WorkerPool;
+
 // A quantized [N, K] weight as the exact kernels read it: w = d * q + z per group of `group`
 // values along K (services/runtime/model/quant/linear.py, cpu_kernel_operands).
 //   4-bit: q4 [N, K/2], byte j of a 32-value block holds value j (low nibble) and j + 16 (high)
@@ -63,9 +65,9 @@ void quantize_activations(const float* x, int64_t M, int64_t x_stride, int64_t K
 void int8_matmul_tiles(const PackedInt8Weight& w, const QuantizedActivations& a, float* out, int64_t out_stride,
                        int64_t tile_begin, int64_t tile_end, Isa isa);
 
-// The whole product on the intra-op pool: x [M, K] (row stride x_stride) quantized into
-// `scratch`, then out [M, N] (row stride out_stride).
+// The whole product: x [M, K] (row stride x_stride) quantized into `scratch`, then out [M, N]
+// (row stride out_stride), on `pool` (worker_pool.h), or torch's intra-op threads when null.
 void int8_matmul(const PackedInt8Weight& w, const float* x, int64_t M, int64_t x_stride, float* out,
-                 int64_t out_stride, QuantizedActivations& scratch);
+                 int64_t out_stride, QuantizedActivations& scratch, WorkerPool* pool = nullptr);
 
 }  // namespace tokenmill_cpu

@@ -37,6 +37,15 @@ logit is too coarse to sample from: on SmolLM2's "What is the capital of France?
 first tokens are 0.08 apart at a logit of 25, where bf16's step is 0.125; they tied and the
 greedy answer changed.
 
+With ``activations="int8"`` (the executor's ``--quant-activations``) a GGUF block weight
+(q4_0, q4_1, q8_0 in blocks of 32) runs llama.cpp's arithmetic instead: each input row is
+rounded to int8 per block of 32 and multiplied by integer dot products
+(services/runtime/kernels/cpu/quant_dot.cpp; reference and rule in kernels/quant_act.py). The
+weight is repacked once at load into the kernel's tiles of 16 outputs (the same bytes per block
+as the file), the stored parts dropped. The result is no longer the dequantized model's: how far
+it moves is measured in docs/benchmarks.md. int8 (per channel) weights and other group sizes
+keep the exact path.
+
 CUDA: the Triton dequantize-and-multiply kernel (kernels/quant_matmul.py) reads the stored
 parts as they are, in the activations' dtype.
 """
@@ -51,6 +60,11 @@ from torch import nn
 
 from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
+
+ACTIVATIONS = ("none", "int8")
+"""How a CPU quantized linear takes its input: exact fp32 (none) or rounded to int8 per block of 32."""
+INT8_FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+"""The formats of the int8-activation kernels (quant_dot.cpp's QuantFormat)."""
 
 PANEL_MIN_ROWS = 16
 """From this many input rows the CPU path multiplies by dequantized panels (module docstring)."""
@@ -72,6 +86,10 @@ _log = structlog.get_logger("tokenmill.model")
 
 def cpu_kernel_fits(w: QuantizedWeight) -> bool:
     return w.in_features % 32 == 0 and (w.fmt == "int8" or w.group_size % 32 == 0)
+
+
+def int8_kernel_fits(w: QuantizedWeight) -> bool:
+    return w.fmt in INT8_FORMAT_CODES and w.group_size == 32 and w.in_features % 32 == 0
 
 
 def cpu_kernel_operands(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -99,6 +117,8 @@ class QuantLinear(nn.Module):
         self._zeros: torch.Tensor | None = None
         self._group = 0
         self._fallback: Linear | None = None
+        self.packed: torch.Tensor | None = None
+        """The weight repacked for the int8-activation kernel (path ``cpu_int8``), uint8."""
 
     def _apply(self, fn, recurse: bool = True):
         # nn.Module.to() moves Parameters and buffers; the quantized parts move with it.
@@ -109,11 +129,21 @@ class QuantLinear(nn.Module):
             self.path = "unprepared"
         return self
 
-    def prepare(self) -> str:
-        """Choose and build this device's path (see the module docstring); returns its name."""
+    def prepare(self, activations: str = "none") -> str:
+        """Choose and build this device's path (see the module docstring); returns its name.
+
+        ``activations``: on a CPU, ``int8`` runs GGUF block weights with int8-quantized inputs."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         w = self.quantized
         if w.device.type == "cuda":
             self.path = "triton"
+        elif activations == "int8" and int8_kernel_fits(w) and _cpu_kernel_available():
+            mins = w.mins if w.mins is not None else torch.empty(0, dtype=torch.float16)
+            self.packed = torch.ops.tokenmill_quant.repack_int8(w.qweight, w.scales, mins, INT8_FORMAT_CODES[w.fmt])
+            self.path = "cpu_int8"
+            # The tiles hold every byte the kernel reads; the stored parts are no longer read.
+            self.quantized = _emptied(w)
         elif cpu_kernel_fits(w) and _cpu_kernel_available():
             self._scales, self._zeros, self._group = cpu_kernel_operands(w)
             self.path = "cpu_kernel"
@@ -122,9 +152,14 @@ class QuantLinear(nn.Module):
             self._fallback.prepack()
             self.path = "dequantized"
             # The fallback keeps its own copy; the stored parts are no longer read.
-            self.quantized = QuantizedWeight(w.fmt, w.out_features, w.in_features, w.group_size,
-                                             w.qweight[:0], w.scales[:0], None if w.mins is None else w.mins[:0])
+            self.quantized = _emptied(w)
         return self.path
+
+    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(scales, zeros, group) of the ``cpu_kernel`` path (``cpu_kernel_operands``), as prepared."""
+        if self.path != "cpu_kernel":
+            raise ValueError(f"the exact CPU kernel's operands exist on the cpu_kernel path, not {self.path!r}")
+        return self._scales, self._zeros, self._group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x's dtype
@@ -134,6 +169,12 @@ class QuantLinear(nn.Module):
             from services.runtime.kernels.quant_matmul import quant_matmul
 
             out = quant_matmul(x, self.quantized)
+        elif self.path == "cpu_int8":
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
+            out = torch.ops.tokenmill_quant.quant_matmul_int8(
+                x.float().contiguous(), self.packed, INT8_FORMAT_CODES[self.quantized.fmt], self.out_features,
+                self.in_features).to(x.dtype)
         elif self.path == "cpu_kernel":
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
@@ -151,6 +192,12 @@ class QuantLinear(nn.Module):
         w = self.quantized
         return f"in={self.in_features}, out={self.out_features}, format={w.fmt}, group={w.group_size}, " \
                f"path={self.path}, bias={self.bias is not None}"
+
+
+def _emptied(w: QuantizedWeight) -> QuantizedWeight:
+    """``w``'s description with its parts cut to nothing (another copy serves the products)."""
+    return QuantizedWeight(w.fmt, w.out_features, w.in_features, w.group_size, w.qweight[:0], w.scales[:0],
+                           None if w.mins is None else w.mins[:0])
 
 
 @functools.cache
@@ -171,6 +218,10 @@ def _cpu_kernel_available() -> bool:
     @torch.library.register_fake("tokenmill_quant::quant_matmul_panels")
     def _(x, qweight, scales, zeros, bits, group, panel):
         return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake("tokenmill_quant::quant_matmul_int8")
+    def _(x, packed, fmt, n, k):
+        return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("tokenmill_quant::quant_dequantize")
     def _(qweight, scales, zeros, bits, group):
