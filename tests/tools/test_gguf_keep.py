@@ -102,7 +102,7 @@ def test_smollm2_keep_greedy_text_equals_fp32_conversion(smollm2_keep, smollm2_d
     outputs = []
     for model_dir in (smollm2_keep, smollm2_dir):
         engine = Engine(EngineConfig(ExecutorConfig(model=str(model_dir), dtype="float32", device="cpu",
-                                                    num_blocks=64, max_model_len=1024)))
+                                                    num_blocks=64, max_model_len=1024, quant_activations="none")))
         texts = [""] * len(prompts)
         for i, delta in engine.generate(prompts, SamplingParams(temperature=0.0), StopConditions(max_tokens=64)):
             texts[i] += delta.text
