@@ -29,7 +29,7 @@ def test_the_smollm2_preset_runs_llama_cpp_on_the_packaged_gguf_itself():
     from tests.tools.smollm2 import packaged_file
 
     args = driver.parse_args(["--preset", "smollm2"])
-    assert args.model.name == "smollm2-135m-instruct" and args.context == 1024
+    assert args.model.name == "smollm2-135m-instruct-q4_1" and args.context == 1024  # the same blocks as the file
     assert args.prompt == driver.PRESETS["smollm2"].prompt
     # The very file the package ships, its bytes checked against the pinned sha256.
     assert driver.resolve_gguf(args) == packaged_file()

