@@ -224,3 +224,17 @@ def test_sha256sums_parsing():
     for bad in ("nothex  a.gguf", f"{digest}", f"{'g' * 64}  a.gguf"):
         with pytest.raises(gguf.ChecksumError, match="line 1"):
             gguf.parse_sha256sums(bad)
+
+
+# ---------------------------------------------------------------------------- quality
+
+
+def test_quality_compares_every_pair_of_systems_answer_by_answer():
+    from benchmarks.peer.quality import compare
+
+    report = compare({"exact": [[1, 2, 3], [4, 5]], "int8": [[1, 2, 3], [4, 6]], "llamacpp": [[1, 9, 3], [4, 5]]})
+    assert report == {
+        "exact vs int8": {"identical": 1, "answers": 2, "first_divergence": [None, 1]},
+        "exact vs llamacpp": {"identical": 1, "answers": 2, "first_divergence": [1, None]},
+        "int8 vs llamacpp": {"identical": 0, "answers": 2, "first_divergence": [1, 1]},
+    }

