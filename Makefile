@@ -107,13 +107,19 @@ bench-executors: install
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).
+# Native instructions except AMX: a CPU may report AMX tiles that its (virtual) machine does not
+# enable, and llama.cpp's AMX kernels then die of SIGILL (seen here); pip's wheel cache is
+# skipped so a wheel built with other flags is not reused.
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CPP_STAMP  := $(VENV)/.llama-cpp-python
+LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_CMAKE  := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF \
-                    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+                    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+                    '-DCMAKE_C_FLAGS=$(LLAMA_CPP_NO_AMX)' '-DCMAKE_CXX_FLAGS=$(LLAMA_CPP_NO_AMX)'
 
 $(LLAMA_CPP_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install "$(LLAMA_CPP_PYTHON)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-cache-dir \
+		--force-reinstall --no-deps "$(LLAMA_CPP_PYTHON)"
 	touch $@
 
 bench-peer: install $(LLAMA_CPP_STAMP)
