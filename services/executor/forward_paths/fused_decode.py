@@ -2,7 +2,8 @@
 (services/runtime/model/fused_decode.py).
 
 Wanted on a CPU unless ``--cpu-decode eager``; set up where the model qualifies
-(``fused_decode.why_not``: today fp32 weights, none prepacked or quantized), else the executor
+(``fused_decode.why_not``: fp32 weights none of which are prepacked, or quantized weights on
+a CPU kernel's path), else the executor
 logs why and runs eagerly, or with ``--cpu-decode fused`` refuses to start. It takes decode
 steps, and steps of up to ``--cpu-fused-max-tokens`` new tokens; its LM head (where the model's
 is a plain fp32 matrix) serves every step, so a row's logits never depend on its batch.
@@ -36,15 +37,16 @@ CPU_DECODE_MODES = ("auto", "fused", "eager")
 @dataclass(frozen=True, slots=True)
 class FusedDecodeSettings:
     cpu_decode: str = setting(
-        "auto", "CPU decode steps: auto (small fp32 models in one C++ call, else eager), fused or eager")
+        "auto", "CPU decode steps: auto (small fp32 and quantized models in one C++ call, else eager), fused or eager")
     """auto: the fused step where the model qualifies, else eager; fused: the same, and an
     error when the model does not qualify; eager: the PyTorch forward."""
     cpu_fused_max_tokens: int = setting(
         64, "CPU, fused step in use: steps with prompt or draft tokens run fused up to this many new tokens "
             "(0 = decode-only steps alone)")
     """Each token a row reading the paged cache up to its own position. 64: past it the largest
-    model the fused step takes runs faster eagerly (docs/benchmarks.md); stories260K runs 2-9x
-    faster fused up to there."""
+    fp32 model the fused step takes runs faster eagerly (docs/benchmarks.md); stories260K runs
+    2-9x faster fused up to there. A quantized model runs fused up to 8 times as many
+    (services/runtime/model/fused_decode.py, QUANTIZED_STEP_FACTOR)."""
 
 
 class FusedDecodePath(ForwardPath):

@@ -48,6 +48,17 @@ from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear
 _QUANT_PATHS = ("cpu_int8", "cpu_kernel")
 """QuantLinear paths the fused step runs (quant/linear.py): the same C++ kernels, called directly."""
 
+QUANTIZED_STEP_FACTOR = 8
+"""A quantized model's steps run fused up to this many times ``max_step_tokens`` (512 at the
+default 64). The limit is set by fp32 models, whose plain-loop products lose to MKL's past it;
+a quantized model's products are the same kernels fused or eager, and only its attention grows
+faster fused (each row reads its context again). SmolLM2 Q4_1, int8 activations, one thread:
+fused / eager 0.63 at a 64-token prompt, 0.75 at 128, 1.08 at 256, 0.98 at 512, 0.75 for 32
+prompts of 10 and 0.92 for 16 of 64 (docs/benchmarks.md). It also keeps many short prompts on
+the path one takes alone: with int8 activations a last-bit difference between the two paths can
+round an activation to the neighbouring code, so 32 copies of a prompt gave another greedy
+answer than one (from its 5th token) while their 320-token step ran eagerly."""
+
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
@@ -105,7 +116,8 @@ class FusedDecode:
             torch.get_num_threads(),
         )
         self._k_cache = kv_caches[0][0]
-        self.max_step_tokens = max_step_tokens
+        self.quantized = any(isinstance(m, QuantLinear) for m in model.layers.modules())
+        self.max_step_tokens = max_step_tokens * (QUANTIZED_STEP_FACTOR if self.quantized else 1)
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
 
     @property

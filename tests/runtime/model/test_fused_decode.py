@@ -355,3 +355,12 @@ def test_quant_activations_flag_is_validated():
         ExecutorConfig(model=str(STORIES_DIR), quant_activations="int4").validate()
     with pytest.raises(ValueError, match="quant_activations 'int8' runs on the CPU"):
         ExecutorConfig(model=str(STORIES_DIR), quant_activations="int8", device="cuda").validate()
+
+
+def test_a_quantized_model_runs_steps_fused_up_to_eight_times_the_limit(quantized_dirs):
+    runner = make_runner(quantized_dirs["llama-gqa-8-2"], cpu_fused_max_tokens=16, num_blocks=200)
+    fused = runner.fused_decode
+    assert fused.quantized and fused.max_step_tokens == 128
+    assert fused.takes(step_inputs(runner, [100, 28], [100, 28], seed=0)[1][2])
+    assert not fused.takes(step_inputs(runner, [100, 29], [100, 29], seed=0)[1][2])
+    assert make_runner(STORIES_DIR, cpu_fused_max_tokens=16).fused_decode.max_step_tokens == 16, "fp32: the limit"
