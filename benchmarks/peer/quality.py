@@ -14,8 +14,9 @@ block of 32, llama.cpp's arithmetic), and llama.cpp itself.
   llama.cpp evaluates the same token ids (its f16 K/V cache, logits at every position).
 - greedy answers to the demo conversations of benchmarks/data/smollm2_chat_prompts.jsonl,
   rendered with the model's chat template: ``--max-tokens`` tokens each, EOS ignored so every
-  answer has the same length; per pair of systems, how many answers are identical and where the
-  first differing token is.
+  answer has the same length; per pair of systems, how many answers are identical up to the end
+  of the turn (the first EOS, where a chat stops) and over every token, and where the first
+  differing token is.
 
 Writes a JSON result under benchmarks/results/ and prints the table.
 """
@@ -86,14 +87,24 @@ def llamacpp_perplexity(llm, ids: list[int], threads: int) -> float:
         loop.close()
 
 
-def compare(answers: dict[str, list[list[int]]]) -> dict[str, dict]:
-    """Per pair of systems: answers identical, and each answer's first differing position."""
+def turn_length(tokens: Sequence[int], eos: Sequence[int]) -> int:
+    """Tokens up to and including the first end-of-turn (EOS) token: the answer a chat shows."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+
+
+def compare(answers: dict[str, list[list[int]]], eos: Sequence[int] = ()) -> dict[str, dict]:
+    """Per pair of systems: answers identical over every token and up to the end of the turn
+    (the first EOS of either, where the chat would stop), and each answer's first differing
+    position."""
     names = list(answers)
     report = {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             at = [first_divergence(x, y) for x, y in zip(answers[a], answers[b])]
-            report[f"{a} vs {b}"] = {"identical": sum(d is None for d in at), "answers": len(at), "first_divergence": at}
+            turns = [d is None or d >= min(turn_length(x, eos), turn_length(y, eos))
+                     for d, x, y in zip(at, answers[a], answers[b])]
+            report[f"{a} vs {b}"] = {"identical": sum(d is None for d in at), "identical_turns": sum(turns),
+                                     "answers": len(at), "first_divergence": at}
     return report
 
 
@@ -137,15 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["perplexity"][system] = ppl
             result["answers"][system] = tokenmill_answers(engine, prompts, args.max_tokens)
         print(f"{system}: perplexity {result['perplexity'][system]:.3f}", flush=True)
-    result["comparisons"] = compare(result["answers"])
+    result["comparisons"] = compare(result["answers"], text.facts.eos_token_ids)
+    result["turn_lengths"] = {s: [turn_length(a, text.facts.eos_token_ids) for a in answers]
+                              for s, answers in result["answers"].items()}
     result["texts"] = {s: [text.decode(a, skip_special_tokens=True) for a in answers] for s, answers in result["answers"].items()}
 
     if "exact" in result["perplexity"]:
         for system, ppl in result["perplexity"].items():
             print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity']['exact'] - 1:+.2%} vs exact)")
     for pair, c in result["comparisons"].items():
-        print(f"  {pair}: {c['identical']} of {c['answers']} answers identical over {args.max_tokens} tokens; "
-              f"first divergences {c['first_divergence']}")
+        print(f"  {pair}: {c['identical_turns']} of {c['answers']} answers identical to the end of the turn, "
+              f"{c['identical']} over all {args.max_tokens} tokens; first divergences {c['first_divergence']}")
     path = args.json or RESULTS_DIR / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
