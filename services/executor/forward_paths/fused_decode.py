@@ -3,10 +3,11 @@
 
 Wanted on a CPU unless ``--cpu-decode eager``; set up where the model qualifies
 (``fused_decode.why_not``: fp32 weights none of which are prepacked, or quantized weights on
-a CPU kernel's path), else the executor
-logs why and runs eagerly, or with ``--cpu-decode fused`` refuses to start. It takes decode
-steps, and steps of up to ``--cpu-fused-max-tokens`` new tokens; its LM head (where the model's
-is a plain fp32 matrix) serves every step, so a row's logits never depend on its batch.
+a CPU kernel's path), else the executor logs why and runs eagerly, or with ``--cpu-decode
+fused`` refuses to start. It takes decode steps, and steps of up to ``--cpu-fused-max-tokens``
+new tokens (8 times as many for a quantized model); its LM head (where the model's is a plain
+fp32 matrix or a CPU kernel's quantized one) serves every step, so a row's logits never depend
+on its batch.
 
 A new kind of model for this path is a change to ``why_not`` and ``FusedDecode``; a new flag
 is a field of FusedDecodeSettings that ``set_up`` hands to ``FusedDecode``.

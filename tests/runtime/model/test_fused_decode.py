@@ -332,7 +332,8 @@ def test_a_quantized_rows_result_does_not_depend_on_its_batch(threads, quantized
 
 def test_a_quantized_model_serves_the_eager_runners_greedy_tokens(quantized_dirs):
     fused = make_runner(quantized_dirs["stories260K"], quant_activations="none")
-    eager = make_runner(quantized_dirs["stories260K"], quant_activations="none", fused_decode=FusedDecodeSettings(cpu_decode="eager"))
+    eager = make_runner(quantized_dirs["stories260K"], quant_activations="none",
+                        fused_decode=FusedDecodeSettings(cpu_decode="eager"))
     assert fused_decode(fused) is not None and fused_decode(eager) is None
     assert run_requests(fused) == run_requests(eager)
 
@@ -358,9 +359,11 @@ def test_quant_activations_flag_is_validated():
 
 
 def test_a_quantized_model_runs_steps_fused_up_to_eight_times_the_limit(quantized_dirs):
-    runner = make_runner(quantized_dirs["llama-gqa-8-2"], cpu_fused_max_tokens=16, num_blocks=200)
-    fused = runner.fused_decode
+    runner = make_runner(quantized_dirs["llama-gqa-8-2"], num_blocks=200,
+                         fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=16))
+    fused = fused_decode(runner)
     assert fused.quantized and fused.max_step_tokens == 128
     assert fused.takes(step_inputs(runner, [100, 28], [100, 28], seed=0)[1][2])
     assert not fused.takes(step_inputs(runner, [100, 29], [100, 29], seed=0)[1][2])
-    assert make_runner(STORIES_DIR, cpu_fused_max_tokens=16).fused_decode.max_step_tokens == 16, "fp32: the limit"
+    fp32 = make_runner(STORIES_DIR, fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=16))
+    assert fused_decode(fp32).max_step_tokens == 16, "fp32: the limit"
