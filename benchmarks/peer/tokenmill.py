@@ -15,6 +15,7 @@ from benchmarks.harness.client import greedy_request, same_request
 from benchmarks.harness.engine import EngineSettings, run_batch, warmed_engine
 from benchmarks.harness.launch import LaunchSpec, launched
 from benchmarks.peer.figures import Run
+from services.executor.config import ExecutorConfig
 
 
 class InProcess:
@@ -22,8 +23,8 @@ class InProcess:
 
     name = "tokenmill in-process"
 
-    def __init__(self, engine: EngineSettings, model_dir: str, kv_cache_bytes: int) -> None:
-        self.engine = warmed_engine(engine, engine.executor_config(model_dir, kv_cache_bytes))
+    def __init__(self, engine: EngineSettings, config: ExecutorConfig) -> None:
+        self.engine = warmed_engine(engine, config)
 
     def run(self, prompt: Sequence[int], streams: int, output_len: int) -> tuple[Run, list[list[int]]]:
         batch = run_batch(self.engine, [prompt] * streams, output_len)
@@ -44,9 +45,8 @@ class Services:
         return Run(streams, sum(map(len, outputs)), seconds), outputs
 
 
-def services_stack(engine: EngineSettings, model_dir: str, threads: int, kv_cache_bytes: int):
-    """Context manager: the four services with exactly the in-process engine's settings and this
-    KV pool, ``threads`` OpenMP threads each; yields a Stack."""
-    executor = engine.executor_config(model_dir, kv_cache_bytes)
-    return launched(LaunchSpec(model_dir, tuple(engine.executor_flags(executor)), tuple(engine.scheduler_flags()),
+def services_stack(engine: EngineSettings, config: ExecutorConfig, threads: int):
+    """Context manager: the four services with exactly the in-process engine's settings and
+    executor config, ``threads`` OpenMP threads each; yields a Stack."""
+    return launched(LaunchSpec(config.model, tuple(engine.executor_flags(config)), tuple(engine.scheduler_flags()),
                                threads=threads))

@@ -1,8 +1,8 @@
 """SmolLM2's quantized products on one core, per instruction set: int8 activations against the
 exact kernel and the dequantized panels (the numbers behind --quant-activations' default).
 
-    python -m benchmarks.peer.products                 (one thread; CPU time of the thread)
-    python -m benchmarks.peer.products --rows 1,8,32 --isas avx2,avx512_vnni
+    python -m benchmarks quant-products                 (one thread; CPU time of the thread)
+    python -m benchmarks quant-products --rows 1,8,32 --isas avx2,avx512_vnni
 
 Each product is timed over ``--copies`` distinct weights of its shape (so they stream from memory
 as a model's do, not from cache), best of ``--repeats`` passes, as the thread's CPU time: on a
@@ -12,12 +12,34 @@ SmolLM2 at one row (66 MB of Q4_1 weights, the memory-bound decode case).
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.harness import flags
+from benchmarks.harness.flags import setting
+
+PROG = "python -m benchmarks quant-products"
+ISAS = ("portable", "avx2", "avx512_vnni")
 
 SHAPES = ((960, 576, "q4_1"), (576, 576, "q4_1"), (3072, 576, "q4_1"), (576, 1536, "q4_1"), (49152, 576, "q8_0"))
 """(out, in, format) of SmolLM2-135M's q|k|v, o, gate|up, down and its tied Q8_0 head."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProductsSettings:
+    rows: tuple[int, ...] = setting((1, 8, 32), "input rows (tokens) per product, comma-separated")
+    isas: tuple[str, ...] = setting((), "instruction sets to time (none: every one this CPU has but portable)")
+    copies: int = setting(8, "distinct weights per shape (2 for the head)")
+    repeats: int = setting(5, "passes over the weights (the best is reported)")
+
+    def validate(self) -> None:
+        if self.isas:
+            flags.check_choices("isas", self.isas, ISAS)
+        flags.check_at_least(self, 1, "copies", "repeats", *(() if self.rows else ("rows",)))
+        if any(r < 1 for r in self.rows):
+            raise ValueError(f"--rows must be at least 1, got {self.rows}")
 
 
 def best_seconds(fn, calls: int, repeats: int) -> float:
@@ -31,13 +53,9 @@ def best_seconds(fn, calls: int, repeats: int) -> float:
     return best
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peer.products", description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,8,32", help="input rows (tokens) per product")
-    p.add_argument("--isas", default="", help="instruction sets to time (default: every one this CPU has but portable)")
-    p.add_argument("--copies", type=int, default=8, help="distinct weights per shape (2 for the head)")
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = flags.parse(ProductsSettings, argv, prog=prog, description=__doc__)
 
     import torch
 
@@ -47,20 +65,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     ops = torch.ops.tokenmill_quant
-    isas = [i for i in args.isas.split(",") if i] or [i for i in cpu.supported_isas() if i != "portable"]
-    rows = [int(r) for r in args.rows.split(",")]
+    isas = list(args.isas) or [i for i in cpu.supported_isas() if i != "portable"]
+    rows = list(args.rows)
     print(f"one thread, microseconds per product (thread CPU time), best of {args.repeats}; isas {isas}")
     for n, k, fmt in SHAPES:
         weights = [quantize(torch.randn(n, k) * 0.05, fmt) for _ in range(args.copies if n < 10_000 else 2)]
         exact = [(w.qweight, *cpu_kernel_operands(w)[:2], bits(fmt), cpu_kernel_operands(w)[2]) for w in weights]
-        packed = [(ops.repack_int8(w.qweight, w.scales, w.mins if w.mins is not None else torch.empty(0, dtype=torch.half),
+        no_mins = torch.empty(0, dtype=torch.half)
+        packed = [(ops.repack_int8(w.qweight, w.scales, w.mins if w.mins is not None else no_mins,
                                    INT8_FORMAT_CODES[fmt]), INT8_FORMAT_CODES[fmt], n, k) for w in weights]
         for m in rows:
             x = torch.randn(m, k)
             cells = []
             for isa in isas:
                 cpu.set_isa(isa)
-                t_int8 = best_seconds(lambda c: ops.quant_matmul_int8(x, *packed[c % len(packed)]), len(packed), args.repeats)
+                t_int8 = best_seconds(lambda c: ops.quant_matmul_int8(x, *packed[c % len(packed)]), len(packed),
+                                      args.repeats)
                 t_exact = best_seconds(lambda c: ops.quant_matmul(x, *exact[c % len(exact)]), len(exact), args.repeats)
                 cells.append(f"{isa}: int8 {t_int8 * 1e6:7.0f}  exact {t_exact * 1e6:7.0f}  ({t_exact / t_int8:.1f}x)")
             t_panels = best_seconds(lambda c: ops.quant_matmul_panels(x, *exact[c % len(exact)], panel_columns(k)),
@@ -70,14 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(30):
         for n, k, fmt in SHAPES[:4]:
             w = quantize(torch.randn(n, k) * 0.05, fmt)
-            layers.append((ops.repack_int8(w.qweight, w.scales, w.mins, INT8_FORMAT_CODES[fmt]), INT8_FORMAT_CODES[fmt], n, k))
+            code = INT8_FORMAT_CODES[fmt]
+            layers.append((ops.repack_int8(w.qweight, w.scales, w.mins, code), code, n, k))
     xs = {k: torch.randn(1, k) for k in (576, 1536)}
     megabytes = sum(t.numel() for t, *_ in layers) / 1e6
     for isa in isas:
         cpu.set_isa(isa)
         seconds = best_seconds(lambda _: [ops.quant_matmul_int8(xs[k], t, f, n, k) for t, f, n, k in layers], 1,
                                args.repeats)
-        print(f"30 layers at one row, {isa}: {seconds * 1e3:.2f} ms for {megabytes:.0f} MB ({megabytes / 1e3 / seconds:.1f} GB/s)")
+        print(f"30 layers at one row, {isa}: {seconds * 1e3:.2f} ms for {megabytes:.0f} MB "
+              f"({megabytes / 1e3 / seconds:.1f} GB/s)")
     return 0
 
 
