@@ -29,8 +29,6 @@ benchmarks/results/ and prints a table and the ratios to fp32.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import resource
 import subprocess
@@ -41,11 +39,10 @@ from pathlib import Path
 
 from benchmarks.harness import child as harness_child, flags, report as report_
 from benchmarks.harness.flags import setting
-from benchmarks.harness.paths import CACHE_DIR, DATA_DIR, REPO_ROOT, SMOLLM2
+from benchmarks.harness.paths import CACHE_DIR, REPO_ROOT, SMOLLM2
+from benchmarks.harness.quality import PERPLEXITY_FILE, load_prompts, perplexity
 
 PROG = "python -m benchmarks weights"
-PROMPTS_FILE = DATA_DIR / "smollm2_chat_prompts.jsonl"
-PERPLEXITY_FILE = DATA_DIR / "smollm2_perplexity.txt"
 FP32_DIR = SMOLLM2
 CACHE = CACHE_DIR / "weights"
 FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -63,16 +60,6 @@ class WeightsSettings:
     def validate(self) -> None:
         flags.check_choices("formats", self.formats, FORMATS)
         flags.check_at_least(self, 1, "output_len", "streams", "threads")
-
-
-def load_prompts() -> list[list[dict[str, str]]]:
-    conversations = []
-    for line in PROMPTS_FILE.read_text().splitlines():
-        if line.strip():
-            item = json.loads(line)
-            conversations.append([{"role": "system", "content": item["system"]},
-                                  {"role": "user", "content": item["user"]}])
-    return conversations
 
 
 # ---------------------------------------------------------------------------- the formats
@@ -97,35 +84,6 @@ def model_dir_for(fmt: str) -> tuple[Path, str]:
 
 
 # ---------------------------------------------------------------------------- one format (child process)
-
-
-def perplexity(engine, text: str) -> tuple[float, int]:
-    """exp(mean NLL of each next token) of ``text`` in one forward; (perplexity, tokens)."""
-    import torch
-    import torch.nn.functional as F
-
-    from services.runtime.model.attention.base import AttentionMetadata
-
-    runner = engine.runner
-    ids = engine.encode_prompt(text)
-    n, bs = len(ids), runner.block_size
-    if n > runner.max_model_len or -(-n // bs) > runner.num_usable_blocks:
-        raise ValueError(f"the perplexity text ({n} tokens) does not fit the model's context or KV pool")
-    device = runner.device
-    blocks = list(range(-(-n // bs)))
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.tensor([blocks], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        query_lens_cpu=[n], context_lens_cpu=[n], max_query_len=n, max_context_len=n, block_size=bs,
-    )
-    tokens = torch.tensor(ids, device=device)
-    with torch.inference_mode():
-        hidden = runner.model(tokens, torch.arange(n, device=device), runner.kv_cache.layers, meta)
-        logits = runner.model.compute_logits(hidden[:-1])
-        nll = F.cross_entropy(logits, tokens[1:])
-    return math.exp(nll.item()), n
 
 
 def run_requests(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:

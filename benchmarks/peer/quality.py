@@ -35,7 +35,7 @@ from benchmarks.harness.flags import setting
 from benchmarks.harness.paths import SMOLLM2_Q4_1
 from benchmarks.peer.driver import tokenmill_isa
 from benchmarks.peer.figures import first_divergence
-from benchmarks.weights import PERPLEXITY_FILE, load_prompts, perplexity
+from benchmarks.harness.quality import PERPLEXITY_FILE, load_prompts, perplexity
 
 PROG = "python -m benchmarks peer-quality"
 SYSTEMS = ("exact", "int8", "llamacpp")
