@@ -64,6 +64,8 @@ def test_systems_are_put_in_canonical_order_without_duplicates():
     (["--output-len", "512"], "--output-len 512 leaves no room for a prompt"),
     (["--kv-type", "q8_0"], "--kv-type: unknown q8_0; known: f16, f32"),
     (["--num-scheduler-steps", "x"], "--num-scheduler-steps"),
+    (["--omp-wait-policy", "spin"], "--omp-wait-policy: unknown spin; known: default, passive"),
+    (["--quant-activations", "int4"], "--quant-activations: unknown int4; known: auto, int8, none"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -239,3 +241,17 @@ def test_quality_compares_every_pair_of_systems_answer_by_answer():
         "exact vs llamacpp": {"identical": 1, "identical_turns": 1, "answers": 2, "first_divergence": [1, None]},
         "int8 vs llamacpp": {"identical": 0, "identical_turns": 1, "answers": 2, "first_divergence": [1, 1]},
     }
+
+
+def test_quality_and_products_flags_exit_2_naming_the_flag(capsys):
+    from benchmarks.micro import quant_products
+    from benchmarks.peer import quality
+
+    for module, argv, message in ((quality, ["--systems", "vllm"], "--systems: unknown vllm"),
+                                  (quality, ["--max-tokens", "0"], "--max-tokens must be at least 1"),
+                                  (quant_products, ["--isas", "neon"], "--isas: unknown neon"),
+                                  (quant_products, ["--rows", "0"], "--rows must be at least 1")):
+        with pytest.raises(SystemExit) as exc:
+            module.main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
