@@ -58,7 +58,8 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     """int8: activations rounded to int8 per block of 32 and multiplied by integer dot products,
     llama.cpp's arithmetic, for q4_0/q4_1/q8_0 weights; none: fp32 activations, the dequantized
     model's numbers exactly; auto: int8 on a CPU, none on CUDA (chosen by measurement: speed and
-    quality in docs/benchmarks.md). A tensor-parallel executor's ranks keep fp32 activations."""
+    quality in docs/benchmarks.md). A tensor-parallel executor's ranks keep fp32 activations
+    (auto is none there)."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -75,6 +76,9 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
                              f"got {self.quant_activations!r}")
         if self.quant_activations == "int8" and self.device not in ("auto", "cpu"):
             raise ValueError(f"quant_activations 'int8' runs on the CPU; got device {self.device!r}")
+        if self.quant_activations == "int8" and self.tensor_parallel_size > 1:
+            raise ValueError(f"quant_activations 'int8' runs on one rank; got tensor_parallel_size "
+                             f"{self.tensor_parallel_size} (its ranks keep fp32 activations)")
         if self.num_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.tensor_parallel_size < 1:

@@ -89,11 +89,13 @@ class ModelRunner:
             self.parallel.close()
 
     def _quant_activations(self) -> str:
-        """``quant_activations`` resolved for this device (auto: int8 on a CPU)."""
+        """``quant_activations`` resolved for this device (auto: int8 on a CPU, one rank)."""
         mode = self.config.quant_activations
         if mode == "int8" and self.device.type != "cpu":
             raise ValueError(f"quant_activations 'int8' runs on the CPU; the model runs on {self.device}")
-        return ("int8" if self.device.type == "cpu" else "none") if mode == "auto" else mode
+        if mode != "auto":
+            return mode
+        return "int8" if self.device.type == "cpu" and self.config.tensor_parallel_size == 1 else "none"
 
     def info(self) -> ExecutorInfo:
         mc = self.model_config

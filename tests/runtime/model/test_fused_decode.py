@@ -356,6 +356,8 @@ def test_quant_activations_flag_is_validated():
         ExecutorConfig(model=str(STORIES_DIR), quant_activations="int4").validate()
     with pytest.raises(ValueError, match="quant_activations 'int8' runs on the CPU"):
         ExecutorConfig(model=str(STORIES_DIR), quant_activations="int8", device="cuda").validate()
+    with pytest.raises(ValueError, match="quant_activations 'int8' runs on one rank"):
+        ExecutorConfig(model=str(STORIES_DIR), quant_activations="int8", tensor_parallel_size=2).validate()
 
 
 def test_a_quantized_model_runs_steps_fused_up_to_eight_times_the_limit(quantized_dirs):
