@@ -25,7 +25,7 @@ ENGINE_FLAGS = dict(dtype="fp32", device="cpu", attention_backend="torch")
 
 @dataclass
 class SmallStack:
-    tokenizer: RunningServer
+    tokenizers: list[RunningServer]
     executors: list[RunningServer]
     scheduler: RunningServer
     channel: grpc.aio.Channel
@@ -34,6 +34,10 @@ class SmallStack:
     @property
     def executor(self) -> RunningServer:
         return self.executors[0]
+
+    @property
+    def tokenizer(self) -> RunningServer:
+        return self.tokenizers[0]
 
     def stats(self):
         return self.scheduler.app.core.stats()
@@ -50,20 +54,20 @@ class SmallStack:
 
     async def stop(self) -> None:
         await self.channel.close()
-        for running in (self.scheduler, *self.executors, self.tokenizer):
+        for running in (self.scheduler, *self.executors, *self.tokenizers):
             await running.stop(grace=0)
 
 
 async def start_small_stack(*, num_blocks: int = 128, block_size: int = 16, model=STORIES_DIR,
-                            executor_overrides: dict | None = None, executors: int = 1,
+                            executor_overrides: dict | None = None, executors: int = 1, tokenizers: int = 1,
                             **scheduler_overrides) -> SmallStack:
-    """``executors`` executors of ``num_blocks`` each behind the one scheduler."""
-    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=str(model)))
+    """``executors`` executors of ``num_blocks`` each and ``tokenizers`` tokenizers behind the one scheduler."""
+    tokenizer_servers = [await serve_tokenizer(TokenizerConfig(port=0, model=str(model))) for _ in range(tokenizers)]
     servers = [await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
         model=str(model), block_size=block_size, num_blocks=num_blocks, **ENGINE_FLAGS), **(executor_overrides or {})))
         for _ in range(executors)]
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_addresses=tuple(e.address for e in servers), tokenizer_addresses=(tokenizer.address,),
+        port=0, executor_addresses=tuple(e.address for e in servers), tokenizer_addresses=tuple(t.address for t in tokenizer_servers),
         connect_timeout_s=10, **scheduler_overrides))
     channel = create_channel(scheduler.address)
-    return SmallStack(tokenizer, servers, scheduler, channel, generation_pb2_grpc.GenerationStub(channel))
+    return SmallStack(tokenizer_servers, servers, scheduler, channel, generation_pb2_grpc.GenerationStub(channel))

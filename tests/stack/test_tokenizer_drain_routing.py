@@ -14,14 +14,8 @@ from grpc_health.v1 import health_pb2
 
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
-from services.executor.config import ExecutorConfig, ExecutorServiceConfig
-from services.executor.main import serve as serve_executor
-from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.main import serve as serve_scheduler
-from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.main import serve as serve_tokenizer
-from tests.helpers.service_harness import STORIES_DIR, health_status
-from tests.helpers.small_stack import ENGINE_FLAGS
+from tests.helpers.service_harness import health_status
+from tests.helpers.small_stack import start_small_stack
 from tests.helpers.stack_streams import greedy_request, record_stream
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -31,17 +25,9 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack():
-    tokenizers = [await serve_tokenizer(TokenizerConfig(port=0, model=str(STORIES_DIR))) for _ in range(2)]
-    executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
-        model=str(STORIES_DIR), block_size=16, num_blocks=256, **ENGINE_FLAGS)))
-    scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_addresses=(executor.address,), tokenizer_addresses=tuple(t.address for t in tokenizers),
-        connect_timeout_s=10))
-    channel = create_channel(scheduler.address)
-    yield tokenizers, scheduler, channel
-    await channel.close()
-    for running in (scheduler, executor, *tokenizers):
-        await running.stop(grace=0)
+    small = await start_small_stack(num_blocks=256, tokenizers=2)
+    yield small.tokenizers, small.scheduler, small.channel
+    await small.stop()
 
 
 async def still_serving(address: str) -> bool:
