@@ -62,15 +62,31 @@ def pack_step_inputs(
         ints += [0] * (width - len(table))
     longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64, device=device)  # [3T]
     ints_dev = torch.tensor(ints, dtype=torch.int32, device=device)
+    ids, positions_dev, meta = unpack_step_inputs(longs, ints_dev, query_lens, context_lens, width, block_size)
+    return ids, positions_dev, meta, cu
+
+
+def unpack_step_inputs(
+    longs: torch.Tensor,
+    ints: torch.Tensor,
+    query_lens: list[int],
+    context_lens: list[int],
+    width: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Views of the packed layout: ``longs`` [3T] (input ids, positions, slots) and ``ints`` int32
+    ([B] context lens, [B + 1] query starts, the [B, width] block table), with the host copies of
+    the lengths. Shared by the runner and the tensor-parallel ranks that receive it."""
+    num_seqs, num_tokens = len(query_lens), longs.numel() // 3
     meta = AttentionMetadata(
         slot_mapping=longs[2 * num_tokens :],
-        block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, width),
-        context_lens=ints_dev[:num_seqs],
-        query_start_loc=ints_dev[num_seqs : 2 * num_seqs + 1],
+        block_tables=ints[2 * num_seqs + 1 :].view(num_seqs, width),
+        context_lens=ints[:num_seqs],
+        query_start_loc=ints[num_seqs : 2 * num_seqs + 1],
         query_lens_cpu=query_lens,
         context_lens_cpu=context_lens,
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         block_size=block_size,
     )
-    return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta, cu
+    return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta

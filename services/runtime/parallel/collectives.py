@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.step_inputs import unpack_step_inputs
 
 STEP = 1
 STOP = 0
@@ -112,21 +113,9 @@ class RankGroups:
         self._broadcast(blob)
         ints = blob[3 * t:]
         context_lens, query_starts = ints[:b].tolist(), ints[b:2 * b + 1].tolist()
-        longs = blob[:3 * t].to(device)
-        ints_dev = ints.to(torch.int32).to(device)
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
-        meta = AttentionMetadata(
-            slot_mapping=longs[2 * t:],
-            block_tables=ints_dev[2 * b + 1:].view(b, width),
-            context_lens=ints_dev[:b],
-            query_start_loc=ints_dev[b:2 * b + 1],
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=block_size,
-        )
-        return longs[:t], longs[t:2 * t], meta
+        return unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device), query_lens,
+                                  context_lens, width, block_size)
 
 
 class AllReduceHooks:
