@@ -218,16 +218,20 @@ def failover(settings: ExecutorsSettings, model_dir: str) -> dict:
     run = run_system(spec_for(model_dir, settings, ("mixed", "mixed"), 1), items, len(items), kill_after_a_third)
     at = killed.get("at")
     summary = summarize(run, SLO())
-    waits = []
+    # Every stream in flight at the kill: the time from the kill to its next token. Those whose
+    # wait is over 5x their own median inter-token gap count as paused (the moved ones); the
+    # largest wait of all is when the last of them resumed, however short the pause was.
+    waits, gaps = [], []
     for record in run.records:
         after = [t for t in record.chunk_times if at is not None and t > at]
         before = [t for t in record.chunk_times if at is not None and t <= at]
         if after and before:
             gap = after[0] - at
+            gaps.append(gap)
             typical = median(record.itl_s()) if len(record.chunk_times) > 2 else 0.0
             if gap > 5 * typical:
                 waits.append(gap)
-    resumed_at = at + max(waits) if at is not None and waits else None
+    resumed_at = at + max(gaps) if at is not None and gaps else None
 
     def rate(lo: float, hi: float) -> float | None:
         if hi <= lo:
@@ -239,6 +243,9 @@ def failover(settings: ExecutorsSettings, model_dir: str) -> dict:
             "streams_paused": len(waits), "failed_streams": summary["failed"],
             "pause_ms": {"p50": percentile([w * 1000 for w in waits], 50) if waits else None,
                          "max": max(waits) * 1000 if waits else None},
+            "in_flight_at_kill": len(gaps),
+            "next_token_after_kill_ms": {"p50": percentile([g * 1000 for g in gaps], 50) if gaps else None,
+                                         "max": max(gaps) * 1000 if gaps else None},
             "tokens_per_s": {"before": rate(run.start, at) if at else None,
                              "during_pause": rate(at, resumed_at) if resumed_at else None,
                              "after": rate(resumed_at, run.end) if resumed_at else None}}
@@ -267,10 +274,12 @@ def print_report(result: dict) -> None:
     if "failover" in result:
         f = result["failover"]
         t = f["tokens_per_s"]
+        n = f['next_token_after_kill_ms']
         print(f"failover: killed at {fmt(f['killed_after_s'])} s, {f['streams_paused']} streams paused, "
               f"{f['failed_streams']} failed; pause p50 {fmt(f['pause_ms']['p50'], '.0f')} ms max "
               f"{fmt(f['pause_ms']['max'], '.0f')} ms; tok/s before {fmt(t['before'], '.0f')}, during "
-              f"{fmt(t['during_pause'], '.0f')}, after {fmt(t['after'], '.0f')}")
+              f"{fmt(t['during_pause'], '.0f')}, after {fmt(t['after'], '.0f')}; next token after the kill "
+              f"({f['in_flight_at_kill']} streams in flight) p50 {fmt(n['p50'], '.0f')} ms max {fmt(n['max'], '.0f')} ms")
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
