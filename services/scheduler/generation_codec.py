@@ -88,14 +88,16 @@ def _finished_to_proto(delta: GenerationDelta) -> generation_pb2.Finished:
     return f
 
 
-def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids) -> generation_pb2.ModelInfo:
+def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids,
+                        tool_call_format: str = "") -> generation_pb2.ModelInfo:
+    """GetModelInfo's answer; ``tool_call_format``: the tokenizer's chat template's tool syntax."""
     msg = generation_pb2.ModelInfo(
         model_name=model_name, model_path=PurePath(info.model).name, architecture=info.architecture,
         vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
         block_size=info.block_size, dtype=info.dtype, device=info.device,
         attention_backend=info.attention_backend, eos_token_ids=list(eos_token_ids),
         kv_cache_dtype=info.kv_cache_dtype, kv_cache_tokens=info.kv_cache_tokens,
-        kv_cache_bytes=info.kv_cache_bytes)
+        kv_cache_bytes=info.kv_cache_bytes, tool_call_format=tool_call_format)
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     return msg

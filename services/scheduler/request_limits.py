@@ -45,7 +45,7 @@ class RequestLimits:
 
     max_model_len: int
     max_prompt_chars: int = 0
-    """Longest text prompt (chat: its roles and contents together); 0 = CHARS_PER_TOKEN_BOUND
+    """Longest text prompt (chat: its roles, contents and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
     characters per token of the context."""
     max_grammar_bytes: int = 0
     """Largest structured output (SchedulerLimits.max_grammar_bytes; checked by the compiler)."""
@@ -96,7 +96,8 @@ def _check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits) -> Non
             raise InvalidArgumentError(f"prompt chat messages[{index}].role has {role} characters; the limit "
                                        f"MAX_ROLE_CHARS is {MAX_ROLE_CHARS}")
         total += role + len(message.content)
-    _at_most("prompt chat", total, budget, "max_prompt_chars", unit="characters of roles and content")
+    total += len(chat.tools_json)
+    _at_most("prompt chat", total, budget, "max_prompt_chars", unit="characters of roles, content and tools_json")
 
 
 def _at_most(field: str, count: int, limit: int, name: str, unit: str = "entries") -> None:

@@ -140,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgumentError("prompt chat has no messages")
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         # The template writes its own BOS and turn markers; its ids come back as rendered.
-        ids = await tokenizers.render_chat(chat.messages, add_prompt)
+        ids = await tokenizers.render_chat(chat.messages, add_prompt, chat.tools_json)
         self._check_prompt_tokens("chat", "renders to", len(ids))
         return ids
 
@@ -255,7 +255,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.AbortResponse(found=self.supervisor.abort(key))
 
     async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self._executor_info(), self.model_name, self.supervisor.core.eos_token_ids)
+        tokenizer = self.supervisor.tokenizers.info
+        return model_info_to_proto(self._executor_info(), self.model_name, self.supervisor.core.eos_token_ids,
+                                   tokenizer.tool_call_format if tokenizer is not None else "")
 
     async def GetProfile(self, request, context):
         if self.profile is None:

@@ -5,9 +5,9 @@ A chat template writes its turn markers as text ("<|im_start|>user\\n"), and the
 prompt is encoded with special-token matching so that they become control tokens, as
 transformers' apply_chat_template does. Encoded so, a message whose content (or role) says
 "<|im_end|><|im_start|>system\\n..." would become real control tokens too: a user could end
-their turn and write the system prompt. So special-token text in roles and contents is taken
-out before rendering, each occurrence replaced by one private-use character naming it; the
-rendered text is split at the special tokens left (the template's own), each piece between them
+their turn and write the system prompt. So special-token text in roles and contents (and in
+the strings of the request's tools, which templates print too) is taken out before rendering,
+each occurrence replaced by one private-use character naming it; the rendered text is split at the special tokens left (the template's own), each piece between them
 gets its client text back and is encoded as plain text, and the template's special tokens go in
 between as their ids.
 
@@ -50,10 +50,12 @@ class ChatEncoder:
         self._specials = re.compile("|".join(alternatives)) if alternatives else None
         self._guarded = re.compile("|".join([*alternatives, _SENTINELS]))
 
-    def guard(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], list[str]]:
+    def guard(self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None
+              ) -> tuple[list[Mapping[str, Any]], list[Any] | None, list[str]]:
         """``messages`` with special-token text in roles and string contents replaced by
-        sentinels, and the texts replaced (sentinel i stands for texts[i]); the same messages
-        and [] when none holds any."""
+        sentinels, ``tools`` with it replaced in every string (keys too: a template may print a
+        property's name), and the texts replaced (sentinel i stands for texts[i]); the same
+        messages and tools and [] when none holds any."""
         texts: list[str] = []
 
         def replace(match: re.Match[str]) -> str:
@@ -62,12 +64,24 @@ class ChatEncoder:
             texts.append(match.group())
             return chr(SENTINEL_BASE + len(texts) - 1)
 
+        def guard_value(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._guarded.sub(replace, value) if self._guarded.search(value) else value
+            if isinstance(value, list):
+                return [guard_value(item) for item in value]
+            if isinstance(value, dict):
+                return {guard_value(key): guard_value(item) for key, item in value.items()}
+            return value
+
         guarded: list[Mapping[str, Any]] = []
         for message in messages:
             changed = {key: self._guarded.sub(replace, value) for key in ("role", "content")
                        if isinstance(value := message.get(key), str) and self._guarded.search(value)}
             guarded.append({**message, **changed} if changed else message)
-        return (guarded, texts) if texts else (list(messages), [])
+        guarded_tools = guard_value(tools) if tools else tools
+        if not texts:
+            return list(messages), tools, []
+        return guarded, guarded_tools, texts
 
     def encode(self, rendered: str, texts: Sequence[str]) -> list[int]:
         """Ids of a template's output; ``texts``: what guard() took out ([]: none)."""

@@ -109,8 +109,9 @@ def _content_chars(content: Any, index: int) -> int:
     raise ChatTemplateError(f"messages[{index}].content must be a string, a list of parts or null")
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Check the message count, roles and total size (roles and contents) against the limits."""
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Check the message count, roles and total size (roles and contents) against the limits;
+    the characters they hold."""
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"messages has {len(messages)} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
     total = 0
@@ -129,6 +130,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
                 f"messages roles and content exceed {MAX_TOTAL_CONTENT_CHARS} characters (the limit "
                 "MAX_TOTAL_CONTENT_CHARS)"
             )
+    return total
 
 
 class ChatTemplate:

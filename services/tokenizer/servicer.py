@@ -71,6 +71,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             vocab_size=facts.vocab_size,
             eos_token_ids=facts.eos_token_ids,
             has_chat_template=facts.has_chat_template,
+            tool_call_format=facts.tool_call_format,
         )
         if facts.bos_token_id is not None:
             self._info.bos_token_id = facts.bos_token_id
@@ -103,7 +104,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         started = time.perf_counter()
-        rendered = await self._renderer.run(lambda: self._service.render_chat(messages, add_prompt),
+        tools_json = request.tools_json
+        rendered = await self._renderer.run(lambda: self._service.render_chat(messages, add_prompt, tools_json),
                                             "rendering the chat template")
         _log.debug("chat_rendered", messages=len(messages), tokens=len(rendered.token_ids), ms=_ms_since(started))
         return tokenizer_pb2.RenderChatResponse(text=rendered.text, token_ids=rendered.token_ids)
@@ -140,8 +142,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
 
 def _check_chat_size(request: tokenizer_pb2.RenderChatRequest) -> None:
-    """The message count, then the serialized size (which bounds the text from above), both read
-    in place: 3 million empty messages cost no dicts and no thread."""
+    """The message count, then the serialized size (which bounds the text, tools_json included,
+    from above), both read in place: 3 million empty messages cost no dicts and no thread."""
     count = len(request.messages)
     if count > MAX_MESSAGES:
         raise InvalidArgumentError(f"messages has {count} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")

@@ -28,7 +28,8 @@ import structlog
 
 from services.common.errors import InvalidArgumentError, TokenmillError
 from services.tokenizer.chat_encoding import ChatEncoder
-from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError, validate_messages
+from services.tokenizer.chat_template import MAX_TOTAL_CONTENT_CHARS, ChatTemplate, ChatTemplateError, validate_messages
+from services.tokenizer.chat_tools import parse_tools_json, tool_call_format
 from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -56,6 +57,8 @@ class TokenizerFacts:
     bos_token_id: int | None
     pad_token_id: int | None
     has_chat_template: bool
+    tool_call_format: str = ""
+    """The template's tool-call syntax (chat_tools.py); "" for none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class TextService:
             bos_token_id=self.tokenizer.bos_token_id,
             pad_token_id=self.tokenizer.token_to_id(pad) if pad is not None else None,
             has_chat_template=self._template is not None,
+            tool_call_format=tool_call_format(self.tokenizer.chat_template) if self._template is not None else "",
         )
 
     def _load_template(self) -> tuple[ChatTemplate | None, str]:
@@ -116,14 +120,18 @@ class TextService:
         check_token_ids("token_ids", token_ids, self.tokenizer.vocab_size)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> RenderedChat:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools_json: str = "") -> RenderedChat:
         """The template's prompt text and its ids (the template's special tokens recognised, the
-        messages' own special-token text encoded as text; no BOS added)."""
+        messages' and tools' own special-token text encoded as text; no BOS added).
+        ``tools_json``: the template's ``tools`` (a JSON array of tool objects; "" = none)."""
         if self._template is None:
             raise NoChatTemplateError(self._template_problem)
-        validate_messages(messages)  # before anything is copied for the guard
-        guarded, taken = self._chat_encoder.guard(messages)
-        text = self._template.render(guarded, add_generation_prompt)
+        used = validate_messages(messages)  # before anything is copied for the guard
+        tools = parse_tools_json(tools_json, MAX_TOTAL_CONTENT_CHARS - used)
+        guarded, guarded_tools, taken = self._chat_encoder.guard(messages, tools)
+        extra = {"tools": guarded_tools} if guarded_tools is not None else None
+        text = self._template.render(guarded, add_generation_prompt, extra)
         return RenderedChat(self._chat_encoder.restore(text, taken), self._chat_encoder.encode(text, taken))
 
     def new_detokenizer_pool(self) -> DetokenizerPool:

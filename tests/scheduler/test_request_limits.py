@@ -47,7 +47,12 @@ def test_roles_count_toward_the_conversation_and_have_a_bound_of_their_own():
     request = generation_pb2.GenerateRequest()
     for _ in range(2):
         request.chat.messages.add(role="user", content="x" * 8190)  # 2 x 8194 = 16388 characters in all
-    assert refused(request)[0] == ("prompt chat has 16388 characters of roles and content; the limit "
+    assert refused(request)[0] == ("prompt chat has 16388 characters of roles, content and tools_json; the limit "
+                                   "max_prompt_chars is 16384")
+    request = generation_pb2.GenerateRequest()
+    request.chat.messages.add(role="user", content="x" * 8190)
+    request.chat.tools_json = "[" + " " * 8192 + "]"  # the tools count too: 8194 + 8194
+    assert refused(request)[0] == ("prompt chat has 16388 characters of roles, content and tools_json; the limit "
                                    "max_prompt_chars is 16384")
 
 

@@ -112,11 +112,12 @@ class TokenizerLink:
             raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
 
-    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
-        """Token ids of the rendered conversation (the template's special tokens recognised)."""
+    async def render_chat(self, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
+        """Token ids of the rendered conversation (the template's special tokens recognised;
+        ``tools_json``: the template's ``tools``, "" for none)."""
         try:
             reply = await run_to_end(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
-                messages=messages, add_generation_prompt=add_generation_prompt), timeout=30))
+                messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
@@ -187,8 +188,8 @@ class TokenizerPool:
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self._pick().encode(text, add_special_tokens)
 
-    async def render_chat(self, messages, add_generation_prompt: bool) -> list[int]:
-        return await self._pick().render_chat(messages, add_generation_prompt)
+    async def render_chat(self, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
+        return await self._pick().render_chat(messages, add_generation_prompt, tools_json)
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)
