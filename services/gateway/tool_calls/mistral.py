@@ -1,0 +1,146 @@
+"""``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3, Nemo,
+Small: a JSON array of calls after the marker), and the newer ``[TOOL_CALLS]name[ARGS]{...}``
+(one call per marker).
+
+``[TOOL_CALLS]`` is a special token of Mistral's tokenizers: it reaches the parser only when the
+engine's detokenizer writes special tokens (tokenmill's does, unless a stream asks to skip them).
+A marker followed by neither shape, or an array item that is not a call, makes the rest content.
+"""
+
+from __future__ import annotations
+
+import re
+
+from services.gateway.tool_calls.events import CallArguments, CallOpened, Content, Event
+from services.gateway.tool_calls.json_call import FAILED, ArgumentsScanner, Header, marker_overlap, read_header
+
+MARKER = "[TOOL_CALLS]"
+ARGS_MARKER = "[ARGS]"
+ARGUMENT_KEYS = ("arguments",)
+_NAME = re.compile(r"[A-Za-z0-9_-]*")
+
+_TEXT, _AFTER_MARKER, _ITEM, _ARGS, _TAIL, _NAMED, _REST = range(7)
+
+
+class MistralParser:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        self._names = names
+        self._state = _TEXT
+        self._buffer = ""
+        self._index = 0
+        self._scanner = ArgumentsScanner()
+        self._closing_brace = False
+        self._in_array = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while self._step(out, final):
+            pass
+        return out
+
+    def _rest_is_content(self) -> bool:
+        self._state = _REST
+        return True
+
+    def _not_a_call(self, after_marker: str) -> bool:
+        self._buffer = MARKER + after_marker
+        return self._rest_is_content()
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        buffer = self._buffer
+        if self._state == _REST:
+            if buffer:
+                out.append(Content(buffer))
+            self._buffer = ""
+            return False
+        if self._state == _TEXT:
+            at = buffer.find(MARKER)
+            if at < 0:
+                keep = 0 if final else marker_overlap(buffer, MARKER)
+                if len(buffer) > keep:
+                    out.append(Content(buffer[:len(buffer) - keep]))
+                self._buffer = buffer[len(buffer) - keep:]
+                return False
+            if at:
+                out.append(Content(buffer[:at]))
+            self._buffer, self._state = buffer[at + len(MARKER):], _AFTER_MARKER
+            return True
+        if self._state == _AFTER_MARKER:
+            rest = buffer.lstrip()
+            if not rest:
+                return False if not final else self._not_a_call(buffer)
+            if rest[0] == "[":
+                self._buffer, self._state, self._in_array = rest[1:], _ITEM, True
+                return True
+            self._state = _NAMED  # the buffer as written: it is content if no call follows
+            return True
+        if self._state == _NAMED:
+            at = buffer.find(ARGS_MARKER)
+            if at < 0:
+                keep = marker_overlap(buffer, ARGS_MARKER)
+                if not final and _NAME.fullmatch(buffer[:len(buffer) - keep].strip()) is not None:
+                    return False  # a name so far, maybe followed by the start of "[ARGS]"
+                return self._not_a_call(buffer)
+            name = buffer[:at].strip()
+            if not name or _NAME.fullmatch(name) is None or (self._names is not None and name not in self._names):
+                return self._not_a_call(buffer)
+            rest = buffer[at + len(ARGS_MARKER):].lstrip()
+            if not rest:
+                return False if not final else self._not_a_call(buffer)
+            if rest[0] != "{":
+                return self._not_a_call(buffer)
+            out.append(CallOpened(self._index, name))
+            self._buffer, self._state, self._scanner = rest, _ARGS, ArgumentsScanner()
+            self._in_array = False
+            return True
+        if self._state == _ITEM:
+            header = read_header(buffer, ARGUMENT_KEYS, self._names)
+            if isinstance(header, Header):
+                out.append(CallOpened(self._index, header.name))
+                self._buffer, self._state, self._scanner = buffer[header.end:], _ARGS, ArgumentsScanner()
+                return True
+            if header == FAILED or final:
+                if self._index == 0:
+                    self._buffer = MARKER + "[" + buffer
+                return self._rest_is_content()
+            return False
+        if self._state == _ARGS:
+            size = self._scanner.scan(buffer)
+            if size:
+                out.append(CallArguments(self._index, buffer[:size]))
+            self._buffer = buffer[size:]
+            if not self._scanner.done:
+                if final:
+                    self._index += 1
+                    self._state = _REST
+                return False
+            if not self._in_array:
+                self._index += 1
+                self._state = _TEXT
+                return True
+            self._state, self._closing_brace = _TAIL, False
+            return True
+        # _TAIL: the item's "}", then "," and another call, or "]".
+        stripped = buffer.lstrip()
+        if not self._closing_brace and stripped.startswith("}"):
+            self._closing_brace, stripped = True, stripped[1:].lstrip()
+        self._buffer = stripped
+        if not stripped:
+            if final:
+                self._index += 1
+            return False
+        self._index += 1
+        if stripped[0] == ",":
+            self._buffer, self._state = stripped[1:], _ITEM
+            return True
+        if stripped[0] == "]":
+            self._buffer, self._state = stripped[1:], _TEXT
+            return True
+        return self._rest_is_content()

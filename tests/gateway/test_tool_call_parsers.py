@@ -1,0 +1,128 @@
+"""The tool-call parsers on replies as models write them, fed whole and in pieces cut at every
+boundary: the streamed deltas (each call named once, then its arguments in pieces) assemble to
+exactly the whole reply, which is the one written out here by hand. Malformed calls are content."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.tool_calls import PARSERS
+from services.gateway.tool_calls.reader import ReplyReader, WholeReply, read_whole
+
+NAMES = frozenset({"get_weather", "get_time"})
+WEATHER_PARIS = '{"city": "Paris", "unit": "celsius"}'
+TIME_UTC = '{"zone": "UTC"}'
+TRICKY = '{"city": "São {Paulo}] \\"x\\"", "unit": "celsius", "days": [1, {"a": []}]}'
+
+CASES = [
+    # (format, reply text, content, calls)
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>' % WEATHER_PARIS,
+     None, [("get_weather", WEATHER_PARIS)]),
+    ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": %s}\n</tool_call>' % (WEATHER_PARIS, TIME_UTC),
+     "Let me check.", [("get_weather", WEATHER_PARIS), ("get_time", TIME_UTC)]),
+    ("hermes", '<tool_call>{"name":"get_weather","arguments":%s}</tool_call> Done, see above.' % TRICKY,
+     " Done, see above.", [("get_weather", TRICKY)]),
+    ("hermes", "No tools needed: 2 < 3 and <tool is a word.", "No tools needed: 2 < 3 and <tool is a word.", []),
+    # keys in another order: judged whole at the close marker
+    ("hermes", '<tool_call>{"arguments": {"zone": "CET"}, "name": "get_time"}</tool_call>',
+     None, [("get_time", '{"zone": "CET"}')]),
+    # a whole header makes a call: arguments that then are not JSON stay as written (as OpenAI's)
+    ("hermes", 'A <tool_call>{"name": "get_weather", "arguments": {city: Paris}}</tool_call>',
+     "A", [("get_weather", "{city: Paris}")]),
+    # malformed before that (not JSON, an unknown function, cut short): content, markers and all
+    ("hermes", 'A <tool_call>{"name": get_weather}</tool_call> B', 'A <tool_call>{"name": get_weather}</tool_call> B',
+     []),
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "get_', '<tool_call>{"name": "get_', []),
+    ("hermes", '<tool_call>not json at all', '<tool_call>not json at all', []),
+    # cut short inside the arguments (max_tokens): the call keeps what was written
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', None,
+     [("get_weather", '{"city": "Pa')]),
+    ("llama3_json", '{"name": "get_weather", "parameters": %s}' % WEATHER_PARIS, None,
+     [("get_weather", WEATHER_PARIS)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": %s}; {"name": "get_weather", "arguments": %s}'
+     % (TIME_UTC, TRICKY), None, [("get_time", TIME_UTC), ("get_weather", TRICKY)]),
+    ("llama3_json", '{"answer": 42, "name": "x"}', '{"answer": 42, "name": "x"}', []),
+    ("llama3_json", "The weather in Paris is mild.", "The weather in Paris is mild.", []),
+    ("llama3_json", '{"name": "get_time", "parameters": %s} and some words' % TIME_UTC, "and some words",
+     [("get_time", TIME_UTC)]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": %s}, {"name": "get_time", "arguments": %s}]'
+     % (TRICKY, TIME_UTC), None, [("get_weather", TRICKY), ("get_time", TIME_UTC)]),
+    ("mistral", 'Checking. [TOOL_CALLS]get_time[ARGS]%s' % TIME_UTC, "Checking.", [("get_time", TIME_UTC)]),
+    ("mistral", "[TOOL_CALLS] nothing here", "[TOOL_CALLS] nothing here", []),
+    ("mistral", '[TOOL_CALLS][{"name": "nope", "arguments": {}}]', '[TOOL_CALLS][{"name": "nope", "arguments": {}}]',
+     []),
+    ("mistral", "Plain [TOOL text [ARGS] too.", "Plain [TOOL text [ARGS] too.", []),
+]
+
+
+def streamed(fmt: str, pieces: list[str]) -> WholeReply:
+    """What a client assembles from the deltas of ``pieces`` fed one by one."""
+    reader = ReplyReader(PARSERS[fmt](NAMES), "call_x")
+    content: list[str] = []
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
+    for piece in [*pieces, None]:
+        text, deltas = reader.finish() if piece is None else reader.feed(piece)
+        content.append(text)
+        for delta in deltas:
+            index = delta["index"]
+            if "id" in delta:
+                assert index not in names, "a call is named once"
+                assert delta["type"] == "function" and delta["id"] == f"call_x_{index}"
+                assert delta["function"]["arguments"] == ""
+                names[index] = delta["function"]["name"]
+                arguments[index] = []
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+                arguments[index].append(delta["function"]["arguments"])
+    assert sorted(names) == list(range(len(names)))
+    text = "".join(content)
+    calls = [(names[i], "".join(arguments[i])) for i in range(len(names))]
+    return WholeReply(text if text or not calls else None, calls)
+
+
+def splits(text: str):
+    yield [text]
+    yield list(text)
+    for cut in range(1, len(text)):
+        yield [text[:cut], text[cut:]]
+    if len(text) <= 90:
+        for first in range(1, len(text)):
+            for second in range(first + 1, len(text)):
+                yield [text[:first], text[first:second], text[second:]]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), CASES)
+def test_whole_and_streamed_replies_agree_at_every_boundary(fmt, text, content, calls):
+    whole = read_whole(PARSERS[fmt](NAMES), text)
+    assert whole == WholeReply(content, calls)
+    for pieces in splits(text):
+        assert streamed(fmt, pieces) == whole, pieces
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_arguments_stream_before_the_call_is_complete(fmt):
+    """The name goes out once its header is read, and arguments as they come, not at the end."""
+    opening = {"hermes": '<tool_call>{"name": "get_weather", "arguments": ',
+               "llama3_json": '{"name": "get_weather", "parameters": ',
+               "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": '}[fmt]
+    reader = ReplyReader(PARSERS[fmt](NAMES), "c")
+    assert reader.feed(opening) == ("", [])  # not yet: "{" decides it is an object
+    text, deltas = reader.feed('{"city": "Pa')
+    assert text == ""
+    assert deltas == [{"index": 0, "id": "c_0", "type": "function",
+                       "function": {"name": "get_weather", "arguments": ""}},
+                      {"index": 0, "function": {"arguments": '{"city": "Pa'}}]
+    assert reader.feed('ris"}')[1] == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+
+
+def test_content_flows_and_only_a_possible_marker_is_held():
+    reader = ReplyReader(PARSERS["hermes"](NAMES), "c")
+    assert reader.feed("It is sunny <tool") == ("It is sunny", [])  # " <tool" may begin a call
+    assert reader.feed("s> rule.") == (" <tools> rule.", [])
+    reader = ReplyReader(PARSERS["llama3_json"](NAMES), "c")
+    assert reader.feed("Hello") == ("Hello", [])
+
