@@ -13,6 +13,7 @@ from services.common.service_config import service_process_fields
 from services.gateway.routes_file import load_routes
 from services.gateway.routing.build import build_route
 from services.gateway.routing.target import TargetState
+from services.gateway.tool_calls import PARSER_SETTINGS
 
 DEFAULT_GRPC_PORT = 50050
 DEFAULT_HTTP_PORT = 8000
@@ -48,6 +49,10 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                                 "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
     max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
                           "TOKENMILL_GATEWAY_MAX_CHOICES")
+    tool_call_parser: str = _f("auto", "how tool_choice auto reads tool calls out of a reply: auto (the format the "
+                                       "serving engine's chat template defines, text when none), none (text), "
+                                       "hermes, llama3_json or mistral; a route's tool_call_parser overrides it",
+                               "TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
 
     def validate(self) -> None:
         """The numbers, and the routes file read and built (every route's targets exist)."""
@@ -61,6 +66,8 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
         for name in ("max_attempts", "max_choices", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_call_parser not in PARSER_SETTINGS:
+            raise ValueError(f"tool_call_parser must be one of {list(PARSER_SETTINGS)}, got {self.tool_call_parser!r}")
         routes = load_routes(self.config)
         states = {t.name: TargetState(t.name) for t in routes.targets}
         for model in routes.models.values():

@@ -48,7 +48,8 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
     running.http_port = None
     if config.http_port >= 0:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
-                          max_request_bytes=config.max_request_bytes, created=int(time.time()))
+                          max_request_bytes=config.max_request_bytes, created=int(time.time()),
+                          tool_call_parser=config.tool_call_parser)
         http = await start_http(build_app(ctx), config.host, config.http_port)
         running.http_port = http.port
         running.on_stopping(lambda grace: _drain(running, http, grace))

@@ -18,6 +18,9 @@
         expected_output_tokens: 256    # when the request sets no max_tokens
         tokenizer: models/smollm2      # optional: a model directory or tokenizer.json, to name
                                        # tokens in logprobs and echo token-id prompts
+        tool_call_parser: hermes       # optional: how tool_choice auto reads calls out of replies
+                                       # (auto, none, hermes, llama3_json, mistral; absent: the
+                                       # gateway's --tool-call-parser)
       small: weak                      # a bare target name routes everything there
     default_model: chat                # for gRPC clients that name no model (default: the first)
 
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from services.gateway.tool_calls import PARSER_SETTINGS
 
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
 
@@ -68,6 +73,9 @@ class ModelSpec:
     sla_percentile: int = 50
     expected_output_tokens: int = DEFAULT_EXPECTED_OUTPUT_TOKENS
     tokenizer: str = ""
+    tool_call_parser: str = ""
+    """How ``tool_choice: auto`` reads calls out of replies (services/gateway/tool_calls); "" =
+    the gateway's ``--tool-call-parser``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +130,8 @@ def _tls(item: Any, where: str, base: Path) -> TargetTLS | None:
 def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:
     if not isinstance(item, dict) or "route" not in item:
         return ModelSpec(name, item)  # the route itself (a target name or a node)
-    _check_keys(item, {"route", "sla_ms", "sla_percentile", "expected_output_tokens", "tokenizer"}, where)
+    _check_keys(item, {"route", "sla_ms", "sla_percentile", "expected_output_tokens", "tokenizer",
+                       "tool_call_parser"}, where)
     sla = item.get("sla_ms")
     if sla is not None and (isinstance(sla, bool) or not isinstance(sla, (int, float)) or sla <= 0):
         raise ValueError(f"{where}.sla_ms must be a number > 0, got {sla!r}")
@@ -135,7 +144,11 @@ def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:
     tokenizer = item.get("tokenizer", "")
     if tokenizer and not Path(tokenizer).is_absolute():
         tokenizer = str(base / tokenizer)
-    return ModelSpec(name, item["route"], None if sla is None else float(sla), percentile, expected, tokenizer)
+    parser = item.get("tool_call_parser", "")
+    if parser != "" and parser not in PARSER_SETTINGS:
+        raise ValueError(f"{where}.tool_call_parser must be one of {list(PARSER_SETTINGS)}, got {parser!r}")
+    return ModelSpec(name, item["route"], None if sla is None else float(sla), percentile, expected, tokenizer,
+                     parser)
 
 
 def parse_routes(data: Any, origin: str = "routes", base: Path | None = None) -> RoutesFile:

@@ -19,8 +19,10 @@ def test_flags_and_environment_come_from_the_dataclass(tmp_path):
     routes = tmp_path / "routes.yaml"
     routes.write_text("targets: [{name: a, address: '127.0.0.1:1'}]\nmodels: {m: a}\n")
     config = parse_config(GatewayServiceConfig, ["--config", str(routes), "--http-port", "0"],
-                          env={"TOKENMILL_GATEWAY_MAX_ATTEMPTS": "2"})
+                          env={"TOKENMILL_GATEWAY_MAX_ATTEMPTS": "2", "TOKENMILL_GATEWAY_TOOL_CALL_PARSER": "hermes"})
     assert (config.config, config.http_port, config.max_attempts, config.port) == (str(routes), 0, 2, 50050)
+    assert config.tool_call_parser == "hermes"
+    assert parse_config(GatewayServiceConfig, ["--config", str(routes)], env={}).tool_call_parser == "auto"
     config.validate()
 
 
@@ -31,6 +33,11 @@ def test_flags_and_environment_come_from_the_dataclass(tmp_path):
      "models.m.route: unknown target 'b'"),
     (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}], "models": {"m": "a"}}),
                 "--max-attempts", "0"], "max_attempts must be >= 1"),
+    (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}], "models": {"m": "a"}}),
+                "--tool-call-parser", "qwen"], "tool_call_parser must be one of ['auto', 'none', 'hermes', "),
+    (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}],
+                                       "models": {"m": {"route": "a", "tool_call_parser": "xml"}}})],
+     "models.m.tool_call_parser must be one of"),
 ])
 def test_bad_settings_exit_2_with_one_line(tmp_path, setup, message):
     env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}

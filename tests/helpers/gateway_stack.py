@@ -35,13 +35,14 @@ def stories_with_chat_template(root: Path) -> Path:
 
 
 async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str = "", num_blocks: int = 256,
-                       scheduler: Mapping[str, Any] | None = None) -> list[RunningServer]:
+                       scheduler: Mapping[str, Any] | None = None, max_model_len: int = 0) -> list[RunningServer]:
     """A model's tokenizer, executor and scheduler in this process (stories260K by default); the
     scheduler is last."""
     model = str(model)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
-        model=model, num_blocks=num_blocks, dtype="fp32", device="cpu", attention_backend="torch")))
+        model=model, num_blocks=num_blocks, dtype="fp32", device="cpu", attention_backend="torch",
+        max_model_len=max_model_len)))
     sched = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=auth_tokens_file, **dict(scheduler or {})))

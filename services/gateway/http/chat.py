@@ -3,7 +3,10 @@
 Streamed, each choice opens with a ``{"role": "assistant", "content": ""}`` delta, then its
 content deltas, then one chunk with an empty delta and its ``finish_reason``. A reply
 constrained to a tool call (structured.py) opens with ``content`` null and streams
-``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls".
+``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls". With tools and
+``tool_choice`` auto, a reply in a format the gateway parses (auto_tools.py) streams content
+deltas and ``tool_calls`` deltas as the parser reads them, ending with "tool_calls" when it
+made calls.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from starlette.responses import Response, StreamingResponse
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
 from services.gateway.http.engine_request import chat_template
+from services.gateway.http import auto_tools
 from services.gateway.http.errors import OpenAIError, bad_request, from_error
 from services.gateway.http.logprobs import chat_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
-from services.gateway.http.streaming import DONE, SSE_HEADERS, ChunkFrames, dumps, sse
+from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.structured import OutputPlan, ToolCallStream, parse_tool_call, plan_output, tool_call_id
 from services.gateway.http.tokens import TokenNamer
 from services.gateway.request_meta import chat_prefix
+from services.gateway.tool_calls.reader import ReplyReader
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -46,19 +51,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer here, to name the field
         raise _refusal(exc, plan) from None
     states = [ChoiceState(i, 0) for i in range(len(calls))]
+    readers = auto_tools.readers(body, route, ctx.tool_call_parser, ctx.dispatcher,
+                                 [message.request_id for _, message in calls], f"call_{rid}")
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     if body.stream:
-        return StreamingResponse(_chunks(streams, states, head, body, namer, plan, rid),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
+        last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
+        chunks = _chunks(streams, states, readers, head, body, namer, plan, rid, usage_chunks)
+        return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     try:
         async for index, reply in streams.events():
             states[index].apply(reply)
     finally:
         await streams.close()
     choices = []
-    for s in states:
-        message, finish_reason = _message(s, plan, rid)
+    for s, reader in zip(states, readers):
+        message, finish_reason = _message(s, plan, rid) if reader is None else _read_message(s, reader)
         choices.append({"index": s.index, "message": message,
                         "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
                         "finish_reason": finish_reason})
@@ -88,52 +98,73 @@ def _message(state: ChoiceState, plan: OutputPlan, rid: str) -> tuple[dict, str 
     return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls"
 
 
-async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: ChatCompletionRequest,
-                  namer: TokenNamer, plan: OutputPlan, rid: str) -> AsyncIterator[bytes]:
-    usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
+def _read_message(state: ChoiceState, reader: ReplyReader) -> tuple[dict, str | None]:
+    """A finished choice read for calls (tool_choice auto): its content and the calls in it."""
+    reader.feed("".join(state.text))
+    reader.finish()
+    whole = reader.whole()
+    if not whole.calls:
+        return {"role": "assistant", "content": whole.content}, state.finish_reason
+    tool_calls = [{"id": reader.call_id(i), "type": "function", "function": {"name": name, "arguments": arguments}}
+                  for i, (name, arguments) in enumerate(whole.calls)]
+    return ({"role": "assistant", "content": whole.content, "tool_calls": tool_calls},
+            _calls_finish(state.finish_reason))
+
+
+def _calls_finish(finish_reason: str | None) -> str | None:
+    """A reply that made calls and ended by itself finished to call them; "length" stays."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None], head: dict,
+                  body: ChatCompletionRequest, namer: TokenNamer, plan: OutputPlan, rid: str,
+                  usage_chunks: bool) -> AsyncIterator[bytes]:
     extra = {"usage": None} if usage_chunks else {}
     opened = [False] * len(states)
     calls = ([ToolCallStream(plan.tool, tool_call_id(rid, i)) for i in range(len(states))]
              if plan.tool is not None else None)
     frames = ChunkFrames(head, chat=True, usage_null=usage_chunks)
-    try:
-        async for index, reply in streams.events():
-            state = states[index]
-            state.apply(reply)
-            kind = reply.WhichOneof("event")
-            if kind == "started":
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}], **extra})
+
+    async for index, reply in streams.events():
+        state = states[index]
+        state.apply(reply)
+        kind = reply.WhichOneof("event")
+        if kind == "started":
+            continue
+        if not opened[index]:
+            opened[index] = True
+            yield chunk(index, {"role": "assistant", "content": "" if calls is None else None})
+        reader = readers[index]
+        if reader is not None:
+            # tool_choice auto: the reply's text through its parser, content and calls as they come.
+            text, tool_deltas = reader.feed(reply.delta.text) if kind == "delta" else reader.finish()
+            logprobs = chat_logprobs(reply.delta.logprobs, namer) if body.logprobs and kind == "delta" else None
+            if text or logprobs:
+                yield chunk(index, {"content": text}, logprobs)
+            for tool_delta in tool_deltas:
+                yield chunk(index, {"tool_calls": [tool_delta]})
+            if kind == "finished":
+                finish_reason = _calls_finish(state.finish_reason) if reader.calls else state.finish_reason
+                yield chunk(index, {}, finish_reason=finish_reason)
+            continue
+        if kind == "delta" and calls is not None:
+            for tool_delta in calls[index].feed(reply.delta.text):
+                yield chunk(index, {"tool_calls": [tool_delta]})
+            continue
+        if kind == "delta":
+            delta = reply.delta
+            if not delta.text and not (body.logprobs and delta.logprobs):
                 continue
-            if not opened[index]:
-                opened[index] = True
-                choice = {"index": index, "delta": {"role": "assistant", "content": "" if calls is None else None},
-                          "logprobs": None, "finish_reason": None}
-                yield sse({**head, "choices": [choice], **extra})
-            if kind == "delta" and calls is not None:
-                for tool_delta in calls[index].feed(reply.delta.text):
-                    choice = {"index": index, "delta": {"tool_calls": [tool_delta]}, "logprobs": None,
-                              "finish_reason": None}
-                    yield sse({**head, "choices": [choice], **extra})
+            if not body.logprobs:
+                yield frames.text(index, delta.text)
                 continue
-            if kind == "delta":
-                delta = reply.delta
-                if not delta.text and not (body.logprobs and delta.logprobs):
-                    continue
-                if not body.logprobs:
-                    yield frames.text(index, delta.text)
-                    continue
-                logprobs = chat_logprobs(delta.logprobs, namer) if body.logprobs else None
-                choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                          "finish_reason": None}
-            else:
-                finish_reason = state.finish_reason
-                if calls is not None and finish_reason == "stop" and calls[index].opened:
-                    finish_reason = "tool_calls"
-                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-            yield sse({**head, "choices": [choice], **extra})
-        if usage_chunks:
-            yield sse({**head, "choices": [], "usage": usage_of(states)})
-    except Exception as exc:  # noqa: BLE001 - a stream already answering reports failures in-band
-        yield sse((exc if isinstance(exc, OpenAIError) else from_error(exc)).body())
-    finally:
-        await streams.close()
-    yield DONE
+            yield chunk(index, {"content": delta.text}, chat_logprobs(delta.logprobs, namer))
+            continue
+        finish_reason = state.finish_reason
+        if calls is not None and finish_reason == "stop" and calls[index].opened:
+            finish_reason = "tool_calls"
+        yield chunk(index, {}, finish_reason=finish_reason)

@@ -16,10 +16,10 @@ from starlette.responses import Response, StreamingResponse
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
 from services.gateway.http.engine_request import completion_prompts, completion_template
-from services.gateway.http.errors import OpenAIError, bad_request, from_error
+from services.gateway.http.errors import bad_request
 from services.gateway.http.logprobs import completion_logprobs
 from services.gateway.http.protocol import CompletionRequest
-from services.gateway.http.streaming import DONE, SSE_HEADERS, ChunkFrames, dumps, sse
+from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.requests import call_plan
 from services.gateway.http.tokens import TokenNamer
 
@@ -56,7 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     states = [ChoiceState(i, i // body.n) for i in range(len(calls))]
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": body.model}
     if body.stream:
-        return StreamingResponse(_chunks(streams, states, head, body, echoes, namer), media_type="text/event-stream",
+        return StreamingResponse(_stream(streams, states, head, body, echoes, namer), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for index, reply in streams.events():
@@ -73,37 +73,35 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return Response(dumps(payload), media_type="application/json")
 
 
-async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: CompletionRequest,
-                  echoes: list[str], namer: TokenNamer) -> AsyncIterator[bytes]:
+def _stream(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: CompletionRequest,
+            echoes: list[str], namer: TokenNamer) -> AsyncIterator[bytes]:
     usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
+    last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
+    return event_stream(_chunks(streams, states, head, body, echoes, namer, usage_chunks), streams.close, last)
+
+
+async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: CompletionRequest,
+                  echoes: list[str], namer: TokenNamer, usage_chunks: bool) -> AsyncIterator[bytes]:
     extra = {"usage": None} if usage_chunks else {}
     offsets = [len(echoes[s.prompt_index]) for s in states]
     fresh = [bool(echoes[s.prompt_index]) for s in states]
     frames = ChunkFrames(head, chat=False, usage_null=usage_chunks)
-    try:
-        async for index, reply in streams.events():
-            state = states[index]
-            state.apply(reply)
-            kind = reply.WhichOneof("event")
-            text = reply.delta.text if kind == "delta" else ""
-            if fresh[index]:
-                text, fresh[index] = echoes[state.prompt_index] + text, False
-            if kind == "started" or (kind == "delta" and not text and not reply.delta.token_ids):
-                continue
-            if kind == "delta" and body.logprobs is None:
-                yield frames.text(index, text)
-                continue
-            logprobs = None
-            if body.logprobs is not None and kind == "delta":
-                logprobs = completion_logprobs(reply.delta.logprobs, namer, offsets[index])
-                offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": text, "logprobs": logprobs,
-                      "finish_reason": state.finish_reason if kind == "finished" else None}
-            yield sse({**head, "choices": [choice], **extra})
-        if usage_chunks:
-            yield sse({**head, "choices": [], "usage": usage_of(states)})
-    except Exception as exc:  # noqa: BLE001 - a stream already answering reports failures in-band
-        yield sse((exc if isinstance(exc, OpenAIError) else from_error(exc)).body())
-    finally:
-        await streams.close()
-    yield DONE
+    async for index, reply in streams.events():
+        state = states[index]
+        state.apply(reply)
+        kind = reply.WhichOneof("event")
+        text = reply.delta.text if kind == "delta" else ""
+        if fresh[index]:
+            text, fresh[index] = echoes[state.prompt_index] + text, False
+        if kind == "started" or (kind == "delta" and not text and not reply.delta.token_ids):
+            continue
+        if kind == "delta" and body.logprobs is None:
+            yield frames.text(index, text)
+            continue
+        logprobs = None
+        if body.logprobs is not None and kind == "delta":
+            logprobs = completion_logprobs(reply.delta.logprobs, namer, offsets[index])
+            offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": state.finish_reason if kind == "finished" else None}
+        yield sse({**head, "choices": [choice], **extra})

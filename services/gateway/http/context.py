@@ -25,6 +25,8 @@ class HttpContext:
     max_request_bytes: int = 8 * 1024 * 1024
     created: int = 0
     """Unix time the gateway started: the models' ``created``."""
+    tool_call_parser: str = "auto"
+    """GatewayServiceConfig.tool_call_parser (http/auto_tools.py)."""
     _namers: dict[str, TokenNamer] = field(default_factory=dict)
 
     def namer(self, route: Route) -> TokenNamer:

@@ -8,6 +8,8 @@ reproducible as a whole; without one each call draws on its own. OpenAI's seed i
 
 from __future__ import annotations
 
+import json
+
 from services.common.pb.tokenmill.v1 import generation_pb2
 from services.gateway.http.errors import bad_request
 from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -107,6 +109,11 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
         role = "system" if turn.role == "developer" else turn.role
         message.chat.messages.add(role=role, content=turn.text())
     message.chat.add_generation_prompt = body.add_generation_prompt
+    if body.tools:
+        # The template's ``tools``, as transformers' apply_chat_template gets them: OpenAI's tool
+        # objects. Sent whatever tool_choice is: the model knows what it may call.
+        message.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
+                                             ensure_ascii=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     _fill_common(message, body, max_tokens, logprobs)

@@ -10,9 +10,13 @@ What maps to what:
   "arguments": <its parameters>}`` (a Lark grammar with one alternative per tool, each
   embedding its schema), from which the call is read. Either answers ``tool_calls`` with
   ``finish_reason`` "tool_calls" (or "length" when max_tokens cut it).
-- ``tool_choice`` ``auto`` (OpenAI's default when tools are given) and ``none``: the reply is
-  text, unconstrained. Reading calls out of free text needs a tool-call syntax of the model's
-  own chat template; SmolLM2's defines none, and no template format is parsed yet.
+- ``tool_choice`` ``auto`` (OpenAI's default when tools are given) and ``none``: unconstrained.
+  The tools reach the model's chat template either way (``ChatMessages.tools_json``, the
+  template's ``tools``). With ``auto`` the reply is read for calls in the syntax the template
+  teaches (auto_tools.py picks the parser: hermes ``<tool_call>``, llama3_json, mistral
+  ``[TOOL_CALLS]``; services/gateway/tool_calls), and answers ``tool_calls`` with
+  ``finish_reason`` "tool_calls" when it made any; a template with no format we know (SmolLM2's)
+  and ``none`` leave the reply text.
 
 Streaming a call: the first chunk names it (``index``, ``id``, ``type``, ``function.name``,
 empty ``arguments``); later chunks carry ``function.arguments`` in pieces, as the text comes.

@@ -52,6 +52,8 @@ class Route:
     expected_output_tokens: int
     retry_codes: frozenset[str]
     tokenizer: str
+    tool_call_parser: str = ""
+    """The routes file's setting for this model ("" = the gateway's)."""
 
 
 class _Builder:
@@ -165,4 +167,4 @@ def build_route(model: ModelSpec, targets: dict[str, TargetState], *, rng: rando
     builder = _Builder(targets, rng or random.Random(), clock)
     node = builder.node(model.route, where or f"models.{model.name}.route")
     return Route(model.name, node, model.sla_ms, model.sla_percentile == 99, model.expected_output_tokens,
-                 RETRY_FALLBACK if builder.has_fallback else RETRY_ALWAYS, model.tokenizer)
+                 RETRY_FALLBACK if builder.has_fallback else RETRY_ALWAYS, model.tokenizer, model.tool_call_parser)

@@ -2,8 +2,10 @@
 Small: a JSON array of calls after the marker), and the newer ``[TOOL_CALLS]name[ARGS]{...}``
 (one call per marker).
 
-``[TOOL_CALLS]`` is a special token of Mistral's tokenizers: it reaches the parser only when the
-engine's detokenizer writes special tokens (tokenmill's does, unless a stream asks to skip them).
+``[TOOL_CALLS]`` is a special token of Mistral's own tokenizers, and the engine's text leaves
+special tokens out (``NewTextStream.skip_special_tokens``; the Generation API has no switch for
+it yet), so with those tokenizers the marker does not reach the gateway: this parser reads calls
+where the marker is text.
 A marker followed by neither shape, or an array item that is not a call, makes the rest content.
 """
 

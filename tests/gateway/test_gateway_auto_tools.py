@@ -1,0 +1,125 @@
+"""tool_choice auto end to end, with the official ``openai`` client: SmolLM2-135M-Instruct behind a
+chat template with the Hermes ``<tool_call>`` convention (tokenizer, executor and scheduler
+servers on loopback, the gateway in front). The tools reach the template (the prompt grows by
+them), the engine reports the template's format, and greedy decoding after two worked examples
+writes a ``<tool_call>`` block that the gateway parses into tool_calls with finish_reason
+tool_calls, streamed (the name once, the arguments in pieces) and not. The same request on a
+route whose tool_call_parser is none shows the text the model really wrote."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import openai
+import pytest
+import pytest_asyncio
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import RunningServer, create_channel
+from services.gateway.tool_calls.hermes import HermesParser
+from services.gateway.tool_calls.reader import read_whole
+from tests.helpers.gateway_stack import serve_engine, serve_gateway_for, stop_all, wait_healthy, write_routes
+from tests.helpers.tool_templates import SMOLLM2_DIR, smollm2_with_hermes_template
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def worked_call(city: str) -> str:
+    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+
+
+# Two worked examples, then the question: greedy decoding follows the pattern.
+MESSAGES = [{"role": "user", "content": "What is the weather in Rome?"},
+            {"role": "assistant", "content": worked_call("Rome")},
+            {"role": "user", "content": "What is the weather in Oslo?"},
+            {"role": "assistant", "content": worked_call("Oslo")},
+            {"role": "user", "content": "What is the weather in Paris?"}]
+REQUEST = dict(messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=48)
+
+
+@dataclass
+class Stack:
+    servers: list[RunningServer]
+    client: openai.AsyncOpenAI
+    engine: generation_pb2_grpc.GenerationStub
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
+    assert (SMOLLM2_DIR / "config.json").is_file(), f"{SMOLLM2_DIR} is absent: `make install` converts it"
+    root = tmp_path_factory.mktemp("auto-tools")
+    model = smollm2_with_hermes_template(root)
+    engine = await serve_engine(model=model, num_blocks=96, max_model_len=1024)
+    routes = write_routes(root / "routes.json", {
+        "targets": [{"name": "e1", "address": engine[-1].address}],
+        "models": {"smol": "e1", "smol-text": {"route": "e1", "tool_call_parser": "none"}}})
+    gateway = await serve_gateway_for(routes)  # --tool-call-parser auto: the engine's format
+    await wait_healthy(gateway, ["e1"])
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none", max_retries=0,
+                                timeout=300)
+    async with create_channel(engine[-1].address) as channel:
+        yield Stack([gateway, *reversed(engine)], client, generation_pb2_grpc.GenerationStub(channel))
+    await client.close()
+    await stop_all([gateway, *reversed(engine)])
+
+
+async def test_the_engine_reports_its_template_format_and_renders_the_tools(stack):
+    info = await stack.engine.GetModelInfo(generation_pb2.GetModelInfoRequest())
+    assert info.tool_call_format == "hermes"
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    plain = await stack.client.chat.completions.create(model="smol", messages=question, max_tokens=1)
+    tooled = await stack.client.chat.completions.create(model="smol", messages=question, tools=[WEATHER],
+                                                        tool_choice="none", max_tokens=1)
+    # The template's tool preamble (the schema, the call format) is in the prompt only with tools.
+    assert tooled.usage.prompt_tokens > plain.usage.prompt_tokens + 60
+
+
+async def test_auto_parses_the_call_the_model_wrote(stack):
+    raw = await stack.client.chat.completions.create(model="smol-text", **REQUEST)
+    written = raw.choices[0].message.content
+    assert raw.choices[0].finish_reason == "stop" and "<tool_call>" in written and not raw.choices[0].message.tool_calls
+    expected = read_whole(HermesParser(frozenset({"get_weather"})), written)
+    assert len(expected.calls) == 1
+
+    reply = await stack.client.chat.completions.create(model="smol", tool_choice="auto", **REQUEST)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == expected.content
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert (call.function.name, call.function.arguments) == expected.calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert reply.usage.completion_tokens == raw.usage.completion_tokens
+
+
+async def test_auto_streams_the_call_as_openai_deltas(stack):
+    whole = await stack.client.chat.completions.create(model="smol", **REQUEST)
+    stream = await stack.client.chat.completions.create(model="smol", stream=True, **REQUEST)
+    names, ids, pieces, content, finish = [], set(), [], [], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                content.append(delta.content)
+            for tool_delta in delta.tool_calls or ():
+                assert tool_delta.index == 0
+                if tool_delta.id is not None:
+                    ids.add(tool_delta.id)
+                    assert tool_delta.type == "function"
+                if tool_delta.function.name is not None:
+                    names.append(tool_delta.function.name)
+                if tool_delta.function.arguments:
+                    pieces.append(tool_delta.function.arguments)
+            finish = choice.finish_reason or finish
+    [call] = whole.choices[0].message.tool_calls
+    assert names == ["get_weather"] and len(ids) == 1, "one call, named once"
+    assert len(pieces) > 1, "the arguments come in pieces, as the model writes them"
+    assert "".join(pieces) == call.function.arguments
+    assert ("".join(content) or None) == whole.choices[0].message.content
+    assert finish == "tool_calls"
