@@ -1,16 +1,18 @@
 """Decode steps: tensor-parallel ranks against one rank, one run side by side.
 
     python -m benchmarks tensor-parallel [--model random:llama-100m] [--batches 1,32] [--rounds 5]
-        [--device cuda --dtype bf16 --tp 4]
+        [--cpu-decode eager|fused] [--device cuda --dtype bf16 --tp 4]
 
-Three systems on the same model, eager forward each (the path a tensor-parallel step takes):
-one rank on one thread, one rank on two threads, and ``--tp`` ranks (this process and the rank
-processes, over gloo on loopback on a CPU, NCCL on CUDA) on one thread each. Each round runs
+The systems on the same model, one forward path for all (``--cpu-decode``: eager, or the fused
+CPU step for a model it takes): one rank on one thread, one rank on two threads, and ``--tp``
+ranks (this process and the rank processes) on one thread each, summing over gloo on loopback
+and over the shared memory segment on a CPU (NCCL on CUDA). Each round runs
 every system in turn: a batch of fresh prompts prefilled in one step, then ``--steps`` timed
 decode steps of the whole batch; the table has the median milliseconds per decode step over
 the rounds, the ratio against one rank on one thread, and for the ranks the share of rank 0's
 step spent in its all-reduces (which includes waiting for the other ranks to reach them). On a
-CPU it then times the all-reduce alone between two processes doing nothing else.
+CPU it then times the all-reduce alone between two processes doing nothing else, over gloo and
+over shared memory.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class TensorParallelSettings:
     device: str = setting("cpu", "cpu, or cuda (rank r on the r-th GPU)")
     dtype: str = setting("fp32", "fp32, bf16 or fp16")
     tp: int = setting(2, "ranks of the tensor-parallel system")
+    cpu_decode: str = setting("eager", "forward path of every system on a CPU: eager, or fused (the fused CPU step)")
     all_reduce_calls: int = setting(500, "CPU: timed all-reduces of the collective alone (0: skip it)")
     out: str = setting("", "result JSON path (default benchmarks/results/tensor-parallel-DATE.json)")
 
@@ -59,6 +62,8 @@ class TensorParallelSettings:
         flags.check_at_least(self, 0, "all_reduce_calls")
         if not self.batches or min(self.batches) < 1:
             raise ValueError(f"--batches must be sizes >= 1, got {self.batches}")
+        if self.cpu_decode not in ("eager", "fused"):
+            raise ValueError(f"--cpu-decode must be eager or fused, got {self.cpu_decode!r}")
 
 
 class System:
@@ -81,7 +86,7 @@ class System:
         self._execute(StepPlan(self._step, new=new))
         hooks = self.runner.all_reduces
         if hooks is not None:
-            hooks.timed, hooks.seconds = True, 0.0
+            hooks.start_timing()
         start = time.perf_counter()
         for _ in range(steps):
             self._execute(StepPlan(self._step, running=[RunningSequence(seq, 1) for seq in ids]))
@@ -97,25 +102,28 @@ class System:
         self._step += 1
 
 
-def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls: int) -> dict[str, float]:
-    """Microseconds per all-reduce of each shape between two processes over gloo on loopback,
-    nothing else running in them: the collective's own cost, without the wait for a slower rank
-    that a step's all-reduce also holds."""
+def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls: int) -> dict[str, dict[str, float]]:
+    """Microseconds per all-reduce of each shape between two processes, over gloo on loopback
+    and over the shared memory segment, nothing else running in them: the collective's own
+    cost, without the wait for a slower rank that a step's all-reduce also holds."""
     import torch.distributed as dist
 
     from services.runtime.parallel.collectives import RankGroups
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
-    groups = RankGroups.join(store, rank, 2, torch.device("cpu"))
-    out = {}
-    for rows, cols in shapes:
-        t = torch.ones(rows, cols)
-        for _ in range(20):
-            groups.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(calls):
-            groups.all_reduce(t)
-        out[f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
+    groups = RankGroups.join(store, rank, 2, torch.device("cpu"), all_reduce="shm")
+    out: dict[str, dict[str, float]] = {"gloo": {}, "shm": {}}
+    for name in out:
+        reduce = (lambda t: groups.reduce.allreduce([t]).wait()) if name == "gloo" else groups.shm.all_reduce
+        for rows, cols in shapes:
+            t = torch.ones(rows, cols)
+            for _ in range(20):
+                reduce(t)
+            groups.min_int(0)  # both start the timed calls together
+            start = time.perf_counter()
+            for _ in range(calls):
+                reduce(t)
+            out[name][f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
     return out
 
 
@@ -125,7 +133,7 @@ def _all_reduce_peer() -> None:
     all_reduce_alone(1, int(port), [tuple(map(int, s.split("x"))) for s in shapes.split(",")], int(calls))
 
 
-def measure_all_reduce(hidden: int, batches: tuple[int, ...], calls: int) -> dict[str, float]:
+def measure_all_reduce(hidden: int, batches: tuple[int, ...], calls: int) -> dict[str, dict[str, float]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,13 +146,17 @@ def measure_all_reduce(hidden: int, batches: tuple[int, ...], calls: int) -> dic
         peer.wait(timeout=60)
 
 
-def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, threads: int) -> ModelRunner:
+def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, threads: int,
+                all_reduce: str = "auto") -> ModelRunner:
     torch.set_num_threads(threads)  # the other ranks take rank 0's count at their start
     cpu = args.device == "cpu"
+    # The fused step where asked, and then on every system or none (its own error if it cannot).
+    decode = args.cpu_decode if cpu else "eager"
     return ModelRunner(ExecutorConfig(model=model, dtype=args.dtype, device=args.device,
                                       attention_backend="cpu" if cpu else "auto", block_size=BLOCK_SIZE,
-                                      num_blocks=blocks, tensor_parallel_size=tp,
-                                      fused_decode=FusedDecodeSettings(cpu_decode="eager"),
+                                      num_blocks=blocks, tensor_parallel_size=tp, tensor_parallel_all_reduce=all_reduce,
+                                      quant_activations="none",
+                                      fused_decode=FusedDecodeSettings(cpu_decode=decode),
                                       decode_graphs=DecodeGraphSettings(enforce_eager=True)))
 
 
@@ -155,8 +167,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
     blocks = max(args.batches) * width + 1
     one = make_runner(args, model, 1, blocks, 1)
-    systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2),
-               System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1)]
+    systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2)]
+    if args.device == "cpu":
+        systems += [System(f"TP={args.tp} gloo, 1 thread", make_runner(args, model, args.tp, blocks, 1, "gloo"), 1),
+                    System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm"), 1)]
+    else:
+        systems.append(System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1))
     vocab = one.model_config.vocab_size
     try:
         for system in systems:  # a warm-up round: first-call allocations and oneDNN's caches
@@ -169,27 +185,31 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                 for system in systems:
                     system.round(batch, args.steps, vocab)
     finally:
-        systems[2].runner.close()
+        for system in systems[2:]:
+            system.runner.close()
     result: dict = {"model": args.model, "dtype": args.dtype, "device": args.device, "batches": list(args.batches),
                     "steps": args.steps, "rounds": args.rounds, "systems": {}}
-    print(f"{args.model}, {args.dtype} on {args.device}, eager, prompts of {PROMPT_LEN}, {args.steps} decode steps "
+    path = args.cpu_decode if args.device == "cpu" else "eager"
+    result["cpu_decode"] = path
+    print(f"{args.model}, {args.dtype} on {args.device}, {path}, prompts of {PROMPT_LEN}, {args.steps} decode steps "
           f"x {args.rounds} rounds (median ms per decode step); {cpu_model_name()}")
-    print(f"{'system':<24}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
+    print(f"{'system':<26}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
           + "".join(f"{f'all-reduce b{b}':>16}" for b in args.batches))
     base = {b: statistics.median(systems[0].step_ms[b]) for b in args.batches}
     for system in systems:
         ms = {b: statistics.median(system.step_ms[b]) for b in args.batches}
         share = {b: statistics.median(system.reduce_share[b]) for b in system.reduce_share}
-        line = f"{system.name:<24}" + "".join(f"{ms[b]:>14.2f}{base[b] / ms[b]:>11.2f}x" for b in args.batches)
+        line = f"{system.name:<26}" + "".join(f"{ms[b]:>14.2f}{base[b] / ms[b]:>11.2f}x" for b in args.batches)
         print(line + "".join(f"{share[b]:>15.0%} " for b in share))
         result["systems"][system.name] = {"ms_per_step": ms, "vs_one_rank_one_thread": {b: base[b] / ms[b] for b in ms},
                                           "all_reduce_share": share}
     if args.device == "cpu" and args.all_reduce_calls:
         alone = measure_all_reduce(one.model_config.hidden_size, args.batches, args.all_reduce_calls)
         per_step = 2 * one.model_config.num_layers
-        print("all-reduce alone, two processes, gloo on loopback: "
-              + ", ".join(f"[{shape}] {us:.0f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
-                          for shape, us in alone.items()))
+        for name, times in alone.items():
+            print(f"all-reduce alone, two processes, {name}: "
+                  + ", ".join(f"[{shape}] {us:.1f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
+                              for shape, us in times.items()))
         result["all_reduce_alone_us"] = alone
     result |= provenance(command_line(prog, argv or []), load)
     load.stop()

@@ -23,6 +23,8 @@ from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 
 ENV_PREFIX = "TOKENMILL_EXECUTOR_"
 QUANT_ACTIVATIONS = ("auto", "int8", "none")
+TENSOR_PARALLEL_ALL_REDUCE = ("auto", "shm", "gloo")
+"""The same names as services/runtime/parallel/collectives.py ALL_REDUCE_BACKENDS (torch-free here)."""
 
 
 @dataclass(slots=True)
@@ -47,11 +49,17 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     max_model_len: int = setting(0, "cap on context length (0 = the model's own limit)")
     seed: int = setting(0, "seed of the generator used for unseeded sampling")
     tensor_parallel_size: int = setting(
-        1, "ranks (processes, one device each on CUDA) the model is split over: gloo on a CPU, NCCL on CUDA")
+        1, "ranks (processes, one device each on CUDA) the model is split over: shared memory on a CPU, NCCL on CUDA")
     """Rank 0 is this process and serves the Step stream; it starts the others. Each holds its
-    share of the heads and MLP columns and of the KV pool (kv_cache_bytes is per rank). The
-    steps run eagerly: the fused CPU step, the compiled step and the decode graphs take no
-    all-reduce yet."""
+    share of the heads and MLP columns and of the KV pool (kv_cache_bytes is per rank). Steps
+    run eagerly or, on a CPU, through the fused CPU step; the compiled step and the decode
+    graphs take no all-reduce yet."""
+    tensor_parallel_all_reduce: str = setting(
+        "auto", "tensor-parallel CPU ranks sum over: shm (a shared memory segment), gloo (loopback sockets), "
+                "or auto (shm, gloo where the segment cannot be made; NCCL on CUDA)")
+    """shm: a few microseconds an all-reduce where gloo's loopback round trips take hundreds
+    (docs/benchmarks.md, "Tensor parallelism on a CPU"); gloo stays for measurement and as the
+    fallback."""
     quant_activations: str = setting(
         "auto", "CPU, quantized weights: int8 (activations rounded to int8 per block, integer dot products), "
                 "none (exact fp32 activations) or auto (int8 on a CPU)")
@@ -83,6 +91,9 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_all_reduce not in TENSOR_PARALLEL_ALL_REDUCE:
+            raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(TENSOR_PARALLEL_ALL_REDUCE)}, "
+                             f"got {self.tensor_parallel_all_reduce!r}")
         validate_paths(self)
 
 

@@ -75,14 +75,15 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
                         kv_dtype=str(kv_dtype).removeprefix("torch."), num_blocks=config.num_blocks,
                         kv_cache_bytes=config.kv_cache_bytes, gpu_memory_utilization=config.gpu_memory_utilization,
                         rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
-                        log_level=level if level in ("debug", "info", "warning", "error") else "info")
+                        log_level=level if level in ("debug", "info", "warning", "error") else "info",
+                        all_reduce=config.tensor_parallel_all_reduce)
 
     leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
     try:
         model, hooks, plan = load_shard(config.model, mc, backend, device, dtype, world, 0)
         blocks = config.num_blocks or blocks_for_budget(model.config, config.block_size, kv_dtype, device,
                                                         config.kv_cache_bytes, config.gpu_memory_utilization)
-        groups = leader.join(device)
+        groups = leader.join(device, config.tensor_parallel_all_reduce)
         hooks.groups = groups
         blocks = groups.min_int(blocks)  # one pool size for the scheduler: the smallest any rank holds
         kv_cache = KVCache.allocate(model.config, blocks, config.block_size, kv_dtype, device)

@@ -2,7 +2,10 @@
 
 Two groups over one TCPStore that rank 0 serves on loopback: the step channel (gloo, host
 tensors, every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
-row-parallel layers' partial outputs. Separate because they wait differently: a rank idles in
+row-parallel layers' partial outputs. On a CPU the sums go through a shared memory segment
+instead (shared_memory.py: a few microseconds where gloo's loopback round trips take hundreds),
+gloo's reduce group staying the fallback where the segment cannot be made
+(``--tensor-parallel-all-reduce``). Separate because they wait differently: a rank idles in
 the step channel's broadcast until the next step comes, for as long as the executor has no
 work (a long timeout; a rank that dies closes its sockets, which ends the wait at once), while
 an all-reduce that stalls means a rank is stuck. The groups are objects, not torch.distributed's
@@ -25,10 +28,18 @@ import torch.distributed as dist
 from torch import nn
 
 from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.parallel.shared_memory import SharedMemoryReducer
 from services.runtime.step_inputs import unpack_step_inputs
 
 STEP = 1
+"""A step header: the step runs eagerly (the model's forward)."""
+STEP_FUSED = 2
+"""A step header: the step runs through the fused CPU step (one C++ call)."""
 STOP = 0
+
+ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo")
+"""auto: the shared memory segment on a CPU (gloo where it cannot be made), NCCL on CUDA; shm:
+the segment or an error; gloo: gloo's all-reduce over loopback (the measurement's baseline)."""
 
 IDLE_TIMEOUT = timedelta(days=30)
 """How long a rank waits for the next step: an executor may sit idle for any time."""
@@ -51,12 +62,21 @@ class RankGroups:
     world: int
     step: dist.ProcessGroup
     reduce: dist.ProcessGroup
+    shm: SharedMemoryReducer | None = None
+    """The CPU all-reduce through shared memory; None: the reduce group's (gloo's or NCCL's)."""
 
     @classmethod
-    def join(cls, store: dist.Store, rank: int, world: int, device: torch.device) -> "RankGroups":
+    def join(cls, store: dist.Store, rank: int, world: int, device: torch.device,
+             all_reduce: str = "auto") -> "RankGroups":
         """Blocks until every rank has joined (each construction is a rendezvous over the store)."""
+        if all_reduce not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(ALL_REDUCE_BACKENDS)}, "
+                             f"got {all_reduce!r}")
         step = _gloo(store, "step", rank, world, IDLE_TIMEOUT)
         if device.type == "cuda":
+            if all_reduce != "auto":
+                raise ValueError(f"tensor_parallel_all_reduce {all_reduce!r} sums CPU tensors; on {device} the "
+                                 "ranks sum over NCCL (auto)")
             if not dist.is_nccl_available():
                 raise RuntimeError("tensor parallelism on CUDA sums over NCCL, which this torch build lacks")
             options = dist.ProcessGroupNCCL.Options()
@@ -64,10 +84,17 @@ class RankGroups:
             reduce = dist.ProcessGroupNCCL(dist.PrefixStore("reduce", store), rank, world, options)
         else:
             reduce = _gloo(store, "reduce", rank, world, REDUCE_TIMEOUT)
-        return cls(rank, world, step, reduce)
+        groups = cls(rank, world, step, reduce)
+        if device.type == "cpu" and all_reduce != "gloo":
+            groups.shm = SharedMemoryReducer.join(store, rank, world, groups.min_int,
+                                                  REDUCE_TIMEOUT.total_seconds(), required=all_reduce == "shm")
+        return groups
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum in place over the ranks."""
+        if self.shm is not None and tensor.device.type == "cpu" and tensor.dtype == torch.float32:
+            self.shm.all_reduce(tensor if tensor.is_contiguous() else tensor.contiguous())
+            return
         self.reduce.allreduce([tensor]).wait()
 
     def min_int(self, value: int) -> int:
@@ -124,12 +151,26 @@ class AllReduceHooks:
 
     def __init__(self, model: nn.Module) -> None:
         self.groups: RankGroups | None = None
-        self.seconds = 0.0
-        """Time spent in the all-reduces, when ``timed`` (the benchmark's share of a step)."""
         self.timed = False
+        self._seconds = 0.0
+        self._shm_start = 0.0
         for layer in model.layers:
             for module in (layer.o_proj, layer.down):
                 module.register_forward_hook(self._hook)
+
+    def start_timing(self) -> None:
+        """Count the time spent in collectives from now (the benchmark's share of a step)."""
+        self.timed, self._seconds = True, 0.0
+        self._shm_start = self.groups.shm.seconds if self.groups.shm is not None else 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in the collectives since ``start_timing``, the other ranks' lateness
+        included: the segment's own count (which sees the fused step's all-reduces, made from
+        C++, and the logits' gather too), else the hooks' timing of gloo's."""
+        if self.groups.shm is not None:
+            return self.groups.shm.seconds - self._shm_start
+        return self._seconds
 
     def _hook(self, module: nn.Module, inputs, output: torch.Tensor) -> None:
         if not self.timed:
@@ -137,4 +178,4 @@ class AllReduceHooks:
             return
         start = time.perf_counter()
         self.groups.all_reduce(output)
-        self.seconds += time.perf_counter() - start
+        self._seconds += time.perf_counter() - start

@@ -82,10 +82,12 @@ class TensorParallelLeader:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
         _log.error("tensor_parallel_rank_lost", rank=rank, pid=proc.pid, returncode=code, reason=self.failure)
+        if self.groups is not None and self.groups.shm is not None:
+            self.groups.shm.abort()  # every rank waiting in the segment fails at once
         for callback in self._callbacks:
             callback(self.failure)
 
-    def join(self, device: torch.device) -> RankGroups:
+    def join(self, device: torch.device, all_reduce: str = "auto") -> RankGroups:
         """Wait for every rank to have loaded its shard, then form the groups (rank 0)."""
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         for rank in range(1, self.world):
@@ -95,7 +97,7 @@ class TensorParallelLeader:
                     raise TensorParallelError(f"tensor-parallel rank {rank} did not load its shard within "
                                               f"{LOAD_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
-        self.groups = RankGroups.join(self.store, 0, self.world, device)
+        self.groups = RankGroups.join(self.store, 0, self.world, device, all_reduce)
         return self.groups
 
     def _raise_if_lost(self, when: str = "") -> None:

@@ -46,6 +46,10 @@ class RankSpec:
     store_port: int
     threads: int
     log_level: str
+    all_reduce: str = "auto"
+    """collectives.ALL_REDUCE_BACKENDS: how the CPU ranks sum."""
+    fused: bool = False
+    """Whether rank 0 runs the fused CPU step: the rank builds its own over its shard then."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

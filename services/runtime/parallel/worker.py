@@ -51,7 +51,7 @@ def run(spec: RankSpec) -> None:
                                                   spec.kv_cache_bytes, spec.gpu_memory_utilization)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     store.set(f"loaded/{spec.rank}", "1")
-    groups = RankGroups.join(store, spec.rank, spec.world, device)
+    groups = RankGroups.join(store, spec.rank, spec.world, device, spec.all_reduce)
     hooks.groups = groups
     blocks = groups.min_int(blocks)
     kv_cache = KVCache.allocate(model.config, blocks, spec.block_size, kv_dtype, device)

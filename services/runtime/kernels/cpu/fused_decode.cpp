@@ -14,6 +14,12 @@
 // loops here, or a quantized one multiplied by the kernels the eager QuantLinear uses
 // (quant_matmul.cpp exactly, quant_dot.cpp with int8 activations), called directly.
 //
+// Under tensor parallelism each rank holds a decoder over its shard (its heads, KV heads and MLP
+// columns) and the group's shared-memory all-reduce (shm_all_reduce.h), which sums the o and
+// down products' partial outputs over the ranks before they join the residual, where the eager
+// model's forward hooks sum them. A failed all-reduce ends the step early (its output is then
+// garbage) and leaves its status on the all-reduce object, which the caller checks.
+//
 // The math is the eager model's (services/runtime/model/llama.py) with the same rounding
 // points in fp32; sums run in a different order, so results agree to ~1e-6, not bitwise.
 
@@ -31,6 +37,7 @@
 
 #include "paged_decode.h"
 #include "quant_kernels.h"
+#include "shm_all_reduce.h"
 #include "vec_exp.h"
 #include "worker_pool.h"
 
@@ -404,6 +411,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
                                       quantized_ ? &v_scales_[l] : nullptr, block_tables, context_lens, scale,
                                       pool_.get());
       layer.o->apply(ap, B, tp, workspace_, pool_.get());
+      if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
       rms_norm_rows(h, B, D, layer.post_norm.data_ptr<float>(), eps_, xp);
@@ -416,6 +424,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         for (int64_t f = 0; f < F; ++f) a[f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
       }
       layer.down->apply(actp, B, tp, workspace_, pool_.get());
+      if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
     }
@@ -439,8 +448,12 @@ struct LlamaDecoder : torch::CustomClassHolder {
     return out;
   }
 
+  // Sum the o and down outputs over a tensor-parallel group's ranks (this decoder holds one shard).
+  void set_all_reduce(c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer) { reducer_ = std::move(reducer); }
+
  private:
   std::unique_ptr<tokenmill_cpu::WorkerPool> pool_;  // first: the last member destroyed
+  c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer_;
   at::Tensor embed_, cos_full_, sin_signed_, final_norm_;
   c10::intrusive_ptr<Projection> lm_head_;
   std::vector<Layer> layers_;
@@ -452,6 +465,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
 };
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  tokenmill_cpu::register_shm_all_reduce(m);
   m.class_<Projection>("Projection")
       .def_static("plain", &Projection::plain)
       .def_static("exact", &Projection::exact)
@@ -463,5 +477,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
                        at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>())
       .def("forward", &LlamaDecoder::forward)
-      .def("logits", &LlamaDecoder::logits);
+      .def("logits", &LlamaDecoder::logits)
+      .def("set_all_reduce", &LlamaDecoder::set_all_reduce);
 }

@@ -1,0 +1,292 @@
+// The shared-memory all-reduce of a CPU tensor-parallel group (shm_all_reduce.h says how).
+
+#include "shm_all_reduce.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+namespace tokenmill_cpu {
+namespace {
+
+constexpr uint32_t kMagic = 0x746d5352;  // "tmSR"
+constexpr size_t kLine = 64;
+constexpr size_t kDataOffset = 4096;
+
+struct Control {
+  uint32_t magic;
+  uint32_t world;
+  uint64_t capacity;
+  uint32_t abort;
+};
+
+struct RankLine {
+  uint32_t arrived;  // the last sequence number this rank has published its buffer for
+  uint32_t waiters;  // ranks asleep on `arrived`: an arrival wakes them only when there are some
+  int32_t pid;
+};
+
+static_assert(sizeof(Control) <= kLine && sizeof(RankLine) <= kLine, "one cache line each");
+
+inline Control* control(uint8_t* base) { return reinterpret_cast<Control*>(base); }
+inline RankLine* line(uint8_t* base, int64_t rank) { return reinterpret_cast<RankLine*>(base + kLine * (1 + rank)); }
+
+size_t segment_bytes(int64_t world, int64_t capacity) {
+  return kDataOffset + 2 * static_cast<size_t>(world) * static_cast<size_t>(capacity) * sizeof(float);
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Whether sequence number `have` is at or past `want` (they wrap at 2^32).
+inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
+
+void futex_wait(uint32_t* word, uint32_t expected, int64_t timeout_ns) {
+#if defined(__linux__)
+  struct timespec ts = {static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+#else
+  (void)word, (void)expected;
+  struct timespec ts = {0, static_cast<long>(std::min<int64_t>(timeout_ns, 100000))};
+  nanosleep(&ts, nullptr);
+#endif
+}
+
+void futex_wake_all(uint32_t* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+// A process that has ended: no such pid, or a zombie not yet reaped.
+bool process_gone(int32_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+#if defined(__linux__)
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  if (paren != std::string::npos && paren + 2 < text.size()) return text[paren + 2] == 'Z' || text[paren + 2] == 'X';
+#endif
+  return false;
+}
+
+void check_tensor(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous fp32 CPU tensor");
+}
+
+}  // namespace
+
+ShmAllReduce::ShmAllReduce(std::string path, int64_t rank, int64_t world, int64_t capacity, double timeout_s,
+                           double spin_us, double yield_us)
+    : rank_(rank), world_(world), capacity_(capacity), timeout_s_(timeout_s), spin_us_(spin_us), yield_us_(yield_us) {
+  TORCH_CHECK(world >= 1 && world <= 62 && rank >= 0 && rank < world, "rank ", rank, " of world ", world);
+  TORCH_CHECK(capacity >= 16 && capacity % 16 == 0, "capacity must be a positive multiple of 16 floats");
+  bytes_ = segment_bytes(world, capacity);
+  const int fd = rank == 0 ? open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : open(path.c_str(), O_RDWR);
+  TORCH_CHECK(fd >= 0, "cannot ", rank == 0 ? "create " : "open ", path, ": ", std::strerror(errno));
+  if (rank == 0 && ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
+    const int err = errno;
+    close(fd);
+    TORCH_CHECK(false, "cannot size ", path, " to ", bytes_, " bytes: ", std::strerror(err));
+  }
+  struct stat st;
+  TORCH_CHECK(fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes_, path, " is not ", bytes_, " bytes");
+  void* mem = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  TORCH_CHECK(mem != MAP_FAILED, "cannot map ", path, ": ", std::strerror(errno));
+  base_ = static_cast<uint8_t*>(mem);
+  Control* c = control(base_);
+  if (rank == 0) {
+    c->world = static_cast<uint32_t>(world);
+    c->capacity = static_cast<uint64_t>(capacity);
+    __atomic_store_n(&c->magic, kMagic, __ATOMIC_RELEASE);
+  } else {
+    TORCH_CHECK(__atomic_load_n(&c->magic, __ATOMIC_ACQUIRE) == kMagic && c->world == world &&
+                    c->capacity == static_cast<uint64_t>(capacity),
+                path, " is not a segment of ", world, " ranks of ", capacity, " floats");
+  }
+  __atomic_store_n(&line(base_, rank)->pid, static_cast<int32_t>(getpid()), __ATOMIC_RELEASE);
+}
+
+ShmAllReduce::~ShmAllReduce() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+float* ShmAllReduce::buffer(uint32_t seq, int64_t rank) const {
+  return reinterpret_cast<float*>(base_ + kDataOffset) + ((seq & 1u) * world_ + rank) * capacity_;
+}
+
+int64_t ShmAllReduce::fail(int64_t status, std::string message) {
+  status_ = status;
+  error_ = std::move(message);
+  return status;
+}
+
+void ShmAllReduce::abort() {
+  __atomic_store_n(&control(base_)->abort, 1u, __ATOMIC_SEQ_CST);
+  for (int64_t r = 0; r < world_; ++r) futex_wake_all(&line(base_, r)->arrived);
+}
+
+int64_t ShmAllReduce::wait_for(int64_t peer, uint32_t seq, int64_t deadline_ns) {
+  RankLine* l = line(base_, peer);
+  uint32_t* arrived = &l->arrived;
+  if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
+  const int64_t start = now_ns();
+  const int64_t spin_until = start + static_cast<int64_t>(spin_us_ * 1e3);
+  const int64_t yield_until = start + static_cast<int64_t>(yield_us_ * 1e3);
+  for (int i = 0;; ++i) {  // spin: the peer is most likely a few microseconds away
+    for (int j = 0; j < 64; ++j) {
+      if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
+      cpu_relax();
+    }
+    if (now_ns() >= spin_until) break;
+  }
+  while (now_ns() < yield_until) {  // then give the core to whoever wants it, the peer perhaps
+    sched_yield();
+    if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
+  }
+  int64_t next_check = 0;
+  for (;;) {  // then sleep until it arrives, checking what could keep it from ever arriving
+    __atomic_fetch_add(&l->waiters, 1u, __ATOMIC_SEQ_CST);
+    const uint32_t have = __atomic_load_n(arrived, __ATOMIC_SEQ_CST);
+    if (!reached(have, seq)) futex_wait(arrived, have, 1000000);
+    __atomic_fetch_sub(&l->waiters, 1u, __ATOMIC_SEQ_CST);
+    if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
+    if (__atomic_load_n(&control(base_)->abort, __ATOMIC_ACQUIRE)) {
+      return fail(kReduceAborted, "the shared-memory all-reduce was aborted: a tensor-parallel rank is gone");
+    }
+    const int64_t now = now_ns();
+    if (now >= next_check) {
+      next_check = now + 100000000;  // every 100 ms: a /proc read
+      const int32_t pid = __atomic_load_n(&l->pid, __ATOMIC_ACQUIRE);
+      if (process_gone(pid)) {
+        return fail(kReducePeerGone, "tensor-parallel rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+                                         ") ended while rank " + std::to_string(rank_) +
+                                         " waited for it in the shared-memory all-reduce");
+      }
+    }
+    if (now >= deadline_ns) {
+      char seconds[32];
+      std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_s_);
+      return fail(kReduceTimeout, "tensor-parallel rank " + std::to_string(peer) + " did not reach the all-reduce "
+                                      "within " + seconds + " s (rank " + std::to_string(rank_) + " waited)");
+    }
+  }
+}
+
+int64_t ShmAllReduce::arrive_and_wait() {
+  if (status_ != kReduceOk) return status_;
+  if (__atomic_load_n(&control(base_)->abort, __ATOMIC_ACQUIRE)) {
+    return fail(kReduceAborted, "the shared-memory all-reduce was aborted: a tensor-parallel rank is gone");
+  }
+  RankLine* mine = line(base_, rank_);
+  __atomic_store_n(&mine->arrived, seq_, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) futex_wake_all(&mine->arrived);
+  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s_ * 1e9);
+  for (int64_t peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    const int64_t st = wait_for(peer, seq_, deadline);
+    if (st != kReduceOk) return st;
+  }
+  return kReduceOk;
+}
+
+int64_t ShmAllReduce::reduce(float* x, int64_t n) {
+  const int64_t start = now_ns();
+  for (int64_t off = 0; off < n; off += capacity_) {
+    const int64_t m = std::min(capacity_, n - off);
+    ++seq_;
+    std::memcpy(buffer(seq_, rank_), x + off, sizeof(float) * m);
+    const int64_t st = arrive_and_wait();
+    if (st != kReduceOk) return st;
+    // The sum in rank order, the same adds on every rank.
+    float* out = x + off;
+    std::memcpy(out, buffer(seq_, 0), sizeof(float) * m);
+    for (int64_t r = 1; r < world_; ++r) {
+      const float* b = buffer(seq_, r);
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) out[i] += b[i];
+    }
+  }
+  nanos_ += now_ns() - start;
+  return kReduceOk;
+}
+
+int64_t ShmAllReduce::gather(const float* x, int64_t n, float* out) {
+  const int64_t start = now_ns();
+  for (int64_t off = 0; off < n; off += capacity_) {
+    const int64_t m = std::min(capacity_, n - off);
+    ++seq_;
+    std::memcpy(buffer(seq_, rank_), x + off, sizeof(float) * m);
+    const int64_t st = arrive_and_wait();
+    if (st != kReduceOk) return st;
+    if (rank_ == 0) {
+      for (int64_t r = 0; r < world_; ++r) std::memcpy(out + r * n + off, buffer(seq_, r), sizeof(float) * m);
+    }
+  }
+  nanos_ += now_ns() - start;
+  return kReduceOk;
+}
+
+int64_t ShmAllReduce::all_reduce(at::Tensor t) {
+  check_tensor(t, "the all-reduce's tensor");
+  return reduce(t.data_ptr<float>(), t.numel());
+}
+
+int64_t ShmAllReduce::gather_to_first(at::Tensor local, at::Tensor out) {
+  check_tensor(local, "the gather's tensor");
+  if (rank_ == 0) {
+    check_tensor(out, "the gather's output");
+    TORCH_CHECK(out.numel() == world_ * local.numel(), "the gather's output must hold world x ", local.numel(),
+                " floats");
+  }
+  return gather(local.data_ptr<float>(), local.numel(), rank_ == 0 ? out.data_ptr<float>() : nullptr);
+}
+
+void register_shm_all_reduce(torch::Library& m) {
+  m.class_<tokenmill_cpu::ShmAllReduce>("ShmAllReduce")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, double, double, double>())
+      .def("all_reduce", &tokenmill_cpu::ShmAllReduce::all_reduce)
+      .def("gather_to_first", &tokenmill_cpu::ShmAllReduce::gather_to_first)
+      .def("abort", &tokenmill_cpu::ShmAllReduce::abort)
+      .def("status", &tokenmill_cpu::ShmAllReduce::status)
+      .def("last_error", &tokenmill_cpu::ShmAllReduce::last_error)
+      .def("seconds", &tokenmill_cpu::ShmAllReduce::seconds)
+      .def("reset_seconds", &tokenmill_cpu::ShmAllReduce::reset_seconds);
+}
+
+}  // namespace tokenmill_cpu
