@@ -6,7 +6,7 @@
 The systems on the same model, one forward path for all (``--cpu-decode``: eager, or the fused
 CPU step for a model it takes): one rank on one thread, one rank on two threads, and ``--tp``
 ranks (this process and the rank processes) on one thread each, summing over gloo on loopback
-and over the shared memory segment on a CPU (NCCL on CUDA). Each round runs
+(eager only) and over the shared memory segment on a CPU (NCCL on CUDA). Each round runs
 every system in turn: a batch of fresh prompts prefilled in one step, then ``--steps`` timed
 decode steps of the whole batch; the table has the median milliseconds per decode step over
 the rounds, the ratio against one rank on one thread, and for the ranks the share of rank 0's
@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     one = make_runner(args, model, 1, blocks, 1)
     systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2)]
     if args.device == "cpu":
-        systems += [System(f"TP={args.tp} gloo, 1 thread", make_runner(args, model, args.tp, blocks, 1, "gloo"), 1),
-                    System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm"), 1)]
+        if args.cpu_decode == "eager":  # the fused step sums through shared memory only
+            systems.append(System(f"TP={args.tp} gloo, 1 thread", make_runner(args, model, args.tp, blocks, 1, "gloo"),
+                                  1))
+        systems.append(System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm"), 1))
     else:
         systems.append(System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1))
     vocab = one.model_config.vocab_size

@@ -19,7 +19,8 @@ from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import PathRuntime, Placement, choose_path, set_up_paths
 from services.executor.forward_paths.step import ForwardStep
 from services.executor.sequences import PoolLimits, Scheduled, SequenceState, apply_plan
-from services.executor.tensor_parallel import eager_for_tensor_parallel, start_rank_zero
+from services.executor.forward_paths.fused_decode import FusedDecodePath
+from services.executor.tensor_parallel import start_rank_zero, tensor_parallel_path
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.kv_blocks import kv_layout
@@ -56,9 +57,9 @@ class ModelRunner:
         self.all_reduces: AllReduceHooks | None = None
         """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
         if config.tensor_parallel_size > 1:
-            path = eager_for_tensor_parallel(path)
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
-                                        self.kv_dtype)
+                                        self.kv_dtype, tensor_parallel_path(path))
+            path = rank_zero.path
             self.parallel, self.model = rank_zero.leader, rank_zero.model
             self.all_reduces = rank_zero.hooks
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
@@ -72,7 +73,8 @@ class ModelRunner:
                                              self.kv_dtype, self.device)
         self.paths = set_up_paths(path, config, PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
-            scratch_block=self.num_usable_blocks))
+            scratch_block=self.num_usable_blocks,
+            all_reduce=self.parallel.groups.shm if self.parallel is not None else None))
         """The forward paths a step is offered to, in order; eager, the last, takes every step."""
         self._lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
         """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
@@ -154,7 +156,8 @@ class ModelRunner:
         path = next(path for path in self.paths if path.takes(step))
         if self.parallel is not None:
             packed = step.packed
-            return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step))
+            return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step),
+                                          fused=isinstance(path, FusedDecodePath))
         return path.forward(step)
 
     def _run_more_steps(self, plan: StepPlan, scheduled: Scheduled,

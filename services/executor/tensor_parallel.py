@@ -3,9 +3,11 @@ load this rank's shard and KV pool, agree on the pool's size.
 
 The model runner stays the one-device runner: it plans, samples and keeps the sequences; only
 its forward goes through the leader (services/runtime/parallel/leader.py), which broadcasts
-the step's inputs before rank 0 runs its shard. Steps run eagerly: the fused CPU step, the
-compiled step and the decode graphs have no all-reduce inside, so a path other than eager
-that the flags and device would choose is set aside, and the log line says so.
+the step's inputs (and which forward runs them) before rank 0 runs its shard. Steps run
+eagerly or, on a CPU, through the fused CPU step, every rank's over its own shard with the
+shared-memory all-reduce inside its C++ loop (the ranks first agree that each can: shards
+differ). The compiled step and the decode graphs have no all-reduce inside, so either, when
+the flags and device would choose it, is set aside for eager, and the log line says so.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import ForwardPath
 from services.executor.forward_paths.eager import EagerPath
+from services.executor.forward_paths.fused_decode import FusedDecodePath
 from services.runtime.kv_cache import KVCache
 from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
-from services.runtime.parallel.rank import RankSpec, blocks_for_budget, load_shard
+from services.runtime.parallel.rank import RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
 from services.runtime.parallel.shard import ShardPlan, plan_shards
 
 _log = structlog.get_logger("tokenmill.executor")
@@ -41,14 +44,19 @@ class RankZero:
     """Rank 0's all-reduces (their time, when asked: the benchmark's share of a step)."""
     kv_cache: KVCache
     num_blocks: int
+    path: type[ForwardPath]
+    """The forward path every rank agreed on: the fused CPU step where each rank's can run its
+    shard, else eager."""
 
 
-def eager_for_tensor_parallel(chosen: type[ForwardPath]) -> type[ForwardPath]:
-    if chosen is not EagerPath:
+def tensor_parallel_path(chosen: type[ForwardPath]) -> type[ForwardPath]:
+    """The path the flags chose, where it can sum between its layers (the fused CPU step), else eager."""
+    if chosen is not EagerPath and chosen is not FusedDecodePath:
         _log.info("tensor parallel forward path", path="eager", instead_of=chosen.name,
                   reason=f"the {chosen.name} path has no all-reduce between its layers; tensor-parallel steps "
                          "run eagerly")
-    return EagerPath
+        return EagerPath
+    return chosen
 
 
 def rank_devices(device: torch.device, world: int) -> list[torch.device]:
@@ -63,7 +71,9 @@ def rank_devices(device: torch.device, world: int) -> list[torch.device]:
 
 
 def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    backend_name: str, backend: AttentionBackend, kv_dtype: torch.dtype) -> RankZero:
+                    backend_name: str, backend: AttentionBackend, kv_dtype: torch.dtype,
+                    path: type[ForwardPath]) -> RankZero:
+    """``path``: tensor_parallel_path's choice; the returned one is what every rank can run."""
     world = config.tensor_parallel_size
     plan_shards(mc, world)  # heads that cannot split fail here, before any process starts
     devices = rank_devices(device, world)
@@ -76,7 +86,7 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
                         kv_cache_bytes=config.kv_cache_bytes, gpu_memory_utilization=config.gpu_memory_utilization,
                         rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
                         log_level=level if level in ("debug", "info", "warning", "error") else "info",
-                        all_reduce=config.tensor_parallel_all_reduce)
+                        all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath)
 
     leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
     try:
@@ -88,9 +98,17 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
         blocks = groups.min_int(blocks)  # one pool size for the scheduler: the smallest any rank holds
         kv_cache = KVCache.allocate(model.config, blocks, config.block_size, kv_dtype, device)
         leader.kv_bytes = groups.gather_ints(kv_cache.nbytes)
+        if path is FusedDecodePath:
+            reason = agree_on_fused_step(model, kv_cache, groups)
+            if reason is not None:
+                if config.fused_decode.cpu_decode == "fused":
+                    raise ValueError(f"cpu_decode 'fused': the fused CPU decode step cannot run this model's "
+                                     f"tensor-parallel shards: {reason}")
+                _log.info("tensor parallel forward path", path="eager", instead_of=path.name, reason=reason)
+                path = EagerPath
     except BaseException:
         leader.close()
         raise
     _log.info("tensor_parallel_ready", world=world, num_blocks=blocks, kv_cache_bytes_per_rank=leader.kv_bytes,
               heads=[plan.heads.start, plan.heads.stop], kv_heads=[plan.kv_heads.start, plan.kv_heads.stop])
-    return RankZero(leader, model, plan, hooks, kv_cache, blocks)
+    return RankZero(leader, model, plan, hooks, kv_cache, blocks, path)

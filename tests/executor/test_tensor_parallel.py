@@ -1,6 +1,8 @@
-"""Tensor parallelism through the real ModelRunner, its other ranks real processes over gloo
-on loopback: greedy tokens identical to one rank, fp32 logprobs within 1e-4, each rank's KV
-pool holding its heads alone, and a killed rank ending the executor with a clear reason.
+"""Tensor parallelism through the real ModelRunner, its other ranks real processes (summing
+through the shared memory segment, or gloo on loopback): greedy tokens identical to one rank,
+fp32 logprobs within 1e-4, eager and through the fused CPU step (every rank's over its shard,
+the all-reduce inside its C++ loop), each rank's KV pool holding its heads alone, and a killed
+rank ending the executor with a clear reason.
 
 Models: stories260K (8 query / 4 KV heads: 4/2 a rank at TP=2, 4/2, 2/1, 2/1 at TP=3),
 random Llamas (GQA 8/2, MQA 8/1 with its KV head replicated), SmolLM2-135M (9 query / 3 KV
@@ -21,6 +23,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.parallel.leader import TensorParallelError
 from tests.conftest import REPO_ROOT, STORIES_DIR
@@ -54,9 +57,12 @@ def generate(runner: ModelRunner, steps: int, logprobs: int | None = None) -> di
     return outputs
 
 
-def run(model: Path, tp: int, steps: int, logprobs: int | None = None, **settings):
+def run(model: Path, tp: int, steps: int, logprobs: int | None = None, path: str | None = None, **settings):
+    """``path``: the forward path the runner must have set up (rank 0's, which the others follow)."""
     runner = make_runner(model, tp, **settings)
     try:
+        if path is not None:
+            assert runner.paths[0].name == path
         return generate(runner, steps, logprobs), runner.info(), list(runner.parallel.kv_bytes) if tp > 1 else None
     finally:
         runner.close()
@@ -72,10 +78,17 @@ def need(model: Path) -> Path:
     return model
 
 
-def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three():
-    one, info_one, _ = run(STORIES_DIR, 1, 12, logprobs=3)
+def decode(mode: str) -> dict:
+    """Settings for the forward path: eager, or the fused CPU step (required, so it cannot fall back)."""
+    return {"fused_decode": FusedDecodeSettings(cpu_decode=mode),
+            "path": "fused_decode" if mode == "fused" else "eager"}
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three(mode):
+    one, info_one, _ = run(STORIES_DIR, 1, 12, logprobs=3, **decode(mode))
     for tp in (2, 3):
-        many, info, kv_bytes = run(STORIES_DIR, tp, 12, logprobs=3)
+        many, info, kv_bytes = run(STORIES_DIR, tp, 12, logprobs=3, **decode(mode))
         assert tokens(many) == tokens(one)
         for seq, (_, want) in one.items():
             for got, expected in zip(many[seq][1], want, strict=True):
@@ -91,11 +104,15 @@ def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three():
         assert info.kv_layout.endswith(f":tensor_parallel={tp}")
 
 
+@pytest.mark.parametrize("mode", ["eager", "fused"])
 @pytest.mark.parametrize("name", ["llama-gqa-8-2", "llama-mqa"])
-def test_random_llamas_match_one_rank(random_model_dirs, name):
-    one, _, _ = run(random_model_dirs[name], 1, 10)
-    two, _, kv_bytes = run(random_model_dirs[name], 2, 10)
+def test_random_llamas_match_one_rank(random_model_dirs, name, mode):
+    one, _, _ = run(random_model_dirs[name], 1, 10, logprobs=2, **decode(mode))
+    two, _, kv_bytes = run(random_model_dirs[name], 2, 10, logprobs=2, **decode(mode))
     assert tokens(two) == tokens(one)
+    for seq, (_, want) in one.items():
+        for got, expected in zip(two[seq][1], want, strict=True):
+            assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
     if name == "llama-mqa":  # one KV head, on both ranks
         assert kv_bytes[0] == kv_bytes[1] == one_rank_kv_bytes(random_model_dirs[name])
 
@@ -105,12 +122,17 @@ def one_rank_kv_bytes(model: Path) -> int:
     return runner.info().kv_cache_bytes
 
 
-@pytest.mark.parametrize("model", [SMOLLM2, SMOLLM2_Q4], ids=["fp32", "q4_1"])
-def test_smollm2_whole_kv_groups_match_one_rank(model):
-    # One rank with the ranks' exact fp32 activations (int8 ones are a one-rank mode).
-    one, info_one, _ = run(need(model), 1, 6, quant_activations="none")
-    two, _, kv_bytes = run(model, 2, 6)
+@pytest.mark.parametrize(("model", "mode"), [(SMOLLM2, "eager"), (SMOLLM2_Q4, "eager"), (SMOLLM2_Q4, "fused")],
+                         ids=["fp32", "q4_1", "q4_1-fused"])
+def test_smollm2_whole_kv_groups_match_one_rank(model, mode):
+    # One rank with the ranks' exact fp32 activations (int8 ones are a one-rank mode). The fp32
+    # model's prepacked products keep it off the fused step, on one rank as on two.
+    one, info_one, _ = run(need(model), 1, 6, logprobs=2, quant_activations="none", **decode(mode))
+    two, _, kv_bytes = run(model, 2, 6, logprobs=2, **decode(mode))
     assert tokens(two) == tokens(one)
+    for seq, (_, want) in one.items():
+        for got, expected in zip(two[seq][1], want, strict=True):
+            assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
     assert kv_bytes == [info_one.kv_cache_bytes * 2 // 3, info_one.kv_cache_bytes // 3]
 
 
@@ -154,3 +176,16 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(c) for c in (task / "children").read_text().split()]
     return found
+
+
+def test_gloo_all_reduce_matches_one_rank_and_keeps_the_steps_eager(random_model_dirs):
+    model = random_model_dirs["llama-gqa-8-2"]
+    one, _, _ = run(model, 1, 8, logprobs=2)
+    # auto: the fused step would sum through shared memory, which a gloo group does not have.
+    two, _, _ = run(model, 2, 8, logprobs=2, path="eager", tensor_parallel_all_reduce="gloo")
+    assert tokens(two) == tokens(one)
+    for seq, (_, want) in one.items():
+        for got, expected in zip(two[seq][1], want, strict=True):
+            assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
+    with pytest.raises(ValueError, match="cpu_decode 'fused'.*shared-memory all-reduce"):
+        make_runner(model, 2, tensor_parallel_all_reduce="gloo", fused_decode=FusedDecodeSettings(cpu_decode="fused"))

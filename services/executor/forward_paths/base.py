@@ -54,6 +54,9 @@ class PathRuntime:
     scratch_block: int
     """The first KV block past those the scheduler is told about; a path asking for
     ``scratch_blocks`` owns the blocks from here."""
+    all_reduce: Any = None
+    """A tensor-parallel rank 0's shared-memory all-reduce (parallel/shared_memory.py), for a
+    path that sums between its layers itself (the fused CPU step); None on one rank."""
 
 
 class ForwardPath:

@@ -9,6 +9,10 @@ new tokens (8 times as many for a quantized model); its LM head (where the model
 fp32 matrix or a CPU kernel's quantized one) serves every step, so a row's logits never depend
 on its batch.
 
+Under tensor parallelism every rank builds one over its shard once all agree that each can
+(services/executor/tensor_parallel.py); it sums through the group's shared-memory all-reduce
+(``PathRuntime.all_reduce``), so a gloo group runs eagerly.
+
 A new kind of model for this path is a change to ``why_not`` and ``FusedDecode``; a new flag
 is a field of FusedDecodeSettings that ``set_up`` hands to ``FusedDecode``.
 """
@@ -88,7 +92,8 @@ class FusedDecodePath(ForwardPath):
             _log.info("cpu decode path", path="eager", reason=reason)
             return None
         _log.info("cpu decode path", path="fused")
-        fused = FusedDecode(runtime.model, runtime.kv_caches, max_step_tokens=settings.cpu_fused_max_tokens)
+        fused = FusedDecode(runtime.model, runtime.kv_caches, max_step_tokens=settings.cpu_fused_max_tokens,
+                            reducer=runtime.all_reduce)
         return cls(fused, runtime.kv_caches)
 
     def takes(self, step: ForwardStep) -> bool:

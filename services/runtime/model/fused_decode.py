@@ -30,9 +30,16 @@ limit the step runs eagerly.
 
 Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
 order), as the tests check against it over plain and quantized pools.
+
+Under tensor parallelism (services/runtime/parallel/) every rank builds one over its shard and
+hands it the group's shared-memory all-reduce (``reducer``), which the C++ step calls after
+each layer's o and down products, where the eager model's forward hooks sum; a failed
+all-reduce raises after the call.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +51,9 @@ from services.runtime.model.linear import Linear
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
 from services.runtime.model.quant.formats import bits
 from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear
+
+if TYPE_CHECKING:
+    from services.runtime.parallel.shared_memory import SharedMemoryReducer
 
 _QUANT_PATHS = ("cpu_int8", "cpu_kernel")
 """QuantLinear paths the fused step runs (quant/linear.py): the same C++ kernels, called directly."""
@@ -88,7 +98,8 @@ class FusedDecode:
     """``model``'s forward (decode steps, and steps of up to ``max_step_tokens`` new tokens) and
     LM head through ``LlamaDecoder``."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, max_step_tokens: int = 0):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, max_step_tokens: int = 0,
+                 reducer: SharedMemoryReducer | None = None):
         reason = why_not(model, kv_caches)
         if reason is not None:
             raise ValueError(f"the fused CPU decode step cannot run this model: {reason}")
@@ -115,6 +126,10 @@ class FusedDecode:
             [k.scale for k, _ in kv_caches] if quantized else [], [v.scale for _, v in kv_caches] if quantized else [],
             torch.get_num_threads(),
         )
+        self._reducer = reducer
+        """A tensor-parallel rank's all-reduce, which the C++ step sums its o and down outputs over."""
+        if reducer is not None:
+            self._decoder.set_all_reduce(reducer.handle)
         self._k_cache = kv_caches[0][0]
         self.quantized = any(isinstance(m, QuantLinear) for m in model.layers.modules())
         self.max_step_tokens = max_step_tokens * (QUANTIZED_STEP_FACTOR if self.quantized else 1)
@@ -150,7 +165,10 @@ class FusedDecode:
             query_lens = torch.tensor(meta.query_lens_cpu, device=block_tables.device)
             block_tables = block_tables.repeat_interleave(query_lens, dim=0)
             context_lens = (positions + 1).to(torch.int32)
-        return self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+        hidden = self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+        if self._reducer is not None:
+            self._reducer.check()  # an all-reduce that failed inside ended the step early
+        return hidden
 
 
 def projection(linear: Linear | QuantLinear):

@@ -117,20 +117,23 @@ class RankGroups:
         opts.rootRank = 0
         self.step.broadcast([tensor], opts).wait()
 
-    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Rank 0: the step's inputs to the other ranks."""
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  fused: bool = False) -> None:
+        """Rank 0: the step's inputs to the other ranks, and which forward runs it (``fused``:
+        the fused CPU step, else the model's)."""
         t, b = input_ids.numel(), meta.num_seqs
         blob = torch.cat([input_ids, positions, meta.slot_mapping, meta.context_lens.long(),
                           meta.query_start_loc.long(), meta.block_tables.reshape(-1).long()]).cpu()
-        self._broadcast(torch.tensor([STEP, t, b, meta.block_tables.shape[1]], dtype=torch.int64))
+        kind = STEP_FUSED if fused else STEP
+        self._broadcast(torch.tensor([kind, t, b, meta.block_tables.shape[1]], dtype=torch.int64))
         self._broadcast(blob)
 
     def send_stop(self) -> None:
         self._broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64))
 
     def receive_step(self, block_size: int, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
-        """The other ranks: the next step's (input ids, positions, metadata), or None to stop."""
+                     ) -> tuple[bool, torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+        """The other ranks: the next step's (fused, input ids, positions, metadata), or None to stop."""
         header = torch.empty(4, dtype=torch.int64)
         self._broadcast(header)
         kind, t, b, width = header.tolist()
@@ -141,8 +144,8 @@ class RankGroups:
         ints = blob[3 * t:]
         context_lens, query_starts = ints[:b].tolist(), ints[b:2 * b + 1].tolist()
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
-        return unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device), query_lens,
-                                  context_lens, width, block_size)
+        return (kind == STEP_FUSED, *unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device),
+                                                        query_lens, context_lens, width, block_size))
 
 
 class AllReduceHooks:

@@ -107,12 +107,12 @@ class TensorParallelLeader:
             raise TensorParallelError(f"{self.failure}{' ' + when if when else ''}; the executor cannot run steps")
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 forward: Callable[[], T]) -> T:
+                 forward: Callable[[], T], fused: bool = False) -> T:
         """Hand the step to the other ranks, then run rank 0's ``forward`` (whose all-reduces
-        meet theirs)."""
+        meet theirs); ``fused``: the ranks run it through their fused CPU step."""
         self._raise_if_lost()
         try:
-            self.groups.send_step(input_ids, positions, meta)
+            self.groups.send_step(input_ids, positions, meta, fused)
             return forward()
         except RuntimeError as exc:
             if isinstance(exc, TensorParallelError):

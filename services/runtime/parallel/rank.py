@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from services.runtime.kv_cache import cuda_kv_budget, num_blocks_for_budget
+from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
-from services.runtime.parallel.collectives import AllReduceHooks
+from services.runtime.parallel.collectives import AllReduceHooks, RankGroups
 from services.runtime.parallel.shard import ShardPlan, ffn_alignment, plan_shards, shard_checkpoint, shard_config
 
 KV_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8,
@@ -68,6 +68,22 @@ def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, d
     local = shard_config(config, plan)
     model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan), backend, device, prepack)
     return model, AllReduceHooks(model), plan
+
+
+def agree_on_fused_step(model: LlamaForCausalLM, kv_cache: KVCache, groups: RankGroups) -> str | None:
+    """Whether every rank's fused CPU step can run its shard (a collective: each rank calls it
+    after allocating its pool): None when all can, else why not. Shards differ (SmolLM2's 6/2
+    and 3/1 heads), so one rank's answer is not the others'."""
+    from services.runtime.model.fused_decode import why_not
+
+    if groups.shm is None:
+        reason = "the fused step sums through the shared-memory all-reduce, which this group does not use"
+    else:
+        reason = why_not(model, kv_cache.layers)
+    answers = groups.gather_ints(int(reason is None))
+    if all(answers):
+        return None
+    return reason or f"rank {answers.index(0)} cannot run it on its shard (its log says why)"
 
 
 def blocks_for_budget(local: ModelConfig, block_size: int, kv_dtype: torch.dtype, device: torch.device,

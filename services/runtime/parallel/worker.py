@@ -24,7 +24,7 @@ from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.config import ModelConfig, parse_dtype
 from services.runtime.parallel.collectives import RankGroups
 from services.runtime.parallel.leader import LOAD_TIMEOUT_S
-from services.runtime.parallel.rank import KV_DTYPES, RankSpec, blocks_for_budget, load_shard
+from services.runtime.parallel.rank import KV_DTYPES, RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
 
 _log = structlog.get_logger("tokenmill.parallel")
 
@@ -56,13 +56,25 @@ def run(spec: RankSpec) -> None:
     blocks = groups.min_int(blocks)
     kv_cache = KVCache.allocate(model.config, blocks, spec.block_size, kv_dtype, device)
     groups.gather_ints(kv_cache.nbytes)
+    fused = None
+    if spec.fused:
+        reason = agree_on_fused_step(model, kv_cache, groups)
+        if reason is None:
+            from services.runtime.model.fused_decode import FusedDecode
+
+            fused = FusedDecode(model, kv_cache.layers, reducer=groups.shm)
+        else:
+            _log.info("tensor_parallel_rank_fused_step", rank=spec.rank, path="eager", reason=reason)
     _log.info("tensor_parallel_rank_ready", rank=spec.rank, world=spec.world, heads=[plan.heads.start, plan.heads.stop],
               kv_heads=[plan.kv_heads.start, plan.kv_heads.stop], ffn=[plan.ffn.start, plan.ffn.stop],
               num_blocks=blocks, kv_cache_bytes=kv_cache.nbytes, device=str(device))
     with torch.inference_mode():
         while (step := groups.receive_step(spec.block_size, device)) is not None:
-            input_ids, positions, meta = step
-            model(input_ids, positions, kv_cache.layers, meta)
+            run_fused, input_ids, positions, meta = step
+            if run_fused:
+                fused(input_ids, positions, kv_cache.layers, meta)
+            else:
+                model(input_ids, positions, kv_cache.layers, meta)
     _log.info("tensor_parallel_rank_stopped", rank=spec.rank)
 
 
