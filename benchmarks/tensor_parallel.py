@@ -5,8 +5,9 @@
 
 The systems on the same model, one forward path for all (``--cpu-decode``: eager, or the fused
 CPU step for a model it takes): one rank on one thread, one rank on two threads, and ``--tp``
-ranks (this process and the rank processes) on one thread each, summing over gloo on loopback
-(eager only) and over the shared memory segment on a CPU (NCCL on CUDA). Each round runs
+ranks (this process and the rank processes) on one thread each: on a CPU summing over gloo on
+loopback (eager only) with the LM head replicated on rank 0, then over the shared memory
+segment with the head replicated and vocab-parallel; on CUDA over NCCL, vocab-parallel. Each round runs
 every system in turn: a batch of fresh prompts prefilled in one step, then ``--steps`` timed
 decode steps of the whole batch; the table has the median milliseconds per decode step over
 the rounds, the ratio against one rank on one thread, and for the ranks the share of rank 0's
@@ -147,7 +148,7 @@ def measure_all_reduce(hidden: int, batches: tuple[int, ...], calls: int) -> dic
 
 
 def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, threads: int,
-                all_reduce: str = "auto") -> ModelRunner:
+                all_reduce: str = "auto", lm_head: str = "vocab") -> ModelRunner:
     torch.set_num_threads(threads)  # the other ranks take rank 0's count at their start
     cpu = args.device == "cpu"
     # The fused step where asked, and then on every system or none (its own error if it cannot).
@@ -155,6 +156,7 @@ def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, 
     return ModelRunner(ExecutorConfig(model=model, dtype=args.dtype, device=args.device,
                                       attention_backend="cpu" if cpu else "auto", block_size=BLOCK_SIZE,
                                       num_blocks=blocks, tensor_parallel_size=tp, tensor_parallel_all_reduce=all_reduce,
+                                      tensor_parallel_lm_head=lm_head,
                                       quant_activations="none",
                                       fused_decode=FusedDecodeSettings(cpu_decode=decode),
                                       decode_graphs=DecodeGraphSettings(enforce_eager=True)))
@@ -170,9 +172,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2)]
     if args.device == "cpu":
         if args.cpu_decode == "eager":  # the fused step sums through shared memory only
-            systems.append(System(f"TP={args.tp} gloo, 1 thread", make_runner(args, model, args.tp, blocks, 1, "gloo"),
-                                  1))
-        systems.append(System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm"), 1))
+            systems.append(System(f"TP={args.tp} gloo, 1 thread",
+                                  make_runner(args, model, args.tp, blocks, 1, "gloo", "replicated"), 1))
+        systems += [System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm",
+                                                                       "replicated"), 1),
+                    System(f"TP={args.tp} shm vocab, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm",
+                                                                             "vocab"), 1)]
     else:
         systems.append(System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1))
     vocab = one.model_config.vocab_size

@@ -25,6 +25,8 @@ ENV_PREFIX = "TOKENMILL_EXECUTOR_"
 QUANT_ACTIVATIONS = ("auto", "int8", "none")
 TENSOR_PARALLEL_ALL_REDUCE = ("auto", "shm", "gloo")
 """The same names as services/runtime/parallel/collectives.py ALL_REDUCE_BACKENDS (torch-free here)."""
+TENSOR_PARALLEL_LM_HEADS = ("vocab", "replicated")
+"""The same names as services/runtime/parallel/vocab_head.py LM_HEADS."""
 
 
 @dataclass(slots=True)
@@ -60,6 +62,11 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     """shm: a few microseconds an all-reduce where gloo's loopback round trips take hundreds
     (docs/benchmarks.md, "Tensor parallelism on a CPU"); gloo stays for measurement and as the
     fallback."""
+    tensor_parallel_lm_head: str = setting(
+        "vocab", "tensor-parallel LM head: vocab (each rank its share of the vocabulary, gathered onto rank 0) "
+                 "or replicated (rank 0 alone runs the whole head)")
+    """vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
+    of the logits (docs/benchmarks.md, "Tensor parallelism on a CPU", measures both)."""
     quant_activations: str = setting(
         "auto", "CPU, quantized weights: int8 (activations rounded to int8 per block, integer dot products), "
                 "none (exact fp32 activations) or auto (int8 on a CPU)")
@@ -91,6 +98,9 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
             raise ValueError("num_blocks and max_model_len must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_lm_head not in TENSOR_PARALLEL_LM_HEADS:
+            raise ValueError(f"tensor_parallel_lm_head must be one of {', '.join(TENSOR_PARALLEL_LM_HEADS)}, "
+                             f"got {self.tensor_parallel_lm_head!r}")
         if self.tensor_parallel_all_reduce not in TENSOR_PARALLEL_ALL_REDUCE:
             raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(TENSOR_PARALLEL_ALL_REDUCE)}, "
                              f"got {self.tensor_parallel_all_reduce!r}")

@@ -31,6 +31,7 @@ from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelLeader
+from services.runtime.parallel.vocab_head import VocabParallelHead
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.grammar import GrammarMatchers, MaskFuture
 from services.runtime.sampling.sampler import Sampler
@@ -56,12 +57,14 @@ class ModelRunner:
         """Rank 0's hold on the other ranks of a tensor-parallel executor (None: one rank)."""
         self.all_reduces: AllReduceHooks | None = None
         """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
+        vocab: list[range] | None = None
         if config.tensor_parallel_size > 1:
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype, tensor_parallel_path(path))
             path = rank_zero.path
             self.parallel, self.model = rank_zero.leader, rank_zero.model
             self.all_reduces = rank_zero.hooks
+            vocab = rank_zero.vocab  # the rows of each rank's share of a vocab-parallel head
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
         else:
             self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,
@@ -78,7 +81,11 @@ class ModelRunner:
         """The forward paths a step is offered to, in order; eager, the last, takes every step."""
         self._lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
         """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
-        never depend on their batch), else the model's."""
+        never depend on their batch), else the model's; under tensor parallelism with a
+        vocab-parallel head, that over rank 0's share, gathered with the other ranks'."""
+        if vocab is not None:
+            head = VocabParallelHead(self.parallel.groups, self._lm_head, vocab)
+            self._lm_head = lambda hidden: self.parallel.collective(lambda: head(hidden))
         self.vocab_size = sampled_vocab_size(config.model, mc.vocab_size)
         """Ids it may sample: the LM head's rows past the tokenizer's ids are masked (vocab.py)."""
         self.sampler = Sampler(seed=config.seed)
@@ -151,13 +158,15 @@ class ModelRunner:
             logits[:, self.vocab_size:] = float("-inf")  # padded rows: ids no tokenizer can decode
         return logits
 
-    def _forward(self, step: ForwardStep) -> torch.Tensor:
-        """The model over the step's tokens, by the first path that takes it: final hidden states [T, D]."""
+    def _forward(self, step: ForwardStep, logit_rows: list[int]) -> torch.Tensor:
+        """The model over the step's tokens, by the first path that takes it: final hidden states
+        [T, D]. ``logit_rows``: the rows whose logits follow (the other ranks' share of a
+        vocab-parallel head is of those)."""
         path = next(path for path in self.paths if path.takes(step))
         if self.parallel is not None:
             packed = step.packed
             return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step),
-                                          fused=isinstance(path, FusedDecodePath))
+                                          fused=isinstance(path, FusedDecodePath), logit_rows=logit_rows)
         return path.forward(step)
 
     def _run_more_steps(self, plan: StepPlan, scheduled: Scheduled,
@@ -186,13 +195,16 @@ class ModelRunner:
         # The grammar masks depend only on tokens known now: filled on a worker thread while
         # the forward runs (llguidance and torch's kernels both release the GIL).
         masks = self.grammars.submit(self._grammar_masks, _sampling_rows(scheduled, sample_rows, drafts))
-        hidden, cu = self._forward(step), step.query_starts
+        cu = step.query_starts
+        # The hidden rows sampled from: each sampling sequence's last token, and before it one a draft.
+        logit_rows = [row for i in sample_rows for row in range(cu[i + 1] - 1 - len(drafts.get(i, ())), cu[i + 1])]
+        hidden = self._forward(step, logit_rows)
         outputs = [SequenceOutput(state.seq_id) for state, _ in scheduled]
+        if logit_rows and len(logit_rows) < hidden.shape[0]:  # else every row is sampled from, in order
+            hidden = hidden[torch.tensor(logit_rows, device=self.device)]
         if sample_rows and drafts:
-            self._verify(hidden, cu, scheduled, sample_rows, drafts, outputs, masks)
+            self._verify(self._logits(hidden), scheduled, sample_rows, drafts, outputs, masks)
         elif sample_rows:
-            if len(sample_rows) < hidden.shape[0]:  # else every token is a sampling row's only one
-                hidden = hidden[torch.tensor([cu[i + 1] - 1 for i in sample_rows], device=self.device)]
             logits = self._logits(hidden)  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
             sampled = self._sample(logits, [(s, 0) for s in states], masks)
@@ -212,18 +224,13 @@ class ModelRunner:
                 state.num_computed_tokens += n
         return outputs
 
-    def _verify(self, hidden: torch.Tensor, cu: list[int], scheduled: Scheduled, sample_rows: list[int],
+    def _verify(self, logits: torch.Tensor, scheduled: Scheduled, sample_rows: list[int],
                 drafts: dict[int, list[int]], outputs: list[SequenceOutput], masks: MaskFuture) -> None:
         """Sample every position of a drafted sequence as a plain decode step there would, then
-        keep the drafts the target agrees with (services/runtime/sampling/verify.py)."""
-        hidden_rows: list[int] = []
-        rows: Scheduled = []
-        for i in sample_rows:
-            k = len(drafts.get(i, ()))
-            hidden_rows.extend(range(cu[i + 1] - 1 - k, cu[i + 1]))
-            # Row j of k + 1 sees the known tokens and d_1..d_j: k - j trailing drafts hidden.
-            rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
-        logits = self._logits(hidden[torch.tensor(hidden_rows, device=self.device)])  # [R, V]
+        keep the drafts the target agrees with (services/runtime/sampling/verify.py). ``logits``
+        [R, V]: a row for the last known token of each sampling sequence and each of its drafts."""
+        # Row j of k + 1 sees the known tokens and d_1..d_j: k - j trailing drafts hidden.
+        rows = _sampling_rows(scheduled, sample_rows, drafts)
         sampled = self._sample(logits, rows, masks)
         start = 0
         for i in sample_rows:

@@ -47,6 +47,8 @@ class RankZero:
     path: type[ForwardPath]
     """The forward path every rank agreed on: the fused CPU step where each rank's can run its
     shard, else eager."""
+    vocab: list[range] | None
+    """Every rank's rows of a vocab-parallel LM head, by rank (None: rank 0 holds the whole head)."""
 
 
 def tensor_parallel_path(chosen: type[ForwardPath]) -> type[ForwardPath]:
@@ -86,11 +88,13 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
                         kv_cache_bytes=config.kv_cache_bytes, gpu_memory_utilization=config.gpu_memory_utilization,
                         rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
                         log_level=level if level in ("debug", "info", "warning", "error") else "info",
-                        all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath)
+                        all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath,
+                        lm_head=config.tensor_parallel_lm_head)
 
     leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
     try:
-        model, hooks, plan = load_shard(config.model, mc, backend, device, dtype, world, 0)
+        model, hooks, plan = load_shard(config.model, mc, backend, device, dtype, world, 0,
+                                        vocab_parallel=config.tensor_parallel_lm_head == "vocab")
         blocks = config.num_blocks or blocks_for_budget(model.config, config.block_size, kv_dtype, device,
                                                         config.kv_cache_bytes, config.gpu_memory_utilization)
         groups = leader.join(device, config.tensor_parallel_all_reduce)
@@ -111,4 +115,5 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
         raise
     _log.info("tensor_parallel_ready", world=world, num_blocks=blocks, kv_cache_bytes_per_rank=leader.kv_bytes,
               heads=[plan.heads.start, plan.heads.stop], kv_heads=[plan.kv_heads.start, plan.kv_heads.stop])
-    return RankZero(leader, model, plan, hooks, kv_cache, blocks, path)
+    vocab = [p.vocab for p in plan_shards(mc, world)] if config.tensor_parallel_lm_head == "vocab" else None
+    return RankZero(leader, model, plan, hooks, kv_cache, blocks, path, vocab)

@@ -24,7 +24,9 @@ def test_a_short_run_writes_every_system_and_the_all_reduce(tmp_path, stories_di
                                  "--all-reduce-calls", "10", "--cpu-decode", cpu_decode, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["cpu_decode"] == cpu_decode
-    ranks = ["TP=2 gloo, 1 thread", "TP=2 shm, 1 thread"] if cpu_decode == "eager" else ["TP=2 shm, 1 thread"]
+    ranks = ["TP=2 shm, 1 thread", "TP=2 shm vocab, 1 thread"]
+    if cpu_decode == "eager":
+        ranks.insert(0, "TP=2 gloo, 1 thread")
     assert list(result["systems"]) == ["TP=1, 1 thread", "TP=1, 2 threads", *ranks]
     for name in ranks:
         two = result["systems"][name]

@@ -84,11 +84,13 @@ def decode(mode: str) -> dict:
             "path": "fused_decode" if mode == "fused" else "eager"}
 
 
-@pytest.mark.parametrize("mode", ["eager", "fused"])
-def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three(mode):
+@pytest.mark.parametrize(("mode", "lm_head"), [("eager", "vocab"), ("fused", "vocab"), ("eager", "replicated"),
+                                               ("fused", "replicated")])
+def test_stories_greedy_tokens_and_logprobs_match_one_rank_at_two_and_three(mode, lm_head):
+    # stories260K's head is its embedding (tied); its 512 ids split 171/171/170 at TP=3.
     one, info_one, _ = run(STORIES_DIR, 1, 12, logprobs=3, **decode(mode))
     for tp in (2, 3):
-        many, info, kv_bytes = run(STORIES_DIR, tp, 12, logprobs=3, **decode(mode))
+        many, info, kv_bytes = run(STORIES_DIR, tp, 12, logprobs=3, tensor_parallel_lm_head=lm_head, **decode(mode))
         assert tokens(many) == tokens(one)
         for seq, (_, want) in one.items():
             for got, expected in zip(many[seq][1], want, strict=True):
@@ -189,3 +191,33 @@ def test_gloo_all_reduce_matches_one_rank_and_keeps_the_steps_eager(random_model
             assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
     with pytest.raises(ValueError, match="cpu_decode 'fused'.*shared-memory all-reduce"):
         make_runner(model, 2, tensor_parallel_all_reduce="gloo", fused_decode=FusedDecodeSettings(cpu_decode="fused"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_drafts_are_verified_as_on_one_rank(random_model_dirs, mode):
+    """Speculation: every draft row's logits come from the ranks' shares of the head; the same
+    drafts (the one-rank answer, one wrong token in each) are accepted and cut alike."""
+    model = random_model_dirs["llama-gqa-8-2"]
+    greedy = tokens(run(model, 1, 8)[0])
+    results = []
+    for tp in (1, 2):
+        runner = make_runner(model, tp, **{k: v for k, v in decode(mode).items() if k != "path"})
+        try:
+            first = generate(runner, 1)
+            steps = []
+            for step in range(1, 3):
+                running = []
+                for seq in first:
+                    done = len(first[seq][0]) + sum(len(s.get(seq, [])) for s in steps)
+                    drafts = greedy[seq][done:done + 3]
+                    drafts[-1] = (drafts[-1] + 1) % 64  # the third draft is wrong: cut there
+                    running.append(RunningSequence(seq, 1 + len(drafts), draft_token_ids=drafts))
+                out = runner.execute(StepPlan(step, running=running)).outputs
+                steps.append({o.seq_id: list(o.token_ids) for o in out})
+            results.append(steps)
+        finally:
+            runner.close()
+    assert results[0] == results[1]
+    for steps in results:  # two drafts and the target's own token each step: the greedy answer
+        for seq in greedy:
+            assert steps[0][seq] + steps[1][seq] == greedy[seq][1:7]

@@ -98,3 +98,22 @@ def test_a_column_split_inside_a_group_is_refused(fmt):
     with pytest.raises(ValueError, match=f"o_proj: a tensor-parallel split at input columns 16..128 cuts its {fmt} "
                                          "groups of 32"):
         slice_columns(weight, 16, 128, name="o_proj")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_vocab_parallel_head_is_each_ranks_rows_of_the_head(tied):
+    torch.manual_seed(0)
+    mc = dataclasses.replace(config(8, 4, 172), tie_word_embeddings=tied)  # 512 ids: 171, 171, 170 at TP=3
+    d = mc.hidden_size
+    full = {"model.embed_tokens.weight": torch.randn(mc.vocab_size, d)}
+    if not tied:
+        full["lm_head.weight"] = torch.randn(mc.vocab_size, d)
+    head = full["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    plans = plan_shards(mc, 3)
+    assert spans(plans, "vocab") == [(0, 171), (171, 342), (342, 512)]
+    for plan in plans:
+        local = shard_checkpoint(dict(full), mc, plan, vocab_parallel=True)
+        assert torch.equal(local["lm_head.weight"], head[plan.vocab.start:plan.vocab.stop])
+        assert torch.equal(local["model.embed_tokens.weight"], full["model.embed_tokens.weight"])  # the lookup: whole
+        assert not shard_config(mc, plan, vocab_parallel=True).tie_word_embeddings
+    assert "lm_head.weight" not in shard_checkpoint(dict(full), mc, plans[0]) or not tied  # replicated: as it was

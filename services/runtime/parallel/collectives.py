@@ -11,10 +11,11 @@ work (a long timeout; a rank that dies closes its sockets, which ends the wait a
 an all-reduce that stalls means a rank is stuck. The groups are objects, not torch.distributed's
 process-global default group, so a process can hold more than one (the tests do).
 
-A step is two broadcasts from rank 0: a header (kind, tokens, sequences, block-table width)
-and one int64 blob: input ids, positions and slots [3T], then context lengths [B], query
-starts [B + 1] and the block table [B, W], from which every rank builds the same
-AttentionMetadata (its host lists too) on its own device.
+A step is two broadcasts from rank 0: a header (kind, tokens, sequences, block-table width,
+logit rows) and one int64 blob: input ids, positions and slots [3T], then context lengths [B],
+query starts [B + 1], the block table [B, W] and the rows of the final hidden states that need
+logits [R], from which every rank builds the same AttentionMetadata (its host lists too) on its
+own device, and, with a vocab-parallel LM head, computes its vocabulary's logits of those rows.
 """
 
 from __future__ import annotations
@@ -104,6 +105,17 @@ class RankGroups:
         self.step.allreduce([t], opts).wait()
         return int(t.item())
 
+    def gather_to_first(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: [world, *local.shape], every rank's ``local`` by rank; the others: None."""
+        if self.shm is not None and local.device.type == "cpu" and local.dtype == torch.float32:
+            local = local.contiguous()
+            out = torch.empty((self.world, *local.shape)) if self.rank == 0 else None
+            self.shm.gather(local, out)
+            return out
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        self.reduce.allgather([parts], [local.contiguous()]).wait()
+        return torch.stack(parts) if self.rank == 0 else None
+
     def gather_ints(self, value: int) -> list[int]:
         """Every rank's ``value``, by rank (a sum of one-hot rows: gloo's all-gather needs lists)."""
         t = torch.zeros(self.world, dtype=torch.int64)
@@ -118,34 +130,46 @@ class RankGroups:
         self.step.broadcast([tensor], opts).wait()
 
     def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  fused: bool = False) -> None:
-        """Rank 0: the step's inputs to the other ranks, and which forward runs it (``fused``:
-        the fused CPU step, else the model's)."""
+                  fused: bool = False, logit_rows: list[int] = ()) -> None:
+        """Rank 0: the step's inputs to the other ranks, which forward runs it (``fused``: the
+        fused CPU step, else the model's) and which hidden rows need logits."""
         t, b = input_ids.numel(), meta.num_seqs
         blob = torch.cat([input_ids, positions, meta.slot_mapping, meta.context_lens.long(),
-                          meta.query_start_loc.long(), meta.block_tables.reshape(-1).long()]).cpu()
+                          meta.query_start_loc.long(), meta.block_tables.reshape(-1).long(),
+                          torch.tensor(logit_rows, dtype=torch.int64, device=input_ids.device)]).cpu()
         kind = STEP_FUSED if fused else STEP
-        self._broadcast(torch.tensor([kind, t, b, meta.block_tables.shape[1]], dtype=torch.int64))
+        self._broadcast(torch.tensor([kind, t, b, meta.block_tables.shape[1], len(logit_rows)], dtype=torch.int64))
         self._broadcast(blob)
 
     def send_stop(self) -> None:
-        self._broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64))
+        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64))
 
-    def receive_step(self, block_size: int, device: torch.device
-                     ) -> tuple[bool, torch.Tensor, torch.Tensor, AttentionMetadata] | None:
-        """The other ranks: the next step's (fused, input ids, positions, metadata), or None to stop."""
-        header = torch.empty(4, dtype=torch.int64)
+    def receive_step(self, block_size: int, device: torch.device) -> ReceivedStep | None:
+        """The other ranks: the next step, or None to stop."""
+        header = torch.empty(5, dtype=torch.int64)
         self._broadcast(header)
-        kind, t, b, width = header.tolist()
+        kind, t, b, width, r = header.tolist()
         if kind == STOP:
             return None
-        blob = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.int64)
+        blob = torch.empty(3 * t + 2 * b + 1 + b * width + r, dtype=torch.int64)
         self._broadcast(blob)
-        ints = blob[3 * t:]
+        ints = blob[3 * t:blob.numel() - r]
         context_lens, query_starts = ints[:b].tolist(), ints[b:2 * b + 1].tolist()
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
-        return (kind == STEP_FUSED, *unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device),
-                                                        query_lens, context_lens, width, block_size))
+        input_ids, positions, meta = unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device),
+                                                        query_lens, context_lens, width, block_size)
+        return ReceivedStep(kind == STEP_FUSED, input_ids, positions, meta, blob[blob.numel() - r:].to(device))
+
+
+@dataclass(slots=True)
+class ReceivedStep:
+    fused: bool
+    """Run through the fused CPU step (else the model's forward)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor
+    """[R] int64: the final hidden states' rows whose logits rank 0 samples from."""
 
 
 class AllReduceHooks:

@@ -107,13 +107,21 @@ class TensorParallelLeader:
             raise TensorParallelError(f"{self.failure}{' ' + when if when else ''}; the executor cannot run steps")
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 forward: Callable[[], T], fused: bool = False) -> T:
+                 forward: Callable[[], T], fused: bool = False, logit_rows: list[int] = ()) -> T:
         """Hand the step to the other ranks, then run rank 0's ``forward`` (whose all-reduces
-        meet theirs); ``fused``: the ranks run it through their fused CPU step."""
+        meet theirs); ``fused``: the ranks run it through their fused CPU step; ``logit_rows``:
+        the hidden rows a vocab-parallel head's shares are computed of."""
+        def step() -> T:
+            self.groups.send_step(input_ids, positions, meta, fused, logit_rows)
+            return forward()
+        return self.collective(step)
+
+    def collective(self, run: Callable[[], T]) -> T:
+        """``run()``, whose collectives meet the other ranks': a failure there (a rank gone or
+        stuck) raises TensorParallelError with the reason."""
         self._raise_if_lost()
         try:
-            self.groups.send_step(input_ids, positions, meta, fused)
-            return forward()
+            return run()
         except RuntimeError as exc:
             if isinstance(exc, TensorParallelError):
                 raise

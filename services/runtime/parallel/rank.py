@@ -50,6 +50,8 @@ class RankSpec:
     """collectives.ALL_REDUCE_BACKENDS: how the CPU ranks sum."""
     fused: bool = False
     """Whether rank 0 runs the fused CPU step: the rank builds its own over its shard then."""
+    lm_head: str = "replicated"
+    """vocab_head.LM_HEADS: whether this rank holds and runs its share of the LM head."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -60,13 +62,14 @@ class RankSpec:
 
 
 def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, device: torch.device,
-               dtype: torch.dtype, world: int, rank: int, prepack: bool = True
+               dtype: torch.dtype, world: int, rank: int, prepack: bool = True, vocab_parallel: bool = False
                ) -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
-    """The model cut to ``rank``'s shard, its all-reduce hooks not yet joined to a group."""
+    """The model cut to ``rank``'s shard, its all-reduce hooks not yet joined to a group;
+    ``vocab_parallel``: its LM head is the rank's vocabulary rows (on rank 0 too)."""
     weights = load_checkpoint(model_dir, config, dtype)
     plan = plan_shards(config, world, ffn_alignment(weights, config))[rank]
-    local = shard_config(config, plan)
-    model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan), backend, device, prepack)
+    local = shard_config(config, plan, vocab_parallel)
+    model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan, vocab_parallel), backend, device, prepack)
     return model, AllReduceHooks(model), plan
 
 

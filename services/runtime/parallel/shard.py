@@ -34,13 +34,15 @@ Weight = torch.Tensor | QuantizedWeight
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
-    """What rank ``rank`` of ``world`` owns: query heads, KV heads and MLP columns (half-open)."""
+    """What rank ``rank`` of ``world`` owns: query heads, KV heads and MLP columns (half-open),
+    and the LM head's vocabulary rows where the head is vocab-parallel."""
 
     rank: int
     world: int
     heads: range
     kv_heads: range
     ffn: range
+    vocab: range = range(0)
 
 
 def _split(units: int, parts: int) -> list[range]:
@@ -87,13 +89,17 @@ def plan_shards(config: ModelConfig, world: int, ffn_align: int = 1) -> list[Sha
                          f"MLP column groups of {ffn_align}")
     ffn_runs = [range(r.start * ffn_align, r.stop * ffn_align)
                 for r in _split(config.intermediate_size // ffn_align, world)]
-    return [ShardPlan(rank, world, h, kv, f) for rank, (h, kv, f) in enumerate(zip(head_runs, kv_runs, ffn_runs))]
+    vocab_runs = _split(config.vocab_size, world)
+    return [ShardPlan(rank, world, h, kv, f, v)
+            for rank, (h, kv, f, v) in enumerate(zip(head_runs, kv_runs, ffn_runs, vocab_runs))]
 
 
-def shard_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
-    """The model config one rank builds its layers and its KV pool from."""
-    return dataclasses.replace(config, num_heads=len(plan.heads), num_kv_heads=len(plan.kv_heads),
-                               intermediate_size=len(plan.ffn))
+def shard_config(config: ModelConfig, plan: ShardPlan, vocab_parallel: bool = False) -> ModelConfig:
+    """The model config one rank builds its layers and its KV pool from (a vocab-parallel head
+    is its own matrix, never the embedding's: the lookup needs every row)."""
+    local = dataclasses.replace(config, num_heads=len(plan.heads), num_kv_heads=len(plan.kv_heads),
+                                intermediate_size=len(plan.ffn))
+    return dataclasses.replace(local, tie_word_embeddings=False) if vocab_parallel else local
 
 
 def slice_rows(weight: Weight, start: int, stop: int) -> Weight:
@@ -124,9 +130,15 @@ def slice_columns(weight: Weight, start: int, stop: int, name: str = "weight") -
     return QuantizedWeight(w.fmt, w.out_features, stop - start, w.group_size, **parts)
 
 
-def shard_checkpoint(weights: dict[str, Weight], config: ModelConfig, plan: ShardPlan) -> dict[str, Weight]:
+def shard_checkpoint(weights: dict[str, Weight], config: ModelConfig, plan: ShardPlan,
+                     vocab_parallel: bool = False) -> dict[str, Weight]:
     """The checkpoint (load_checkpoint's dict) cut to one rank's shard; the input dict is emptied
-    as it goes, so at most one full layer's weights are held twice."""
+    as it goes, so at most one full layer's weights are held twice. ``vocab_parallel``: the LM
+    head (the embedding, where tied) cut to the rank's vocabulary rows."""
+    out: dict[str, Weight] = {}
+    if vocab_parallel:
+        head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings else weights.pop("lm_head.weight")
+        out["lm_head.weight"] = slice_rows(head, plan.vocab.start, plan.vocab.stop)
     hd = config.head_dim
     q = (plan.heads.start * hd, plan.heads.stop * hd)
     kv = (plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
@@ -134,7 +146,6 @@ def shard_checkpoint(weights: dict[str, Weight], config: ModelConfig, plan: Shar
     column_parallel = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                        "mlp.gate_proj": f, "mlp.up_proj": f}
     row_parallel = {"self_attn.o_proj.weight": q, "mlp.down_proj.weight": f}
-    out: dict[str, Weight] = {}
     for name in list(weights):
         weight = weights.pop(name)
         if name.startswith("model.layers."):

@@ -25,6 +25,8 @@ from services.runtime.model.config import ModelConfig, parse_dtype
 from services.runtime.parallel.collectives import RankGroups
 from services.runtime.parallel.leader import LOAD_TIMEOUT_S
 from services.runtime.parallel.rank import KV_DTYPES, RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
+from services.runtime.parallel.shard import plan_shards
+from services.runtime.parallel.vocab_head import VocabParallelHead
 
 _log = structlog.get_logger("tokenmill.parallel")
 
@@ -45,7 +47,7 @@ def run(spec: RankSpec) -> None:
     config = ModelConfig.from_model_dir(spec.model)
     backend = get_attention_backend(spec.attention_backend, device)
     model, hooks, plan = load_shard(spec.model, config, backend, device, parse_dtype(spec.dtype), spec.world,
-                                    spec.rank)
+                                    spec.rank, vocab_parallel=spec.lm_head == "vocab")
     kv_dtype = KV_DTYPES[spec.kv_dtype]
     blocks = spec.num_blocks or blocks_for_budget(model.config, spec.block_size, kv_dtype, device,
                                                   spec.kv_cache_bytes, spec.gpu_memory_utilization)
@@ -65,16 +67,19 @@ def run(spec: RankSpec) -> None:
             fused = FusedDecode(model, kv_cache.layers, reducer=groups.shm)
         else:
             _log.info("tensor_parallel_rank_fused_step", rank=spec.rank, path="eager", reason=reason)
+    head = None
+    if spec.lm_head == "vocab":
+        local = fused.logits if fused is not None and fused.computes_logits else model.compute_logits
+        head = VocabParallelHead(groups, local, [p.vocab for p in plan_shards(config, spec.world)])
     _log.info("tensor_parallel_rank_ready", rank=spec.rank, world=spec.world, heads=[plan.heads.start, plan.heads.stop],
               kv_heads=[plan.kv_heads.start, plan.kv_heads.stop], ffn=[plan.ffn.start, plan.ffn.stop],
               num_blocks=blocks, kv_cache_bytes=kv_cache.nbytes, device=str(device))
     with torch.inference_mode():
         while (step := groups.receive_step(spec.block_size, device)) is not None:
-            run_fused, input_ids, positions, meta = step
-            if run_fused:
-                fused(input_ids, positions, kv_cache.layers, meta)
-            else:
-                model(input_ids, positions, kv_cache.layers, meta)
+            forward = fused if step.fused else model
+            hidden = forward(step.input_ids, step.positions, kv_cache.layers, step.meta)
+            if head is not None and step.logit_rows.numel():
+                head.contribute(hidden[step.logit_rows])
     _log.info("tensor_parallel_rank_stopped", rank=spec.rank)
 
 
