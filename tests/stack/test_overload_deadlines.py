@@ -144,7 +144,14 @@ async def record_stream_as(stub, token: str) -> int:
 
 async def test_a_passing_deadline_aborts_the_request_and_frees_its_blocks_at_once(stack) -> None:
     stub = stack.stub
-    for deadline_s in (0.3, 0.8):  # while waiting for its first token, and mid-stream
+    # The deadlines are fractions of how long the whole stream takes here, so that they pass
+    # mid-stream on a fast machine as on a slow one (on a quiet one the stream takes ~0.1 s).
+    start = time.perf_counter()
+    async for _ in stub.Generate(greedy_request("Once upon a time", 480), timeout=30, metadata=bearer("tok-a")):
+        pass
+    whole_s = time.perf_counter() - start
+    await stack.wait_idle(timeout=5)
+    for deadline_s in (0.2 * whole_s, 0.6 * whole_s):  # early in the stream, and past its middle
         call = stub.Generate(greedy_request("Once upon a time", 480), timeout=deadline_s, metadata=bearer("tok-a"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in call:
