@@ -1,7 +1,7 @@
 """Tool calls read out of a model's free text, in the syntax its chat template teaches.
 
 One module per format (``hermes``, ``llama3_json``, ``mistral``), each a streaming parser
-(events.py); reader.py turns their events into OpenAI's deltas and messages; json_call.py reads
+(events.py) on the shared buffer and loop of state_machine.py; reader.py turns their events into OpenAI's deltas and messages; json_call.py reads
 the JSON of one call as it arrives. ``PARSERS`` names them, as the settings
 (``--tool-call-parser``, a route's ``tool_call_parser``) and the engine's
 ``ModelInfo.tool_call_format`` do.

@@ -20,6 +20,7 @@ from services.gateway.tool_calls.json_call import (
     read_header,
     whole_call,
 )
+from services.gateway.tool_calls.state_machine import CallStateMachine
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -29,27 +30,9 @@ WHOLE_ARGUMENT_KEYS = ("arguments", "parameters")
 _TEXT, _HEADER, _BLOCK, _ARGS, _TAIL = range(5)
 
 
-class HermesParser:
+class HermesParser(CallStateMachine):
     def __init__(self, names: frozenset[str] | None = None) -> None:
-        self._names = names
-        self._state = _TEXT
-        self._buffer = ""
-        self._index = 0
-        self._scanner = ArgumentsScanner()
-        self._closing_brace = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[Event]:
-        out: list[Event] = []
-        while self._step(out, final):
-            pass
-        return out
+        super().__init__(names, _TEXT)
 
     def _step(self, out: list[Event], final: bool) -> bool:
         """One move of the state machine; False once it needs more text (or the text is done)."""
@@ -87,14 +70,7 @@ class HermesParser:
             self._buffer, self._state = (buffer[at + len(CLOSE):] if at >= 0 else ""), _TEXT
             return True
         if self._state == _ARGS:
-            size = self._scanner.scan(buffer)
-            if size:
-                out.append(CallArguments(self._index, buffer[:size]))
-            self._buffer = buffer[size:]
-            if not self._scanner.done:
-                if final:  # cut short: the call keeps what was written
-                    self._index += 1
-                    self._state = _TEXT
+            if not self._stream_arguments(out, final, _TEXT):
                 return False
             self._state, self._closing_brace = _TAIL, False
             return True

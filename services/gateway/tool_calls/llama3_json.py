@@ -9,8 +9,9 @@ key). Once a call has been made, text after it that is not another call is conte
 
 from __future__ import annotations
 
-from services.gateway.tool_calls.events import CallArguments, CallOpened, Content, Event
+from services.gateway.tool_calls.events import CallOpened, Content, Event
 from services.gateway.tool_calls.json_call import FAILED, ArgumentsScanner, Header, read_header
+from services.gateway.tool_calls.state_machine import CallStateMachine
 
 PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("parameters", "arguments")
@@ -18,27 +19,9 @@ ARGUMENT_KEYS = ("parameters", "arguments")
 _START, _HEADER, _ARGS, _TAIL, _TEXT = range(5)
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(CallStateMachine):
     def __init__(self, names: frozenset[str] | None = None) -> None:
-        self._names = names
-        self._state = _START
-        self._buffer = ""
-        self._index = 0
-        self._scanner = ArgumentsScanner()
-        self._closing_brace = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[Event]:
-        out: list[Event] = []
-        while self._step(out, final):
-            pass
-        return out
+        super().__init__(names, _START)
 
     def _to_text(self) -> bool:
         self._state = _TEXT
@@ -76,14 +59,7 @@ class Llama3JsonParser:
                 return self._to_text()
             return False
         if self._state == _ARGS:
-            size = self._scanner.scan(buffer)
-            if size:
-                out.append(CallArguments(self._index, buffer[:size]))
-            self._buffer = buffer[size:]
-            if not self._scanner.done:
-                if final:
-                    self._index += 1
-                    self._state = _TEXT
+            if not self._stream_arguments(out, final, _TEXT):
                 return False
             self._state, self._closing_brace = _TAIL, False
             return True

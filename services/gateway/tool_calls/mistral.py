@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 
-from services.gateway.tool_calls.events import CallArguments, CallOpened, Content, Event
+from services.gateway.tool_calls.events import CallOpened, Content, Event
 from services.gateway.tool_calls.json_call import FAILED, ArgumentsScanner, Header, marker_overlap, read_header
+from services.gateway.tool_calls.state_machine import CallStateMachine
 
 MARKER = "[TOOL_CALLS]"
 ARGS_MARKER = "[ARGS]"
@@ -24,28 +25,10 @@ _NAME = re.compile(r"[A-Za-z0-9_-]*")
 _TEXT, _AFTER_MARKER, _ITEM, _ARGS, _TAIL, _NAMED, _REST = range(7)
 
 
-class MistralParser:
+class MistralParser(CallStateMachine):
     def __init__(self, names: frozenset[str] | None = None) -> None:
-        self._names = names
-        self._state = _TEXT
-        self._buffer = ""
-        self._index = 0
-        self._scanner = ArgumentsScanner()
-        self._closing_brace = False
+        super().__init__(names, _TEXT)
         self._in_array = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[Event]:
-        out: list[Event] = []
-        while self._step(out, final):
-            pass
-        return out
 
     def _rest_is_content(self) -> bool:
         self._state = _REST
@@ -114,14 +97,7 @@ class MistralParser:
                 return self._rest_is_content()
             return False
         if self._state == _ARGS:
-            size = self._scanner.scan(buffer)
-            if size:
-                out.append(CallArguments(self._index, buffer[:size]))
-            self._buffer = buffer[size:]
-            if not self._scanner.done:
-                if final:
-                    self._index += 1
-                    self._state = _REST
+            if not self._stream_arguments(out, final, _REST):
                 return False
             if not self._in_array:
                 self._index += 1
