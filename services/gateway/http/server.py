@@ -28,9 +28,18 @@ class HttpServer:
     server: _Server
     task: asyncio.Task
     port: int
+    sock: socket.socket
+
+    def stop_accepting(self) -> None:
+        """Close the listener now: uvicorn would only on its next tick (0.1 s or later), and a
+        connection accepted in between reaches a server that health already calls NOT_SERVING."""
+        for listener in self.server.servers:
+            listener.close()
+        self.sock.close()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, let open responses finish for ``grace`` seconds, then cut them."""
+        self.stop_accepting()
         self.server.config.timeout_graceful_shutdown = max(grace, 0.2)
         self.server.should_exit = True
         try:
@@ -62,4 +71,4 @@ async def start_http(app, host: str, port: int) -> HttpServer:
             task.result()  # raises what stopped it
             raise RuntimeError("the HTTP server stopped while starting")
         await asyncio.sleep(0.01)
-    return HttpServer(server, task, sock.getsockname()[1])
+    return HttpServer(server, task, sock.getsockname()[1], sock)
