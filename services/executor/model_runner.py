@@ -30,7 +30,7 @@ from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import AllReduceHooks
-from services.runtime.parallel.leader import TensorParallelLeader
+from services.runtime.parallel.leader import TensorParallelError, TensorParallelLeader
 from services.runtime.parallel.vocab_head import VocabParallelHead
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
 from services.runtime.sampling.grammar import GrammarMatchers, MaskFuture
@@ -147,8 +147,17 @@ class ModelRunner:
                     raise
         if not scheduled:
             return StepResult(plan.step_id, [])
-        outputs = self._run_step(scheduled, drafts)
-        self._run_more_steps(plan, scheduled, outputs)
+        if self.parallel is None:
+            outputs = self._run_step(scheduled, drafts)
+            self._run_more_steps(plan, scheduled, outputs)
+        else:
+            try:
+                outputs = self._run_step(scheduled, drafts)
+                self._run_more_steps(plan, scheduled, outputs)
+            except TensorParallelError:
+                raise
+            except Exception as exc:  # the other ranks may be inside this step: the group is lost
+                raise self.parallel.step_failed(exc) from exc
         return StepResult(plan.step_id, outputs, time.perf_counter() - start)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,37 @@ def test_a_killed_rank_fails_the_step_with_its_reason():
         runner.close()
 
 
+@pytest.mark.parametrize("all_reduce", ["auto", "gloo"])
+def test_a_step_failing_on_rank_0_ends_the_group_at_once(all_reduce):
+    """Rank 0 raises after the step's inputs went out: the other rank waits in that step's first
+    all-reduce for a sum that never comes, so the group is over (not just the step), at once
+    rather than at the all-reduce's 10-minute timeout, and every later step says why."""
+    runner = make_runner(STORIES_DIR, 2, tensor_parallel_all_reduce=all_reduce)
+    try:
+        generate(runner, 2)
+        (pid,) = runner.parallel.pids
+        lost: list[str] = []
+        runner.parallel.on_lost(lost.append)
+
+        def fails(step):
+            raise RuntimeError("out of memory (injected)")
+
+        runner.paths[0].forward = fails
+        decode = StepPlan(9, running=[RunningSequence(i, 1) for i in range(len(PROMPTS))])
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 0 failed inside a step: RuntimeError: out of memory"):
+            runner.execute(decode)
+        assert lost and "rank 0 failed inside a step" in lost[0]
+        while Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"):
+            assert time.monotonic() - start < 30, "rank 1 still runs"
+            time.sleep(0.05)
+        with pytest.raises(TensorParallelError, match="rank 0 failed inside a step"):
+            runner.execute(StepPlan(10, running=[RunningSequence(i, 1) for i in range(len(PROMPTS))]))
+        assert len(lost) == 1  # once, however the other rank's exit is seen afterwards
+    finally:
+        runner.close()
+
+
 def test_the_executor_service_ends_when_a_rank_dies(tmp_path):
     port_file = tmp_path / "port"
     proc = subprocess.Popen(

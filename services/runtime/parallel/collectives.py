@@ -1,11 +1,14 @@
 """The process groups of one tensor-parallel executor, and the step inputs rank 0 hands the others.
 
-Two groups over one TCPStore that rank 0 serves on loopback: the step channel (gloo, host
-tensors, every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
+Two groups over one TCPStore that rank 0 serves on loopback: the step channel (host tensors,
+every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
 row-parallel layers' partial outputs. On a CPU the sums go through a shared memory segment
 instead (shared_memory.py: a few microseconds where gloo's loopback round trips take hundreds),
 gloo's reduce group staying the fallback where the segment cannot be made
-(``--tensor-parallel-all-reduce``). Separate because they wait differently: a rank idles in
+(``--tensor-parallel-all-reduce``). The step channel goes through such a segment too, on CUDA
+as well (the ranks are always processes of one host): gloo's broadcast took a millisecond or
+more a step on loopback, the segment microseconds; gloo's step group remains for the set-up's
+votes and where no segment could be made. Separate because they wait differently: a rank idles in
 the step channel's broadcast until the next step comes, for as long as the executor has no
 work (a long timeout; a rank that dies closes its sockets, which ends the wait at once), while
 an all-reduce that stalls means a rank is stuck. The groups are objects, not torch.distributed's
@@ -65,6 +68,9 @@ class RankGroups:
     reduce: dist.ProcessGroup
     shm: SharedMemoryReducer | None = None
     """The CPU all-reduce through shared memory; None: the reduce group's (gloo's or NCCL's)."""
+    step_segment: SharedMemoryReducer | None = None
+    """The segment the step inputs go through (``shm`` itself on a CPU); None: the step group's
+    gloo broadcasts."""
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world: int, device: torch.device,
@@ -86,9 +92,11 @@ class RankGroups:
         else:
             reduce = _gloo(store, "reduce", rank, world, REDUCE_TIMEOUT)
         groups = cls(rank, world, step, reduce)
-        if device.type == "cpu" and all_reduce != "gloo":
-            groups.shm = SharedMemoryReducer.join(store, rank, world, groups.min_int,
-                                                  REDUCE_TIMEOUT.total_seconds(), required=all_reduce == "shm")
+        if all_reduce != "gloo":
+            segment = SharedMemoryReducer.join(store, rank, world, groups.min_int, REDUCE_TIMEOUT.total_seconds(),
+                                               required=all_reduce == "shm")
+            groups.step_segment = segment
+            groups.shm = segment if device.type == "cpu" else None
         return groups
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -124,7 +132,11 @@ class RankGroups:
         return t.tolist()
 
     # --- the step channel ------------------------------------------------------------------
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
+        """``idle``: the others wait for it without a deadline (the header of the next step)."""
+        if self.step_segment is not None:
+            self.step_segment.broadcast(tensor, idle)
+            return
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.step.broadcast([tensor], opts).wait()
@@ -147,7 +159,7 @@ class RankGroups:
     def receive_step(self, block_size: int, device: torch.device) -> ReceivedStep | None:
         """The other ranks: the next step, or None to stop."""
         header = torch.empty(5, dtype=torch.int64)
-        self._broadcast(header)
+        self._broadcast(header, idle=True)
         kind, t, b, width, r = header.tolist()
         if kind == STOP:
             return None

@@ -6,12 +6,15 @@ started before rank 0 loads its own shard so that all load at once. Rank 0 serve
 TCPStore they meet at, on loopback on a free port. A rank that exits while the executor runs
 is a lost executor: the watcher logs which rank and how it ended, calls the ``on_lost``
 callbacks (the executor service ends its process there), and every later step raises
-TensorParallelError with that reason, as does the step that was waiting on it.
+TensorParallelError with that reason, as does the step that was waiting on it. So does a step
+that fails on rank 0 itself (``lose``): the other ranks may be inside that step's collectives,
+and no later step could meet them there.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import subprocess
 import sys
 import threading
@@ -33,6 +36,8 @@ _log = structlog.get_logger("tokenmill.parallel")
 LOAD_TIMEOUT_S = 3600.0
 """How long rank 0 waits for the other ranks to load their shards."""
 STOP_TIMEOUT_S = 10.0
+PEER_EXIT_WAIT_S = 0.5
+"""After a failed step, how long rank 0 looks for a rank's exit that would explain it."""
 
 T = TypeVar("T")
 
@@ -52,6 +57,7 @@ class TensorParallelLeader:
         self.kv_bytes: list[int] = []
         """Each rank's KV pool, in bytes, once joined."""
         self._closing = False
+        self._lock = threading.Lock()
         self._callbacks: list[Callable[[str], None]] = []
         self._procs = [
             subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
@@ -80,12 +86,36 @@ class TensorParallelLeader:
         if self._closing:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
-        _log.error("tensor_parallel_rank_lost", rank=rank, pid=proc.pid, returncode=code, reason=self.failure)
-        if self.groups is not None and self.groups.shm is not None:
-            self.groups.shm.abort()  # every rank waiting in the segment fails at once
+        reason = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        if self._fail(reason):
+            _log.error("tensor_parallel_rank_lost", rank=rank, pid=proc.pid, returncode=code, reason=reason)
+            self._after_failure()
+
+    def _fail(self, reason: str) -> bool:
+        """Record the group's first failure; whether this was it."""
+        with self._lock:
+            if self.failure is not None:
+                return False
+            self.failure = reason
+            return True
+
+    def _after_failure(self) -> None:
+        if self.groups is not None and self.groups.step_segment is not None:
+            self.groups.step_segment.abort()  # every rank waiting in the segment fails at once
         for callback in self._callbacks:
             callback(self.failure)
+
+    def lose(self, reason: str) -> TensorParallelError:
+        """Rank 0 failed inside a step (the step's inputs may be out, the other ranks waiting in
+        its collectives for sums rank 0 will never send): the group cannot run another step in
+        step, so it ends here as when a rank dies. Returns the error to raise."""
+        if self._fail(reason):
+            _log.error("tensor_parallel_rank_lost", rank=0, pid=os.getpid(), reason=reason)
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.kill()  # a rank waiting in gloo would wait out its timeout
+            self._after_failure()
+        return TensorParallelError(f"{self.failure}; the executor cannot run steps")
 
     def join(self, device: torch.device, all_reduce: str = "auto") -> RankGroups:
         """Wait for every rank to have loaded its shard, then form the groups (rank 0)."""
@@ -118,21 +148,28 @@ class TensorParallelLeader:
 
     def collective(self, run: Callable[[], T]) -> T:
         """``run()``, whose collectives meet the other ranks': a failure there (a rank gone or
-        stuck) raises TensorParallelError with the reason."""
+        stuck, or rank 0's own) raises TensorParallelError with the reason."""
         self._raise_if_lost()
         try:
             return run()
-        except RuntimeError as exc:
-            if isinstance(exc, TensorParallelError):
-                raise
-            # A collective failed: a rank is gone (its watcher may be a moment behind) or stuck.
-            for proc in self._procs:
-                try:
-                    proc.wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    pass
-            self._raise_if_lost()
-            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
+        except TensorParallelError:
+            raise
+        except Exception as exc:
+            raise self.step_failed(exc) from exc
+
+    def step_failed(self, exc: Exception) -> TensorParallelError:
+        """The error for a step that raised ``exc`` on rank 0: a rank's loss where one is gone
+        (a collective fails when a peer dies; its watcher may be a moment behind), else rank 0's
+        own failure, which ends the group (``lose``)."""
+        deadline = time.monotonic() + PEER_EXIT_WAIT_S
+        while self.failure is None and time.monotonic() < deadline:
+            if any(proc.poll() is not None for proc in self._procs):
+                time.sleep(0.1)  # the watcher thread, woken by the same exit, writes the reason
+                break
+            time.sleep(0.01)
+        if self.failure is not None:
+            return TensorParallelError(f"{self.failure}; the executor cannot run steps")
+        return self.lose(f"tensor-parallel rank 0 failed inside a step: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Stop the other ranks (they leave their loop on a stop header), killing the slow ones."""

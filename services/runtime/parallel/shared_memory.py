@@ -103,6 +103,12 @@ class SharedMemoryReducer:
         if self.handle.gather_to_first(local, out if out is not None else torch.empty(0)) != 0:
             raise RuntimeError(self.handle.last_error())
 
+    def broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
+        """Rank 0's ``tensor`` (contiguous, on the CPU, any dtype) into every rank's, in place;
+        ``idle``: the other ranks wait for rank 0 without a deadline (its death still ends it)."""
+        if self.handle.broadcast_from_first(tensor, idle) != 0:
+            raise RuntimeError(self.handle.last_error())
+
     def check(self) -> None:
         """Raise the failure of an all-reduce made from C++ (the fused step), if one failed."""
         if self.handle.status() != 0:

@@ -180,10 +180,14 @@ int64_t ShmAllReduce::wait_for(int64_t peer, uint32_t seq, int64_t deadline_ns) 
     if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
   }
   int64_t next_check = 0;
+  // The arrival wakes a sleeper (it sees `waiters`), so the slices only pace the checks below;
+  // they grow to 100 ms, so a rank idle for hours between steps wakes ten times a second.
+  int64_t slice_ns = 1000000;
   for (;;) {  // then sleep until it arrives, checking what could keep it from ever arriving
     __atomic_fetch_add(&l->waiters, 1u, __ATOMIC_SEQ_CST);
     const uint32_t have = __atomic_load_n(arrived, __ATOMIC_SEQ_CST);
-    if (!reached(have, seq)) futex_wait(arrived, have, 1000000);
+    if (!reached(have, seq)) futex_wait(arrived, have, slice_ns);
+    slice_ns = std::min<int64_t>(2 * slice_ns, 100000000);
     __atomic_fetch_sub(&l->waiters, 1u, __ATOMIC_SEQ_CST);
     if (reached(__atomic_load_n(arrived, __ATOMIC_ACQUIRE), seq)) return kReduceOk;
     if (__atomic_load_n(&control(base_)->abort, __ATOMIC_ACQUIRE)) {
@@ -199,7 +203,7 @@ int64_t ShmAllReduce::wait_for(int64_t peer, uint32_t seq, int64_t deadline_ns) 
                                          " waited for it in the shared-memory all-reduce");
       }
     }
-    if (now >= deadline_ns) {
+    if (deadline_ns >= 0 && now >= deadline_ns) {
       char seconds[32];
       std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_s_);
       return fail(kReduceTimeout, "tensor-parallel rank " + std::to_string(peer) + " did not reach the all-reduce "
@@ -208,7 +212,7 @@ int64_t ShmAllReduce::wait_for(int64_t peer, uint32_t seq, int64_t deadline_ns) 
   }
 }
 
-int64_t ShmAllReduce::arrive_and_wait() {
+int64_t ShmAllReduce::arrive_and_wait(bool idle) {
   if (status_ != kReduceOk) return status_;
   if (__atomic_load_n(&control(base_)->abort, __ATOMIC_ACQUIRE)) {
     return fail(kReduceAborted, "the shared-memory all-reduce was aborted: a tensor-parallel rank is gone");
@@ -216,7 +220,7 @@ int64_t ShmAllReduce::arrive_and_wait() {
   RankLine* mine = line(base_, rank_);
   __atomic_store_n(&mine->arrived, seq_, __ATOMIC_SEQ_CST);
   if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) futex_wake_all(&mine->arrived);
-  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s_ * 1e9);
+  const int64_t deadline = idle ? -1 : now_ns() + static_cast<int64_t>(timeout_s_ * 1e9);
   for (int64_t peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     const int64_t st = wait_for(peer, seq_, deadline);
@@ -231,7 +235,7 @@ int64_t ShmAllReduce::reduce(float* x, int64_t n) {
     const int64_t m = std::min(capacity_, n - off);
     ++seq_;
     std::memcpy(buffer(seq_, rank_), x + off, sizeof(float) * m);
-    const int64_t st = arrive_and_wait();
+    const int64_t st = arrive_and_wait(false);
     if (st != kReduceOk) return st;
     // The sum in rank order, the same adds on every rank.
     float* out = x + off;
@@ -252,7 +256,7 @@ int64_t ShmAllReduce::gather(const float* x, int64_t n, float* out) {
     const int64_t m = std::min(capacity_, n - off);
     ++seq_;
     std::memcpy(buffer(seq_, rank_), x + off, sizeof(float) * m);
-    const int64_t st = arrive_and_wait();
+    const int64_t st = arrive_and_wait(false);
     if (st != kReduceOk) return st;
     if (rank_ == 0) {
       for (int64_t r = 0; r < world_; ++r) std::memcpy(out + r * n + off, buffer(seq_, r), sizeof(float) * m);
@@ -260,6 +264,27 @@ int64_t ShmAllReduce::gather(const float* x, int64_t n, float* out) {
   }
   nanos_ += now_ns() - start;
   return kReduceOk;
+}
+
+int64_t ShmAllReduce::broadcast(uint8_t* data, int64_t nbytes, bool idle) {
+  // Every rank arrives at every chunk's sequence number, as in reduce: the two-set argument
+  // holds (rank 0 rewrites a set only after every rank has moved past reading it).
+  const int64_t chunk = capacity_ * static_cast<int64_t>(sizeof(float));
+  for (int64_t off = 0; off < nbytes; off += chunk) {
+    const int64_t m = std::min(chunk, nbytes - off);
+    ++seq_;
+    uint8_t* slot = reinterpret_cast<uint8_t*>(buffer(seq_, 0));
+    if (rank_ == 0) std::memcpy(slot, data + off, m);
+    const int64_t st = arrive_and_wait(idle && off == 0);
+    if (st != kReduceOk) return st;
+    if (rank_ != 0) std::memcpy(data + off, slot, m);
+  }
+  return kReduceOk;
+}
+
+int64_t ShmAllReduce::broadcast_from_first(at::Tensor t, bool idle) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "the broadcast's tensor must be a contiguous CPU tensor");
+  return broadcast(static_cast<uint8_t*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()), idle);
 }
 
 int64_t ShmAllReduce::all_reduce(at::Tensor t) {
@@ -282,6 +307,7 @@ void register_shm_all_reduce(torch::Library& m) {
       .def(torch::init<std::string, int64_t, int64_t, int64_t, double, double, double>())
       .def("all_reduce", &tokenmill_cpu::ShmAllReduce::all_reduce)
       .def("gather_to_first", &tokenmill_cpu::ShmAllReduce::gather_to_first)
+      .def("broadcast_from_first", &tokenmill_cpu::ShmAllReduce::broadcast_from_first)
       .def("abort", &tokenmill_cpu::ShmAllReduce::abort)
       .def("status", &tokenmill_cpu::ShmAllReduce::status)
       .def("last_error", &tokenmill_cpu::ShmAllReduce::last_error)

@@ -18,8 +18,11 @@
 // it reaches only after every rank arrived at seq + 1, and a rank arrives at seq + 1 only after
 // it has finished reading set seq & 1.
 //
+// The same segment carries rank 0's step inputs to the others (broadcast: rank 0's buffer of
+// the set, read by all), which gloo's loopback round trips took a millisecond or more to do.
+//
 // Waiting: spin (pause) for spin_us, then sched_yield until yield_us, then sleep on a futex on
-// the peer's sequence word (woken by its arrival; 1 ms slices), so a wait that is long, on a
+// the peer's sequence word (woken by its arrival; slices of 1 ms growing to 100 ms), so a wait that is long, on a
 // machine whose cores are shared, gives the core back rather than steal it. While asleep it
 // checks the abort flag, whether the peer's process is gone, and the deadline: a failed wait
 // returns a status (never throws: an exception thrown here does not reach Python on every torch
@@ -48,9 +51,15 @@ struct ShmAllReduce : torch::CustomClassHolder {
   // out[r * n : (r + 1) * n] = rank r's x[0:n], on rank 0 only (the others' out is untouched).
   int64_t gather(const float* x, int64_t n, float* out);
 
-  // Torch-facing: fp32 contiguous CPU tensors.
+  // data[0:nbytes] = rank 0's data[0:nbytes], on every rank. `idle`: the others may wait for
+  // rank 0 without a deadline (the next step of an executor that has no work may be hours
+  // away); rank 0's death still ends the wait.
+  int64_t broadcast(uint8_t* data, int64_t nbytes, bool idle);
+
+  // Torch-facing: fp32 contiguous CPU tensors (the broadcast: any dtype).
   int64_t all_reduce(at::Tensor t);
   int64_t gather_to_first(at::Tensor local, at::Tensor out);
+  int64_t broadcast_from_first(at::Tensor t, bool idle);
 
   // Make every rank's current and later waits fail at once (the leader calls it when a rank dies).
   void abort();
@@ -62,7 +71,7 @@ struct ShmAllReduce : torch::CustomClassHolder {
   int64_t world() const { return world_; }
 
  private:
-  int64_t arrive_and_wait();
+  int64_t arrive_and_wait(bool idle);
   int64_t wait_for(int64_t peer, uint32_t seq, int64_t deadline_ns);
   int64_t fail(int64_t status, std::string message);
   float* buffer(uint32_t seq, int64_t rank) const;
