@@ -103,10 +103,17 @@ class System:
         self._step += 1
 
 
+STEP_BLOCKS = 16
+"""Block-table width of the measured step hand-off."""
+
+
 def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls: int) -> dict[str, dict[str, float]]:
     """Microseconds per all-reduce of each shape between two processes, over gloo on loopback
     and over the shared memory segment, nothing else running in them: the collective's own
-    cost, without the wait for a slower rank that a step's all-reduce also holds."""
+    cost, without the wait for a slower rank that a step's all-reduce also holds. Then ("step
+    gloo", "step shm") a decode step's hand-off from rank 0 (header and inputs of that many
+    sequences, through gloo's step group or the segment) and the step's first sum (the
+    segment's), which rank 0 leaves only once the other rank has the step."""
     import torch.distributed as dist
 
     from services.runtime.parallel.collectives import RankGroups
@@ -125,6 +132,22 @@ def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls:
             for _ in range(calls):
                 reduce(t)
             out[name][f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
+    segment = groups.step_segment
+    for name in ("step gloo", "step shm"):  # a decode step's inputs handed over, then its first sum
+        out[name] = {}
+        groups.step_segment = segment if name == "step shm" else None
+        for rows, cols in shapes:
+            header = torch.tensor([1, rows, rows, STEP_BLOCKS, rows], dtype=torch.int64)
+            blob = torch.zeros(3 * rows + 2 * rows + 1 + rows * STEP_BLOCKS + rows, dtype=torch.int64)
+            t = torch.ones(rows, cols)
+            groups.min_int(0)
+            start = time.perf_counter()
+            for _ in range(calls):
+                groups.broadcast_from_first(header, idle=rank != 0)
+                groups.broadcast_from_first(blob)
+                groups.shm.all_reduce(t)
+            out[name][f"{rows}x{cols}"] = 1e6 * (time.perf_counter() - start) / calls
+    groups.step_segment = segment
     return out
 
 
@@ -214,6 +237,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         alone = measure_all_reduce(one.model_config.hidden_size, args.batches, args.all_reduce_calls)
         per_step = 2 * one.model_config.num_layers
         for name, times in alone.items():
+            if name.startswith("step"):
+                print(f"step hand-off and first sum, two processes, {name.removeprefix('step ')}: "
+                      + ", ".join(f"batch {shape.split('x')[0]} {us:.1f} us" for shape, us in times.items()))
+                continue
             print(f"all-reduce alone, two processes, {name}: "
                   + ", ".join(f"[{shape}] {us:.1f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
                               for shape, us in times.items()))

@@ -33,5 +33,6 @@ def test_a_short_run_writes_every_system_and_the_all_reduce(tmp_path, stories_di
         assert set(two["ms_per_step"]) == {"1", "4"}
         assert all(0 < share < 1 for share in two["all_reduce_share"].values())
     assert {name: set(times) for name, times in result["all_reduce_alone_us"].items()} == {
-        "gloo": {"1x64", "4x64"}, "shm": {"1x64", "4x64"}}
+        "gloo": {"1x64", "4x64"}, "shm": {"1x64", "4x64"}, "step gloo": {"1x64", "4x64"},
+        "step shm": {"1x64", "4x64"}}
     assert result["command"].startswith("python -m benchmarks tensor-parallel")

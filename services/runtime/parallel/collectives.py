@@ -132,7 +132,7 @@ class RankGroups:
         return t.tolist()
 
     # --- the step channel ------------------------------------------------------------------
-    def _broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
+    def broadcast_from_first(self, tensor: torch.Tensor, idle: bool = False) -> None:
         """``idle``: the others wait for it without a deadline (the header of the next step)."""
         if self.step_segment is not None:
             self.step_segment.broadcast(tensor, idle)
@@ -150,21 +150,21 @@ class RankGroups:
                           meta.query_start_loc.long(), meta.block_tables.reshape(-1).long(),
                           torch.tensor(logit_rows, dtype=torch.int64, device=input_ids.device)]).cpu()
         kind = STEP_FUSED if fused else STEP
-        self._broadcast(torch.tensor([kind, t, b, meta.block_tables.shape[1], len(logit_rows)], dtype=torch.int64))
-        self._broadcast(blob)
+        self.broadcast_from_first(torch.tensor([kind, t, b, meta.block_tables.shape[1], len(logit_rows)], dtype=torch.int64))
+        self.broadcast_from_first(blob)
 
     def send_stop(self) -> None:
-        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64))
+        self.broadcast_from_first(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64))
 
     def receive_step(self, block_size: int, device: torch.device) -> ReceivedStep | None:
         """The other ranks: the next step, or None to stop."""
         header = torch.empty(5, dtype=torch.int64)
-        self._broadcast(header, idle=True)
+        self.broadcast_from_first(header, idle=True)
         kind, t, b, width, r = header.tolist()
         if kind == STOP:
             return None
         blob = torch.empty(3 * t + 2 * b + 1 + b * width + r, dtype=torch.int64)
-        self._broadcast(blob)
+        self.broadcast_from_first(blob)
         ints = blob[3 * t:blob.numel() - r]
         context_lens, query_starts = ints[:b].tolist(), ints[b:2 * b + 1].tolist()
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
