@@ -1,8 +1,9 @@
 """Tensor parallelism through the real ModelRunner, its other ranks real processes (summing
 through the shared memory segment, or gloo on loopback): greedy tokens identical to one rank,
 fp32 logprobs within 1e-4, eager and through the fused CPU step (every rank's over its shard,
-the all-reduce inside its C++ loop), each rank's KV pool holding its heads alone, and a killed
-rank ending the executor with a clear reason.
+the all-reduce inside its C++ loop), with every attention backend, each rank's KV pool holding
+its heads alone, and a killed rank (or a step failing on rank 0) ending the executor with a
+clear reason.
 
 Models: stories260K (8 query / 4 KV heads: 4/2 a rank at TP=2, 4/2, 2/1, 2/1 at TP=3),
 random Llamas (GQA 8/2, MQA 8/1 with its KV head replicated), SmolLM2-135M (9 query / 3 KV
@@ -38,8 +39,9 @@ SMOLLM2_Q4 = REPO_ROOT / "models" / "smollm2-135m-instruct-q4_1"
 
 
 def make_runner(model: Path, tp: int, **settings) -> ModelRunner:
-    return ModelRunner(ExecutorConfig(model=str(model), dtype="fp32", device="cpu", attention_backend="cpu",
-                                      block_size=BLOCK_SIZE, num_blocks=48, tensor_parallel_size=tp, **settings))
+    settings = {"attention_backend": "cpu", **settings}
+    return ModelRunner(ExecutorConfig(model=str(model), dtype="fp32", device="cpu", block_size=BLOCK_SIZE,
+                                      num_blocks=48, tensor_parallel_size=tp, **settings))
 
 
 def generate(runner: ModelRunner, steps: int, logprobs: int | None = None) -> dict[int, tuple[list[int], list]]:
@@ -136,6 +138,17 @@ def test_smollm2_whole_kv_groups_match_one_rank(model, mode):
         for got, expected in zip(two[seq][1], want, strict=True):
             assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
     assert kv_bytes == [info_one.kv_cache_bytes * 2 // 3, info_one.kv_cache_bytes // 3]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_runs_its_ranks_heads(backend):
+    """The other attention backends (triton in its interpreter here) over each rank's own heads
+    and KV pool: the same greedy tokens as one rank with that backend, at TP=2."""
+    settings = {"attention_backend": backend, "fused_decode": FusedDecodeSettings(cpu_decode="eager")}
+    one, _, _ = run(STORIES_DIR, 1, 4, **settings)
+    two, info, _ = run(STORIES_DIR, 2, 4, **settings)
+    assert info.attention_backend == backend
+    assert tokens(two) == tokens(one)
 
 
 def test_a_killed_rank_fails_the_step_with_its_reason():
