@@ -19,7 +19,6 @@ from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import PathRuntime, Placement, choose_path, set_up_paths
 from services.executor.forward_paths.step import ForwardStep
 from services.executor.sequences import PoolLimits, Scheduled, SequenceState, apply_plan
-from services.executor.forward_paths.fused_decode import FusedDecodePath
 from services.executor.tensor_parallel import start_rank_zero, tensor_parallel_path
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
@@ -29,7 +28,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
-from services.runtime.parallel.collectives import AllReduceHooks
+from services.runtime.parallel.collectives import STEP_KINDS, AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelError, TensorParallelLeader
 from services.runtime.parallel.vocab_head import VocabParallelHead
 from services.runtime.sampling.batch import SamplingBatch, is_plain_greedy
@@ -60,7 +59,7 @@ class ModelRunner:
         vocab: list[range] | None = None
         if config.tensor_parallel_size > 1:
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
-                                        self.kv_dtype, tensor_parallel_path(path))
+                                        self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
             path = rank_zero.path
             self.parallel, self.model = rank_zero.leader, rank_zero.model
             self.all_reduces = rank_zero.hooks
@@ -77,7 +76,8 @@ class ModelRunner:
         self.paths = set_up_paths(path, config, PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks,
-            all_reduce=self.parallel.groups.shm if self.parallel is not None else None))
+            all_reduce=self.parallel.groups.shm if self.parallel is not None else None,
+            capture_with=self.parallel.capture if self.parallel is not None else None))
         """The forward paths a step is offered to, in order; eager, the last, takes every step."""
         self._lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
         """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
@@ -175,7 +175,7 @@ class ModelRunner:
         if self.parallel is not None:
             packed = step.packed
             return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step),
-                                          fused=isinstance(path, FusedDecodePath), logit_rows=logit_rows)
+                                          kind=STEP_KINDS[path.name], logit_rows=logit_rows)
         return path.forward(step)
 
     def _run_more_steps(self, plan: StepPlan, scheduled: Scheduled,

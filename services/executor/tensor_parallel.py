@@ -3,11 +3,14 @@ load this rank's shard and KV pool, agree on the pool's size.
 
 The model runner stays the one-device runner: it plans, samples and keeps the sequences; only
 its forward goes through the leader (services/runtime/parallel/leader.py), which broadcasts
-the step's inputs (and which forward runs them) before rank 0 runs its shard. Steps run
-eagerly or, on a CPU, through the fused CPU step, every rank's over its own shard with the
+the step's inputs (and which forward runs them) before rank 0 runs its shard. Every rank runs
+the same path over its own shard: eagerly; on a CPU through the fused CPU step, the
 shared-memory all-reduce inside its C++ loop (the ranks first agree that each can: shards
-differ). The compiled step and the decode graphs have no all-reduce inside, so either, when
-the flags and device would choose it, is set aside for eager, and the log line says so.
+differ); or through the decode graphs, each rank's own (same buckets, its own scratch block),
+captured by all ranks at once so that every graph records the same all-reduces (on a CPU,
+``--padded-decode-on-cpu`` runs the same buffers and buckets eagerly). The compiled step
+traces no all-reduce, so where the flags would choose it the steps run eagerly instead, and
+the log line says so.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import ForwardPath
+from services.executor.forward_paths.decode_graphs import DecodeGraphsPath
 from services.executor.forward_paths.eager import EagerPath
 from services.executor.forward_paths.fused_decode import FusedDecodePath
 from services.runtime.kv_cache import KVCache
@@ -52,8 +56,9 @@ class RankZero:
 
 
 def tensor_parallel_path(chosen: type[ForwardPath]) -> type[ForwardPath]:
-    """The path the flags chose, where it can sum between its layers (the fused CPU step), else eager."""
-    if chosen is not EagerPath and chosen is not FusedDecodePath:
+    """The path the flags chose, where every rank can run it with the sums between its layers
+    (eager, the fused CPU step, the decode graphs), else eager."""
+    if chosen not in (EagerPath, FusedDecodePath, DecodeGraphsPath):
         _log.info("tensor parallel forward path", path="eager", instead_of=chosen.name,
                   reason=f"the {chosen.name} path has no all-reduce between its layers; tensor-parallel steps "
                          "run eagerly")
@@ -74,9 +79,10 @@ def rank_devices(device: torch.device, world: int) -> list[torch.device]:
 
 def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
                     backend_name: str, backend: AttentionBackend, kv_dtype: torch.dtype,
-                    path: type[ForwardPath]) -> RankZero:
+                    path: type[ForwardPath], max_model_len: int) -> RankZero:
     """``path``: tensor_parallel_path's choice; the returned one is what every rank can run."""
     world = config.tensor_parallel_size
+    graphs_max_batch_size = config.decode_graphs.cuda_graph_max_batch_size if path is DecodeGraphsPath else 0
     plan_shards(mc, world)  # heads that cannot split fail here, before any process starts
     devices = rank_devices(device, world)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
@@ -89,7 +95,8 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
                         rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
                         log_level=level if level in ("debug", "info", "warning", "error") else "info",
                         all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath,
-                        lm_head=config.tensor_parallel_lm_head)
+                        lm_head=config.tensor_parallel_lm_head, max_model_len=max_model_len,
+                        graphs_max_batch_size=graphs_max_batch_size)
 
     leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
     try:
@@ -100,7 +107,8 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
         groups = leader.join(device, config.tensor_parallel_all_reduce)
         hooks.groups = groups
         blocks = groups.min_int(blocks)  # one pool size for the scheduler: the smallest any rank holds
-        kv_cache = KVCache.allocate(model.config, blocks, config.block_size, kv_dtype, device)
+        # A path's scratch blocks (the decode graphs' padding rows) lie past the scheduler's pool.
+        kv_cache = KVCache.allocate(model.config, blocks + path.scratch_blocks, config.block_size, kv_dtype, device)
         leader.kv_bytes = groups.gather_ints(kv_cache.nbytes)
         if path is FusedDecodePath:
             reason = agree_on_fused_step(model, kv_cache, groups)

@@ -24,6 +24,7 @@ import pytest
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
 from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.executor.model_runner import ModelRunner
 from services.runtime.parallel.leader import TensorParallelError
@@ -138,6 +139,28 @@ def test_smollm2_whole_kv_groups_match_one_rank(model, mode):
         for got, expected in zip(two[seq][1], want, strict=True):
             assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
     assert kv_bytes == [info_one.kv_cache_bytes * 2 // 3, info_one.kv_cache_bytes // 3]
+
+
+@pytest.mark.parametrize("lm_head", ["vocab", "replicated"])
+def test_the_decode_graphs_path_runs_on_every_rank(lm_head):
+    """The decode graphs' padded buffers and buckets (eager on a CPU: --padded-decode-on-cpu),
+    each rank's over its own shard and scratch block: 3 sequences in the bucket of 4, the padding
+    row writing only the scratch block, the same tokens and logprobs as one rank on that path.
+    The warm-up's capture goes to every rank (on a CPU it records nothing)."""
+    settings = {"decode_graphs": DecodeGraphSettings(padded_decode_on_cpu=True, cuda_graph_max_batch_size=8),
+                "tensor_parallel_lm_head": lm_head}
+    one, _, _ = run(STORIES_DIR, 1, 6, logprobs=2, path="decode_graphs", **settings)
+    runner = make_runner(STORIES_DIR, 2, **settings)
+    try:
+        assert runner.paths[0].name == "decode_graphs"
+        assert runner.paths[0].warm_up() == {}
+        two = generate(runner, 6, logprobs=2)
+    finally:
+        runner.close()
+    assert tokens(two) == tokens(one)
+    for seq, (_, want) in one.items():
+        for got, expected in zip(two[seq][1], want, strict=True):
+            assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -57,6 +57,9 @@ class PathRuntime:
     all_reduce: Any = None
     """A tensor-parallel rank 0's shared-memory all-reduce (parallel/shared_memory.py), for a
     path that sums between its layers itself (the fused CPU step); None on one rank."""
+    capture_with: Any = None
+    """Under tensor parallelism, ``capture_with(capture)`` runs rank 0's graph capture while the
+    other ranks capture theirs (leader.capture); None on one rank."""
 
 
 class ForwardPath:

@@ -42,8 +42,9 @@ class DecodeGraphsPath(ForwardPath):
     settings = DecodeGraphSettings
     scratch_blocks = 1
 
-    def __init__(self, graphs: DecodeGraphs) -> None:
+    def __init__(self, graphs: DecodeGraphs, capture_with=None) -> None:
         self.graphs = graphs
+        self.capture_with = capture_with
 
     @classmethod
     def validate(cls, config: ExecutorConfig) -> None:
@@ -65,7 +66,7 @@ class DecodeGraphsPath(ForwardPath):
             runtime.model, runtime.kv_caches, block_size=runtime.block_size, max_model_len=runtime.max_model_len,
             max_batch_size=config.decode_graphs.cuda_graph_max_batch_size, scratch_block=runtime.scratch_block,
             device=runtime.device, capture=runtime.device.type == "cuda",
-        ))
+        ), runtime.capture_with)
 
     def takes(self, step: ForwardStep) -> bool:
         return self.graphs.takes(len(step.rows), [n for _, n in step.rows], step.max_blocks)
@@ -74,7 +75,8 @@ class DecodeGraphsPath(ForwardPath):
         return self.graphs.run(step.decode_rows())
 
     def warm_up(self) -> dict[str, Any]:
-        capture = self.graphs.capture()
+        # Under tensor parallelism every rank captures at once: their graphs' all-reduces meet.
+        capture = self.capture_with(self.graphs.capture) if self.capture_with else self.graphs.capture()
         if not capture.captured:
             return {}
         return {"graph_seconds": round(capture.seconds, 3), "graph_batch_sizes": list(capture.batch_sizes)}

@@ -14,7 +14,7 @@ work (a long timeout; a rank that dies closes its sockets, which ends the wait a
 an all-reduce that stalls means a rank is stuck. The groups are objects, not torch.distributed's
 process-global default group, so a process can hold more than one (the tests do).
 
-A step is two broadcasts from rank 0: a header (kind, tokens, sequences, block-table width,
+A step is two broadcasts from rank 0: a header (kind: which forward runs it, tokens, sequences, block-table width,
 logit rows) and one int64 blob: input ids, positions and slots [3T], then context lengths [B],
 query starts [B + 1], the block table [B, W] and the rows of the final hidden states that need
 logits [R], from which every rank builds the same AttentionMetadata (its host lists too) on its
@@ -39,7 +39,14 @@ STEP = 1
 """A step header: the step runs eagerly (the model's forward)."""
 STEP_FUSED = 2
 """A step header: the step runs through the fused CPU step (one C++ call)."""
+STEP_GRAPHS = 3
+"""A step header: a decode step through the decode graphs' padded buffers (replayed graphs on
+CUDA), each rank's over its own shard, so every rank's graph holds the same all-reduces."""
+CAPTURE = 4
+"""A header alone: every rank captures its decode graphs now, together (their all-reduces meet)."""
 STOP = 0
+STEP_KINDS = {"eager": STEP, "fused_decode": STEP_FUSED, "decode_graphs": STEP_GRAPHS}
+"""The step kind of each forward path that runs under tensor parallelism, by path name."""
 
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo")
 """auto: the shared memory segment on a CPU (gloo where it cannot be made), NCCL on CUDA; shm:
@@ -142,27 +149,31 @@ class RankGroups:
         self.step.broadcast([tensor], opts).wait()
 
     def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  fused: bool = False, logit_rows: list[int] = ()) -> None:
-        """Rank 0: the step's inputs to the other ranks, which forward runs it (``fused``: the
-        fused CPU step, else the model's) and which hidden rows need logits."""
+                  kind: int = STEP, logit_rows: list[int] = ()) -> None:
+        """Rank 0: the step's inputs to the other ranks, which forward runs it (``kind``, of
+        STEP_KINDS) and which hidden rows need logits."""
         t, b = input_ids.numel(), meta.num_seqs
         blob = torch.cat([input_ids, positions, meta.slot_mapping, meta.context_lens.long(),
                           meta.query_start_loc.long(), meta.block_tables.reshape(-1).long(),
                           torch.tensor(logit_rows, dtype=torch.int64, device=input_ids.device)]).cpu()
-        kind = STEP_FUSED if fused else STEP
         self.broadcast_from_first(torch.tensor([kind, t, b, meta.block_tables.shape[1], len(logit_rows)], dtype=torch.int64))
         self.broadcast_from_first(blob)
+
+    def send_capture(self) -> None:
+        self.broadcast_from_first(torch.tensor([CAPTURE, 0, 0, 0, 0], dtype=torch.int64))
 
     def send_stop(self) -> None:
         self.broadcast_from_first(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64))
 
     def receive_step(self, block_size: int, device: torch.device) -> ReceivedStep | None:
-        """The other ranks: the next step, or None to stop."""
+        """The other ranks: the next step (of kind CAPTURE: no inputs), or None to stop."""
         header = torch.empty(5, dtype=torch.int64)
         self.broadcast_from_first(header, idle=True)
         kind, t, b, width, r = header.tolist()
         if kind == STOP:
             return None
+        if kind == CAPTURE:
+            return ReceivedStep(CAPTURE, None, None, None, None)
         blob = torch.empty(3 * t + 2 * b + 1 + b * width + r, dtype=torch.int64)
         self.broadcast_from_first(blob)
         ints = blob[3 * t:blob.numel() - r]
@@ -170,18 +181,26 @@ class RankGroups:
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
         input_ids, positions, meta = unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device),
                                                         query_lens, context_lens, width, block_size)
-        return ReceivedStep(kind == STEP_FUSED, input_ids, positions, meta, blob[blob.numel() - r:].to(device))
+        return ReceivedStep(kind, input_ids, positions, meta, blob[blob.numel() - r:].to(device))
 
 
 @dataclass(slots=True)
 class ReceivedStep:
-    fused: bool
-    """Run through the fused CPU step (else the model's forward)."""
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor
+    kind: int
+    """STEP, STEP_FUSED, STEP_GRAPHS: which forward runs it; CAPTURE: capture the graphs (no inputs)."""
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
+    logit_rows: torch.Tensor | None
     """[R] int64: the final hidden states' rows whose logits rank 0 samples from."""
+
+    def decode_rows(self, block_size: int) -> list[tuple[int, int, list[int]]]:
+        """(token id, position, the blocks up to the position's) per row of a decode step: what
+        the decode graphs load (rank 0 loads its rows' whole block lists; the blocks past a row's
+        position are never read)."""
+        ids, positions = self.input_ids.tolist(), self.positions.tolist()
+        table = self.meta.block_tables.tolist()
+        return [(token, pos, table[i][:pos // block_size + 1]) for i, (token, pos) in enumerate(zip(ids, positions))]
 
 
 class AllReduceHooks:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from services.runtime.model.attention.base import AttentionMetadata
-from services.runtime.parallel.collectives import RankGroups
+from services.runtime.parallel.collectives import STEP, RankGroups
 from services.runtime.parallel.rank import RankSpec
 
 _log = structlog.get_logger("tokenmill.parallel")
@@ -137,14 +137,22 @@ class TensorParallelLeader:
             raise TensorParallelError(f"{self.failure}{' ' + when if when else ''}; the executor cannot run steps")
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 forward: Callable[[], T], fused: bool = False, logit_rows: list[int] = ()) -> T:
+                 forward: Callable[[], T], kind: int = STEP, logit_rows: list[int] = ()) -> T:
         """Hand the step to the other ranks, then run rank 0's ``forward`` (whose all-reduces
-        meet theirs); ``fused``: the ranks run it through their fused CPU step; ``logit_rows``:
-        the hidden rows a vocab-parallel head's shares are computed of."""
+        meet theirs); ``kind`` (collectives.STEP_KINDS): the forward the ranks run it through;
+        ``logit_rows``: the hidden rows a vocab-parallel head's shares are computed of."""
         def step() -> T:
-            self.groups.send_step(input_ids, positions, meta, fused, logit_rows)
+            self.groups.send_step(input_ids, positions, meta, kind, logit_rows)
             return forward()
         return self.collective(step)
+
+    def capture(self, run: Callable[[], T]) -> T:
+        """Rank 0's ``run()`` (its decode graphs' capture) while every other rank captures its
+        own: each graph records the same all-reduces, in the same order."""
+        def both() -> T:
+            self.groups.send_capture()
+            return run()
+        return self.collective(both)
 
     def collective(self, run: Callable[[], T]) -> T:
         """``run()``, whose collectives meet the other ranks': a failure there (a rank gone or

@@ -52,6 +52,10 @@ class RankSpec:
     """Whether rank 0 runs the fused CPU step: the rank builds its own over its shard then."""
     lm_head: str = "replicated"
     """vocab_head.LM_HEADS: whether this rank holds and runs its share of the LM head."""
+    max_model_len: int = 0
+    graphs_max_batch_size: int = 0
+    """Whether rank 0 runs the decode graphs (> 0: their largest bucket): the rank builds its own
+    over its shard then, with one scratch block past the pool for the padding rows."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

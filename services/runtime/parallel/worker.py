@@ -22,7 +22,7 @@ from services.common.logging import configure_logging
 from services.runtime.kv_cache import KVCache
 from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.config import ModelConfig, parse_dtype
-from services.runtime.parallel.collectives import RankGroups
+from services.runtime.parallel.collectives import CAPTURE, STEP_FUSED, STEP_GRAPHS, RankGroups
 from services.runtime.parallel.leader import LOAD_TIMEOUT_S
 from services.runtime.parallel.rank import KV_DTYPES, RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
 from services.runtime.parallel.shard import plan_shards
@@ -56,7 +56,8 @@ def run(spec: RankSpec) -> None:
     groups = RankGroups.join(store, spec.rank, spec.world, device, spec.all_reduce)
     hooks.groups = groups
     blocks = groups.min_int(blocks)
-    kv_cache = KVCache.allocate(model.config, blocks, spec.block_size, kv_dtype, device)
+    scratch = 1 if spec.graphs_max_batch_size else 0  # the decode graphs' padding rows write there
+    kv_cache = KVCache.allocate(model.config, blocks + scratch, spec.block_size, kv_dtype, device)
     groups.gather_ints(kv_cache.nbytes)
     fused = None
     if spec.fused:
@@ -67,6 +68,13 @@ def run(spec: RankSpec) -> None:
             fused = FusedDecode(model, kv_cache.layers, reducer=groups.shm)
         else:
             _log.info("tensor_parallel_rank_fused_step", rank=spec.rank, path="eager", reason=reason)
+    graphs = None
+    if spec.graphs_max_batch_size:
+        from services.runtime.model.decode_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, kv_cache.layers, block_size=spec.block_size, max_model_len=spec.max_model_len,
+                              max_batch_size=spec.graphs_max_batch_size, scratch_block=blocks, device=device,
+                              capture=device.type == "cuda")
     head = None
     if spec.lm_head == "vocab":
         local = fused.logits if fused is not None and fused.computes_logits else model.compute_logits
@@ -76,8 +84,14 @@ def run(spec: RankSpec) -> None:
               num_blocks=blocks, kv_cache_bytes=kv_cache.nbytes, device=str(device))
     with torch.inference_mode():
         while (step := groups.receive_step(spec.block_size, device)) is not None:
-            forward = fused if step.fused else model
-            hidden = forward(step.input_ids, step.positions, kv_cache.layers, step.meta)
+            if step.kind == CAPTURE:
+                graphs.capture()
+                continue
+            if step.kind == STEP_GRAPHS:
+                hidden = graphs.run(step.decode_rows(spec.block_size))
+            else:
+                forward = fused if step.kind == STEP_FUSED else model
+                hidden = forward(step.input_ids, step.positions, kv_cache.layers, step.meta)
             if head is not None and step.logit_rows.numel():
                 head.contribute(hidden[step.logit_rows])
     _log.info("tensor_parallel_rank_stopped", rank=spec.rank)
