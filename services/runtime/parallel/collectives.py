@@ -181,7 +181,13 @@ class RankGroups:
         query_lens = [query_starts[i + 1] - query_starts[i] for i in range(b)]
         input_ids, positions, meta = unpack_step_inputs(blob[:3 * t].to(device), ints.to(torch.int32).to(device),
                                                         query_lens, context_lens, width, block_size)
-        return ReceivedStep(kind, input_ids, positions, meta, blob[blob.numel() - r:].to(device))
+        host_rows = None
+        if kind == STEP_GRAPHS:  # read from the host blob: no copy back from the device
+            ids, positions_cpu = blob[:t].tolist(), blob[t:2 * t].tolist()
+            table = ints[2 * b + 1:2 * b + 1 + b * width].view(b, width).tolist()
+            host_rows = [(token, pos, table[i][:pos // block_size + 1])
+                         for i, (token, pos) in enumerate(zip(ids, positions_cpu))]
+        return ReceivedStep(kind, input_ids, positions, meta, blob[blob.numel() - r:].to(device), host_rows)
 
 
 @dataclass(slots=True)
@@ -194,13 +200,10 @@ class ReceivedStep:
     logit_rows: torch.Tensor | None
     """[R] int64: the final hidden states' rows whose logits rank 0 samples from."""
 
-    def decode_rows(self, block_size: int) -> list[tuple[int, int, list[int]]]:
-        """(token id, position, the blocks up to the position's) per row of a decode step: what
-        the decode graphs load (rank 0 loads its rows' whole block lists; the blocks past a row's
-        position are never read)."""
-        ids, positions = self.input_ids.tolist(), self.positions.tolist()
-        table = self.meta.block_tables.tolist()
-        return [(token, pos, table[i][:pos // block_size + 1]) for i, (token, pos) in enumerate(zip(ids, positions))]
+    decode_rows: list[tuple[int, int, list[int]]] | None = None
+    """STEP_GRAPHS: (token id, position, the blocks up to the position's) per row, what the
+    decode graphs load (rank 0 loads its rows' whole block lists; the blocks past a row's
+    position are never read)."""
 
 
 class AllReduceHooks:

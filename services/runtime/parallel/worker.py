@@ -88,7 +88,7 @@ def run(spec: RankSpec) -> None:
                 graphs.capture()
                 continue
             if step.kind == STEP_GRAPHS:
-                hidden = graphs.run(step.decode_rows(spec.block_size))
+                hidden = graphs.run(step.decode_rows)
             else:
                 forward = fused if step.kind == STEP_FUSED else model
                 hidden = forward(step.input_ids, step.positions, kv_cache.layers, step.meta)
