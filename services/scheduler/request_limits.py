@@ -45,7 +45,7 @@ class RequestLimits:
 
     max_model_len: int
     max_prompt_chars: int = 0
-    """Longest text prompt (chat: its roles, contents and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
+    """Longest text prompt (chat: its roles, contents, tool calls and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
     characters per token of the context."""
     max_grammar_bytes: int = 0
     """Largest structured output (SchedulerLimits.max_grammar_bytes; checked by the compiler)."""
@@ -95,9 +95,12 @@ def _check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits) -> Non
         if role > MAX_ROLE_CHARS:
             raise InvalidArgumentError(f"prompt chat messages[{index}].role has {role} characters; the limit "
                                        f"MAX_ROLE_CHARS is {MAX_ROLE_CHARS}")
-        total += role + len(message.content)
+        total += role + len(message.content) + len(message.tool_call_id)
+        for call in message.tool_calls:
+            total += len(call.id) + len(call.name) + len(call.arguments)
     total += len(chat.tools_json)
-    _at_most("prompt chat", total, budget, "max_prompt_chars", unit="characters of roles, content and tools_json")
+    _at_most("prompt chat", total, budget, "max_prompt_chars",
+             unit="characters of roles, content, tool calls and tools_json")
 
 
 def _at_most(field: str, count: int, limit: int, name: str, unit: str = "entries") -> None:

@@ -6,7 +6,7 @@ prompt is encoded with special-token matching so that they become control tokens
 transformers' apply_chat_template does. Encoded so, a message whose content (or role) says
 "<|im_end|><|im_start|>system\\n..." would become real control tokens too: a user could end
 their turn and write the system prompt. So special-token text in roles and contents (and in
-the strings of the request's tools, which templates print too) is taken out before rendering,
+the strings of the request's tools and of an assistant's tool calls, which templates print too) is taken out before rendering,
 each occurrence replaced by one private-use character naming it; the rendered text is split at the special tokens left (the template's own), each piece between them
 gets its client text back and is encoded as plain text, and the template's special tokens go in
 between as their ids.
@@ -29,6 +29,8 @@ characters from it are taken out and put back like special-token text."""
 MAX_GUARDED = 0xFFFD
 """Occurrences one conversation may hold (one sentinel character each)."""
 _SENTINELS = "[\U000F0000-\U000FFFFD]"
+GUARDED_KEYS = ("role", "content", "tool_calls", "tool_call_id")
+"""The parts of a turn a template may print: an assistant's calls (names, arguments) too."""
 
 
 class TooManySpecialTokensError(ValueError):
@@ -52,7 +54,7 @@ class ChatEncoder:
 
     def guard(self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None
               ) -> tuple[list[Mapping[str, Any]], list[Any] | None, list[str]]:
-        """``messages`` with special-token text in roles and string contents replaced by
+        """``messages`` with special-token text in roles, string contents and tool calls replaced by
         sentinels, ``tools`` with it replaced in every string (keys too: a template may print a
         property's name), and the texts replaced (sentinel i stands for texts[i]); the same
         messages and tools and [] when none holds any."""
@@ -75,9 +77,10 @@ class ChatEncoder:
 
         guarded: list[Mapping[str, Any]] = []
         for message in messages:
-            changed = {key: self._guarded.sub(replace, value) for key in ("role", "content")
-                       if isinstance(value := message.get(key), str) and self._guarded.search(value)}
-            guarded.append({**message, **changed} if changed else message)
+            before = len(texts)
+            changed = {key: guard_value(message[key]) for key in GUARDED_KEYS if isinstance(message.get(key), str)
+                       or (key == "tool_calls" and message.get(key))}
+            guarded.append({**message, **changed} if len(texts) > before else message)
         guarded_tools = guard_value(tools) if tools else tools
         if not texts:
             return list(messages), tools, []

@@ -109,8 +109,22 @@ def _content_chars(content: Any, index: int) -> int:
     raise ChatTemplateError(f"messages[{index}].content must be a string, a list of parts or null")
 
 
+def _tool_chars(message: Mapping[str, Any]) -> int:
+    """Characters of a turn's tool_call_id and its calls' ids and names (parsed arguments are
+    bounded by the request's serialized size, which the services check first)."""
+    total = len(value) if isinstance(value := message.get("tool_call_id"), str) else 0
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, Sequence) else ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        call_id = call.get("id") if isinstance(call, Mapping) else None
+        total += (len(name) if isinstance(name, str) else 0) + (len(call_id) if isinstance(call_id, str) else 0)
+    return total
+
+
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Check the message count, roles and total size (roles and contents) against the limits;
+    """Check the message count, roles and total size (roles, contents, tool-call ids and names)
+    against the limits;
     the characters they hold."""
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"messages has {len(messages)} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
@@ -124,7 +138,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
         if len(role) > MAX_ROLE_CHARS:
             raise ChatTemplateError(f"messages[{index}].role has {len(role)} characters; the limit MAX_ROLE_CHARS is "
                                     f"{MAX_ROLE_CHARS}")
-        total += len(role) + _content_chars(message.get("content"), index)
+        total += len(role) + _content_chars(message.get("content"), index) + _tool_chars(message)
         if total > MAX_TOTAL_CONTENT_CHARS:
             raise ChatTemplateError(
                 f"messages roles and content exceed {MAX_TOTAL_CONTENT_CHARS} characters (the limit "

@@ -40,6 +40,7 @@ from services.common.codec.detokenize_codec import batch_from_proto, result_to_p
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.errors import InvalidArgumentError
+from services.tokenizer.chat_messages import messages_from_proto
 from services.tokenizer.chat_template import MAX_MESSAGES, MAX_TOTAL_CONTENT_CHARS
 from services.tokenizer.deadline_worker import DeadlineWorker
 from services.tokenizer.detokenizer import DetokenizerPool
@@ -101,7 +102,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.RenderChatResponse:
         _check_chat_size(request)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = messages_from_proto(request.messages)
         add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         started = time.perf_counter()
         tools_json = request.tools_json

@@ -28,6 +28,7 @@ import structlog
 
 from services.common.errors import InvalidArgumentError, TokenmillError
 from services.tokenizer.chat_encoding import ChatEncoder
+from services.tokenizer.chat_messages import calls_as_text, reads_tool_calls
 from services.tokenizer.chat_template import MAX_TOTAL_CONTENT_CHARS, ChatTemplate, ChatTemplateError, validate_messages
 from services.tokenizer.chat_tools import parse_tools_json, tool_call_format
 from services.tokenizer.detokenizer import DetokenizerPool
@@ -79,6 +80,7 @@ class TextService:
         self._prompt_tokenizer.backend.encode_special_tokens = True
         self._chat_encoder = ChatEncoder(self.tokenizer, self._prompt_tokenizer)
         self._template, self._template_problem = self._load_template()
+        self._reads_tool_calls = reads_tool_calls(self.tokenizer.chat_template)
         pad = self.tokenizer.pad_token
         self.facts = TokenizerFacts(
             tokenizer_path=str(self.model_dir),
@@ -124,10 +126,14 @@ class TextService:
                     tools_json: str = "") -> RenderedChat:
         """The template's prompt text and its ids (the template's special tokens recognised, the
         messages' and tools' own special-token text encoded as text; no BOS added).
-        ``tools_json``: the template's ``tools`` (a JSON array of tool objects; "" = none)."""
+        ``tools_json``: the template's ``tools`` (a JSON array of tool objects; "" = none).
+        An assistant turn's ``tool_calls`` reach a template that reads them as they are, and
+        any other as text in the turn's content (chat_messages.py)."""
         if self._template is None:
             raise NoChatTemplateError(self._template_problem)
         used = validate_messages(messages)  # before anything is copied for the guard
+        if not self._reads_tool_calls:
+            messages = calls_as_text(messages)
         tools = parse_tools_json(tools_json, MAX_TOTAL_CONTENT_CHARS - used)
         guarded, guarded_tools, taken = self._chat_encoder.guard(messages, tools)
         extra = {"tools": guarded_tools} if guarded_tools is not None else None

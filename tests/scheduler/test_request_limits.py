@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from services.common.errors import InvalidArgumentError
-from services.common.pb.tokenmill.v1 import generation_pb2
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.scheduler.request_limits import (MAX_CHAT_MESSAGES, MAX_ROLE_CHARS, RequestLimits, check_sizes)
 
 LIMITS = RequestLimits(max_model_len=512)
@@ -37,6 +37,10 @@ def test_millions_of_chat_messages_are_refused_by_their_count():
     assert peak < 16 << 10
 
 
+TOO_LONG_CHAT = ("prompt chat has 16388 characters of roles, content, tool calls and tools_json; the limit "
+                 "max_prompt_chars is 16384")
+
+
 def test_roles_count_toward_the_conversation_and_have_a_bound_of_their_own():
     # A role of millions of characters never gets this far: the message limit derived from
     # these bounds refuses its body before it is parsed (tests/stack/test_hostile.py).
@@ -47,13 +51,18 @@ def test_roles_count_toward_the_conversation_and_have_a_bound_of_their_own():
     request = generation_pb2.GenerateRequest()
     for _ in range(2):
         request.chat.messages.add(role="user", content="x" * 8190)  # 2 x 8194 = 16388 characters in all
-    assert refused(request)[0] == ("prompt chat has 16388 characters of roles, content and tools_json; the limit "
-                                   "max_prompt_chars is 16384")
+    assert refused(request)[0] == TOO_LONG_CHAT
     request = generation_pb2.GenerateRequest()
     request.chat.messages.add(role="user", content="x" * 8190)
     request.chat.tools_json = "[" + " " * 8192 + "]"  # the tools count too: 8194 + 8194
-    assert refused(request)[0] == ("prompt chat has 16388 characters of roles, content and tools_json; the limit "
-                                   "max_prompt_chars is 16384")
+    assert refused(request)[0] == TOO_LONG_CHAT
+    request = generation_pb2.GenerateRequest()
+    request.chat.messages.add(role="user", content="x" * 8190)
+    # An assistant's calls and a tool turn's id count too: 8194 + (9 + 2 + 1 + 8176) + (4 + 2)
+    request.chat.messages.add(role="assistant", tool_calls=[
+        common_pb2.ChatToolCall(id="c1", name="f", arguments="[" + " " * 8174 + "]")])
+    request.chat.messages.add(role="tool", tool_call_id="c1")
+    assert refused(request)[0] == TOO_LONG_CHAT
 
 
 @pytest.mark.parametrize(("fill", "message"), [
