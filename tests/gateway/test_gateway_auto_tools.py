@@ -4,17 +4,23 @@ servers on loopback, the gateway in front). The tools reach the template (the pr
 them), the engine reports the template's format, and greedy decoding after two worked examples
 writes a ``<tool_call>`` block that the gateway parses into tool_calls with finish_reason
 tool_calls, streamed (the name once, the arguments in pieces) and not. The same request on a
-route whose tool_call_parser is none shows the text the model really wrote."""
+route whose tool_call_parser is none shows the text the model really wrote.
+
+A history with an assistant's tool_calls and the tool's results reaches the template as
+structure (the prompt is the one transformers' apply_chat_template makes of it); a tool turn
+without tool_call_id, or arguments that are not JSON, are a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
 import pytest_asyncio
+import transformers
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
@@ -48,6 +54,7 @@ class Stack:
     servers: list[RunningServer]
     client: openai.AsyncOpenAI
     engine: generation_pb2_grpc.GenerationStub
+    model: Path
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -64,7 +71,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none", max_retries=0,
                                 timeout=300)
     async with create_channel(engine[-1].address) as channel:
-        yield Stack([gateway, *reversed(engine)], client, generation_pb2_grpc.GenerationStub(channel))
+        yield Stack([gateway, *reversed(engine)], client, generation_pb2_grpc.GenerationStub(channel), model)
     await client.close()
     await stop_all([gateway, *reversed(engine)])
 
@@ -123,3 +130,42 @@ async def test_auto_streams_the_call_as_openai_deltas(stack):
     assert "".join(pieces) == call.function.arguments
     assert ("".join(content) or None) == whole.choices[0].message.content
     assert finish == "tool_calls"
+
+
+# A history as the openai client sends it back: the call with its id, the result naming it.
+HISTORY = [{"role": "user", "content": "What is the weather in Rome?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_rome", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+           {"role": "tool", "tool_call_id": "call_rome", "content": "Sunny, 24 C"},
+           {"role": "assistant", "content": "It is sunny in Rome, 24 C."},
+           {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_a_tool_history_reaches_the_template_as_transformers_gives_it(stack):
+    reply = await stack.client.chat.completions.create(model="smol", messages=HISTORY, tools=[WEATHER],
+                                                       temperature=0, max_tokens=1)
+    as_hf = [dict(m) for m in HISTORY]
+    as_hf[1] = {"role": "assistant", "tool_calls": [
+        {"id": "call_rome", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(stack.model)
+    ids = tokenizer.apply_chat_template(as_hf, tools=[WEATHER], add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    text = tokenizer.apply_chat_template(as_hf, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize(("turn", "param"), [
+    ({"role": "tool", "content": "Sunny"}, "messages.2.tool_call_id"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": Rome}'}}]},
+     "messages.2.tool_calls.0.function.arguments"),
+])
+async def test_a_bad_tool_turn_is_a_400_naming_the_field(stack, turn, param):
+    messages = [HISTORY[0], HISTORY[3], turn, HISTORY[4]]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await stack.client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER], max_tokens=1)
+    error = caught.value.response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"].startswith(param)

@@ -36,6 +36,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = context_of(request)
     if (unsupported := body.unsupported()) is not None:
         raise bad_request(*unsupported)
+    if (invalid := body.invalid_history()) is not None:
+        raise bad_request(*invalid)
     route = ctx.dispatcher.route(body.model)
     namer = ctx.namer(route)
     rid = request_id_of(request)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from services.common.pb.tokenmill.v1 import generation_pb2
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.http.errors import bad_request
 from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -107,7 +107,10 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
     message = generation_pb2.GenerateRequest()
     for turn in body.messages:
         role = "system" if turn.role == "developer" else turn.role
-        message.chat.messages.add(role=role, content=turn.text())
+        calls = [common_pb2.ChatToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in turn.tool_calls or ()]
+        message.chat.messages.add(role=role, content=turn.text(), tool_calls=calls,
+                                  tool_call_id=turn.tool_call_id or "")
     message.chat.add_generation_prompt = body.add_generation_prompt
     if body.tools:
         # The template's ``tools``, as transformers' apply_chat_template gets them: OpenAI's tool

@@ -122,24 +122,33 @@ class ChatMessage(BaseModel):
     content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: Annotated[list[ToolCall] | None, at_most(128)] = Field(None, max_length=128)
-    """An assistant turn's calls; rendered into the history as the JSON they were."""
+    """An assistant turn's calls; the chat template gets them as ``message.tool_calls``, the
+    arguments parsed (services/tokenizer/chat_messages.py)."""
     tool_call_id: str | None = Field(None, max_length=256)
-    """A tool turn: the call whose result this is."""
+    """A tool turn: the call whose result this is (required there, as OpenAI has it)."""
 
     def text(self) -> str:
+        """The turn's text content (its calls travel apart)."""
         if isinstance(self.content, list):
-            text = "".join(part.text for part in self.content)
-        else:
-            text = self.content or ""
-        if self.tool_calls:
-            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in self.tool_calls]
-            text += ("\n" if text else "") + "\n".join(
-                '{"name": %s, "arguments": %s}' % (json_dumps(c["name"]), c["arguments"]) for c in calls)
-        return text
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
-
-def json_dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    def invalid(self, index: int) -> tuple[str, str] | None:
+        """(field, why) of what OpenAI refuses in this turn's tool fields."""
+        where = f"messages.{index}"
+        if self.role == "tool" and not self.tool_call_id:
+            return f"{where}.tool_call_id", f"{where}.tool_call_id is required in a message of role tool"
+        if self.tool_call_id is not None and self.role != "tool":
+            return f"{where}.tool_call_id", f"{where}.tool_call_id is only for a message of role tool"
+        if self.tool_calls and self.role != "assistant":
+            return f"{where}.tool_calls", f"{where}.tool_calls is only for a message of role assistant"
+        for number, call in enumerate(self.tool_calls or ()):
+            field = f"{where}.tool_calls.{number}.function.arguments"
+            try:
+                json.loads(call.function.arguments)
+            except (ValueError, RecursionError) as exc:
+                return field, f"{field} is not valid JSON: {exc}"
+        return None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -225,6 +234,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return None
+
+    def invalid_history(self) -> tuple[str, str] | None:
+        """(field, why) of the first turn whose tool fields OpenAI would refuse."""
+        return next((problem for index, turn in enumerate(self.messages)
+                     if (problem := turn.invalid(index)) is not None), None)
 
 
 # ---------------------------------------------------------------------------- responses (documentation)
