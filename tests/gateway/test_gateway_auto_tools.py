@@ -8,7 +8,9 @@ route whose tool_call_parser is none shows the text the model really wrote.
 
 A history with an assistant's tool_calls and the tool's results reaches the template as
 structure (the prompt is the one transformers' apply_chat_template makes of it); a tool turn
-without tool_call_id, or arguments that are not JSON, are a 400 naming the field."""
+without tool_call_id, or arguments that are not JSON, are a 400 naming the field. With
+``parallel_tool_calls`` false a reply that would make two calls makes one: the choice ends at its
+first call, its engine stream cut there (fewer tokens), streamed and not."""
 
 from __future__ import annotations
 
@@ -169,3 +171,72 @@ async def test_a_bad_tool_turn_is_a_400_naming_the_field(stack, turn, param):
     error = caught.value.response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"].startswith(param)
+
+
+def worked_calls(*cities: str) -> str:
+    return "\n".join(worked_call(city) for city in cities)
+
+
+# Worked examples of two calls a reply: greedy decoding writes two for the last question too.
+TWO_CALLS = dict(messages=[{"role": "user", "content": "What is the weather in Rome and in Oslo?"},
+                           {"role": "assistant", "content": worked_calls("Rome", "Oslo")},
+                           {"role": "user", "content": "What is the weather in Lima and in Kyiv?"},
+                           {"role": "assistant", "content": worked_calls("Lima", "Kyiv")},
+                           {"role": "user", "content": "What is the weather in Paris and in Cairo?"}],
+                 tools=[WEATHER], temperature=0, max_tokens=96)
+
+
+async def test_parallel_tool_calls_false_makes_one_call_and_ends_the_generation(stack):
+    both = await stack.client.chat.completions.create(model="smol", **TWO_CALLS)
+    assert both.choices[0].finish_reason == "tool_calls"
+    first, second = both.choices[0].message.tool_calls  # the model does write two
+    reply = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, **TWO_CALLS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (first.function.name, first.function.arguments)
+    assert choice.message.content == both.choices[0].message.content
+    # The engine stream ended at the first call: the second was never generated.
+    assert 0 < reply.usage.completion_tokens < both.usage.completion_tokens
+    assert reply.usage.completion_tokens < both.usage.completion_tokens - 10
+
+
+async def test_parallel_tool_calls_false_streams_one_call(stack):
+    whole = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, **TWO_CALLS)
+    stream = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, stream=True,
+                                                        stream_options={"include_usage": True}, **TWO_CALLS)
+    indexes, names, pieces, finishes, usage = set(), [], [], [], None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            for tool_delta in choice.delta.tool_calls or ():
+                indexes.add(tool_delta.index)
+                if tool_delta.function.name is not None:
+                    names.append(tool_delta.function.name)
+                if tool_delta.function.arguments:
+                    pieces.append(tool_delta.function.arguments)
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    [call] = whole.choices[0].message.tool_calls
+    assert indexes == {0} and names == ["get_weather"]
+    assert "".join(pieces) == call.function.arguments
+    assert finishes == ["tool_calls"]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_with_parallel_tool_calls_false_makes_one_call(stack, stream):
+    request = dict(TWO_CALLS, tool_choice="required", parallel_tool_calls=False, stream=stream)
+    reply = await stack.client.chat.completions.create(model="smol", **request)
+    if not stream:
+        [call] = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        json.loads(call.function.arguments)
+        return
+    indexes, finishes = set(), []
+    async for chunk in reply:
+        for choice in chunk.choices:
+            indexes.update(d.index for d in choice.delta.tool_calls or ())
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert indexes == {0} and finishes == ["tool_calls"]

@@ -58,9 +58,9 @@ CASES = [
 ]
 
 
-def streamed(fmt: str, pieces: list[str]) -> WholeReply:
+def streamed(fmt: str, pieces: list[str], max_calls: int | None = None) -> WholeReply:
     """What a client assembles from the deltas of ``pieces`` fed one by one."""
-    reader = ReplyReader(PARSERS[fmt](NAMES), "call_x")
+    reader = ReplyReader(PARSERS[fmt](NAMES, max_calls), "call_x")
     content: list[str] = []
     names: dict[int, str] = {}
     arguments: dict[int, list[str]] = {}
@@ -101,6 +101,46 @@ def test_whole_and_streamed_replies_agree_at_every_boundary(fmt, text, content, 
     assert whole == WholeReply(content, calls)
     for pieces in splits(text):
         assert streamed(fmt, pieces) == whole, pieces
+
+
+ONE_CALL_CASES = [
+    # (format, reply text, content, the one call): what follows the first whole call is dropped
+    (CASES[1][0], CASES[1][1], "Let me check.", ("get_weather", WEATHER_PARIS)),
+    (CASES[2][0], CASES[2][1], None, ("get_weather", TRICKY)),
+    (CASES[4][0], CASES[4][1], None, ("get_time", '{"zone": "CET"}')),
+    (CASES[12][0], CASES[12][1], None, ("get_time", TIME_UTC)),
+    (CASES[15][0], CASES[15][1], None, ("get_time", TIME_UTC)),
+    (CASES[16][0], CASES[16][1], None, ("get_weather", TRICKY)),
+    (CASES[17][0], CASES[17][1], "Checking.", ("get_time", TIME_UTC)),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "call"), ONE_CALL_CASES)
+def test_max_calls_one_reads_the_first_call_and_stops(fmt, text, content, call):
+    parser = PARSERS[fmt](NAMES, 1)
+    whole = read_whole(parser, text)
+    assert whole == WholeReply(content, [call])
+    assert parser.done
+    for pieces in splits(text):
+        assert streamed(fmt, pieces, max_calls=1) == whole, pieces
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_max_calls_one_is_done_at_the_arguments_closing_brace(fmt):
+    opening = {"hermes": '<tool_call>{"name": "get_weather", "arguments": ',
+               "llama3_json": '{"name": "get_weather", "parameters": ',
+               "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": '}[fmt]
+    reader = ReplyReader(PARSERS[fmt](NAMES, 1), "c")
+    reader.feed(opening + '{"city": "Paris"')
+    assert not reader.done
+    assert reader.feed("}")[1] == [{"index": 0, "function": {"arguments": "}"}}]
+    assert reader.done  # without waiting for the format's ending
+    assert reader.feed('}\n</tool_call><tool_call>{"name": "get_time", "arguments": {}}') == ("", [])
+    assert reader.finish() == ("", [])
+    assert reader.whole() == WholeReply(None, [("get_weather", '{"city": "Paris"}')])
+    unlimited = ReplyReader(PARSERS[fmt](NAMES), "c")
+    unlimited.feed(opening + '{"city": "Paris"}')
+    assert not unlimited.done
 
 
 @pytest.mark.parametrize("fmt", sorted(PARSERS))

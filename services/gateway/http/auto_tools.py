@@ -8,6 +8,10 @@ there (the default) takes the format the serving engine reports (``ModelInfo.too
 read from its template's markers), so each choice is read in the syntax of the engine that wrote
 it. ``none``, or ``auto`` where the template defines no format we know (SmolLM2's), leaves the
 reply text. A reply with a ``response_format`` other than text is JSON, never read for calls.
+
+``parallel_tool_calls: false``: the reader stops at the first whole call, and the chat handler
+ends that choice's engine stream there (finish_reason "tool_calls"): what the model would write
+after it is never generated, rather than generated and dropped.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ def readers(body: ChatCompletionRequest, route: Route, gateway_setting: str, dis
     if not reads_calls(body):
         return [None] * len(request_ids)
     names = frozenset(t.function.name for t in body.tools)
+    max_calls = 1 if body.parallel_tool_calls is False else None
     out: list[ReplyReader | None] = []
     for index, request_id in enumerate(request_ids):
         target = dispatcher.live.get(request_id)
         info = target.model_info if target is not None else None
         name = parser_name(route, gateway_setting, info.tool_call_format if info is not None else "")
-        out.append(ReplyReader(PARSERS[name](names), f"{call_id_prefix}_{index}") if name is not None else None)
+        out.append(ReplyReader(PARSERS[name](names, max_calls), f"{call_id_prefix}_{index}")
+                   if name is not None else None)
     return out

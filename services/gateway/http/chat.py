@@ -6,7 +6,8 @@ constrained to a tool call (structured.py) opens with ``content`` null and strea
 ``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls". With tools and
 ``tool_choice`` auto, a reply in a format the gateway parses (auto_tools.py) streams content
 deltas and ``tool_calls`` deltas as the parser reads them, ending with "tool_calls" when it
-made calls.
+made calls; with ``parallel_tool_calls`` false the choice ends at its first whole call, its engine
+stream cancelled there.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     try:
         async for index, reply in streams.events():
             states[index].apply(reply)
+            reader = readers[index]
+            if reader is not None and reply.WhichOneof("event") == "delta":
+                reader.feed(reply.delta.text)
+                if reader.done:  # parallel_tool_calls false: its call is made, the rest is not wanted
+                    await streams.end(index)
+                    states[index].end()
     finally:
         await streams.close()
     choices = []
@@ -101,8 +108,8 @@ def _message(state: ChoiceState, plan: OutputPlan, rid: str) -> tuple[dict, str 
 
 
 def _read_message(state: ChoiceState, reader: ReplyReader) -> tuple[dict, str | None]:
-    """A finished choice read for calls (tool_choice auto): its content and the calls in it."""
-    reader.feed("".join(state.text))
+    """A finished choice read for calls (tool_choice auto), its text fed as it came: its content
+    and the calls in it."""
     reader.finish()
     whole = reader.whole()
     if not whole.calls:
@@ -149,6 +156,10 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
                 yield chunk(index, {"content": text}, logprobs)
             for tool_delta in tool_deltas:
                 yield chunk(index, {"tool_calls": [tool_delta]})
+            if kind == "delta" and reader.done:  # parallel_tool_calls false, its call made
+                await streams.end(index)
+                state.end()
+                kind = "finished"
             if kind == "finished":
                 finish_reason = _calls_finish(state.finish_reason) if reader.calls else state.finish_reason
                 yield chunk(index, {}, finish_reason=finish_reason)

@@ -4,8 +4,10 @@ Each choice (prompt x n) is its own routed engine call. ``start`` begins them al
 for each one's first event, so that everything that can fail before a token is produced
 (routing, the engine's validation, a tenant's budget) fails before the HTTP answer begins and
 gets its own status; a stream that is already answering reports later failures in-band.
-``events`` then yields (choice index, engine message) as they come; ``close`` cancels the
-calls still open (a client that went away aborts its engine requests).
+``events`` then yields (choice index, engine message) as they come; ``end`` cancels one call
+whose reply is complete before the engine finished it (``parallel_tool_calls: false`` after its
+call), and ``events`` yields nothing more of it; ``close`` cancels the calls still open (a client
+that went away aborts its engine requests).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ChoiceState:
         if kind == "delta":
             delta = reply.delta
             self.text.append(delta.text)
+            self.completion_tokens += len(delta.token_ids)  # Finished's count replaces it
             if delta.logprobs:
                 self.logprobs.extend(delta.logprobs)
         elif kind == "started":
@@ -57,6 +60,11 @@ class ChoiceState:
                 raise UnavailableError(f"the engine ended choice {self.index} without finishing it: "
                                        f"{finished.error_message or 'aborted'}")
             self.finish_reason = reason
+
+    def end(self) -> None:
+        """The gateway ended the choice with its reply whole (ChoiceStreams.end): finished as if
+        the model had stopped there, its usage the tokens received."""
+        self.finish_reason = "stop"
 
 
 def usage_of(states: Sequence[ChoiceState]) -> dict:
@@ -77,6 +85,7 @@ class ChoiceStreams:
         self._streams = [dispatcher.generate(route, rr, message, metadata, timeout_s) for rr, message in calls]
         self._first: list[generation_pb2.GenerateResponse] = []
         self._pumps: list[asyncio.Task] = []
+        self._ended: set[int] = set()
 
     async def start(self) -> None:
         """Every call's first event (their first tokens); the first failure raises, after closing all."""
@@ -109,6 +118,8 @@ class ChoiceStreams:
             index, item = await queue.get()
             if item is None:
                 open_streams -= 1
+            elif index in self._ended:
+                continue
             elif isinstance(item, BaseException):
                 raise item
             else:
@@ -121,7 +132,18 @@ class ChoiceStreams:
                 queue.put_nowait((index, reply))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait((index, exc))
-        queue.put_nowait((index, None))
+        finally:  # cancelled by end() too: the reader counts the stream closed
+            queue.put_nowait((index, None))
+
+    async def end(self, index: int) -> None:
+        """Cancel choice ``index``'s engine call now (the engine aborts it at its next step); call
+        it between two events of ``events``, which yields no more of that choice."""
+        self._ended.add(index)
+        if self._pumps:
+            self._pumps[index].cancel()
+            await asyncio.gather(self._pumps[index], return_exceptions=True)
+        # One stream: events() is paused on its yield, so closing it ends the loop over it.
+        await self._streams[index].aclose()
 
     async def close(self) -> None:
         for task in self._pumps:

@@ -216,7 +216,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
-    """Accepted; a constrained reply makes one call."""
+    """false: a reply makes at most one call (the reader stops at the first); a constrained
+    reply (tool_choice required or named) makes one call either way."""
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

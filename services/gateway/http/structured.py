@@ -9,7 +9,8 @@ What maps to what:
   to its ``parameters`` schema; ``required`` -> the reply is ``{"name": <one of the tools>,
   "arguments": <its parameters>}`` (a Lark grammar with one alternative per tool, each
   embedding its schema), from which the call is read. Either answers ``tool_calls`` with
-  ``finish_reason`` "tool_calls" (or "length" when max_tokens cut it).
+  ``finish_reason`` "tool_calls" (or "length" when max_tokens cut it). The grammar's start is
+  one call, so a constrained reply makes exactly one: what ``parallel_tool_calls: false`` asks.
 - ``tool_choice`` ``auto`` (OpenAI's default when tools are given) and ``none``: unconstrained.
   The tools reach the model's chat template either way (``ChatMessages.tools_json``, the
   template's ``tools``). With ``auto`` the reply is read for calls in the syntax the template

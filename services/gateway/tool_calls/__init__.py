@@ -4,7 +4,8 @@ One module per format (``hermes``, ``llama3_json``, ``mistral``), each a streami
 (events.py) on the shared buffer and loop of state_machine.py; reader.py turns their events into OpenAI's deltas and messages; json_call.py reads
 the JSON of one call as it arrives. ``PARSERS`` names them, as the settings
 (``--tool-call-parser``, a route's ``tool_call_parser``) and the engine's
-``ModelInfo.tool_call_format`` do.
+``ModelInfo.tool_call_format`` do. Each takes the functions the request offers and the most
+calls to read (None: all; 1 for ``parallel_tool_calls: false``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from services.gateway.tool_calls.hermes import HermesParser
 from services.gateway.tool_calls.llama3_json import Llama3JsonParser
 from services.gateway.tool_calls.mistral import MistralParser
 
-PARSERS: dict[str, Callable[[frozenset[str] | None], ToolCallParser]] = {
+PARSERS: dict[str, Callable[[frozenset[str] | None, int | None], ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,

@@ -36,6 +36,9 @@ Event = Content | CallOpened | CallArguments
 
 
 class ToolCallParser(Protocol):
+    done: bool
+    """The most calls asked for are made (``max_calls``): the rest of the reply is not read."""
+
     def feed(self, text: str) -> list[Event]:
         """The events the reply's next text completes."""
 

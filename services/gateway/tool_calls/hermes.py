@@ -31,8 +31,8 @@ _TEXT, _HEADER, _BLOCK, _ARGS, _TAIL = range(5)
 
 
 class HermesParser(CallStateMachine):
-    def __init__(self, names: frozenset[str] | None = None) -> None:
-        super().__init__(names, _TEXT)
+    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(names, _TEXT, max_calls)
 
     def _step(self, out: list[Event], final: bool) -> bool:
         """One move of the state machine; False once it needs more text (or the text is done)."""
@@ -67,6 +67,7 @@ class HermesParser(CallStateMachine):
             else:
                 out += [CallOpened(self._index, call[0]), CallArguments(self._index, call[1])]
                 self._index += 1
+                self._call_closed()
             self._buffer, self._state = (buffer[at + len(CLOSE):] if at >= 0 else ""), _TEXT
             return True
         if self._state == _ARGS:

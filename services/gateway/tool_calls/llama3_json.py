@@ -20,8 +20,8 @@ _START, _HEADER, _ARGS, _TAIL, _TEXT = range(5)
 
 
 class Llama3JsonParser(CallStateMachine):
-    def __init__(self, names: frozenset[str] | None = None) -> None:
-        super().__init__(names, _START)
+    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(names, _START, max_calls)
 
     def _to_text(self) -> bool:
         self._state = _TEXT

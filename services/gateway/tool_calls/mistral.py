@@ -26,8 +26,8 @@ _TEXT, _AFTER_MARKER, _ITEM, _ARGS, _TAIL, _NAMED, _REST = range(7)
 
 
 class MistralParser(CallStateMachine):
-    def __init__(self, names: frozenset[str] | None = None) -> None:
-        super().__init__(names, _TEXT)
+    def __init__(self, names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(names, _TEXT, max_calls)
         self._in_array = False
 
     def _rest_is_content(self) -> bool:

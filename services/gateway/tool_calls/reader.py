@@ -41,6 +41,11 @@ class ReplyReader:
     def finish(self) -> tuple[str, list[dict]]:
         return self._apply(self.parser.finish(), final=True)
 
+    @property
+    def done(self) -> bool:
+        """The parser read the most calls it may: the rest of the reply would be dropped."""
+        return self.parser.done
+
     def call_id(self, index: int) -> str:
         return f"{self.call_id_prefix}_{index}"
 

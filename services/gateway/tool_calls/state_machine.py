@@ -3,6 +3,12 @@ machine until it needs more text, and the streaming of one call's arguments.
 
 A format's parser subclasses ``CallStateMachine`` and writes ``_step`` (one move; False once it
 needs more text or the text is done), starting in the state it names.
+
+``max_calls`` (OpenAI's ``parallel_tool_calls: false`` is 1): once that many calls are whole
+(their arguments' closing brace read), the machine is ``done``: it reads no further and what
+follows is dropped, so the reply is its content and those calls, and the caller may end the
+generation there. The formats' own endings after the brace (``</tool_call>``, ``]``) are not
+waited for.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from services.gateway.tool_calls.json_call import ArgumentsScanner
 
 
 class CallStateMachine:
-    def __init__(self, names: frozenset[str] | None, start: int) -> None:
+    def __init__(self, names: frozenset[str] | None, start: int, max_calls: int | None = None) -> None:
         self._names = names
         """The functions the request offers (a call to another is content); None = any."""
         self._state = start
@@ -21,19 +27,35 @@ class CallStateMachine:
         """The index of the call being read (the number of calls made before it)."""
         self._scanner = ArgumentsScanner()
         self._closing_brace = False
+        self._max_calls = max_calls
+        self._closed = 0
+        """Calls read whole."""
+
+    @property
+    def done(self) -> bool:
+        """``max_calls`` calls are whole: the rest of the reply is not read."""
+        return self._max_calls is not None and self._closed >= self._max_calls
 
     def feed(self, text: str) -> list[Event]:
+        if self.done:
+            return []
         self._buffer += text
         return self._run(final=False)
 
     def finish(self) -> list[Event]:
-        return self._run(final=True)
+        return [] if self.done else self._run(final=True)
 
     def _run(self, final: bool) -> list[Event]:
         out: list[Event] = []
         while self._step(out, final):
-            pass
+            if self.done:
+                self._buffer = ""
+                break
         return out
+
+    def _call_closed(self) -> None:
+        """A subclass's word that the current call is whole."""
+        self._closed += 1
 
     def _step(self, out: list[Event], final: bool) -> bool:
         raise NotImplementedError
@@ -47,6 +69,7 @@ class CallStateMachine:
             out.append(CallArguments(self._index, self._buffer[:size]))
         self._buffer = self._buffer[size:]
         if self._scanner.done:
+            self._call_closed()
             return True
         if final:
             self._index += 1
