@@ -40,7 +40,8 @@ def messages_from_proto(messages: Iterable[common_pb2.ChatMessage]) -> list[dict
 
 def _tool_call(index: int, number: int, call: common_pb2.ChatToolCall) -> dict[str, Any]:
     try:
-        arguments = json.loads(call.arguments)
+        # Blank: a call of a function without parameters, as some clients send it back.
+        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
     except (ValueError, RecursionError) as exc:
         raise InvalidArgumentError(f"messages[{index}].tool_calls[{number}].arguments is not JSON: {exc}") from None
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}

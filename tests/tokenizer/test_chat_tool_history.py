@@ -159,13 +159,22 @@ async def test_a_template_that_never_reads_tool_calls_sees_them_as_text(models):
     assert reply.text == text and list(reply.token_ids) == ids
 
 
-@pytest.mark.parametrize("arguments", ["{city: Paris}", "", '{"city": "Paris"'])
+@pytest.mark.parametrize("arguments", ["{city: Paris}", "[", '{"city": "Paris"'])
 async def test_arguments_that_are_not_json_are_invalid_argument(models, arguments):
     _, stub = models["hermes"]
     history = [dict(m) for m in SINGLE[:3]]
     history[1] = {"role": "assistant", "tool_calls": [call("call_1", "get_weather", arguments)]}
     details = await expect_status(rendered(stub, history, [WEATHER]), grpc.StatusCode.INVALID_ARGUMENT)
     assert details.startswith("messages[1].tool_calls[0].arguments is not JSON")
+
+
+async def test_blank_arguments_are_a_call_without_parameters(models):
+    _, stub = models["hermes"]
+    blank = [SINGLE[0], {"role": "assistant", "tool_calls": [call("call_1", "get_weather", " ")]}]
+    empty = [SINGLE[0], {"role": "assistant", "tool_calls": [call("call_1", "get_weather", "{}")]}]
+    got = await rendered(stub, blank, [WEATHER], add_generation_prompt=False)
+    want = await rendered(stub, empty, [WEATHER], add_generation_prompt=False)
+    assert got.text == want.text and '"arguments": {}' in got.text
 
 
 async def test_special_token_text_in_a_call_stays_text(models):

@@ -144,6 +144,8 @@ class ChatMessage(BaseModel):
             return f"{where}.tool_calls", f"{where}.tool_calls is only for a message of role assistant"
         for number, call in enumerate(self.tool_calls or ()):
             field = f"{where}.tool_calls.{number}.function.arguments"
+            if not call.function.arguments.strip():
+                continue  # a function without parameters: the engine renders it as {}
             try:
                 json.loads(call.function.arguments)
             except (ValueError, RecursionError) as exc:
