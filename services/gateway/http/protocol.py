@@ -116,8 +116,30 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _message_by_role(schema: dict[str, Any]) -> None:
+    """The published schema of a chat message: one shape per role, as OpenAI's own spec has it
+    (tool_calls on an assistant turn only, tool_call_id required on a tool turn and nowhere
+    else), so a client generated from /openapi.json knows what ``ChatMessage.invalid`` refuses.
+    Validation stays the one model's (its errors name the message's index)."""
+    fields = schema.pop("properties")
+    for key in ("required", "additionalProperties", "type"):
+        schema.pop(key, None)
+
+    def shape(roles: list[str], *names: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+        properties = {"role": {"type": "string", "enum": roles}} | {n: fields[n] for n in names}
+        return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+                "properties": properties}
+
+    schema["oneOf"] = [
+        shape(["system", "developer", "user"], "content", "name"),
+        shape(["assistant"], "content", "name", "tool_calls"),
+        shape(["tool"], "content", "name", "tool_call_id", required=("tool_call_id",)),
+    ]
+    schema["oneOf"][2]["properties"]["tool_call_id"] = {"type": "string", "minLength": 1, "maxLength": 256}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_message_by_role)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(None, max_length=256)
