@@ -32,6 +32,8 @@ MAX_CHAT_MESSAGES = 1024
 """Turns in one conversation (the tokenizer's chat template has the same bound)."""
 MAX_ROLE_CHARS = 64
 """Characters of one chat role ("system", "assistant", "tool" ...)."""
+MAX_CHAT_TOOL_CALLS = 4096
+"""Tool calls in one conversation's history (the tokenizer's chat template has the same bound)."""
 UTF8_BYTES_PER_CHAR = 4
 FIELD_FRAMING_BYTES = 16
 """Tag and length of one protobuf field or entry, rounded up."""
@@ -45,7 +47,7 @@ class RequestLimits:
 
     max_model_len: int
     max_prompt_chars: int = 0
-    """Longest text prompt (chat: its roles, contents, tool calls and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
+    """Longest text prompt (chat: its roles, contents, names, tool calls and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
     characters per token of the context."""
     max_grammar_bytes: int = 0
     """Largest structured output (SchedulerLimits.max_grammar_bytes; checked by the compiler)."""
@@ -59,7 +61,9 @@ class RequestLimits:
         plus every bounded field at its bound."""
         text = UTF8_BYTES_PER_CHAR * self.prompt_chars + FIELD_FRAMING_BYTES
         token_ids = 5 * self.max_model_len + FIELD_FRAMING_BYTES  # a non-negative int32 varint: <= 5 bytes
-        chat = text + MAX_CHAT_MESSAGES * 2 * FIELD_FRAMING_BYTES
+        # A turn's entry and its role, content, name and tool_call_id; a call's entry and its
+        # id, name and arguments: each under two framings.
+        chat = text + (MAX_CHAT_MESSAGES + MAX_CHAT_TOOL_CALLS) * 2 * FIELD_FRAMING_BYTES
         stop = (MAX_STOP_STRINGS * (UTF8_BYTES_PER_CHAR * MAX_STOP_STRING_CHARS + FIELD_FRAMING_BYTES)
                 + MAX_STOP_TOKEN_IDS * FIELD_FRAMING_BYTES)
         logit_bias = MAX_LOGIT_BIAS_ENTRIES * FIELD_FRAMING_BYTES
@@ -89,18 +93,20 @@ def _check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits) -> Non
     # Measuring a role or a content copies it out of the message: at most MAX_CHAT_MESSAGES of
     # them, and no more text than the message limit (message_bytes) let in.
     budget = limits.prompt_chars
+    calls = sum(len(message.tool_calls) for message in messages)
+    _at_most("prompt chat", calls, MAX_CHAT_TOOL_CALLS, "MAX_CHAT_TOOL_CALLS", unit="tool calls")
     total = 0
     for index, message in enumerate(messages):
         role = len(message.role)
         if role > MAX_ROLE_CHARS:
             raise InvalidArgumentError(f"prompt chat messages[{index}].role has {role} characters; the limit "
                                        f"MAX_ROLE_CHARS is {MAX_ROLE_CHARS}")
-        total += role + len(message.content) + len(message.tool_call_id)
+        total += role + len(message.content) + len(message.tool_call_id) + len(message.name)
         for call in message.tool_calls:
             total += len(call.id) + len(call.name) + len(call.arguments)
     total += len(chat.tools_json)
     _at_most("prompt chat", total, budget, "max_prompt_chars",
-             unit="characters of roles, content, tool calls and tools_json")
+             unit="characters of roles, content, names, tool calls and tools_json")
 
 
 def _at_most(field: str, count: int, limit: int, name: str, unit: str = "entries") -> None:

@@ -29,7 +29,7 @@ characters from it are taken out and put back like special-token text."""
 MAX_GUARDED = 0xFFFD
 """Occurrences one conversation may hold (one sentinel character each)."""
 _SENTINELS = "[\U000F0000-\U000FFFFD]"
-GUARDED_KEYS = ("role", "content", "tool_calls", "tool_call_id")
+GUARDED_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 """The parts of a turn a template may print: an assistant's calls (names, arguments) too."""
 
 

@@ -5,7 +5,11 @@ called functions carries ``tool_calls`` as ``[{"id", "type": "function", "functi
 "arguments"}}]`` with the arguments an object, not the JSON text OpenAI's API carries (Qwen2.5's
 and Llama 3.1's templates write ``tool_call.function.arguments | tojson``: a string there would
 be written as a quoted JSON string). So the arguments are parsed here, and text that is not
-JSON is the request's error, naming the call. A tool turn carries ``tool_call_id``.
+JSON is the request's error, naming the call. A tool turn carries ``tool_call_id``, and a turn
+that has a ``name`` (a tool turn's function, as some clients send it; OpenAI's participant name
+on others) carries it: transformers passes every key of a turn on, and some templates print it.
+It drops the keys whose value is None, though, so a turn that only made calls (``content:
+null``) has no ``content`` key here either.
 
 A template that never reads ``tool_calls`` (SmolLM2's, most templates without a tool format)
 would drop an assistant's calls from the history, leaving the model a conversation in which it
@@ -26,14 +30,21 @@ from services.common.pb.tokenmill.v1 import common_pb2
 
 
 def messages_from_proto(messages: Iterable[common_pb2.ChatMessage]) -> list[dict[str, Any]]:
-    """The template's ``messages``: role and content, ``tool_calls`` and ``tool_call_id`` where set."""
+    """The template's ``messages``: role and content, ``tool_calls``, ``tool_call_id`` and ``name``
+    where set: a key that is absent, as transformers hands a None over, not an empty string."""
     out: list[dict[str, Any]] = []
     for index, turn in enumerate(messages):
-        message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+        message: dict[str, Any] = {"role": turn.role}
+        # A turn that only made calls (content null) has no content key: transformers drops the
+        # keys whose value is None. Any other keeps "" (templates concatenate a turn's content).
+        if turn.HasField("content") or not turn.tool_calls:
+            message["content"] = turn.content
         if turn.tool_calls:
             message["tool_calls"] = [_tool_call(index, number, call) for number, call in enumerate(turn.tool_calls)]
         if turn.tool_call_id:
             message["tool_call_id"] = turn.tool_call_id
+        if turn.name:
+            message["name"] = turn.name
         out.append(message)
     return out
 

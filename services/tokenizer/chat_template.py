@@ -38,6 +38,9 @@ MAX_POWER_BITS = 4096
 """Largest integer power a template may compute."""
 MAX_ROLE_CHARS = 64
 """Characters of one message's role ("system", "assistant", "tool" ...)."""
+MAX_TOOL_CALLS = 4096
+"""Tool calls in one conversation's assistant turns together: each becomes a few dicts, so a
+history of a million empty calls (2 bytes each on the wire) is refused by its count."""
 
 
 class ChatTemplateError(ValueError):
@@ -110,11 +113,10 @@ def _content_chars(content: Any, index: int) -> int:
 
 
 def _tool_chars(message: Mapping[str, Any]) -> int:
-    """Characters of a turn's tool_call_id and its calls' ids and names (parsed arguments are
-    bounded by the request's serialized size, which the services check first)."""
-    total = len(value) if isinstance(value := message.get("tool_call_id"), str) else 0
-    calls = message.get("tool_calls")
-    for call in calls if isinstance(calls, Sequence) else ():
+    """Characters of a turn's name and tool_call_id and its calls' ids and names (parsed
+    arguments are bounded by the request's serialized size, which the services check first)."""
+    total = sum(len(value) for key in ("name", "tool_call_id") if isinstance(value := message.get(key), str))
+    for call in _calls(message):
         function = call.get("function") if isinstance(call, Mapping) else None
         name = function.get("name") if isinstance(function, Mapping) else None
         call_id = call.get("id") if isinstance(call, Mapping) else None
@@ -122,12 +124,17 @@ def _tool_chars(message: Mapping[str, Any]) -> int:
     return total
 
 
+def _calls(message: Mapping[str, Any]) -> Sequence[Any]:
+    calls = message.get("tool_calls")
+    return calls if isinstance(calls, Sequence) else ()
+
+
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Check the message count, roles and total size (roles, contents, tool-call ids and names)
-    against the limits;
-    the characters they hold."""
+    """Check the message and tool-call counts, roles and total size (roles, contents, names,
+    tool-call ids and names) against the limits; the characters they hold."""
     if len(messages) > MAX_MESSAGES:
         raise ChatTemplateError(f"messages has {len(messages)} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
+    check_tool_calls(sum(len(_calls(message)) for message in messages if isinstance(message, Mapping)))
     total = 0
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -145,6 +152,11 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
                 "MAX_TOTAL_CONTENT_CHARS)"
             )
     return total
+
+
+def check_tool_calls(count: int) -> None:
+    if count > MAX_TOOL_CALLS:
+        raise ChatTemplateError(f"messages hold {count} tool calls; the limit MAX_TOOL_CALLS is {MAX_TOOL_CALLS}")
 
 
 class ChatTemplate:

@@ -41,7 +41,7 @@ from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.errors import InvalidArgumentError
 from services.tokenizer.chat_messages import messages_from_proto
-from services.tokenizer.chat_template import MAX_MESSAGES, MAX_TOTAL_CONTENT_CHARS
+from services.tokenizer.chat_template import MAX_MESSAGES, MAX_TOTAL_CONTENT_CHARS, check_tool_calls
 from services.tokenizer.deadline_worker import DeadlineWorker
 from services.tokenizer.detokenizer import DetokenizerPool
 from services.tokenizer.text_service import TextService
@@ -102,13 +102,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.RenderChatResponse:
         _check_chat_size(request)
-        messages = messages_from_proto(request.messages)
         add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         started = time.perf_counter()
         tools_json = request.tools_json
-        rendered = await self._renderer.run(lambda: self._service.render_chat(messages, add_prompt, tools_json),
-                                            "rendering the chat template")
-        _log.debug("chat_rendered", messages=len(messages), tokens=len(rendered.token_ids), ms=_ms_since(started))
+        # Off the event loop with the render: the calls' arguments are parsed there (up to
+        # MAX_TOTAL_CONTENT_CHARS of JSON).
+        rendered = await self._renderer.run(
+            lambda: self._service.render_chat(messages_from_proto(request.messages), add_prompt, tools_json),
+            "rendering the chat template")
+        _log.debug("chat_rendered", messages=len(request.messages), tokens=len(rendered.token_ids),
+                   ms=_ms_since(started))
         return tokenizer_pb2.RenderChatResponse(text=rendered.text, token_ids=rendered.token_ids)
 
     async def GetTokenizerInfo(
@@ -143,11 +146,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
 
 def _check_chat_size(request: tokenizer_pb2.RenderChatRequest) -> None:
-    """The message count, then the serialized size (which bounds the text, tools_json included,
-    from above), both read in place: 3 million empty messages cost no dicts and no thread."""
+    """The message and tool-call counts, then the serialized size (which bounds the text,
+    tools_json included, from above), all read in place: 3 million empty messages, or as many
+    empty calls in one, cost no dicts and no thread."""
     count = len(request.messages)
     if count > MAX_MESSAGES:
         raise InvalidArgumentError(f"messages has {count} entries; the limit MAX_MESSAGES is {MAX_MESSAGES}")
+    check_tool_calls(sum(len(message.tool_calls) for message in request.messages))
     limit = 4 * MAX_TOTAL_CONTENT_CHARS + MESSAGE_FRAMING_BYTES * count
     if request.ByteSize() > limit:
         raise InvalidArgumentError(f"messages hold more than {MAX_TOTAL_CONTENT_CHARS} characters of roles and "

@@ -11,7 +11,8 @@ import pytest
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
-from services.scheduler.request_limits import (MAX_CHAT_MESSAGES, MAX_ROLE_CHARS, RequestLimits, check_sizes)
+from services.scheduler.request_limits import (MAX_CHAT_MESSAGES, MAX_CHAT_TOOL_CALLS, MAX_ROLE_CHARS, RequestLimits,
+                                               check_sizes)
 
 LIMITS = RequestLimits(max_model_len=512)
 
@@ -37,7 +38,17 @@ def test_millions_of_chat_messages_are_refused_by_their_count():
     assert peak < 16 << 10
 
 
-TOO_LONG_CHAT = ("prompt chat has 16388 characters of roles, content, tool calls and tools_json; the limit "
+def test_millions_of_tool_calls_are_refused_by_their_count():
+    request = generation_pb2.GenerateRequest()
+    request.chat.messages.add(role="assistant")
+    for _ in range(2_000_000):
+        request.chat.messages[0].tool_calls.add()
+    message, peak = refused(request)
+    assert message == f"prompt chat has 2000000 tool calls; the limit MAX_CHAT_TOOL_CALLS is {MAX_CHAT_TOOL_CALLS}"
+    assert peak < 16 << 10
+
+
+TOO_LONG_CHAT = ("prompt chat has 16388 characters of roles, content, names, tool calls and tools_json; the limit "
                  "max_prompt_chars is 16384")
 
 
@@ -62,6 +73,10 @@ def test_roles_count_toward_the_conversation_and_have_a_bound_of_their_own():
     request.chat.messages.add(role="assistant", tool_calls=[
         common_pb2.ChatToolCall(id="c1", name="f", arguments="[" + " " * 8174 + "]")])
     request.chat.messages.add(role="tool", tool_call_id="c1")
+    assert refused(request)[0] == TOO_LONG_CHAT
+    request = generation_pb2.GenerateRequest()
+    request.chat.messages.add(role="user", content="x" * 8190)
+    request.chat.messages.add(role="user", name="n" * 8190)  # a turn's name counts too: 8194 + 8194
     assert refused(request)[0] == TOO_LONG_CHAT
 
 
@@ -90,16 +105,26 @@ def test_the_text_bound_follows_the_context_or_max_prompt_chars():
 def test_the_largest_valid_request_fits_the_derived_message_limit():
     limits = RequestLimits(max_model_len=512)
     biggest = []
-    for kind in ("text", "token_ids", "chat"):
+    for kind in ("text", "token_ids", "chat", "chat_calls"):
         request = generation_pb2.GenerateRequest(request_id="\U0001F600" * 256)
         if kind == "text":
             request.text = "\U0001F600" * limits.prompt_chars  # 4 bytes of UTF-8 each
         elif kind == "token_ids":
             request.token_ids.ids.extend([2**31 - 1] * (limits.max_model_len - 1))
-        else:
+        elif kind == "chat":
             per = limits.prompt_chars // MAX_CHAT_MESSAGES
             for _ in range(MAX_CHAT_MESSAGES):
                 request.chat.messages.add(role="\U0001F600" * 4, content="\U0001F600" * (per - 4))
+        else:
+            # Every turn with a name, a tool_call_id and its share of the calls, one-character fields.
+            per_turn = MAX_CHAT_TOOL_CALLS // MAX_CHAT_MESSAGES
+            per = limits.prompt_chars // MAX_CHAT_MESSAGES - 4 - 3 * per_turn
+            assert per >= 0
+            for _ in range(MAX_CHAT_MESSAGES):
+                request.chat.messages.add(role="\U0001F600" * 2, name="\U0001F600", tool_call_id="\U0001F600",
+                                          content="\U0001F600" * per, tool_calls=[
+                                              common_pb2.ChatToolCall(id="\U0001F600", name="\U0001F600",
+                                                                      arguments="\U0001F600")] * per_turn)
         request.stop.stop.extend(["\U0001F600" * 256] * 16)
         request.stop.stop_token_ids.extend([2**31 - 1] * 64)
         request.sampling.logit_bias.update({2**31 - 1 - i: -100.0 for i in range(1024)})

@@ -1,7 +1,7 @@
 """A conversation's tool history through RenderChat, against transformers' apply_chat_template
 (the test-only reference) on the same tokenizer directory: an assistant turn's ``tool_calls`` and
-a tool turn's ``tool_call_id`` reach the template as structure, in transformers' shape (the
-arguments an object), so a Qwen2.5-style Hermes template and a Llama 3.1-style template render
+a tool turn's ``tool_call_id`` (and a turn's ``name``) reach the template as structure, in
+transformers' shape (the arguments an object), so a Qwen2.5-style Hermes template and a Llama 3.1-style template render
 the calls and results exactly as transformers does, text and ids. A template that never reads
 ``tool_calls`` (SmolLM2's own) gets them as text lines in the turn's content. Arguments that are
 not JSON are INVALID_ARGUMENT naming the call, and special-token text in a call stays text."""
@@ -45,8 +45,8 @@ PARALLEL = [
     {"role": "user", "content": "Weather and time in Paris?"},
     {"role": "assistant", "content": "Looking it up.", "tool_calls": [
         call("call_1", "get_weather", '{"city": "Paris"}'), call("call_2", "get_time", '{"city":"Paris"}')]},
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
-    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"celsius": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "name": "get_time", "content": "14:05"},
     {"role": "assistant", "content": "21 C, 14:05."},
     {"role": "user", "content": "And in Zürich?"},
     {"role": "assistant", "content": None, "tool_calls": [call("call_3", "get_weather", '{"city": "Zürich"}')]},
@@ -64,16 +64,19 @@ SINGLE = [
 ]
 
 
-# Prints what the template gets of each turn's tool fields.
+# Prints what the template gets of each turn's tool fields, and which keys a turn has.
 PROBE_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.type }} "
                   "{{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
-                  "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}")
+                  "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}"
+                  "{% if m.name is defined %}<{{ m.name }}>{% endif %}"
+                  "{% if 'tool_calls' in m %}+calls{% endif %}{% if m.content is not defined %}(no content){% endif %}|"
+                  "{% endfor %}")
 
 
 def to_proto(messages: list[dict]) -> list[common_pb2.ChatMessage]:
     """What the gateway sends: content as text, calls with their arguments' JSON text."""
     return [common_pb2.ChatMessage(
-        role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id", ""),
+        role=m["role"], content=m.get("content"), tool_call_id=m.get("tool_call_id", ""), name=m.get("name", ""),
         tool_calls=[common_pb2.ChatToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
                     for c in m.get("tool_calls", ())]) for m in messages]
 
@@ -139,10 +142,20 @@ async def test_tool_history_renders_as_transformers_renders_it(models, template,
         assert '{"name": "get_weather", "parameters": {"city": "Zürich"}}<|eot_id|>' in reply.text
 
 
-async def test_tool_call_ids_reach_the_template(models):
-    _, stub = models["probe"]
-    reply = await rendered(stub, SINGLE[:3], None, False)
-    assert reply.text == "user:|assistant:[call_1 function get_weather Paris]|tool:(call_1)|"
+async def test_tool_call_ids_and_names_reach_the_template(models):
+    model_dir, stub = models["probe"]
+    history = [{**SINGLE[0], "name": "ana"}, *SINGLE[1:3]]
+    reply = await rendered(stub, history, None, False)
+    assert reply.text == "user:<ana>|assistant:[call_1 function get_weather Paris]+calls(no content)|tool:(call_1)|"
+    # The keys a turn has are the ones transformers would hand over: none made up, none empty.
+    reply = await rendered(stub, PARALLEL, None, False)
+    assert reply.text == reference(model_dir, to_hf(PARALLEL), None, False)[0]
+    assert "tool:(call_2)<get_time>|" in reply.text and "system:|" in reply.text
+    # content null beside calls is no key (transformers drops keys whose value is None); "" beside
+    # them, or on a turn without calls, is "".
+    history = [SINGLE[0], {**SINGLE[1], "content": ""}, {"role": "assistant", "content": None}]
+    reply = await rendered(stub, history, None, False)
+    assert reply.text == "user:|assistant:[call_1 function get_weather Paris]+calls|assistant:|"
 
 
 async def test_a_template_that_never_reads_tool_calls_sees_them_as_text(models):

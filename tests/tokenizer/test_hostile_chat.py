@@ -1,6 +1,7 @@
 """Chat requests an attacker would send to the tokenizer, through a real server on loopback:
 
-- millions of empty messages are refused by their count, before a dict is built for any;
+- millions of empty messages are refused by their count, before a dict is built for any, and
+  so are millions of empty tool calls in one message;
 - a template that loops for hours is interrupted at --chat-template-timeout-s
   (DEADLINE_EXCEEDED), off the event loop: the Detokenize stream keeps answering meanwhile,
   and the next conversation renders at once;
@@ -23,7 +24,7 @@ import pytest_asyncio
 
 from services.common.pb.tokenmill.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import create_channel
-from services.tokenizer.chat_template import MAX_MESSAGES
+from services.tokenizer.chat_template import MAX_MESSAGES, MAX_TOOL_CALLS
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve
 from services.tokenizer.servicer import TokenizerServicer
@@ -76,6 +77,24 @@ async def test_a_million_empty_messages_are_refused_by_their_count_before_any_is
         tracemalloc.stop()
         servicer.close()
     assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"  # a dict per message was ~400 MB
+
+
+async def test_a_million_empty_tool_calls_are_refused_by_their_count_before_any_is_copied(looping_model):
+    servicer = TokenizerServicer(TextService(looping_model))
+    request = tokenizer_pb2.RenderChatRequest()
+    turn = request.messages.add(role="assistant")
+    for _ in range(1_000_000):
+        turn.tool_calls.add()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=f"messages hold 1000000 tool calls; the limit MAX_TOOL_CALLS is "
+                                             f"{MAX_TOOL_CALLS}"):
+            await servicer.RenderChat(request, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        servicer.close()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
 
 
 async def test_a_looping_template_is_interrupted_at_its_deadline_off_the_event_loop(looping):

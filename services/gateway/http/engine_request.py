@@ -109,8 +109,10 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
         role = "system" if turn.role == "developer" else turn.role
         calls = [common_pb2.ChatToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                  for c in turn.tool_calls or ()]
-        message.chat.messages.add(role=role, content=turn.text(), tool_calls=calls,
-                                  tool_call_id=turn.tool_call_id or "")
+        # content null beside calls stays unset, as transformers would leave it (common.proto).
+        content = None if turn.content is None and calls else turn.text()
+        message.chat.messages.add(role=role, content=content, tool_calls=calls,
+                                  tool_call_id=turn.tool_call_id or "", name=turn.name or "")
     message.chat.add_generation_prompt = body.add_generation_prompt
     if body.tools:
         # The template's ``tools``, as transformers' apply_chat_template gets them: OpenAI's tool

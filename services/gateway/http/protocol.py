@@ -143,6 +143,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], at_most(MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(None, max_length=256)
+    """The template's ``message.name`` (a participant's name; on a tool turn, as some clients
+    send it, the function that answered)."""
     tool_calls: Annotated[list[ToolCall] | None, at_most(128)] = Field(None, max_length=128)
     """An assistant turn's calls; the chat template gets them as ``message.tool_calls``, the
     arguments parsed (services/tokenizer/chat_messages.py)."""
