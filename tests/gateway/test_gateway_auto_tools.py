@@ -7,14 +7,18 @@ tool_calls, streamed (the name once, the arguments in pieces) and not. The same 
 route whose tool_call_parser is none shows the text the model really wrote.
 
 A history with an assistant's tool_calls and the tool's results reaches the template as
-structure (the prompt is the one transformers' apply_chat_template makes of it); a tool turn
-without tool_call_id, or arguments that are not JSON, are a 400 naming the field. With
-``parallel_tool_calls`` false a reply that would make two calls makes one: the choice ends at its
-first call, its engine stream cut there (fewer tokens), streamed and not."""
+structure: the prompt is the one transformers' apply_chat_template makes of it (its length, and
+the greedy reply the same ids get as a completions prompt), and the gateway sends each turn's
+calls, tool_call_id and name; a tool turn without tool_call_id, or arguments that are not JSON,
+are a 400 naming the field. With ``parallel_tool_calls`` false a reply that would make two calls
+makes one: the choice ends at its first call, streamed and not, and the engine stops there (with
+ignore_eos it generated the reply's tokens, not max_tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,8 @@ import transformers
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
+from services.gateway.http.engine_request import chat_template
+from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.tool_calls.hermes import HermesParser
 from services.gateway.tool_calls.reader import read_whole
 from tests.helpers.gateway_stack import serve_engine, serve_gateway_for, stop_all, wait_healthy, write_routes
@@ -139,23 +145,47 @@ HISTORY = [{"role": "user", "content": "What is the weather in Rome?"},
            {"role": "assistant", "content": None, "tool_calls": [
                {"id": "call_rome", "type": "function",
                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
-           {"role": "tool", "tool_call_id": "call_rome", "content": "Sunny, 24 C"},
+           {"role": "tool", "tool_call_id": "call_rome", "name": "get_weather", "content": "Sunny, 24 C"},
            {"role": "assistant", "content": "It is sunny in Rome, 24 C."},
            {"role": "user", "content": "What is the weather in Paris?"}]
 
 
 async def test_a_tool_history_reaches_the_template_as_transformers_gives_it(stack):
-    reply = await stack.client.chat.completions.create(model="smol", messages=HISTORY, tools=[WEATHER],
-                                                       temperature=0, max_tokens=1)
     as_hf = [dict(m) for m in HISTORY]
-    as_hf[1] = {"role": "assistant", "tool_calls": [
+    as_hf[1] = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_rome", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]}
     tokenizer = transformers.AutoTokenizer.from_pretrained(stack.model)
     ids = tokenizer.apply_chat_template(as_hf, tools=[WEATHER], add_generation_prompt=True, tokenize=True,
                                         return_dict=True)["input_ids"]
     text = tokenizer.apply_chat_template(as_hf, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
-    assert reply.usage.prompt_tokens == len(ids)
+    assert "<tool_response>\nSunny, 24 C\n</tool_response>" in text
+    # tool_choice none: the reply is the model's raw text, to compare with the same ids as a prompt.
+    reply = await stack.client.chat.completions.create(model="smol", messages=HISTORY, tools=[WEATHER],
+                                                       tool_choice="none", temperature=0, max_tokens=12)
+    same = await stack.client.completions.create(model="smol", prompt=list(ids), temperature=0, max_tokens=12)
+    assert reply.usage.prompt_tokens == same.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == same.choices[0].text
+    # The prompts the history would make otherwise (the arguments left JSON text, which the
+    # template writes as a quoted string; the calls flattened into the content, as the gateway
+    # once sent them) have other lengths: the count above tells them apart.
+    as_text = [*HISTORY[:1], {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": '
+                                                              '"Rome"}}'}, *HISTORY[2:]]
+    for other in (HISTORY, as_text):
+        assert len(tokenizer.apply_chat_template(other, tools=[WEATHER], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"]) != len(ids)
+
+
+async def test_the_gateway_sends_every_tool_field_of_a_turn():
+    body = ChatCompletionRequest(model="smol", messages=[
+        *HISTORY[:1], {"role": "user", "name": "ana", "content": "Hi"}, *HISTORY[1:3]])
+    turns = chat_template(body).chat.messages
+    assert [(t.role, t.name, t.tool_call_id) for t in turns] == [
+        ("user", "", ""), ("user", "ana", ""), ("assistant", "", ""), ("tool", "get_weather", "call_rome")]
+    [call] = turns[2].tool_calls
+    assert (call.id, call.name, call.arguments) == ("call_rome", "get_weather", '{"city": "Rome"}')
+    assert not turns[2].HasField("content"), "content null beside calls stays null; the calls travel apart"
+    assert turns[1].content == "Hi" and turns[3].content == "Sunny, 24 C"
 
 
 @pytest.mark.parametrize(("turn", "param"), [
@@ -222,6 +252,36 @@ async def test_parallel_tool_calls_false_streams_one_call(stack):
     assert "".join(pieces) == call.function.arguments
     assert finishes == ["tool_calls"]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def completion_tokens(reply) -> int:
+    """A reply's usage.completion_tokens, read to its end when streamed."""
+    if isinstance(reply, openai.types.chat.ChatCompletion):
+        return reply.usage.completion_tokens
+    usage = None
+    async for chunk in reply:
+        usage = chunk.usage or usage
+    return usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_parallel_tool_calls_false_stops_the_engine_at_the_call(stack, stream):
+    # With ignore_eos the engine would write all of max_tokens unless the gateway's cancel stops it.
+    started = time.monotonic()
+    extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+    reply = await stack.client.chat.completions.create(
+        model="smol", parallel_tool_calls=False, extra_body={"ignore_eos": True}, **{**TWO_CALLS, "max_tokens": 400},
+        **extra)
+    received = await completion_tokens(reply)
+    for _ in range(200):  # the engine aborts the request at its next step and records it then
+        profile = await stack.engine.GetProfile(generation_pb2.GetProfileRequest(
+            window_seconds=time.monotonic() - started + 0.2))
+        if profile.num_running == 0 and profile.num_requests > 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (profile.num_running, profile.kv_cache_usage) == (0, 0.0)
+    # What the engine generated for it: the tokens the reply counted, and at most a step or two more.
+    assert received <= profile.max_output_tokens <= received + 4 < 400
 
 
 @pytest.mark.parametrize("stream", [False, True])
