@@ -254,6 +254,31 @@ async def test_parallel_tool_calls_false_streams_one_call(stack):
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
+async def test_parallel_tool_calls_false_ends_each_of_n_choices_at_its_call(stack):
+    one = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, **TWO_CALLS)
+    [call] = one.choices[0].message.tool_calls
+    both = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, n=2, **TWO_CALLS)
+    for choice in both.choices:
+        [made] = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls"
+        assert (made.function.name, made.function.arguments) == (call.function.name, call.function.arguments)
+    assert both.usage.completion_tokens == 2 * one.usage.completion_tokens
+    stream = await stack.client.chat.completions.create(model="smol", parallel_tool_calls=False, n=2, stream=True,
+                                                        **TWO_CALLS)
+    arguments: dict[int, list[str]] = {0: [], 1: []}
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for tool_delta in choice.delta.tool_calls or ():
+                assert tool_delta.index == 0
+                arguments[choice.index].append(tool_delta.function.arguments or "")
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(choice.finish_reason)
+    assert finishes == {0: ["tool_calls"], 1: ["tool_calls"]}
+    assert {index: "".join(pieces) for index, pieces in arguments.items()} == {
+        0: call.function.arguments, 1: call.function.arguments}
+
+
 async def completion_tokens(reply) -> int:
     """A reply's usage.completion_tokens, read to its end when streamed."""
     if isinstance(reply, openai.types.chat.ChatCompletion):
