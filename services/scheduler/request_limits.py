@@ -47,8 +47,8 @@ class RequestLimits:
 
     max_model_len: int
     max_prompt_chars: int = 0
-    """Longest text prompt (chat: its roles, contents, names, tool calls and tools_json together); 0 = CHARS_PER_TOKEN_BOUND
-    characters per token of the context."""
+    """Longest text prompt (chat: its roles, contents, names, tool calls and tools_json together);
+    0 = CHARS_PER_TOKEN_BOUND characters per token of the context."""
     max_grammar_bytes: int = 0
     """Largest structured output (SchedulerLimits.max_grammar_bytes; checked by the compiler)."""
 
