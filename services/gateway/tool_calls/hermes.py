@@ -77,10 +77,7 @@ class HermesParser(CallStateMachine):
             return True
         # _TAIL: the wrapper's "}" and the close marker, whitespace around them; a reply that
         # goes on without them ends the call there and its text is content.
-        stripped = buffer.lstrip()
-        if not self._closing_brace and stripped.startswith("}"):
-            self._closing_brace, stripped = True, stripped[1:].lstrip()
-        self._buffer = stripped
+        stripped = self._past_closing_brace(buffer)
         if not stripped and not final:
             return False
         if stripped.startswith(CLOSE):

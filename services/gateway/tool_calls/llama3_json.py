@@ -64,10 +64,7 @@ class Llama3JsonParser(CallStateMachine):
             self._state, self._closing_brace = _TAIL, False
             return True
         # _TAIL: the object's "}", then ";" and another call, or the end.
-        stripped = buffer.lstrip()
-        if not self._closing_brace and stripped.startswith("}"):
-            self._closing_brace, stripped = True, stripped[1:].lstrip()
-        self._buffer = stripped
+        stripped = self._past_closing_brace(buffer)
         if not stripped:
             if final:
                 self._index += 1

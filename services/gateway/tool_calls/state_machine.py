@@ -57,6 +57,15 @@ class CallStateMachine:
         """A subclass's word that the current call is whole."""
         self._closed += 1
 
+    def _past_closing_brace(self, buffer: str) -> str:
+        """``buffer`` past its leading whitespace and, once a call, the wrapper's closing "}"
+        (with the whitespace after it); it becomes the buffer."""
+        stripped = buffer.lstrip()
+        if not self._closing_brace and stripped.startswith("}"):
+            self._closing_brace, stripped = True, stripped[1:].lstrip()
+        self._buffer = stripped
+        return stripped
+
     def _step(self, out: list[Event], final: bool) -> bool:
         raise NotImplementedError
 
