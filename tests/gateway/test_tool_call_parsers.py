@@ -4,9 +4,12 @@ exactly the whole reply, which is the one written out here by hand. Malformed ca
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.gateway.tool_calls import PARSERS
+from services.gateway.tool_calls.json_call import MAX_HEADER_CHARS
 from services.gateway.tool_calls.reader import ReplyReader, WholeReply, read_whole
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -166,3 +169,52 @@ def test_content_flows_and_only_a_possible_marker_is_held():
     reader = ReplyReader(PARSERS["llama3_json"](NAMES), "c")
     assert reader.feed("Hello") == ("Hello", [])
 
+
+
+HOSTILE_DELTAS = 8_000
+HOSTILE_REPLIES = [
+    # (format, what opens the reply, the delta repeated): held-back text a prompt can make a model write
+    ("hermes", "<tool_call>", " "),  # whitespace where the header should be
+    ("hermes", '<tool_call>{"name": "', "a"),  # a name that never ends
+    ("hermes", '<tool_call>{"arguments": {}, "x": "', "a"),  # a block judged at its close marker, which never comes
+    ("llama3_json", "", " "),
+    ("llama3_json", '{"name": "', "a"),
+    ("mistral", "[TOOL_CALLS]", " "),
+    ("mistral", "[TOOL_CALLS]", "a"),  # a [TOOL_CALLS]name[ARGS] name that never ends
+    ("mistral", '[TOOL_CALLS][{"name": "', "a"),
+]
+
+
+def _read_time(fmt: str, deltas: list[str]) -> float:
+    reader = ReplyReader(PARSERS[fmt](NAMES), "c")
+    started = time.perf_counter()
+    for delta in deltas:
+        reader.feed(delta)
+    reader.finish()
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize(("fmt", "opening", "delta"), HOSTILE_REPLIES)
+def test_hostile_replies_cost_time_linear_in_their_length(fmt, opening, delta):
+    """Each delta's work is bounded (headers capped, searches resumed): 8,000 deltas held back
+    cost about what plain text does. Rescanning the held text per delta took 15-22 s."""
+    plain = min(_read_time(fmt, ["word "] * HOSTILE_DELTAS) for _ in range(3))
+    held = _read_time(fmt, [opening] + [delta] * HOSTILE_DELTAS)
+    assert held < 20 * plain + 0.5, (held, plain)
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_a_header_longer_than_the_cap_is_not_streamed(fmt):
+    """Past MAX_HEADER_CHARS a header is no call's: content, or for hermes a block judged whole
+    at its close marker."""
+    name = "f" * MAX_HEADER_CHARS
+    text = {"hermes": '<tool_call>{"name": "%s", "arguments": {}}</tool_call>',
+            "llama3_json": '{"name": "%s", "parameters": {}}',
+            "mistral": '[TOOL_CALLS][{"name": "%s", "arguments": {}}]'}[fmt] % name
+    reader = ReplyReader(PARSERS[fmt](None), "c")
+    assert reader.feed(text[:-1]) == (("", []) if fmt == "hermes" else (text[:-1], []))
+    reader.feed(text[-1:])
+    reader.finish()
+    assert reader.whole() == (WholeReply(None, [(name, "{}")]) if fmt == "hermes" else WholeReply(text, []))
+    short = text.replace(name, "get_time")
+    assert read_whole(PARSERS[fmt](None), short).calls == [("get_time", "{}")]

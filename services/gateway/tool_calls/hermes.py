@@ -58,7 +58,7 @@ class HermesParser(CallStateMachine):
                 return True
             return False
         if self._state == _BLOCK:
-            at = buffer.find(CLOSE)
+            at = self._find(CLOSE)
             if at < 0 and not final:
                 return False
             call = whole_call(buffer[:at], WHOLE_ARGUMENT_KEYS, self._names) if at >= 0 else None

@@ -6,14 +6,26 @@ writes one JSON object naming the function and holding its arguments. Streaming 
 pieces needs to know, before the object is complete, that this is a call (the header) and where
 the arguments end (the brace that closes them), so both are read here on text that may stop
 anywhere: every answer is "yes", "no" or "not yet", never a guess from a partial text.
+
+The parsers run on the gateway's one event loop, on text a prompt can steer, and read a header
+again on every delta until it is whole: so a header is read with C-speed regular expressions and
+is at most MAX_HEADER_CHARS long (whitespace, an unterminated name, a name that never ends),
+which keeps each delta's work bounded and a reply's work linear in its length.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
-_WHITESPACE = " \t\r\n"
+MAX_HEADER_CHARS = 512
+"""Most characters a call's header (``{"name": "...", "arguments": {``, the whitespace in it, and
+what precedes it after a call marker) may take before it is judged not a call. OpenAI's function
+names are at most 64 characters."""
+
+_WHITESPACE_RUN = re.compile(r"[ \t\r\n]*")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 PARTIAL = "partial"
 """The text so far could still become a header."""
@@ -29,9 +41,7 @@ class Header:
 
 
 def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WHITESPACE:
-        i += 1
-    return i
+    return _WHITESPACE_RUN.match(text, i).end()
 
 
 def _literal(text: str, i: int, literal: str) -> tuple[str | None, int]:
@@ -48,24 +58,25 @@ def _string(text: str, i: int) -> tuple[str | None, int, str]:
         return PARTIAL, i, ""
     if text[i] != '"':
         return FAILED, i, ""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-            continue
-        if text[j] == '"':
-            try:
-                return None, j + 1, json.loads(text[i:j + 1])
-            except ValueError:
-                return FAILED, i, ""
-        j += 1
-    return PARTIAL, i, ""
+    match = _JSON_STRING.match(text, i)
+    if match is None:  # no unescaped closing quote yet
+        return PARTIAL, i, ""
+    try:
+        return None, match.end(), json.loads(match.group())
+    except ValueError:
+        return FAILED, i, ""
 
 
 def read_header(text: str, argument_keys: tuple[str, ...], names: frozenset[str] | None) -> Header | str:
     """``{"name": <string>, "<one of argument_keys>": {`` at the start of ``text`` (whitespace
     allowed between the parts): a Header once the arguments' ``{`` is read, else PARTIAL or
-    FAILED. ``names``: the functions the request offers (None: any); another name is FAILED."""
+    FAILED. ``names``: the functions the request offers (None: any); another name is FAILED.
+    Text past MAX_HEADER_CHARS that is not yet a header is FAILED."""
+    verdict = _read_header(text[:MAX_HEADER_CHARS], argument_keys, names)
+    return FAILED if verdict == PARTIAL and len(text) > MAX_HEADER_CHARS else verdict
+
+
+def _read_header(text: str, argument_keys: tuple[str, ...], names: frozenset[str] | None) -> Header | str:
     i = _skip(text, 0)
     steps: list[str | None] = ["{", '"name"', ":", None, ","]
     name = ""

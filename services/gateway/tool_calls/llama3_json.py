@@ -10,7 +10,7 @@ key). Once a call has been made, text after it that is not another call is conte
 from __future__ import annotations
 
 from services.gateway.tool_calls.events import CallOpened, Content, Event
-from services.gateway.tool_calls.json_call import FAILED, ArgumentsScanner, Header, read_header
+from services.gateway.tool_calls.json_call import FAILED, MAX_HEADER_CHARS, ArgumentsScanner, Header, read_header
 from services.gateway.tool_calls.state_machine import CallStateMachine
 
 PYTHON_TAG = "<|python_tag|>"
@@ -35,14 +35,15 @@ class Llama3JsonParser(CallStateMachine):
             self._buffer = ""
             return False
         if self._state == _START:
-            # Held as written (whitespace, the tag) until the first character decides.
+            # Held as written (whitespace, the tag) until the first character decides, for at
+            # most a header's length.
             rest = buffer.lstrip()
             if rest.startswith(PYTHON_TAG):
                 rest = rest[len(PYTHON_TAG):].lstrip()
             elif rest and PYTHON_TAG.startswith(rest):
-                return False if not final else self._to_text()
+                rest = ""
             if not rest:
-                return False if not final else self._to_text()
+                return False if not final and len(buffer) <= MAX_HEADER_CHARS else self._to_text()
             if rest[0] != "{":
                 return self._to_text()
             self._state = _HEADER

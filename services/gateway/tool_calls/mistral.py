@@ -14,7 +14,14 @@ from __future__ import annotations
 import re
 
 from services.gateway.tool_calls.events import CallOpened, Content, Event
-from services.gateway.tool_calls.json_call import FAILED, ArgumentsScanner, Header, marker_overlap, read_header
+from services.gateway.tool_calls.json_call import (
+    FAILED,
+    MAX_HEADER_CHARS,
+    ArgumentsScanner,
+    Header,
+    marker_overlap,
+    read_header,
+)
 from services.gateway.tool_calls.state_machine import CallStateMachine
 
 MARKER = "[TOOL_CALLS]"
@@ -59,6 +66,8 @@ class MistralParser(CallStateMachine):
             return True
         if self._state == _AFTER_MARKER:
             rest = buffer.lstrip()
+            if len(buffer) - len(rest) > MAX_HEADER_CHARS:
+                return self._not_a_call(buffer)
             if not rest:
                 return False if not final else self._not_a_call(buffer)
             if rest[0] == "[":
@@ -67,10 +76,11 @@ class MistralParser(CallStateMachine):
             self._state = _NAMED  # the buffer as written: it is content if no call follows
             return True
         if self._state == _NAMED:
-            at = buffer.find(ARGS_MARKER)
+            at = buffer.find(ARGS_MARKER, 0, MAX_HEADER_CHARS + len(ARGS_MARKER))
             if at < 0:
                 keep = marker_overlap(buffer, ARGS_MARKER)
-                if not final and _NAME.fullmatch(buffer[:len(buffer) - keep].strip()) is not None:
+                if (not final and len(buffer) <= MAX_HEADER_CHARS
+                        and _NAME.fullmatch(buffer[:len(buffer) - keep].strip()) is not None):
                     return False  # a name so far, maybe followed by the start of "[ARGS]"
                 return self._not_a_call(buffer)
             name = buffer[:at].strip()

@@ -9,6 +9,10 @@ needs more text or the text is done), starting in the state it names.
 follows is dropped, so the reply is its content and those calls, and the caller may end the
 generation there. The formats' own endings after the brace (``</tool_call>``, ``]``) are not
 waited for.
+
+Work per delta stays bounded, so a reply costs time linear in its length whatever a prompt makes
+the model write: a header is read to at most MAX_HEADER_CHARS (json_call.py), and a search for a
+marker in a held-back block resumes where the last one ended (``_find``) instead of rescanning it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ class CallStateMachine:
         self._names = names
         """The functions the request offers (a call to another is content); None = any."""
         self._state = start
-        self._buffer = ""
+        self._text = ""
+        self._searched = 0
+        """How far ``_find`` has searched ``_text`` (a marker begins nowhere before it)."""
         self._index = 0
         """The index of the call being read (the number of calls made before it)."""
         self._scanner = ArgumentsScanner()
@@ -32,6 +38,23 @@ class CallStateMachine:
         """Calls read whole."""
 
     @property
+    def _buffer(self) -> str:
+        """The text read and not yet passed on. A state that sets it starts a new search."""
+        return self._text
+
+    @_buffer.setter
+    def _buffer(self, text: str) -> None:
+        self._text, self._searched = text, 0
+
+    def _find(self, marker: str) -> int:
+        """``self._buffer.find(marker)``, resuming where the last search of this buffer ended:
+        the text held back only grows between two settings of it."""
+        at = self._text.find(marker, self._searched)
+        if at < 0:
+            self._searched = max(0, len(self._text) - len(marker) + 1)
+        return at
+
+    @property
     def done(self) -> bool:
         """``max_calls`` calls are whole: the rest of the reply is not read."""
         return self._max_calls is not None and self._closed >= self._max_calls
@@ -39,7 +62,7 @@ class CallStateMachine:
     def feed(self, text: str) -> list[Event]:
         if self.done:
             return []
-        self._buffer += text
+        self._text += text  # appended: the search position stays valid
         return self._run(final=False)
 
     def finish(self) -> list[Event]:
