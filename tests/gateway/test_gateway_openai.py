@@ -177,6 +177,26 @@ async def test_echo_prepends_the_prompt_also_for_token_ids(gw):
     assert info.value.response.json()["error"]["param"] == "echo"
 
 
+async def test_streamed_echo_opens_with_the_prompt(gw):
+    args = dict(model="stories", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    whole = await gw.client.completions.create(**args)
+    chunks = await collect(await gw.client.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_stream_options_without_stream_is_400_naming_it(gw, endpoint):
+    args = dict(model="stories", max_tokens=4, stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError) as info:
+        if endpoint == "chat":
+            await gw.client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **args)
+        else:
+            await gw.client.completions.create(prompt=PROMPT, **args)
+    error = envelope(info.value)
+    assert error["param"] == "stream_options" and "stream" in error["message"], error
+
+
 # ---------------------------------------------------------------------------- streaming
 async def collect(stream) -> list:
     return [chunk async for chunk in stream]

@@ -155,6 +155,50 @@ async def test_a_required_tool_call_streams_its_name_once(stack):
     jsonschema.validate(json.loads("".join(pieces)), tool["function"]["parameters"])
 
 
+async def streamed_calls(stream) -> tuple[dict, list[str], set]:
+    """A streamed choice's calls as the client assembles them ({index: [name, arguments]}), its
+    finish reasons and whether any content came."""
+    calls, finishes, contents = {}, [], set()
+    async for chunk in stream:
+        for choice in chunk.choices:
+            contents.add(choice.delta.content)
+            for call in choice.delta.tool_calls or ():
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    return calls, finishes, contents
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice,max_tokens", [("required", 30), ("required", 36), (NAMED, 6), (NAMED, 16)])
+async def test_a_tool_call_cut_by_max_tokens_is_a_partial_call_in_both_shapes(stack, tool_choice, max_tokens):
+    args = dict(model="stories", messages=MESSAGES, max_tokens=max_tokens, temperature=0.0, tools=[WEATHER, TIME],
+                tool_choice=tool_choice)
+    whole = await stack.client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and call.function.arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):  # cut: not yet whole JSON
+        json.loads(call.function.arguments)
+    calls, finishes, contents = await streamed_calls(await stack.client.chat.completions.create(**args, stream=True))
+    assert calls == {0: [call.function.name, call.function.arguments]}
+    assert finishes == ["length"] and contents == {None}
+
+
+async def test_a_required_call_cut_before_its_name_has_neither_content_nor_calls_in_both_shapes(stack):
+    args = dict(model="stories", messages=MESSAGES, max_tokens=3, temperature=0.0, tools=[WEATHER, TIME],
+                tool_choice="required")
+    choice = (await stack.client.chat.completions.create(**args)).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None and not choice.message.tool_calls
+    calls, finishes, contents = await streamed_calls(await stack.client.chat.completions.create(**args, stream=True))
+    assert calls == {} and finishes == ["length"] and contents == {None}
+
+
 @pytest.mark.parametrize("response_format,message", [
     (json_schema_format({"type": "integer", "minimum": 5, "maximum": 1}),
      "response_format.json_schema.schema: does not compile: Unsatisfiable schema: minimum (5) is greater than "

@@ -3,7 +3,8 @@
 Streamed, each choice opens with a ``{"role": "assistant", "content": ""}`` delta, then its
 content deltas, then one chunk with an empty delta and its ``finish_reason``. A reply
 constrained to a tool call (structured.py) opens with ``content`` null and streams
-``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls". With tools and
+``tool_calls`` deltas instead, ending with ``finish_reason`` "tool_calls" ("length" when
+max_tokens cut the call: its arguments are then partial, streamed or not). With tools and
 ``tool_choice`` auto, a reply in a format the gateway parses (auto_tools.py) streams content
 deltas and ``tool_calls`` deltas as the parser reads them, ending with "tool_calls" when it
 made calls; with ``parallel_tool_calls`` false the choice ends at its first whole call, its engine
@@ -96,15 +97,19 @@ def _refusal(exc: BaseException, plan: OutputPlan) -> OpenAIError:
 
 
 def _message(state: ChoiceState, plan: OutputPlan, rid: str) -> tuple[dict, str | None]:
-    """A finished choice's message and finish_reason: a tool call when the reply is a whole one."""
+    """A finished choice's message and finish_reason: a constrained reply is a tool call, whole
+    ("tool_calls") or cut by max_tokens ("length", its arguments partial)."""
     text = "".join(state.text)
-    call = parse_tool_call(plan.tool, text) if plan.tool is not None and state.finish_reason == "stop" else None
-    if call is None:
+    if plan.tool is None:
         return {"role": "assistant", "content": text}, state.finish_reason
+    call = parse_tool_call(plan.tool, text, whole=state.finish_reason == "stop")
+    if call is None:  # cut before the function's name: as streamed, no content and no call
+        return {"role": "assistant", "content": None}, state.finish_reason
     name, arguments = call
     tool_call = {"id": tool_call_id(rid, state.index), "type": "function",
                  "function": {"name": name, "arguments": arguments}}
-    return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls"
+    return ({"role": "assistant", "content": None, "tool_calls": [tool_call]},
+            _calls_finish(state.finish_reason))
 
 
 def _read_message(state: ChoiceState, reader: ReplyReader) -> tuple[dict, str | None]:
@@ -178,6 +183,9 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
             yield chunk(index, {"content": delta.text}, chat_logprobs(delta.logprobs, namer))
             continue
         finish_reason = state.finish_reason
-        if calls is not None and finish_reason == "stop" and calls[index].opened:
-            finish_reason = "tool_calls"
+        if calls is not None:
+            for tool_delta in calls[index].finish(whole=finish_reason == "stop"):
+                yield chunk(index, {"tool_calls": [tool_delta]})
+            if calls[index].opened:
+                finish_reason = _calls_finish(finish_reason)
         yield chunk(index, {}, finish_reason=finish_reason)

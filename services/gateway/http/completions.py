@@ -90,10 +90,12 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
         state = states[index]
         state.apply(reply)
         kind = reply.WhichOneof("event")
+        if kind == "started":
+            continue
         text = reply.delta.text if kind == "delta" else ""
-        if fresh[index]:
+        if fresh[index]:  # echo: the prompt opens the choice's first chunk, as OpenAI streams it
             text, fresh[index] = echoes[state.prompt_index] + text, False
-        if kind == "started" or (kind == "delta" and not text and not reply.delta.token_ids):
+        if kind == "delta" and not text and not reply.delta.token_ids:
             continue
         if kind == "delta" and body.logprobs is None:
             yield frames.text(index, text)

@@ -78,6 +78,12 @@ class SamplingFields(BaseModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     """Scheduling priority: lower is served first."""
 
+    def stream_problem(self) -> tuple[str, str] | None:
+        """stream_options without stream: refused, as OpenAI and vLLM refuse it (it would do nothing)."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], at_most(MAX_PROMPTS)] | list[TokenId] \
@@ -90,6 +96,8 @@ class CompletionRequest(SamplingFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first set field tokenmill cannot serve."""
+        if (problem := self.stream_problem()) is not None:
+            return problem
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported by tokenmill"
         if self.best_of is not None and self.best_of != self.n:
@@ -251,6 +259,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        if (problem := self.stream_problem()) is not None:
+            return problem
         for name in UNSUPPORTED_CHAT_FIELDS:
             if getattr(self, name) is not None:
                 return name, f"{name} is not supported by tokenmill yet"

@@ -9,7 +9,10 @@ What maps to what:
   to its ``parameters`` schema; ``required`` -> the reply is ``{"name": <one of the tools>,
   "arguments": <its parameters>}`` (a Lark grammar with one alternative per tool, each
   embedding its schema), from which the call is read. Either answers ``tool_calls`` with
-  ``finish_reason`` "tool_calls" (or "length" when max_tokens cut it). The grammar's start is
+  ``finish_reason`` "tool_calls"; a call cut by max_tokens is still ``tool_calls``, its
+  arguments the partial JSON generated, with ``finish_reason`` "length" (OpenAI's answer: the
+  client sees the call was cut), streamed or not. A ``required`` reply cut before it named
+  its function has neither content nor calls. The grammar's start is
   one call, so a constrained reply makes exactly one: what ``parallel_tool_calls: false`` asks.
 - ``tool_choice`` ``auto`` (OpenAI's default when tools are given) and ``none``: unconstrained.
   The tools reach the model's chat template either way (``ChatMessages.tools_json``, the
@@ -105,14 +108,19 @@ def tool_call_id(request_id: str, choice: int) -> str:
     return f"call_{request_id}_{choice}"
 
 
-def parse_tool_call(shape: ToolCallShape, text: str) -> tuple[str, str] | None:
-    """(name, arguments) of a finished reply; None when it is not a whole call (cut short)."""
+def parse_tool_call(shape: ToolCallShape, text: str, whole: bool) -> tuple[str, str] | None:
+    """(name, arguments) of a finished reply; None while the reply has not named its function.
+
+    ``whole``: the reply ended by itself (finish "stop"), so a ``required`` reply's last
+    character is the wrapper's closing brace. A reply cut by max_tokens keeps everything after
+    the name as its (partial) arguments, as OpenAI returns a cut call."""
     if shape.name is not None:
         return shape.name, text
     for name in shape.names:
         prefix = shape.prefix_of(name)
-        if text.startswith(prefix) and text.endswith("}"):
-            return name, text[len(prefix):-1]
+        if text.startswith(prefix):
+            arguments = text[len(prefix):]
+            return name, arguments[:-1] if whole and arguments.endswith("}") else arguments
     return None
 
 
@@ -155,6 +163,14 @@ class ToolCallStream:
         if text:
             out.append({"index": 0, "function": {"arguments": text}})
         return out
+
+    def finish(self, whole: bool) -> list[dict]:
+        """The deltas left at the end: the held character, unless it closed a whole reply's
+        wrapper (the same arguments parse_tool_call reads from the whole text)."""
+        held, self.held = self.held, ""
+        if not self.opened or not held or (whole and held == "}"):
+            return []
+        return [{"index": 0, "function": {"arguments": held}}]
 
     def _opening(self) -> dict:
         return {"index": 0, "id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": ""}}
