@@ -65,6 +65,8 @@ class UpConfig:
                                         "--drafter-arg=--num-speculative-tokens=K")
     scheduler_arg: tuple[str, ...] = _flag((), "extra flag passed to the scheduler, e.g. "
                                                "--scheduler-arg=--max-num-seqs=64 (repeatable)", repeat=True)
+    chat_template: str = _flag("", "chat template for the tokenizer(s), replacing the model's or standing in for "
+                                   "none: a Jinja file's path or the template's text inline (holding {{ or {%)")
     replicas: int = _flag(1, "engines to start, each its own tokenizer, executor(s), drafter and scheduler (the "
                              "first on --port, the others on free ports), routed by the gateway",
                           "TOKENMILL_REPLICAS")
@@ -161,6 +163,14 @@ def scheduler_args(args: UpConfig) -> list[str]:
     return own + list(args.scheduler_arg)
 
 
+def tokenizer_args(args: UpConfig) -> list[str]:
+    """--chat-template, a file's path made absolute here (the services need not share our cwd)."""
+    if not args.chat_template:
+        return []
+    path = Path(args.chat_template).expanduser()
+    return [f"--chat-template={path.resolve() if path.is_file() else args.chat_template}"]
+
+
 def drafter_args(args: UpConfig) -> list[str]:
     # The drafter caps k at its own setting: raise it with the scheduler's (it allows up to 32).
     own = [] if not args.speculate else [f"--num-speculative-tokens={args.speculate}"]
@@ -178,7 +188,7 @@ def _launchers(args: UpConfig) -> list[Launcher]:
             model=args.model, public_host=args.host, public_port=args.port if i == 0 else 0,
             internal_ports={k: v for k, v in ports.items() if v} if i == 0 else {},
             executor_args=executor_args(args), executor_roles=args.executor_roles,
-            scheduler_args=scheduler_args(args), drafter_args=drafter_args(args),
+            scheduler_args=scheduler_args(args), drafter_args=drafter_args(args), tokenizer_args=tokenizer_args(args),
             log_dir=log_dir, on_event=_print_event, tls=args.tls)))
     return launchers
 
@@ -277,7 +287,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        chat = has_chat_template(args.model)
+        chat = bool(args.chat_template) or has_chat_template(args.model)
         if gateway is not None:
             _print_examples(gateway, Path(args.model).name, chat)
         if not args.no_demo:

@@ -73,6 +73,8 @@ class LaunchConfig:
     """One executor per entry, with that role (mixed, prefill or decode), all behind the one
     scheduler; the first is named "executor", the others "executor-1", "executor-2", ..."""
     scheduler_args: list[str] = field(default_factory=list)
+    tokenizer_args: list[str] = field(default_factory=list)
+    """Extra flags for the tokenizer (--chat-template ...)."""
     drafter_args: list[str] = field(default_factory=list)
     """Extra flags for the drafter (--method draft_model --draft-model DIR, ...); it is always
     told the target's directory (--target-model), so a draft of another vocabulary is refused."""
@@ -128,6 +130,8 @@ class Launcher:
         base = [sys.executable, "-m", f"services.{name}", "--port", str(svc.port), "--port-file", str(svc.port_file)]
         if name in ("tokenizer", "executor"):
             base += ["--model", c.model]
+        if name == "tokenizer":
+            base += c.tokenizer_args
         if name == "executor":
             role = c.executor_roles[self.executor_names.index(svc.name)]
             base += (["--role", role] if role != "mixed" else []) + c.executor_args + c.executor_role_args.get(role, [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.service_config import model_field, service_process_fields
+from services.tokenizer.text_tokenizer import read_chat_template_option
 
 DEFAULT_PORT = 50052
 
@@ -18,7 +19,16 @@ class TokenizerConfig(service_process_fields("tokenizer", DEFAULT_PORT)):
         "help": "longest a chat template may take to render one conversation; past it the call is interrupted "
                 "and answered DEADLINE_EXCEEDED (a template is code shipped with the model)",
         "env": "TOKENMILL_TOKENIZER_CHAT_TEMPLATE_TIMEOUT_S"})
+    chat_template: str = field(default="", metadata={
+        "help": "chat template to render conversations with, replacing the model's (or standing in for none): a "
+                "Jinja file's path, or the template's text inline (holding {{ or {%); empty = the model's own",
+        "env": "TOKENMILL_TOKENIZER_CHAT_TEMPLATE"})
 
     def validate(self) -> None:
         if not self.chat_template_timeout_s > 0:
             raise ValueError(f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
+        self.template_text()
+
+    def template_text(self) -> str | None:
+        """The --chat-template's text (read from its file); None when not given."""
+        return read_chat_template_option(self.chat_template) if self.chat_template else None

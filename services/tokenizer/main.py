@@ -15,7 +15,8 @@ from services.tokenizer.text_service import TextService
 async def serve(config: TokenizerConfig) -> RunningServer:
     """Load the tokenizer, start the server (SERVING on return) and publish the port file."""
     config.validate()
-    servicer = TokenizerServicer(TextService(config.model), chat_template_timeout_s=config.chat_template_timeout_s)
+    servicer = TokenizerServicer(TextService(config.model, config.template_text()),
+                                 chat_template_timeout_s=config.chat_template_timeout_s)
     running = await start_service(config, "tokenizer", registrar(
         servicer, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer_pb2, "Tokenizer"))
     running.on_stop(servicer.close)

@@ -71,15 +71,19 @@ class RenderedChat:
 class TextService:
     """The tokenizer service's operations over one model's tokenizer files. Thread-safe reads only."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a template's text that replaces the model's (the server's
+        ``--chat-template``); one that does not compile is a ValueError here, at startup."""
         self.model_dir = Path(model_dir)
         # Recognises special-token text: for rendered chat templates and for decoding.
-        self.tokenizer = TextTokenizer.from_dir(self.model_dir)
+        self.tokenizer = TextTokenizer.from_dir(self.model_dir, chat_template)
         # Treats special-token text in prompts as plain characters (see the module docstring).
-        self._prompt_tokenizer = TextTokenizer.from_dir(self.model_dir)
+        self._prompt_tokenizer = TextTokenizer.from_dir(self.model_dir, chat_template)
         self._prompt_tokenizer.backend.encode_special_tokens = True
         self._chat_encoder = ChatEncoder(self.tokenizer, self._prompt_tokenizer)
         self._template, self._template_problem = self._load_template()
+        if chat_template is not None and self._template is None:
+            raise ValueError(f"chat_template: {self._template_problem}")
         self._reads_tool_calls = reads_tool_calls(self.tokenizer.chat_template)
         pad = self.tokenizer.pad_token
         self.facts = TokenizerFacts(

@@ -10,6 +10,9 @@ A model directory in the Hugging Face layout holds:
 - ``chat_template.jinja`` / ``chat_template.json`` (optional): where newer transformers
   versions save the chat template instead of inside ``tokenizer_config.json``.
 
+The server's ``--chat-template`` (a file or inline text) replaces the model's template, so a
+model that ships none can serve chat.
+
 Only ``tokenizer.json`` is required. This module never imports transformers: it reads the JSON
 files itself so the services carry one dependency (``tokenizers``) for text.
 """
@@ -64,6 +67,22 @@ def _select_chat_template(value: Any, origin: str) -> str | None:
             raise ValueError(f"{origin}: chat_template lists {sorted(map(str, named))} but no 'default' template")
         return template
     raise ValueError(f"{origin}: chat_template must be a string or a list of named templates")
+
+
+def read_chat_template_option(value: str, field: str = "chat_template") -> str:
+    """A chat template given to the server (vLLM's ``--chat-template``): the text of the file
+    ``value`` names, or ``value`` itself when it is inline Jinja (holds ``{``). A value that is
+    neither is refused naming the field, not rendered as a template of plain text."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{field}: cannot read {value}: {exc}") from None
+    if "{" in value:
+        return value
+    raise ValueError(f"{field}: {value!r} is not a file (resolved from {Path.cwd()}) and holds no Jinja tag "
+                     "({{ ... }} or {% ... %}); give a template file's path or the template's text")
 
 
 def _decoder_has_byte_fallback(tokenizer_json: dict[str, Any]) -> bool:
@@ -151,8 +170,9 @@ class TextTokenizer:
         self._anchor_text = "" if self._anchor_token_id is None else self.decode([self._anchor_token_id])
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> TextTokenizer:
-        """Load tokenizer.json and the optional config files from a Hugging Face model directory."""
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> TextTokenizer:
+        """Load tokenizer.json and the optional config files from a Hugging Face model directory;
+        ``chat_template`` (a template's text) replaces the model's own, or stands in for none."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -166,6 +186,8 @@ class TextTokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         elif template is None and json_file.is_file():
             template = _select_chat_template(_read_json(json_file).get("chat_template"), str(json_file))
+        if chat_template is not None:
+            template = chat_template
         return cls(Tokenizer.from_file(str(tokenizer_file)), config, generation, template)
 
     def _lookup(self, token: str | None, field: str) -> int | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.server import RunningServer
+from services.common.settings import parse_config
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
 from services.gateway.config import GatewayServiceConfig
@@ -35,11 +36,13 @@ def stories_with_chat_template(root: Path) -> Path:
 
 
 async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str = "", num_blocks: int = 256,
-                       scheduler: Mapping[str, Any] | None = None, max_model_len: int = 0) -> list[RunningServer]:
+                       scheduler: Mapping[str, Any] | None = None, max_model_len: int = 0,
+                       tokenizer_flags: Sequence[str] = ()) -> list[RunningServer]:
     """A model's tokenizer, executor and scheduler in this process (stories260K by default); the
-    scheduler is last."""
+    scheduler is last. ``tokenizer_flags``: more of the tokenizer's flags, as typed."""
     model = str(model)
-    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model))
+    tokenizer = await serve_tokenizer(parse_config(TokenizerConfig, ["--port=0", f"--model={model}",
+                                                                     *tokenizer_flags], env={}))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
         model=model, num_blocks=num_blocks, dtype="fp32", device="cpu", attention_backend="torch",
         max_model_len=max_model_len)))
