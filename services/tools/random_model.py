@@ -36,6 +36,8 @@ class RandomModelSpec:
     dtype: str = "float32"
     init_std: float = 0.02
     """Std of the random matrices. Tests raise it so logits spread and greedy choices are far from ties."""
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    """config.json's ``rope_scaling`` as (key, value) pairs (a tuple keeps the spec hashable)."""
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +85,8 @@ def _config_json(spec: RandomModelSpec) -> dict:
         "eos_token_id": 2,
         "torch_dtype": spec.dtype,
     }
+    if spec.rope_scaling:
+        cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.rope_scaling}
     if spec.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None
     if spec.architecture == "Qwen2ForCausalLM":

@@ -1,7 +1,7 @@
 """Model configuration read from a Hugging Face-style ``config.json``.
 
 Only the Llama family is supported: Llama, Mistral and Qwen2 share one implementation
-(GQA/MQA, RoPE with ``rope_theta``, RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias
+(GQA/MQA, RoPE with ``rope_theta`` and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias
 for Qwen2). Anything else is refused with an error that names the architecture, rather
 than loaded and run wrong.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from services.runtime.model.quant.config import QuantizationConfig
+from services.runtime.model.rope import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -62,6 +63,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     """Mistral-style local attention window; the engine caps the context at it (see max_model_len)."""
+    rope: RopeScaling | None = None
+    """RoPE scaling (rope.py); None is plain RoPE at ``rope_theta``."""
     quantization: QuantizationConfig | None = None
     """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
 
@@ -69,9 +72,10 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """Longest context the engine serves exactly. A sliding window shorter than the
         position limit caps it, because the attention backends attend over the full context."""
+        served = self.rope.served_positions(self.max_position_embeddings) if self.rope else self.max_position_embeddings
         if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(served, self.sliding_window)
+        return served
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -84,12 +88,11 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; tokenmill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         # transformers >= 5 writes RoPE settings under "rope_parameters"; older configs use
-        # "rope_theta" plus an optional "rope_scaling". Only plain RoPE is implemented.
+        # "rope_theta" plus an optional "rope_scaling" (rope.py implements each scaling type).
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (only plain RoPE)")
-        rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
         if raw.get("mlp_bias") or raw.get("attention_out_bias"):
             raise ValueError("mlp_bias / attention_out_bias are not supported by the Llama implementation")
         if raw.get("hidden_act", "silu") != "silu":
@@ -124,8 +127,9 @@ class ModelConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rope_theta=rope_theta,
+            rope=rope_scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             dtype=parse_dtype(str(dtype_str)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.runtime.model.rope import RopeScaling
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32, scale in the input dtype: the same rounding as Hugging Face's LlamaRMSNorm.
@@ -23,14 +25,21 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions), rotate-half layout:
     dimension i is paired with i + head_dim/2 (Hugging Face's convention)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device,
+                 scaling: RopeScaling | None = None):
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        t = torch.arange(max_positions, device=device, dtype=torch.float32)
+        scaling = scaling or RopeScaling(theta)
+        # rope.py: a scaled type's frequencies, those past the original context where they differ,
+        # and the factor cos and sin are multiplied by (yarn, longrope), as transformers does.
+        inv_freq, inv_freq_long, long_from, attention_scaling = scaling.frequencies(head_dim, max_positions)
+        max_positions = scaling.served_positions(max_positions)
+        t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        self.cos = freqs.cos()  # fp32 [P, D/2]
-        self.sin = freqs.sin()
+        if inv_freq_long is not None and long_from < max_positions:
+            freqs[long_from:] = torch.outer(t[long_from:], inv_freq_long)
+        self.cos = (freqs.cos() * attention_scaling).to(device)  # fp32 [P, D/2]
+        self.sin = (freqs.sin() * attention_scaling).to(device)
         # Full-width tables for one multiply per half: out = x * cos_full + swap_halves(x) * sin_signed,
         # i.e. x1*cos - x2*sin | x2*cos + x1*sin (adding -(x2*sin) rounds exactly as subtracting it).
         self.cos_full = torch.cat([self.cos, self.cos], dim=-1)  # fp32 [P, D]

@@ -113,7 +113,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, QuantLinear):
                 # after the move: each device packs its own way (quant/linear.py)
                 module.prepare(quant_activations if device.type == "cpu" else "none")
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device,
+                                      config.rope)
 
     @classmethod
     def from_pretrained(
