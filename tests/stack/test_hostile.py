@@ -20,6 +20,9 @@ tested beside their modules:
 - KV copies between executors (sizes, kept channels, the executors' certificate for ReadKVBlocks
   alone): tests/executor/test_kv_transfer.py, tests/stack/test_tls_stack.py
 - the gateway's lists counted before validation, its body limit: tests/gateway/test_gateway_openai.py
+- the gateway under hostile HTTP clients (a disconnect aborts non-streamed work, messages over the
+  engine's limit): tests/gateway/test_gateway_hostile.py; tool-call parsers linear in the reply:
+  tests/gateway/test_tool_call_parsers.py
 - GetProfile's cost: tests/scheduler/test_profile_cache.py
 - binds, /metrics on loopback, concurrent calls, pings: tests/common/test_bind_policy.py,
   test_server_bootstrap.py

@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
+from services.gateway.http.disconnect import ClientDisconnected, unless_disconnected
 from services.gateway.http.engine_request import chat_template
 from services.gateway.http import auto_tools
 from services.gateway.http.errors import OpenAIError, bad_request, from_error
@@ -51,7 +52,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     calls, metadata = call_plan(ctx, route, body, request, [(prefix, template)], rid)
     streams = ChoiceStreams(ctx.dispatcher, route, calls, metadata, ctx.timeout_s)
     try:
-        await streams.start()
+        await unless_disconnected(request, streams.start())
+    except ClientDisconnected:
+        raise
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer here, to name the field
         raise _refusal(exc, plan) from None
     states = [ChoiceState(i, 0) for i in range(len(calls))]
@@ -65,6 +68,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         chunks = _chunks(streams, states, readers, head, body, namer, plan, rid, usage_chunks)
         return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+    await unless_disconnected(request, _collect(streams, states, readers))
+    choices = []
+    for s, reader in zip(states, readers):
+        message, finish_reason = _message(s, plan, rid) if reader is None else _read_message(s, reader)
+        choices.append({"index": s.index, "message": message,
+                        "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
+                        "finish_reason": finish_reason})
+    payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
+               "system_fingerprint": None}
+    return Response(dumps(payload), media_type="application/json")
+
+
+async def _collect(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None]) -> None:
     try:
         async for index, reply in streams.events():
             states[index].apply(reply)
@@ -76,15 +92,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                     states[index].end()
     finally:
         await streams.close()
-    choices = []
-    for s, reader in zip(states, readers):
-        message, finish_reason = _message(s, plan, rid) if reader is None else _read_message(s, reader)
-        choices.append({"index": s.index, "message": message,
-                        "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
-                        "finish_reason": finish_reason})
-    payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
-               "system_fingerprint": None}
-    return Response(dumps(payload), media_type="application/json")
 
 
 def _refusal(exc: BaseException, plan: OutputPlan) -> OpenAIError:

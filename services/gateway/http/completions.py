@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
+from services.gateway.http.disconnect import unless_disconnected
 from services.gateway.http.engine_request import completion_prompts, completion_template
 from services.gateway.http.errors import bad_request
 from services.gateway.http.logprobs import completion_logprobs
@@ -52,17 +53,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     templates = [(p, completion_template(body, p)) for p in prompts]
     calls, metadata = call_plan(ctx, route, body, request, templates, rid)
     streams = ChoiceStreams(ctx.dispatcher, route, calls, metadata, ctx.timeout_s)
-    await streams.start()
+    await unless_disconnected(request, streams.start())
     states = [ChoiceState(i, i // body.n) for i in range(len(calls))]
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": body.model}
     if body.stream:
         return StreamingResponse(_stream(streams, states, head, body, echoes, namer), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    try:
-        async for index, reply in streams.events():
-            states[index].apply(reply)
-    finally:
-        await streams.close()
+    await unless_disconnected(request, _collect(streams, states))
     choices = []
     for state in states:
         echo = echoes[state.prompt_index]
@@ -71,6 +68,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                         "finish_reason": state.finish_reason})
     payload = {**head, "choices": choices, "usage": usage_of(states), "system_fingerprint": None}
     return Response(dumps(payload), media_type="application/json")
+
+
+async def _collect(streams: ChoiceStreams, states: list[ChoiceState]) -> None:
+    try:
+        async for index, reply in streams.events():
+            states[index].apply(reply)
+    finally:
+        await streams.close()
 
 
 def _stream(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: CompletionRequest,

@@ -8,7 +8,8 @@ The status is the one that makes the official clients raise the matching class:
     401 authentication_error    AuthenticationError    the engine's tenants do not know the token
     403 permission_error        PermissionDeniedError  the tenant may not use that model or priority
     404 invalid_request_error   NotFoundError          unknown model (code model_not_found) or path
-    413 invalid_request_error   APIStatusError         body over --max-request-bytes
+    413 invalid_request_error   APIStatusError         body over --max-request-bytes, or a request
+                                                       larger than the engine's message limit
     429 rate_limit_error        RateLimitError         queue full or token budget spent; Retry-After
     503 service_unavailable     InternalServerError    no healthy target, an engine went away
     504 timeout                 InternalServerError    over --request-timeout-s
@@ -28,9 +29,10 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ResourceExhaustedError, TokenmillError
+from services.gateway.http.disconnect import CLIENT_CLOSED, ClientDisconnected
 
 _log = structlog.get_logger("tokenmill.gateway.http")
 
@@ -72,6 +74,9 @@ _BY_CODE: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
     grpc.StatusCode.CANCELLED: (503, "service_unavailable", "cancelled"),
 }
+_MESSAGE_LIMIT = "message larger than max"
+"""In gRPC's RESOURCE_EXHAUSTED for a message over a channel's or server's limit ("Received
+message larger than max (1600512 vs. 1048576)", "Sent message ...")."""
 _ENGINE_FIELDS = ("max_tokens", "min_tokens", "stop", "stop_token_ids", "logit_bias", "prompt", "temperature",
                   "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                   "logprobs", "request_id", "priority")
@@ -91,6 +96,11 @@ def from_error(exc: BaseException) -> OpenAIError:
         grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else grpc.StatusCode.INTERNAL)
     status, type_, error_code = _BY_CODE.get(code, (500, "server_error", None))
     message = str(exc)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_LIMIT in message:
+        # gRPC's own size limit (a hop's max message length), not a load the client may retry:
+        # a 429 would have it retry forever.
+        return OpenAIError(413, f"the request is larger than the engine accepts ({message}); send a smaller "
+                                f"prompt or fewer, shorter stop strings", code="request_too_large")
     if status == 404 and "model" in message:
         error_code = "model_not_found"
     headers = {}
@@ -147,7 +157,12 @@ async def _on_typed(request: Request, exc: Exception) -> JSONResponse:
     return from_error(exc).response()
 
 
+async def _on_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=CLIENT_CLOSED)  # sent to nobody; counted in the metrics
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ClientDisconnected, _on_disconnected)
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(OpenAIError, _on_openai)

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from services.common.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 MAX_STOP_TOKEN_IDS = 64
@@ -63,7 +65,9 @@ class SamplingFields(BaseModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
                           at_most(1024)] = Field(None, max_length=1024)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: Annotated[str | list[Annotated[str, Field(min_length=1)]] | None, at_most(16)] = Field(None, max_length=16)
+    stop: Annotated[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+                    | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None,
+                    at_most(MAX_STOP_STRINGS)] = Field(None, max_length=MAX_STOP_STRINGS)
     user: str | None = Field(None, max_length=256)
     # vLLM's extra sampling parameters.
     top_k: int | None = Field(None, ge=-1, le=1 << 20)

@@ -1,0 +1,176 @@
+"""Hostile HTTP clients against the gateway run as a process, as a user starts it (flags typed on
+its command line), in front of a real stories260K engine on loopback (tokenizer, executor and
+scheduler servers in this process, read through their own metrics and GetProfile).
+
+- a client that closes its connection aborts a non-streamed request's choices (n=64 x 480
+  tokens): the engine stops generating them;
+- requests larger than the engine's message limit are 400/413 with a clear body, never the 429
+  clients retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import pytest
+import pytest_asyncio
+from prometheus_client import REGISTRY
+
+from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.server import RunningServer, create_channel
+from tests.helpers.gateway_stack import serve_engine, stop_all, stories_with_chat_template, write_routes
+from tests.helpers.service_harness import REPO_ROOT
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+MODEL = "stories"
+
+
+@dataclass
+class GatewayProcess:
+    process: subprocess.Popen
+    http_port: int
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+async def start_gateway(root: Path, routes: str, flags: Sequence[str] = (), env: dict[str, str] | None = None,
+                        timeout_s: float = 60.0) -> GatewayProcess:
+    """``python -m services.gateway --config ROUTES --port 0 --http-port 0 FLAGS``; returns once
+    its HTTP port is written."""
+    port_file = root / f"http-{time.monotonic_ns()}.port"
+    log = root / f"gateway-{time.monotonic_ns()}.log"
+    command = [sys.executable, "-m", "services.gateway", "--config", routes, "--port", "0", "--http-port", "0",
+               "--http-port-file", str(port_file), "--profile-interval-s", "0.1", *flags]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
+        await asyncio.sleep(0.1)
+    gateway = GatewayProcess(process, int(port_file.read_text()), log)
+    async with httpx.AsyncClient(base_url=gateway.base, timeout=10) as client:
+        while (await client.get("/health")).status_code != 200:
+            assert time.monotonic() < deadline, f"the gateway never became healthy: {log.read_text()[-3000:]}"
+            await asyncio.sleep(0.1)
+    return gateway
+
+
+@dataclass
+class Stack:
+    root: Path
+    engine: list[RunningServer]
+    gateway: GatewayProcess
+    http: httpx.AsyncClient
+    profile: generation_pb2_grpc.GenerationStub
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
+    root = tmp_path_factory.mktemp("gateway-hostile")
+    # Room for 64 choices of 500 tokens at once; request metrics on (this process's registry).
+    engine = await serve_engine(model=stories_with_chat_template(root), num_blocks=2304,
+                                scheduler={"metrics_port": 0})
+    scheduler = engine[-1]
+    routes = write_routes(root / "routes.json", {"targets": [{"name": "e1", "address": scheduler.address}],
+                                                 "models": {MODEL: "e1"}})
+    gateway = await start_gateway(root, routes)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.base, timeout=60) as http, \
+                create_channel(scheduler.address) as channel:
+            yield Stack(root, engine, gateway, http, generation_pb2_grpc.GenerationStub(channel))
+    finally:
+        gateway.stop()
+        await stop_all(engine)
+
+
+def generated_tokens() -> float:
+    return REGISTRY.get_sample_value("tokenmill:generation_tokens_total") or 0.0
+
+
+async def engine_idle(stack: Stack, timeout_s: float) -> float:
+    """Seconds until the engine runs and queues nothing."""
+    started = time.monotonic()
+    while True:
+        profile = await stack.profile.GetProfile(generation_pb2.GetProfileRequest(), timeout=10)
+        if profile.num_running == 0 and profile.num_waiting == 0:
+            return time.monotonic() - started
+        assert time.monotonic() - started < timeout_s, (profile.num_running, profile.num_waiting)
+        await asyncio.sleep(0.05)
+
+
+async def engine_busy(stack: Stack, timeout_s: float) -> None:
+    started = time.monotonic()
+    while (await stack.profile.GetProfile(generation_pb2.GetProfileRequest(), timeout=10)).num_running == 0:
+        assert time.monotonic() - started < timeout_s, "the engine never started the request"
+        await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------- a client that goes away
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_hostile_disconnect_aborts_a_non_streamed_requests_choices(stack, path):
+    n, max_tokens = 64, 480  # the chat template's prompt is 26 tokens of 512
+    body = {"model": MODEL, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
+    body |= ({"prompt": "Once upon a time"} if path == "/v1/completions"
+             else {"messages": [{"role": "user", "content": "Once upon a time"}]})
+    answer = await stack.http.post(path, json={**body, "n": 2, "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+    payload = json.dumps(body).encode()
+    await engine_idle(stack, 60)
+    before = generated_tokens()
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.http_port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+    await engine_busy(stack, 30)
+    await asyncio.sleep(0.4)
+    writer.close()
+    await engine_idle(stack, 60)
+    spent = generated_tokens() - before
+    # All of them: 30,720 tokens; aborted at the next step after the close, a few thousand at most.
+    assert 0 < spent < n * max_tokens / 4, spent
+
+
+# ---------------------------------------------------------------- sizes
+async def test_hostile_long_stop_strings_are_400_naming_stop_not_429(stack):
+    answer = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4,
+                                                           "stop": ["x" * 100_000] * 16})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith("stop")
+    assert "256" in error["message"]
+
+
+async def test_hostile_a_request_over_the_engines_message_limit_is_413_not_429(stack):
+    # Under the gateway's 8 MiB body limit, over what the engine's gRPC server receives.
+    answer = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "Once " * 1_000_000,
+                                                           "max_tokens": 4})
+    assert answer.status_code == 413, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "request_too_large" and "larger than the engine accepts" in error["message"]
+    assert "retry-after" not in answer.headers
