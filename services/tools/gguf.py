@@ -21,12 +21,13 @@ that its RoPE rotates adjacent pairs (2i, 2i+1), while HF Llama rotates (i, i + 
 ("rotate half"). ``rotate_half_rows`` undoes it. A file with ``output.weight`` has an untied LM
 head; without it the embedding is tied.
 
-``--weights keep`` stores Q4_0, Q4_1 and Q8_0 tensors as they are: each block's bytes are split
-into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins`` (fp16), the
-layout of services/runtime/model/quant/formats.py, and config.json's ``quantization_config``
-says which format each weight has (quant/config.py). Float tensors (the norms) are written in
-fp32. A file with another quantization type (K-quants, say) is refused with the type's name;
-``--weights fp32`` converts it.
+``--weights keep`` stores the quantized tensors the runtime runs as they are. Q4_0, Q4_1 and Q8_0
+blocks are split into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins``
+(fp16), the layout of services/runtime/model/quant/formats.py; Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1
+blocks are kept whole in ``X.qweight`` (quant/gguf_blocks.py). config.json's
+``quantization_config`` says which format each weight has (quant/config.py). Float tensors (the
+norms) are written in fp32. A file with another quantization type (Q2_K, IQ4_XS, ...) is refused
+with the type's name; ``--weights fp32`` converts it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ from services.tools.gguf_tokenizer import tokenizer_config as build_tokenizer_co
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_CHOICES = (*WEIGHT_DTYPES, "keep")
-KEPT_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+KEPT_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0",
+              GGMLQuantizationType.Q4_K: "q4_k", GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
+              GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1"}
 """GGUF types --weights keep stores as they are -> the runtime's format name."""
+_WHOLE_BLOCKS = {"q4_k", "q5_k", "q6_k", "q5_0", "q5_1"}
+"""Formats kept as whole blocks (quant/gguf_blocks.py) rather than split into parts."""
 _BLOCK_PARTS = {  # format -> (the fp16 fields that open a block, in order; the values' dtype)
     "q4_0": (("scales",), np.uint8), "q4_1": (("scales", "mins"), np.uint8), "q8_0": (("scales",), np.int8)}
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -212,11 +217,13 @@ def split_blocks(data: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
 def kept_parts(tensor, fmt: str) -> dict[str, np.ndarray]:
     """One GGUF block tensor (a matrix: dimensions innermost first) split by ``split_blocks``."""
     n = int(tensor.shape[1]) if len(tensor.shape) == 2 else 1
+    if fmt in _WHOLE_BLOCKS:
+        return {"qweight": np.array(tensor.data, dtype=np.uint8).reshape(n, -1)}  # a copy: the file is a read-only map
     return split_blocks(np.asarray(tensor.data).reshape(n, -1), fmt)
 
 
 def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Q4_0/Q4_1/Q8_0 tensors as parts (``X.qweight``, ``X.scales``, ``X.mins``), the rest in fp32.
+    """Kept tensors as parts (``X.qweight``, ``X.scales``, ``X.mins``; whole blocks: ``X.qweight``), the rest in fp32.
 
     Returns the tensors and module name -> format of every kept tensor. q/k rows are unpermuted
     as in ``dequantized_state_dict``: the permutation moves whole rows, so it applies to each part.
@@ -284,7 +291,8 @@ def _provenance(source: Path, sha256: str, meta: Mapping[str, Any], types: list[
         "# Provenance",
         "",
         f"Converted from a GGUF file by `tokenmill convert gguf` (services/tools/gguf.py); weights {weights}, "
-        + (f"Q4_0/Q4_1/Q8_0 blocks stored as they are, others dequantized, from {', '.join(types)}."
+        + (f"{'/'.join(t.name for t in KEPT_TYPES)} blocks stored as they are, others dequantized, "
+           f"from {', '.join(types)}."
            if weights == "keep" else f"dequantized with `gguf.quants.dequantize` from {', '.join(types)}."),
         "",
         f"- file: `{source.name}`" + (f" from the Python package `{package}`" if package else ""),
@@ -364,14 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="tokenmill convert gguf",
         description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a "
                     "Hugging Face-style model directory, with dequantized weights or (--weights keep) its "
-                    "Q4_0/Q4_1/Q8_0 tensors as they are.",
+                    "quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) as they are.",
     )
     parser.add_argument("file", nargs="?", type=Path, help="the .gguf file")
     parser.add_argument("--package", help="instead of FILE: the .gguf shipped by this installed Python package")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="fp32",
-                        help="dtype of the written weights (default fp32, exact), or keep: Q4_0, Q4_1 and Q8_0 "
-                             "tensors stored as they are, run by the quantized linear layers")
+                        help="dtype of the written weights (default fp32, exact), or keep: Q4_0, Q4_1, Q8_0, "
+                             "Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 tensors stored as they are, run by the quantized "
+                             "linear layers")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = parser.parse_args(argv)
     if (args.file is None) == (args.package is None):

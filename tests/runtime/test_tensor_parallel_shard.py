@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.runtime.model.config import ModelConfig
-from services.runtime.model.quant.formats import FORMATS, dequantize, quantize
+from services.runtime.model.quant.formats import QuantizedWeight, dequantize, quantize
 from services.runtime.parallel.shard import plan_shards, shard_checkpoint, shard_config, slice_columns, slice_rows
 from tests.conftest import STORIES_DIR
 
@@ -81,7 +81,7 @@ def test_a_float_checkpoint_shards_to_the_local_config():
     assert (local_config.num_heads, local_config.num_kv_heads, local_config.intermediate_size) == (2, 1, 57)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
 def test_quantized_slices_dequantize_to_the_unsharded_weights_bit_for_bit(fmt):
     torch.manual_seed(1)
     weight = quantize(torch.randn(96, 256), fmt)
@@ -90,6 +90,23 @@ def test_quantized_slices_dequantize_to_the_unsharded_weights_bit_for_bit(fmt):
         assert torch.equal(dequantize(slice_rows(weight, start, stop)), full[start:stop])
     for start, stop in [(0, 128), (128, 256), (64, 96)]:  # input columns: on group boundaries
         assert torch.equal(dequantize(slice_columns(weight, start, stop)), full[:, start:stop])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_whole_gguf_block_slices_dequantize_to_the_unsharded_weights_bit_for_bit(fmt):
+    import numpy as np
+
+    from tests.helpers.kquants import random_blocks
+
+    weight = QuantizedWeight.from_parts(fmt, {"qweight": torch.from_numpy(
+        random_blocks(24, 768, fmt, np.random.default_rng(0)))}, 32)
+    full = dequantize(weight)
+    assert torch.equal(dequantize(slice_rows(weight, 5, 17)), full[5:17])
+    for start, stop in [(0, 256), (256, 768)]:
+        assert torch.equal(dequantize(slice_columns(weight, start, stop)), full[:, start:stop])
+    if fmt != "q5_0":
+        with pytest.raises(ValueError, match=f"cuts its {fmt} groups of 256"):
+            slice_columns(weight, 0, 384)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])

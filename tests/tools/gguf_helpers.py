@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from tokenizers import pre_tokenizers
+
+from tests.helpers.kquants import TYPES as KQUANT_NAMES
+from tests.helpers.kquants import quantize_blocks
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -29,10 +32,17 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llama", tokenizer_model: str = "gpt2",
-                          pre: str = "smollm", extra_tensor: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+                          pre: str = "smollm", extra_tensor: str | None = None, seed: int = 0,
+                          dims: dict[str, int] | None = None,
+                          qtypes: dict[str, GGMLQuantizationType] | None = None) -> dict[str, np.ndarray]:
     """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
-    q/k rows permuted); returns the HF-layout float32 weights it was quantized from."""
-    d, h, kvh, f = TINY["hidden"], TINY["heads"], TINY["kv_heads"], TINY["ffn"]
+    q/k rows permuted); returns the HF-layout float32 weights it was quantized from.
+
+    ``dims`` overrides TINY's sizes; ``qtypes`` the type of tensors by GGUF name without the
+    layer and ``.weight`` (``attn_q``, ``ffn_down``, ``token_embd``, ``output``), K-quants
+    included (tests/helpers/kquants.py writes their blocks)."""
+    sizes = TINY | (dims or {})
+    d, h, kvh, f = sizes["hidden"], sizes["heads"], sizes["kv_heads"], sizes["ffn"]
     head_dim = d // h
     rng = np.random.default_rng(seed)
 
@@ -40,9 +50,9 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
     writer = GGUFWriter(str(path), arch)
-    writer.add_context_length(TINY["context"])
+    writer.add_context_length(sizes["context"])
     writer.add_embedding_length(d)
-    writer.add_block_count(TINY["layers"])
+    writer.add_block_count(sizes["layers"])
     writer.add_feed_forward_length(f)
     writer.add_head_count(h)
     writer.add_head_count_kv(kvh)
@@ -68,14 +78,22 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
             permute_heads: int | None = None) -> None:
         hf[hf_name] = values
         stored = values if permute_heads is None else llama_cpp_permute(values, permute_heads)
+        short = gguf_name.split(".")[-2]
+        qtype = (qtypes or {}).get(short, qtype)
         if qtype == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, stored)
+        elif qtype.name.lower() in KQUANT_NAMES:
+            writer.add_tensor(gguf_name, quantize_blocks(stored, qtype.name.lower()), raw_dtype=qtype)
+        elif qtype == GGMLQuantizationType.Q2_K:  # a type nothing here quantizes to: zero blocks of its size
+            block, size = GGML_QUANT_SIZES[qtype]
+            writer.add_tensor(gguf_name, np.zeros((stored.shape[0], stored.shape[1] // block * size), np.uint8),
+                              raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
 
     q41, q80, f32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
     add("token_embd.weight", "model.embed_tokens.weight", rand(len(TOKENS), d), q80)
-    for i in range(TINY["layers"]):
+    for i in range(sizes["layers"]):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(d), f32)
         add(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", rand(h * head_dim, d), q41, h)

@@ -121,6 +121,10 @@ def slice_columns(weight: Weight, start: int, stop: int, name: str = "weight") -
     if start % w.group_size or stop % w.group_size:
         raise ValueError(f"{name}: a tensor-parallel split at input columns {start}..{stop} cuts its {w.fmt} "
                          f"groups of {w.group_size}")
+    if w.scales is None:  # whole GGUF blocks (quant/gguf_blocks.py): a row's blocks are its bytes in order
+        per_block = w.qweight.shape[1] // (w.in_features // w.group_size)
+        b0, b1 = start // w.group_size * per_block, stop // w.group_size * per_block
+        return QuantizedWeight(w.fmt, w.out_features, stop - start, w.group_size, w.qweight[:, b0:b1].contiguous())
     per_byte = 2 if w.fmt in ("q4_0", "q4_1") else 1
     g0, g1 = start // w.group_size, stop // w.group_size
     parts = {"qweight": w.qweight[:, start // per_byte:stop // per_byte].contiguous(),

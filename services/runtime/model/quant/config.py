@@ -2,7 +2,7 @@
 
     "quantization_config": {
       "quant_method": "tokenmill",
-      "format": "q4_1",             # q4_0 | q4_1 | q8_0 | int8 (formats.py)
+      "format": "q4_1",             # q4_0 | q4_1 | q8_0 | int8 (formats.py) | q4_k | q5_k | q6_k | q5_0 | q5_1
       "group_size": 32,             # values per scale along the input axis (not used by int8)
       "modules": {                  # exceptions to "format", by module name (the weight without ".weight")
         "model.embed_tokens": "q8_0",

@@ -1,6 +1,6 @@
 """Weight-only quantization formats: what a quantized [N, K] weight is made of, and its reference dequantization.
 
-Four formats, all quantized along the input (K) axis, so concatenating weights along the
+Four formats split into parts (and GGUF's larger blocks kept whole, below), all quantized along the input (K) axis, so concatenating weights along the
 output (N) axis, as the fused q|k|v and gate|up projections do, is concatenating their parts:
 
 ======  =========================  ===============================  =========================
@@ -19,7 +19,8 @@ low nibble and value j + 16 in its high nibble (GGUF's order, kept so a converte
 are the file's bytes). ``scales`` (and ``mins``) are [N, K / group_size].
 
 The checkpoint stores, for a weight ``X.weight``: ``X.qweight``, ``X.scales`` and, for q4_1,
-``X.mins``. config.json's ``quantization_config`` says which weights are quantized and how
+``X.mins``. GGUF's larger blocks (q4_k, q5_k, q6_k, q5_0, q5_1: gguf_blocks.py) are kept whole
+instead, as ``X.qweight`` alone: [N, row bytes] uint8, each row's blocks as the file has them. config.json's ``quantization_config`` says which weights are quantized and how
 (``QuantizationConfig``, config.py's neighbour in this package).
 """
 
@@ -29,7 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8")
+from services.runtime.model.quant import gguf_blocks
+from services.runtime.model.quant.gguf_blocks import BLOCK_FORMATS
+
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", *BLOCK_FORMATS)
 GGUF_GROUP_SIZE = 32
 
 
@@ -42,6 +46,8 @@ def part_specs(fmt: str, out_features: int, in_features: int, group_size: int
     """The stored tensors of one quantized weight: suffix -> (shape, dtype)."""
     check_shape(fmt, out_features, in_features, group_size)
     n, k = out_features, in_features
+    if fmt in BLOCK_FORMATS:
+        return {"qweight": ((n, gguf_blocks.row_bytes(fmt, k)), torch.uint8)}
     if fmt == "int8":
         return {"qweight": ((n, k), torch.int8), "scales": ((n,), torch.float32)}
     groups = k // group_size
@@ -57,6 +63,11 @@ def check_shape(fmt: str, out_features: int, in_features: int, group_size: int) 
     if fmt not in FORMATS:
         raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     if fmt == "int8":
+        return
+    if fmt in BLOCK_FORMATS:
+        block = BLOCK_FORMATS[fmt][0]
+        if in_features % block:
+            raise ValueError(f"{fmt}: in_features ({in_features}) must be a multiple of its block of {block} values")
         return
     if group_size <= 0 or group_size % 2 or in_features % group_size:
         raise ValueError(f"{fmt}: in_features ({in_features}) must be a multiple of group_size ({group_size}), "
@@ -74,9 +85,11 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     group_size: int
-    """Values per scale along K; in_features for ``int8`` (one scale per row)."""
+    """Values per scale along K; in_features for ``int8`` (one scale per row); a GGUF block
+    format's block (256 or 32)."""
     qweight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None = None
+    """None for the GGUF block formats, whose scales are inside ``qweight``."""
     mins: torch.Tensor | None = None
 
     @property
@@ -88,7 +101,9 @@ class QuantizedWeight:
         return self.qweight.device
 
     def parts(self) -> dict[str, torch.Tensor]:
-        parts = {"qweight": self.qweight, "scales": self.scales}
+        parts = {"qweight": self.qweight}
+        if self.scales is not None:
+            parts["scales"] = self.scales
         if self.mins is not None:
             parts["mins"] = self.mins
         return parts
@@ -105,7 +120,10 @@ class QuantizedWeight:
         """Check the parts' shapes and dtypes against the format; the error names the part."""
         qweight = parts["qweight"]
         n = qweight.shape[0]
-        k = qweight.shape[1] * (2 if bits(fmt) == 4 else 1)
+        if fmt in BLOCK_FORMATS:
+            k, group_size = gguf_blocks.in_features_of(fmt, qweight.shape[1]), BLOCK_FORMATS[fmt][0]
+        else:
+            k = qweight.shape[1] * (2 if bits(fmt) == 4 else 1)
         group_size = k if fmt == "int8" else group_size
         for name, (shape, dtype) in part_specs(fmt, n, k, group_size).items():
             tensor = parts.get(name)
@@ -113,7 +131,7 @@ class QuantizedWeight:
                 raise ValueError(f"{fmt} weight is missing its {name!r} tensor")
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(f"{fmt} {name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
-        return cls(fmt, n, k, group_size, qweight, parts["scales"], parts.get("mins"))
+        return cls(fmt, n, k, group_size, qweight, parts.get("scales"), parts.get("mins"))
 
 
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -148,6 +166,8 @@ def pack_values(q: torch.Tensor) -> torch.Tensor:
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The reference: the [N, K] weight computed in fp32 (as gguf.quants does), cast to ``dtype``."""
+    if w.fmt in BLOCK_FORMATS:
+        return gguf_blocks.dequantize(w.fmt, w.qweight).to(dtype)
     q = unpack_values(w).float()
     if w.fmt == "int8":
         return (w.scales.float()[:, None] * q).to(dtype)
@@ -170,6 +190,8 @@ def quantize(weight: torch.Tensor, fmt: str, group_size: int = GGUF_GROUP_SIZE) 
     compare against byte for byte at group size 32): scales computed in fp32, stored as fp16.
     """
     n, k = weight.shape
+    if fmt in BLOCK_FORMATS:
+        raise ValueError(f"{fmt} weights are read from GGUF files, not quantized here")
     group_size = k if fmt == "int8" else group_size
     check_shape(fmt, n, k, group_size)
     w = weight.detach().float().cpu()

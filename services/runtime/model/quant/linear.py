@@ -60,6 +60,7 @@ from torch import nn
 
 from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
+from services.runtime.model.quant.gguf_blocks import BLOCK_FORMATS
 
 ACTIVATIONS = ("none", "int8")
 """How a CPU quantized linear takes its input: exact fp32 (none) or rounded to int8 per block of 32."""
@@ -85,7 +86,7 @@ _log = structlog.get_logger("tokenmill.model")
 
 
 def cpu_kernel_fits(w: QuantizedWeight) -> bool:
-    return w.in_features % 32 == 0 and (w.fmt == "int8" or w.group_size % 32 == 0)
+    return w.fmt not in BLOCK_FORMATS and w.in_features % 32 == 0 and (w.fmt == "int8" or w.group_size % 32 == 0)
 
 
 def int8_kernel_fits(w: QuantizedWeight) -> bool:
@@ -136,7 +137,7 @@ class QuantLinear(nn.Module):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         w = self.quantized
-        if w.device.type == "cuda":
+        if w.device.type == "cuda" and w.fmt not in BLOCK_FORMATS:
             self.path = "triton"
         elif activations == "int8" and int8_kernel_fits(w) and _cpu_kernel_available():
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=torch.float16)
@@ -196,8 +197,8 @@ class QuantLinear(nn.Module):
 
 def _emptied(w: QuantizedWeight) -> QuantizedWeight:
     """``w``'s description with its parts cut to nothing (another copy serves the products)."""
-    return QuantizedWeight(w.fmt, w.out_features, w.in_features, w.group_size, w.qweight[:0], w.scales[:0],
-                           None if w.mins is None else w.mins[:0])
+    return QuantizedWeight(w.fmt, w.out_features, w.in_features, w.group_size, w.qweight[:0],
+                           None if w.scales is None else w.scales[:0], None if w.mins is None else w.mins[:0])
 
 
 @functools.cache
@@ -230,8 +231,23 @@ def _cpu_kernel_available() -> bool:
     return True
 
 
+class StackedLinear(nn.Module):
+    """Quantized linears of different formats stacked along the output axis: y = [x W_1^T, x W_2^T, ...]."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
 def build_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None = None
-                 ) -> Linear | QuantLinear:
+                 ) -> Linear | QuantLinear | StackedLinear:
     """One projection from weights stacked along the output axis (q|k|v, gate|up), quantized or not.
 
     A group mixing float and quantized weights (a ``modules`` exception inside a fused
@@ -242,6 +258,16 @@ def build_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tens
         # A single weight is kept as it is (a tied LM head shares the embedding's Parameter).
         return Linear(weights[0] if len(weights) == 1 else torch.cat(weights), bias)
     if len(quantized) == len(weights):
-        return QuantLinear(cat_rows(quantized), bias)
+        # Runs of one format fuse; a file mixing formats in q|k|v (Q4_K_M: Q5_0 q and k, a Q6_K
+        # v) gets one quantized linear per run, their outputs side by side.
+        runs: list[list[QuantizedWeight]] = []
+        for w in quantized:
+            if runs and (runs[-1][0].fmt, runs[-1][0].group_size) == (w.fmt, w.group_size):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        if len(runs) == 1:
+            return QuantLinear(cat_rows(quantized), bias)
+        return StackedLinear([QuantLinear(cat_rows(run)) for run in runs], bias)
     dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
     return Linear(torch.cat([dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w for w in weights]), bias)
