@@ -45,6 +45,16 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                               "the next target of its route", "TOKENMILL_GATEWAY_MAX_ATTEMPTS")
     request_timeout_s: float = _f(600.0, "a request still running after this long ends with 504 / DEADLINE_EXCEEDED",
                                   "TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
+    http_header_timeout_s: float = _f(10.0, "an HTTP connection whose request headers are not all in this long after "
+                                            "it opened (or after its next request's first byte) is closed with 408",
+                                      "TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
+    http_max_header_bytes: int = _f(64 * 1024, "largest request line and headers of an HTTP request, bytes; larger "
+                                               "ones get 431", "TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
+    http_max_connections: int = _f(4096, "most open HTTP connections; more are closed as they arrive (lowered "
+                                         "with a warning when the open-file limit, ulimit -n, is short)",
+                                   "TOKENMILL_GATEWAY_HTTP_MAX_CONNECTIONS")
+    http_keep_alive_s: float = _f(30.0, "an idle HTTP connection is closed this long after its last answer",
+                                  "TOKENMILL_GATEWAY_HTTP_KEEP_ALIVE_S")
     max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body; larger ones get 413",
                                 "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
     max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
@@ -60,10 +70,12 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
             raise ValueError("config: a routes file is required (--config FILE or TOKENMILL_GATEWAY_CONFIG)")
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
-        for name in ("profile_interval_s", "profile_window_s", "request_timeout_s"):
+        for name in ("profile_interval_s", "profile_window_s", "request_timeout_s", "http_header_timeout_s",
+                     "http_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_attempts", "max_choices", "max_request_bytes"):
+        for name in ("max_attempts", "max_choices", "max_request_bytes", "http_max_header_bytes",
+                     "http_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tool_call_parser not in PARSER_SETTINGS:

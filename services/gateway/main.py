@@ -18,6 +18,7 @@ from services.gateway.config import GatewayServiceConfig
 from services.gateway.dispatch import Dispatcher
 from services.gateway.grpc_servicer import GatewayServicer
 from services.gateway.http.app import build_app
+from services.gateway.http.connection_limits import ConnectionLimits
 from services.gateway.http.context import HttpContext
 from services.gateway.http.server import HttpServer, start_http
 from services.gateway.metrics import GatewayMetrics
@@ -50,7 +51,9 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
                           max_request_bytes=config.max_request_bytes, created=int(time.time()),
                           tool_call_parser=config.tool_call_parser)
-        http = await start_http(build_app(ctx), config.host, config.http_port)
+        limits = ConnectionLimits(config.http_header_timeout_s, config.http_max_header_bytes,
+                                  config.http_max_connections)
+        http = await start_http(build_app(ctx), config.host, config.http_port, limits, config.http_keep_alive_s)
         running.http_port = http.port
         running.on_stopping(lambda grace: _drain(running, http, grace))
         if config.http_port_file:

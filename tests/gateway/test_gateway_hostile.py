@@ -174,3 +174,85 @@ async def test_hostile_a_request_over_the_engines_message_limit_is_413_not_429(s
     error = answer.json()["error"]
     assert error["code"] == "request_too_large" and "larger than the engine accepts" in error["message"]
     assert "retry-after" not in answer.headers
+
+
+# ---------------------------------------------------------------- connections held, not used
+HEADER_TIMEOUT_S, MAX_CONNECTIONS = 1.0, 40
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def guarded(stack) -> AsyncIterator[GatewayProcess]:
+    """A second gateway with a short header timeout and few connections, as its flags set them."""
+    gateway = await start_gateway(stack.root, str(stack.root / "routes.json"), [
+        "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--http-max-connections", str(MAX_CONNECTIONS),
+        "--http-max-header-bytes", "8192"])
+    yield gateway
+    gateway.stop()
+
+
+def open_descriptors(process: subprocess.Popen) -> int:
+    return len(os.listdir(f"/proc/{process.pid}/fd"))
+
+
+async def health(gateway: GatewayProcess) -> int:
+    async with httpx.AsyncClient(base_url=gateway.base, timeout=5) as client:
+        return (await client.get("/health")).status_code
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """What the server sent before closing the connection, which it must do within ``timeout_s``."""
+    return await asyncio.wait_for(reader.read(), timeout_s)
+
+
+async def test_hostile_slow_headers_are_dropped_after_the_timeout_and_health_answers(guarded):
+    connections = []
+    for _ in range(MAX_CONNECTIONS - 10):
+        reader, writer = await asyncio.open_connection("127.0.0.1", guarded.http_port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n")
+        connections.append((reader, writer))
+
+    async def trickle():  # a header line now and then, never the blank line that ends them
+        for i in range(100):
+            for _, writer in connections:
+                if not writer.is_closing():
+                    writer.write(f"X-Slow-{i}: 1\r\n".encode())
+            await asyncio.sleep(0.1)
+
+    trickling = asyncio.ensure_future(trickle())
+    started = time.monotonic()
+    try:
+        assert await health(guarded) == 200
+        answers = await asyncio.gather(*(closed_within(r, HEADER_TIMEOUT_S + 5) for r, _ in connections))
+    finally:
+        trickling.cancel()
+        for _, writer in connections:
+            writer.close()
+    assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), {a[:40] for a in answers}
+    assert await health(guarded) == 200
+
+
+async def test_hostile_idle_connections_beyond_the_limit_are_refused_without_holding_descriptors(guarded):
+    baseline = open_descriptors(guarded.process)
+    connections = [await asyncio.open_connection("127.0.0.1", guarded.http_port) for _ in range(300)]
+    try:
+        await asyncio.sleep(0.5)
+        assert open_descriptors(guarded.process) <= baseline + MAX_CONNECTIONS + 5
+        # Those beyond the limit were closed as they arrived, the rest after the header timeout.
+        started = time.monotonic()
+        await asyncio.gather(*(closed_within(r, HEADER_TIMEOUT_S + 5) for r, _ in connections))
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
+    finally:
+        for _, writer in connections:
+            writer.close()
+    assert await health(guarded) == 200
+    assert open_descriptors(guarded.process) <= baseline + 5
+
+
+async def test_hostile_headers_over_the_limit_are_431(guarded):
+    reader, writer = await asyncio.open_connection("127.0.0.1", guarded.http_port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n" + b"X-Pad: " + b"a" * 9000 + b"\r\n\r\n")
+    answer = await closed_within(reader, 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    assert await health(guarded) == 200

@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from services.gateway.http.connection_limits import ConnectionLimits
 from services.gateway.http.server import start_http
 
 
@@ -36,7 +37,7 @@ async def _get(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.Stre
 
 async def test_stop_refuses_new_connections_at_once_and_finishes_open_responses():
     release = asyncio.Event()
-    http = await start_http(_app(release), "127.0.0.1", 0)
+    http = await start_http(_app(release), "127.0.0.1", 0, ConnectionLimits(10.0, 64 * 1024, 100))
     reader, writer = await _get(http.port, "/slow")
     assert (await reader.readuntil(b"first\n")).startswith(b"HTTP/1.1 200")
     stopping = asyncio.ensure_future(http.stop(grace=10.0))

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from services.gateway.http.connection_limits import ConnectionLimits, fitted_to_descriptors, limited_protocol
+
 BACKLOG = 2048
 
 
@@ -59,11 +61,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(app, host: str, port: int) -> HttpServer:
-    """Serve ``app`` on host:port (0 = any free port) with httptools; returns once listening."""
+async def start_http(app, host: str, port: int, limits: ConnectionLimits, keep_alive_s: float = 30.0) -> HttpServer:
+    """Serve ``app`` on host:port (0 = any free port) with httptools under ``limits``
+    (connection_limits.py); returns once listening."""
     sock = _bind(host, port)
-    config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False,
-                            timeout_keep_alive=30, backlog=BACKLOG)
+    config = uvicorn.Config(app, http=limited_protocol(fitted_to_descriptors(limits)), lifespan="off",
+                            log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s, backlog=BACKLOG)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-http")
     while not server.started:
