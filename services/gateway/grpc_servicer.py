@@ -89,14 +89,25 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         return [pool.targets[s.name] for s in dict.fromkeys(route.node.leaves()) if s.healthy]
 
     async def GetModelInfo(self, request, context):
-        route = self._route(_metadata(context))
-        for target in self._healthy_targets(route):
-            if target.model_info is not None:
-                info = generation_pb2.ModelInfo()
-                info.CopyFrom(target.model_info)
-                info.model_name = route.model
-                return info
-        raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        md = _metadata(context)
+        route = self._route(md)
+        targets = self._healthy_targets(route)
+        known = next((t.model_info for t in targets if t.model_info is not None), None)
+        if known is None and targets:
+            # The gateway's polls were refused (an engine with tenants and no token_env for
+            # it): ask with the caller's own token, so the caller gets the info or the engine's
+            # real answer (UNAUTHENTICATED), not "no healthy target".
+            try:
+                known = await targets[0].stub.GetModelInfo(
+                    request, metadata=forwarded_auth(md.get("authorization")), timeout=10)
+            except grpc.aio.AioRpcError as err:
+                raise engine_error(err) from None
+        if known is None:
+            raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        info = generation_pb2.ModelInfo()
+        info.CopyFrom(known)
+        info.model_name = route.model
+        return info
 
     async def GetProfile(self, request, context):
         route = self._route(_metadata(context))

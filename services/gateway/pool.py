@@ -62,6 +62,8 @@ class Target:
     """Polls in a row that timed out."""
     own_metadata: tuple[tuple[str, str], ...] = field(default=())
     """The gateway's own bearer token, for its polls."""
+    refused: str = ""
+    """Why the target last refused the gateway's own GetModelInfo/GetProfile (its status code)."""
 
     @property
     def name(self) -> str:
@@ -141,9 +143,27 @@ class TargetPool:
                 raise
             # Serving but not telling (tenants without a gateway token, profiles off): route on
             # the gateway's own observations alone.
-            _log.debug("target_profile_refused", target=target.name, code=err.code().name)
+            self._refused(target, err)
             return
+        target.refused = ""
         target.state.set_profile(profile_view(msg, self.clock()))
+
+    @staticmethod
+    def _refused(target: Target, err: grpc.aio.AioRpcError) -> None:
+        code = err.code().name
+        if target.refused == code:
+            return  # said once, at the first refusal (at start, for a routes file that lacks a token)
+        target.refused = code
+        if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            _log.warning("target_refuses_the_gateway", target=target.name, code=code, details=err.details(),
+                         consequence="no model info and no profile from this target: tool_call_parser auto reads "
+                                     "its replies as text, routing uses the gateway's own observations, and "
+                                     "GetModelInfo asks with each caller's token",
+                         fix=f"give target '{target.name}' a token_env in the routes file, naming a variable "
+                             "that holds a token of the engine's tenants" if not target.spec.token else
+                             f"the token of target '{target.name}' (its token_env) is not one the engine accepts")
+        else:
+            _log.info("target_profile_refused", target=target.name, code=code, details=err.details())
 
     def _set_serving(self, target: Target, serving: bool) -> None:
         state = target.state

@@ -5,7 +5,11 @@ scheduler servers in this process, read through their own metrics and GetProfile
 - a client that closes its connection aborts a non-streamed request's choices (n=64 x 480
   tokens): the engine stops generating them;
 - requests larger than the engine's message limit are 400/413 with a clear body, never the 429
-  clients retry.
+  clients retry;
+- connections that never finish their headers, or sit idle, are closed (header timeout,
+  connection limit, header size) and /health keeps answering;
+- an engine with tenants and a routes file without the gateway's token: a warning at start naming
+  the fix, and GetModelInfo answers with the caller's token or the engine's UNAUTHENTICATED.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 import pytest_asyncio
@@ -40,6 +45,7 @@ MODEL = "stories"
 class GatewayProcess:
     process: subprocess.Popen
     http_port: int
+    grpc_port: int
     log: Path
 
     @property
@@ -61,19 +67,21 @@ async def start_gateway(root: Path, routes: str, flags: Sequence[str] = (), env:
     """``python -m services.gateway --config ROUTES --port 0 --http-port 0 FLAGS``; returns once
     its HTTP port is written."""
     port_file = root / f"http-{time.monotonic_ns()}.port"
+    grpc_port_file = root / f"grpc-{time.monotonic_ns()}.port"
     log = root / f"gateway-{time.monotonic_ns()}.log"
     command = [sys.executable, "-m", "services.gateway", "--config", routes, "--port", "0", "--http-port", "0",
-               "--http-port-file", str(port_file), "--profile-interval-s", "0.1", *flags]
+               "--http-port-file", str(port_file), "--port-file", str(grpc_port_file), "--profile-interval-s", "0.1",
+               *flags]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
     deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
+    while not (port_file.exists() and grpc_port_file.exists()):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise AssertionError(f"the gateway did not start: {log.read_text()[-3000:]}")
         await asyncio.sleep(0.1)
-    gateway = GatewayProcess(process, int(port_file.read_text()), log)
+    gateway = GatewayProcess(process, int(port_file.read_text()), int(grpc_port_file.read_text()), log)
     async with httpx.AsyncClient(base_url=gateway.base, timeout=10) as client:
         while (await client.get("/health")).status_code != 200:
             assert time.monotonic() < deadline, f"the gateway never became healthy: {log.read_text()[-3000:]}"
@@ -256,3 +264,31 @@ async def test_hostile_headers_over_the_limit_are_431(guarded):
     writer.close()
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
     assert await health(guarded) == 200
+
+
+# ---------------------------------------------------------------- an engine with tenants, no gateway token
+TENANT_TOKEN = "token-of-a-tenant-0123456789"
+
+
+async def test_hostile_a_target_refusing_the_gateway_is_named_at_start_and_model_info_says_why(stack):
+    (stack.root / "tenants.json").write_text(json.dumps([{"token": TENANT_TOKEN, "tenant": "a"}]))
+    (stack.root / "tenants.json").chmod(0o600)
+    engine = await serve_engine(auth_tokens_file=str(stack.root / "tenants.json"))
+    routes = write_routes(stack.root / "routes-no-token.json", {
+        "targets": [{"name": "tenanted", "address": engine[-1].address}], "models": {MODEL: "tenanted"}})
+    gateway = await start_gateway(stack.root, routes)
+    try:
+        log = gateway.log.read_text()
+        assert "target_refuses_the_gateway" in log and "UNAUTHENTICATED" in log, log[-3000:]
+        assert "give target 'tenanted' a token_env in the routes file" in log
+        async with create_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+            info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10,
+                                           metadata=(("authorization", f"Bearer {TENANT_TOKEN}"),))
+            assert info.model_name == MODEL and info.vocab_size == 512
+    finally:
+        gateway.stop()
+        await stop_all(engine)
