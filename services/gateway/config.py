@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.service_config import service_process_fields
+from services.gateway.api_keys import load_api_keys
 from services.gateway.routes_file import load_routes
 from services.gateway.routing.build import build_route
 from services.gateway.routing.target import TargetState
@@ -59,6 +60,11 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                                 "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
     max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
                           "TOKENMILL_GATEWAY_MAX_CHOICES")
+    api_keys_file: str = _f("", "JSON list of the gateway's API keys, each naming a tenant ({\"key\", \"tenant\"}, "
+                                "optional models, max_concurrent_requests, cache_group): every request then needs one, "
+                                "and each tenant's prefix cache is its own; empty = keyless, the client's "
+                                "Authorization goes to the engines (see services/gateway/api_keys.py)",
+                            "TOKENMILL_GATEWAY_API_KEYS_FILE")
     tool_call_parser: str = _f("auto", "how tool_choice auto reads tool calls out of a reply: auto (the format the "
                                        "serving engine's chat template defines, text when none), none (text), "
                                        "hermes, llama3_json or mistral; a route's tool_call_parser overrides it",
@@ -80,6 +86,8 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tool_call_parser not in PARSER_SETTINGS:
             raise ValueError(f"tool_call_parser must be one of {list(PARSER_SETTINGS)}, got {self.tool_call_parser!r}")
+        if self.api_keys_file:
+            load_api_keys(self.api_keys_file)
         routes = load_routes(self.config)
         states = {t.name: TargetState(t.name) for t in routes.targets}
         for model in routes.models.values():

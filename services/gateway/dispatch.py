@@ -99,7 +99,8 @@ class Dispatcher:
         return route
 
     async def generate(self, route: Route, request: RouteRequest, message: generation_pb2.GenerateRequest,
-                       metadata: Sequence[tuple[str, str]], timeout_s: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       metadata: Sequence[tuple[str, str]] | None,
+                       timeout_s: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
         began = time.perf_counter()
         ranking = route.node.rank(request)
         self.metrics.routing_seconds.observe(time.perf_counter() - began)
@@ -129,14 +130,16 @@ class Dispatcher:
         raise error if error is not None else UnavailableError(f"no target could serve model '{route.model}'")
 
     async def _attempt(self, route: Route, request: RouteRequest, target: Target,
-                       message: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]],
+                       message: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]] | None,
                        timeout_s: float, explore: bool, estimate: float | None):
         state = target.state
         load = state.engine_load()
         state.inflight += 1
         state.exploring += explore
         started_at = self.clock()
-        call = target.stub.Generate(message, metadata=tuple(metadata), timeout=timeout_s)
+        # None: the gateway calls as itself (its API keys are on: a key is never an engine's token).
+        call = target.stub.Generate(message, metadata=target.own_metadata if metadata is None else tuple(metadata),
+                                    timeout=timeout_s)
         held: generation_pb2.GenerateResponse | None = None
         first_token_at: float | None = None
         done = False

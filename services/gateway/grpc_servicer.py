@@ -2,7 +2,8 @@
 
 A gRPC client talks to the gateway as it would to one engine. The model id comes from the
 ``x-tokenmill-model`` metadata (absent: the routes file's default model); SLA and routing
-metadata from the keys of services/gateway/request_meta.py; ``authorization`` is passed on.
+metadata from the keys of services/gateway/request_meta.py; ``authorization`` is passed on, or,
+with the gateway's API keys (api_keys.py), checked here and replaced by each target's own token.
 Generate streams what the chosen engine streams (Started held until the first token, so a
 failure before it can still move to another target). Abort goes to the engine serving the
 request; GetModelInfo answers for a healthy target of the model (with the model id as its
@@ -16,7 +17,8 @@ from collections.abc import Mapping
 
 import grpc.aio
 
-from services.common.errors import UnavailableError
+from services.common.errors import InvalidArgumentError, UnavailableError
+from services.gateway.api_keys import ApiKey, ApiKeys
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.gateway.dispatch import Dispatcher, engine_error
 from services.gateway.request_meta import (
@@ -56,31 +58,65 @@ def route_request(route: Route, request: generation_pb2.GenerateRequest, md: Map
 
 
 class GatewayServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, dispatcher: Dispatcher, timeout_s: float) -> None:
+    def __init__(self, dispatcher: Dispatcher, timeout_s: float, api_keys: ApiKeys | None = None) -> None:
         self.dispatcher = dispatcher
         self.timeout_s = timeout_s
+        self.api_keys = api_keys
+        self._owners: dict[str, str] = {}
+        """With API keys: the tenant of each request in flight here, so only it may Abort it."""
 
     def _route(self, md: Mapping[str, str]) -> Route:
         return self.dispatcher.route(md.get(MODEL_HEADER) or self.dispatcher.default_model)
 
+    def _engine_auth(self, md: Mapping[str, str], route: Route) -> tuple[ApiKey | None, tuple[tuple[str, str], ...] | None]:
+        """(the caller's gateway API key, the metadata for the engine): with keys, the key is
+        checked and not sent on, and the gateway calls with each target's own token (None);
+        keyless, the caller's Authorization goes to the engine."""
+        if self.api_keys is None:
+            return None, forwarded_auth(md.get("authorization"))
+        key = self.api_keys.authenticate(md.get("authorization"))
+        key.check_model(route.model)
+        return key, None
+
     async def Generate(self, request, context):
         md = _metadata(context)
         route = self._route(md)
+        key, engine_md = self._engine_auth(md, route)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex  # one id on every target tried, and for Abort
         remaining = context.time_remaining()
         timeout = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
-        async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
-                                                    forwarded_auth(md.get("authorization")), timeout):
-            yield reply
+        if key is None:
+            async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
+                                                        engine_md, timeout):
+                yield reply
+            return
+        request.cache_salt = key.cache_salt  # the caller's own value, if any, is replaced
+        if request.request_id in self._owners:
+            raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use by a running request")
+        with self.api_keys.in_flight(key):
+            self._owners[request.request_id] = key.tenant
+            try:
+                async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
+                                                            engine_md, timeout):
+                    yield reply
+            finally:
+                del self._owners[request.request_id]
 
     async def Abort(self, request, context):
+        md = _metadata(context)
+        engine_md = forwarded_auth(md.get("authorization"))
+        if self.api_keys is not None:
+            key = self.api_keys.authenticate(md.get("authorization"))
+            if self._owners.get(request.request_id) != key.tenant:
+                return generation_pb2.AbortResponse(found=False)  # another tenant's is not found either
         target = self.dispatcher.live.get(request.request_id)
         if target is None:
             return generation_pb2.AbortResponse(found=False)
-        md = _metadata(context)
+        if self.api_keys is not None:
+            engine_md = target.own_metadata
         try:
-            return await target.stub.Abort(request, metadata=forwarded_auth(md.get("authorization")), timeout=10)
+            return await target.stub.Abort(request, metadata=engine_md, timeout=10)
         except grpc.aio.AioRpcError as err:
             raise engine_error(err) from None
 
@@ -91,6 +127,7 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         md = _metadata(context)
         route = self._route(md)
+        _, engine_md = self._engine_auth(md, route)
         targets = self._healthy_targets(route)
         known = next((t.model_info for t in targets if t.model_info is not None), None)
         if known is None and targets:
@@ -99,7 +136,7 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
             # real answer (UNAUTHENTICATED), not "no healthy target".
             try:
                 known = await targets[0].stub.GetModelInfo(
-                    request, metadata=forwarded_auth(md.get("authorization")), timeout=10)
+                    request, metadata=targets[0].own_metadata if engine_md is None else engine_md, timeout=10)
             except grpc.aio.AioRpcError as err:
                 raise engine_error(err) from None
         if known is None:
@@ -110,7 +147,9 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         return info
 
     async def GetProfile(self, request, context):
-        route = self._route(_metadata(context))
+        md = _metadata(context)
+        route = self._route(md)
+        self._engine_auth(md, route)
         targets = self._healthy_targets(route)
         if not targets:
             raise UnavailableError(f"no healthy target serves model '{route.model}' now")

@@ -14,6 +14,7 @@ from services.common.server import RunningServer
 from services.common.service_config import write_port_file, remove_port_file
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
+from services.gateway.api_keys import load_api_keys
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.dispatch import Dispatcher
 from services.gateway.grpc_servicer import GatewayServicer
@@ -41,7 +42,8 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
     dispatcher = Dispatcher(built, pool, default_model=routes.default_model, max_attempts=config.max_attempts,
                             metrics=metrics)
     await pool.start(wait_s=FIRST_POLL_WAIT_S)
-    servicer = GatewayServicer(dispatcher, config.request_timeout_s)
+    api_keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
+    servicer = GatewayServicer(dispatcher, config.request_timeout_s, api_keys)
     running = await start_service(config, "gateway", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"))
     running.on_stop(pool.close)
@@ -50,7 +52,7 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
     if config.http_port >= 0:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
                           max_request_bytes=config.max_request_bytes, created=int(time.time()),
-                          tool_call_parser=config.tool_call_parser)
+                          tool_call_parser=config.tool_call_parser, api_keys=api_keys)
         limits = ConnectionLimits(config.http_header_timeout_s, config.http_max_header_bytes,
                                   config.http_max_connections)
         http = await start_http(build_app(ctx), config.host, config.http_port, limits, config.http_keep_alive_s)

@@ -76,6 +76,12 @@ class Tenant:
                                         f"priority is max_priority={self.max_priority} (lower is served first)")
 
 
+def salted_scope(scope: str, salt: str) -> str:
+    """A cache scope (Tenant.cache_scope, or "" without tenants) narrowed by a request's
+    ``cache_salt``: requests share cached prefixes only with the same scope and salt."""
+    return json.dumps([scope, salt]) if salt else scope
+
+
 class AuthTable:
     """The tenants of an auth tokens file, looked up by bearer token in constant time."""
 

@@ -15,7 +15,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
-from services.scheduler.auth import AuthTable, Tenant, current_tenant
+from services.scheduler.auth import AuthTable, Tenant, current_tenant, salted_scope
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
 from services.scheduler.generation_codec import (
     delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto, structured_output_from_proto)
@@ -182,6 +182,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         place = self.admission.enter(tenant.name if tenant is not None else "")
         try:
             intake = await self._intake(request, tenant)
+            salt = request.cache_salt
             # The stream may last minutes: hold what was taken, not the message (the server's own
             # reference goes with RequestRelease, request_release.py).
             del request
@@ -192,7 +193,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
                     num_speculative_tokens=intake.num_speculative_tokens,
                     tenant=tenant.name if tenant is not None else "",
-                    cache_scope=tenant.cache_scope if tenant is not None else "")
+                    cache_scope=salted_scope(tenant.cache_scope if tenant is not None else "", salt))
             except BaseException:
                 if reservation is not None:
                     budget.settle(reservation, 0)  # refused: nothing was used

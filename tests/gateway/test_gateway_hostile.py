@@ -9,7 +9,9 @@ scheduler servers in this process, read through their own metrics and GetProfile
 - connections that never finish their headers, or sit idle, are closed (header timeout,
   connection limit, header size) and /health keeps answering;
 - an engine with tenants and a routes file without the gateway's token: a warning at start naming
-  the fix, and GetModelInfo answers with the caller's token or the engine's UNAUTHENTICATED.
+  the fix, and GetModelInfo answers with the caller's token or the engine's UNAUTHENTICATED;
+- the gateway's own API keys: required, refused in OpenAI's envelope, each tenant's prefix cache
+  its own (``cached_tokens`` reveals nothing across keys) on an engine without tenants.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from pathlib import Path
 
 import grpc
 import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
 import pytest
 import pytest_asyncio
 from prometheus_client import REGISTRY
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
+from services.gateway.request_meta import MODEL_HEADER
 from tests.helpers.gateway_stack import serve_engine, stop_all, stories_with_chat_template, write_routes
 from tests.helpers.service_harness import REPO_ROOT
 
@@ -292,3 +296,70 @@ async def test_hostile_a_target_refusing_the_gateway_is_named_at_start_and_model
     finally:
         gateway.stop()
         await stop_all(engine)
+
+
+# ---------------------------------------------------------------- the gateway's own API keys
+KEY_A, KEY_B, KEY_NARROW = "sk-alpha-0123456789", "sk-bravo-0123456789", "sk-narrow-0123456789"
+SECRET_PROMPT = ("The secret code of the vault is 4 8 1 5 1 6 2 3 4 2. Once upon a time there was a little girl "
+                 "named Lily. She liked to play in the park with her friends. One day she saw a big red ball.")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def keyed(stack) -> AsyncIterator[GatewayProcess]:
+    """A gateway with API keys in front of the engine without tenants."""
+    keys = stack.root / "keys.json"
+    keys.write_text(json.dumps([{"key": KEY_A, "tenant": "alpha"}, {"key": KEY_B, "tenant": "bravo"},
+                                {"key": KEY_NARROW, "tenant": "narrow", "models": ["another"],
+                                 "max_concurrent_requests": 1}]))
+    keys.chmod(0o600)
+    gateway = await start_gateway(stack.root, str(stack.root / "routes.json"), ["--api-keys-file", "keys.json"])
+    yield gateway
+    gateway.stop()
+
+
+async def test_hostile_api_keys_are_required_and_refused_in_openais_envelope(keyed):
+    for key in (None, "sk-wrong-0123456789", KEY_A[:-1]):
+        client = openai.AsyncOpenAI(base_url=f"{keyed.base}/v1", api_key=key or "unused", max_retries=0)
+        headers = {} if key else {"Authorization": ""}
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client.completions.create(model=MODEL, prompt="Once", max_tokens=2, extra_headers=headers)
+        error = refused.value.body
+        assert refused.value.status_code == 401 and error["code"] == "invalid_api_key", error
+        assert error["type"] == "authentication_error" and "API key" in error["message"]
+    narrow = openai.AsyncOpenAI(base_url=f"{keyed.base}/v1", api_key=KEY_NARROW, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        await narrow.completions.create(model=MODEL, prompt="Once", max_tokens=2)
+    assert await health(keyed) == 200  # health and metrics stay open
+
+
+async def test_hostile_cached_tokens_reveal_nothing_across_api_keys(keyed):
+    async def cached(key: str) -> int:
+        client = openai.AsyncOpenAI(base_url=f"{keyed.base}/v1", api_key=key, max_retries=0)
+        answer = await client.completions.create(model=MODEL, prompt=SECRET_PROMPT, max_tokens=1, temperature=0)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    first = await cached(KEY_A)
+    again = await cached(KEY_A)
+    assert again > first and again >= 16  # the key's own prefix is cached
+    assert await cached(KEY_B) == 0  # another key cannot tell anyone sent it
+
+
+async def test_hostile_a_grpc_caller_cannot_forge_another_keys_cache_salt(keyed):
+    async with create_channel(f"127.0.0.1:{keyed.grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        forged = generation_pb2.GenerateRequest(text="Over gRPC: " + SECRET_PROMPT, cache_salt="tenant:alpha")
+        forged.sampling.temperature = 0.0
+        forged.stop.max_tokens = 1
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Generate(forged, timeout=30, metadata=((MODEL_HEADER, MODEL),)):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        async def cached(key: str) -> int:
+            replies = [r async for r in stub.Generate(forged, timeout=30, metadata=(
+                (MODEL_HEADER, MODEL), ("authorization", f"Bearer {key}")))]
+            return replies[-1].finished.usage.cached_tokens
+
+        await cached(KEY_A)
+        assert await cached(KEY_A) >= 16  # alpha's prefix is cached
+        assert await cached(KEY_B) == 0  # naming alpha's salt does not reach it

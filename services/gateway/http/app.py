@@ -56,7 +56,8 @@ def build_app(ctx: HttpContext) -> FastAPI:
                       responses={200: {"model": ChatCompletion, "content": STREAM}, **ERRORS})
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
-    app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics)
+    app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics,
+                       api_keys=ctx.api_keys)
     app.openapi = lambda: _openapi_with_models(app, sorted(ctx.dispatcher.routes))
     return app
 

@@ -81,7 +81,7 @@ def usage_of(states: Sequence[ChoiceState]) -> dict:
 class ChoiceStreams:
     def __init__(self, dispatcher: Dispatcher, route: Route,
                  calls: Sequence[tuple[RouteRequest, generation_pb2.GenerateRequest]],
-                 metadata: Sequence[tuple[str, str]], timeout_s: float) -> None:
+                 metadata: Sequence[tuple[str, str]] | None, timeout_s: float) -> None:
         self._streams = [dispatcher.generate(route, rr, message, metadata, timeout_s) for rr, message in calls]
         self._first: list[generation_pb2.GenerateResponse] = []
         self._pumps: list[asyncio.Task] = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from services.gateway.api_keys import ApiKey, ApiKeys
 from services.gateway.dispatch import Dispatcher
 from services.gateway.http.tokens import TokenNamer
 from services.gateway.metrics import GatewayMetrics
@@ -27,6 +28,8 @@ class HttpContext:
     """Unix time the gateway started: the models' ``created``."""
     tool_call_parser: str = "auto"
     """GatewayServiceConfig.tool_call_parser (http/auto_tools.py)."""
+    api_keys: ApiKeys | None = None
+    """The gateway's API keys (api_keys.py); None = keyless."""
     _namers: dict[str, TokenNamer] = field(default_factory=dict)
 
     def namer(self, route: Route) -> TokenNamer:
@@ -44,3 +47,8 @@ def request_id_of(request: Request) -> str:
     """The X-Request-Id the middleware settled on (the client's, or a new one)."""
     rid = request.scope.get("state", {}).get("request_id")
     return rid or uuid.uuid4().hex
+
+
+def api_key_of(request: Request) -> ApiKey | None:
+    """The API key the middleware authenticated (None: the gateway is keyless)."""
+    return request.scope.get("state", {}).get("api_key")

@@ -4,28 +4,36 @@
   or a new one, on the response and as the engine request's id;
 - the body limit: a ``Content-Length`` over ``max_request_bytes``, or a body that grows past
   it, gets 413 before it is parsed;
+- with the gateway's API keys (api_keys.py), a ``/v1/`` request's key: none or an unknown one
+  gets 401, a tenant over its ``max_concurrent_requests`` 429; the key is in the scope's state
+  for the handlers, and its request counted in flight until the answer is sent;
 - the count of answers by endpoint and status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.http.context import MAX_REQUEST_ID_CHARS
-from services.gateway.http.errors import OpenAIError
+from services.common.errors import TokenmillError
+from services.gateway.api_keys import ApiKeys
+from services.gateway.http.errors import OpenAIError, from_error
 from services.gateway.metrics import GatewayMetrics
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 class GatewayMiddleware:
-    def __init__(self, app: Any, max_request_bytes: int, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: Any, max_request_bytes: int, metrics: GatewayMetrics,
+                 api_keys: ApiKeys | None = None) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
+        self.api_keys = api_keys
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -34,9 +42,12 @@ class GatewayMiddleware:
         path = scope.get("path", "")
         endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
         rid = ""
+        authorization = None
         for key, value in scope.get("headers", ()):
             if key == b"x-request-id":
                 rid = value.decode("latin-1")
+            elif key == b"authorization":
+                authorization = value.decode("latin-1")
             elif key == b"content-length" and value.isdigit() and int(value) > self.max_request_bytes:
                 await self._refuse(send, endpoint, rid, _too_large(self.max_request_bytes))
                 return
@@ -46,6 +57,16 @@ class GatewayMiddleware:
             return
         rid = rid or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        held = contextlib.nullcontext()
+        if self.api_keys is not None and path.startswith("/v1/"):
+            try:
+                api_key = self.api_keys.authenticate(authorization)
+                held = self.api_keys.in_flight(api_key)
+                held.__enter__()
+            except TokenmillError as exc:
+                await self._refuse(send, endpoint, rid, from_error(exc))
+                return
+            scope["state"]["api_key"] = api_key
         header = (b"x-request-id", rid.encode())
         status = [500]
         seen = [0]
@@ -67,7 +88,10 @@ class GatewayMiddleware:
                 message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
-        await self.app(scope, limited_receive, tagged_send)
+        try:
+            await self.app(scope, limited_receive, tagged_send)
+        finally:
+            held.__exit__(None, None, None)
         self.metrics.http.labels(endpoint, str(status[0])).inc()
 
     async def _refuse(self, send: Any, endpoint: str, rid: str, error: OpenAIError) -> None:

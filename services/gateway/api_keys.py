@@ -1,0 +1,147 @@
+"""The gateway's own API keys: each names a tenant, so tenants stay apart without engine auth.
+
+``--api-keys-file PATH`` names a JSON list, as the engine's tokens file does::
+
+    [{"key": "sk-team-a-...", "tenant": "team-a"},
+     {"key": "sk-team-b-...", "tenant": "team-b", "models": ["chat"], "max_concurrent_requests": 8,
+      "cache_group": "research"}]
+
+With it, every ``/v1/`` HTTP request and every Generation call needs ``Authorization: Bearer
+KEY``: no key or an unknown one is 401 (UNAUTHENTICATED), a model the key is not given 403
+(PERMISSION_DENIED), more requests of its tenant in flight than ``max_concurrent_requests``
+429 (RESOURCE_EXHAUSTED). The key's tenant (or its ``cache_group``) becomes the engine request's
+``cache_salt``: requests reuse cached prefixes only within it, so ``cached_tokens`` tells a key
+nothing about another's prompts. The key itself is never sent on to an engine. Without the file
+the gateway is keyless (loopback development) and forwards the client's Authorization to the
+engines, whose own tenants then apply.
+
+Keys are compared in constant time (hmac.compare_digest against every known key) and never
+logged; the file must be private to the gateway's user (its group may read it: a Kubernetes
+Secret is mounted root-owned, readable by the pod's fsGroup).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+
+MAX_KEY_CHARS = 4096
+FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group"}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    tenant: str
+    models: tuple[str, ...] | None = None
+    """Model ids this key may use; None = every model."""
+    max_concurrent_requests: int | None = None
+    """Requests (HTTP requests, Generation calls) its tenant may have in flight at once; None = no
+    limit."""
+    cache_group: str | None = None
+    """Keys of one group share cached prefixes; by default a key's tenant shares only its own."""
+
+    @property
+    def cache_salt(self) -> str:
+        return f"group:{self.cache_group}" if self.cache_group is not None else f"tenant:{self.tenant}"
+
+    def check_model(self, model: str) -> None:
+        if self.models is not None and model not in self.models:
+            raise PermissionDeniedError(f"this API key may not use the model '{model}'")
+
+
+class ApiKeys:
+    def __init__(self, entries: list[tuple[bytes, ApiKey]]) -> None:
+        self._entries = entries
+        self._in_flight: dict[str, int] = {}
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        """The key of an ``Authorization: Bearer KEY`` value; UnauthenticatedError otherwise."""
+        if not authorization:
+            raise UnauthenticatedError("no API key: send 'Authorization: Bearer KEY'")
+        scheme, _, presented = authorization.partition(" ")
+        found = None
+        candidate = presented.strip().encode("utf-8", "surrogatepass")
+        for known, key in self._entries:  # every entry, so the time does not say which matched
+            if hmac.compare_digest(candidate, known):
+                found = key
+        if scheme.lower() != "bearer" or found is None:
+            raise UnauthenticatedError("incorrect API key provided")
+        return found
+
+    @contextmanager
+    def in_flight(self, key: ApiKey) -> Iterator[None]:
+        """Count one request of ``key`` while it runs; over its limit, ResourceExhaustedError."""
+        name = key.tenant
+        held = self._in_flight.get(name, 0)
+        if key.max_concurrent_requests is not None and held >= key.max_concurrent_requests:
+            raise ResourceExhaustedError(f"this API key has {held} requests in flight; its limit "
+                                         f"max_concurrent_requests is {key.max_concurrent_requests}",
+                                         retry_after_s=1.0)
+        self._in_flight[name] = held + 1
+        try:
+            yield
+        finally:
+            self._in_flight[name] -= 1
+            if not self._in_flight[name]:
+                del self._in_flight[name]
+
+
+def load_api_keys(path: str | Path) -> ApiKeys:
+    """Read and check an API keys file; ValueError names the entry and the field."""
+    origin = str(path)
+    try:
+        mode = Path(path).stat().st_mode
+        if mode & 0o027:
+            raise ValueError(f"api_keys_file {origin}: open to others or writable by its group (mode "
+                             f"{stat.S_IMODE(mode):04o}); make it private (chmod 600, or 640)")
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"api_keys_file {origin}: cannot read it: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"api_keys_file {origin}: not JSON: {exc}") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f'api_keys_file {origin}: expected a non-empty JSON list of {{"key", "tenant"}} objects')
+    entries: list[tuple[bytes, ApiKey]] = []
+    seen: set[str] = set()
+    for index, item in enumerate(data):
+        where = f"api_keys_file {origin}: entry {index}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object")
+        if unknown := set(item) - FIELDS:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
+        key, tenant = item.get("key"), item.get("tenant")
+        if (not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS or key != key.strip()
+                or not key.isascii() or not key.isprintable() or " " in key):
+            raise ValueError(f"{where}: key must be a non-empty string of printable ASCII without spaces, at most "
+                             f"{MAX_KEY_CHARS} characters")
+        if key in seen:
+            raise ValueError(f"{where}: its key is already given to another entry")
+        seen.add(key)
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"{where}: tenant must be a non-empty string")
+        models = item.get("models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+            raise ValueError(f"{where}: models must be a list of model ids")
+        limit = _optional_positive_int(item, "max_concurrent_requests", where)
+        group = item.get("cache_group")
+        if group is not None and (not isinstance(group, str) or not group):
+            raise ValueError(f"{where}: cache_group must be a non-empty string")
+        entries.append((key.encode(), ApiKey(tenant, None if models is None else tuple(models), limit, group)))
+    return ApiKeys(entries)
+
+
+def _optional_positive_int(item: dict[str, Any], name: str, where: str) -> int | None:
+    value = item.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    return value
