@@ -301,6 +301,9 @@ class LocalCluster:
     def _config_map(self, name: str) -> dict[str, str]:
         return dict(one(self.docs, "ConfigMap", name).get("data", {}))
 
+    def _has_secret(self, name: str) -> bool:
+        return name in self.secrets or any(doc["metadata"]["name"] == name for doc in by_kind(self.docs, "Secret"))
+
     def _secret(self, name: str) -> dict[str, str]:
         found = [doc for doc in by_kind(self.docs, "Secret") if doc["metadata"]["name"] == name]
         if found:
@@ -324,7 +327,9 @@ class LocalCluster:
                 if "configMap" in volume:
                     self._fill(folder, self._config_map(volume["configMap"]["name"]), pod, volume)
                 elif "secret" in volume:
-                    self._fill(folder, self._secret(volume["secret"]["secretName"]), pod, volume)
+                    name = volume["secret"]["secretName"]
+                    if not (volume["secret"].get("optional") and not self._has_secret(name)):
+                        self._fill(folder, self._secret(name), pod, volume)  # an optional one absent: empty
                 elif "emptyDir" in volume:
                     pass
                 elif "persistentVolumeClaim" in volume:

@@ -80,3 +80,25 @@ def test_gateway_drain_outlasts_the_engines(rendered, overlay):
     (scheduler_container,) = pod_spec(one(docs, "StatefulSet", "tokenmill-engine"))["containers"]
     scheduler, _ = parse_container("scheduler", scheduler_container["args"], {})
     assert gateway.shutdown_grace_seconds >= scheduler.shutdown_grace_seconds
+
+
+@each_overlay
+def test_the_gateway_is_never_keyless(rendered, overlay):
+    """Without engine tenants every request needs one of the gateway's API keys, from a Secret
+    the user creates (not optional: no pod starts without it); with components/auth the engines'
+    tenants authenticate the clients' tokens, which the gateway passes on."""
+    docs = rendered[overlay]
+    workload, container, _ = _gateway(docs)
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    config, _ = parse_container("gateway", container["args"], env)
+    (scheduler,) = [c for c in pod_spec(one(docs, "StatefulSet", "tokenmill-engine"))["containers"]
+                    if c["name"] == "scheduler"]
+    engine_auth = any(e["name"] == "TOKENMILL_AUTH_TOKENS_FILE" and e.get("value") for e in scheduler.get("env", []))
+    if engine_auth:
+        assert config.api_keys_file == ""
+        return
+    folder = posixpath.dirname(config.api_keys_file)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    secret = {v["name"]: v for v in pod_spec(workload)["volumes"]}[mount["name"]]["secret"]
+    assert secret["secretName"] == "tokenmill-gateway-keys" and not secret.get("optional")
+    assert secret["defaultMode"] & 0o007 == 0  # the gateway refuses a keys file others may read
