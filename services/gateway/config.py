@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.common.service_config import service_process_fields
 from services.gateway.api_keys import load_api_keys
+from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTINGS
 from services.gateway.routes_file import load_routes
 from services.gateway.routing.build import build_route
 from services.gateway.routing.target import TargetState
@@ -69,6 +70,10 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                                        "serving engine's chat template defines, text when none), none (text), "
                                        "hermes, llama3_json or mistral; a route's tool_call_parser overrides it",
                                "TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
+    reasoning_parser: str = _f("none", "how chat replies' reasoning is read out to reasoning_content: none (the reply "
+                                       "is content), deepseek_r1 (the template opens <think>: the reply starts inside "
+                                       "it) or qwen3 (reasoning when the reply opens <think>); a route's "
+                                       "reasoning_parser overrides it", "TOKENMILL_GATEWAY_REASONING_PARSER")
 
     def validate(self) -> None:
         """The numbers, and the routes file read and built (every route's targets exist)."""
@@ -88,6 +93,9 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
             raise ValueError(f"tool_call_parser must be one of {list(PARSER_SETTINGS)}, got {self.tool_call_parser!r}")
         if self.api_keys_file:
             load_api_keys(self.api_keys_file)
+        if self.reasoning_parser not in REASONING_PARSER_SETTINGS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSER_SETTINGS)}, "
+                             f"got {self.reasoning_parser!r}")
         routes = load_routes(self.config)
         states = {t.name: TargetState(t.name) for t in routes.targets}
         for model in routes.models.values():

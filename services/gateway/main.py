@@ -52,7 +52,8 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
     if config.http_port >= 0:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
                           max_request_bytes=config.max_request_bytes, created=int(time.time()),
-                          tool_call_parser=config.tool_call_parser, api_keys=api_keys)
+                          tool_call_parser=config.tool_call_parser, api_keys=api_keys,
+                          reasoning_parser=config.reasoning_parser)
         limits = ConnectionLimits(config.http_header_timeout_s, config.http_max_header_bytes,
                                   config.http_max_connections)
         http = await start_http(build_app(ctx), config.host, config.http_port, limits, config.http_keep_alive_s)

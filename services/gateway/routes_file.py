@@ -21,6 +21,8 @@
         tool_call_parser: hermes       # optional: how tool_choice auto reads calls out of replies
                                        # (auto, none, hermes, llama3_json, mistral; absent: the
                                        # gateway's --tool-call-parser)
+        reasoning_parser: qwen3        # optional: <think> sections to reasoning_content (none,
+                                       # deepseek_r1, qwen3; absent: the gateway's --reasoning-parser)
       small: weak                      # a bare target name routes everything there
     default_model: chat                # for gRPC clients that name no model (default: the first)
 
@@ -39,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTINGS
 from services.gateway.tool_calls import PARSER_SETTINGS
 
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
@@ -76,6 +79,9 @@ class ModelSpec:
     tool_call_parser: str = ""
     """How ``tool_choice: auto`` reads calls out of replies (services/gateway/tool_calls); "" =
     the gateway's ``--tool-call-parser``."""
+    reasoning_parser: str = ""
+    """How chat replies' reasoning is read out (services/gateway/reasoning); "" = the gateway's
+    ``--reasoning-parser``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +137,7 @@ def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:
     if not isinstance(item, dict) or "route" not in item:
         return ModelSpec(name, item)  # the route itself (a target name or a node)
     _check_keys(item, {"route", "sla_ms", "sla_percentile", "expected_output_tokens", "tokenizer",
-                       "tool_call_parser"}, where)
+                       "tool_call_parser", "reasoning_parser"}, where)
     sla = item.get("sla_ms")
     if sla is not None and (isinstance(sla, bool) or not isinstance(sla, (int, float)) or sla <= 0):
         raise ValueError(f"{where}.sla_ms must be a number > 0, got {sla!r}")
@@ -147,8 +153,12 @@ def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:
     parser = item.get("tool_call_parser", "")
     if parser != "" and parser not in PARSER_SETTINGS:
         raise ValueError(f"{where}.tool_call_parser must be one of {list(PARSER_SETTINGS)}, got {parser!r}")
+    reasoning = item.get("reasoning_parser", "")
+    if reasoning != "" and reasoning not in REASONING_PARSER_SETTINGS:
+        raise ValueError(f"{where}.reasoning_parser must be one of {list(REASONING_PARSER_SETTINGS)}, "
+                         f"got {reasoning!r}")
     return ModelSpec(name, item["route"], None if sla is None else float(sla), percentile, expected, tokenizer,
-                     parser)
+                     parser, reasoning)
 
 
 def parse_routes(data: Any, origin: str = "routes", base: Path | None = None) -> RoutesFile:

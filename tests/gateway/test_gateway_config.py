@@ -23,6 +23,9 @@ def test_flags_and_environment_come_from_the_dataclass(tmp_path):
     assert (config.config, config.http_port, config.max_attempts, config.port) == (str(routes), 0, 2, 50050)
     assert config.tool_call_parser == "hermes"
     assert parse_config(GatewayServiceConfig, ["--config", str(routes)], env={}).tool_call_parser == "auto"
+    assert parse_config(GatewayServiceConfig, ["--config", str(routes)], env={}).reasoning_parser == "none"
+    assert parse_config(GatewayServiceConfig, ["--config", str(routes), "--reasoning-parser", "qwen3"],
+                        env={}).reasoning_parser == "qwen3"
     config.validate()
 
 
@@ -38,6 +41,11 @@ def test_flags_and_environment_come_from_the_dataclass(tmp_path):
     (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}],
                                        "models": {"m": {"route": "a", "tool_call_parser": "xml"}}})],
      "models.m.tool_call_parser must be one of"),
+    (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}], "models": {"m": "a"}}),
+                "--reasoning-parser", "think"], "reasoning_parser must be one of ['none', 'deepseek_r1', 'qwen3']"),
+    (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}],
+                                       "models": {"m": {"route": "a", "reasoning_parser": "r1"}}})],
+     "models.m.reasoning_parser must be one of"),
 ])
 def test_bad_settings_exit_2_with_one_line(tmp_path, setup, message):
     env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}

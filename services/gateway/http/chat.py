@@ -9,6 +9,12 @@ max_tokens cut the call: its arguments are then partial, streamed or not). With 
 deltas and ``tool_calls`` deltas as the parser reads them, ending with "tool_calls" when it
 made calls; with ``parallel_tool_calls`` false the choice ends at its first whole call, its engine
 stream cancelled there.
+
+A route with a reasoning parser (its ``reasoning_parser``, else the gateway's
+``--reasoning-parser``; services/gateway/reasoning) splits each free-text reply's ``<think>``
+section into ``reasoning_content`` (a message field, streamed as ``reasoning_content`` deltas)
+before anything else reads it: the tool-call parser reads the content alone. A reply constrained
+to JSON or to a call has no reasoning section.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from services.gateway.http.requests import call_plan
 from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.structured import OutputPlan, ToolCallStream, parse_tool_call, plan_output, tool_call_id
 from services.gateway.http.tokens import TokenNamer
+from services.gateway import reasoning
+from services.gateway.reasoning.think import ThinkParser
 from services.gateway.request_meta import chat_prefix
 from services.gateway.tool_calls.reader import ReplyReader
 
@@ -60,18 +68,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     states = [ChoiceState(i, 0) for i in range(len(calls))]
     readers = auto_tools.readers(body, route, ctx.tool_call_parser, ctx.dispatcher,
                                  [message.request_id for _, message in calls], f"call_{rid}")
+    thinking = reasoning.parser_name(route.reasoning_parser, ctx.reasoning_parser) if plan.structured is None else None
+    thinkers = [reasoning.PARSERS[thinking]() if thinking else None for _ in calls]
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     if body.stream:
         usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
         last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
-        chunks = _chunks(streams, states, readers, head, body, namer, plan, rid, usage_chunks)
+        chunks = _chunks(streams, states, readers, thinkers, head, body, namer, plan, rid, usage_chunks)
         return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    await unless_disconnected(request, _collect(streams, states, readers))
+    thoughts: list[list[str]] = [[] for _ in calls]
+    answers: list[list[str]] = [[] for _ in calls]
+    await unless_disconnected(request, _collect(streams, states, readers, thinkers, thoughts, answers))
     choices = []
-    for s, reader in zip(states, readers):
+    for s, reader, thinker in zip(states, readers, thinkers):
+        if thinker is not None:
+            thought, text = thinker.finish()
+            thoughts[s.index].append(thought)
+            answers[s.index].append(text)
+            if reader is not None:
+                reader.feed(text)
         message, finish_reason = _message(s, plan, rid) if reader is None else _read_message(s, reader)
+        if thinker is not None:
+            if reader is None:
+                message["content"] = "".join(answers[s.index])
+            message["reasoning_content"] = "".join(thoughts[s.index]) or None
         choices.append({"index": s.index, "message": message,
                         "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
                         "finish_reason": finish_reason})
@@ -80,13 +102,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return Response(dumps(payload), media_type="application/json")
 
 
-async def _collect(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None]) -> None:
+async def _collect(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None],
+                   thinkers: list[ThinkParser | None], thoughts: list[list[str]], answers: list[list[str]]) -> None:
+    """Each choice's events applied; a choice with a reasoning parser has its reasoning and
+    content collected apart, and only its content read for calls."""
     try:
         async for index, reply in streams.events():
             states[index].apply(reply)
-            reader = readers[index]
-            if reader is not None and reply.WhichOneof("event") == "delta":
-                reader.feed(reply.delta.text)
+            reader, thinker = readers[index], thinkers[index]
+            if reply.WhichOneof("event") != "delta" or (reader is None and thinker is None):
+                continue
+            text = reply.delta.text
+            if thinker is not None:
+                thought, text = thinker.feed(text)
+                thoughts[index].append(thought)
+                answers[index].append(text)
+            if reader is not None:
+                reader.feed(text)
                 if reader.done:  # parallel_tool_calls false: its call is made, the rest is not wanted
                     await streams.end(index)
                     states[index].end()
@@ -137,9 +169,9 @@ def _calls_finish(finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None], head: dict,
-                  body: ChatCompletionRequest, namer: TokenNamer, plan: OutputPlan, rid: str,
-                  usage_chunks: bool) -> AsyncIterator[bytes]:
+async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None],
+                  thinkers: list[ThinkParser | None], head: dict, body: ChatCompletionRequest, namer: TokenNamer,
+                  plan: OutputPlan, rid: str, usage_chunks: bool) -> AsyncIterator[bytes]:
     extra = {"usage": None} if usage_chunks else {}
     opened = [False] * len(states)
     calls = ([ToolCallStream(plan.tool, tool_call_id(rid, i)) for i in range(len(states))]
@@ -159,10 +191,18 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
         if not opened[index]:
             opened[index] = True
             yield chunk(index, {"role": "assistant", "content": "" if calls is None else None})
-        reader = readers[index]
+        reader, thinker = readers[index], thinkers[index]
+        answer = reply.delta.text if kind == "delta" else ""
+        if thinker is not None:  # the reasoning first: what follows reads the content alone
+            thought, answer = thinker.feed(answer) if kind == "delta" else thinker.finish()
+            if thought:
+                yield chunk(index, {"reasoning_content": thought})
         if reader is not None:
             # tool_choice auto: the reply's text through its parser, content and calls as they come.
-            text, tool_deltas = reader.feed(reply.delta.text) if kind == "delta" else reader.finish()
+            text, tool_deltas = reader.feed(answer)
+            if kind != "delta":
+                tail, last_deltas = reader.finish()
+                text, tool_deltas = text + tail, tool_deltas + last_deltas
             logprobs = chat_logprobs(reply.delta.logprobs, namer) if body.logprobs and kind == "delta" else None
             if text or logprobs:
                 yield chunk(index, {"content": text}, logprobs)
@@ -182,13 +222,15 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
             continue
         if kind == "delta":
             delta = reply.delta
-            if not delta.text and not (body.logprobs and delta.logprobs):
+            if not answer and not (body.logprobs and delta.logprobs):
                 continue
             if not body.logprobs:
-                yield frames.text(index, delta.text)
+                yield frames.text(index, answer)
                 continue
-            yield chunk(index, {"content": delta.text}, chat_logprobs(delta.logprobs, namer))
+            yield chunk(index, {"content": answer}, chat_logprobs(delta.logprobs, namer))
             continue
+        if answer:  # what the reasoning parser held back to the end
+            yield frames.text(index, answer)
         finish_reason = state.finish_reason
         if calls is not None:
             for tool_delta in calls[index].finish(whole=finish_reason == "stop"):

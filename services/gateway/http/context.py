@@ -30,6 +30,8 @@ class HttpContext:
     """GatewayServiceConfig.tool_call_parser (http/auto_tools.py)."""
     api_keys: ApiKeys | None = None
     """The gateway's API keys (api_keys.py); None = keyless."""
+    reasoning_parser: str = "none"
+    """GatewayServiceConfig.reasoning_parser (services/gateway/reasoning)."""
     _namers: dict[str, TokenNamer] = field(default_factory=dict)
 
     def namer(self, route: Route) -> TokenNamer:

@@ -54,6 +54,8 @@ class Route:
     tokenizer: str
     tool_call_parser: str = ""
     """The routes file's setting for this model ("" = the gateway's)."""
+    reasoning_parser: str = ""
+    """The routes file's setting for this model ("" = the gateway's)."""
 
 
 class _Builder:
@@ -167,4 +169,5 @@ def build_route(model: ModelSpec, targets: dict[str, TargetState], *, rng: rando
     builder = _Builder(targets, rng or random.Random(), clock)
     node = builder.node(model.route, where or f"models.{model.name}.route")
     return Route(model.name, node, model.sla_ms, model.sla_percentile == 99, model.expected_output_tokens,
-                 RETRY_FALLBACK if builder.has_fallback else RETRY_ALWAYS, model.tokenizer, model.tool_call_parser)
+                 RETRY_FALLBACK if builder.has_fallback else RETRY_ALWAYS, model.tokenizer, model.tool_call_parser,
+                 model.reasoning_parser)
