@@ -26,7 +26,7 @@ from services.runtime.kv_blocks import kv_layout
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
-from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.families import load_model
 from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import STEP_KINDS, AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelError, TensorParallelLeader
@@ -58,6 +58,9 @@ class ModelRunner:
         """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
         vocab: list[range] | None = None
         if config.tensor_parallel_size > 1:
+            if mc.family != "llama":
+                raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
+                                 f"Llama family; {mc.architecture} runs on one rank")
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
             path = rank_zero.path
@@ -66,9 +69,9 @@ class ModelRunner:
             vocab = rank_zero.vocab  # the rows of each rank's share of a vocab-parallel head
             self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
         else:
-            self.model = LlamaForCausalLM.from_pretrained(config.model, self.backend, self.device, self.dtype, mc,
-                                                          prepack_cpu_weights=not path.plain_weights,
-                                                          quant_activations=self._quant_activations())
+            self.model = load_model(config.model, self.backend, self.device, self.dtype, mc,
+                                    prepack_cpu_weights=not path.plain_weights,
+                                    quant_activations=self._quant_activations())
             self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device)
             # A path's scratch blocks lie past the pool the scheduler is told about.
             self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,

@@ -38,10 +38,18 @@ class RandomModelSpec:
     """Std of the random matrices. Tests raise it so logits spread and greedy choices are far from ties."""
     rope_scaling: tuple[tuple[str, object], ...] = ()
     """config.json's ``rope_scaling`` as (key, value) pairs (a tuple keeps the spec hashable)."""
+    sliding_window: int | None = None
+    """Mistral: every layer's window; Gemma 3: its local layers' window."""
+    sliding_window_pattern: int = 6
+    """Gemma 3: every this-many-th layer is global."""
+    head_size: int = 0
+    """Per-head dimension when it is not hidden_size / num_heads (Gemma 3: 256 at hidden 640)."""
+    rope_local_theta: float = 10000.0
+    """Gemma 3: the RoPE base of its local layers."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     def num_parameters(self) -> int:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
@@ -63,7 +71,8 @@ PRESETS: dict[str, RandomModelSpec] = {
 
 
 def _config_json(spec: RandomModelSpec) -> dict:
-    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
     if spec.architecture not in model_type:
         raise ValueError(f"unsupported architecture {spec.architecture!r}")
     cfg = {
@@ -88,7 +97,19 @@ def _config_json(spec: RandomModelSpec) -> dict:
     if spec.rope_scaling:
         cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.rope_scaling}
     if spec.architecture == "MistralForCausalLM":
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = spec.sliding_window
+    if spec.architecture == "Gemma3ForCausalLM":
+        del cfg["hidden_act"], cfg["rope_theta"]
+        layer_types = ["full_attention" if (i + 1) % spec.sliding_window_pattern == 0 else "sliding_attention"
+                       for i in range(spec.num_layers)]
+        cfg |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": spec.head_dim,
+                "sliding_window": spec.sliding_window, "layer_types": layer_types, "rms_norm_eps": 1e-6,
+                "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                                       **dict(spec.rope_scaling)},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta}}}
+        cfg.pop("rope_scaling", None)
     if spec.architecture == "Qwen2ForCausalLM":
         cfg["use_sliding_window"] = False
     return cfg
@@ -160,12 +181,19 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
             p + "input_layernorm.weight": ones(d),
             p + "post_attention_layernorm.weight": ones(d),
         }
+        if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+            tensors |= {p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)}
+        if spec.architecture == "Gemma3ForCausalLM":
+            tensors |= {p + "pre_feedforward_layernorm.weight": ones(d), p + "post_feedforward_layernorm.weight": ones(d)}
         if spec.architecture == "Qwen2ForCausalLM":
             tensors |= {
                 p + "self_attn.q_proj.bias": rand(spec.num_heads * hd) * 10,
                 p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,
                 p + "self_attn.v_proj.bias": rand(spec.num_kv_heads * hd) * 10,
             }
+    if spec.architecture == "Gemma3ForCausalLM":
+        # Gemma's norms scale by 1 + w: stored weights around 0, not 1
+        tensors |= {name: t - 1.0 for name, t in tensors.items() if name.endswith("norm.weight")}
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = rand(spec.vocab_size, d)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),

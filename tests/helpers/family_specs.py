@@ -20,4 +20,19 @@ FAMILY_SPECS = {
     "qwen2-yarn": RandomModelSpec(**{**SMALL, "num_kv_heads": 1}, architecture="Qwen2ForCausalLM", seed=14,
                                   rope_theta=1e6, rope_scaling=(("rope_type", "yarn"), ("factor", 4.0),
                                                                 ("original_max_position_embeddings", 128))),
+    # Qwen3-0.6B's layout: head_dim 128 at hidden 1024 / 16 heads, i.e. heads wider than hidden / heads.
+    "qwen3": RandomModelSpec(**{**SMALL, "num_heads": 8, "num_kv_heads": 2}, architecture="Qwen3ForCausalLM",
+                             seed=15, head_size=32, rope_theta=1e6, tie_word_embeddings=True),
+    # Mistral's window on every layer, shorter than the prompts.
+    "mistral-window": RandomModelSpec(**SMALL, architecture="MistralForCausalLM", seed=16, sliding_window=16),
+    # Gemma 3 270M's layout scaled down: 4 query heads, 1 KV head, heads wider than hidden / heads,
+    # local layers with a window shorter than the prompts and global ones (every 3rd here, 6th there).
+    "gemma3": RandomModelSpec(**{**SMALL, "num_layers": 6, "num_kv_heads": 1}, architecture="Gemma3ForCausalLM",
+                              seed=17, head_size=64, rope_theta=1e6, sliding_window=16, sliding_window_pattern=3,
+                              tie_word_embeddings=True),
+    # Gemma 3 4B and up: linear RoPE scaling on the global layers only.
+    "gemma3-linear-rope": RandomModelSpec(**{**SMALL, "num_layers": 4, "num_kv_heads": 2},
+                                          architecture="Gemma3ForCausalLM", seed=18, head_size=32, rope_theta=1e6,
+                                          sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=True,
+                                          rope_scaling=(("rope_type", "linear"), ("factor", 8.0))),
 }

@@ -57,10 +57,12 @@ def greedy(model, prompt: torch.Tensor, new_tokens: int, block_size: int = 16, p
 
 
 def hf_greedy(hf, prompt: torch.Tensor, new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, end-of-sequence ignored (so every run is ``new_tokens`` long)."""
+    """transformers' greedy continuation, end-of-sequence ignored (so every run is ``new_tokens`` long).
+    No end-of-sequence id is given rather than a minimum length, which would mask its logit."""
+    hf.generation_config.eos_token_id = None
     with torch.no_grad():
         out = hf.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 

@@ -61,7 +61,7 @@ def _paged_decode_partition_kernel(
     QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, window, WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,6 +71,9 @@ def _paged_decode_partition_kernel(
     part_start = part * partition_tokens
     if part_start < context_len:
         part_end = tl.minimum(part_start + partition_tokens, context_len)
+        key_start = part_start
+        if WINDOWED:  # the query at context_len - 1 sees the last `window` keys
+            key_start = tl.minimum(tl.maximum(part_start, context_len - window), part_end)
 
         head_in_group = tl.arange(0, HEADS_PAD)  # [M]
         head_valid = head_in_group < QUERIES_PER_KV
@@ -92,7 +95,7 @@ def _paged_decode_partition_kernel(
         acc, l_i, m_i = attend_kv_tiles(
             acc, l_i, m_i, q, context_len - 1, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
             kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            part_start, part_end, qk_scale_log2, dims, dim_valid,
+            key_start, part_end, qk_scale_log2, dims, dim_valid,
             BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
 
         store_mask = head_valid[:, None] & dim_valid[None, :]
@@ -102,7 +105,8 @@ def _paged_decode_partition_kernel(
         else:
             po_offsets = (seq.to(tl.int64) * stride_pob + heads[:, None] * stride_poh + part * stride_pop
                           + dims[None, :])
-            tl.store(part_out_ptr + po_offsets, acc / l_i[:, None], mask=store_mask)
+            # a partition wholly before the window has l = 0 and weight 0 in the reduction: store 0, not NaN
+            tl.store(part_out_ptr + po_offsets, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=store_mask)
             pm_offsets = seq.to(tl.int64) * stride_pmb + heads * stride_pmh + part
             tl.store(part_max_ptr + pm_offsets, m_i, mask=head_valid)
             tl.store(part_sum_ptr + pm_offsets, l_i, mask=head_valid)
@@ -160,8 +164,10 @@ def paged_decode_attention(
     max_context_len: int,
     num_partitions: int = 1,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns out [B, H, D].
+    ``window``: the query sees only the last ``window`` keys (a sliding-window layer).
 
     ``max_context_len`` (a host int, >= every context_lens entry) sizes the partitions without
     a device sync. ``num_partitions`` > 1 enables split-K; see ``choose_num_partitions``.
@@ -209,6 +215,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, TILE_N=TILE_TOKENS,
         SINGLE_PARTITION=single, **dot_flags(q.dtype, _paged_decode_partition_kernel),
         KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
+        window=int(window or 0), WINDOWED=window is not None and window < max_context_len,
         num_warps=4,
     )
     if not single:
@@ -232,8 +239,10 @@ def paged_decode_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [B, H, D]."""
+    """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [B, H, D].
+    ``window``: the query sees only the last ``window`` keys (a sliding-window layer)."""
     num_seqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -247,6 +256,8 @@ def paged_decode_reference(
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [H, C, D]
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
         scores = (q[seq].unsqueeze(1) @ keys.transpose(1, 2)).float() * scale  # [H, 1, C]
+        if window is not None and context_len > window:
+            scores[..., : context_len - window] = float("-inf")
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[seq] = (probs @ values).squeeze(1)
     return out

@@ -26,15 +26,19 @@ def attend_kv_tiles(
     key_start, key_end, qk_scale_log2, dims, dim_valid,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    window=0, WINDOWED: tl.constexpr = False,
 ):
     """Online softmax of the rows of ``q`` [M, D_PAD] over keys [key_start, key_end), folded into
     (acc [M, D_PAD], l_i [M], m_i [M]). MASKED: the last tile's keys past key_end are excluded
     (without, every tile must be whole). CAUSAL (with MASKED): so are keys past a row's own
-    position, ``query_pos`` [M]; without, ``query_pos`` is not read.
+    position, ``query_pos`` [M]; without, ``query_pos`` is not read. WINDOWED (with CAUSAL): also
+    keys at or before ``query_pos - window`` (a sliding-window layer).
 
-    The caller guarantees that each row sees a key in the first tile (decode: every tile holds
-    a valid key; prefill: key 0 is visible to every row), so m_i is finite from then on and a
-    row with no visible key in a later tile gets p = 0, not NaN."""
+    Without WINDOWED the caller guarantees that each row sees a key in the first tile (decode:
+    every tile holds a valid key; prefill: key 0 is visible to every row), so m_i is finite from
+    then on and a row with no visible key in a later tile gets p = 0, not NaN. With it a row's
+    first tiles may hide every key: its running max stays -inf, and the exponentials are taken
+    against 0 instead, so such a tile adds p = 0 and scales nothing."""
     for tile_start in range(key_start, key_end, TILE_N):
         keys = tile_start + tl.arange(0, TILE_N)  # [N]
         if MASKED:
@@ -64,10 +68,14 @@ def attend_kv_tiles(
         if MASKED:
             if CAUSAL:
                 visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+                if WINDOWED:
+                    visible = visible & (keys[None, :] > query_pos[:, None] - window)
             else:
                 visible = key_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        if WINDOWED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: p = 0, alpha = 0
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)

@@ -50,6 +50,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    window, WINDOWED: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * QUERIES_PER_KV <= BLOCK_M)
     seq = tl.program_id(0)
@@ -81,20 +82,30 @@ def _prefill_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-        # keys <= the tile's first query position are visible to every row of the tile
-        unmasked_end = (prefix_len + tile_first_query + 1) // TILE_N * TILE_N
         # the tile's last real query sees up to its own position
         key_end = tl.minimum(prefix_len + tile_first_query + BLOCK_Q, context_len)
-        acc, l_i, m_i = attend_kv_tiles(
-            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            0, unmasked_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
-        acc, l_i, m_i = attend_kv_tiles(
-            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+        if WINDOWED:
+            # A sliding window: keys from the tile's first query's window on, every tile masked
+            # (the window's lower edge differs per row, as the causal edge does).
+            key_start = tl.maximum(prefix_len + tile_first_query - window + 1, 0)
+            acc, l_i, m_i = attend_kv_tiles(
+                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
+                kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                key_start, key_end, qk_scale_log2, dims, dim_valid,
+                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, window, True)
+        else:
+            # keys <= the tile's first query position are visible to every row of the tile
+            unmasked_end = (prefix_len + tile_first_query + 1) // TILE_N * TILE_N
+            acc, l_i, m_i = attend_kv_tiles(
+                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                0, unmasked_end, qk_scale_log2, dims, dim_valid,
+                BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+            acc, l_i, m_i = attend_kv_tiles(
+                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
+                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
 
         o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -123,8 +134,10 @@ def prefill_attention(
     max_query_len: int,
     max_context_len: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context. Returns [T, H, D].
+    ``window``: each query sees only the last ``window`` keys up to itself (a sliding-window layer).
 
     ``max_query_len`` and ``max_context_len`` are host ints (>= the per-sequence values) that
     size the grid without a device sync. Requires query_len <= context_len per sequence.
@@ -167,6 +180,7 @@ def prefill_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n,
         **dot_flags(q.dtype, _prefill_attention_kernel), KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
+        window=int(window or 0), WINDOWED=window is not None and window < max_context_len,
         num_warps=8 if block_m >= 128 else 4,
     )
     return out
@@ -180,8 +194,10 @@ def prefill_attention_reference(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [T, H, D]."""
+    """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [T, H, D].
+    ``window``: each query sees only the last ``window`` keys up to itself (a sliding-window layer)."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -198,7 +214,10 @@ def prefill_attention_reference(
         scores = (queries @ keys.transpose(1, 2)).float() * scale  # [H, L, C]
         # query i sits at position context_len - query_len + i and sees keys up to it
         query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
-        hidden = torch.arange(context_len, device=q.device)[None, :] > query_pos[:, None]  # [L, C]
+        key_pos = torch.arange(context_len, device=q.device)[None, :]
+        hidden = key_pos > query_pos[:, None]  # [L, C]
+        if window is not None:
+            hidden |= key_pos <= query_pos[:, None] - window
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(q.dtype)
         out[start:end] = (probs @ values).transpose(0, 1)
     return out

@@ -58,11 +58,12 @@ class TracedDecodeAttention:
                                          meta.slot_mapping)
 
     @staticmethod
-    def attend(q, k_cache, v_cache, meta: DecodeTensors, scale: float) -> torch.Tensor:
+    def attend(q, k_cache, v_cache, meta: DecodeTensors, scale: float, window: int | None = None) -> torch.Tensor:
         # q: [B, H, D] -> [B, H, D]
         q = q.to(k_cache.dtype).contiguous()
         out = torch.empty_like(q)
-        torch.ops.tokenmill_cpu.paged_decode(out, q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        torch.ops.tokenmill_cpu.paged_decode(out, q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                             window or 0)
         return out
 
 
@@ -76,7 +77,7 @@ def _register_fake_kernels() -> None:
         return None
 
     @torch.library.register_fake("tokenmill_cpu::paged_decode")
-    def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
         return None
 
 

@@ -1,9 +1,13 @@
 """Model configuration read from a Hugging Face-style ``config.json``.
 
-Only the Llama family is supported: Llama, Mistral and Qwen2 share one implementation
-(GQA/MQA, RoPE with ``rope_theta`` and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias
-for Qwen2). Anything else is refused with an error that names the architecture, rather
-than loaded and run wrong.
+Llama, Mistral and Qwen2 share one implementation (llama.py: GQA/MQA, RoPE with ``rope_theta``
+and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias for
+Qwen2); Qwen3 adds per-head q/k norms (qwen3.py); Gemma 3 is its own file (gemma3.py). Anything
+else is refused with an error that names the architecture, rather than loaded and run wrong.
+
+A layer's sliding window (Mistral, Gemma 3's local layers, Qwen2 with ``use_sliding_window``)
+is a per-layer attention parameter that every attention backend honours, so it does not cap
+the context.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ import torch
 from services.runtime.model.quant.config import QuantizationConfig
 from services.runtime.model.rope import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+"""Which model file runs each architecture."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,20 +70,35 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
-    """Mistral-style local attention window; the engine caps the context at it (see max_model_len)."""
+    """The local attention window of the layers that have one (``layer_windows``)."""
     rope: RopeScaling | None = None
     """RoPE scaling (rope.py); None is plain RoPE at ``rope_theta``."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer: its sliding window in keys (the query's own and the ``window - 1`` before it),
+    or None for full attention; empty when no layer has one."""
+    rope_local: RopeScaling | None = None
+    """Gemma 3: the RoPE of its sliding-window layers (their own base, no scaling)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma: attention scores are scaled by this ** -0.5 instead of head_dim ** -0.5."""
     quantization: QuantizationConfig | None = None
     """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
 
     @property
+    def family(self) -> str:
+        return FAMILIES[self.architecture]
+
+    @property
     def max_model_len(self) -> int:
-        """Longest context the engine serves exactly. A sliding window shorter than the
-        position limit caps it, because the attention backends attend over the full context."""
-        served = self.rope.served_positions(self.max_position_embeddings) if self.rope else self.max_position_embeddings
-        if self.sliding_window is not None:
-            return min(served, self.sliding_window)
-        return served
+        """Longest context the engine serves: the position limit (stretched by ``dynamic`` RoPE).
+        A sliding window does not cap it: the backends attend within each layer's window."""
+        return self.rope.served_positions(self.max_position_embeddings) if self.rope else self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -87,16 +110,32 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r}; tokenmill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        # transformers >= 5 writes RoPE settings under "rope_parameters"; older configs use
-        # "rope_theta" plus an optional "rope_scaling" (rope.py implements each scaling type).
+        gemma = arch == "Gemma3ForCausalLM"
+        # transformers >= 5 writes RoPE settings under "rope_parameters" (per layer type for
+        # Gemma 3); older configs use "rope_theta" plus an optional "rope_scaling" (and Gemma 3's
+        # "rope_local_base_freq"). rope.py implements each scaling type.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        local_rope: dict | None = None
+        if "full_attention" in rope or "sliding_attention" in rope:
+            local_rope = dict(rope.get("sliding_attention") or {})
+            rope = dict(rope.get("full_attention") or {})
         rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         max_positions = int(raw.get("max_position_embeddings", 2048))
         rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
+        rope_local = None
+        if gemma:
+            local_rope = local_rope or {}
+            local_theta = float(raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
+            rope_local = RopeScaling.from_dict(local_rope, local_theta, max_positions)
         if raw.get("mlp_bias") or raw.get("attention_out_bias"):
-            raise ValueError("mlp_bias / attention_out_bias are not supported by the Llama implementation")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+            raise ValueError("mlp_bias / attention_out_bias are not supported")
+        hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if hidden_act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported for {arch} "
+                             f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise ValueError(f"{key} is not supported (Gemma 2's soft-capping is not implemented)")
 
         def need(key: str):
             if key not in raw:
@@ -113,16 +152,18 @@ class ModelConfig:
             )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_layers = int(need("num_hidden_layers"))
         sliding = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             sliding = None
+        layer_windows = _layer_windows(raw, arch, num_layers, int(sliding) if sliding else None)
         dtype_str = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -130,8 +171,13 @@ class ModelConfig:
             rope=rope_scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            layer_windows=layer_windows,
+            rope_local=rope_local,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=hidden_act,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or head_dim) if gemma else None,
             dtype=parse_dtype(str(dtype_str)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -150,3 +196,25 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_dict(raw)
+
+
+def _layer_windows(raw: dict, arch: str, num_layers: int, window: int | None) -> tuple[int | None, ...]:
+    """Each layer's window: ``layer_types`` where the config lists them (transformers >= 4.53),
+    else each architecture's own rule."""
+    if window is None:
+        return ()
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported")
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    if arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the layers from max_window_layers on
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers

@@ -72,6 +72,10 @@ answer than one (from its 5th token) while their 320-token step ran eagerly."""
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
+    if type(model) is not LlamaForCausalLM:
+        return f"the model is {type(model).__name__}; the fused step runs the Llama layer"
+    if any(layer.window is not None for layer in model.layers):
+        return "the model has sliding-window layers; the fused step attends over the whole context"
     if not isinstance(model.backend, CpuAttentionBackend):
         return f"the attention backend is {model.backend.name!r}, not the cpu backend"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":

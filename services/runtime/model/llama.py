@@ -27,8 +27,10 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, index: int = 0):
         super().__init__()
+        self.window = config.window(index)
+        """This layer's sliding window (keys per query), or None: full attention."""
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -62,19 +64,26 @@ class LlamaLayer(nn.Module):
         t = hidden.shape[0]
         x = ops.rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # [T, q + 2kv]
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
+                                                                     self.head_dim))
         q, k = ops.rotary(qk, self.num_heads, rope)  # [T, H, hd], [T, KH, hd]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [T, H, hd]
+        attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)  # [T, H, hd]
         attn_out = self.o_proj(attn.reshape(t, self.q_size))
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
         gate_up = self.gate_up(x)  # [T, 2F]
         return hidden + self.down(ops.silu_and_mul(gate_up))
 
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk: [T, H + KH, hd], before RoPE. Llama has no q/k norm (Qwen3 does: qwen3.py)."""
+        return qk
+
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaLayer
+
     def __init__(
         self,
         config: ModelConfig,
@@ -95,7 +104,8 @@ class LlamaForCausalLM(nn.Module):
         if embed_q is not None:
             embed = dequantize(embed_q, weights["model.norm.weight"].dtype)
         self.embed = nn.Parameter(embed, requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, weights, f"model.layers.{i}.", i)
+                                    for i in range(config.num_layers))
         self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
         lm_head = weights.pop("lm_head.weight", None)
         # Tied: the same Parameter object, so moving the model moves one matrix.

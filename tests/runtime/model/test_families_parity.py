@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.runtime.model.attention.torch_backend import TorchAttentionBackend
-from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.families import load_model
 from services.tools.random_model import build_random_model
 from tests.helpers.family_specs import FAMILY_SPECS
 from tests.helpers.paged_forward import assert_close_to_reference, greedy, hf_greedy, run_chunks
@@ -27,12 +27,25 @@ def family_dirs(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
 def test_logits_and_greedy_tokens_match_transformers(family_dirs, name):
     model_dir = family_dirs[name]
-    model = LlamaForCausalLM.from_pretrained(model_dir, TorchAttentionBackend())
+    model = load_model(model_dir, TorchAttentionBackend())
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(3, model.config.vocab_size, (45,), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
     assert_close_to_reference(run_chunks(model, ids, [45], [3, 0, 2], 16), ref)
     assert_close_to_reference(run_chunks(model, ids, [20, 17] + [1] * 8, [6, 1, 4, 9, 2, 7], 8), ref)
-    prompt = ids[:20]
+    # a prompt longer than every window, in chunks that end inside and past it
+    prompt = ids[:40]
     assert greedy(model, prompt, NEW_TOKENS, prefill_chunk=7) == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral-window"])
+def test_windowed_models_match_transformers_on_the_cpu_backend(family_dirs, name):
+    """The C++ decode kernel honours each layer's window: decode steps far past it give transformers' tokens."""
+    from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
+
+    model_dir = family_dirs[name]
+    model = load_model(model_dir, CpuAttentionBackend())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = torch.randint(3, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(8))
+    assert greedy(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)

@@ -20,6 +20,8 @@
 //   k/v cache:     [num_blocks, block_size, KH, D] contiguous
 //   block_tables:  [B, max_blocks] int32 contiguous
 //   context_lens:  [B] int32
+//   window:        0, or a sliding window of W keys: the query at position p sees positions
+//                  p - W + 1 .. p (earlier scores are masked to -inf and their V rows not read)
 //
 // A quantized pool (services/runtime/kernels/kv_quant.py) holds int8 or float8_e4m3fn values and
 // one fp16 scale per slot per kv head, [num_blocks, block_size, KH] contiguous: the scale of a
@@ -161,7 +163,7 @@ inline const float* widen_row(const c10::Float8_e4m3fn* row, float* out, int64_t
 template <typename scalar_t, typename cache_t, int64_t kD>
 void weighted_sum_of_v(scalar_t* out, const cache_t* v_cache, const at::Half* v_scale, const int32_t* block_table,
                        int64_t context_len, int64_t H, int64_t num_kv_heads, int64_t D, int64_t block_size,
-                       int64_t row_stride, Scratch& scratch) {
+                       int64_t row_stride, Scratch& scratch, int64_t first = 0) {
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t group = H / num_kv_heads, token_stride = num_kv_heads * D;
   const float* scores = scratch.scores.data();
@@ -171,6 +173,7 @@ void weighted_sum_of_v(scalar_t* out, const cache_t* v_cache, const at::Half* v_
   float* wide = scratch.row.data();
   for_each_slot(v_cache, block_table, context_len, block_size, token_stride,
                 [&](int64_t t, const cache_t* v_row, int64_t slot) {
+    if (t < first) return;  // outside the window: weight 0
     float head_scale = 1.f;
     const auto* v_values = [&] {
       if constexpr (kScaled) return widen_row(v_row, wide, token_stride);
@@ -204,7 +207,7 @@ template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                      const at::Half* k_scale, const at::Half* v_scale,
                      const int32_t* block_table, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, Scratch& scratch) {
+                     int64_t head_dim, int64_t block_size, float scale, int64_t first, Scratch& scratch) {
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t D = kD > 0 ? kD : head_dim, H = num_heads, group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
@@ -226,6 +229,10 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
   // through each block once; query head h reads kv head h / group.
   for_each_slot(k_cache, block_table, context_len, block_size, token_stride,
                 [&](int64_t t, const cache_t* k_row, int64_t slot) {
+    if (t < first) {  // outside a sliding window: masked like the padding
+      for (int64_t h = 0; h < H; ++h) scores[h * padded + t] = -std::numeric_limits<float>::infinity();
+      return;
+    }
     float head_scale = 1.f;
     const auto* k_values = [&] {
       if constexpr (kScaled) return widen_row(k_row, wide, token_stride);
@@ -251,7 +258,7 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
     scratch.row_sum[h] = softmax_numerators(row, padded, row_max[h]);
   }
   weighted_sum_of_v<scalar_t, cache_t, kD>(out, v_cache, v_scale, block_table, context_len, H, num_kv_heads, D,
-                                           block_size, padded, scratch);
+                                           block_size, padded, scratch, first);
 }
 
 // The tiled path below needs AVX-512 (its transposes); built for a CPU without it (-march=haswell),
@@ -359,7 +366,7 @@ template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                            const at::Half* k_scale, const at::Half* v_scale, const int32_t* block_table,
                            int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, Scratch& scratch) {
+                           int64_t block_size, float scale, int64_t first, Scratch& scratch) {
   static_assert(kD > 0, "the tiled path needs the head dim as a constant");
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t H = num_heads, KH = num_kv_heads, group = H / KH;
@@ -378,9 +385,16 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
   float* stage = scratch.row.data();
   for (int64_t i = 0; i < H * kD; ++i) q_buf[i] = static_cast<float>(q[i]) * scale;
 
-  // Pass 1: scores, tile by tile.
+  // Pass 1: scores, tile by tile. Positions before a sliding window's first are masked to -inf;
+  // a tile wholly before it is not read.
   for (int64_t t0 = 0; t0 < context_len; t0 += kTile) {
     const int64_t n = std::min(kTile, context_len - t0);
+    if (t0 + kTile <= first) {
+      for (int64_t h = 0; h < H; ++h) {
+        std::fill_n(scores + h * padded + t0, kTile, -std::numeric_limits<float>::infinity());
+      }
+      continue;
+    }
     load_tile(k_cache, k_scale, block_table, block_size, t0, n, KH, token_stride, stage, tile, tile_scale);
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q_buf + h * kD;
@@ -396,7 +410,7 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
 #pragma omp simd
       for (int64_t i = 0; i < kTile; ++i) {
         const float scaled = kScaled ? s[i] * ks[i] : s[i];
-        row[i] = i < n ? scaled : -std::numeric_limits<float>::infinity();
+        row[i] = i < n && t0 + i >= first ? scaled : -std::numeric_limits<float>::infinity();
       }
     }
   }
@@ -412,7 +426,7 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
   const bool v_by_positions = kD < 32 && context_len >= 8 * kD;
   if (!v_by_positions) {
     weighted_sum_of_v<scalar_t, cache_t, kD>(out, v_cache, v_scale, block_table, context_len, H, KH, kD, block_size,
-                                             padded, scratch);
+                                             padded, scratch, first);
     return;
   }
   // Pass 2: acc[h][d][i] += p[h][i] * V[kv * kD + d][i] (the V tile's columns past n are zeros).
@@ -420,6 +434,7 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
   float* acc = scratch.acc.data();
   for (int64_t t0 = 0; t0 < context_len; t0 += kTile) {
     const int64_t n = std::min(kTile, context_len - t0);
+    if (t0 + kTile <= first) continue;  // every weight 0
     load_tile(v_cache, v_scale, block_table, block_size, t0, n, KH, token_stride, stage, tile, tile_scale);
     for (int64_t h = 0; h < H; ++h) {
       float p[kTile];
@@ -448,7 +463,7 @@ template <typename scalar_t, typename cache_t>
 void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr, const cache_t* v_ptr,
                   const at::Half* k_scale, const at::Half* v_scale,
                   const int32_t* tables, const int32_t* lens, int64_t B, int64_t max_blocks, int64_t H, int64_t KH,
-                  int64_t D, int64_t block_size, float scale, tokenmill_cpu::WorkerPool* pool) {
+                  int64_t D, int64_t block_size, float scale, int64_t window, tokenmill_cpu::WorkerPool* pool) {
   // Longest contexts first, handed out one at a time: the threads finish together even
   // when lengths differ widely, and a thread the OS takes away for a moment (another
   // process on the same cores) holds up one sequence rather than half the batch, as a
@@ -468,8 +483,10 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr
                : D == 128 ? decode_sequence<scalar_t, cache_t, 128> : decode_sequence<scalar_t, cache_t, 0>;
   auto run = [&](int64_t i, Scratch& scratch) {
     const int64_t b = order[i];
+    // A sliding window of W keys: the query at position lens[b] - 1 sees positions from lens[b] - W.
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, k_scale, v_scale, tables + b * max_blocks, lens[b], H,
-           KH, D, block_size, scale, scratch);
+           KH, D, block_size, scale, first, scratch);
   };
   if (pool != nullptr) {  // the fused step's threads (worker_pool.h), a sequence a chunk
     pool->parallel_for(B, 1, [&](int64_t begin, int64_t end) {
@@ -540,7 +557,8 @@ void dispatch_quantized(at::ScalarType cache_type, Body&& body) {
 // batch in q's dtype and the pool's storage type. Both registered ops and the fused step run it.
 void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
-                const at::Tensor& context_lens, double scale, tokenmill_cpu::WorkerPool* pool) {
+                const at::Tensor& context_lens, double scale, tokenmill_cpu::WorkerPool* pool, int64_t window = 0) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
   const bool quantized = k_scale != nullptr;
   if (quantized) {
@@ -561,7 +579,7 @@ void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, 
           static_cast<const cache_t*>(v_cache.data_ptr()), quantized ? k_scale->data_ptr<at::Half>() : nullptr,
           quantized ? v_scale->data_ptr<at::Half>() : nullptr, block_tables.data_ptr<int32_t>(),
           context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H, k_cache.size(2), D, k_cache.size(1),
-          static_cast<float>(scale), pool);
+          static_cast<float>(scale), window, pool);
     };
     if (quantized) {
       dispatch_quantized(k_cache.scalar_type(), batch);
@@ -572,14 +590,15 @@ void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  run_decode(out, q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens, scale, nullptr);
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window) {
+  run_decode(out, q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens, scale, nullptr, window);
 }
 
 void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  run_decode(out, q, k_cache, v_cache, &k_scale, &v_scale, block_tables, context_lens, scale, nullptr);
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
+  run_decode(out, q, k_cache, v_cache, &k_scale, &v_scale, block_tables, context_lens, scale, nullptr, window);
 }
 
 // Stores a step's new K and V rows, k/v [T, KH, D] (any token and head strides, unit last
@@ -750,13 +769,13 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("find_bad_table_entry(Tensor block_tables, Tensor context_lens, int num_blocks, int block_size) -> int[]");
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, int window=0) -> ()");
   m.def(
       "write_kv_quantized(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
       "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def(
       "paged_decode_quantized(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, "
-      "Tensor v_scale, Tensor block_tables, Tensor context_lens, float scale) -> ()");
+      "Tensor v_scale, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {

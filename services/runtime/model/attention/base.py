@@ -66,6 +66,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Causal attention of each new query over its sequence's cached context. Returns [T, H, D]."""
+        """Causal attention of each new query over its sequence's cached context. Returns [T, H, D].
+        ``window``: a sliding-window layer's keys per query (the query's own and the ``window - 1``
+        before it); None attends over the whole context."""
         ...

@@ -55,9 +55,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.check_step(meta, k_cache)
         cpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         self.check_step(meta, k_cache)
-        return super().attend(q, k_cache, v_cache, meta, scale)
+        return super().attend(q, k_cache, v_cache, meta, scale, window)
 
     @staticmethod
     def _native(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -73,15 +74,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 and meta.slot_mapping.is_contiguous())
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float,
+                window: int | None = None):
         if isinstance(k_cache, ScaledCache):
             if q.device.type != "cpu":
                 return TorchAttentionBackend._decode(q, k_cache, v_cache, block_tables, context_lens,
-                                                     context_lens_cpu, scale)
+                                                     context_lens_cpu, scale, window)
             return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                            inputs_checked=True)
+                                            inputs_checked=True, window=window)
         if q.device.type != "cpu" or not (q.dtype == k_cache.dtype == v_cache.dtype):
             return TorchAttentionBackend._decode(q, k_cache, v_cache, block_tables, context_lens,
-                                                 context_lens_cpu, scale)
+                                                 context_lens_cpu, scale, window)
         # attend() checked these tables (or the step's tables they are rows of) against the pool.
-        return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, inputs_checked=True)
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, inputs_checked=True,
+                                        window=window)

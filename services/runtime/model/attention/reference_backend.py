@@ -35,10 +35,11 @@ class ReferenceAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         # q: [T, H, D] -> [T, H, D]
         if meta.is_decode_only:
-            return paged_decode_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return paged_decode_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window)
         return prefill_attention_reference(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale, window
         )

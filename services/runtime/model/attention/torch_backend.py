@@ -31,10 +31,12 @@ class TorchAttentionBackend:
         k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         # q: [T, H, D] -> [T, H, D]
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.context_lens_cpu, scale)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.context_lens_cpu, scale,
+                                window)
         out = torch.empty_like(q)
         decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
@@ -43,14 +45,15 @@ class TorchAttentionBackend:
             token_index = meta.query_start_loc[rows].long()
             out[token_index] = self._decode(
                 q[token_index], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
-                [meta.context_lens_cpu[i] for i in decode_rows], scale,
+                [meta.context_lens_cpu[i] for i in decode_rows], scale, window,
             )
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
             if q_len == 1:
                 continue
             start = starts[i]
             out[start : start + q_len] = self._extend(
-                q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size, scale
+                q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size, scale,
+                window,
             )
         return out
 
@@ -60,11 +63,17 @@ class TorchAttentionBackend:
         # [nb, BS, KH, D] -> [ctx, KH, D]
         return gather_pool(cache, block_table[:num_blocks].long(), dtype).flatten(0, 1)[:num_tokens]
 
-    def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float):
+    def _extend(self, q, k_cache, v_cache, block_table, ctx_len: int, block_size: int, scale: float,
+                window: int | None = None):
         # q: [L, H, D]; the L new tokens sit at positions [ctx_len - L, ctx_len).
         q_len, num_heads = q.shape[0], q.shape[1]
         k = self._gather(k_cache, block_table, ctx_len, block_size, q.dtype)
         v = self._gather(v_cache, block_table, ctx_len, block_size, q.dtype)
+        if window is not None and ctx_len - q_len + 1 > window:
+            # Keys before the first query's window are seen by no query: drop them (the positions
+            # below count from the first key kept).
+            drop = ctx_len - q_len + 1 - window
+            k, v, ctx_len = k[drop:], v[drop:], ctx_len - drop
         group = num_heads // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
@@ -72,18 +81,21 @@ class TorchAttentionBackend:
         # [1, H, L|C, D]: with a batch dimension SDPA takes its fused (flash) CPU kernel; 3-D
         # inputs fall back to the math path (bmm, softmax, NaN guards), 2-7x slower for prompts.
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if q_len == ctx_len:
+        if q_len == ctx_len and (window is None or q_len <= window):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:
-            # query i sees keys [0, ctx_len - q_len + i]
+            # query i sees keys [0, ctx_len - q_len + i], within a window the last `window` of them
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             k_pos = torch.arange(ctx_len, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [L, C]
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         return o[0].transpose(0, 1)
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float):
+    def _decode(q, k_cache, v_cache, block_tables, context_lens, context_lens_cpu: list[int], scale: float,
+                window: int | None = None):
         # q: [B, H, D]; one query per sequence at position context_len - 1.
         b, h, d = q.shape
         max_ctx = max(context_lens_cpu)
@@ -104,6 +116,8 @@ class TorchAttentionBackend:
                 v[row, n:].zero_()
         positions = torch.arange(span, device=q.device)
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
+        if window is not None:  # the query at context_len - 1 sees the last `window` keys
+            valid &= positions[None, :] >= context_lens[:, None].long() - window
         out = F.scaled_dot_product_attention(
             q.view(b, h, 1, d), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,

@@ -48,6 +48,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         # q: [T, H, D] -> [T, H, D]
         if meta.is_decode_only:
@@ -56,11 +57,11 @@ class TritonAttentionBackend:
             )
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                max_context_len=meta.max_context_len, num_partitions=num_partitions,
+                max_context_len=meta.max_context_len, num_partitions=num_partitions, window=window,
             )
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale,
-            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len,
+            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len, window=window,
         )
 
     def warm_up(self, k_cache, v_cache, num_heads: int, max_context_len: int, dtype: torch.dtype | None = None) -> int:

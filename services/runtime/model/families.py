@@ -1,0 +1,28 @@
+"""The model class of each architecture (config.FAMILIES), and loading a model directory with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.runtime.model.attention.base import AttentionBackend
+from services.runtime.model.config import ModelConfig
+from services.runtime.model.gemma3 import Gemma3ForCausalLM
+from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    return MODEL_CLASSES[config.family]
+
+
+def load_model(model_dir: str | Path, backend: AttentionBackend, device: torch.device | str = "cpu",
+               dtype: torch.dtype | None = None, config: ModelConfig | None = None, **kwargs) -> LlamaForCausalLM:
+    """``model_dir`` loaded with its architecture's class (keyword arguments: ``from_pretrained``'s)."""
+    config = config or ModelConfig.from_model_dir(model_dir)
+    return model_class(config).from_pretrained(model_dir, backend, device, dtype, config, **kwargs)
