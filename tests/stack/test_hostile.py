@@ -21,8 +21,11 @@ tested beside their modules:
   alone): tests/executor/test_kv_transfer.py, tests/stack/test_tls_stack.py
 - the gateway's lists counted before validation, its body limit: tests/gateway/test_gateway_openai.py
 - the gateway under hostile HTTP clients (a disconnect aborts non-streamed work, messages over the
-  engine's limit): tests/gateway/test_gateway_hostile.py; tool-call parsers linear in the reply:
-  tests/gateway/test_tool_call_parsers.py
+  engine's limit, slow and idle connections, API keys keeping tenants apart in the prefix cache,
+  a target that refuses the gateway): tests/gateway/test_gateway_hostile.py; the keys file:
+  tests/gateway/test_api_keys.py; tool-call parsers linear in the reply:
+  tests/gateway/test_tool_call_parsers.py; the Kubernetes gateway never keyless:
+  tests/deploy/test_gateway_manifest.py
 - GetProfile's cost: tests/scheduler/test_profile_cache.py
 - binds, /metrics on loopback, concurrent calls, pings: tests/common/test_bind_policy.py,
   test_server_bootstrap.py
