@@ -118,6 +118,9 @@ class SequenceOutput:
     seq_id: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    """Set when the sequence cannot go on (its grammar matcher failed): the scheduler ends its
+    request with this error and ignores its tokens."""
 
 
 @dataclass(slots=True)

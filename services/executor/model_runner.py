@@ -145,9 +145,10 @@ class ModelRunner:
                 state = self.sequences[new.seq_id]
                 try:
                     state.matcher = self.grammars.matcher(new.sampling.grammar, state.token_ids[state.prompt_len:])
-                except ValueError:
-                    del self.sequences[new.seq_id]  # refused whole: the plan is rejected
-                    raise
+                except ValueError as exc:
+                    # That request's failure alone: it runs unconstrained until the scheduler,
+                    # told by its output, ends it with this error (its tokens are not used).
+                    state.grammar_error = str(exc)
         if not scheduled:
             return StepResult(plan.step_id, [])
         if self.parallel is None:
@@ -161,6 +162,7 @@ class ModelRunner:
                 raise
             except Exception as exc:  # the other ranks may be inside this step: the group is lost
                 raise self.parallel.step_failed(exc) from exc
+        _report_grammar_errors(scheduled, outputs)
         return StepResult(plan.step_id, outputs, time.perf_counter() - start)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,6 +307,16 @@ class ModelRunner:
         if not constrained:
             return None
         return constrained, self.grammars.fill(len(constrained), entries)
+
+
+def _report_grammar_errors(scheduled: Scheduled, outputs: list[SequenceOutput]) -> None:
+    """Mark the outputs of sequences whose matcher failed (at a parser limit, or refusing a
+    token): their requests end with the error, never with a silent EOS."""
+    for (state, _), output in zip(scheduled, outputs):
+        if state.grammar_error is None and state.matcher is not None and state.matcher.is_error():
+            state.grammar_error = GrammarMatchers.failure(state.matcher)
+            state.matcher = None  # unconstrained until the scheduler ends it; its tokens are dropped
+        output.error = state.grammar_error
 
 
 def _sampling_rows(scheduled: Scheduled, sample_rows: list[int], drafts: dict[int, list[int]]) -> Scheduled:

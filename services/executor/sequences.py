@@ -28,6 +28,9 @@ class SequenceState:
     matcher: Any = None
     """The grammar matcher of a constrained sequence (services/runtime/sampling/grammar.py),
     having consumed exactly its outputs between steps; None when unconstrained."""
+    grammar_error: str | None = None
+    """Why the sequence's grammar cannot go on (its matcher did not build, or failed at a
+    limit): each of its outputs carries it, and the scheduler ends its request with it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,15 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                         "shared equally among up to 4 tenants (none without it); -1 = only the "
                                         "overall max_waiting_requests",
                                      "TOKENMILL_MAX_WAITING_PER_TENANT")
+    grammar_compile_workers: int = _f(2, "child processes that compile structured outputs (a grammar that crashes "
+                                         "the grammar library kills one of them, never the scheduler)",
+                                      "TOKENMILL_GRAMMAR_COMPILE_WORKERS")
+    grammar_compiles_per_tenant: int = _f(1, "compile workers one tenant may hold at once (the others wait); "
+                                             "without --auth-tokens-file every client is one tenant",
+                                          "TOKENMILL_GRAMMAR_COMPILES_PER_TENANT")
+    grammar_compile_timeout_s: float = _f(5.0, "longest a structured output may take to compile; a slower one is "
+                                               "refused with INVALID_ARGUMENT and its worker restarted",
+                                          "TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S")
     connect_timeout_s: float = _f(60.0, "how long to wait for the executor and tokenizers at start",
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
     auth_tokens_file: str = _f("", "JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; "
@@ -86,6 +95,11 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
         if self.max_waiting_per_tenant < -1:
             raise ValueError(f"max_waiting_per_tenant must be >= -1 (0 = an equal share per tenant with "
                              f"authentication, -1 = none), got {self.max_waiting_per_tenant}")
+        for name in ("grammar_compile_workers", "grammar_compiles_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.profile_capacity < 1:
             raise ValueError(f"profile_capacity must be >= 1, got {self.profile_capacity}")
         if self.auth_tokens_file:

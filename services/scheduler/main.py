@@ -20,6 +20,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.request_release import RequestRelease
 from services.scheduler.servicer import GenerationServicer
+from services.scheduler.structured.compile_workers import CompileWorkers
 from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Backends, Supervisor
 
@@ -65,7 +66,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                                   model_name=Path(next(iter(supervisor.core.lanes.values())).info.model).name,
                                   tenant_metrics=tenant_metrics() if config.metrics_port >= 0 else None,
                                   auth_table=auth_table,
-                                  grammar_compiler=GrammarCompiler(config.limits.max_grammar_bytes))
+                                  grammar_compiler=_grammar_compiler(config, supervisor))
     if config.metrics_port >= 0:
         scheduler_collector().watch(supervisor.core)
     auth = AuthInterceptor(auth_table) if auth_table is not None else None
@@ -82,6 +83,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                             DoorInterceptor(admission, unavailable=supervisor.unavailable_reason)],
         app=supervisor)
     running.on_stopping(supervisor.shutdown)
+    running.on_stop(servicer.grammar_compiler.workers.close)
     if auth is not None:
         running.on_reload(lambda: reload_auth(config.auth_tokens_file, auth, [servicer]))
     # Free memory back to the system once the load ends (glibc's malloc_trim; with
@@ -91,6 +93,16 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     await announce_serving(running, config)
     supervisor.health.report_to(running.set_serving)
     return running
+
+
+def _grammar_compiler(config: SchedulerServiceConfig, supervisor: Supervisor) -> GrammarCompiler:
+    """Structured outputs compiled on child processes; their first masks over the model's own
+    vocabulary when its tokenizer.json is readable here (as with ``tokenmill up``), else over bytes."""
+    model_dir = Path(next(iter(supervisor.core.lanes.values())).info.model)
+    vocabulary = model_dir / "tokenizer.json"
+    workers = CompileWorkers(config.grammar_compile_workers, config.grammar_compile_timeout_s,
+                             config.grammar_compiles_per_tenant, str(vocabulary) if vocabulary.is_file() else "")
+    return GrammarCompiler(config.limits.max_grammar_bytes, workers=workers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tenant_metrics = tenant_metrics
         self.auth_table = auth_table
         self.grammar_compiler = grammar_compiler or GrammarCompiler(SchedulerLimits().max_grammar_bytes)
-        """Structured outputs, compiled on a worker thread at admission and cached by content."""
+        """Structured outputs, compiled at admission off the event loop (in the service, on its
+        compile worker processes) and cached by content."""
         """With authentication on: the tenants' token budgets."""
 
     def _executor_info(self) -> ExecutorInfo:
@@ -151,12 +152,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         sampling = sampling_from_proto(request.sampling)
         stop = stop_from_proto(request.stop)
         structured = structured_output_from_proto(request)
+        if tenant is not None:
+            # Before any compile: a caller the tenant's permissions refuse costs no grammar work.
+            tenant.check_request(self.model_name, request.priority)
         if structured is not None:
             # Before the prompt: a bad schema costs no tokenizer call, and the request
             # reaches the waiting queue only with its grammar ready.
-            sampling.grammar = await self.grammar_compiler.compile(structured)
-        if tenant is not None:
-            tenant.check_request(self.model_name, request.priority)
+            sampling.grammar = await self.grammar_compiler.compile(structured, tenant.name if tenant is not None else "")
         spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         if spec_k is not None and spec_k < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")

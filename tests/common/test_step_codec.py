@@ -221,6 +221,14 @@ def test_result_without_logprobs_round_trip() -> None:
     assert wire_result(result) == result
 
 
+def test_a_sequence_error_travels_with_its_output_alone() -> None:
+    result = StepResult(step_id=9, outputs=[
+        SequenceOutput(1, [17]),
+        SequenceOutput(2, [3], error="structured output failed: lexer error: too many expressions constructed"),
+    ])
+    assert wire_result(result) == result
+
+
 def test_result_with_logprobs_for_some_rows_only() -> None:
     result = StepResult(
         step_id=9,

@@ -3,12 +3,16 @@ one per module): what one tenant sends must never end, slow or reveal another te
 
 The model is stories260K with its config vocab padded to 1,024 rows past its tokenizer's 512
 ids (services/tools/padded_vocab.py), as Qwen2-family checkpoints ship theirs. Here: ids past
-the tokenizer and the padded rows, oversized requests, the prefix cache, token budgets, the
+the tokenizer and the padded rows, hostile structured outputs (a grammar that crashed the
+scheduler's compile, patterns that stalled every stream) beside a timed victim stream, oversized requests, the prefix cache, token budgets, the
 per-tenant queue share, request ids, callers without a token, what messages reveal, a second
 Step session, on two executors behind the one scheduler. The local parts of each finding, and those that need a stack of their own, are
 tested beside their modules:
 
 - a stream the detokenizer refuses, drafts past the vocabulary: tests/scheduler/test_hostile_engine.py
+- structured outputs past the bounds, a grammar that crashes its compile worker (quarantined),
+  the compile deadline and each tenant's share of the workers: tests/scheduler/test_grammar_compiler.py;
+  a grammar failing in the executor ends its request alone: tests/inprocess/test_grammar_failures.py
 - the padded rows masked in every sampling path: tests/executor/test_padded_vocab.py
 - per-stream Detokenize failures: tests/tokenizer/test_tokenizer_service.py, test_detokenizer.py
 - sizes on the message, the message limit: tests/scheduler/test_request_limits.py
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 
@@ -55,10 +60,12 @@ from tests.helpers.small_stack import start_small_stack
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ATTACKER, VICTIM, BUDGETED, GROUP_A, GROUP_B = "tok-attacker", "tok-victim", "tok-budget", "tok-ga", "tok-gb"
+LIMITED = "tok-limited"
 TENANTS = [{"token": ATTACKER, "tenant": "attacker"}, {"token": VICTIM, "tenant": "victim"},
            {"token": BUDGETED, "tenant": "budgeted", "tokens_per_minute": 400},
            {"token": GROUP_A, "tenant": "group-a", "cache_group": "team"},
-           {"token": GROUP_B, "tenant": "group-b", "cache_group": "team"}]
+           {"token": GROUP_B, "tenant": "group-b", "cache_group": "team"},
+           {"token": LIMITED, "tenant": "limited", "max_priority": 5}]
 
 
 MAX_NUM_SEQS, MAX_WAITING = 4, 16
@@ -377,3 +384,91 @@ async def test_a_second_step_session_is_refused_while_the_scheduler_holds_the_ex
     victim, refusals = await while_victim_streams(stack, attack)
     assert len(refusals) == 2 and all("another Step stream" in details for details in refusals)
     assert victim.completed()
+
+
+# ---------------------------------------------------------------- hostile structured outputs
+def chained_rules(n: int) -> str:
+    """A Lark grammar of ``n`` rules each naming the next (~12 bytes a rule): the grammar library
+    recursed once per rule in native code; 3,000 overflowed the scheduler's stack (SIGSEGV)."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n - 1)) + f'r{n - 1}: "a"\n'
+
+
+def constrained(kind: str, spec: str, max_tokens: int = 8, priority: int = 0) -> generation_pb2.GenerateRequest:
+    r = request(max_tokens=max_tokens)
+    r.stop.ignore_eos = False
+    r.priority = priority
+    setattr(r.structured_output, kind, spec)
+    return r
+
+
+def nested_repeats(count: int) -> str:
+    """58 bytes whose lexer took 2-3 s to compile and whose first masks in the executor 1.9-2.9 s
+    (varying ``count`` defeated the caches)."""
+    return json.dumps({"type": "string", "pattern": f"^(((a{{{count}}}){{{count}}}){{{count}}}){{{count}}}$"})
+
+
+async def timed_victim(stack, started: asyncio.Event, max_tokens: int = 400) -> tuple[Outcome, list[float]]:
+    """A victim stream and the arrival time of each of its token-carrying messages."""
+    outcome, arrivals = Outcome(), []
+    try:
+        async for message in stack.stub.Generate(request(max_tokens=max_tokens), metadata=bearer(VICTIM), timeout=120):
+            outcome.messages.append(message)
+            if message.WhichOneof("event") == "delta" and message.delta.token_ids:
+                arrivals.append(time.perf_counter())
+                started.set()
+    except grpc.aio.AioRpcError as err:
+        outcome.code, outcome.details = err.code(), err.details() or ""
+    return outcome, arrivals
+
+
+async def test_hostile_structured_outputs_are_refused_at_admission_and_stall_no_other_tenants_stream(stack):
+    started = asyncio.Event()
+    victim = asyncio.ensure_future(timed_victim(stack, started))
+    await asyncio.wait_for(started.wait(), 30)
+    began = time.perf_counter()
+    attacks = []
+
+    async def attack(r, token=ATTACKER) -> Outcome:
+        outcome = await generate(stack, r, token=token)
+        attacks.append(outcome)
+        return outcome
+
+    deep = chained_rules(990)  # within the rule bound; overflows a compile worker's stack
+    # Compiling comes after the tenant's permission check: a refused caller costs no compile
+    # (the attacker's identical grammar below is the first to reach a worker, and crashes it).
+    denied = await attack(constrained("grammar", deep, priority=0), token=LIMITED)
+    assert denied.code == grpc.StatusCode.PERMISSION_DENIED, denied.details
+    chain = await attack(constrained("grammar", chained_rules(3000)))
+    assert chain.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.grammar defines 3001 rules; the limit is 1000" in chain.details
+    crashed = await attack(constrained("grammar", deep))
+    assert crashed.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.grammar crashed the grammar compiler (SIGSEGV)" in crashed.details
+    for token in (ATTACKER, VICTIM):  # quarantined for every tenant, refused without a compile
+        at = time.perf_counter()
+        again = await attack(constrained("grammar", deep), token=token)
+        assert again.code == grpc.StatusCode.INVALID_ARGUMENT and "is quarantined" in again.details
+        assert time.perf_counter() - at < 1.0
+    for count in (50, 49, 48, 47):
+        repeats = await attack(constrained("json_schema", nested_repeats(count)))
+        assert repeats.code == grpc.StatusCode.INVALID_ARGUMENT, (repeats.code, repeats.details)
+        assert "structured_output.json_schema pattern" in repeats.details
+        assert "the limit is 10,000 (max regex expansion" in repeats.details
+    nested = await attack(constrained("json_schema", "[" * 5000 + "]" * 5000))
+    assert nested.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.json_schema nests objects and arrays deeper than 64 levels" in nested.details
+    attack_s = time.perf_counter() - began
+    # The engine still compiles and serves the attacker's fair requests (its worker restarted).
+    fair = await attack(constrained("json_schema", json.dumps({"type": "integer"}), max_tokens=6))
+    assert fair.code == grpc.StatusCode.OK and fair.finished is not None, fair.details
+
+    outcome, arrivals = await victim
+    assert outcome.completed(), (outcome.code, outcome.details)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if began <= b and a <= began + attack_s]
+    median = statistics.median(gaps)
+    # A 1.9-2.9 s first mask inside a step paused every stream; a compile on the scheduler's own
+    # stack killed them. Here the victim's worst gap while the attack ran stays within a small
+    # multiple of its own median (a loaded 2-core machine adds its own jitter, hence the floor).
+    assert during, "the victim's stream ended before the attack: the test measured nothing"
+    assert max(during) < max(0.5, 10 * median), (max(during), median, attack_s)

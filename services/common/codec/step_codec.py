@@ -235,8 +235,11 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
     top_counts: list[int] = []
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    errors: dict[int, str] = {}
     for out in result.outputs:
         seq_ids.append(out.seq_id)
+        if out.error is not None:
+            errors[out.seq_id] = out.error
         tokens = out.token_ids
         token_counts.append(len(tokens))
         token_ids.extend(tokens)
@@ -266,6 +269,7 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
         top_token_ids=top_token_ids,
         top_logprobs=top_logprobs,
         execute_seconds=result.execute_seconds,
+        errors=errors,
     )
 
 
@@ -299,6 +303,9 @@ def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
     else:
         logprobs = [None] * len(seq_ids)
     outputs = list(map(SequenceOutput, seq_ids, _split(token_ids, token_counts), logprobs))
+    if msg.errors:
+        for output in outputs:
+            output.error = msg.errors.get(output.seq_id)
     execute_seconds = msg.execute_seconds
     if not math.isfinite(execute_seconds) or execute_seconds < 0:
         raise InvalidArgumentError(f"execute_seconds = {execute_seconds}: must be a finite number >= 0")

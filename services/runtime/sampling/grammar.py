@@ -20,9 +20,12 @@ mask the next draw without a round trip. The matcher therefore lives beside the 
   exactly where a plain decode would have diverged; the emitted tokens are consumed after.
 
 Masks of a batch are filled by llguidance's thread pool in one call (it releases the GIL).
-A row whose mask would allow nothing (a matcher that reached an error, which a masked draw
-never causes) allows the model's EOS ids instead, so its draw is defined and the sequence
-ends.
+Every matcher runs under the parser limits the scheduler compiled its grammar under
+(services/common/grammar_limits.py), so no mask costs more than admission allowed. A matcher
+that fails (at a limit, or refusing a token) puts its sequence's request to an end with an
+error (``failure``; the model runner reports it in the sequence's output); until the scheduler
+ends it, a row whose mask would allow nothing allows the model's EOS ids, so its draw is
+defined.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from services.common.grammar_limits import parser_limits
+
 TEMPLATE_CACHE_SIZE = 64
+
 class MaskFuture:
     """A batch's masks being filled (or already known): ``result()`` waits for them."""
 
@@ -97,9 +103,10 @@ class GrammarMatchers:
         the grammar does not build or the outputs do not follow it."""
         template = self._templates.get(grammar)
         if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
             if template.is_error():
-                raise ValueError(f"the grammar does not build: {template.get_error()}")
+                raise ValueError(f"structured output failed: the grammar does not build: "
+                                 f"{_first_line(template.get_error())}")
             self._templates[grammar] = template
             while len(self._templates) > TEMPLATE_CACHE_SIZE:
                 self._templates.popitem(last=False)
@@ -107,7 +114,8 @@ class GrammarMatchers:
             self._templates.move_to_end(grammar)
         matcher = template.deep_copy()
         if output_ids and not matcher.consume_tokens(list(output_ids)):
-            raise ValueError(f"the sequence's outputs do not follow its grammar: {matcher.get_error()}")
+            raise ValueError(f"structured output failed: the sequence's outputs do not follow its grammar: "
+                             f"{_first_line(matcher.get_error())}")
         return matcher
 
     def fill(self, rows: int, entries: list[tuple[llguidance.LLMatcher, int, list[int]]]) -> np.ndarray:
@@ -132,7 +140,20 @@ class GrammarMatchers:
         return mask
 
     @staticmethod
+    def failure(matcher: llguidance.LLMatcher) -> str:
+        """The error a failed matcher ends its request with."""
+        return f"structured output failed: {_first_line(matcher.get_error())}"
+
+    @staticmethod
     def advance(matcher: llguidance.LLMatcher, token_ids: Sequence[int]) -> None:
-        """Consume drawn tokens. A refusal leaves the matcher in its error state, whose masks
-        then allow only EOS (``fill``): the sequence ends instead of the step failing."""
-        matcher.consume_tokens(list(token_ids))
+        """Consume drawn tokens. A refusal leaves the matcher in its error state, which the
+        model runner reports as the sequence's failure after the step. A matcher whose grammar
+        is complete has stopped and its mask allowed only EOS: the draw ends the sequence, and
+        there is nothing to consume."""
+        if not matcher.is_stopped():
+            matcher.consume_tokens(list(token_ids))
+
+
+def _first_line(message: str) -> str:
+    """llguidance's message without the parser state it may append."""
+    return message.strip().split("\n", 1)[0]

@@ -116,6 +116,7 @@ class Scheduler:
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []
+        self._failed: list[tuple[str, str]] = []
         """Sequences the executor must forget, reported in the next plan."""
         self._in_flight: deque[StepInFlight] = deque()
         """Plans that scheduled a sequence and await update(), oldest first."""
@@ -166,6 +167,13 @@ class Scheduler:
         block_ids = self.block_manager.detach(request)
         request.leave_executor()
         return block_ids
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, error) of the requests whose last updated step failed them in the
+        executor (a grammar matcher at a limit): the caller ends each with FinishReason.ERROR
+        and the error (finish_request frees its blocks). Taken once."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def finish_request(
         self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
@@ -440,6 +448,9 @@ class Scheduler:
                 # previous step's update (a surplus token), or preempted since: ignored.
                 continue
             request = scheduled.request
+            if output.error is not None:  # it cannot go on: ended by the caller (take_failed)
+                self._failed.append((request.request_id, output.error))
+                continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             if not output.token_ids:  # a prefill chunk short of the end: nothing to report
                 self.block_manager.cache_full_blocks(request)

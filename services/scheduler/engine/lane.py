@@ -36,6 +36,7 @@ from services.scheduler.engine.ports import EXECUTOR_LOST, ExecutorPort
 from services.scheduler.engine.publisher import Publisher
 from services.scheduler.engine.request_table import RequestTable
 from services.scheduler.engine.step_times import StepTimeTotals
+from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.update import RequestUpdate
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -164,6 +165,10 @@ class ExecutorLane:
             _log.error("executor_result_invalid", executor=self.name, error=str(exc), step_id=plan.step_id)
             context.lost(self, f"the executor sent an invalid result for step {plan.step_id}: {exc}")
             return
+        for request_id, error in self.scheduler.take_failed():
+            tracked = context.requests.get(request_id)
+            if tracked is not None:
+                context.requests.end(tracked, FinishReason.ERROR, error)
         totals = context.totals
         totals.steps += 1
         totals.sequences += len(plan.new) + len(plan.running)
