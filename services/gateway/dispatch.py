@@ -6,7 +6,10 @@ Started is held back until the first Delta (or Finished): until then nothing has
 to the client, and a failure whose code the route retries (routing/build.py: UNAVAILABLE
 always; RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED too under a ``fallback`` node), or a Finished
 with reason ERROR (the engine lost its executor), moves the request to the next target, at most
-``max_attempts`` in all. Once a token went out, a failure ends the stream.
+``max_attempts`` in all. Once a token went out, a failure ends the stream. A request with a
+structured output whose target failed UNAVAILABLE before Started (while admitting it) is not
+retried: its structured output is quarantined (grammar_quarantine.py) and identical ones are
+refused at once, so one hostile grammar cannot take down every replica in turn.
 
 Each finished request feeds its target's estimator (TTFT and TPOT at the load it was sent
 at) and the metrics; a call that fails UNAVAILABLE takes its target out of the pool at once.
@@ -33,6 +36,7 @@ from services.common.errors import (
     error_from_rpc,
 )
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.grammar_quarantine import GrammarQuarantine, structured_digest
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import Target, TargetPool
 from services.gateway.routing.build import Route
@@ -60,10 +64,12 @@ class Outcome:
 
 
 class _Retry(Exception):
-    def __init__(self, code: str, error: TokenmillError) -> None:
+    def __init__(self, code: str, error: TokenmillError, started: bool = True) -> None:
         super().__init__(code)
         self.code = code
         self.error = error
+        self.started = started
+        """The target had sent Started (it had admitted the request)."""
 
 
 def engine_error(err: grpc.aio.AioRpcError) -> TokenmillError:
@@ -91,6 +97,8 @@ class Dispatcher:
         self.live: dict[str, Target] = {}
         """request_id -> the target serving it now (for Abort)."""
         self.observers: list[Callable[[Outcome], None]] = []
+        self.quarantine = GrammarQuarantine(clock)
+        """Structured outputs a target died admitting: not sent again for a while."""
 
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
@@ -109,6 +117,10 @@ class Dispatcher:
                 raise InvalidArgumentError(f"no routing rule of model '{route.model}' matches this request and the "
                                            "route has no default")
             raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        digest = structured_digest(message)
+        if digest is not None and self.quarantine.holds(digest):
+            raise InvalidArgumentError("structured_output is quarantined: a target failed while admitting an "
+                                       "identical one; it is refused without being sent")
         deadline = self.clock() + timeout_s
         error: TokenmillError | None = None
         for index, state in enumerate(ranking.targets[:self.max_attempts]):
@@ -125,6 +137,11 @@ class Dispatcher:
                     yield reply
                 return
             except _Retry as retry:
+                if digest is not None and retry.code == "UNAVAILABLE" and not retry.started:
+                    self.quarantine.add(digest)
+                    raise UnavailableError(f"target {target.name} failed while admitting this request's "
+                                           "structured_output; it is not retried on another target, and identical "
+                                           "ones are refused for a while") from None
                 self.metrics.fallbacks.labels(route.model, target.name, retry.code).inc()
                 error = retry.error
         raise error if error is not None else UnavailableError(f"no target could serve model '{route.model}'")
@@ -172,7 +189,7 @@ class Dispatcher:
             code = err.code().name
             self._failed(route, target, code, err.details() or "")
             if first_token_at is None and code in route.retry_codes:
-                raise _Retry(code, engine_error(err)) from None
+                raise _Retry(code, engine_error(err), started=held is not None or first_token_at is not None) from None
             raise engine_error(err) from None
         finally:
             state.inflight -= 1

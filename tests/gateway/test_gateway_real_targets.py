@@ -6,6 +6,9 @@
 - One stack's scheduler is SIGKILLed under load: every request that had not started streaming
   still succeeds (it moves to the other target), and the killed target, restarted by its
   launcher, is probed back into the pool.
+- A scheduler dies while admitting a request with a structured output: the request is not
+  retried on the other target (a hostile grammar could kill every replica in turn) and an
+  identical one is refused at once.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import statistics
 import threading
 import time
 
+import grpc
 import openai
 import pytest
 import pytest_asyncio
@@ -77,7 +81,8 @@ async def gateway(stacks, tmp_path_factory):
         "targets": [{"name": "fast", "address": fast.public_address, "cost": 1.0},
                     {"name": "cheap", "address": cheap.public_address, "cost": 0.2}],
         "models": {"stories": {"route": {"strategy": "latency", "targets": ["fast", "cheap"]}},
-                   "spread": {"strategy": "loadbalance", "targets": ["fast", "cheap"]}}})
+                   "spread": {"strategy": "loadbalance", "targets": ["fast", "cheap"]},
+                   "cheap-first": {"strategy": "fallback", "targets": ["cheap", "fast"]}}})
     running = await serve_gateway_for(routes)
     await wait_healthy(running, ["fast", "cheap"])
     yield running
@@ -171,3 +176,45 @@ async def test_a_target_killed_under_load_fails_no_request_that_had_not_streamed
     assert target.state.healthy
     reply = await client.completions.create(model="spread", prompt=PROMPT, max_tokens=4)
     assert reply.choices[0].finish_reason == "length"
+
+
+async def test_a_target_that_dies_admitting_a_structured_output_is_not_retried_and_the_grammar_is_quarantined(
+        stacks, gateway):
+    fast, cheap = stacks
+    await wait_healthy(gateway, ["fast", "cheap"], timeout_s=90)
+    request = generation_pb2.GenerateRequest(text=PROMPT)
+    request.stop.max_tokens = 4
+    request.structured_output.regex = "(ab|cd)+"
+    metadata = (("x-tokenmill-model", "cheap-first"),)
+    scheduler = cheap.services["scheduler"].process
+    async with create_channel(gateway.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # The cheap target's scheduler stops with the request at its door, then dies: it failed
+        # before Started, as a scheduler killed by the grammar it compiles does.
+        scheduler.send_signal(signal.SIGSTOP)
+        call = stub.Generate(request, metadata=metadata, timeout=30)
+        replies = asyncio.ensure_future(_drain(call))
+        await asyncio.sleep(0.5)
+        scheduler.send_signal(signal.SIGKILL)
+        code, details = await replies
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert "failed while admitting this request's structured_output; it is not retried" in details
+        began = time.monotonic()
+        code, details = await _drain(stub.Generate(request, metadata=metadata, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "structured_output is quarantined" in details
+        assert time.monotonic() - began < 1.0
+        # Another structured output is served, by the other target while the killed one restarts.
+        other = generation_pb2.GenerateRequest()
+        other.CopyFrom(request)
+        other.structured_output.regex = "(ef|gh)+"
+        code, details = await _drain(stub.Generate(other, metadata=metadata, timeout=60))
+        assert code == grpc.StatusCode.OK, details
+
+
+async def _drain(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as err:
+        return err.code(), err.details() or ""
+    return grpc.StatusCode.OK, ""
