@@ -50,6 +50,8 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
     http_header_timeout_s: float = _f(10.0, "an HTTP connection whose request headers are not all in this long after "
                                             "it opened (or after its next request's first byte) is closed with 408",
                                       "TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
+    http_body_timeout_s: float = _f(60.0, "an HTTP request body not all in this long after its headers gets 408",
+                                    "TOKENMILL_GATEWAY_HTTP_BODY_TIMEOUT_S")
     http_max_header_bytes: int = _f(64 * 1024, "largest request line and headers of an HTTP request, bytes; larger "
                                                "ones get 431", "TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
     http_max_connections: int = _f(4096, "most open HTTP connections; more are closed as they arrive (lowered "
@@ -82,7 +84,7 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
         for name in ("profile_interval_s", "profile_window_s", "request_timeout_s", "http_header_timeout_s",
-                     "http_keep_alive_s"):
+                     "http_body_timeout_s", "http_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_attempts", "max_choices", "max_request_bytes", "http_max_header_bytes",

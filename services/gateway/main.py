@@ -53,7 +53,7 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
                           max_request_bytes=config.max_request_bytes, created=int(time.time()),
                           tool_call_parser=config.tool_call_parser, api_keys=api_keys,
-                          reasoning_parser=config.reasoning_parser)
+                          reasoning_parser=config.reasoning_parser, body_timeout_s=config.http_body_timeout_s)
         limits = ConnectionLimits(config.http_header_timeout_s, config.http_max_header_bytes,
                                   config.http_max_connections)
         http = await start_http(build_app(ctx), config.host, config.http_port, limits, config.http_keep_alive_s)

@@ -197,7 +197,7 @@ async def guarded(stack) -> AsyncIterator[GatewayProcess]:
     """A second gateway with a short header timeout and few connections, as its flags set them."""
     gateway = await start_gateway(stack.root, str(stack.root / "routes.json"), [
         "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--http-max-connections", str(MAX_CONNECTIONS),
-        "--http-max-header-bytes", "8192"])
+        "--http-max-header-bytes", "8192", "--http-body-timeout-s", str(HEADER_TIMEOUT_S)])
     yield gateway
     gateway.stop()
 
@@ -259,6 +259,22 @@ async def test_hostile_idle_connections_beyond_the_limit_are_refused_without_hol
             writer.close()
     assert await health(guarded) == 200
     assert open_descriptors(guarded.process) <= baseline + 5
+
+
+async def test_hostile_a_trickled_body_is_408_after_the_body_timeout(guarded):
+    reader, writer = await asyncio.open_connection("127.0.0.1", guarded.http_port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{")
+    started = time.monotonic()
+    for _ in range(10):  # a byte now and then, never the whole body
+        await asyncio.sleep(0.2)
+        if writer.is_closing():
+            break
+        writer.write(b" ")
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S + 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
 
 
 async def test_hostile_headers_over_the_limit_are_431(guarded):

@@ -57,7 +57,7 @@ def build_app(ctx: HttpContext) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics,
-                       api_keys=ctx.api_keys)
+                       api_keys=ctx.api_keys, body_timeout_s=ctx.body_timeout_s)
     app.openapi = lambda: _openapi_with_models(app, sorted(ctx.dispatcher.routes))
     return app
 

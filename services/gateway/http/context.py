@@ -28,6 +28,8 @@ class HttpContext:
     """Unix time the gateway started: the models' ``created``."""
     tool_call_parser: str = "auto"
     """GatewayServiceConfig.tool_call_parser (http/auto_tools.py)."""
+    body_timeout_s: float = 60.0
+    """GatewayServiceConfig.http_body_timeout_s (middleware.py)."""
     api_keys: ApiKeys | None = None
     """The gateway's API keys (api_keys.py); None = keyless."""
     reasoning_parser: str = "none"

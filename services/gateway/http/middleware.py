@@ -3,7 +3,8 @@
 - ``X-Request-Id``: the client's (at most MAX_REQUEST_ID_CHARS printable characters, else 400)
   or a new one, on the response and as the engine request's id;
 - the body limit: a ``Content-Length`` over ``max_request_bytes``, or a body that grows past
-  it, gets 413 before it is parsed;
+  it, gets 413 before it is parsed; a body not all in within ``body_timeout_s`` of the headers
+  gets 408 (a client trickling its body holds no connection for long);
 - with the gateway's API keys (api_keys.py), a ``/v1/`` request's key: none or an unknown one
   gets 401, a tenant over its ``max_concurrent_requests`` 429; the key is in the scope's state
   for the handlers, and its request counted in flight until the answer is sent;
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from typing import Any
@@ -29,11 +31,12 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 
 class GatewayMiddleware:
     def __init__(self, app: Any, max_request_bytes: int, metrics: GatewayMetrics,
-                 api_keys: ApiKeys | None = None) -> None:
+                 api_keys: ApiKeys | None = None, body_timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
         self.api_keys = api_keys
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -71,9 +74,19 @@ class GatewayMiddleware:
         status = [500]
         seen = [0]
         limit = self.max_request_bytes
+        body_deadline = [asyncio.get_running_loop().time() + self.body_timeout_s]
 
         async def limited_receive() -> dict:
-            message = await receive()
+            if body_deadline[0] is None:  # the body is in: what follows is the disconnect
+                return await receive()
+            remaining = body_deadline[0] - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+            if message["type"] != "http.request" or not message.get("more_body"):
+                body_deadline[0] = None
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > limit:
