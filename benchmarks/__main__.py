@@ -46,6 +46,8 @@ MICRO: dict[str, tuple[str, str]] = {
     "cpu-paged-decode": ("benchmarks.micro.cpu_paged_decode", "the C++ paged decode kernel against another revision's"),
     "quant-products": ("benchmarks.micro.quant_products",
                        "the quantized CPU products per instruction set, int8 activations against exact"),
+    "kquant-products": ("benchmarks.micro.kquant_products",
+                        "a Q4_K_M file's K-quant and q5_0 products per instruction set against fp32"),
     "kv-quant-cpu": ("benchmarks.micro.kv_quant_cpu", "the C++ kernels over an int8/fp8 KV pool against fp32"),
     "overlap": ("benchmarks.micro.overlap", "per-step time through the services, overlapped scheduling on and off"),
     "grammar-masks": ("benchmarks.micro.grammar_masks", "token-mask cost of llguidance against xgrammar (structured outputs)"),

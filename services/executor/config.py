@@ -71,7 +71,8 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
         "auto", "CPU, quantized weights: int8 (activations rounded to int8 per block, integer dot products), "
                 "none (exact fp32 activations) or auto (int8 on a CPU)")
     """int8: activations rounded to int8 per block of 32 and multiplied by integer dot products,
-    llama.cpp's arithmetic, for q4_0/q4_1/q8_0 weights; none: fp32 activations, the dequantized
+    llama.cpp's arithmetic, for q4_0/q4_1/q8_0 weights (K-quants: per block of 256, q5_0/q5_1 and
+    K-quant weights dequantized to fp32 at load under none); none: fp32 activations, the dequantized
     model's numbers exactly; auto: int8 on a CPU, none on CUDA (chosen by measurement: speed and
     quality in docs/benchmarks.md). A tensor-parallel executor's ranks keep fp32 activations
     (auto is none there)."""

@@ -61,6 +61,25 @@ def test_kept_k_quant_model_equals_the_fp32_conversion(kquant_pair):
     assert_close_to_reference(engine_logits(model, ids), engine_logits(fp32, ids))
 
 
+def test_kept_k_quant_model_with_int8_activations_stays_near_fp32(kquant_pair):
+    """The integer kernels (kquant_dot.cpp) in a whole model: every K-quant and q5 projection on
+    their path, logits near the fp32 conversion's."""
+    from services.runtime.kernels import cpu
+    from services.runtime.model.attention.torch_backend import TorchAttentionBackend
+    from services.runtime.model.llama import LlamaForCausalLM
+
+    if not cpu.available():
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    _, keep, fp32 = kquant_pair
+    model = LlamaForCausalLM.from_pretrained(keep, TorchAttentionBackend(), quant_activations="int8")
+    assert {m.path for m in model.modules() if isinstance(m, QuantLinear)} == {"cpu_kquant"}
+    ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, ref = engine_logits(model, ids), engine_logits(fp32, ids)
+    # A random model amplifies rounding layer by layer (the worst logit moves ~8%); the typical one
+    # stays near. A wrong kernel moves logits by their own size. SmolLM2's perplexity: docs/benchmarks.md.
+    assert (ours - ref).abs().mean() < 0.01 * ref.abs().max()
+
+
 def test_keep_refuses_a_type_it_cannot_run(tmp_path, capsys):
     source = tmp_path / "q2k.gguf"
     write_tiny_llama_gguf(source, dims=DIMS, qtypes=dict(ffn_down=T.Q2_K))

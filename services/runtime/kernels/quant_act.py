@@ -31,14 +31,18 @@ INT8_FORMATS = ("q4_0", "q4_1", "q8_0")
 MIN_NORMAL = torch.finfo(torch.float32).tiny
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> (q [M, K] int8, d [M, K/32] fp32, block sums d * sum(q) [M, K/32] fp32)."""
+def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K] int8, d [M, K/block] fp32, block sums d * sum(q) [M, K/block] fp32).
+
+    ``block``: 32 here, 256 for K-quant weights (kquant_act.py)."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    blocks = x.float().reshape(m, k // block, block)
     amax = blocks.abs().amax(dim=-1)
     amax = torch.where(amax < MIN_NORMAL, torch.zeros_like(amax), amax)
     d = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # A true division, as the kernels' 127.0f / amax: torch computes ``127 / amax`` as 127 * (1 / amax),
+    # rounded twice, which moves a product that should be exactly a half (23.5) off it.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
     sums = d * q.sum(dim=-1)  # fp32: d times an integer of at most 32 * 127
     return q.to(torch.int8).reshape(m, k), d, sums

@@ -46,8 +46,15 @@ as the file), the stored parts dropped. The result is no longer the dequantized 
 it moves is measured in docs/benchmarks.md. int8 (per channel) weights and other group sizes
 keep the exact path.
 
+GGUF's larger blocks (q4_k, q5_k, q6_k, q5_0, q5_1; quant/gguf_blocks.py) run with int8
+activations the same way, per block of 256 values for the K-quants as llama.cpp's Q8_K
+(services/runtime/kernels/cpu/kquant_dot.cpp; rule and reference in kernels/kquant_act.py), the
+weight repacked once at load into tiles of 16 outputs within 3% of the file's bytes. With
+``activations="none"`` they are dequantized once at load to fp32 (the exact path).
+
 CUDA: the Triton dequantize-and-multiply kernel (kernels/quant_matmul.py) reads the stored
-parts as they are, in the activations' dtype.
+parts as they are, in the activations' dtype; GGUF's whole blocks go through its sibling
+kernels/kquant_matmul.py, which decodes them where they lie.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import structlog
 import torch
 from torch import nn
 
+from services.runtime.kernels.kquant_act import KQUANT_FORMAT_CODES, pack_tiles
 from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
 from services.runtime.model.quant.gguf_blocks import BLOCK_FORMATS
@@ -137,8 +145,12 @@ class QuantLinear(nn.Module):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         w = self.quantized
-        if w.device.type == "cuda" and w.fmt not in BLOCK_FORMATS:
+        if w.device.type == "cuda":
             self.path = "triton"
+        elif activations == "int8" and w.fmt in KQUANT_FORMAT_CODES and _cpu_kernel_available():
+            self.packed = pack_tiles(w)
+            self.path = "cpu_kquant"
+            self.quantized = _emptied(w)
         elif activations == "int8" and int8_kernel_fits(w) and _cpu_kernel_available():
             mins = w.mins if w.mins is not None else torch.empty(0, dtype=torch.float16)
             self.packed = torch.ops.tokenmill_quant.repack_int8(w.qweight, w.scales, mins, INT8_FORMAT_CODES[w.fmt])
@@ -166,10 +178,20 @@ class QuantLinear(nn.Module):
         # x: [T, K] -> [T, N] in x's dtype
         if self.path == "unprepared":
             self.prepare()
-        if self.path == "triton":
+        if self.path == "triton" and self.quantized.fmt in BLOCK_FORMATS:
+            from services.runtime.kernels.kquant_matmul import kquant_matmul
+
+            out = kquant_matmul(x, self.quantized)
+        elif self.path == "triton":
             from services.runtime.kernels.quant_matmul import quant_matmul
 
             out = quant_matmul(x, self.quantized)
+        elif self.path == "cpu_kquant":
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
+            out = torch.ops.tokenmill_quant.kquant_matmul(
+                x.float().contiguous(), self.packed, KQUANT_FORMAT_CODES[self.quantized.fmt], self.out_features,
+                self.in_features).to(x.dtype)
         elif self.path == "cpu_int8":
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"x must be [tokens, {self.in_features}], got {tuple(x.shape)}")
@@ -221,6 +243,10 @@ def _cpu_kernel_available() -> bool:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
     @torch.library.register_fake("tokenmill_quant::quant_matmul_int8")
+    def _(x, packed, fmt, n, k):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("tokenmill_quant::kquant_matmul")
     def _(x, packed, fmt, n, k):
         return x.new_empty((x.shape[0], n))
 
