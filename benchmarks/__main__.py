@@ -20,6 +20,7 @@ RUNS: dict[str, tuple[str, str]] = {
                      "SmolLM2's GGUF: perplexity and greedy answers, exact vs int8 activations vs llama.cpp"),
     "spec": ("benchmarks.spec",
              "speculative decoding off / n-gram / draft model through the services (make bench-spec)"),
+    "kquants": ("benchmarks.kquants", "SmolLM2 re-quantized to a Q4_K_M-like K-quant mix: kept blocks against fp32"),
     "weights": ("benchmarks.weights", "SmolLM2-135M in fp32, bf16, int8 and int4 side by side (make bench-smollm2)"),
     "decode": ("benchmarks.decode", "in-process decode throughput against HF generate() (make bench-decode)"),
     "draft-model": ("benchmarks.draft_model", "what a draft-model proposal costs, and how often it is right"),
