@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.scheduler.structured.compile_workers import CompileWorkers
 from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.structured.structured_output import StructuredOutput as S
@@ -198,3 +198,14 @@ async def test_one_tenant_holds_at_most_its_share_of_the_workers():
         assert most == {"a": 1, "b": 1}
     finally:
         await workers.close()
+
+
+@pytest.mark.slow
+async def test_a_worker_that_cannot_start_is_unavailable_and_quarantines_nothing(tmp_path):
+    compiler = workers_compiler(vocabulary_path=str(tmp_path / "absent" / "tokenizer.json"))
+    try:
+        with pytest.raises(UnavailableError, match="the grammar compile worker exited with code 1"):
+            await compiler.compile(S.regex("[a-z]+"))
+        assert compiler.workers.crashes == 0 and not compiler.is_quarantined(S.regex("[a-z]+"))
+    finally:
+        await compiler.workers.close()

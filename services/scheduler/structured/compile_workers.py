@@ -9,6 +9,8 @@ compiles one grammar at a time on a small native stack; here:
   for the next job, and the scheduler and every other stream go on. ``CompileCrash`` tells
   the caller, which quarantines the grammar (grammar_compiler.py);
 - a compile that runs past ``timeout_s`` is refused and its worker killed;
+- a worker that exits on its own (it could not start) is the scheduler's fault, not the
+  request's: UNAVAILABLE, nothing cached or quarantined;
 - each tenant may hold at most ``per_tenant`` workers at once, so one tenant's stream of
   expensive grammars waits behind itself and leaves the other workers to the others;
 - a worker is replaced after ``RECYCLE_AFTER`` jobs, so memory the library keeps does not grow
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.scheduler.structured.structured_output import StructuredOutput
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -115,8 +117,11 @@ class CompileWorkers:
         if not line:
             code = await process.wait()
             slot.process = None
+            if code >= 0:  # it exited on its own (it could not start): no fault of this request
+                _log.error("grammar_compile_worker_exited", code=code)
+                raise UnavailableError(f"the grammar compile worker exited with code {code}; see the scheduler's log")
             self.crashes += 1
-            name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else f"exit {code}"
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
             _log.warning("grammar_compile_crashed", field=request.field, signal=name)
             return CompileCrash(name)
         reply = json.loads(line)
