@@ -11,7 +11,9 @@ KEY``: no key or an unknown one is 401 (UNAUTHENTICATED), a model the key is not
 (PERMISSION_DENIED), more requests of its tenant in flight than ``max_concurrent_requests``
 429 (RESOURCE_EXHAUSTED). The key's tenant (or its ``cache_group``) becomes the engine request's
 ``cache_salt``: requests reuse cached prefixes only within it, so ``cached_tokens`` tells a key
-nothing about another's prompts. The key itself is never sent on to an engine. Without the file
+nothing about another's prompts. The tenant is also the request's ``fairness_key``: the engine
+shares its time fairly between keys' tenants as between its own (an engine with tenants honours
+it only from a tenant with ``"may_set_fairness_key": true``, the gateway's). The key itself is never sent on to an engine. Without the file
 the gateway is keyless (loopback development) and forwards the client's Authorization to the
 engines, whose own tenants then apply.
 

@@ -87,11 +87,14 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         timeout = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
         if key is None:
+            # Only a keyed gateway names its clients' shares; a keyless one passes none on.
+            request.fairness_key = ""
             async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
                                                         engine_md, timeout):
                 yield reply
             return
-        request.cache_salt = key.cache_salt  # the caller's own value, if any, is replaced
+        request.cache_salt = key.cache_salt  # the caller's own values, if any, are replaced
+        request.fairness_key = key.tenant
         if request.request_id in self._owners:
             raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use by a running request")
         with self.api_keys.in_flight(key):

@@ -4,7 +4,8 @@
 
     [{"token": "s3cret-a", "tenant": "team-a"},
      {"token": "s3cret-b", "tenant": "team-b", "models": ["stories260K"], "max_priority": 0,
-      "tokens_per_minute": 20000, "cache_group": "research"}]
+      "tokens_per_minute": 20000, "cache_group": "research"},
+     {"token": "s3cret-gw", "tenant": "gateway", "may_set_fairness_key": true}]
 
 Clients send ``authorization: Bearer TOKEN`` metadata on every Generation call. No token or an
 unknown one is UNAUTHENTICATED; a tenant asking for what it may not (a model it is not given, a
@@ -61,6 +62,10 @@ class Tenant:
     """Tenants of one group reuse each other's cached prompt prefixes; None = its own prefixes
     only (the default: a shared prefix cache tells one tenant, through cached_tokens and its
     time to first token, which prompts another sent)."""
+    may_set_fairness_key: bool = False
+    """Trusted to split its share between its own clients (GenerateRequest.fairness_key, the
+    gateway's API keys): each key is then scheduled as a tenant of its own. Off by default: a
+    tenant naming fresh keys would otherwise outnumber the others."""
 
     @property
     def cache_scope(self) -> str:
@@ -74,6 +79,14 @@ class Tenant:
         if self.max_priority is not None and priority < self.max_priority:
             raise PermissionDeniedError(f"tenant {self.name!r} may not ask for priority {priority}; its most urgent "
                                         f"priority is max_priority={self.max_priority} (lower is served first)")
+
+    def scheduling_tenant(self, fairness_key: str) -> str:
+        """Whose share a request draws on: its tenant's, or with ``fairness_key`` from a trusted
+        tenant that key's within it. An untrusted tenant's key is ignored (not refused: a gateway
+        with API keys sets it on every request, also to an engine that does not trust it)."""
+        if not fairness_key or not self.may_set_fairness_key:
+            return self.name
+        return json.dumps([self.name, fairness_key])
 
 
 def salted_scope(scope: str, salt: str) -> str:
@@ -144,7 +157,8 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         where = f"auth_tokens_file {origin}: entry {index}"
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object")
-        unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute", "cache_group"}
+        unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute", "cache_group",
+                               "may_set_fairness_key"}
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
         token, name = item.get("token"), item.get("tenant")
@@ -164,8 +178,11 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         cache_group = item.get("cache_group")
         if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
             raise ValueError(f"{where}: cache_group must be a non-empty string")
+        trusted = item.get("may_set_fairness_key", False)
+        if not isinstance(trusted, bool):
+            raise ValueError(f"{where}: may_set_fairness_key must be true or false, got {trusted!r}")
         entries.append((token.encode(), Tenant(name, None if models is None else tuple(models), max_priority,
-                                              tokens_per_minute, cache_group)))
+                                              tokens_per_minute, cache_group, trusted)))
     return AuthTable(entries)
 
 

@@ -25,6 +25,7 @@ from services.scheduler.structured.grammar_compiler import MAX_CHOICES
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_FAIRNESS_KEY_CHARS = 256
 CHARS_PER_TOKEN_BOUND = 32
 """With max_prompt_chars = 0, a text prompt may have this many characters per token of context:
 far more than any tokenizer packs into a token (runs of spaces in code come closest), so a text
@@ -68,7 +69,8 @@ class RequestLimits:
         stop = (MAX_STOP_STRINGS * (UTF8_BYTES_PER_CHAR * MAX_STOP_STRING_CHARS + FIELD_FRAMING_BYTES)
                 + MAX_STOP_TOKEN_IDS * FIELD_FRAMING_BYTES)
         logit_bias = MAX_LOGIT_BIAS_ENTRIES * FIELD_FRAMING_BYTES
-        request_id = UTF8_BYTES_PER_CHAR * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS) + 2 * FIELD_FRAMING_BYTES
+        request_id = (UTF8_BYTES_PER_CHAR * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_FAIRNESS_KEY_CHARS)
+                      + 3 * FIELD_FRAMING_BYTES)
         structured = self.max_grammar_bytes + MAX_CHOICES * FIELD_FRAMING_BYTES if self.max_grammar_bytes else 0
         return max(text, token_ids, chat) + stop + logit_bias + request_id + structured + FIXED_FIELDS_BYTES
 
@@ -81,6 +83,8 @@ def check_sizes(request: generation_pb2.GenerateRequest, limits: RequestLimits) 
     _at_most("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES,
              "MAX_LOGIT_BIAS_ENTRIES")
     _at_most("cache_salt", len(request.cache_salt), MAX_CACHE_SALT_CHARS, "MAX_CACHE_SALT_CHARS", unit="characters")
+    _at_most("fairness_key", len(request.fairness_key), MAX_FAIRNESS_KEY_CHARS, "MAX_FAIRNESS_KEY_CHARS",
+             unit="characters")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         # len() of the field copies the text out of the message; the message limit bounds it.

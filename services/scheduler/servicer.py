@@ -23,7 +23,7 @@ from services.scheduler.latency_profile import LatencyProfileRecorder
 from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
-from services.scheduler.request_limits import MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
+from services.scheduler.request_limits import MAX_FAIRNESS_KEY_CHARS, MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Supervisor
@@ -49,6 +49,18 @@ def scoped_request_id(tenant: Tenant | None, request_id: str) -> str:
     if tenant is None:
         return request_id
     return f"{len(tenant.name)}:{tenant.name}/{request_id}"
+
+
+def scheduling_tenant(tenant: Tenant | None, fairness_key: str) -> str:
+    """Whose share of the engine a request draws on (fairness, per-tenant queue bound, compile
+    share): its tenant's, or its fairness_key's within it where the caller may split its share
+    (any caller without authentication; a tenant with may_set_fairness_key)."""
+    if len(fairness_key) > MAX_FAIRNESS_KEY_CHARS:  # before it keys any map
+        raise InvalidArgumentError(f"fairness_key has {len(fairness_key)} characters; the limit "
+                                   f"MAX_FAIRNESS_KEY_CHARS is {MAX_FAIRNESS_KEY_CHARS}")
+    if tenant is None:
+        return fairness_key
+    return tenant.scheduling_tenant(fairness_key)
 
 
 def _final_delta(queue: asyncio.Queue) -> GenerationDelta | None:
@@ -145,7 +157,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._check_prompt_tokens("chat", "renders to", len(ids))
         return ids
 
-    async def _intake(self, request: generation_pb2.GenerateRequest, tenant: Tenant | None) -> _Intake:
+    async def _intake(self, request: generation_pb2.GenerateRequest, tenant: Tenant | None,
+                      share: str) -> _Intake:
         """Every field the request's life needs, taken from the message: sizes checked in place
         first (request_limits.py), then copied, then the prompt tokenized."""
         check_sizes(request, self.limits())
@@ -158,7 +171,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if structured is not None:
             # Before the prompt: a bad schema costs no tokenizer call, and the request
             # reaches the waiting queue only with its grammar ready.
-            sampling.grammar = await self.grammar_compiler.compile(structured, tenant.name if tenant is not None else "")
+            sampling.grammar = await self.grammar_compiler.compile(structured, share)
         spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         if spec_k is not None and spec_k < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
@@ -180,10 +193,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key = scoped_request_id(tenant, request_id)
         if self.supervisor.core.requests.get(key) is not None:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
+        share = scheduling_tenant(tenant, request.fairness_key)
         # The door first: a full queue is refused before anything is parsed or tokenized.
-        place = self.admission.enter(tenant.name if tenant is not None else "")
+        place = self.admission.enter(share)
         try:
-            intake = await self._intake(request, tenant)
+            intake = await self._intake(request, tenant, share)
             salt = request.cache_salt
             # The stream may last minutes: hold what was taken, not the message (the server's own
             # reference goes with RequestRelease, request_release.py).
@@ -194,7 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 handle = self.supervisor.submit(
                     key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
                     num_speculative_tokens=intake.num_speculative_tokens,
-                    tenant=tenant.name if tenant is not None else "",
+                    tenant=share,
                     cache_scope=salted_scope(tenant.cache_scope if tenant is not None else "", salt))
             except BaseException:
                 if reservation is not None:

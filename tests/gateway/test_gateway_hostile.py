@@ -11,7 +11,9 @@ scheduler servers in this process, read through their own metrics and GetProfile
 - an engine with tenants and a routes file without the gateway's token: a warning at start naming
   the fix, and GetModelInfo answers with the caller's token or the engine's UNAUTHENTICATED;
 - the gateway's own API keys: required, refused in OpenAI's envelope, each tenant's prefix cache
-  its own (``cached_tokens`` reveals nothing across keys) on an engine without tenants.
+  its own (``cached_tokens`` reveals nothing across keys) on an engine without tenants, and
+  each its own fair share of the engine: one key flooding (with forged fairness keys over gRPC)
+  leaves another's time to first token near what it is alone.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from prometheus_client import REGISTRY
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
+from services.scheduler.core.config import SchedulerLimits
 from services.gateway.request_meta import MODEL_HEADER
 from tests.helpers.gateway_stack import serve_engine, stop_all, stories_with_chat_template, write_routes
 from tests.helpers.service_harness import REPO_ROOT
@@ -379,3 +382,62 @@ async def test_hostile_a_grpc_caller_cannot_forge_another_keys_cache_salt(keyed)
         await cached(KEY_A)
         assert await cached(KEY_A) >= 16  # alpha's prefix is cached
         assert await cached(KEY_B) == 0  # naming alpha's salt does not reach it
+
+
+async def test_hostile_a_flooding_api_key_leaves_another_its_fair_share(tmp_path):
+    # Two running at once, so the flood queues; without a share per key the quiet key's request
+    # waits behind the whole backlog (about flood / 2 requests of FLOOD_TOKENS steps).
+    engine = await serve_engine(scheduler={"limits": SchedulerLimits(max_num_seqs=2)})
+    routes = write_routes(tmp_path / "routes.json", {"targets": [{"name": "e1", "address": engine[-1].address}],
+                                                     "models": {MODEL: "e1"}})
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": KEY_A, "tenant": "flood"}, {"key": KEY_B, "tenant": "quiet"}]))
+    keys.chmod(0o600)
+    gateway = await start_gateway(tmp_path, routes, ["--api-keys-file", "keys.json"])
+    quiet = openai.AsyncOpenAI(base_url=f"{gateway.base}/v1", api_key=KEY_B, max_retries=0)
+
+    async def quiet_ttft() -> float:
+        started = time.monotonic()
+        stream = await quiet.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True,
+                                                extra_body={"ignore_eos": True})
+        ttft = None
+        async for chunk in stream:
+            if ttft is None and chunk.choices and chunk.choices[0].text:
+                ttft = time.monotonic() - started
+        return ttft
+
+    flood_n, flood_tokens = 16, 200
+    try:
+        alone = sorted([await quiet_ttft() for _ in range(3)])[1]
+        async with create_channel(f"127.0.0.1:{gateway.grpc_port}") as channel, \
+                create_channel(engine[-1].address) as engine_channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            profile = generation_pb2_grpc.GenerationStub(engine_channel)
+
+            async def flood(i: int) -> None:
+                # Each names a fresh fairness key (and the quiet one's): the gateway replaces it.
+                request = generation_pb2.GenerateRequest(text="Once upon a time", fairness_key=(
+                    "quiet" if i % 2 else f"sybil-{i}"))
+                request.stop.max_tokens, request.stop.ignore_eos = flood_tokens, True
+                async for _ in stub.Generate(request, timeout=120, metadata=(
+                        (MODEL_HEADER, MODEL), ("authorization", f"Bearer {KEY_A}"))):
+                    pass
+
+            started = time.monotonic()
+            flooding = [asyncio.create_task(flood(i)) for i in range(flood_n)]
+            while (await profile.GetProfile(generation_pb2.GetProfileRequest(), timeout=10)).num_waiting < flood_n // 2:
+                assert time.monotonic() - started < 30, "the flood never queued"
+                await asyncio.sleep(0.02)
+            under_flood = [await quiet_ttft() for _ in range(3)]
+            flood_done = sum(task.done() for task in flooding)
+            await asyncio.gather(*flooding)
+            drained = time.monotonic() - started
+        print(f"quiet key TTFT alone {alone * 1e3:.0f} ms, under the flood {[round(t * 1e3) for t in under_flood]} "
+              f"ms; the flood drained in {drained:.2f} s")
+        # Its share: each quiet request starts at once (preempting a flood request), not behind
+        # the backlog; generous against this machine's load, far below the drain without it.
+        assert max(under_flood) < alone + 0.25 * drained, (alone, under_flood, drained)
+        assert flood_done < flood_n // 2, "measured after the flood, not under it"
+    finally:
+        gateway.stop()
+        await stop_all(engine)

@@ -44,6 +44,7 @@ def test_tokens_map_to_tenants_and_unknown_ones_to_none(tmp_path):
     ([{"token": "x", "tenant": "a", "max_priority": "high"}], r"entry 0: max_priority must be an integer"),
     ([{"token": "x", "tenant": "a", "models": "m"}], r"entry 0: models must be a list of model names"),
     ([{"token": "x", "tenant": "a", "admin": True}], r"entry 0 has unknown fields \['admin'\]"),
+    ([{"token": "x", "tenant": "a", "may_set_fairness_key": "yes"}], r"may_set_fairness_key must be true or false"),
 ])
 def test_a_bad_tokens_file_is_refused_naming_the_entry(tmp_path, data, message):
     with pytest.raises(ValueError, match=message):
@@ -60,6 +61,16 @@ def test_bearer_token_parsing():
     assert bearer_token([("x-other", "1"), ("authorization", "bearer  abc ")]) == "abc"
     assert bearer_token([("authorization", "Basic abc")]) == ""  # present but not a bearer token
     assert bearer_token([("x-other", "1")]) is None and bearer_token(None) is None
+
+
+def test_only_a_trusted_tenant_splits_its_share_by_fairness_key(tmp_path):
+    table = load_auth_tokens(write(tmp_path, [{"token": "gw-secret", "tenant": "gw", "may_set_fairness_key": True},
+                                              {"token": "plain-secret", "tenant": "plain"}]))
+    gateway, plain = table.authenticate("gw-secret"), table.authenticate("plain-secret")
+    assert gateway.scheduling_tenant("") == "gw" and plain.scheduling_tenant("") == "plain"
+    assert gateway.scheduling_tenant("team-a") == '["gw", "team-a"]' != gateway.scheduling_tenant("team-b")
+    # Another tenant naming fresh keys would outnumber the rest: its keys are ignored.
+    assert plain.scheduling_tenant("team-a") == plain.scheduling_tenant("sybil-1") == "plain"
 
 
 def test_tenant_rules_name_what_was_refused():

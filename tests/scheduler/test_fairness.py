@@ -107,6 +107,29 @@ def test_a_tenant_back_from_idle_starts_level_and_keeps_its_debt() -> None:
     assert queue.served["c"] == 5000  # never lowered either
 
 
+def test_the_counters_stay_bounded_however_many_tenants_come_and_go() -> None:
+    queue = WaitingQueue(idle_credit=10, max_idle_tenants=8)
+    queue.charge("heavy", 1_000_000)  # went idle far ahead: its debt must outlive the churn
+    queue.set_running({"steady"})
+    queue.charge("steady", 0)
+    for seq_id in range(5000):
+        tenant = f"key-{seq_id}"
+        request = tenant_request(f"r{seq_id}", tenant)
+        request.seq_id = seq_id
+        queue.push(request)
+        assert queue.pop() is request
+        queue.charge(tenant, 4 + seq_id % 7)  # it ran, then went idle
+        queue.charge("steady", 5)
+        assert len(queue.served) <= 2 * 8 + 2, len(queue.served)
+    assert queue.served["heavy"] == 1_000_000  # ahead of the floor and the highest: kept
+    back = tenant_request("heavy-again", "heavy")
+    back.seq_id = 10_000
+    queue.push(back)
+    assert queue.served["heavy"] == 1_000_000  # no credit for the churn it sat out
+    with pytest.raises(ValueError, match="max_idle_tenants must be >= 1"):
+        WaitingQueue(max_idle_tenants=0)
+
+
 def test_a_flooding_tenant_does_not_hold_back_another_tenants_request() -> None:
     scheduler = make_scheduler(max_num_seqs=2, num_blocks=64)
     flood = [tenant_request(f"flood{i}", "flood", arrival_time=float(i), max_tokens=4) for i in range(20)]

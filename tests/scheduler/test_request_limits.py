@@ -102,17 +102,21 @@ def test_the_text_bound_follows_the_context_or_max_prompt_chars():
         "prompt text has 101 characters; the limit max_prompt_chars is 100")
 
 
-def test_a_cache_salt_has_a_bound():
+def test_a_cache_salt_and_a_fairness_key_have_a_bound():
     assert refused(generation_pb2.GenerateRequest(text="x", cache_salt="s" * 257))[0] == (
         "cache_salt has 257 characters; the limit MAX_CACHE_SALT_CHARS is 256")
     check_sizes(generation_pb2.GenerateRequest(text="x", cache_salt="s" * 256), LIMITS)
+    assert refused(generation_pb2.GenerateRequest(text="x", fairness_key="k" * 257))[0] == (
+        "fairness_key has 257 characters; the limit MAX_FAIRNESS_KEY_CHARS is 256")
+    check_sizes(generation_pb2.GenerateRequest(text="x", fairness_key="k" * 256), LIMITS)
 
 
 def test_the_largest_valid_request_fits_the_derived_message_limit():
     limits = RequestLimits(max_model_len=512)
     biggest = []
     for kind in ("text", "token_ids", "chat", "chat_calls"):
-        request = generation_pb2.GenerateRequest(request_id="\U0001F600" * 256, cache_salt="\U0001F600" * 256)
+        request = generation_pb2.GenerateRequest(request_id="\U0001F600" * 256, cache_salt="\U0001F600" * 256,
+                                                 fairness_key="\U0001F600" * 256)
         if kind == "text":
             request.text = "\U0001F600" * limits.prompt_chars  # 4 bytes of UTF-8 each
         elif kind == "token_ids":

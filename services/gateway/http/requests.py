@@ -40,6 +40,7 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
     for prompt_index, (prompt, template) in enumerate(templates):
         if api_key is not None:
             template.cache_salt = api_key.cache_salt
+            template.fairness_key = api_key.tenant
         prefix = prompt[:MAX_PREFIX_CHARS] if isinstance(prompt, str) else ids_prefix(prompt)
         rr = RouteRequest(route.model, expected, sla, worst, prefix, params, metadata)
         for j in range(body.n):

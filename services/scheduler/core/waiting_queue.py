@@ -18,6 +18,12 @@ far ahead). A tenant flooding at ten times its share thus waits behind every
 other tenant's requests while its counter is ahead, and the others see their own unloaded
 latency plus at most the step time of the flood's running requests.
 
+The counters stay bounded however many tenants come and go (the gateway's API keys, each a
+tenant): an idle tenant's counter is forgotten once it is at or below the level it would be
+lifted to on return (forgetting it changes nothing), and beyond ``max_idle_tenants`` idle
+counters the lowest are forgotten first (their tenants return level with the active ones,
+which forgives them the least).
+
 Pure: no clock, no I/O; the scheduler charges tokens (``charge``) and reports which tenants
 still hold running requests (``set_running``).
 """
@@ -41,8 +47,13 @@ class WaitingQueue:
     (so it goes back ahead of its tenant's later arrivals). Removal is lazy: the heap entry
     stays and is skipped later, which keeps remove O(1); ``len`` counts live entries only."""
 
-    def __init__(self, idle_credit: float = 0.0) -> None:
+    def __init__(self, idle_credit: float = 0.0, max_idle_tenants: int = 4096) -> None:
+        if max_idle_tenants < 1:
+            raise ValueError(f"max_idle_tenants must be >= 1, got {max_idle_tenants}")
         self.idle_credit = idle_credit
+        self.max_idle_tenants = max_idle_tenants
+        self._prune_at = 2 * max_idle_tenants
+        """Counters kept before the next prune: amortized, each prune at most halves the map."""
         self._heaps: dict[tuple[int, str], list[tuple[tuple[int, float, int], int, Request]]] = {}
         self._live: dict[int, int] = {}
         """seq_id -> entry number of its live heap entry (older entries are stale)."""
@@ -65,6 +76,23 @@ class WaitingQueue:
     def _active(self) -> set[str]:
         return self._running_tenants | {t for t, n in self._waiting_per_tenant.items() if n}
 
+    def _prune(self) -> None:
+        """Forget idle tenants' counters: those a return would lift anyway, then the lowest
+        beyond max_idle_tenants."""
+        active = self._active()
+        idle = [t for t in self.served if t not in active]
+        if active:
+            floor = min(self.served.get(t, 0.0) for t in active) - self.idle_credit
+            for tenant in idle:
+                if self.served[tenant] <= floor:
+                    del self.served[tenant]
+            idle = [t for t in idle if t in self.served]
+        if len(idle) > self.max_idle_tenants:
+            idle.sort(key=self.served.__getitem__)
+            for tenant in idle[:len(idle) - self.max_idle_tenants]:
+                del self.served[tenant]
+        self._prune_at = max(2 * len(self.served), 2 * self.max_idle_tenants)
+
     # ---- the queue ----------------------------------------------------------------------
 
     def __len__(self) -> int:
@@ -80,6 +108,8 @@ class WaitingQueue:
         if request.seq_id in self._live:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         tenant = request.tenant
+        if tenant not in self.served and len(self.served) >= self._prune_at:
+            self._prune()
         active = self._active()
         if tenant not in active:
             # Back from idle: start level with the least-served active tenant (less the idle

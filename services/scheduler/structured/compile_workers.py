@@ -57,6 +57,15 @@ class _Slot:
         self.jobs = 0
 
 
+class _Turn:
+    """A tenant's share of the workers, and the compiles holding or waiting for it."""
+    __slots__ = ("semaphore", "users")
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self.semaphore = semaphore
+        self.users = 0
+
+
 class CompileWorkers:
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, per_tenant: int = 1,
                  vocabulary_path: str = "") -> None:
@@ -69,7 +78,7 @@ class CompileWorkers:
         self.vocabulary_path = vocabulary_path
         """The model's tokenizer.json, so first masks are built over the real vocabulary ("" = bytes)."""
         self._idle: asyncio.Queue[_Slot] | None = None
-        self._tenants: dict[str, asyncio.Semaphore] = {}
+        self._tenants: dict[str, _Turn] = {}
         self._slots: list[_Slot] = []
         self.crashes = 0
         """Workers that died in a compile, for tests and logs."""
@@ -81,13 +90,21 @@ class CompileWorkers:
             self._idle = asyncio.Queue()
             for slot in self._slots:
                 self._idle.put_nowait(slot)
-        turn = self._tenants.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
-        async with turn:
-            slot = await self._idle.get()
-            try:
-                return await self._run_on(slot, request)
-            finally:
-                self._idle.put_nowait(slot)
+        turn = self._tenants.get(tenant)
+        if turn is None:
+            turn = self._tenants[tenant] = _Turn(asyncio.Semaphore(self.per_tenant))
+        turn.users += 1
+        try:
+            async with turn.semaphore:
+                slot = await self._idle.get()
+                try:
+                    return await self._run_on(slot, request)
+                finally:
+                    self._idle.put_nowait(slot)
+        finally:
+            turn.users -= 1
+            if not turn.users:  # forgotten once unused: tenants come and go without bound
+                del self._tenants[tenant]
 
     async def _run_on(self, slot: _Slot, request: StructuredOutput) -> str | InvalidArgumentError | CompileCrash:
         if slot.process is not None and (slot.process.returncode is not None or slot.jobs >= RECYCLE_AFTER):
