@@ -244,10 +244,14 @@ def test_quality_compares_every_pair_of_systems_answer_by_answer():
 
 
 def test_quality_and_products_flags_exit_2_naming_the_flag(capsys):
-    from benchmarks.micro import quant_products
+    from benchmarks import kquants
+    from benchmarks.micro import kquant_products, quant_products
     from benchmarks.peer import quality
 
     for module, argv, message in ((quality, ["--systems", "vllm"], "--systems: unknown vllm"),
+                                  (kquant_products, ["--isas", "sse2"], "--isas: unknown sse2"),
+                                  (kquant_products, ["--copies", "0"], "--copies must be at least 1"),
+                                  (kquants, ["--streams", "0"], "--streams must be at least 1"),
                                   (quality, ["--max-tokens", "0"], "--max-tokens must be at least 1"),
                                   (quant_products, ["--isas", "neon"], "--isas: unknown neon"),
                                   (quant_products, ["--rows", "0"], "--rows must be at least 1")):
