@@ -45,6 +45,9 @@ class SamplingParams:
     never on the rest of the batch."""
     logprobs: int | None = None
     """None: no logprobs. n >= 0: the sampled token's logprob plus the n most likely alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none. n >= 0: each prompt token's logprob given the tokens before it (the first
+    token has none), plus the n most likely alternatives at each position."""
     grammar: str | None = None
     """The grammar the output is constrained to (llguidance's grammar JSON, as the scheduler
     compiled and checked it from the request's StructuredOutput); None = unconstrained. Not a
@@ -82,3 +85,5 @@ class SamplingParams:
                 raise ValueError(f"logit_bias value {bias} for token {token_id} is outside [-100, 100]")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")

@@ -121,6 +121,10 @@ class SequenceOutput:
     error: str | None = None
     """Set when the sequence cannot go on (its grammar matcher failed): the scheduler ends its
     request with this error and ignores its tokens."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """When the sequence asked for them (SamplingParams.prompt_logprobs): one entry per position
+    p of this step's chunk whose next token p + 1 is a prompt token, in order (the logprob of
+    prompt token p + 1 given tokens 0..p). A recomputed prompt sends them again."""
 
 
 @dataclass(slots=True)

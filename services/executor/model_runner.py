@@ -38,6 +38,22 @@ from services.runtime.sampling.token_mask import token_allowed
 from services.runtime.sampling.verify import emitted_tokens
 
 
+def _prompt_logprob_rows(scheduled: Scheduled, query_starts: list[int]) -> list[tuple[int, range, list[int]]]:
+    """(index in ``scheduled``, hidden rows, target token ids) of each sequence that asked for
+    prompt logprobs and computes prompt positions this step: position p of its chunk predicts
+    prompt token p + 1 (the last prompt position predicts the first output: sampled, not here)."""
+    out = []
+    for i, (state, n) in enumerate(scheduled):
+        if state.sampling.prompt_logprobs is None:
+            continue
+        first = state.num_computed_tokens
+        end = min(first + n, state.prompt_len - 1)  # positions first .. end - 1
+        if end > first:
+            row = query_starts[i]
+            out.append((i, range(row, row + end - first), state.token_ids[first + 1:end + 1]))
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: ExecutorConfig):
         config.validate()
@@ -212,14 +228,20 @@ class ModelRunner:
         cu = step.query_starts
         # The hidden rows sampled from: each sampling sequence's last token, and before it one a draft.
         logit_rows = [row for i in sample_rows for row in range(cu[i + 1] - 1 - len(drafts.get(i, ())), cu[i + 1])]
-        hidden = self._forward(step, logit_rows)
+        prompt_rows = _prompt_logprob_rows(scheduled, cu)
+        rows = logit_rows + [row for _, chunk_rows, _ in prompt_rows for row in chunk_rows]
+        hidden = self._forward(step, rows)
         outputs = [SequenceOutput(state.seq_id) for state, _ in scheduled]
-        if logit_rows and len(logit_rows) < hidden.shape[0]:  # else every row is sampled from, in order
-            hidden = hidden[torch.tensor(logit_rows, device=self.device)]
+        if rows and (prompt_rows or len(rows) < hidden.shape[0]):  # else every row is sampled from, in order
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        # One LM head call over every row wanted (a vocab-parallel head's ranks computed those rows).
+        all_logits = self._logits(hidden) if rows else None
+        if prompt_rows:
+            self._prompt_logprobs(all_logits[len(logit_rows):], scheduled, prompt_rows, outputs)
         if sample_rows and drafts:
-            self._verify(self._logits(hidden), scheduled, sample_rows, drafts, outputs, masks)
+            self._verify(all_logits[:len(logit_rows)], scheduled, sample_rows, drafts, outputs, masks)
         elif sample_rows:
-            logits = self._logits(hidden)  # [S, V] fp32
+            logits = all_logits[:len(logit_rows)]  # [S, V] fp32
             states = [scheduled[i][0] for i in sample_rows]
             sampled = self._sample(logits, [(s, 0) for s in states], masks)
             for row, state, (token_id, logprobs) in zip(sample_rows, states, sampled):
@@ -237,6 +259,27 @@ class ModelRunner:
             else:
                 state.num_computed_tokens += n
         return outputs
+
+    def _prompt_logprobs(self, logits: torch.Tensor, scheduled: Scheduled,
+                         prompt_rows: list[tuple[int, range, list[int]]], outputs: list[SequenceOutput]) -> None:
+        """The logprob of each prompt token this step's chunks predict, and the top alternatives
+        the sequence asked for: raw (log_softmax of the logits, as sampled tokens' logprobs are).
+        ``logits`` [R, V]: the rows of ``prompt_rows``, in order."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
+        targets = torch.tensor([t for _, _, chunk_targets in prompt_rows for t in chunk_targets], device=self.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()  # [R]
+        top_n = max(scheduled[i][0].sampling.prompt_logprobs for i, _, _ in prompt_rows)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)  # [R, n] each
+        top_values = top_values.tolist() if top_n else None
+        top_ids = top_ids.tolist() if top_n else None
+        start = 0
+        for i, chunk_rows, _ in prompt_rows:
+            n = scheduled[i][0].sampling.prompt_logprobs
+            entries = []
+            for r in range(start, start + len(chunk_rows)):
+                entries.append(TokenLogprobs(chosen[r], top_ids[r][:n] if n else [], top_values[r][:n] if n else []))
+            outputs[i].prompt_logprobs = entries
+            start += len(chunk_rows)
 
     def _verify(self, logits: torch.Tensor, scheduled: Scheduled, sample_rows: list[int],
                 drafts: dict[int, list[int]], outputs: list[SequenceOutput], masks: MaskFuture) -> None:

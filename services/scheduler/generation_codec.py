@@ -62,6 +62,9 @@ def delta_to_protos(delta: GenerationDelta) -> list[generation_pb2.GenerateRespo
                            top_logprobs=lp.top_logprobs)
         for lp, token_id in zip(d.logprobs, delta.token_ids):
             lp.token_id = token_id
+        for token_id, lp in delta.prompt_logprobs or ():
+            d.prompt_logprobs.add(token_id=token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                                  top_logprobs=lp.top_logprobs)
         out.append(generation_pb2.GenerateResponse(delta=d))
     if delta.finished:
         out.append(generation_pb2.GenerateResponse(finished=_finished_to_proto(delta)))

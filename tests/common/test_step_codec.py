@@ -255,6 +255,22 @@ def test_result_with_logprobs_for_some_rows_only() -> None:
     assert wire_result(result) == result
 
 
+def test_prompt_logprobs_travel_beside_the_sampled_ones_and_are_checked() -> None:
+    result = StepResult(step_id=4, outputs=[
+        SequenceOutput(1, [], None, prompt_logprobs=[TokenLogprobs(-1.5, [3, 9], [-0.25, -1.5]),
+                                                     TokenLogprobs(-0.5, [5, 2], [-0.5, -3.0])]),
+        SequenceOutput(2, [7], [TokenLogprobs(-0.25)]),
+        SequenceOutput(3, [8], None, prompt_logprobs=[TokenLogprobs(-2.0)]),  # prompt_logprobs=0: no alternatives
+    ])
+    msg = result_to_proto(result)
+    assert list(msg.prompt_logprob_counts) == [2, 0, 1] and list(msg.prompt_top_counts) == [2, 2, 0]
+    assert wire_result(result) == result
+    assert not result_to_proto(StepResult(5, [SequenceOutput(1, [2])])).prompt_logprob_counts  # none: no arrays
+    msg.prompt_top_token_ids.pop()
+    with pytest.raises(InvalidArgumentError, match="prompt_top_token_ids has 3 entries but prompt_top_counts sums to 4"):
+        result_from_proto(msg)
+
+
 def test_empty_logprob_list_comes_back_as_none() -> None:
     back = wire_result(StepResult(step_id=1, outputs=[SequenceOutput(1, [], [])]))
     assert back.outputs == [SequenceOutput(1, [], None)]

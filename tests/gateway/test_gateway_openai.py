@@ -197,6 +197,50 @@ async def test_stream_options_without_stream_is_400_naming_it(gw, endpoint):
     assert error["param"] == "stream_options" and "stream" in error["message"], error
 
 
+async def test_echo_with_logprobs_shows_the_prompts_tokens_first_streamed_and_not(gw):
+    args = dict(model="stories", prompt=LONG_PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=2)
+    whole = await gw.client.completions.create(**args)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert all(value <= 0.0 for value in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # The output's part is what logprobs without echo gives (that one reads the prefix cache:
+    # its prompt computed in other steps, the last digits may differ).
+    plain = await gw.client.completions.create(**{**args, "echo": False})
+    assert lp.tokens[whole.usage.prompt_tokens:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[whole.usage.prompt_tokens:] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                                          abs=1e-4)
+    # The prompt's part: vLLM's prompt_logprobs of the same request, the prompt token's entry.
+    vllm = (await gw.http.post("/v1/completions", json={**args, "echo": False, "prompt_logprobs": 1},
+                               headers={"Authorization": f"Bearer {ALPHA}"})).json()["choices"][0]
+    positions = vllm["prompt_logprobs"]
+    assert len(positions) == whole.usage.prompt_tokens and positions[0] is None
+    chosen = [next(e["logprob"] for e in p.values() if e["decoded_token"] == token)
+              for p, token in zip(positions[1:], lp.tokens[1:])]
+    assert chosen == lp.token_logprobs[1:whole.usage.prompt_tokens]
+    chunks = await collect(await gw.client.completions.create(**args, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+async def test_prompt_logprobs_read_no_prefix_cache_and_come_on_chat_too(gw):
+    args = dict(model="stories", prompt=LONG_PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    first = (await gw.client.completions.create(**args)).model_dump()
+    again = (await gw.client.completions.create(**args)).model_dump()  # its prefix is cached by now
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["choices"][0]["prompt_logprobs"] == first["choices"][0]["prompt_logprobs"]
+    assert all(len(p) == 1 for p in first["choices"][0]["prompt_logprobs"][1:])  # 0 alternatives: the token alone
+    chat = (await gw.client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=2, extra_body={"prompt_logprobs": 1})).model_dump()
+    positions = chat["prompt_logprobs"]
+    assert len(positions) == chat["usage"]["prompt_tokens"] and positions[0] is None
+    assert all(any(e["rank"] == 1 for e in p.values()) for p in positions[1:])
+
+
 # ---------------------------------------------------------------------------- streaming
 async def collect(stream) -> list:
     return [chunk async for chunk in stream]
@@ -326,7 +370,7 @@ def envelope(error: openai.APIStatusError) -> dict:
     (dict(max_tokens=100000), "max_tokens", "context limit"),
     (dict(suffix="x"), "suffix", "not supported"),
     (dict(best_of=3), "best_of", "not supported"),
-    (dict(echo=True, logprobs=1), "echo", "prompt's logprobs"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "stream"),
     (dict(logit_bias={"nope": 1}), "logit_bias", "token ids"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate", "Unrecognized request argument supplied: frobnicate"),
     (dict(stop=[""]), "stop.0", "at least 1 character"),

@@ -18,6 +18,8 @@ def generate_all(engine: Engine, prompts, sampling=None, stop=None) -> list[Gene
         m.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             m.logprobs = (m.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            m.prompt_logprobs = (m.prompt_logprobs or []) + delta.prompt_logprobs
         if delta.finished:
             m.finish_reason, m.stop_reason = delta.finish_reason, delta.stop_reason
             m.usage, m.timings = delta.usage, delta.timings

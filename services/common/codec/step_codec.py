@@ -68,6 +68,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -88,6 +90,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -226,15 +229,35 @@ def plan_from_proto(msg: executor_pb2.StepRequest) -> StepPlan:
 # --- StepResult <-> StepResponse -----------------------------------------------------------
 
 
+def _pack_logprobs(outputs: list[SequenceOutput], which: str) -> tuple[list[int], list[float], list[int], list[int],
+                                                                      list[float]]:
+    """(counts per sequence, logprob per entry, top counts per entry, top ids, top logprobs) of
+    each output's ``which`` list (logprobs or prompt_logprobs)."""
+    counts: list[int] = []
+    values: list[float] = []
+    top_counts: list[int] = []
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for out in outputs:
+        entries = getattr(out, which)
+        counts.append(len(entries) if entries else 0)
+        for entry in entries or ():
+            if len(entry.top_token_ids) != len(entry.top_logprobs):
+                raise InvalidArgumentError(
+                    f"seq {out.seq_id}: top_token_ids has {len(entry.top_token_ids)} entries "
+                    f"but top_logprobs has {len(entry.top_logprobs)}"
+                )
+            values.append(entry.logprob)
+            top_counts.append(len(entry.top_token_ids))
+            top_token_ids.extend(entry.top_token_ids)
+            top_logprobs.extend(entry.top_logprobs)
+    return counts, values, top_counts, top_token_ids, top_logprobs
+
+
 def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
     seq_ids: list[int] = []
     token_counts: list[int] = []
     token_ids: list[int] = []
-    logprob_counts: list[int] = []
-    sampled_logprobs: list[float] = []
-    top_counts: list[int] = []
-    top_token_ids: list[int] = []
-    top_logprobs: list[float] = []
     errors: dict[int, str] = {}
     for out in result.outputs:
         seq_ids.append(out.seq_id)
@@ -243,34 +266,47 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResponse:
         tokens = out.token_ids
         token_counts.append(len(tokens))
         token_ids.extend(tokens)
-        logprobs = out.logprobs
-        if not logprobs:
-            logprob_counts.append(0)
-            continue
-        logprob_counts.append(len(logprobs))
-        for entry in logprobs:
-            if len(entry.top_token_ids) != len(entry.top_logprobs):
-                raise InvalidArgumentError(
-                    f"seq {out.seq_id}: top_token_ids has {len(entry.top_token_ids)} entries "
-                    f"but top_logprobs has {len(entry.top_logprobs)}"
-                )
-            sampled_logprobs.append(entry.logprob)
-            top_counts.append(len(entry.top_token_ids))
-            top_token_ids.extend(entry.top_token_ids)
-            top_logprobs.extend(entry.top_logprobs)
-    return executor_pb2.StepResponse(
+    counts, values, top_counts, top_token_ids, top_logprobs = _pack_logprobs(result.outputs, "logprobs")
+    message = executor_pb2.StepResponse(
         step_id=result.step_id,
         seq_ids=seq_ids,
         token_counts=token_counts,
         token_ids=token_ids,
-        logprob_counts=logprob_counts,
-        sampled_logprobs=sampled_logprobs,
+        logprob_counts=counts,
+        sampled_logprobs=values,
         top_counts=top_counts,
         top_token_ids=top_token_ids,
         top_logprobs=top_logprobs,
         execute_seconds=result.execute_seconds,
         errors=errors,
     )
+    if any(out.prompt_logprobs for out in result.outputs):
+        counts, values, top_counts, top_token_ids, top_logprobs = _pack_logprobs(result.outputs, "prompt_logprobs")
+        message.prompt_logprob_counts.extend(counts)
+        message.prompt_logprobs.extend(values)
+        message.prompt_top_counts.extend(top_counts)
+        message.prompt_top_token_ids.extend(top_token_ids)
+        message.prompt_top_logprobs.extend(top_logprobs)
+    return message
+
+
+def _unpack_logprobs(num_seqs: int, counts: list[int], values: list[float], top_counts: list[int],
+                     top_token_ids: list[int], top_logprobs: list[float],
+                     prefix: str = "") -> list[list[TokenLogprobs] | None]:
+    """Per sequence, its entries (None for none); raises InvalidArgumentError when the packed
+    arrays disagree in length. Empty counts mean "none anywhere" (a sender that had none)."""
+    if counts:
+        _check_parallel(f"{prefix}logprob_counts", counts, num_seqs)
+    else:
+        counts = [0] * num_seqs
+    _check_flat(f"{prefix}logprobs" if prefix else "sampled_logprobs", len(values), f"{prefix}logprob_counts", counts)
+    _check_parallel(f"{prefix}top_counts", top_counts, len(values), per="sampled logprob")
+    _check_flat(f"{prefix}top_token_ids", len(top_token_ids), f"{prefix}top_counts", top_counts)
+    _check_parallel(f"{prefix}top_logprobs", top_logprobs, len(top_token_ids), per="top token id")
+    if not values:
+        return [None] * num_seqs
+    per_token = list(map(TokenLogprobs, values, _split(top_token_ids, top_counts), _split(top_logprobs, top_counts)))
+    return [rows or None for rows in _split(per_token, counts)]
 
 
 def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
@@ -278,31 +314,15 @@ def result_from_proto(msg: executor_pb2.StepResponse) -> StepResult:
     seq_ids = list(msg.seq_ids)
     token_counts = list(msg.token_counts)
     token_ids = list(msg.token_ids)
-    logprob_counts = list(msg.logprob_counts)
     _check_parallel("token_counts", token_counts, len(seq_ids))
     _check_flat("token_ids", len(token_ids), "token_counts", token_counts)
-    # Older or logprob-free senders may leave logprob_counts empty: that means "none anywhere".
-    if logprob_counts:
-        _check_parallel("logprob_counts", logprob_counts, len(seq_ids))
-    else:
-        logprob_counts = [0] * len(seq_ids)
-    sampled_logprobs = list(msg.sampled_logprobs)
-    _check_flat("sampled_logprobs", len(sampled_logprobs), "logprob_counts", logprob_counts)
-    top_counts = list(msg.top_counts)
-    _check_parallel("top_counts", top_counts, len(sampled_logprobs), per="sampled logprob")
-    top_token_ids = list(msg.top_token_ids)
-    top_logprobs = list(msg.top_logprobs)
-    _check_flat("top_token_ids", len(top_token_ids), "top_counts", top_counts)
-    _check_parallel("top_logprobs", top_logprobs, len(top_token_ids), per="top token id")
-
-    if sampled_logprobs:
-        per_token = list(
-            map(TokenLogprobs, sampled_logprobs, _split(top_token_ids, top_counts), _split(top_logprobs, top_counts))
-        )
-        logprobs = [rows or None for rows in _split(per_token, logprob_counts)]
-    else:
-        logprobs = [None] * len(seq_ids)
-    outputs = list(map(SequenceOutput, seq_ids, _split(token_ids, token_counts), logprobs))
+    logprobs = _unpack_logprobs(len(seq_ids), list(msg.logprob_counts), list(msg.sampled_logprobs),
+                                list(msg.top_counts), list(msg.top_token_ids), list(msg.top_logprobs))
+    prompt = _unpack_logprobs(len(seq_ids), list(msg.prompt_logprob_counts), list(msg.prompt_logprobs),
+                              list(msg.prompt_top_counts), list(msg.prompt_top_token_ids),
+                              list(msg.prompt_top_logprobs), prefix="prompt_")
+    outputs = [SequenceOutput(seq_id, tokens, lps, prompt_logprobs=plps)
+               for seq_id, tokens, lps, plps in zip(seq_ids, _split(token_ids, token_counts), logprobs, prompt)]
     if msg.errors:
         for output in outputs:
             output.error = msg.errors.get(output.seq_id)

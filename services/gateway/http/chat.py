@@ -31,7 +31,7 @@ from services.gateway.http.disconnect import ClientDisconnected, unless_disconne
 from services.gateway.http.engine_request import chat_template
 from services.gateway.http import auto_tools
 from services.gateway.http.errors import OpenAIError, bad_request, from_error
-from services.gateway.http.logprobs import chat_logprobs
+from services.gateway.http.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
 from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
@@ -99,6 +99,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                         "finish_reason": finish_reason})
     payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
                "system_fingerprint": None}
+    if body.prompt_logprobs is not None:  # vLLM's: the conversation's prompt is every choice's
+        payload["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs, namer, body.prompt_logprobs)
     return Response(dumps(payload), media_type="application/json")
 
 

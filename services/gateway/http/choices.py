@@ -34,6 +34,8 @@ class ChoiceState:
     prompt_index: int
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    """Every prompt token's (the engine's first delta, when asked); the first has none."""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -48,6 +50,8 @@ class ChoiceState:
             self.completion_tokens += len(delta.token_ids)  # Finished's count replaces it
             if delta.logprobs:
                 self.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs:
+                self.prompt_logprobs.extend(delta.prompt_logprobs)
         elif kind == "started":
             self.prompt_tokens = reply.started.prompt_tokens
         elif kind == "finished":

@@ -1,8 +1,10 @@
 """``POST /v1/completions``: prompts (a string, strings, token ids, lists of ids) continued.
 
 Choice ``i * n + j`` is choice j of prompt i. ``echo`` puts the prompt before each choice's
-text (a token-id prompt needs the route's tokenizer to be shown as text); ``echo`` with
-``logprobs`` would need the prompt's logprobs, which the engine does not return: a 400.
+text (a token-id prompt needs the route's tokenizer to be shown as text); streamed, the first
+chunk of each choice opens with it. ``echo`` with ``logprobs`` shows the prompt's tokens first
+(the engine computes prompt logprobs for it; the first token's are null), then the output's.
+vLLM's ``prompt_logprobs`` adds each choice's in vLLM's shape.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from services.gateway.http.context import context_of, request_id_of
 from services.gateway.http.disconnect import unless_disconnected
 from services.gateway.http.engine_request import completion_prompts, completion_template
 from services.gateway.http.errors import bad_request
-from services.gateway.http.logprobs import completion_logprobs
+from services.gateway.http.logprobs import completion_logprobs, echo_logprobs, end_offset, joined, vllm_prompt_logprobs
 from services.gateway.http.protocol import CompletionRequest
 from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.requests import call_plan
@@ -28,9 +30,6 @@ from services.gateway.http.tokens import TokenNamer
 def _echo_texts(body: CompletionRequest, prompts: list, namer: TokenNamer) -> list[str]:
     if not body.echo:
         return [""] * len(prompts)
-    if body.logprobs is not None:
-        raise bad_request("echo", "echo with logprobs needs the prompt's logprobs, which tokenmill does not return; "
-                                  "drop one of them")
     texts = []
     for prompt in prompts:
         text = prompt if isinstance(prompt, str) else namer.decode(prompt)
@@ -63,9 +62,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices = []
     for state in states:
         echo = echoes[state.prompt_index]
-        logprobs = (completion_logprobs(state.logprobs, namer, len(echo)) if body.logprobs is not None else None)
-        choices.append({"index": state.index, "text": echo + "".join(state.text), "logprobs": logprobs,
-                        "finish_reason": state.finish_reason})
+        logprobs = None
+        if body.logprobs is not None and body.echo:  # the prompt's tokens, then the output's
+            prompt = echo_logprobs(state.prompt_logprobs, namer, body.logprobs)
+            logprobs = joined(prompt, completion_logprobs(state.logprobs, namer, end_offset(prompt)))
+        elif body.logprobs is not None:
+            logprobs = completion_logprobs(state.logprobs, namer, 0)
+        choice = {"index": state.index, "text": echo + "".join(state.text), "logprobs": logprobs,
+                  "finish_reason": state.finish_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs, namer, body.prompt_logprobs)
+        choices.append(choice)
     payload = {**head, "choices": choices, "usage": usage_of(states), "system_fingerprint": None}
     return Response(dumps(payload), media_type="application/json")
 
@@ -88,7 +95,7 @@ def _stream(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body:
 async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict, body: CompletionRequest,
                   echoes: list[str], namer: TokenNamer, usage_chunks: bool) -> AsyncIterator[bytes]:
     extra = {"usage": None} if usage_chunks else {}
-    offsets = [len(echoes[s.prompt_index]) for s in states]
+    offsets = [0] * len(states)
     fresh = [bool(echoes[s.prompt_index]) for s in states]
     frames = ChunkFrames(head, chat=False, usage_null=usage_chunks)
     async for index, reply in streams.events():
@@ -98,8 +105,12 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
         if kind == "started":
             continue
         text = reply.delta.text if kind == "delta" else ""
+        prompt = None
         if fresh[index]:  # echo: the prompt opens the choice's first chunk, as OpenAI streams it
             text, fresh[index] = echoes[state.prompt_index] + text, False
+            if body.logprobs is not None:  # with its tokens' logprobs (the engine's first delta has them)
+                prompt = echo_logprobs(state.prompt_logprobs, namer, body.logprobs)
+                offsets[index] = end_offset(prompt)
         if kind == "delta" and not text and not reply.delta.token_ids:
             continue
         if kind == "delta" and body.logprobs is None:
@@ -108,7 +119,9 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
         logprobs = None
         if body.logprobs is not None and kind == "delta":
             logprobs = completion_logprobs(reply.delta.logprobs, namer, offsets[index])
-            offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            offsets[index] = end_offset(logprobs) if logprobs["tokens"] else offsets[index]
+        if prompt is not None:
+            logprobs = joined(prompt, logprobs) if logprobs is not None else prompt
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": state.finish_reason if kind == "finished" else None}
         yield sse({**head, "choices": [choice], **extra})

@@ -36,7 +36,7 @@ def _logit_bias(fields: SamplingFields) -> dict[int, float]:
 
 
 def _fill_common(message: generation_pb2.GenerateRequest, fields: SamplingFields, max_tokens: int | None,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, prompt_logprobs: int | None) -> None:
     s = message.sampling
     if fields.temperature is not None:
         s.temperature = fields.temperature
@@ -53,6 +53,8 @@ def _fill_common(message: generation_pb2.GenerateRequest, fields: SamplingFields
     s.logit_bias.update(_logit_bias(fields))
     if logprobs is not None:
         s.logprobs = logprobs
+    if prompt_logprobs is not None:
+        s.prompt_logprobs = prompt_logprobs
     stop = message.stop
     if max_tokens is not None:
         stop.max_tokens = max_tokens
@@ -93,13 +95,20 @@ def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)
 
 
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Top alternatives per prompt token the engine computes: ``echo`` with ``logprobs`` shows
+    the prompt's tokens with as many as the output's, ``prompt_logprobs`` asks its own."""
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+    return max(wanted) if wanted else None
+
+
 def completion_template(body: CompletionRequest, prompt: str | list[int]) -> generation_pb2.GenerateRequest:
     message = generation_pb2.GenerateRequest()
     if isinstance(prompt, str):
         message.text = prompt
     else:
         message.token_ids.ids.extend(prompt)
-    _fill_common(message, body, body.max_tokens, body.logprobs)
+    _fill_common(message, body, body.max_tokens, body.logprobs, completion_prompt_logprobs(body))
     return message
 
 
@@ -121,5 +130,5 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
                                              ensure_ascii=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    _fill_common(message, body, max_tokens, logprobs)
+    _fill_common(message, body, max_tokens, logprobs, body.prompt_logprobs)
     return message

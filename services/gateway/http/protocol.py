@@ -81,11 +81,17 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     """Scheduling priority: lower is served first."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """vLLM's: each prompt token's logprob given the tokens before it, with this many top
+    alternatives, as each choice's ``prompt_logprobs`` (chat: the response's); not streamed."""
 
     def stream_problem(self) -> tuple[str, str] | None:
-        """stream_options without stream: refused, as OpenAI and vLLM refuse it (it would do nothing)."""
+        """stream_options without stream (it would do nothing) and prompt_logprobs with it:
+        refused, as OpenAI and vLLM refuse them."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is not available with stream true (as vLLM)"
         return None
 
 

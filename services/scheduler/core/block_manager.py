@@ -107,9 +107,11 @@ class BlockManager:
         """Longest cached prefix of the request, in full blocks: (block ids, tokens covered).
 
         Never the whole sequence: at least the last token is left to compute, so the step
-        produces logits to sample from. Pure lookup: nothing is claimed until allocate_slots.
+        produces logits to sample from. None for a request that still needs prompt logprobs:
+        their positions must be computed (vLLM skips the cache for them too). Pure lookup:
+        nothing is claimed until allocate_slots.
         """
-        if not self.enable_prefix_caching or request.block_ids:
+        if not self.enable_prefix_caching or request.block_ids or request.needs_prompt_logprobs:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes_for(request, max_hit_blocks)

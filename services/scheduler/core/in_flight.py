@@ -99,6 +99,15 @@ def check_output(in_flight: dict[int, ScheduledWork], output: SequenceOutput) ->
             f"seq id {output.seq_id}: accepted tokens {output.token_ids[:-1]} are not a "
             f"prefix of the drafts {drafts}"
         )
+    if request.sampling.prompt_logprobs is None and output.prompt_logprobs:
+        raise ValueError(f"seq id {output.seq_id}: prompt logprobs for a request that asked none")
+    if request.sampling.prompt_logprobs is not None and output.error is None:
+        first = request.num_computed_tokens
+        expected = max(0, min(first + scheduled.num_scheduled_tokens, request.num_prompt_tokens - 1) - first)
+        got = len(output.prompt_logprobs or ())
+        if got != expected or first > len(request.prompt_logprobs) and expected:
+            raise ValueError(f"seq id {output.seq_id}: {got} prompt logprobs from position {first}, expected "
+                             f"{expected} (with {len(request.prompt_logprobs)} known)")
     if output.logprobs is not None and len(output.logprobs) != num_tokens:
         raise ValueError(
             f"seq id {output.seq_id}: {len(output.logprobs)} logprobs for {num_tokens} tokens"

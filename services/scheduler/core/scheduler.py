@@ -81,7 +81,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from services.common.step import NewSequence, RunningSequence, StepPlan, StepResult
+from services.common.step import NewSequence, RunningSequence, StepPlan, StepResult, TokenLogprobs
 from services.scheduler.core import step_size
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
@@ -451,11 +451,17 @@ class Scheduler:
             if output.error is not None:  # it cannot go on: ended by the caller (take_failed)
                 self._failed.append((request.request_id, output.error))
                 continue
+            if output.prompt_logprobs:
+                request.add_prompt_logprobs(request.num_computed_tokens, output.prompt_logprobs)
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             if not output.token_ids:  # a prefill chunk short of the end: nothing to report
                 self.block_manager.cache_full_blocks(request)
                 continue
+            first = request.num_output_tokens == 0
             update = request.append_outputs(output.token_ids, output.logprobs, self.config.max_model_len)
+            if first and request.sampling.prompt_logprobs is not None:
+                update.prompt_logprobs = [(request.prompt_token_ids[0], TokenLogprobs(0.0)),
+                                          *zip(request.prompt_token_ids[1:], request.prompt_logprobs)]
             self.waiting.charge(request.tenant, len(update.new_token_ids))
             if scheduled.draft_token_ids:
                 num_accepted = len(output.token_ids) - 1

@@ -38,6 +38,9 @@ class GenerationDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[tuple[int, TokenLogprobs]] | None = None
+    """On the first delta of a request that asked: (prompt token id, logprobs) of every prompt
+    token (RequestUpdate.prompt_logprobs)."""
     finish_reason: FinishReason | None = None
     """None while running; set on the stream's last delta."""
     stop_reason: str | int | None = None
@@ -65,6 +68,8 @@ class GenerationDelta:
         self.token_ids = self.token_ids + later.token_ids
         if later.logprobs:
             self.logprobs = [*(self.logprobs or ()), *later.logprobs]
+        if later.prompt_logprobs:
+            self.prompt_logprobs = [*(self.prompt_logprobs or ()), *later.prompt_logprobs]
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
         self.error_message = later.error_message

@@ -46,7 +46,8 @@ class RequestOutput:
             if self.first_token_time is None:
                 self.first_token_time = now
         self.num_output_tokens += len(token_ids)
-        delta = GenerationDelta(self.request.request_id, text, list(token_ids), update.new_logprobs)
+        delta = GenerationDelta(self.request.request_id, text, list(token_ids), update.new_logprobs,
+                                update.prompt_logprobs)
         if stop_string is not None:
             self._finish(delta, FinishReason.STOP, stop_string, now)
         elif update.finish_reason is not None:

@@ -95,6 +95,7 @@ class Request:
         "finish_reason",
         "stop_reason",
         "output_logprobs",
+        "prompt_logprobs",
         "spec_token_ids",
         "draft_length",
         "num_accepted_draft_tokens",
@@ -154,6 +155,8 @@ class Request:
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that matched (FinishReason.STOP only)."""
         self.output_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        """With sampling.prompt_logprobs: entry i is prompt token i + 1's, as the chunks computed them."""
         self.spec_token_ids: list[int] = []
         """Draft tokens set by the caller before schedule(); consumed by the next plan."""
         self.draft_length = None
@@ -197,6 +200,21 @@ class Request:
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: priority, then arrival, then admission order (seq_id)."""
         return (self.priority, self.arrival_time, self.seq_id)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet: its prompt must be
+        computed in full (a prefix-cache hit would skip positions whose logits it needs)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, first_position: int, entries: Sequence[TokenLogprobs]) -> None:
+        """A chunk's prompt logprobs, from position ``first_position`` on (each predicting the
+        token after it); the ones already known (a recomputed prompt) are skipped."""
+        known = len(self.prompt_logprobs)
+        if first_position > known:
+            raise ValueError(f"request {self.request_id}: prompt logprobs from position {first_position}, "
+                             f"but only {known} are known")
+        self.prompt_logprobs.extend(entries[known - first_position:])
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -23,3 +23,7 @@ class RequestUpdate:
     """Set when the request finished this step; its blocks are already free."""
     stop_reason: int | str | None = None
     """The stop token id that matched (FinishReason.STOP only)."""
+    prompt_logprobs: list[tuple[int, TokenLogprobs]] | None = None
+    """On the request's first update, when it asked for prompt logprobs: (prompt token id, its
+    logprobs) for every prompt token; the first, which nothing predicts, has logprob 0 and no
+    alternatives."""
