@@ -288,3 +288,28 @@ def test_drafts_are_verified_as_on_one_rank(random_model_dirs, mode):
     for steps in results:  # two drafts and the target's own token each step: the greedy answer
         for seq in greedy:
             assert steps[0][seq] + steps[1][seq] == greedy[seq][1:7]
+
+
+def prompt_logprobs(tp: int, mode: str) -> dict[int, list]:
+    """Each prompt's prompt logprobs (2 alternatives), its prefill in one step."""
+    runner = make_runner(STORIES_DIR, tp, fused_decode=FusedDecodeSettings(cpu_decode=mode))
+    try:
+        sampling = SamplingParams(temperature=0.0, prompt_logprobs=2)
+        new = [NewSequence(i, list(p), len(p), 0, len(p), list(range(i * 8, (i + 1) * 8)), sampling)
+               for i, p in enumerate(PROMPTS)]
+        return {o.seq_id: o.prompt_logprobs for o in runner.execute(StepPlan(0, new=new)).outputs}
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_prompt_logprobs_under_a_vocab_parallel_head_match_one_rank(mode):
+    # The prompt rows' logits come from the same LM head call as the sampled rows', so the
+    # ranks' shares of a vocab-parallel head cover them too.
+    one, two = prompt_logprobs(1, mode), prompt_logprobs(2, mode)
+    for seq, prompt in enumerate(PROMPTS):
+        assert len(one[seq]) == len(two[seq]) == len(prompt) - 1
+        for got, expected in zip(two[seq], one[seq], strict=True):
+            assert got.logprob == pytest.approx(expected.logprob, abs=1e-4)
+            assert got.top_token_ids == expected.top_token_ids
+            assert got.top_logprobs == pytest.approx(expected.top_logprobs, abs=1e-4)
