@@ -74,5 +74,8 @@ ENV PATH=/opt/tokenmill/.venv/bin:${PATH} \
 USER 10001:10001
 # gateway HTTP and gRPC, scheduler, tokenizer, executor, drafter, /metrics
 EXPOSE 8000 50050 50051 50052 50053 50054 9090
-# Without a command: the whole stack in one container, as `make run` starts it.
-CMD ["tokenmill", "up", "--host", "0.0.0.0", "--no-demo"]
+# Without a command: the whole stack in one container, as `make run` starts it, its public ports
+# (the gateway's and the scheduler's) on every interface of the container. The gateway refuses a
+# non-loopback bind without mTLS unless told the network is the boundary: here the container's
+# own, where only the published ports reach it (in Kubernetes: the gateway's manifest says the same).
+CMD ["tokenmill", "up", "--host", "0.0.0.0", "--no-demo", "--gateway-arg=--allow-insecure-bind"]

@@ -72,7 +72,7 @@ run: install
 	$(VENV)/bin/tokenmill up --model "$(TOKENMILL_MODEL)"
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
 
 # The public API fuzzed with 5,000 generated requests and 5,000 raw bodies per generator
 # (make test runs 40 of each).

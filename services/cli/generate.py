@@ -16,6 +16,7 @@ import os
 import sys
 
 from services.common.errors import TokenmillError
+from services.stack.client import default_address
 from services.runtime.model.attention.names import BACKEND_NAMES, KV_CACHE_DTYPE_NAMES
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "stories260K")
@@ -30,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true", help="load the model here instead of calling a stack")
     p.add_argument("--model", default=os.environ.get("TOKENMILL_MODEL", DEFAULT_MODEL),
                    help="model directory for --in-process (env TOKENMILL_MODEL; default: the shipped stories260K)")
-    p.add_argument("--address", default=os.environ.get("TOKENMILL_ADDRESS", "127.0.0.1:50051"),
-                   help="public API address of a running stack (env TOKENMILL_ADDRESS; default 127.0.0.1:50051)")
+    p.add_argument("--address", default=default_address(),
+                   help="public API address of a running stack (env TOKENMILL_ADDRESS; default 127.0.0.1 on "
+                        "TOKENMILL_SCHEDULER_PORT, else 50051: %(default)s)")
+    p.add_argument("--token", default=os.environ.get("TOKENMILL_TOKEN", ""),
+                   help="bearer token for a stack with tenants (env TOKENMILL_TOKEN)")
     p.add_argument("--tls-ca", default=os.environ.get("TOKENMILL_TLS_CA", ""),
                    help="CA certificate to verify the stack with; connect over TLS (env TOKENMILL_TLS_CA)")
     p.add_argument("--tls-cert", default=os.environ.get("TOKENMILL_TLS_CERT", ""),
@@ -137,13 +141,13 @@ def _run_remote(args, messages: list[dict[str, str]] | None) -> int:
     try:
         bos = None
         if not args.prompt and messages is None:
-            info = model_info(args.address, tls=tls)
+            info = model_info(args.address, tls=tls, token=args.token or None)
             bos = info.bos_token_id if info.HasField("bos_token_id") else None
         request = build_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                                 ignore_eos=args.ignore_eos, stop=args.stop, bos_token_id=bos, chat=messages)
         sys.stdout.write(args.prompt)
-        stream_to_terminal(args.address, request, tls=tls)
+        stream_to_terminal(args.address, request, tls=tls, token=args.token or None)
     except grpc.RpcError as exc:
         print(f"\ntokenmill generate: {exc.code().name}: {exc.details()} (address {args.address})", file=sys.stderr)
         return 1

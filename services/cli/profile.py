@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.common.pb.tokenmill.v1 import generation_pb2
-from services.stack.client import fetch_profile
+from services.stack.client import default_address, fetch_profile
 
 
 def profile_dict(profile: generation_pb2.LatencyProfile) -> dict:
@@ -33,13 +34,17 @@ def format_profile(p: generation_pb2.LatencyProfile) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="127.0.0.1:50051", help="the scheduler's public address")
+    parser.add_argument("--address", default=default_address(),
+                        help="public API address of a running stack (env TOKENMILL_ADDRESS; default 127.0.0.1 on "
+                             "TOKENMILL_SCHEDULER_PORT, else 50051: %(default)s)")
+    parser.add_argument("--token", default=os.environ.get("TOKENMILL_TOKEN", ""),
+                        help="bearer token for a stack with tenants (env TOKENMILL_TOKEN)")
     parser.add_argument("--window", type=float, default=None,
                         help="look back this many seconds (default: the server's configured window)")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     args = parser.parse_args(argv)
     try:
-        profile = fetch_profile(args.address, args.window)
+        profile = fetch_profile(args.address, args.window, token=args.token or None)
     except grpc.RpcError as exc:
         print(f"tokenmill profile: {exc.code().name}: {exc.details()} (address {args.address})", file=sys.stderr)
         return 1

@@ -10,14 +10,15 @@ from services.stack.client import TLSChoice, generate
 
 
 def stream_to_terminal(address: str, request: generation_pb2.GenerateRequest, out=None,
-                       timeout: float | None = 300.0, tls: TLSChoice = "env") -> generation_pb2.Finished | None:
+                       timeout: float | None = 300.0, tls: TLSChoice = "env",
+                       token: str | None = None) -> generation_pb2.Finished | None:
     """Print the deltas as they arrive; return the Finished message (and print TTFT, tokens/s).
     out: where the text goes (None: sys.stdout as it is at the call). tls: a ClientTLS, None
-    (plaintext) or "env" (the TOKENMILL_TLS_* variables, if set)."""
+    (plaintext) or "env" (the TOKENMILL_TLS_* variables, if set). token: a bearer token."""
     out = sys.stdout if out is None else out
     start = time.perf_counter()
     finished = None
-    for message in generate(address, request, timeout=timeout, tls=tls):
+    for message in generate(address, request, timeout=timeout, tls=tls, token=token):
         kind = message.WhichOneof("event")
         if kind == "delta":
             out.write(message.delta.text)

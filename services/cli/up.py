@@ -6,14 +6,16 @@ down gracefully. A crashed service is restarted."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import grpc
 
 from services.cli.terminal import stream_to_terminal
 from services.common.pb.tokenmill.v1 import generation_pb2
@@ -37,13 +39,14 @@ class UpConfig:
     """tokenmill up: start the four services locally with the default model, stream a demo
     generation, then serve until Ctrl-C."""
 
-    model: str = _flag(DEFAULT_MODEL, "model directory (default: the shipped stories260K)", "TOKENMILL_MODEL")
+    model: str = _flag(DEFAULT_MODEL, "model directory (default: the shipped stories260K)", "TOKENMILL_MODEL",
+                       path=True)
     host: str = _flag("127.0.0.1", "public API host", "TOKENMILL_SCHEDULER_HOST")
     port: int = _flag(50051, "public API port", "TOKENMILL_SCHEDULER_PORT")
     tokenizer_port: int = _flag(0, "tokenizer port (0 = any free port)", "TOKENMILL_TOKENIZER_PORT")
     executor_port: int = _flag(0, "executor port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
     drafter_port: int = _flag(0, "drafter port (0 = any free port)", "TOKENMILL_DRAFTER_PORT")
-    log_dir: str = _flag(".tokenmill/logs", "where each service writes its JSON log", "TOKENMILL_LOG_DIR")
+    log_dir: str = _flag(".tokenmill/logs", "where each service writes its JSON log", "TOKENMILL_LOG_DIR", path=True)
     executors: int = _flag(1, "executors behind the scheduler, each with its own KV pool (requests are placed on "
                               "the one holding their longest cached prefix, else the least loaded; a lost one's "
                               "requests move to the others)", "TOKENMILL_EXECUTORS")
@@ -74,7 +77,7 @@ class UpConfig:
                            "TOKENMILL_GATEWAY_HTTP_PORT")
     gateway_port: int = _flag(50050, "the gateway's routed Generation gRPC port (0 = any free port)",
                               "TOKENMILL_GATEWAY_PORT")
-    no_gateway: bool = _flag(False, "start the engine(s) without the gateway in front")
+    gateway: bool = _flag(True, "start the gateway in front of the engine(s) (--no-gateway: the engines alone)")
     gateway_arg: tuple[str, ...] = _flag((), "extra flag passed to the gateway, e.g. "
                                              "--gateway-arg=--request-timeout-s=60 (repeatable)", repeat=True)
     tls: bool = _flag(False, "mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
@@ -82,7 +85,9 @@ class UpConfig:
     demo_prompt: str = _flag("Once upon a time", "prompt of the demo generation (models without a chat template)")
     demo_chat: str = _flag("What is the capital of France?",
                            "user message of the demo conversation (models with a chat template)")
-    no_demo: bool = _flag(False, "skip the demo generation")
+    demo: bool = _flag(True, "stream a demo generation once the stack serves (--no-demo: skip it); with engine "
+                             "auth (--scheduler-arg=--auth-tokens-file=FILE) it presents a token of FILE whose "
+                             "tenant may use the model, and a demo that fails is reported, never stops the stack")
     exit_after_demo: bool = _flag(False, "stop after the demo instead of serving")
 
     def validate(self) -> None:
@@ -226,13 +231,21 @@ def _gateway(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess:
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    return GatewayProcess(routes, Path(tempfile.mkdtemp(prefix="tokenmill-gateway-")), args.host, args.gateway_port,
+    return GatewayProcess(routes, first.run_dir / "gateway", args.host, args.gateway_port,
                           args.http_port, log_dir / "gateway.log" if log_dir else None, extra)
 
 
-def _print_examples(gateway: GatewayProcess, model_id: str, chat: bool) -> None:
+def _tokenmill() -> str:
+    """The tokenmill command of this interpreter's environment, as a shell word (``.venv/bin/tokenmill``
+    need not be on PATH)."""
+    script = Path(sys.executable).with_name("tokenmill")
+    return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m services.cli.main"
+
+
+def _print_examples(gateway: GatewayProcess, model_id: str, chat: bool, auth_file: str = "") -> None:
     """A curl and an openai command that work as printed (the openai package is installed with the
-    test requirements, in this interpreter's environment)."""
+    test requirements, in this interpreter's environment); with engine auth they need a token of
+    ``auth_file``, which is not printed."""
     base, model = gateway.http_base, json.dumps(model_id)
     if chat:
         body = {"model": model_id, "messages": [{"role": "user", "content": "Tell me a joke"}], "max_tokens": 64}
@@ -243,16 +256,65 @@ def _print_examples(gateway: GatewayProcess, model_id: str, chat: bool) -> None:
         body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 64}
         path = "/v1/completions"
         call = f'completions.create(model={model}, prompt="Once upon a time", max_tokens=64).choices[0].text'
-    code = f'from openai import OpenAI; print(OpenAI(base_url="{base}/v1", api_key="none").{call})'
+    key, header = ('os.environ["TOKENMILL_TOKEN"]', ' -H "Authorization: Bearer $TOKENMILL_TOKEN"') if auth_file \
+        else ('"none"', "")
+    code = (("import os; " if auth_file else "") +
+            f'from openai import OpenAI; print(OpenAI(base_url="{base}/v1", api_key={key}).{call})')
     print(f"[tokenmill up] OpenAI-compatible API: {base}/v1 (model {model}); routed gRPC: {gateway.grpc_address}\n"
-          f"[tokenmill up]   curl -s {base}{path} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}\n"
+          + (f"[tokenmill up]   (engine auth on: export TOKENMILL_TOKEN=<a token of {auth_file}>)\n" if auth_file
+             else "") +
+          f"[tokenmill up]   curl -s {base}{path} -H 'Content-Type: application/json'{header} "
+          f"-d {shlex.quote(json.dumps(body))}\n"
           f"[tokenmill up]   {shlex.quote(sys.executable)} -c {shlex.quote(code)}", file=sys.stderr)
+
+
+def auth_tokens_file(args: UpConfig) -> str:
+    """The scheduler's --auth-tokens-file, as the scheduler will read it from the flags up passes it
+    and the environment it inherits (empty: no engine auth)."""
+    from services.common.settings import add_config_arguments
+    from services.scheduler.config import SchedulerServiceConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    try:
+        add_config_arguments(parser, SchedulerServiceConfig)
+        known, _ = parser.parse_known_args(scheduler_args(args))
+    except (ValueError, SystemExit):
+        return ""  # a bad scheduler flag: the scheduler reports it as it starts
+    return known.auth_tokens_file
+
+
+def _demo(args: UpConfig, address: str, chat: bool, launcher: Launcher, auth_file: str) -> bool:
+    """Stream the demo; True when it finished. A demo that cannot run or fails is reported, and
+    the stack serves on regardless."""
+    from services.scheduler.auth import load_auth_tokens
+
+    model_id = Path(args.model).name
+    token = None
+    try:
+        if auth_file:
+            token = load_auth_tokens(auth_file).token_for(model_id)
+            if token is None:
+                _print_event(f"demo skipped: no tenant of {auth_file} may use model {model_id!r}")
+                return False
+        echo, request = demo_request(chat, args.demo_prompt, args.demo_chat)
+        print(f"[tokenmill up] demo (greedy, at most {DEMO_MAX_TOKENS} tokens"
+              + (", with a tenant's token" if token else "") + "):\n", file=sys.stderr)
+        sys.stdout.write(echo)
+        stream_to_terminal(address, request, tls=launcher.client_tls, token=token)
+    except grpc.RpcError as exc:
+        sys.stdout.write("\n")
+        _print_event(f"demo failed: {exc.code().name}: {exc.details()}; the stack keeps serving")
+        return False
+    except (ValueError, OSError) as exc:
+        _print_event(f"demo failed: {exc}; the stack keeps serving")
+        return False
+    return True
 
 
 def _start(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess | None:
     """The engines, then the gateway in front of them (unless --no-gateway); stops what started on failure."""
     _start_all(launchers)
-    if args.no_gateway:
+    if not args.gateway:
         return None
     gateway = _gateway(args, launchers)
     try:
@@ -264,16 +326,26 @@ def _start(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess | None:
     return gateway
 
 
+def _stop(gateway: GatewayProcess | None, launchers: list[Launcher]) -> None:
+    """The gateway first (client streams end cleanly), then the engines; then their run directories."""
+    if gateway is not None:
+        gateway.stop()
+    for launcher in launchers:
+        launcher.stop()
+        launcher.remove_run_dir()
+
+
 def main(argv: list[str]) -> int:
     args = parse_up_config(argv)
     launchers = _launchers(args)
     engines = "an engine" if args.replicas == 1 else f"{args.replicas} engines"
     print(f"[tokenmill up] starting {engines} (tokenizer, executor, drafter and scheduler) with {args.model}"
-          + ("" if args.no_gateway else " and the gateway") + " ...", file=sys.stderr)
+          + (" and the gateway" if args.gateway else "") + " ...", file=sys.stderr)
     try:
         gateway = _start(args, launchers)
     except (RuntimeError, TimeoutError) as exc:
         print(f"[tokenmill up] failed to start: {exc}", file=sys.stderr)
+        _stop(None, launchers)
         return 1
     for index, launcher in enumerate(launchers):
         tag = "" if len(launchers) == 1 else f"[{index}]"
@@ -286,24 +358,22 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    status = 0
     try:
         chat = bool(args.chat_template) or has_chat_template(args.model)
+        auth_file = auth_tokens_file(args)
         if gateway is not None:
-            _print_examples(gateway, Path(args.model).name, chat)
-        if not args.no_demo:
-            echo, request = demo_request(chat, args.demo_prompt, args.demo_chat)
-            print(f"[tokenmill up] demo (greedy, at most {DEMO_MAX_TOKENS} tokens):\n", file=sys.stderr)
-            sys.stdout.write(echo)
-            stream_to_terminal(address, request, tls=launchers[0].client_tls)
+            _print_examples(gateway, Path(args.model).name, chat, auth_file)
+        if args.demo and not _demo(args, address, chat, launchers[0], auth_file):
+            status = 1
         if not args.exit_after_demo:
+            status = 0
             example = '--chat "Tell me a joke"' if chat else '"Once upon"'
-            print(f"[tokenmill up] serving on {address}; try `tokenmill generate --address {address} {example}`. "
-                  "Ctrl-C to stop.", file=sys.stderr)
+            print(f"[tokenmill up] serving on {address}; try `{_tokenmill()} generate --address {address} {example}`"
+                  + (" with TOKENMILL_TOKEN set" if auth_file else "")
+                  + ". Ctrl-C to stop.", file=sys.stderr)
             stop.wait()
     finally:
         print("[tokenmill up] shutting down ...", file=sys.stderr)
-        if gateway is not None:
-            gateway.stop()
-        for launcher in launchers:
-            launcher.stop()
-    return 0
+        _stop(gateway, launchers)
+    return status

@@ -61,7 +61,7 @@ def port_field(service: str, default: int) -> Any:
 def port_file_field() -> Any:
     return field(
         default="",
-        metadata={"help": "write the bound port to this file once SERVING (empty = don't)"},
+        metadata={"help": "write the bound port to this file once SERVING (empty = don't)", "path": True},
     )
 
 
@@ -106,7 +106,7 @@ def max_message_bytes_field(service: str, default: int) -> Any:
 
 def path_field(service: str, name: str, help_text: str) -> Any:
     """A file path setting (empty = unset), with the TOKENMILL_<SERVICE>_<NAME> variable."""
-    return field(default="", metadata={"help": help_text, "env": _env_prefix(service) + name.upper()})
+    return field(default="", metadata={"help": help_text, "env": _env_prefix(service) + name.upper(), "path": True})
 
 
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
@@ -170,7 +170,7 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
 
 
 def model_field(help_text: str = "model directory (Hugging Face layout)") -> Any:
-    return field(default=str(DEFAULT_MODEL_DIR), metadata={"help": help_text, "env": "TOKENMILL_MODEL"})
+    return field(default=str(DEFAULT_MODEL_DIR), metadata={"help": help_text, "env": "TOKENMILL_MODEL", "path": True})
 
 
 def write_port_file(path: str | os.PathLike[str], port: int) -> None:

@@ -17,11 +17,18 @@ shows each flag's environment variable and the default in effect (the environmen
 it is set). ``to_argv`` turns a config back into flags, so a launcher can hand its
 settings to a child process.
 
-Supported field types: str, int, float, bool (``--flag`` / ``--no-flag``), Path, Enum
+Supported field types: str, int, float, bool (``--flag`` / ``--no-flag``: a boolean is named for
+what it turns on, ``demo`` not ``no_demo``, which argparse would make ``--no-no-demo``), Path, Enum
 (by value), ``X | None`` (the string "none" or an empty value means None), and
 ``list[X]`` / ``tuple[X, ...]`` (comma-separated, in flags and env alike; with
 ``metadata["repeat"]`` the flag is given once per item instead, for items that may hold
 commas themselves, such as flags passed on to a child process).
+
+A file or directory setting (a ``Path`` field, or one whose metadata has ``"path": True``) is
+made absolute against the working directory where it is parsed, from a flag, the environment or
+a relative default alike: a launcher hands it to children and files that resolve relative paths
+elsewhere (a routes file resolves them against its own directory), so the path a person typed
+must mean what it meant where they typed it.
 
 A config may embed another config dataclass whole (``embedded``): its fields become flags of
 their own names, with environment variables named by a prefix, so a dataclass that an engine
@@ -61,6 +68,7 @@ class _FieldSpec:
     sequence_type: type | None
     optional: bool
     enum_type: type[enum.Enum] | None
+    path: bool
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -106,15 +114,28 @@ def _field_spec(field: dataclasses.Field, tp: Any, prefix: str) -> _FieldSpec:
     flag = "--" + (prefix + field.name).replace("_", "-")
     dest = (prefix + field.name).replace("-", "_")
     enum_type = inner if isinstance(inner, type) and issubclass(inner, enum.Enum) else None
+    if inner is bool and field.name.startswith("no_"):
+        # argparse's --no-X of a field named no_X is --no-no-X, and both set False.
+        raise TypeError(f"field {field.name!r}: name a boolean setting for what it turns on "
+                        f"({field.name[3:]!r}, default flipped), so --{field.name[3:]} / --no-{field.name[3:]} work")
+    path = bool(field.metadata.get("path")) or inner is Path
     if origin in (list, tuple):
         args = typing.get_args(inner)
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             raise TypeError(f"field {field.name!r}: only tuple[X, ...] is supported, got {inner!r}")
         item_parser = _scalar_parser(args[0] if args else str, field.name)
         kind = "repeated" if field.metadata.get("repeat") else "sequence"
-        return _FieldSpec(field.name, flag, dest, item_parser, kind, origin, optional, None)
+        return _FieldSpec(field.name, flag, dest, item_parser, kind, origin, optional, None, False)
     kind = "bool" if inner is bool else "scalar"
-    return _FieldSpec(field.name, flag, dest, _scalar_parser(inner, field.name), kind, None, optional, enum_type)
+    return _FieldSpec(field.name, flag, dest, _scalar_parser(inner, field.name), kind, None, optional, enum_type,
+                      path and kind == "scalar")
+
+
+def _absolute(spec: _FieldSpec, value: Any) -> Any:
+    """A path setting's value made absolute against the working directory (empty stays unset)."""
+    if not spec.path or value is None or value is _MISSING or str(value) == "":
+        return value
+    return type(value)(os.path.abspath(os.path.expanduser(str(value))))
 
 
 def _convert(spec: _FieldSpec, text: str) -> Any:
@@ -124,7 +145,7 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
     if spec.kind in ("sequence", "repeated"):
         items = [part.strip() for part in text.split(",") if part.strip()]
         return spec.sequence_type(spec.parse(item) for item in items)
-    return spec.parse(text)
+    return _absolute(spec, spec.parse(text))
 
 
 def embedded(config_cls: type, *, env_prefix: str, default: Any = None) -> Any:
@@ -200,7 +221,7 @@ def _add_arguments(
         spec = _field_spec(field, tp, prefix)
         env_name = field.metadata.get("env") or (env_prefix + field.name.upper() if env_prefix else None)
         help_text = field.metadata.get("help", "")
-        default = _field_default(field) if defaults is None else getattr(defaults, field.name)
+        default = _absolute(spec, _field_default(field) if defaults is None else getattr(defaults, field.name))
         from_env = False
         if env_name and env_name in environ:
             try:

@@ -25,9 +25,9 @@ DEFAULT_DRAFT_KV_CACHE_BYTES = 256 * 1024**2
 four layers in fp32, or 8K tokens of all 30."""
 
 
-def _setting(default, help_text: str):
+def _setting(default, help_text: str, **extra):
     """A setting with its flag's help; the flag and its variable are named after the field."""
-    return field(default=default, metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +35,12 @@ class DraftModelSettings:
     """What the draft-model proposer loads and how (``--method draft_model``)."""
 
     draft_model: str = _setting("", "draft_model: model directory of the draft, with the target's vocabulary "
-                                    "(the target's own directory with --draft-layers: self-speculative)")
+                                    "(the target's own directory with --draft-layers: self-speculative)", path=True)
     draft_layers: int = _setting(0, "draft_model: run only the first N layers plus the final norm and head "
                                     "(0 = every layer)")
     """Self-speculative drafting when draft_model is the target itself."""
     target_model: str = _setting("", "draft_model: the target's model directory; its vocab_size must equal the "
-                                     "draft's (empty = not checked here)")
+                                     "draft's (empty = not checked here)", path=True)
     device: str = _setting("auto", "draft_model: cpu, cuda, cuda:N, or auto (cuda when available)")
     dtype: str = _setting("auto", "draft_model: fp32, bf16, fp16, or auto (fp32 on a CPU, else the checkpoint's "
                                   "or bf16)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from services.common.service_config import service_process_fields
 from services.gateway.api_keys import load_api_keys
 from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTINGS
+from services.gateway.http.tokens import TokenizerLoadError, TokenNamer
 from services.gateway.routes_file import load_routes
 from services.gateway.routing.build import build_route
 from services.gateway.routing.target import TargetState
@@ -23,8 +24,8 @@ MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
 """As the scheduler's public API: a prompt of a million token ids is some 4 MiB."""
 
 
-def _f(default, help_: str, env: str):
-    return field(default=default, metadata={"help": help_, "env": env})
+def _f(default, help_: str, env: str, **extra):
+    return field(default=default, metadata={"help": help_, "env": env, **extra})
 
 
 @dataclass
@@ -34,11 +35,11 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
     engines, routing each request over them on their live latency profiles, its SLA and cost."""
 
     config: str = _f("", "routes file (YAML or JSON): the targets, and for each model id how to route it "
-                         "(required; see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG")
+                         "(required; see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG", path=True)
     http_port: int = _f(DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)",
                         "TOKENMILL_GATEWAY_HTTP_PORT")
     http_port_file: str = field(default="", metadata={
-        "help": "write the bound HTTP port to this file once serving (empty = don't)"})
+        "help": "write the bound HTTP port to this file once serving (empty = don't)", "path": True})
     profile_interval_s: float = _f(0.25, "how often each target's health and GetProfile are read, seconds; an "
                                          "unhealthy target is probed at the same pace", "TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
     profile_window_s: float = _f(10.0, "the window GetProfile is asked for, seconds (short: the profile follows the "
@@ -67,7 +68,7 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                                 "optional models, max_concurrent_requests, cache_group): every request then needs one, "
                                 "and each tenant's prefix cache is its own; empty = keyless, the client's "
                                 "Authorization goes to the engines (see services/gateway/api_keys.py)",
-                            "TOKENMILL_GATEWAY_API_KEYS_FILE")
+                            "TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)
     tool_call_parser: str = _f("auto", "how tool_choice auto reads tool calls out of a reply: auto (the format the "
                                        "serving engine's chat template defines, text when none), none (text), "
                                        "hermes, llama3_json or mistral; a route's tool_call_parser overrides it",
@@ -78,7 +79,8 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
                                        "reasoning_parser overrides it", "TOKENMILL_GATEWAY_REASONING_PARSER")
 
     def validate(self) -> None:
-        """The numbers, and the routes file read and built (every route's targets exist)."""
+        """The numbers, and the routes file read and built (every route's targets exist, every
+        route's tokenizer loads)."""
         if not self.config:
             raise ValueError("config: a routes file is required (--config FILE or TOKENMILL_GATEWAY_CONFIG)")
         if not -1 <= self.http_port <= 65535:
@@ -102,3 +104,18 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
         states = {t.name: TargetState(t.name) for t in routes.targets}
         for model in routes.models.values():
             build_route(model, states, where=f"routes file {self.config}: models.{model.name}.route")
+        token_namers(routes.models, self.config)
+
+
+def token_namers(models, origin: str) -> dict[str, TokenNamer]:
+    """The token namer of every model whose route names a tokenizer, loaded now: a tokenizer that does
+    not load is the routes file's fault, reported at start (ValueError naming the entry), never as
+    the answer to a request."""
+    namers = {}
+    for model in models.values():
+        if model.tokenizer:
+            try:
+                namers[model.name] = TokenNamer(model.tokenizer)
+            except TokenizerLoadError as exc:
+                raise ValueError(f"routes file {origin}: models.{model.name}.tokenizer: {exc}") from None
+    return namers

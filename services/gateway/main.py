@@ -15,7 +15,7 @@ from services.common.service_config import write_port_file, remove_port_file
 from services.common.service_main import announce_serving, registrar, service_main, start_service
 from services.common.tls import ClientTLS
 from services.gateway.api_keys import load_api_keys
-from services.gateway.config import GatewayServiceConfig
+from services.gateway.config import GatewayServiceConfig, token_namers
 from services.gateway.dispatch import Dispatcher
 from services.gateway.grpc_servicer import GatewayServicer
 from services.gateway.http.app import build_app
@@ -53,7 +53,8 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
         ctx = HttpContext(dispatcher, metrics, timeout_s=config.request_timeout_s, max_choices=config.max_choices,
                           max_request_bytes=config.max_request_bytes, created=int(time.time()),
                           tool_call_parser=config.tool_call_parser, api_keys=api_keys,
-                          reasoning_parser=config.reasoning_parser, body_timeout_s=config.http_body_timeout_s)
+                          reasoning_parser=config.reasoning_parser, body_timeout_s=config.http_body_timeout_s,
+                          namers=token_namers(routes.models, config.config))
         limits = ConnectionLimits(config.http_header_timeout_s, config.http_max_header_bytes,
                                   config.http_max_connections)
         http = await start_http(build_app(ctx), config.host, config.http_port, limits, config.http_keep_alive_s)

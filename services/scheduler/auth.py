@@ -120,6 +120,17 @@ class AuthTable:
         """The tenant names (several tokens may name one tenant)."""
         return {tenant.name for _, tenant in self._entries}
 
+    def token_for(self, model_name: str, priority: int = 0) -> str | None:
+        """A token whose tenant may ask for ``model_name`` at ``priority`` (the first in the file),
+        for a client of the operator's own (``tokenmill up``'s demo); None when no tenant may."""
+        for token, tenant in self._entries:
+            try:
+                tenant.check_request(model_name, priority)
+            except PermissionDeniedError:
+                continue
+            return token.decode("utf-8", "surrogatepass")
+        return None
+
     def authenticate(self, token: str) -> Tenant | None:
         presented = token.encode("utf-8", "surrogatepass")
         found = None

@@ -17,8 +17,8 @@ from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.latency_profile import DEFAULT_CAPACITY
 
 
-def _f(default, help_: str, env: str):
-    return field(default=default, metadata={"help": help_, "env": env})
+def _f(default, help_: str, env: str, **extra):
+    return field(default=default, metadata={"help": help_, "env": env, **extra})
 
 
 DEFAULT_PORT = 50051
@@ -73,7 +73,7 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                   "TOKENMILL_CONNECT_TIMEOUT_S")
     auth_tokens_file: str = _f("", "JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; "
                                    "clients then send 'authorization: Bearer TOKEN' (empty = no authentication)",
-                                   "TOKENMILL_AUTH_TOKENS_FILE")
+                                   "TOKENMILL_AUTH_TOKENS_FILE", path=True)
     profile_window_s: float = _f(60.0, "sliding window of the latency profile (GetProfile), seconds",
                                  "TOKENMILL_PROFILE_WINDOW_S")
     profile_capacity: int = _f(DEFAULT_CAPACITY, "finished-request samples GetProfile keeps: a ring allocated at start "

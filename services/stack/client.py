@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
+import os
+
 import grpc
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
@@ -21,6 +23,19 @@ from services.common.tls import ClientTLS
 
 TLSChoice = ClientTLS | Literal["env"] | None
 """A ClientTLS, None (plaintext) or "env" (ClientTLS.from_env(): the TOKENMILL_TLS_* variables)."""
+
+
+DEFAULT_PORT = 50051
+"""The scheduler's public port (services/scheduler/config.py, which the stack does not import)."""
+
+
+def default_address(environ: Mapping[str, str] | None = None) -> str:
+    """Where a client command finds the stack when given no --address: TOKENMILL_ADDRESS, else
+    loopback on the port a stack started here listens on (TOKENMILL_SCHEDULER_PORT, else 50051)."""
+    env = os.environ if environ is None else environ
+    if env.get("TOKENMILL_ADDRESS"):
+        return env["TOKENMILL_ADDRESS"]
+    return f"127.0.0.1:{env.get('TOKENMILL_SCHEDULER_PORT') or DEFAULT_PORT}"
 
 
 def open_channel(address: str, tls: TLSChoice = "env") -> grpc.Channel:
@@ -64,25 +79,34 @@ def build_request(prompt: str | list[int] | None, *, max_tokens: int = 128, temp
     return req
 
 
+def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``token`` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def generate(address: str, request: generation_pb2.GenerateRequest, timeout: float | None = 300.0,
-             tls: TLSChoice = "env") -> Iterator[generation_pb2.GenerateResponse]:
+             tls: TLSChoice = "env", token: str | None = None) -> Iterator[generation_pb2.GenerateResponse]:
     """The stream's messages as they arrive (Started, Deltas, Finished). Closing the iterator
-    early cancels the call, which aborts the request on the server."""
+    early cancels the call, which aborts the request on the server. ``token``: a bearer token,
+    for an engine with tenants."""
     with open_channel(address, tls) as channel:
-        yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+        yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout,
+                                                                        metadata=bearer(token))
 
 
-def model_info(address: str, timeout: float = 10.0, tls: TLSChoice = "env") -> generation_pb2.ModelInfo:
+def model_info(address: str, timeout: float = 10.0, tls: TLSChoice = "env",
+               token: str | None = None) -> generation_pb2.ModelInfo:
     with open_channel(address, tls) as channel:
         return generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                                                       timeout=timeout)
+                                                                       timeout=timeout, metadata=bearer(token))
 
 
 def fetch_profile(address: str, window_s: float | None = None, timeout: float = 10.0,
-                  tls: TLSChoice = "env") -> generation_pb2.LatencyProfile:
+                  tls: TLSChoice = "env", token: str | None = None) -> generation_pb2.LatencyProfile:
     """The scheduler's latency profile over the last ``window_s`` seconds (None: its configured window)."""
     request = generation_pb2.GetProfileRequest()
     if window_s is not None:
         request.window_seconds = window_s
     with open_channel(address, tls) as channel:
-        return generation_pb2_grpc.GenerationStub(channel).GetProfile(request, timeout=timeout)
+        return generation_pb2_grpc.GenerationStub(channel).GetProfile(request, timeout=timeout,
+                                                                      metadata=bearer(token))

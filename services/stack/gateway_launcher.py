@@ -61,7 +61,7 @@ class GatewayProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with code {self.process.returncode} while starting"
-                                   + (f"; see {self.log_path}" if self.log_path else ""))
+                                   + (f": {self._last_log_line()} (see {self.log_path})" if self.log_path else ""))
             grpc_port, http_port = read_port_file(grpc_file), read_port_file(http_file)
             if grpc_port is not None and http_port is not None:
                 self.grpc_port, self.http_port = grpc_port, http_port
@@ -70,13 +70,26 @@ class GatewayProcess:
         self.stop()
         raise TimeoutError(f"the gateway did not start within {timeout_s:.0f}s")
 
+    def _last_log_line(self) -> str:
+        """What the gateway said last (a refused setting is one line, service_main's)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    @property
+    def client_host(self) -> str:
+        """Where a client on this machine reaches it: loopback when it listens on every interface."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+
     @property
     def http_base(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.client_host}:{self.http_port}"
 
     @property
     def grpc_address(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+        return f"{self.client_host}:{self.grpc_port}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
         proc = self.process

@@ -17,6 +17,7 @@ client certificate (``Launcher.client_tls``), good for the public API only.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,15 @@ class Launcher:
         self.certificates: DevCertificates | None = (
             write_dev_certificates(self._state_dir / "tls") if config.tls else None)
         """The CA, server and client certificate files (with ``tls``)."""
+
+    @property
+    def run_dir(self) -> Path:
+        """The launcher's temporary directory (port files, TLS certificates); see remove_run_dir."""
+        return self._state_dir
+
+    def remove_run_dir(self) -> None:
+        """Once stopped: delete the run directory, so a stop leaves nothing behind in /tmp."""
+        shutil.rmtree(self._state_dir, ignore_errors=True)
 
     @property
     def client_tls(self) -> ClientTLS | None:

@@ -23,7 +23,7 @@ def test_replica_routes_route_one_model_over_every_engine():
     assert routes["models"]["stories260K"]["route"] == {"strategy": "latency", "targets": ["replica-0", "replica-1"]}
     assert [t["address"] for t in routes["targets"]] == ["127.0.0.1:1", "127.0.0.1:2"]
     args = parse_up_config([])
-    assert (args.replicas, args.http_port, args.gateway_port, args.no_gateway) == (1, 8000, 50050, False)
+    assert (args.replicas, args.http_port, args.gateway_port, args.gateway) == (1, 8000, 50050, True)
     args = parse_up_config(["--replicas", "3", "--gateway-arg=--max-attempts=2", "--gateway-arg=--http-port=1"])
     assert args.replicas == 3 and args.gateway_arg == ("--max-attempts=2", "--http-port=1")
     with pytest.raises(SystemExit) as exited:

@@ -174,9 +174,10 @@ def test_variants_and_build_arguments():
     assert "download.pytorch.org/whl/cpu" in text and "cu128" in text
 
 
-@pytest.mark.parametrize("flag", ["--host", "--no-demo"])
+@pytest.mark.parametrize("flag", ["--host", "--no-demo", "--gateway-arg"])
 def test_default_command_flags_exist(flag):
-    """The image's CMD (`tokenmill up --host 0.0.0.0 --no-demo`) names flags `tokenmill up` has."""
+    """The image's CMD (`tokenmill up --host 0.0.0.0 --no-demo --gateway-arg=--allow-insecure-bind`)
+    names flags `tokenmill up` has."""
     cmd = next(rest for keyword, rest in reversed(instructions()) if keyword == "CMD")
     assert flag in cmd
     done = subprocess.run([sys.executable, "-m", "services.cli.main", "up", "--help"], capture_output=True, text=True,

@@ -46,6 +46,11 @@ def test_flags_and_environment_come_from_the_dataclass(tmp_path):
     (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}],
                                        "models": {"m": {"route": "a", "reasoning_parser": "r1"}}})],
      "models.m.reasoning_parser must be one of"),
+    # A tokenizer that does not load is the routes file's fault: the gateway does not start (it
+    # once started, and answered every completion 400 naming the server's path).
+    (lambda d: ["--config", _write(d, {"targets": [{"name": "a", "address": "h:1"}],
+                                       "models": {"m": {"route": "a", "tokenizer": "models/none"}}})],
+     "models.m.tokenizer: tokenizer "),
 ])
 def test_bad_settings_exit_2_with_one_line(tmp_path, setup, message):
     env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
@@ -59,3 +64,13 @@ def _write(directory, routes) -> str:
     path = directory / "routes.json"
     path.write_text(json.dumps(routes))
     return str(path)
+
+
+def test_an_unexpected_fault_is_a_500_that_names_nothing_of_the_server():
+    from services.gateway.http.errors import from_error
+    from services.gateway.http.tokens import TokenizerLoadError
+
+    for exc in (TokenizerLoadError("tokenizer /srv/secret/models/m: cannot load it"), RuntimeError("/srv/secret")):
+        error = from_error(exc)
+        assert error.status == 500 and "/srv" not in error.message, error.message
+    assert from_error(ValueError("max_tokens 9 must be <= 8")).status == 400

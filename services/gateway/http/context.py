@@ -34,12 +34,13 @@ class HttpContext:
     """The gateway's API keys (api_keys.py); None = keyless."""
     reasoning_parser: str = "none"
     """GatewayServiceConfig.reasoning_parser (services/gateway/reasoning)."""
-    _namers: dict[str, TokenNamer] = field(default_factory=dict)
+    namers: dict[str, TokenNamer] = field(default_factory=dict)
+    """Each model's token namer, loaded at start (config.token_namers); others are made on first use."""
 
     def namer(self, route: Route) -> TokenNamer:
-        namer = self._namers.get(route.model)
+        namer = self.namers.get(route.model)
         if namer is None:
-            namer = self._namers[route.model] = TokenNamer(route.tokenizer)
+            namer = self.namers[route.model] = TokenNamer(route.tokenizer)
         return namer
 
 

@@ -110,6 +110,10 @@ def from_error(exc: BaseException) -> OpenAIError:
     param = _param_of(message) if status == 400 else None
     if status == 500:
         _log.error("http_internal_error", error=f"{type(exc).__name__}: {exc}")
+        if not isinstance(exc, TokenmillError):
+            # An unexpected fault of the gateway itself: its text may name paths or addresses of
+            # this machine, which are the log's business, not the client's.
+            message = "internal server error (the gateway's log has the details)"
     return OpenAIError(status, message, type_, param, error_code, headers)
 
 

@@ -34,6 +34,11 @@ def _byte_level_table() -> dict[str, int]:
     return chars
 
 
+class TokenizerLoadError(RuntimeError):
+    """A route's tokenizer that does not load: a fault of the gateway's routes file, never of a
+    request (the gateway refuses to start on one: GatewayServiceConfig.validate)."""
+
+
 class TokenNamer:
     def __init__(self, tokenizer_path: str = "") -> None:
         self._tokenizer: Tokenizer | None = None
@@ -46,7 +51,7 @@ class TokenNamer:
             try:
                 self._tokenizer = Tokenizer.from_file(str(path))
             except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
-                raise ValueError(f"tokenizer {tokenizer_path}: cannot load it: {exc}") from None
+                raise TokenizerLoadError(f"tokenizer {tokenizer_path}: cannot load it: {exc}") from None
             decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
             self._byte_level = "ByteLevel" in json.dumps(decoder)
             self._table = _byte_level_table()

@@ -21,8 +21,8 @@ from services.gateway.simulator.engine import SimSpec
 SPEC_FIELDS = {f.name for f in fields(SimSpec)}
 
 
-def _f(default, help_: str, env: str):
-    return field(default=default, metadata={"help": help_, "env": env})
+def _f(default, help_: str, env: str, **extra):
+    return field(default=default, metadata={"help": help_, "env": env, **extra})
 
 
 @dataclass
@@ -32,7 +32,8 @@ class SimulatorConfig:
     engines: str = _f("", "JSON list of engine specs, or the path of a file holding one (see the module's doc)",
                       "TOKENMILL_SIM_ENGINES")
     host: str = _f("127.0.0.1", "interface to listen on", "TOKENMILL_SIM_HOST")
-    ports_file: str = _f("", "write {name: port} as JSON here once every engine serves", "TOKENMILL_SIM_PORTS_FILE")
+    ports_file: str = _f("", "write {name: port} as JSON here once every engine serves", "TOKENMILL_SIM_PORTS_FILE",
+                         path=True)
     profile_window_s: float = _f(60.0, "default window of GetProfile, seconds", "TOKENMILL_SIM_PROFILE_WINDOW_S")
     log_level: str = _f("warning", "least severe log level written", "TOKENMILL_SIM_LOG_LEVEL")
 
