@@ -72,7 +72,7 @@ PRESETS: dict[str, RandomModelSpec] = {
 
 def _config_json(spec: RandomModelSpec) -> dict:
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
     if spec.architecture not in model_type:
         raise ValueError(f"unsupported architecture {spec.architecture!r}")
     cfg = {
@@ -98,6 +98,13 @@ def _config_json(spec: RandomModelSpec) -> dict:
         cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.rope_scaling}
     if spec.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = spec.sliding_window
+    if spec.architecture == "Phi3ForCausalLM":
+        cfg["sliding_window"] = spec.sliding_window
+        cfg["pad_token_id"] = 0  # Phi3Config's default, 32000, lies past a small vocabulary
+        scaling = dict(spec.rope_scaling)
+        if "original_max_position_embeddings" in scaling:  # Phi-3 writes it beside rope_scaling
+            cfg["original_max_position_embeddings"] = scaling.pop("original_max_position_embeddings")
+            cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
     if spec.architecture == "Gemma3ForCausalLM":
         del cfg["hidden_act"], cfg["rope_theta"]
         layer_types = ["full_attention" if (i + 1) % spec.sliding_window_pattern == 0 else "sliding_attention"
@@ -191,6 +198,13 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
                 p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,
                 p + "self_attn.v_proj.bias": rand(spec.num_kv_heads * hd) * 10,
             }
+    if spec.architecture == "Phi3ForCausalLM":  # q|k|v and gate|up in one matrix each
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [tensors.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")])
     if spec.architecture == "Gemma3ForCausalLM":
         # Gemma's norms scale by 1 + w: stored weights around 0, not 1
         tensors |= {name: t - 1.0 for name, t in tensors.items() if name.endswith("norm.weight")}

@@ -35,4 +35,10 @@ FAMILY_SPECS = {
                                           architecture="Gemma3ForCausalLM", seed=18, head_size=32, rope_theta=1e6,
                                           sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=True,
                                           rope_scaling=(("rope_type", "linear"), ("factor", 8.0))),
+    # Phi-3-mini-128k's layout: fused q|k|v and gate|up, longrope over 4x its original context
+    # (sequences here stay inside it, where transformers uses the short factors), a window.
+    "phi3-longrope": RandomModelSpec(**{**SMALL, "num_kv_heads": 4, "max_position_embeddings": 1024},
+                                     architecture="Phi3ForCausalLM", seed=19, sliding_window=48, rope_scaling=(
+        ("rope_type", "longrope"), ("original_max_position_embeddings", 256),
+        ("short_factor", tuple(1.0 + 0.05 * i for i in range(16))), ("long_factor", tuple(1.5 + 0.5 * i for i in range(16))))),
 }

@@ -2,7 +2,8 @@
 
 Llama, Mistral and Qwen2 share one implementation (llama.py: GQA/MQA, RoPE with ``rope_theta``
 and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias for
-Qwen2); Qwen3 adds per-head q/k norms (qwen3.py); Gemma 3 is its own file (gemma3.py). Anything
+Qwen2); Qwen3 adds per-head q/k norms (qwen3.py); Phi-3 stores q|k|v and gate|up fused (phi3.py);
+Gemma 3 is its own file (gemma3.py). Anything
 else is refused with an error that names the architecture, rather than loaded and run wrong.
 
 A layer's sliding window (Mistral, Gemma 3's local layers, Qwen2 with ``use_sliding_window``)
@@ -22,9 +23,9 @@ from services.runtime.model.quant.config import QuantizationConfig
 from services.runtime.model.rope import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 """Which model file runs each architecture."""
 
 DTYPES: dict[str, torch.dtype] = {
@@ -121,6 +122,10 @@ class ModelConfig:
             rope = dict(rope.get("full_attention") or {})
         rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         max_positions = int(raw.get("max_position_embeddings", 2048))
+        if raw.get("original_max_position_embeddings") and "original_max_position_embeddings" not in rope:
+            rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3 keeps it here
+        if raw.get("partial_rotary_factor") is not None:
+            rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
         rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
         rope_local = None
         if gemma:

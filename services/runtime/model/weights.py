@@ -75,6 +75,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (d,),
             p + "post_attention_layernorm.weight": (d,),
         }
+        if config.family == "phi3":  # q|k|v and gate|up stored fused (phi3.py splits them)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                del shapes[p + f"self_attn.{name}.weight"]
+            del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
+            shapes |= {p + "self_attn.qkv_proj.weight": (q_out + 2 * kv_out, d), p + "mlp.gate_up_proj.weight": (2 * f, d)}
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
                        p + "self_attn.k_norm.weight": (config.head_dim,)}

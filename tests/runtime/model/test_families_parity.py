@@ -39,7 +39,7 @@ def test_logits_and_greedy_tokens_match_transformers(family_dirs, name):
     assert greedy(model, prompt, NEW_TOKENS, prefill_chunk=7) == hf_greedy(hf, prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral-window"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "phi3-longrope"])
 def test_windowed_models_match_transformers_on_the_cpu_backend(family_dirs, name):
     """The C++ decode kernel honours each layer's window: decode steps far past it give transformers' tokens."""
     from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
