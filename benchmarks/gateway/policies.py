@@ -45,6 +45,8 @@ class PolicyResult:
     cost_per_request: float = 0.0
     e2e_p50_ms: float = 0.0
     e2e_p99_ms: float = 0.0
+    free_p50_ms: float = 0.0
+    """Median response time of the SLA-free requests (where cheap routing can pile them up)."""
     share: dict[str, float] = field(default_factory=dict)
     estimate_error_p50: float | None = None
     rows: list[tuple[str, str, float, float | None, float | None]] = field(default_factory=list, repr=False)
@@ -73,7 +75,7 @@ async def _one(dispatcher: Dispatcher, route: Route, job: Job, index: int, t0: f
 
 def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Outcome]) -> PolicyResult:
     result = PolicyResult(policy, requests=len(jobs))
-    times, cost, share = [], 0.0, Counter()
+    times, free, cost, share = [], [], 0.0, Counter()
     attained: dict[str, list[int]] = {}
     errors = []
     for index, job in enumerate(jobs):
@@ -86,7 +88,9 @@ def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Ou
         result.rows.append((job.sla_class, outcome.target, e2e, job.sla_ms, outcome.estimate_ms))
         cost += cost_of(outcome.target) * outcome.completion_tokens / 1000.0
         share[outcome.target.rsplit("-", 1)[0]] += 1
-        if job.sla_ms is not None:
+        if job.sla_ms is None:
+            free.append(e2e)
+        else:
             hit_total = attained.setdefault(job.sla_class, [0, 0])
             hit_total[0] += e2e <= job.sla_ms
             hit_total[1] += 1
@@ -96,6 +100,7 @@ def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Ou
     result.attained = {k: (v[0], v[1]) for k, v in attained.items()}
     result.cost_per_request = cost / max(len(times), 1)
     result.e2e_p50_ms = statistics.median(times) if times else 0.0
+    result.free_p50_ms = statistics.median(free) if free else 0.0
     result.e2e_p99_ms = times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0
     result.share = {k: v / max(len(times), 1) for k, v in sorted(share.items())}
     if policy == "tokenmill-latency" and errors:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+import structlog
 
 from services.common.errors import (
     DeadlineExceededError,
@@ -41,6 +42,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import Target, TargetPool
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
+
+_log = structlog.get_logger("tokenmill.gateway.dispatch")
 
 GOOD_FINISHES = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_EOS)
 
@@ -162,6 +165,7 @@ class Dispatcher:
         done = False
         request_id = message.request_id
         self.live[request_id] = target
+        outcome = "cancelled"
         try:
             async for reply in call:
                 kind = reply.WhichOneof("event")
@@ -172,6 +176,7 @@ class Dispatcher:
                     done = True
                     finished = reply.finished
                     if first_token_at is None and finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                        outcome = "UNAVAILABLE"
                         self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
                         raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
                     if finished.finish_reason in GOOD_FINISHES:
@@ -184,9 +189,10 @@ class Dispatcher:
                     held = None
                 yield reply
             self.metrics.requests.labels(route.model, target.name, "ok").inc()
+            outcome = "ok"
         except grpc.aio.AioRpcError as err:
             done = True
-            code = err.code().name
+            code = outcome = err.code().name
             self._failed(route, target, code, err.details() or "")
             if first_token_at is None and code in route.retry_codes:
                 raise _Retry(code, engine_error(err), started=held is not None or first_token_at is not None) from None
@@ -194,6 +200,8 @@ class Dispatcher:
         finally:
             state.inflight -= 1
             state.exploring -= explore
+            _log.info("request_routed", request_id=request_id, model=route.model, target=target.name, outcome=outcome,
+                      seconds=round(self.clock() - started_at, 4))
             if self.live.get(request_id) is target:
                 del self.live[request_id]
             if not done:

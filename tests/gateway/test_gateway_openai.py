@@ -20,6 +20,8 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 import pytest_asyncio
+import structlog
+import structlog.testing
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
@@ -466,6 +468,20 @@ async def test_request_id_goes_in_and_out(gw):
     assert len(fresh.headers["x-request-id"]) == 32
 
 
+async def test_the_serving_target_is_named_in_a_header_and_the_log_line(gw):
+    auth = {"Authorization": f"Bearer {ALPHA}"}
+    with structlog.testing.capture_logs() as logs:
+        plain = await gw.http.post("/v1/completions", json={"model": "stories", "prompt": PROMPT, "max_tokens": 2},
+                                   headers={**auth, "X-Request-Id": "named-target-1"})
+    assert plain.status_code == 200 and plain.headers["x-tokenmill-target"] == "e1"
+    routed = [e for e in logs if e["event"] == "request_routed" and e["request_id"].startswith("named-target-1")]
+    assert routed and all((e["target"], e["model"], e["outcome"]) == ("e1", "stories", "ok") for e in routed), logs
+    body = {"model": "stories", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "stream": True}
+    async with gw.http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-tokenmill-target"] == "e1"
+        _ = [line async for line in streamed.aiter_lines()]
+
+
 # ---------------------------------------------------------------------------- disconnects, health, metrics
 async def engine_profile(gw):
     return await gw.engine.GetProfile(generation_pb2.GetProfileRequest(), metadata=AUTH, timeout=10)
@@ -489,6 +505,11 @@ async def test_a_client_that_disconnects_mid_stream_frees_the_engines_kv(gw):
 async def test_health_and_metrics(gw):
     health = await gw.http.get("/health")
     assert health.status_code == 503 and health.json()["models_without_targets"] == ["down"]
+    ready = await gw.http.get("/ready", params={"model": "stories"})
+    assert ready.status_code == 200 and ready.json()["healthy_targets"] == {"stories": ["e1"]}
+    assert (await gw.http.get("/ready", params={"model": "down"})).status_code == 503
+    assert (await gw.http.get("/ready")).status_code == 503  # every model: "down" has no healthy target
+    assert (await gw.http.get("/ready", params={"model": "nope"})).status_code == 404
     text = (await gw.http.get("/metrics")).text
     assert 'tokenmill:gateway_decisions_total{model="stories",reason=' in text
     assert "tokenmill:gateway_routing_seconds_bucket" in text

@@ -2,7 +2,8 @@
 
 - One stack is slowed (its executor stopped and continued on a duty cycle, as a noisy
   neighbour would slow it): the latency route keeps requests with an SLA on the fast one and
-  sends SLA-free ones to the cheap slow one.
+  sends SLA-free ones to the cheap slow one while it is within the route's cheapest_within of the
+  fast one's estimate, to the fast one beyond (the default 2x).
 - One stack's scheduler is SIGKILLed under load: every request that had not started streaming
   still succeeds (it moves to the other target), and the killed target, restarted by its
   launcher, is probed back into the pool.
@@ -80,7 +81,10 @@ async def gateway(stacks, tmp_path_factory):
     routes = write_routes(tmp_path_factory.mktemp("routes") / "routes.json", {
         "targets": [{"name": "fast", "address": fast.public_address, "cost": 1.0},
                     {"name": "cheap", "address": cheap.public_address, "cost": 0.2}],
-        "models": {"stories": {"route": {"strategy": "latency", "targets": ["fast", "cheap"]}},
+        # SLA-free requests take the cheap target while within 20x the best estimate ("stories")
+        # or within the default 2x ("bounded").
+        "models": {"stories": {"route": {"strategy": "latency", "targets": ["fast", "cheap"], "cheapest_within": 20}},
+                   "bounded": {"route": {"strategy": "latency", "targets": ["fast", "cheap"]}},
                    "spread": {"strategy": "loadbalance", "targets": ["fast", "cheap"]},
                    "cheap-first": {"strategy": "fallback", "targets": ["cheap", "fast"]}}})
     running = await serve_gateway_for(routes)
@@ -133,10 +137,17 @@ async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_o
                                             extra_body={"ignore_eos": True})
         after = served(gateway, "stories")
         without_sla = {k: after[k] - before.get(k, 0) - with_sla.get(k, 0) for k in after}
+        before = served(gateway, "bounded")
+        for i in range(8):
+            await client.completions.create(model="bounded", prompt=f"{PROMPT} {i}", max_tokens=32,
+                                            extra_body={"ignore_eos": True})
+        bounded = {k: v - before.get(k, 0) for k, v in served(gateway, "bounded").items()}
     finally:
         slow.close()
     assert with_sla.get("fast", 0) >= 14, (with_sla, fast_ms, slow_ms, sla)
     assert without_sla.get("cheap", 0) == 8, without_sla
+    # Over 2.5x slower than the fast one: beyond the default bound, so SLA-free traffic goes fast.
+    assert bounded.get("fast", 0) >= 7, (bounded, fast_ms, slow_ms)
 
 
 async def test_a_target_killed_under_load_fails_no_request_that_had_not_streamed(stacks, gateway):

@@ -129,8 +129,33 @@ def test_latency_takes_the_cheapest_target_that_fits_the_sla():
     assert names(r.node.rank(req(101, sla=600))) == ["fast", "mid", "weak"]
     ranking = r.node.rank(req(101, sla=100))  # nothing fits: lowest estimate first
     assert (names(ranking), ranking.reason) == (["fast", "mid", "weak"], "lowest_estimate")
-    ranking = r.node.rank(req(101))  # no SLA: the cheapest
-    assert (names(ranking), ranking.reason) == (["weak", "mid", "fast"], "cheapest")
+    ranking = r.node.rank(req(101))  # no SLA: the cheapest within 2x the best estimate (1100 ms)
+    assert (names(ranking), ranking.reason) == (["mid", "fast", "weak"], "cheapest")
+    lax = route({"strategy": "latency", "targets": ["fast", "mid", "weak"], "explore_rate": 0,
+                 "cheapest_within": 4}, targets)
+    assert names(lax.node.rank(req(101))) == ["weak", "mid", "fast"]
+
+
+def test_sla_free_traffic_spills_before_the_cheapest_targets_queue_grows_without_bound():
+    targets = states(fast=3.0, weak=0.5)
+    for load in range(8):  # fast: 100 ms + 10 ms per request in flight; weak: 150 ms + 50 ms
+        targets["fast"].estimator.observe(load, 100 + 10 * load, 1, 100 + 10 * load, now=1000.0)
+        targets["weak"].estimator.observe(load, 150 + 50 * load, 1, 150 + 50 * load, now=1000.0)
+    r = route({"strategy": "latency", "targets": ["fast", "weak"], "explore_rate": 0}, targets)
+    sent = Counter()
+    for _ in range(200):  # none finishes: every one sent stays in flight
+        chosen = r.node.rank(req(1)).targets[0]
+        chosen.inflight += 1
+        sent[chosen.name] += 1
+    # weak is taken while within 2x of fast's estimate: 150 + 50 w <= 2 (100 + 10 f)
+    assert 20 < sent["weak"] < 60 and sent["fast"] > 140, sent
+    weak, fast = (t.estimator.estimate_ms(1, t.inflight - 1, False, 0.0) for t in (targets["weak"], targets["fast"]))
+    assert weak <= 2 * fast, (weak, fast)  # its last request was sent within the bound
+
+
+def test_cheapest_within_is_checked():
+    with pytest.raises(ValueError, match=r"cheapest_within must be a number in \[1.0, 1000.0\], got 0.5"):
+        route({"strategy": "latency", "targets": ["fast", "weak"], "cheapest_within": 0.5}, states(fast=1.0, weak=0.5))
 
 
 def test_latency_worst_case_judges_on_p99():

@@ -90,7 +90,7 @@ async def test_the_gateway_routes_over_simulated_engines_on_their_live_latency(t
     routes = write_routes(tmp_path / "routes.json", {
         "targets": [{"name": s.name, "address": srv.address, "cost": {"fast": 1.0, "slow": 0.5, "cheap": 0.1}[s.name]}
                     for s, srv in zip(specs, sims)],
-        "models": {"m": {"strategy": "latency", "targets": ["fast", "slow", "cheap"]}}})
+        "models": {"m": {"strategy": "latency", "targets": ["fast", "slow", "cheap"], "cheapest_within": 50}}})
     gateway = await serve_gateway_for(routes)
     await wait_healthy(gateway, ["fast", "slow", "cheap"])
     try:

@@ -5,6 +5,8 @@
     POST /v1/completions             http/completions.py
     POST /v1/chat/completions        http/chat.py
     GET  /health                     200 while some target of every model is healthy, else 503
+    GET  /ready?model=ID             200 while some target of that model (every model without
+                                     ?model=) is healthy, else 503; an unknown model is 404
     GET  /metrics                    Prometheus (services/gateway/metrics.py)
     GET  /openapi.json               the OpenAPI document (FastAPI's)
 """
@@ -37,6 +39,18 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+async def ready(request: Request, model: str | None = None) -> JSONResponse:
+    ctx: HttpContext = request.app.state.gateway
+    routes = ctx.dispatcher.routes
+    if model is not None and model not in routes:
+        return JSONResponse({"status": "unknown_model", "model": model, "models": sorted(routes)}, status_code=404)
+    names = [model] if model is not None else list(routes)
+    healthy = {name: [t.name for t in routes[name].node.leaves() if t.healthy] for name in names}
+    down = [name for name, targets in healthy.items() if not targets]
+    body = {"status": "unavailable" if down else "ready", "healthy_targets": healthy}
+    return JSONResponse(body, status_code=503 if down else 200)
+
+
 async def metrics(request: Request) -> Response:
     ctx: HttpContext = request.app.state.gateway
     return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -55,6 +69,7 @@ def build_app(ctx: HttpContext) -> FastAPI:
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], response_model=None,
                       responses={200: {"model": ChatCompletion, "content": STREAM}, **ERRORS})
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
+    app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_middleware(GatewayMiddleware, max_request_bytes=ctx.max_request_bytes, metrics=ctx.metrics,
                        api_keys=ctx.api_keys, body_timeout_s=ctx.body_timeout_s)

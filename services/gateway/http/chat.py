@@ -77,7 +77,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
         chunks = _chunks(streams, states, readers, thinkers, head, body, namer, plan, rid, usage_chunks)
         return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, **streams.target_header})
     thoughts: list[list[str]] = [[] for _ in calls]
     answers: list[list[str]] = [[] for _ in calls]
     await unless_disconnected(request, _collect(streams, states, readers, thinkers, thoughts, answers))
@@ -101,7 +101,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                "system_fingerprint": None}
     if body.prompt_logprobs is not None:  # vLLM's: the conversation's prompt is every choice's
         payload["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs, namer, body.prompt_logprobs)
-    return Response(dumps(payload), media_type="application/json")
+    return Response(dumps(payload), media_type="application/json", headers=streams.target_header)
 
 
 async def _collect(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None],

@@ -82,11 +82,18 @@ def usage_of(states: Sequence[ChoiceState]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts.values())}}
 
 
+TARGET_HEADER = "x-tokenmill-target"
+
+
 class ChoiceStreams:
     def __init__(self, dispatcher: Dispatcher, route: Route,
                  calls: Sequence[tuple[RouteRequest, generation_pb2.GenerateRequest]],
                  metadata: Sequence[tuple[str, str]] | None, timeout_s: float) -> None:
         self._streams = [dispatcher.generate(route, rr, message, metadata, timeout_s) for rr, message in calls]
+        self._dispatcher = dispatcher
+        self._request_ids = [message.request_id for _, message in calls]
+        self.targets: list[str] = []
+        """The targets serving the calls, once started (first appearance order, no repeats)."""
         self._first: list[generation_pb2.GenerateResponse] = []
         self._pumps: list[asyncio.Task] = []
         self._ended: set[int] = set()
@@ -96,6 +103,7 @@ class ChoiceStreams:
         try:
             if len(self._streams) == 1:
                 self._first = [await anext(self._streams[0])]
+                self._note_targets()
                 return
             results = await asyncio.gather(*(anext(s) for s in self._streams), return_exceptions=True)
         except BaseException:
@@ -106,6 +114,18 @@ class ChoiceStreams:
             await self.close()
             raise errors[0]
         self._first = list(results)
+        self._note_targets()
+
+    def _note_targets(self) -> None:
+        # Each call has its Started now, so the dispatcher holds the target that admitted it.
+        live = self._dispatcher.live
+        names = (live[rid].name for rid in self._request_ids if rid in live)
+        self.targets = list(dict.fromkeys(names))
+
+    @property
+    def target_header(self) -> dict[str, str]:
+        """``x-tokenmill-target``: which target(s) serve this response."""
+        return {TARGET_HEADER: ", ".join(self.targets)} if self.targets else {}
 
     async def events(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         if len(self._streams) == 1:

@@ -57,7 +57,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": body.model}
     if body.stream:
         return StreamingResponse(_stream(streams, states, head, body, echoes, namer), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, **streams.target_header})
     await unless_disconnected(request, _collect(streams, states))
     choices = []
     for state in states:
@@ -74,7 +74,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs, namer, body.prompt_logprobs)
         choices.append(choice)
     payload = {**head, "choices": choices, "usage": usage_of(states), "system_fingerprint": None}
-    return Response(dumps(payload), media_type="application/json")
+    return Response(dumps(payload), media_type="application/json", headers=streams.target_header)
 
 
 async def _collect(streams: ChoiceStreams, states: list[ChoiceState]) -> None:

@@ -6,7 +6,8 @@
     {strategy: fallback, targets: [primary, {strategy: loadbalance, targets: [c, d]}]}
     {strategy: conditional, conditions: [{query: {"metadata.tier": {"$eq": "gold"}}, then: big}],
      default: small}
-    {strategy: latency, targets: [fast, weak], explore_rate: 0.05, max_exploring: 1, confidence: 0.9}
+    {strategy: latency, targets: [fast, weak], explore_rate: 0.05, max_exploring: 1, confidence: 0.9,
+     cheapest_within: 2.0}
     {strategy: prefix-affinity, targets: [r1, r2, r3], prefix_chars: 256, block_chars: 64,
      load_factor: 1.25}
 
@@ -129,12 +130,14 @@ class _Builder:
         return leaves
 
     def latency(self, spec: dict, where: str) -> Node:
-        _only(spec, {"strategy", "targets", "explore_rate", "max_exploring", "confidence", "weight"}, where)
+        _only(spec, {"strategy", "targets", "explore_rate", "max_exploring", "confidence", "cheapest_within",
+                     "weight"}, where)
         rate = _number(spec, "explore_rate", 0.05, where, 0.0, 1.0)
         exploring = int(_number(spec, "max_exploring", 1, where, 0, 1 << 20))
         confidence = _number(spec, "confidence", 0.9, where, 0.5, 0.99)
+        within = _number(spec, "cheapest_within", 2.0, where, 1.0, 1000.0)
         return LatencyRouted(self._leaves(spec, where), explore_rate=rate, max_exploring=exploring,
-                             confidence=confidence, rng=self.rng, clock=self.clock)
+                             confidence=confidence, cheapest_within=within, rng=self.rng, clock=self.clock)
 
     def prefix_affinity(self, spec: dict, where: str) -> Node:
         _only(spec, {"strategy", "targets", "prefix_chars", "block_chars", "load_factor", "weight"}, where)

@@ -7,7 +7,10 @@ request asks for the worst case, p99s. Then:
 1. the targets whose estimate fits the request's SLA with ``confidence``: the estimate times the
    ``confidence`` quantile of the target's own observed / estimated ratios (a target whose
    estimates have run short gets a wider margin), cheapest first (ties: lower estimate); without
-   an SLA every target fits, so SLA-free traffic goes to the cheapest (the weak model);
+   an SLA, the targets whose estimate is within ``cheapest_within`` times the best target's
+   (default 2) fit, so SLA-free traffic goes to the cheapest target that will not fall behind:
+   as its queue grows its estimate grows with it, and past the bound the traffic spills to the
+   next cheapest instead of piling up (a route's default ``sla_ms`` gives it an SLA instead);
 2. then the targets that do not fit, lowest estimate first;
 3. then the targets with no data yet.
 
@@ -31,9 +34,10 @@ from services.gateway.routing.target import TargetState
 
 class LatencyRouted:
     def __init__(self, targets: list[TargetState], *, explore_rate: float = 0.05, max_exploring: int = 1,
-                 confidence: float = 0.9, rng: random.Random | None = None,
+                 confidence: float = 0.9, cheapest_within: float = 2.0, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.targets = targets
+        self.cheapest_within = cheapest_within
         self.confidence = confidence
         self.explore_rate = explore_rate
         self.max_exploring = max_exploring
@@ -73,7 +77,7 @@ class LatencyRouted:
                 tpot = tpot_floor
             raw = ttft * worst_ttft + n1 * tpot * worst_tpot if worst else ttft + n1 * tpot
             estimate = raw * estimator.median_ratio
-            if sla is None or raw * estimator.quantile_ratio(confidence) <= sla:
+            if sla is None or raw * estimator.quantile_ratio(confidence) <= sla:  # SLA-free: sorted out below
                 fits.append((target.cost, estimate, target))
             else:
                 misses.append((estimate, target))
@@ -82,6 +86,10 @@ class LatencyRouted:
                 learn.append(target)
         if not fits and not misses:
             return self._without_data(unknown)
+        if sla is None:
+            bound = self.cheapest_within * min(entry[1] for entry in fits)
+            misses = [(estimate, t) for _, estimate, t in fits if estimate > bound]
+            fits = [entry for entry in fits if entry[1] <= bound]
         fits.sort(key=lambda entry: (entry[0], entry[1]))
         misses.sort(key=lambda entry: entry[0])
         ranked = [t for _, _, t in fits] + [t for _, t in misses] + unknown
