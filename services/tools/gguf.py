@@ -92,9 +92,12 @@ _GEMMA3_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS}
+LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
+                 "qwen3": _LAYER_TENSORS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
 """GGUF layer tensor names per ``general.architecture`` -> HF module names."""
-ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3"}
+ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3", "qwen3": "Qwen3"}
+_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3", "qwen3": "qwen3"}
+"""config.json model_type -> GGUF architecture."""
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -148,9 +151,10 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         raise ValueError(f"{arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts models are "
                          "not served")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or (scaling == "linear" and arch != "gemma3"):
-        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; only plain RoPE (and Gemma 3's linear scaling) "
-                         "is converted")
+    allowed = {"llama": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn")}[arch]
+    if scaling not in allowed:
+        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
+                         f"{', '.join(allowed)}")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
@@ -200,6 +204,12 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         }
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    if arch == "qwen3":
+        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+        if scaling == "yarn":
+            config["rope_scaling"] = {
+                "rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
+                "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))}
     if special.get("bos") is not None:
         config["bos_token_id"] = special["bos"]
     if ends:
@@ -215,7 +225,7 @@ def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype:
 
 
 def _arch(config: Mapping[str, Any]) -> str:
-    return "gemma3" if config["model_type"] == "gemma3_text" else "llama"
+    return _MODEL_TYPES[config["model_type"]]
 
 
 def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:

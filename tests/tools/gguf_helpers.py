@@ -77,7 +77,8 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     def add(gguf_name: str, hf_name: str, values: np.ndarray, qtype: GGMLQuantizationType,
             permute_heads: int | None = None) -> None:
         hf[hf_name] = values
-        stored = values if permute_heads is None else llama_cpp_permute(values, permute_heads)
+        # llama.cpp permutes q/k rows for its Llama architecture only
+        stored = values if permute_heads is None or arch != "llama" else llama_cpp_permute(values, permute_heads)
         short = gguf_name.split(".")[-2]
         qtype = (qtypes or {}).get(short, qtype)
         if qtype == GGMLQuantizationType.F32:
@@ -101,6 +102,9 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
         add(f"blk.{i}.attn_v.weight", p + "self_attn.v_proj.weight", rand(kvh * head_dim, d), q41)
         add(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rand(d, h * head_dim), q41)
         add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rand(d), f32)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", p + "self_attn.q_norm.weight", 1 + rand(head_dim), f32)
+            add(f"blk.{i}.attn_k_norm.weight", p + "self_attn.k_norm.weight", 1 + rand(head_dim), f32)
         add(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rand(f, d), q41)
         add(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rand(f, d), q41)
         add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)

@@ -127,7 +127,7 @@ def test_tokenizer_files(tiny):
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(arch="qwen2"), r"general.architecture is 'qwen2'"),
     (dict(tokenizer_model="llama"), r"tokenizer.ggml.model is 'llama'"),
-    (dict(pre="qwen2"), r"tokenizer.ggml.pre is 'qwen2'; the pre-tokenizers converted are gpt-2, smollm"),
+    (dict(pre="llama-bpe"), r"tokenizer.ggml.pre is .llama-bpe.; the pre-tokenizers converted are gpt-2, qwen2, smollm"),
     (dict(extra_tensor="blk.0.attn_q_norm.weight"), r"'blk.0.attn_q_norm.weight' has no place in the Llama layout"),
     # A layer index the file chose must not size a loop (in keep mode it drove a ~7e9-step one).
     (dict(extra_tensor="blk.999999999.attn_q.weight"),
