@@ -20,7 +20,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 
@@ -109,12 +109,23 @@ def path_field(service: str, name: str, help_text: str) -> Any:
     return field(default="", metadata={"help": help_text, "env": _env_prefix(service) + name.upper(), "path": True})
 
 
+INTERNAL_SECRET_HELP = {
+    "require": "file holding the deployment's internal secret (one line, private to its owner; "
+               "services/common/internal_secret.py): every call here but health must carry it, else UNAUTHENTICATED, "
+               "and calls this service makes to the others carry it (empty = none: any local process may call)",
+    "present": "file holding the deployment's internal secret (one line, private to its owner): sent on every call "
+               "to the backends, which require it (their --internal-secret-file); empty = none",
+}
+
+
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
-                           backend_tls: bool = False) -> type:
+                           backend_tls: bool = False, internal_secret: str = "") -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
     file, log level, stop grace, metrics port, message size limit, reflection, TLS, the plaintext
     health port and the garbage collector's young threshold, with TOKENMILL_<SERVICE>_* variables. backend_tls adds
-    the client side of a service that connects to others (--backend-tls-ca/-cert/-key)."""
+    the client side of a service that connects to others (--backend-tls-ca/-cert/-key). internal_secret adds
+    --internal-secret-file: "require" for an internal service (its callers must present it), "present" for
+    one that only calls them (the scheduler)."""
 
     @dataclass(slots=True)
     class ServiceProcessFields:
@@ -164,6 +175,14 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
             backend_tls_cert: str = path_field(service, "backend_tls_cert",
                                                "PEM client certificate presented to the backends (mTLS)")
             backend_tls_key: str = path_field(service, "backend_tls_key", "PEM private key of --backend-tls-cert")
+
+    if internal_secret:
+        help_text = INTERNAL_SECRET_HELP[internal_secret]
+
+        @dataclass(slots=True)
+        class ServiceProcessFields(ServiceProcessFields):  # noqa: F811 - the same base, plus the secret
+            internal_secret_file: str = path_field(service, "internal_secret_file", help_text)
+            internal_secret_required: ClassVar[bool] = internal_secret == "require"
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
     return ServiceProcessFields

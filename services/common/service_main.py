@@ -25,9 +25,11 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
+import structlog
 
 from services.common.bind_policy import check_bind
 from services.common.gc_thresholds import check_gc_young_threshold, set_gc_thresholds
+from services.common.internal_secret import InternalSecretInterceptor, load_secret
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
 from services.common.peer_identity import PeerIdentityInterceptor
@@ -35,6 +37,9 @@ from services.common.server import RunningServer, run_service, server_options, s
 from services.common.service_config import publish_port
 from services.common.settings import parse_config
 from services.common.tls import ClientTLS, ServerTLS
+
+
+_log = structlog.get_logger("tokenmill.service")
 
 
 class ServiceProcessConfig(Protocol):
@@ -79,6 +84,14 @@ def check_process_fields(config: ServiceProcessConfig) -> None:
         server_tls.load()
     if (backend_tls := ClientTLS.for_backends(config)) is not None:
         backend_tls.check(("--backend-tls-ca", "--backend-tls-cert", "--backend-tls-key"))
+    internal_secret(config)
+
+
+def internal_secret(config: ServiceProcessConfig) -> str:
+    """The secret in the config's --internal-secret-file ('' when it has none); ValueError naming
+    the flag when the file is unfit (services/common/internal_secret.py)."""
+    path = getattr(config, "internal_secret_file", "")
+    return load_secret(path) if path else ""
 
 
 def registrar(
@@ -110,6 +123,13 @@ async def start_service(
     check_bind(config, name)
     identity = ([PeerIdentityInterceptor(config.tls_allowed_clients, method_clients)]
                 if config.tls_allowed_clients else [])
+    if getattr(config, "internal_secret_required", False):
+        if secret := internal_secret(config):
+            identity.insert(0, InternalSecretInterceptor(secret))
+        elif not config.tls_allowed_clients:
+            _log.warning("internal_service_unauthenticated", service=name,
+                         hint="any local process may call it: set --internal-secret-file (tokenmill up does), or "
+                              "mTLS with --tls-allowed-clients")
     return await start_server(name, add, host=config.host, port=config.port, serving=serving,
                               interceptors=[*rpc_interceptors(config.metrics_port), *interceptors],
                               front_interceptors=[*identity, *front_interceptors],

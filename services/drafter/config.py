@@ -75,7 +75,7 @@ def _flag(default, help_text: str, name: str):
 
 
 @dataclass(slots=True)
-class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT)):
+class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT, internal_secret="require")):
     """tokenmill drafter: proposes draft tokens for speculative decoding (prompt lookup or a draft model)."""
 
     method: DraftMethod = _flag(DraftMethod.NGRAM, "how drafts are made: ngram (prompt lookup) or draft_model",

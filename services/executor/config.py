@@ -121,7 +121,8 @@ MIN_STEP_IDLE_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
-class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, backend_tls=True)):
+class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, backend_tls=True,
+                                                 internal_secret="require")):
     """tokenmill executor: runs the model over the step batches the scheduler plans."""
 
     executor: ExecutorConfig = embedded(ExecutorConfig, env_prefix=ENV_PREFIX)
@@ -138,6 +139,11 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         "help": "with --tls-allowed-clients: client certificate identities (comma-separated) that may also call "
                 "ReadKVBlocks, and nothing else here: the other executors, which pull a prompt's KV from this one",
         "env": "TOKENMILL_EXECUTOR_TLS_PEER_CLIENTS"})
+    kv_peers: tuple[str, ...] = field(default=(), metadata={
+        "help": "executors (host:port, comma-separated, as the scheduler names them in --executor-addresses) this "
+                "one may pull a prompt's KV blocks from; PullKVBlocks naming any other is refused before anything "
+                "connects (empty = none: a decode executor then recomputes every prompt)",
+        "env": "TOKENMILL_EXECUTOR_KV_PEERS"})
     skip_warmup: bool = field(default=False, metadata={
         "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
         "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
@@ -151,6 +157,9 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
         if 0 < self.step_idle_timeout_s < MIN_STEP_IDLE_TIMEOUT_S:
             raise ValueError(f"step_idle_timeout_s must be 0 or >= {MIN_STEP_IDLE_TIMEOUT_S:g} (three of the "
                              f"scheduler's idle heartbeats), got {self.step_idle_timeout_s}")
+        for peer in self.kv_peers:
+            if not 0 < len(peer) <= 256 or not peer.isprintable() or " " in peer:
+                raise ValueError(f"kv_peers entries must be host:port addresses, got {peer[:100]!r}")
         if self.tls_peer_clients and not self.tls_allowed_clients:
             raise ValueError("tls_peer_clients widens --tls-allowed-clients for ReadKVBlocks: set that too "
                              "(without it every certificate the CA signed may call everything)")

@@ -21,7 +21,7 @@ from services.common.metrics import executor_step_histogram
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import RunningServer
 from services.common.tls import ClientTLS
-from services.common.service_main import announce_serving, registrar, service_main, start_service
+from services.common.service_main import announce_serving, internal_secret, registrar, service_main, start_service
 from services.executor.config import ExecutorServiceConfig
 from services.executor.model_runner import ModelRunner
 from services.executor.servicer import ExecutorServicer
@@ -41,7 +41,8 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
     loaded: asyncio.Future[ModelRunner] = loop.create_future()
     observe_step = executor_step_histogram().observe if config.metrics_port >= 0 else None
     servicer = ExecutorServicer(worker, loaded, observe_step, role=config.role,
-                                peer_tls=ClientTLS.for_backends(config), idle_timeout_s=config.step_idle_timeout_s)
+                                peer_tls=ClientTLS.for_backends(config), idle_timeout_s=config.step_idle_timeout_s,
+                                peer_secret=internal_secret(config), kv_peers=config.kv_peers)
     try:
         running = await start_service(config, "executor", registrar(
             servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, executor_pb2, "Executor"),

@@ -71,13 +71,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def __init__(self, worker: Executor, runner: asyncio.Future[StepRunner],
                  observe_step: Callable[[float], None] | None = None, role: str = "mixed",
-                 peer_tls: ClientTLS | None = None, idle_timeout_s: float = 0.0) -> None:
+                 peer_tls: ClientTLS | None = None, idle_timeout_s: float = 0.0, peer_secret: str = "",
+                 kv_peers: tuple[str, ...] = ()) -> None:
         self._worker = worker
         self._runner = runner
         self._observe_step = observe_step
         self._role = role
         self._peer_tls = peer_tls
+        self._peer_secret = peer_secret
         """How this executor reaches another to pull KV blocks from it."""
+        self._kv_peers = kv_peers
+        """The executors it may pull KV blocks from (--kv-peers)."""
         self._kv_transfer: KVTransfer | None = None
         self._info: executor_pb2.ExecutorInfo | None = None
         self._facts: ExecutorInfo | None = None
@@ -104,7 +108,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, request: executor_pb2.PullKVBlocksRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.PullKVBlocksResponse:
         # The repeated fields as they are: their lengths are checked before anything is copied.
-        report = await self._transfer().pull(request.source_address, request.source_block_ids, request.block_ids)
+        report = await self._transfer().pull(request.source_address, request.source_block_ids, request.block_ids,
+                                             request.grant)
         _log.info("kv_pulled", source=request.source_address, blocks=report.num_blocks, bytes=report.num_bytes,
                   ms=round(report.seconds * 1000, 3))
         return executor_pb2.PullKVBlocksResponse(num_blocks=report.num_blocks, num_bytes=report.num_bytes,
@@ -113,8 +118,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def ReadKVBlocks(
         self, request: executor_pb2.ReadKVBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.KVBlockChunk]:
-        async for first, count, layers in self._transfer().read(request.kv_layout, request.block_ids):
+        async for first, count, layers in self._transfer().read(request.kv_layout, request.block_ids, request.grant):
             yield executor_pb2.KVBlockChunk(first=first, count=count, layers=layers)
+
+    async def GrantKVBlocks(
+        self, request: executor_pb2.GrantKVBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GrantKVBlocksResponse:
+        return executor_pb2.GrantKVBlocksResponse(grant=self._transfer().grant(request.block_ids))
+
+    async def RevokeKVBlocks(
+        self, request: executor_pb2.RevokeKVBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.RevokeKVBlocksResponse:
+        self._transfer().revoke(request.grant)
+        return executor_pb2.RevokeKVBlocksResponse()
 
     def _transfer(self) -> KVTransfer:
         """The KV copies' side of this executor (services/executor/kv_transfer.py), once loaded."""
@@ -124,7 +140,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             loop = asyncio.get_running_loop()
             self._kv_transfer = KVTransfer(
                 runner.kv_cache, info.kv_layout, info.kv_cache_bytes // info.num_blocks, info.num_blocks,
-                lambda fn, *args: loop.run_in_executor(self._worker, fn, *args), self._peer_tls)
+                lambda fn, *args: loop.run_in_executor(self._worker, fn, *args), self._peer_tls,
+                self._peer_secret, self._kv_peers)
         return self._kv_transfer
 
     async def Step(
@@ -205,6 +222,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self._active_session != session:
             return
         self._active_session = None
+        if self._kv_transfer is not None:
+            self._kv_transfer.revoke_all()  # the blocks they named belong to the next scheduler
         try:
             self._worker.submit(self._runner.result().sequences.clear)
         except RuntimeError:

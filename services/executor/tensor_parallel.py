@@ -87,12 +87,12 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
     devices = rank_devices(device, world)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
 
-    def spec(rank: int, port: int) -> RankSpec:
+    def spec(rank: int, store_path: str) -> RankSpec:
         return RankSpec(model=str(config.model), dtype=dtype_name(dtype), device=str(devices[rank]),
                         attention_backend=backend_name, block_size=config.block_size,
                         kv_dtype=str(kv_dtype).removeprefix("torch."), num_blocks=config.num_blocks,
                         kv_cache_bytes=config.kv_cache_bytes, gpu_memory_utilization=config.gpu_memory_utilization,
-                        rank=rank, world=world, store_port=port, threads=torch.get_num_threads(),
+                        rank=rank, world=world, store_path=store_path, threads=torch.get_num_threads(),
                         log_level=level if level in ("debug", "info", "warning", "error") else "info",
                         all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath,
                         lm_head=config.tensor_parallel_lm_head, max_model_len=max_model_len,

@@ -28,7 +28,7 @@ MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, MAX_PUBLIC_MESSAGE_BYTES,
-                                                    backend_tls=True)):
+                                                    backend_tls=True, internal_secret="present")):
     """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
 
     executor_addresses: tuple[str, ...] = _f(

@@ -12,7 +12,7 @@ from services.common.malloc import cap_arenas, trim_when_idle
 from services.common.metrics import request_metrics, scheduler_collector, tenant_metrics
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
-from services.common.service_main import announce_serving, registrar, service_main, start_service
+from services.common.service_main import announce_serving, internal_secret, registrar, service_main, start_service
 from services.common.tls import ClientTLS
 from services.scheduler.admission import Admission, DoorInterceptor, per_tenant_bound
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens, reload_auth
@@ -54,7 +54,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     drafting = config.drafter_address and config.num_speculative_tokens > 0
     backends = Backends(config.executor_addresses, config.tokenizer_addresses,
                         config.drafter_address if drafting else "", config.spec_draft_deadline_ms / 1000,
-                        ClientTLS.for_backends(config))
+                        ClientTLS.for_backends(config), internal_secret(config))
     supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=config.speculation(),
                             on_finished=on_finished)
     await supervisor.start()

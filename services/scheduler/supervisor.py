@@ -95,6 +95,8 @@ class Backends:
     """Empty: no speculative decoding."""
     drafter_deadline_s: float = 0.05
     tls: ClientTLS | None = None
+    secret: str = ""
+    """The deployment's internal secret, sent on every call to a backend (internal_secret.py)."""
 
 
 class Supervisor:
@@ -105,10 +107,12 @@ class Supervisor:
         if not backends.executor_addresses or len(set(backends.executor_addresses)) != len(backends.executor_addresses):
             raise ValueError(f"executor_addresses must name one or more distinct executors, got "
                              f"{list(backends.executor_addresses)}")
-        self.executors = {address: ExecutorLink(address, backends.tls, on_lost=self._wake_core)
+        self.executors = {address: ExecutorLink(address, backends.tls, on_lost=self._wake_core, secret=backends.secret)
                           for address in backends.executor_addresses}
-        self.tokenizers = TokenizerPool(backends.tokenizer_addresses, backends.tls, on_lost=self._on_tokenizer_lost)
-        self.drafter = (DrafterLink(backends.drafter_address, backends.drafter_deadline_s, backends.tls)
+        self.tokenizers = TokenizerPool(backends.tokenizer_addresses, backends.tls, on_lost=self._on_tokenizer_lost,
+                                        secret=backends.secret)
+        self.drafter = (DrafterLink(backends.drafter_address, backends.drafter_deadline_s, backends.tls,
+                                    backends.secret)
                         if backends.drafter_address else None)
         self.core = EngineCore(limits, self.tokenizers.links, drafter=self.drafter, speculation=speculation,
                                clock=clock, on_finished=on_finished, on_executor_lost=self._on_executor_lost)

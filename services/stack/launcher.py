@@ -12,6 +12,14 @@ certificate and requires a client certificate from that CA; the scheduler presen
 the backends, which accept no other (``--tls-allowed-clients``), the launcher's health checks
 use it for the backends (``Launcher.internal_tls``), and the demo client and users get the
 client certificate (``Launcher.client_tls``), good for the public API only.
+
+Whatever ``tls`` is, the launcher writes a fresh internal secret to its run directory (mode 0600,
+services/common/internal_secret.py) and names that file to every service: the tokenizer, the
+executors and the drafter answer no call without it (health excepted), and the scheduler and the
+executors present it. A local process that is not the stack's own cannot drive an executor.
+
+With prefill executors, the others may pull a prompt's KV from them, and from them alone
+(``--kv-peers``): they start once the prefill executors serve, whose addresses they are then told.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.internal_secret import write_secret_file
 from services.common.tls import ClientTLS
 from services.stack.client import open_channel
 from services.stack.dev_ca import EXECUTOR_IDENTITY, SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
@@ -102,6 +111,8 @@ class Launcher:
         restart can then never start a process after stop() went past its service."""
         self._monitor: threading.Thread | None = None
         self.events: list[str] = []
+        self.secret_file = write_secret_file(self._state_dir / "internal-secret")
+        """The stack's internal secret (services/common/internal_secret.py), read by every service."""
         self.certificates: DevCertificates | None = (
             write_dev_certificates(self._state_dir / "tls") if config.tls else None)
         """The CA, server and client certificate files (with ``tls``)."""
@@ -145,8 +156,11 @@ class Launcher:
         if name == "executor":
             role = c.executor_roles[self.executor_names.index(svc.name)]
             base += (["--role", role] if role != "mixed" else []) + c.executor_args + c.executor_role_args.get(role, [])
+            if role != "prefill" and (peers := self._prefill_names()):
+                base += ["--kv-peers", ",".join(self.services[n].address for n in peers)]
         if name == "drafter":
             base += ["--target-model", c.model] + c.drafter_args
+        base += ["--internal-secret-file", str(self.secret_file)]
         if self.certificates is not None:
             certs = self.certificates
             base += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
@@ -196,6 +210,9 @@ class Launcher:
     def executor_names(self) -> list[str]:
         return ["executor" if i == 0 else f"executor-{i}" for i in range(len(self.config.executor_roles))]
 
+    def _prefill_names(self) -> list[str]:
+        return [n for n, role in zip(self.executor_names, self.config.executor_roles) if role == "prefill"]
+
     def _service_names(self) -> list[str]:
         """In start order: the backends (loaded in parallel), then the scheduler."""
         return ["tokenizer", *self.executor_names, "drafter", "scheduler"]
@@ -210,12 +227,16 @@ class Launcher:
                                  log_dir / f"{name}.log" if log_dir else None)
             self.services[name] = svc
         backends = self._service_names()[:-1]
+        first = [n for n in backends if n not in self.executor_names or n in self._prefill_names()
+                 or not self._prefill_names()]
         try:
-            # The backends load in parallel; the scheduler needs their addresses.
-            for name in backends:
-                self._spawn(self.services[name])
-            for name in backends:
-                self._wait_serving(self.services[name], self.config.start_timeout_s)
+            # The backends load in parallel (the executors that pull KV from the prefill ones once
+            # those have their ports); the scheduler needs every address.
+            for wave in (first, [n for n in backends if n not in first]):
+                for name in wave:
+                    self._spawn(self.services[name])
+                for name in wave:
+                    self._wait_serving(self.services[name], self.config.start_timeout_s)
             self._spawn(self.services["scheduler"])
             self._wait_serving(self.services["scheduler"], self.config.start_timeout_s)
         except BaseException:

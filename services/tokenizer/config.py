@@ -11,7 +11,7 @@ DEFAULT_PORT = 50052
 
 
 @dataclass(slots=True)
-class TokenizerConfig(service_process_fields("tokenizer", DEFAULT_PORT)):
+class TokenizerConfig(service_process_fields("tokenizer", DEFAULT_PORT, internal_secret="require")):
     """tokenmill tokenizer: text <-> token ids, chat templates and streaming detokenization."""
 
     model: str = model_field("model directory holding tokenizer.json (and tokenizer_config.json)")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from services.common.sampling_params import SamplingParams
 from services.common.step import NewSequence, RunningSequence, StepPlan
@@ -176,7 +178,12 @@ def test_every_attention_backend_runs_its_ranks_heads(backend):
 
 def test_a_killed_rank_fails_the_step_with_its_reason():
     runner = make_runner(STORIES_DIR, 2)
+    store_dir = runner.parallel.store_dir
     try:
+        # The ranks met at a file store only this user reaches, not at a loopback TCPStore that
+        # takes no credentials and lists its keys to any local process.
+        assert isinstance(runner.parallel.store, dist.FileStore)
+        assert stat.S_IMODE(os.stat(store_dir).st_mode) == 0o700
         generate(runner, 2)
         (pid,) = runner.parallel.pids
         os.kill(pid, signal.SIGKILL)
@@ -184,6 +191,7 @@ def test_a_killed_rank_fails_the_step_with_its_reason():
             runner.execute(StepPlan(9, running=[RunningSequence(i, 1) for i in range(len(PROMPTS))]))
     finally:
         runner.close()
+    assert not os.path.exists(store_dir)
 
 
 @pytest.mark.parametrize("all_reduce", ["auto", "gloo"])

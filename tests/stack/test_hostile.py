@@ -23,6 +23,8 @@ tested beside their modules:
   test_step_guard.py, tests/stack/test_tls_stack.py
 - KV copies between executors (sizes, kept channels, the executors' certificate for ReadKVBlocks
   alone): tests/executor/test_kv_transfer.py, tests/stack/test_tls_stack.py
+- a local process against the executors (no call without the internal secret, no read without
+  a grant, no pull outside --kv-peers), on real processes: tests/stack/test_hostile_executors.py
 - the gateway's lists counted before validation, its body limit: tests/gateway/test_gateway_openai.py
 - the gateway under hostile HTTP clients (a disconnect aborts non-streamed work, messages over the
   engine's limit, slow and idle connections, API keys keeping tenants apart in the prefix cache,

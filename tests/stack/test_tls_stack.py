@@ -215,23 +215,28 @@ async def test_executors_read_each_others_kv_blocks_and_nothing_else(stacks, pki
     # that certificate opens ReadKVBlocks alone, and the user's not even that.
     secure, _ = stacks
     peer = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(model=MODEL, **EXECUTOR_FLAGS),
+                                                      kv_peers=(secure.executor.address,),
                                                       **executor_server_flags(pki)))
     scheduler = ClientTLS(str(pki.ca), str(pki.scheduler_cert), str(pki.scheduler_key))
     executor = ClientTLS(str(pki.ca), str(pki.executor_cert), str(pki.executor_key))
     user = ClientTLS(str(pki.ca), str(pki.client_cert), str(pki.client_key))
     try:
+        async with create_channel(secure.executor.address, tls=scheduler) as channel:
+            source = executor_pb2_grpc.ExecutorStub(channel)
+            layout = (await source.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(), timeout=5)).kv_layout
+            grants = [(await source.GrantKVBlocks(executor_pb2.GrantKVBlocksRequest(block_ids=ids), timeout=5)).grant
+                      for ids in ([3, 4], [0], [0])]
         async with create_channel(peer.address, tls=scheduler) as channel:
             pulled = await executor_pb2_grpc.ExecutorStub(channel).PullKVBlocks(executor_pb2.PullKVBlocksRequest(
-                source_address=secure.executor.address, source_block_ids=[3, 4], block_ids=[0, 1]), timeout=30)
+                source_address=secure.executor.address, source_block_ids=[3, 4], block_ids=[0, 1], grant=grants[0]),
+                timeout=30)
             assert pulled.num_blocks == 2 and pulled.num_bytes > 0
-        async with create_channel(secure.executor.address, tls=scheduler) as channel:
-            layout = (await executor_pb2_grpc.ExecutorStub(channel).GetExecutorInfo(
-                executor_pb2.GetExecutorInfoRequest(), timeout=5)).kv_layout
-        read = executor_pb2.ReadKVBlocksRequest(kv_layout=layout, block_ids=[0])
+        read = executor_pb2.ReadKVBlocksRequest(kv_layout=layout, block_ids=[0], grant=grants[1])
         async with create_channel(secure.executor.address, tls=executor) as channel:
             stub = executor_pb2_grpc.ExecutorStub(channel)
             assert [chunk.count async for chunk in stub.ReadKVBlocks(read, timeout=10)] == [1]
             for call in (lambda: stub.GetExecutorInfo(executor_pb2.GetExecutorInfoRequest(), timeout=5),
+                         lambda: stub.GrantKVBlocks(executor_pb2.GrantKVBlocksRequest(block_ids=[0]), timeout=5),
                          lambda: stub.PullKVBlocks(executor_pb2.PullKVBlocksRequest(
                              source_address=peer.address, source_block_ids=[0], block_ids=[0]), timeout=5)):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -242,6 +247,7 @@ async def test_executors_read_each_others_kv_blocks_and_nothing_else(stacks, pki
                 [reply async for reply in step]
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         async with create_channel(secure.executor.address, tls=user) as channel:
+            read.grant = grants[2]
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 [chunk async for chunk in executor_pb2_grpc.ExecutorStub(channel).ReadKVBlocks(read, timeout=5)]
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

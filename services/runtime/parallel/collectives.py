@@ -1,7 +1,7 @@
 """The process groups of one tensor-parallel executor, and the step inputs rank 0 hands the others.
 
-Two groups over one TCPStore that rank 0 serves on loopback: the step channel (host tensors,
-every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
+Two groups over one store rank 0 makes (a FileStore in a private directory, leader.py): the
+step channel (host tensors, every backend) and the reduce group (gloo on a CPU, NCCL on CUDA) that sums the
 row-parallel layers' partial outputs. On a CPU the sums go through a shared memory segment
 instead (shared_memory.py: a few microseconds where gloo's loopback round trips take hundreds),
 gloo's reduce group staying the fallback where the segment cannot be made

@@ -2,8 +2,11 @@
 watch them.
 
 The other ranks are processes of their own (``python -m services.runtime.parallel.worker``),
-started before rank 0 loads its own shard so that all load at once. Rank 0 serves the
-TCPStore they meet at, on loopback on a free port. A rank that exits while the executor runs
+started before rank 0 loads its own shard so that all load at once. They meet at a FileStore
+in a directory private to the executor's user (mode 0700, removed at close), not at a TCPStore:
+torch.distributed's TCPStore takes no credentials and lists its keys to anyone who connects on
+loopback, who could then read the shared-memory segment's path or write the rendezvous keys
+(gloo's addresses) before the ranks do. A file store is reached only through its directory. A rank that exits while the executor runs
 is a lost executor: the watcher logs which rank and how it ended, calls the ``on_lost``
 callbacks (the executor service ends its process there), and every later step raises
 TensorParallelError with that reason, as does the step that was waiting on it. So does a step
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -46,12 +51,21 @@ class TensorParallelError(RuntimeError):
     """A rank of the group is gone: the executor cannot run another step."""
 
 
+def open_store(path: str, world: int) -> dist.FileStore:
+    """The group's rendezvous store at ``path`` (every rank opens the same file)."""
+    store = dist.FileStore(path, world)
+    store.set_timeout(timedelta(seconds=LOAD_TIMEOUT_S))
+    return store
+
+
 class TensorParallelLeader:
-    def __init__(self, specs: Callable[[int, int], RankSpec], world: int) -> None:
-        """``specs(rank, store_port)``: what rank ``rank`` (1 .. world - 1) is told."""
+    def __init__(self, specs: Callable[[int, str], RankSpec], world: int) -> None:
+        """``specs(rank, store_path)``: what rank ``rank`` (1 .. world - 1) is told."""
         self.world = world
-        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
-                                   wait_for_workers=False)
+        self.store_dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
+        """Where the rendezvous store lives: mode 0700, this user's alone; removed at close."""
+        store_path = os.path.join(self.store_dir, "store")
+        self.store = open_store(store_path, world)
         self.groups: RankGroups | None = None
         self.failure: str | None = None
         self.kv_bytes: list[int] = []
@@ -61,14 +75,14 @@ class TensorParallelLeader:
         self._callbacks: list[Callable[[str], None]] = []
         self._procs = [
             subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
-                              specs(rank, self.store.port).to_json()])
+                              specs(rank, store_path).to_json()])
             for rank in range(1, world)
         ]
         atexit.register(self._kill)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True).start()
         _log.info("tensor_parallel_ranks_started", world=world, pids=[p.pid for p in self._procs],
-                  store_port=self.store.port)
+                  store_path=store_path)
 
     @property
     def pids(self) -> list[int]:
@@ -196,9 +210,11 @@ class TensorParallelLeader:
                 proc.kill()
                 proc.wait()
         atexit.unregister(self._kill)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def _kill(self) -> None:
         self._closing = True
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
+        shutil.rmtree(self.store_dir, ignore_errors=True)

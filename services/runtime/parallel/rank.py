@@ -43,7 +43,8 @@ class RankSpec:
     gpu_memory_utilization: float
     rank: int
     world: int
-    store_port: int
+    store_path: str
+    """The group's FileStore, in rank 0's private directory (leader.py)."""
     threads: int
     log_level: str
     all_reduce: str = "auto"

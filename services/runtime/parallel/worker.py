@@ -12,18 +12,16 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from services.common.logging import configure_logging
 from services.runtime.kv_cache import KVCache
 from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.config import ModelConfig, parse_dtype
 from services.runtime.parallel.collectives import CAPTURE, STEP_FUSED, STEP_GRAPHS, RankGroups
-from services.runtime.parallel.leader import LOAD_TIMEOUT_S
+from services.runtime.parallel.leader import open_store
 from services.runtime.parallel.rank import KV_DTYPES, RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
 from services.runtime.parallel.shard import plan_shards
 from services.runtime.parallel.vocab_head import VocabParallelHead
@@ -51,7 +49,7 @@ def run(spec: RankSpec) -> None:
     kv_dtype = KV_DTYPES[spec.kv_dtype]
     blocks = spec.num_blocks or blocks_for_budget(model.config, spec.block_size, kv_dtype, device,
                                                   spec.kv_cache_bytes, spec.gpu_memory_utilization)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    store = open_store(spec.store_path, spec.world)
     store.set(f"loaded/{spec.rank}", "1")
     groups = RankGroups.join(store, spec.rank, spec.world, device, spec.all_reduce)
     hooks.groups = groups

@@ -7,7 +7,9 @@ a decode executor is chosen (placement.py). Its scheduler allocates blocks for e
 but the last, reusing what its own prefix cache holds (those blocks are not sent again); the
 decode executor then pulls the rest from the prefill executor (the executor service's
 PullKVBlocks, which checks both pools' layout first). Meanwhile the request is held here,
-in neither scheduler. Once the copy is done the prefill side frees its blocks and the request
+in neither scheduler. The prefill executor serves only the blocks the scheduler granted for
+this copy (GrantKVBlocks; the grant is revoked before those blocks are released, so no later
+read reaches what they hold next). Once the copy is done the prefill side frees its blocks and the request
 joins the decode scheduler with those tokens computed, so its next step is a decode. A copy
 that fails (either executor lost, a layout mismatch, a timeout) frees what it took and the
 request recomputes its prompt on the decode side: the output is the same, only slower.
@@ -111,6 +113,15 @@ class Handoff:
         request.leave_executor()
         engine.requeue(request)
 
+    @staticmethod
+    async def _revoke(source: ExecutorLane, grant: str) -> None:
+        """End the copy's grant before its blocks are released (a read that spent it already
+        ended it too); an executor that does not answer is gone, its grants with it."""
+        try:
+            await source.port.revoke_kv(grant)
+        except Exception as exc:  # noqa: BLE001 - the copy's outcome stands either way
+            _log.warning("kv_grant_not_revoked", source=source.name, error=str(exc))
+
     async def _copy(self, request: Request, source: ExecutorLane, held: list[int], target: ExecutorLane) -> bool:
         """Copy the KV of every token but the last into ``target``'s pool; True when done
         (``request`` then holds its blocks there, those tokens computed)."""
@@ -128,8 +139,10 @@ class Handoff:
         needed = -(-num_tokens // size)
         source_ids, target_ids = held[len(hit_ids):needed], request.block_ids[len(hit_ids):needed]
         started = time.perf_counter()
+        grant = ""
         try:
-            report = await asyncio.wait_for(target.port.pull_kv(source.name, source_ids, target_ids),
+            grant = await asyncio.wait_for(source.port.grant_kv(source_ids), TRANSFER_TIMEOUT_S)
+            report = await asyncio.wait_for(target.port.pull_kv(source.name, grant, source_ids, target_ids),
                                             TRANSFER_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
@@ -138,6 +151,9 @@ class Handoff:
                          target=target.name, error=str(exc))
             counters.failures += 1
             return False
+        finally:
+            if grant:
+                await self._revoke(source, grant)
         counters.transfers += 1
         counters.blocks += report.num_blocks
         counters.bytes += report.num_bytes

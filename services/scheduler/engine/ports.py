@@ -48,12 +48,18 @@ class KVTransfer:
 
 class KVReceiverPort(Protocol):
     """An executor that can copy KV blocks from another one (a decode executor, from the
-    prefill executor that computed a prompt)."""
+    prefill executor that computed a prompt), and let another copy from it."""
 
-    async def pull_kv(self, source: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
+    async def pull_kv(self, source: str, grant: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
         """Copy ``source_block_ids`` of the executor at ``source`` into this executor's
-        ``block_ids`` (same layout: checked by both sides); raises on any failure (nothing the
-        copy wrote is used then)."""
+        ``block_ids`` (same layout: checked by both sides), presenting the source's ``grant``;
+        raises on any failure (nothing the copy wrote is used then)."""
+
+    async def grant_kv(self, block_ids: list[int]) -> str:
+        """Let one copy read ``block_ids`` of this executor: the grant the reader presents."""
+
+    async def revoke_kv(self, grant: str) -> None:
+        """End ``grant`` (the hand-off is over, whichever way)."""
 
 
 class DetokenizerPort(Protocol):

@@ -26,6 +26,7 @@ import grpc.aio
 import structlog
 
 from services.common.pb.tokenmill.v1 import drafter_pb2, drafter_pb2_grpc
+from services.common.internal_secret import call_metadata
 from services.common.server import create_channel
 from services.common.tls import ClientTLS
 from services.scheduler.engine.draft_mirror import DraftMirror
@@ -41,10 +42,12 @@ DRAFT_METHOD_NAMES = {
 
 
 class DrafterLink:
-    def __init__(self, address: str, deadline_s: float, tls: ClientTLS | None = None) -> None:
+    def __init__(self, address: str, deadline_s: float, tls: ClientTLS | None = None, secret: str = "") -> None:
         self.address = address
         self.deadline_s = deadline_s
         self.tls = tls
+        self._metadata = call_metadata(secret)
+        """The deployment's internal secret, sent on every call (services/common/internal_secret.py)."""
         self.info: drafter_pb2.DrafterInfo | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -95,8 +98,9 @@ class DrafterLink:
         self._channel = create_channel(self.address, tls=self.tls, options=BACKEND_CHANNEL_OPTIONS)
         await asyncio.wait_for(self._channel.channel_ready(), timeout)
         stub = drafter_pb2_grpc.DrafterStub(self._channel)
-        self.info = await stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=timeout)
-        call = stub.Propose()
+        self.info = await stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=timeout,
+                                               metadata=self._metadata)
+        call = stub.Propose(metadata=self._metadata)
         self._mirror.reset()
         self._pending = None
         self._lost.clear()

@@ -18,6 +18,7 @@ import grpc.aio
 from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+from services.common.internal_secret import call_metadata
 from services.common.server import create_channel
 from services.common.step import ExecutorInfo, StepPlan, StepResult
 from services.common.tls import ClientTLS
@@ -25,6 +26,7 @@ from services.scheduler.engine.ports import KVTransfer
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, wait_ready
 
 PULL_TIMEOUT_S = 60.0
+REVOKE_TIMEOUT_S = 5.0
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens (and as a heartbeat); scheduler step ids count up from 0."""
 STEP_HEARTBEAT_S = 10.0
@@ -53,9 +55,12 @@ class ExecutorLink:
     result per plan; ``step`` is the two together.
     """
 
-    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None,
+                 secret: str = "") -> None:
         self.address = address
         self.tls = tls
+        self._metadata = call_metadata(secret)
+        """The deployment's internal secret, sent on every call (services/common/internal_secret.py)."""
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._awaiting: deque = deque()
@@ -85,7 +90,7 @@ class ExecutorLink:
         while True:
             try:
                 self.info = executor_info_from_proto(await stub.GetExecutorInfo(
-                    executor_pb2.GetExecutorInfoRequest(), timeout=timeout))
+                    executor_pb2.GetExecutorInfoRequest(), timeout=timeout, metadata=self._metadata))
                 break
             except grpc.RpcError as exc:
                 # UNAVAILABLE while it still loads its model (it binds its port first): wait for it.
@@ -95,7 +100,7 @@ class ExecutorLink:
         # The executor notices a previous session's end asynchronously and refuses a second
         # concurrent session (FAILED_PRECONDITION); an empty step confirms this one is live.
         while True:
-            self._call = stub.Step()
+            self._call = stub.Step(metadata=self._metadata)
             self._awaiting.clear()  # a failed attempt's handshake
             try:
                 await self.step(StepPlan(step_id=HANDSHAKE_STEP_ID))
@@ -182,19 +187,42 @@ class ExecutorLink:
             raise UnavailableError(f"executor at {self.address} ended the step stream: {code.name}: {details}")
         return result_from_proto(response)
 
-    async def pull_kv(self, source: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
-        """Have this executor copy KV blocks from the executor at ``source`` (PullKVBlocks)."""
+    async def grant_kv(self, block_ids: list[int]) -> str:
+        """Let one read of another executor copy these blocks from this one (GrantKVBlocks): the grant."""
+        reply = await self._unary("granted no KV read", lambda stub: stub.GrantKVBlocks(
+            executor_pb2.GrantKVBlocksRequest(block_ids=block_ids), timeout=PULL_TIMEOUT_S, metadata=self._metadata))
+        return reply.grant
+
+    async def revoke_kv(self, grant: str) -> None:
+        """End a grant (RevokeKVBlocks); raises UnavailableError when the executor did not answer."""
+        await self._unary("did not revoke a KV grant", lambda stub: stub.RevokeKVBlocks(
+            executor_pb2.RevokeKVBlocksRequest(grant=grant), timeout=REVOKE_TIMEOUT_S, metadata=self._metadata))
+
+    async def pull_kv(self, source: str, grant: str, source_block_ids: list[int], block_ids: list[int]) -> KVTransfer:
+        """Have this executor copy KV blocks from the executor at ``source`` (PullKVBlocks),
+        presenting the source's ``grant`` for them."""
+        request = executor_pb2.PullKVBlocksRequest(source_address=source, source_block_ids=source_block_ids,
+                                                   block_ids=block_ids, grant=grant)
+        reply = await self._unary(f"could not copy KV from {source}", lambda stub: stub.PullKVBlocks(
+            request, timeout=PULL_TIMEOUT_S, metadata=self._metadata))
+        return KVTransfer(reply.num_blocks, reply.num_bytes, reply.seconds)
+
+    async def _unary(self, failed: str, call):
+        """``call(stub)``'s reply; UnavailableError when it fails, and when the link's channel is
+        closed under it (a lost executor's reconnect closes it): grpc.aio then cancels the call,
+        which reaches the awaiting task as a CancelledError that no one asked of it, and a hand-off
+        that took it for its own cancellation would drop its request."""
         if self._channel is None:
             raise UnavailableError(f"executor at {self.address} is not connected")
-        stub = executor_pb2_grpc.ExecutorStub(self._channel)
-        request = executor_pb2.PullKVBlocksRequest(source_address=source, source_block_ids=source_block_ids,
-                                                   block_ids=block_ids)
         try:
-            reply = await stub.PullKVBlocks(request, timeout=PULL_TIMEOUT_S)
+            return await call(executor_pb2_grpc.ExecutorStub(self._channel))
         except grpc.RpcError as exc:
-            raise UnavailableError(f"executor at {self.address} could not copy KV from {source}: "
-                                   f"{exc.code().name}: {exc.details()}") from None
-        return KVTransfer(reply.num_blocks, reply.num_bytes, reply.seconds)
+            raise UnavailableError(f"executor at {self.address} {failed}: {exc.code().name}: {exc.details()}") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            raise UnavailableError(f"executor at {self.address} {failed}: its channel closed") from None
 
     async def close(self) -> None:
         call, self._call = self._call, None  # first, so the watcher sees a closed link

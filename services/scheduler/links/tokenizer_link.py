@@ -20,6 +20,7 @@ from services.common.codec.detokenize_codec import batch_to_proto, result_from_p
 from services.common.detokenize import DetokenizeBatch, DetokenizeResult
 from services.common.errors import UnavailableError
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.internal_secret import call_metadata
 from services.common.server import create_channel
 from services.common.tls import ClientTLS
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, map_rpc_error, run_to_end, wait_ready
@@ -40,9 +41,12 @@ class TokenizerLink:
     False) and the requests already pinned to it keep their text stream.
     """
 
-    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None,
+                 secret: str = "") -> None:
         self.address = address
         self.tls = tls
+        self._metadata = call_metadata(secret)
+        """The deployment's internal secret, sent on every call (services/common/internal_secret.py)."""
         self._channel = create_channel(address, tls=tls, options=BACKEND_CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detok = None
@@ -73,10 +77,11 @@ class TokenizerLink:
             await old.close()
         await wait_ready(self._channel, self.address, timeout)
         try:
-            info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
+            info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout,
+                                                     metadata=self._metadata)
         except grpc.RpcError as exc:
             raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
-        call = self._stub.Detokenize()
+        call = self._stub.Detokenize(metadata=self._metadata)
         self._step_ids = itertools.count()
         self._detok = call
         self._watcher = asyncio.create_task(self._watch(call), name="tokenizer-session-watch")
@@ -107,7 +112,8 @@ class TokenizerLink:
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             reply = await run_to_end(self._stub.Encode(
-                tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30))
+                tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30,
+                metadata=self._metadata))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
@@ -117,7 +123,8 @@ class TokenizerLink:
         ``tools_json``: the template's ``tools``, "" for none)."""
         try:
             reply = await run_to_end(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30))
+                messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30,
+                metadata=self._metadata))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
@@ -161,10 +168,11 @@ class TokenizerPool:
     ones; each request's text stream is pinned to one by the engine core (its state is there)."""
 
     def __init__(self, addresses: Sequence[str], tls: ClientTLS | None = None,
-                 on_lost: Callable[[int], None] = lambda index: None) -> None:
+                 on_lost: Callable[[int], None] = lambda index: None, secret: str = "") -> None:
         if not addresses:
             raise ValueError("tokenizer_addresses must name at least one tokenizer service")
-        self.links = [TokenizerLink(a, tls, on_lost=lambda i=i: on_lost(i)) for i, a in enumerate(addresses)]
+        self.links = [TokenizerLink(a, tls, on_lost=lambda i=i: on_lost(i), secret=secret)
+                      for i, a in enumerate(addresses)]
         self._turn = itertools.cycle(range(len(self.links)))
         self.info: tokenizer_pb2.TokenizerInfo | None = None
 
