@@ -47,6 +47,7 @@ def test_every_service_that_holds_or_presents_it_takes_the_flag_and_variable(tmp
                                   (ExecutorServiceConfig, "TOKENMILL_EXECUTOR_", True),
                                   (DrafterConfig, "TOKENMILL_DRAFTER_", True),
                                   (SchedulerServiceConfig, "TOKENMILL_SCHEDULER_", False)):
-        assert parse_config(config, ["--internal-secret-file", "s"], env={}).internal_secret_file == "s"
-        parsed = parse_config(config, [], env={env + "INTERNAL_SECRET_FILE": "e"})
-        assert parsed.internal_secret_file == "e" and parsed.internal_secret_required is required
+        flag, variable = str(tmp_path / "flag"), str(tmp_path / "variable")
+        assert parse_config(config, ["--internal-secret-file", flag], env={}).internal_secret_file == flag
+        parsed = parse_config(config, [], env={env + "INTERNAL_SECRET_FILE": variable})
+        assert parsed.internal_secret_file == variable and parsed.internal_secret_required is required
