@@ -42,6 +42,7 @@ from services.runtime.step_inputs import pack_rows
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig
+from services.runtime.model.families import model_class
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
 
@@ -71,7 +72,8 @@ def load_draft_model(settings: DraftModelSettings, backend, device: torch.device
     weights = load_checkpoint(settings.draft_model, full, dtype)
     for name in [n for n in weights if n.startswith("model.layers.") and int(n.split(".")[2]) >= num_layers]:
         del weights[name]
-    return LlamaForCausalLM(replace(full, num_layers=num_layers), weights, backend, device)
+    config = replace(full, num_layers=num_layers, layer_windows=full.layer_windows[:num_layers])
+    return model_class(config)(config, weights, backend, device)  # the draft's own family (families.py)
 
 
 class BlockPool:

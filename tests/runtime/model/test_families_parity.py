@@ -49,3 +49,22 @@ def test_windowed_models_match_transformers_on_the_cpu_backend(family_dirs, name
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = torch.randint(3, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(8))
     assert greedy(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def test_a_draft_model_runs_its_own_family(family_dirs):
+    """A Gemma 3 draft (its first 4 layers: local, local, global, local) is the Gemma file with
+    those layers' windows, and computes what transformers' 4-layer model computes."""
+
+    from services.drafter.config import DraftModelSettings
+    from services.drafter.draft_model import load_draft_model
+    from services.runtime.model.gemma3 import Gemma3ForCausalLM
+
+    model_dir = family_dirs["gemma3"]
+    draft = load_draft_model(DraftModelSettings(draft_model=str(model_dir), device="cpu", draft_layers=4),
+                             TorchAttentionBackend(), torch.device("cpu"), torch.float32)
+    assert isinstance(draft, Gemma3ForCausalLM) and [layer.window for layer in draft.layers] == [16, 16, None, 16]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, num_hidden_layers=4).eval()
+    ids = torch.randint(3, draft.config.vocab_size, (40,), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert_close_to_reference(run_chunks(draft, ids, [25, 1, 14], [3, 1, 0], 16), ref)
