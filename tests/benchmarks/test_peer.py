@@ -237,9 +237,12 @@ def test_quality_compares_every_pair_of_systems_answer_by_answer():
     # EOS is 0: the second answers end their turn at their first token
     report = compare({"exact": [[1, 2, 3], [0, 5]], "int8": [[1, 2, 3], [0, 6]], "llamacpp": [[1, 9, 3], [0, 5]]}, eos=[0])
     assert report == {
-        "exact vs int8": {"identical": 1, "identical_turns": 2, "answers": 2, "first_divergence": [None, 1]},
-        "exact vs llamacpp": {"identical": 1, "identical_turns": 1, "answers": 2, "first_divergence": [1, None]},
-        "int8 vs llamacpp": {"identical": 0, "identical_turns": 1, "answers": 2, "first_divergence": [1, 1]},
+        "exact vs int8": {"identical": 1, "identical_turns": 2, "answers": 2, "first_divergence": [None, 1],
+                          "agreeing_tokens": 4, "tokens": 5},
+        "exact vs llamacpp": {"identical": 1, "identical_turns": 1, "answers": 2, "first_divergence": [1, None],
+                              "agreeing_tokens": 3, "tokens": 5},
+        "int8 vs llamacpp": {"identical": 0, "identical_turns": 1, "answers": 2, "first_divergence": [1, 1],
+                             "agreeing_tokens": 2, "tokens": 5},
     }
 
 
