@@ -68,14 +68,21 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     """vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
     of the logits (docs/benchmarks.md, "Tensor parallelism on a CPU", measures both)."""
     quant_activations: str = setting(
-        "auto", "CPU, quantized weights: int8 (activations rounded to int8 per block, integer dot products), "
-                "none (exact fp32 activations) or auto (int8 on a CPU)")
-    """int8: activations rounded to int8 per block of 32 and multiplied by integer dot products,
-    llama.cpp's arithmetic, for q4_0/q4_1/q8_0 weights (K-quants: per block of 256, q5_0/q5_1 and
-    K-quant weights dequantized to fp32 at load under none); none: fp32 activations, the dequantized
-    model's numbers exactly; auto: int8 on a CPU, none on CUDA (chosen by measurement: speed and
-    quality in docs/benchmarks.md). A tensor-parallel executor's ranks keep fp32 activations
-    (auto is none there)."""
+        "auto", "CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight "
+                "type, int8 for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types "
+                "with no exact kernel are dequantized to fp32 at load) or int8 (activations rounded to int8 per block, "
+                "integer dot products: llama.cpp's arithmetic, faster, not exact)")
+    """auto, the default, is faithful first: q4_0/q4_1/q8_0 and tokenmill's own int4/int8 weights
+    take fp32 activations (the dequantized model's numbers up to the order of sums, so a kept GGUF
+    answers as its fp32 twin does), and only the types that have no exact kernel (K-quants,
+    q5_0/q5_1) take int8 activations rather than a dequantized fp32 copy 4-8x their size; none on
+    CUDA and on a tensor-parallel executor's ranks. none: fp32 activations for every type (those
+    without an exact kernel dequantized at load). int8: activations rounded to int8 per block of
+    32 (K-quants: per block of 256) and multiplied by integer dot products, llama.cpp's arithmetic,
+    for every GGUF block type. int8 everywhere was the default until it was found to flip
+    SmolLM2's greedy answer to make run's demo question into a loop; the exact path still decodes
+    one stream faster than llama.cpp on the same file (speed and quality of both in
+    docs/benchmarks.md, "The default served path is the exact one")."""
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

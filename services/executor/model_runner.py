@@ -118,13 +118,14 @@ class ModelRunner:
             self.parallel.close()
 
     def _quant_activations(self) -> str:
-        """``quant_activations`` resolved for this device (auto: int8 on a CPU, one rank)."""
+        """``quant_activations`` resolved for this device (auto: each weight's own choice on a CPU,
+        one rank: exact where its kernel exists, int8 where only that one does; none elsewhere)."""
         mode = self.config.quant_activations
         if mode == "int8" and self.device.type != "cpu":
             raise ValueError(f"quant_activations 'int8' runs on the CPU; the model runs on {self.device}")
         if mode != "auto":
             return mode
-        return "int8" if self.device.type == "cpu" and self.config.tensor_parallel_size == 1 else "none"
+        return "auto" if self.device.type == "cpu" and self.config.tensor_parallel_size == 1 else "none"
 
     def info(self) -> ExecutorInfo:
         mc = self.model_config

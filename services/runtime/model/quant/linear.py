@@ -70,7 +70,7 @@ from services.runtime.model.linear import Linear
 from services.runtime.model.quant.formats import QuantizedWeight, bits, cat_rows, dequantize
 from services.runtime.model.quant.gguf_blocks import BLOCK_FORMATS
 
-ACTIVATIONS = ("none", "int8")
+ACTIVATIONS = ("none", "int8", "auto")
 """How a CPU quantized linear takes its input: exact fp32 (none) or rounded to int8 per block of 32."""
 INT8_FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 """The formats of the int8-activation kernels (quant_dot.cpp's QuantFormat)."""
@@ -141,10 +141,14 @@ class QuantLinear(nn.Module):
     def prepare(self, activations: str = "none") -> str:
         """Choose and build this device's path (see the module docstring); returns its name.
 
-        ``activations``: on a CPU, ``int8`` runs GGUF block weights with int8-quantized inputs."""
+        ``activations``: on a CPU, ``int8`` runs GGUF block weights with int8-quantized inputs;
+        ``auto`` fp32 inputs where the exact kernel runs this weight, else int8 ones (K-quants,
+        q5_0/q5_1: no exact kernel, and int8 keeps their blocks where none dequantizes them)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         w = self.quantized
+        if activations == "auto":
+            activations = "none" if cpu_kernel_fits(w) and _cpu_kernel_available() else "int8"
         if w.device.type == "cuda":
             self.path = "triton"
         elif activations == "int8" and w.fmt in KQUANT_FORMAT_CODES and _cpu_kernel_available():
