@@ -78,6 +78,11 @@ def test_kept_k_quant_model_with_int8_activations_stays_near_fp32(kquant_pair):
     # A random model amplifies rounding layer by layer (the worst logit moves ~8%); the typical one
     # stays near. A wrong kernel moves logits by their own size. SmolLM2's perplexity: docs/benchmarks.md.
     assert (ours - ref).abs().mean() < 0.01 * ref.abs().max()
+    # The executor's default (auto) keeps these types in their blocks on the same kernels: they
+    # have no exact kernel, and none would dequantize them to fp32.
+    default = LlamaForCausalLM.from_pretrained(keep, TorchAttentionBackend(), quant_activations="auto")
+    assert {m.path for m in default.modules() if isinstance(m, QuantLinear)} == {"cpu_kquant"}
+    torch.testing.assert_close(engine_logits(default, ids), ours, rtol=0, atol=0)
 
 
 def test_keep_refuses_a_type_it_cannot_run(tmp_path, capsys):

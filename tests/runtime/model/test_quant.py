@@ -116,6 +116,18 @@ def test_quant_linear_under_inference_mode_on_several_threads(rows):
     torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+def test_auto_activations_take_the_exact_kernel_where_it_runs_the_type(fmt):
+    """The executor's default (--quant-activations auto) is faithful first: a type the exact
+    kernel runs takes fp32 activations, whose product is the dequantized weight's."""
+    w = quantize(torch.randn(48, 64) * 0.05, fmt)
+    layer = QuantLinear(w)
+    assert layer.prepare("auto") == "cpu_kernel"
+    x = torch.randn(3, 64)
+    expected = x @ dequantize(w).t()
+    torch.testing.assert_close(layer(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
+
+
 def test_quant_linear_group_64_and_fallback_for_odd_input_size():
     w = quantize(torch.randn(48, 128), "q4_1", group_size=64)
     x = torch.randn(5, 128)
