@@ -20,6 +20,10 @@ a new session's first step after the cleanup. Each plan is queued on the worker 
 it arrives, so with overlapped scheduling the next step is already waiting when one ends;
 the worker runs them in arrival order, which the scheduler relies on (step N+1 may compute
 the token step N samples). Results go back in the same order.
+
+PrepareGrammar builds a grammar's matcher and first mask on a thread of its own, beside the
+step worker, when the scheduler admits a constrained request: the step that first runs the
+sequence then copies it instead of building it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
@@ -90,6 +94,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """A Step session that sends nothing this long is ended (0 = never; step_guard.py)."""
         self._active_session: int | None = None
         self._sessions_started = 0
+        self._grammar_worker: ThreadPoolExecutor | None = None
 
     def _require_runner(self) -> StepRunner:
         if not self._runner.done():
@@ -131,6 +136,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.RevokeKVBlocksResponse:
         self._transfer().revoke(request.grant)
         return executor_pb2.RevokeKVBlocksResponse()
+
+    async def PrepareGrammar(
+        self, request: executor_pb2.PrepareGrammarRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.PrepareGrammarResponse:
+        # On a thread of its own, beside the step worker: a new grammar's matcher and first
+        # mask are built before any step runs its sequence (runtime/sampling/grammar.py).
+        grammars = getattr(self._require_runner(), "grammars", None)
+        if grammars is None:
+            return executor_pb2.PrepareGrammarResponse()
+        if self._grammar_worker is None:
+            self._grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-prepare")
+        error = await asyncio.get_running_loop().run_in_executor(self._grammar_worker, grammars.prepare,
+                                                                 request.grammar)
+        return executor_pb2.PrepareGrammarResponse(error=error)
 
     def _transfer(self) -> KVTransfer:
         """The KV copies' side of this executor (services/executor/kv_transfer.py), once loaded."""

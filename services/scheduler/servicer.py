@@ -172,6 +172,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Before the prompt: a bad schema costs no tokenizer call, and the request
             # reaches the waiting queue only with its grammar ready.
             sampling.grammar = await self.grammar_compiler.compile(structured, share)
+            # The executors build its matcher and first mask now, over the model's vocabulary,
+            # off their step threads: no step pays for a new grammar.
+            error = await self.supervisor.prepare_grammar(sampling.grammar)
+            if error:
+                raise InvalidArgumentError(f"{structured.field} cannot run on the model's vocabulary: {error}")
         spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         if spec_k is not None and spec_k < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")

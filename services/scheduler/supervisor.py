@@ -195,6 +195,13 @@ class Supervisor:
                          num_speculative_tokens, tenant, cache_scope)
         return handle
 
+    async def prepare_grammar(self, grammar: str) -> str:
+        """Have every executor that can build ``grammar``'s matcher and first mask now, at
+        admission, so no step pays for it: "" when ready, else the first executor's reason."""
+        ports = [lane.port for lane in self.core.lanes.values() if hasattr(lane.port, "prepare_grammar")]
+        errors = await asyncio.gather(*(port.prepare_grammar(grammar) for port in ports))
+        return next((error for error in errors if error), "")
+
     def abort(self, request_id: str) -> bool:
         """Abort a request (client cancelled or Abort RPC); its blocks are freed now."""
         return self.core.abort(request_id) is not None

@@ -474,3 +474,20 @@ async def test_hostile_structured_outputs_are_refused_at_admission_and_stall_no_
     # multiple of its own median (a loaded 2-core machine adds its own jitter, hence the floor).
     assert during, "the victim's stream ended before the attack: the test measured nothing"
     assert max(during) < max(0.5, 10 * median), (max(during), median, attack_s)
+
+
+async def test_an_executor_builds_a_grammar_when_asked_at_admission_and_refuses_one_that_cannot_run(stack):
+    # The executor's PrepareGrammar builds a matcher and its first mask beside the step thread;
+    # the scheduler calls it for each admitted grammar, and an executor's refusal is the request's.
+    from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
+    from services.common.server import create_channel
+
+    unbuildable = json.dumps({"grammars": [{"lark_grammar": "start: missing_rule"}]})
+    async with create_channel(stack.executors[0].address) as channel:
+        prepare = executor_pb2_grpc.ExecutorStub(channel).PrepareGrammar
+        refused = await prepare(executor_pb2.PrepareGrammarRequest(grammar=unbuildable), timeout=30)
+        assert refused.error.startswith("structured output failed: the grammar does not build")
+    fair = await generate(stack, constrained("regex", "(ab|cd){3}", max_tokens=8), token=ATTACKER)
+    assert fair.code == grpc.StatusCode.OK and fair.finished is not None, fair.details
+    text = "".join(m.delta.text for m in fair.messages if m.WhichOneof("event") == "delta")
+    assert len(text) == 6 and set(text) <= set("abcd"), text

@@ -10,8 +10,9 @@ scheduling it knows a sequence's last token a step before the scheduler does, so
 mask the next draw without a round trip. The matcher therefore lives beside the sequence:
 
 - a new sequence's matcher starts from a pristine copy of its grammar's (cached by content,
-  so a shared schema is parsed once per executor) and consumes the outputs the sequence
-  already has: after a preemption by recompute the scheduler resends them, and the matcher
+  so a shared schema is parsed once per executor; built with its first mask by ``prepare``
+  when the scheduler admits the request, beside the step thread) and consumes the outputs the
+  sequence already has: after a preemption by recompute the scheduler resends them, and the matcher
   is where it was;
 - each sampled token is consumed once drawn;
 - with speculation, the masks of the k + 1 positions come from the matcher advanced through
@@ -33,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,8 @@ class GrammarMatchers:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        """Guards the templates and the vocabulary's build: ``prepare`` runs beside the step."""
         self._worker: ThreadPoolExecutor | None = None
 
     def submit(self, fill: Callable[[list], Any], rows: list) -> MaskFuture:
@@ -90,6 +94,12 @@ class GrammarMatchers:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            with self._lock:
+                return self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
             path = self.model_dir / "tokenizer.json"
             if not path.is_file():
                 raise ValueError(f"structured output needs the model's tokenizer.json; {path} does not exist")
@@ -98,20 +108,47 @@ class GrammarMatchers:
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
-    def matcher(self, grammar: str, output_ids: Sequence[int]) -> llguidance.LLMatcher:
-        """A matcher for ``grammar`` that has consumed ``output_ids``. Raises ValueError when
-        the grammar does not build or the outputs do not follow it."""
-        template = self._templates.get(grammar)
-        if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
-            if template.is_error():
-                raise ValueError(f"structured output failed: the grammar does not build: "
-                                 f"{_first_line(template.get_error())}")
+    def prepare(self, grammar: str) -> str:
+        """Build ``grammar``'s template and its first mask now, off the step thread (the
+        scheduler asks at admission); "" when ready, else why it cannot run. The mask's lexer
+        states stay with the template, so a sequence's copy finds them built."""
+        with self._lock:
+            if grammar in self._templates:
+                return ""
+        try:
+            template = self._build(grammar)
+        except ValueError as exc:
+            return str(exc)
+        mask = np.zeros((1, bitmask_words(self.vocab_size)), dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask(template, mask, 0)  # leaves the template where it was
+        if template.is_error():
+            return self.failure(template)
+        self._keep(grammar, template)
+        return ""
+
+    def _build(self, grammar: str) -> llguidance.LLMatcher:
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        if template.is_error():
+            raise ValueError(f"structured output failed: the grammar does not build: "
+                             f"{_first_line(template.get_error())}")
+        return template
+
+    def _keep(self, grammar: str, template: llguidance.LLMatcher) -> None:
+        with self._lock:
             self._templates[grammar] = template
             while len(self._templates) > TEMPLATE_CACHE_SIZE:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(grammar)
+
+    def matcher(self, grammar: str, output_ids: Sequence[int]) -> llguidance.LLMatcher:
+        """A matcher for ``grammar`` that has consumed ``output_ids``. Raises ValueError when
+        the grammar does not build or the outputs do not follow it."""
+        with self._lock:
+            template = self._templates.get(grammar)
+            if template is not None:
+                self._templates.move_to_end(grammar)
+        if template is None:  # not prepared (or evicted since): built in the step
+            template = self._build(grammar)
+            self._keep(grammar, template)
         matcher = template.deep_copy()
         if output_ids and not matcher.consume_tokens(list(output_ids)):
             raise ValueError(f"structured output failed: the sequence's outputs do not follow its grammar: "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import grpc
 import grpc.aio
+import structlog
 
 from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
 from services.common.errors import InvalidArgumentError, UnavailableError
@@ -25,8 +26,13 @@ from services.common.tls import ClientTLS
 from services.scheduler.engine.ports import KVTransfer
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, wait_ready
 
+_log = structlog.get_logger("tokenmill.scheduler")
+
 PULL_TIMEOUT_S = 60.0
 REVOKE_TIMEOUT_S = 5.0
+PREPARE_TIMEOUT_S = 10.0
+"""How long admission waits for an executor to build a grammar's first mask (bounded by the
+parser limits: milliseconds)."""
 HANDSHAKE_STEP_ID = 2**64 - 1
 """An empty step sent when a session opens (and as a heartbeat); scheduler step ids count up from 0."""
 STEP_HEARTBEAT_S = 10.0
@@ -223,6 +229,21 @@ class ExecutorLink:
             if task is not None and task.cancelling():
                 raise  # the caller's own cancellation
             raise UnavailableError(f"executor at {self.address} {failed}: its channel closed") from None
+
+    async def prepare_grammar(self, grammar: str) -> str:
+        """Have the executor build ``grammar``'s matcher and first mask ahead of any step
+        (PrepareGrammar): "" when ready, else why it cannot run there. An executor that cannot
+        be asked answers ""; it then builds the grammar in the step, as before."""
+        if self._channel is None:
+            return ""
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        try:
+            reply = await stub.PrepareGrammar(executor_pb2.PrepareGrammarRequest(grammar=grammar),
+                                              timeout=PREPARE_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            _log.warning("prepare_grammar_failed", executor=self.address, code=exc.code().name)
+            return ""
+        return reply.error
 
     async def close(self) -> None:
         call, self._call = self._call, None  # first, so the watcher sees a closed link
