@@ -303,3 +303,29 @@ def test_pod_monitor_scrapes_every_metrics_port(rendered, overlay):
             (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == config.http_port]
             served.add(name)
     assert scraped == served, (scraped, served)
+
+
+@each_overlay
+def test_every_internal_call_carries_the_deployment_secret(rendered, overlay):
+    """The tokenizer, executors and drafter require the internal secret, and the scheduler sends
+    it: each reads --internal-secret-file from the tokenmill-internal Secret, mounted read-only and
+    private to the pod's group (the services refuse a file others may read). A pod's network is no
+    trust boundary (any container sharing it, any local process, reaches a plaintext port)."""
+    docs = rendered[overlay]
+    seen = set()
+    for workload, container in _containers(docs):
+        module = service_module(container)
+        if module not in ("tokenizer", "executor", "drafter", "scheduler"):
+            continue
+        who = f"{overlay}: {workload['metadata']['name']}/{container['name']}"
+        config, _ = parse_container(module, container.get("args", []), _env(docs, container))
+        assert config.internal_secret_file, f"{who}: no --internal-secret-file"
+        volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+        mounts = [m for m in container.get("volumeMounts", [])
+                  if config.internal_secret_file.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert len(mounts) == 1 and mounts[0].get("readOnly"), f"{who}: the secret's folder is not mounted read-only"
+        secret = volumes[mounts[0]["name"]].get("secret", {})
+        assert secret.get("secretName") == "tokenmill-internal", f"{who}: not the tokenmill-internal Secret"
+        assert secret.get("defaultMode", 0o644) & 0o027 == 0, f"{who}: the secret's file would be open to others"
+        seen.add(module)
+    assert seen == {"tokenizer", "executor", "drafter", "scheduler"}, seen

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import re
 import time
 import urllib.request
@@ -47,6 +48,8 @@ ENGINE_ADDRESS = "tokenmill-engine-0.tokenmill-engine:50051"
 """How the gateway's routes file reaches replica 0 (the StatefulSet's pod under its headless Service)."""
 PROMPT = "Once upon a time, there was a little girl. The little girl"
 TOKEN = "deploy-test-token"
+INTERNAL_SECRET = secrets.token_hex(32)
+"""The tokenmill-internal Secret a user creates (base: every internal service requires it)."""
 """The tenant's token in the tokenmill-auth Secret a user creates (components/auth)."""
 DRAIN_STREAMS = 16
 DRAIN_MAX_TOKENS = 448
@@ -61,7 +64,8 @@ MODEL = "tokenmill"
 def cluster(tmp_path_factory) -> LocalCluster:
     workdir = tmp_path_factory.mktemp("cluster")
     docs = render_variant("cpu+auth", workdir)
-    secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])}}
+    secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])},
+               "tokenmill-internal": {"secret": INTERNAL_SECRET}}
     # One OpenMP thread a process (the manifest asks for 4 cores; this machine has 2 in all).
     local = LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
     local.start(startup_timeout_s=START_TIMEOUT_S)

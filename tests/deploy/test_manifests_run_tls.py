@@ -24,7 +24,8 @@ from services.common.tls import ClientTLS
 from services.stack.dev_ca import cert_pem, issue, key_pem, make_authority
 from tests.deploy.manifests import LocalCluster, parse_container, probe_targets, render_variant, service_module
 from tests.deploy.test_manifests_run import (
-    ENGINE, GATEWAY, PROMPT, START_TIMEOUT_S, TOKEN, _gateway_client, _gateway_ready, _gateway_stream, _health, _Tenant,
+    ENGINE, GATEWAY, INTERNAL_SECRET, PROMPT, START_TIMEOUT_S, TOKEN, _gateway_client, _gateway_ready, _gateway_stream,
+    _health, _Tenant,
 )
 from tests.helpers.stack_streams import greedy_request, record_stream
 
@@ -48,6 +49,7 @@ def tls_cluster(tmp_path_factory, pki) -> Iterator[LocalCluster]:
     workdir = tmp_path_factory.mktemp("tls-cluster")
     docs = render_variant("cpu+auth+tls", workdir)
     secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])},
+               "tokenmill-internal": {"secret": INTERNAL_SECRET},
                "tokenmill-tls": pki["data"]}
     local = LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
     local.start(startup_timeout_s=START_TIMEOUT_S)
