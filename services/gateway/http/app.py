@@ -4,6 +4,8 @@
     GET  /v1/models/{model}
     POST /v1/completions             http/completions.py
     POST /v1/chat/completions        http/chat.py
+    POST /v1/messages                Anthropic's Messages API over the chat path (http/messages.py)
+    POST /v1/messages/count_tokens
     GET  /health                     200 while some target of every model is healthy, else 503
     GET  /ready?model=ID             200 while some target of that model (every model without
                                      ?model=) is healthy, else 503; an unknown model is 404
@@ -22,12 +24,15 @@ from services.gateway.http.chat import create_chat_completion
 from services.gateway.http.completions import create_completion
 from services.gateway.http.context import HttpContext
 from services.gateway.http.errors import install_error_handlers
+from services.gateway.http.messages import count_tokens, create_message
 from services.gateway.http.middleware import GatewayMiddleware
 from services.gateway.http.models import list_models, retrieve_model
 from services.gateway.http.protocol import ChatCompletion, Completion, ErrorResponse, Model, ModelList
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503, 504)}
 STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "data: {chunk} lines, then data: [DONE]"}}}
+ANTHROPIC_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Anthropic's events: "
+                                                     "event: NAME and data: {json} lines"}}}
 
 
 async def health(request: Request) -> JSONResponse:
@@ -68,6 +73,10 @@ def build_app(ctx: HttpContext) -> FastAPI:
                       responses={200: {"model": Completion, "content": STREAM}, **ERRORS})
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], response_model=None,
                       responses={200: {"model": ChatCompletion, "content": STREAM}, **ERRORS})
+    app.add_api_route("/v1/messages", create_message, methods=["POST"], response_model=None,
+                      responses={200: {"content": ANTHROPIC_STREAM}, **ERRORS})
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], response_model=None,
+                      responses=ERRORS)
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)

@@ -10,6 +10,9 @@ deltas and ``tool_calls`` deltas as the parser reads them, ending with "tool_cal
 made calls; with ``parallel_tool_calls`` false the choice ends at its first whole call, its engine
 stream cancelled there.
 
+A choice ended by one of its ``stop`` strings carries vLLM's ``stop_reason`` (that string) beside
+``finish_reason`` "stop", in its last chunk when streamed.
+
 A route with a reasoning parser (its ``reasoning_parser``, else the gateway's
 ``--reasoning-parser``; services/gateway/reasoning) splits each free-text reply's ``<think>``
 section into ``reasoning_content`` (a message field, streamed as ``reasoning_content`` deltas)
@@ -94,9 +97,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             if reader is None:
                 message["content"] = "".join(answers[s.index])
             message["reasoning_content"] = "".join(thoughts[s.index]) or None
-        choices.append({"index": s.index, "message": message,
-                        "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
-                        "finish_reason": finish_reason})
+        choice = {"index": s.index, "message": message,
+                  "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
+                  "finish_reason": finish_reason}
+        if s.stop_string is not None and finish_reason == "stop":
+            choice["stop_reason"] = s.stop_string  # vLLM's: the stop string that matched
+        choices.append(choice)
     payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
                "system_fingerprint": None}
     if body.prompt_logprobs is not None:  # vLLM's: the conversation's prompt is every choice's
@@ -181,8 +187,10 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
     frames = ChunkFrames(head, chat=True, usage_null=usage_chunks)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}], **extra})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason == "stop" and states[index].stop_string is not None:
+            choice["stop_reason"] = states[index].stop_string  # vLLM's: the stop string that matched
+        return sse({**head, "choices": [choice], **extra})
 
     async for index, reply in streams.events():
         state = states[index]

@@ -37,6 +37,8 @@ class ChoiceState:
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     """Every prompt token's (the engine's first delta, when asked); the first has none."""
     finish_reason: str | None = None
+    stop_string: str | None = None
+    """The stop string that ended the choice (the engine's FINISH_REASON_STOP), else None."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -64,6 +66,8 @@ class ChoiceState:
                 raise UnavailableError(f"the engine ended choice {self.index} without finishing it: "
                                        f"{finished.error_message or 'aborted'}")
             self.finish_reason = reason
+            if finished.finish_reason == common_pb2.FINISH_REASON_STOP and finished.HasField("stop_reason"):
+                self.stop_string = finished.stop_reason
 
     def end(self) -> None:
         """The gateway ended the choice with its reply whole (ChoiceStreams.end): finished as if

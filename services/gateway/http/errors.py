@@ -14,6 +14,10 @@ The status is the one that makes the official clients raise the matching class:
     503 service_unavailable     InternalServerError    no healthy target, an engine went away
     504 timeout                 InternalServerError    over --request-timeout-s
 
+Under /v1/messages (Anthropic's Messages API) the same errors come in Anthropic's envelope,
+``{"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}``, with the
+same status (the ``anthropic`` SDK raises by status as ``openai`` does).
+
 Typed errors (services/common/errors.py) map by their gRPC code; FastAPI's own validation
 errors and Starlette's 404/405 are rewritten into the envelope instead of ``{"detail": ...}``.
 """
@@ -53,8 +57,25 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error in Anthropic's Messages envelope (its SDK raises by the status)."""
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=self.headers)
+
+
+ANTHROPIC_PATH = "/v1/messages"
+"""Answers under this path are in Anthropic's envelope."""
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 504: "timeout_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def bad_request(param: str | None, message: str) -> OpenAIError:
@@ -139,26 +160,28 @@ async def _on_validation(request: Request, exc: RequestValidationError) -> JSONR
     param, message = _validation_message(errors[0]) if errors else (None, "invalid request")
     if not errors or errors[0].get("loc", ("body",))[0] != "body":
         param = None
-    return bad_request(param, message).response()
+    return bad_request(param, message).response(is_anthropic(request.url.path))
 
 
 async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    anthropic = is_anthropic(request.url.path)
     if exc.status_code == 404:
-        return OpenAIError(404, f"no route for {request.method} {request.url.path}", code="not_found").response()
+        return OpenAIError(404, f"no route for {request.method} {request.url.path}",
+                           code="not_found").response(anthropic)
     if exc.status_code == 405:
         return OpenAIError(405, f"{request.method} is not allowed on {request.url.path}",
-                           code="method_not_allowed").response()
+                           code="method_not_allowed").response(anthropic)
     if exc.status_code == 413:
-        return OpenAIError(413, str(exc.detail), code="request_too_large").response()
-    return OpenAIError(exc.status_code, str(exc.detail)).response()
+        return OpenAIError(413, str(exc.detail), code="request_too_large").response(anthropic)
+    return OpenAIError(exc.status_code, str(exc.detail)).response(anthropic)
 
 
 async def _on_openai(request: Request, exc: OpenAIError) -> JSONResponse:
-    return exc.response()
+    return exc.response(is_anthropic(request.url.path))
 
 
 async def _on_typed(request: Request, exc: Exception) -> JSONResponse:
-    return from_error(exc).response()
+    return from_error(exc).response(is_anthropic(request.url.path))
 
 
 async def _on_disconnected(request: Request, exc: ClientDisconnected) -> Response:

@@ -5,7 +5,8 @@
 - the body limit: a ``Content-Length`` over ``max_request_bytes``, or a body that grows past
   it, gets 413 before it is parsed; a body not all in within ``body_timeout_s`` of the headers
   gets 408 (a client trickling its body holds no connection for long);
-- with the gateway's API keys (api_keys.py), a ``/v1/`` request's key: none or an unknown one
+- with the gateway's API keys (api_keys.py), a ``/v1/`` request's key (``Authorization: Bearer``,
+  or Anthropic's ``x-api-key`` header): none or an unknown one
   gets 401, a tenant over its ``max_concurrent_requests`` 429; the key is in the scope's state
   for the handlers, and its request counted in flight until the answer is sent;
 - the count of answers by endpoint and status.
@@ -23,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.http.context import MAX_REQUEST_ID_CHARS
 from services.common.errors import TokenmillError
 from services.gateway.api_keys import ApiKeys
-from services.gateway.http.errors import OpenAIError, from_error
+from services.gateway.http.errors import ANTHROPIC_PATH, OpenAIError, from_error
 from services.gateway.metrics import GatewayMetrics
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages/count_tokens", "/v1/messages", "/v1/models",
+             "/health", "/metrics", "/openapi.json")
 
 
 class GatewayMiddleware:
@@ -45,12 +47,14 @@ class GatewayMiddleware:
         path = scope.get("path", "")
         endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
         rid = ""
-        authorization = None
+        authorization = x_api_key = None
         for key, value in scope.get("headers", ()):
             if key == b"x-request-id":
                 rid = value.decode("latin-1")
             elif key == b"authorization":
                 authorization = value.decode("latin-1")
+            elif key == b"x-api-key":  # Anthropic's clients send their key so
+                x_api_key = value.decode("latin-1")
             elif key == b"content-length" and value.isdigit() and int(value) > self.max_request_bytes:
                 await self._refuse(send, endpoint, rid, _too_large(self.max_request_bytes))
                 return
@@ -63,7 +67,8 @@ class GatewayMiddleware:
         held = contextlib.nullcontext()
         if self.api_keys is not None and path.startswith("/v1/"):
             try:
-                api_key = self.api_keys.authenticate(authorization)
+                api_key = self.api_keys.authenticate(
+                    authorization if authorization is not None or x_api_key is None else f"Bearer {x_api_key}")
                 held = self.api_keys.in_flight(api_key)
                 held.__enter__()
             except TokenmillError as exc:
@@ -108,7 +113,7 @@ class GatewayMiddleware:
         self.metrics.http.labels(endpoint, str(status[0])).inc()
 
     async def _refuse(self, send: Any, endpoint: str, rid: str, error: OpenAIError) -> None:
-        response = error.response()
+        response = error.response(endpoint.startswith(ANTHROPIC_PATH))
         if rid:
             response.headers["x-request-id"] = rid
         await response({"type": "http"}, None, send)
