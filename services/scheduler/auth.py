@@ -184,7 +184,8 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         models = item.get("models")
         if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
             raise ValueError(f"{where}: models must be a list of model names")
-        max_priority = _optional_int(item, "max_priority", where, minimum=None)
+        max_priority = (_optional_int(item, "max_priority", where, minimum=None) if "max_priority" in item
+                        else DEFAULT_MAX_PRIORITY)
         tokens_per_minute = _optional_int(item, "tokens_per_minute", where, minimum=1)
         cache_group = item.get("cache_group")
         if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
@@ -195,6 +196,12 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         entries.append((token.encode(), Tenant(name, None if models is None else tuple(models), max_priority,
                                               tokens_per_minute, cache_group, trusted)))
     return AuthTable(entries)
+
+
+DEFAULT_MAX_PRIORITY = 0
+"""A tenant's most urgent priority when its entry names none: the default priority, so no tenant
+(nor a client behind a gateway, which passes the body's priority on) jumps ahead of the others
+unless the file says it may; ``"max_priority": null`` lets it ask for any."""
 
 
 def _optional_int(item: dict[str, Any], name: str, where: str, minimum: int | None) -> int | None:

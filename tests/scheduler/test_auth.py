@@ -26,7 +26,7 @@ def test_tokens_map_to_tenants_and_unknown_ones_to_none(tmp_path):
          "tokens_per_minute": 100},
     ]))
     assert len(table) == 2
-    assert table.authenticate("alpha-secret") == Tenant("a")
+    assert table.authenticate("alpha-secret") == Tenant("a", max_priority=0)  # the default priority at most
     assert table.authenticate("beta-secret") == Tenant("b", ("stories260K",), 0, 100)
     for wrong in ("", "alpha", "alpha-secret ", "ALPHA-SECRET", "beta-secretX", "\udcff"):
         assert table.authenticate(wrong) is None
@@ -54,6 +54,18 @@ def test_a_bad_tokens_file_is_refused_naming_the_entry(tmp_path, data, message):
 def test_a_missing_tokens_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"auth_tokens_file .*absent.json: cannot read it"):
         load_auth_tokens(tmp_path / "absent.json")
+
+
+def test_a_tenant_jumps_ahead_only_where_its_entry_says_it_may(tmp_path):
+    table = load_auth_tokens(write(tmp_path, [{"token": "plain-secret", "tenant": "plain"},
+                                              {"token": "any-secret", "tenant": "any", "max_priority": None}]))
+    plain, anything = table.authenticate("plain-secret"), table.authenticate("any-secret")
+    plain.check_request("m", 0)
+    plain.check_request("m", 7)
+    for urgent in (-1, -(2**31)):
+        with pytest.raises(PermissionDeniedError, match=f"may not ask for priority {urgent}; .*max_priority=0"):
+            plain.check_request("m", urgent)
+    anything.check_request("m", -(2**31))
 
 
 def test_bearer_token_parsing():
@@ -152,7 +164,7 @@ def test_a_reload_swaps_the_tenants_and_keeps_the_budgets_used():
         owner = Owner()
         table = reload_auth(path, interceptor, [owner])
         assert interceptor.table is table is owner.auth_table
-        assert table.authenticate("a-token") is None and table.authenticate("b-token") == Tenant("b")
+        assert table.authenticate("a-token") is None and table.authenticate("b-token") == Tenant("b", max_priority=0)
         kept = table.budget(table.authenticate("a-token-2"))
         assert kept is budget and kept.limit == 80 and kept.used() == 60
         Path(path).write_text("not json")
