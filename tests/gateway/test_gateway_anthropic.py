@@ -8,7 +8,9 @@ stop_sequence with the string that matched, tool_use); system prompts as a strin
 the streamed events in Anthropic's exact order with the same text and usage; count_tokens equal to
 the chat prompt's tokens, tools and a tool_use/tool_result history included (the history reaches
 the template as the chat path's tool_calls and tool turns); a call forced with tool_choice
-``{"type": "tool"}``, streamed and not; and refusals in Anthropic's envelope (missing max_tokens,
+``{"type": "tool"}``, streamed and not; tool_choice auto reading the call the model wrote after two
+worked tool_use examples (streamed: the same blocks), any forcing a call, none leaving text; and
+refusals in Anthropic's envelope (missing max_tokens,
 an unknown model, a wrong key)."""
 
 from __future__ import annotations
@@ -247,3 +249,40 @@ async def test_refusals_come_in_anthropics_envelope(stack):
         await wrong.messages.create(model="smol", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     await wrong.close()
     assert refused.value.body["error"]["type"] == "authentication_error"
+
+
+def worked_call(city: str, number: int) -> list[dict]:
+    """A question and the assistant's tool_use for it."""
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{number}", "name": "get_weather",
+                                               "input": {"city": city}}]}]
+
+
+async def test_tool_choice_auto_and_any_make_tool_use_blocks(stack):
+    # Two worked examples in the history (tool_use blocks, rendered by the template as <tool_call>
+    # blocks): greedy decoding calls the tool the same way, and the gateway's parser reads the call
+    # out of the reply.
+    messages = [*worked_call("Rome", 1), *worked_call("Oslo", 2),
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    auto = await stack.client.messages.create(model="smol", max_tokens=48, extra_body=GREEDY, tools=[WEATHER],
+                                              tool_choice={"type": "auto"}, messages=messages)
+    calls = [block for block in auto.content if block.type == "tool_use"]
+    assert auto.stop_reason == "tool_use", auto.content
+    assert [(call.name, call.input) for call in calls] == [("get_weather", {"city": "Paris"})]
+    async with stack.client.messages.stream(model="smol", max_tokens=48, extra_body=GREEDY, tools=[WEATHER],
+                                            tool_choice={"type": "auto"}, messages=messages) as stream:
+        streamed = await stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in streamed.content] == \
+        [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in auto.content]
+    assert streamed.usage.output_tokens == auto.usage.output_tokens
+    # any: a call is required, constrained to one of the tools
+    forced = await stack.client.messages.create(model="smol", max_tokens=64, extra_body=GREEDY, tools=[WEATHER],
+                                                tool_choice={"type": "any"},
+                                                messages=[{"role": "user", "content": "Hello there!"}])
+    assert forced.stop_reason == "tool_use"
+    assert [block.type for block in forced.content] == ["tool_use"] and forced.content[0].name == "get_weather"
+    # none: text only, with the tools in the prompt
+    none = await stack.client.messages.create(model="smol", max_tokens=8, extra_body=GREEDY, tools=[WEATHER],
+                                              tool_choice={"type": "none"}, messages=messages)
+    assert [block.type for block in none.content] == ["text"] and none.stop_reason in ("end_turn", "max_tokens")
