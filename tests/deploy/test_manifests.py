@@ -213,7 +213,9 @@ def test_network_policies(rendered, overlay):
     docs = rendered[overlay]
     allowed: dict[tuple[str, int], set[str]] = {}
     for policy in by_kind(docs, "NetworkPolicy"):
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["policyTypes"] in (["Ingress"], ["Egress"]), policy["metadata"]["name"]
+        if policy["spec"]["policyTypes"] != ["Ingress"]:
+            continue
         for workload in _selected(policy, docs):
             for rule in policy["spec"].get("ingress", []):
                 sources = {_component(s["podSelector"].get("matchLabels", {})) if "podSelector" in s else
@@ -221,7 +223,8 @@ def test_network_policies(rendered, overlay):
                            for s in rule["from"]} if "from" in rule else {"anyone"}
                 for port in rule["ports"]:
                     allowed.setdefault((_component(workload["metadata"]["labels"]), port["port"]), set()).update(sources)
-    assert any(not p["spec"].get("ingress") and p["spec"]["podSelector"]["matchLabels"] ==
+    assert any(p["spec"]["policyTypes"] == ["Ingress"] and not p["spec"].get("ingress")
+               and p["spec"]["podSelector"]["matchLabels"] ==
                {"app.kubernetes.io/name": "tokenmill", "app.kubernetes.io/part-of": "tokenmill"}
                for p in by_kind(docs, "NetworkPolicy")), "no default-deny policy over every tokenmill pod"
     expected = {("engine", 50051): {"gateway"}, ("tokenizer", 50052): {"engine"}, ("drafter", 50054): {"engine"},
@@ -236,6 +239,31 @@ def test_network_policies(rendered, overlay):
             assert expected.get((component, port)) == sources, (component, port, sources)
     assert set(expected) <= set(allowed)
     assert not any(port == 50053 for _, port in allowed), "an executor port is open to another pod"
+
+
+@each_overlay
+def test_egress_policies(rendered, overlay):
+    """Egress: every tokenmill pod may ask the cluster DNS; the gateway may call the schedulers and
+    HTTPS upstreams; the engine pods the tokenizers and drafters; nothing else (a tokenizer, a
+    drafter or an executor taken over cannot call out)."""
+    docs = rendered[overlay]
+    allowed: dict[str, set[tuple[str, int]]] = {}
+    everyone = {"app.kubernetes.io/name": "tokenmill", "app.kubernetes.io/part-of": "tokenmill"}
+    for policy in by_kind(docs, "NetworkPolicy"):
+        if policy["spec"]["policyTypes"] != ["Egress"]:
+            continue
+        who = "*" if policy["spec"]["podSelector"]["matchLabels"] == everyone else _component(
+            policy["spec"]["podSelector"]["matchLabels"])
+        for rule in policy["spec"].get("egress", []):
+            destinations = {"ns:" + s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                            if "podSelector" not in s else _component(s["podSelector"]["matchLabels"])
+                            for s in rule["to"]} if "to" in rule else {"anywhere"}
+            for port in rule["ports"]:
+                allowed.setdefault(who, set()).update((d, port["port"]) for d in destinations)
+    assert allowed == {"*": {("ns:kube-system", 53)}, "gateway": {("engine", 50051), ("anywhere", 443)},
+                       "engine": {("tokenizer", 50052), ("drafter", 50054)}}, allowed
+    assert {_component(w["metadata"]["labels"]) for w in _workloads(docs)} <= {"gateway", "engine", "tokenizer",
+                                                                               "drafter"}
 
 
 def _dockerfile_user() -> int:
