@@ -155,6 +155,7 @@ async def test_stream_events_come_in_anthropics_order(stack):
     assert set(names[3:-3]) == {"content_block_delta"}, names
     assert [event.type for event in events] == [name for name in names if name != "ping"]
     assert events[0].message.id.startswith("msg_") and events[0].message.role == "assistant"
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens > 10
     assert events[1].content_block.type == "text" and events[1].index == 0
     assert all(event.delta.type == "text_delta" and event.index == 0 for event in events[2:-3])
     assert "".join(event.delta.text for event in events[2:-3]) == whole.content[0].text

@@ -76,6 +76,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model}
     if body.stream:
+        # Known before the first chunk: Anthropic's message_start (http/messages.py) reports it.
+        request.state.prompt_tokens = streams.prompt_tokens()
         usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
         last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
         chunks = _chunks(streams, states, readers, thinkers, head, body, namer, plan, rid, usage_chunks)

@@ -131,6 +131,12 @@ class ChoiceStreams:
         """``x-tokenmill-target``: which target(s) serve this response."""
         return {TARGET_HEADER: ", ".join(self.targets)} if self.targets else {}
 
+    def prompt_tokens(self) -> int:
+        """After ``start``: the first choice's prompt length, from its Started event (0 if the
+        engine sent none first)."""
+        first = self._first[0] if self._first else None
+        return first.started.prompt_tokens if first is not None and first.WhichOneof("event") == "started" else 0
+
     async def events(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         if len(self._streams) == 1:
             yield 0, self._first[0]

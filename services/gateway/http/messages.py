@@ -11,10 +11,9 @@ calls; only its answer is translated here. A reply's text is a ``text`` block an
 ``tool_use``. Streamed, events come in Anthropic's order: ``message_start``, then for each block
 ``content_block_start`` (the first one followed by ``ping``), its ``content_block_delta``
 events (``text_delta``, or ``input_json_delta`` for a call's arguments) and
-``content_block_stop``; then ``message_delta`` (stop_reason, usage) and ``message_stop``. The
-prompt's token count is known only once the reply has ended: ``message_start`` says 0 input
-tokens and ``message_delta`` the real count (the ``anthropic`` SDK takes it from there). A failure
-after the answer began comes as an ``error`` event.
+``content_block_stop``; then ``message_delta`` (stop_reason, usage) and ``message_stop``.
+``message_start`` has the prompt's token count (the engine's Started event, read before the answer
+begins), ``message_delta`` both counts. A failure after the answer began comes as an ``error`` event.
 
 ``count_tokens`` serves the request with max_tokens 1 and answers the prompt's token count, as
 the engine's tokenizer renders it through the model's chat template (tools included).
@@ -51,6 +50,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
         return Response(dumps(message), media_type="application/json")
     assert isinstance(answer, StreamingResponse)
+    head["usage"] = {"input_tokens": getattr(request.state, "prompt_tokens", 0), "output_tokens": 0}
     return StreamingResponse(_events(answer.body_iterator, head, body.stop_sequences), media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
@@ -104,8 +104,7 @@ async def _events(chunks: AsyncIterator[bytes], head: dict[str, Any],
 
 async def _translated(chunks: AsyncIterator[bytes], head: dict[str, Any],
                       stop_sequences: list[str] | None) -> AsyncIterator[bytes]:
-    yield _event("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                               "usage": {"input_tokens": 0, "output_tokens": 0}}})
+    yield _event("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None}})
     index = -1  # the open block's
     kind: str | None = None  # its type
     pinged = False
