@@ -78,7 +78,7 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     q5_0/q5_1) take int8 activations rather than a dequantized fp32 copy 4-8x their size; none on
     CUDA and on a tensor-parallel executor's ranks. none: fp32 activations for every type (those
     without an exact kernel dequantized at load). int8: activations rounded to int8 per block of
-    32 (K-quants: per block of 256) and multiplied by integer dot products, llama.cpp's arithmetic,
+    32 (K-quants too) and multiplied by integer dot products, llama.cpp's arithmetic,
     for every GGUF block type. int8 everywhere was the default until it was found to flip
     SmolLM2's greedy answer to make run's demo question into a loop; the exact path still decodes
     one stream faster than llama.cpp on the same file (speed and quality of both in

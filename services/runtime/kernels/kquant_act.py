@@ -2,19 +2,22 @@
 reference of the CPU kernels (services/runtime/kernels/cpu/kquant_dot.cpp,
 ``torch.ops.tokenmill_quant.kquant_matmul``) and the tiles they read.
 
-As llama.cpp does (its Q8_K activations), a K-quant weight's input rows are rounded to int8
-per block of 256 values, one scale a block; q5_0/q5_1 take blocks of 32 (its Q8_0/Q8_1). The
-rounding is quant_act.py's (d = amax / 127, round half to even). Then, per output n, with the
+Input rows are rounded to int8 per block of 32 values, quant_act.py's rule (d = amax / 127,
+round half to even). llama.cpp rounds a K-quant's input per block of 256 (its Q8_K), one scale
+for 8 groups; on Gemma 3 270M's Q4_K_M file that moved perplexity over
+benchmarks/data/smollm2_perplexity.txt by +1.31% from fp32's (24.681 -> 25.005; its K-quant
+layers alone +0.41%), past the 1% this path is held to, so each 32 values get their own scale
+here (docs/benchmarks.md, GGUF K-quants). Then, per output n, with the
 weight's integer values q_w (gguf_blocks.OFFSET removed), its sub-blocks s (32 values; q6_k 16)
 and their scale and offset (weight = scale_s q_w + offset_s, gguf_blocks.Unpacked.scale_offset):
 
     y[m, n] = sum_s d_x[m, block of s] (scale_s dot_s + offset_s sum_j q_x[m, s, j])
     dot_s   = sum_j q_w[n, s, j] q_x[m, s, j]     (an integer)
 
-The kernels keep a K-quant super-block's sum in integers (sc_s dot_s and m_s sum q_x, the
-6- or 8-bit sub-block scales) and scale it once by d d_x and dmin d_x, as llama.cpp's
-ggml_vec_dot_q4_K_q8_K does. This reference sums in float64, so the kernels differ from it only
-in the rounding of their fp32 sums.
+The kernels keep each group's sum in integers (sc_s dot_s and m_s sum q_x, the 6- or 8-bit
+sub-block scales), scale it by its d_x, and the super-block's sums once by d and dmin, as
+llama.cpp's ggml_vec_dot_q4_K_q8_K does with its one d_x. This reference sums in float64, so the
+kernels differ from it only in the rounding of their fp32 sums.
 """
 
 from __future__ import annotations
@@ -31,16 +34,15 @@ TILE = 16
 """Outputs per tile of a repacked weight."""
 
 
-def activation_block(fmt: str) -> int:
-    """Values per activation scale: a K-quant's super-block (256), else 32."""
-    return 256 if BLOCK_FORMATS[fmt][0] == 256 else 32
+ACTIVATION_BLOCK = 32
+"""Values per activation scale, for every format (see above)."""
 
 
 def kquant_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [M, K] fp32 times the block weight ``w`` [N, K], x rounded to int8 as above -> [M, N] fp32."""
     if w.fmt not in KQUANT_FORMAT_CODES:
         raise ValueError(f"{w.fmt} is not one of {', '.join(KQUANT_FORMAT_CODES)}")
-    block, sub = activation_block(w.fmt), SUB_BLOCK[w.fmt]
+    block, sub = ACTIVATION_BLOCK, SUB_BLOCK[w.fmt]
     q, d, _ = quantize_activations(x, block)
     m, k = x.shape
     u = unpack(w.fmt, w.qweight)

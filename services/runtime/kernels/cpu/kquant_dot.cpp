@@ -2,17 +2,16 @@
 // integer dot products, llama.cpp's arithmetic (ggml_vec_dot_q4_K_q8_K and its siblings).
 //
 // The rule and its PyTorch reference are services/runtime/kernels/kquant_act.py: activations
-// rounded to int8 per block of 256 values (K-quants; 32 for q5_0/q5_1), d_x = amax / 127. A
-// K-quant super-block of 256 values keeps its sum in int32: per 32-value group g (q6_k: per
-// 16-value half) an integer dot product times the group's integer scale, the minimums' term
-// m_g times the group's sum of q_x likewise, and only then the fp16 super-block scales:
+// rounded to int8 per block of 32 values, d_x[g] = amax / 127 (finer than llama.cpp's Q8_K, one
+// scale per 256: measured in kquant_act.py). Per 32-value group g (q6_k: per 16-value half) an
+// integer dot product times the group's integer scale, and the minimums' term m_g times the
+// group's sum of q_x likewise, each scaled by the group's d_x; the fp16 super-block scales last:
 //
-//   q4_k, q5_k: y += d d_x sum_g sc_g dot_g - dmin d_x sum_g m_g sum_j q_x[g, j]
-//   q6_k:       y += d d_x sum_s sc_s (dot_s - 32 sum_j q_x[s, j])       (s: 16 values)
+//   q4_k, q5_k: y += d sum_g d_x[g] sc_g dot_g - dmin sum_g d_x[g] m_g sum_j q_x[g, j]
+//   q6_k:       y += d sum_g d_x[g] sum_s sc_s (dot_s - 32 sum_j q_x[s, j])   (s: its 16-value halves)
 //   q5_0:       y += d d_x (dot - 16 sum_j q_x[j]);   q5_1: y += d d_x dot + m d_x sum_j q_x[j]
 //
-// Bounds: |sc dot| <= 63 * 32 * 31 * 127 per group (q6_k: 127 * 16 * 32 * 127 per half), under
-// 2^31 summed over a super-block.
+// Bounds: |sc dot| <= 63 * 32 * 31 * 127 per group (q6_k: 127 * 16 * 32 * 127 per half): int32.
 //
 // Layout. As quant_dot.cpp's tiles, vector lanes are 16 outputs, so one vpdpbusd multiplies 4
 // consecutive values of 16 outputs by the same 4 activation bytes; the weights are repacked
@@ -82,6 +81,7 @@ struct KWeight {
 };
 
 // Activations: q [M, K] int8, d [M, K / block] fp32, bsum [M, K / 16] (sum of q per 16 values).
+// The products take blocks of 32; 256 (llama.cpp's Q8_K) is offered to the tests alone.
 struct KActs {
   int64_t M = 0, K = 0, block = 0;
   std::vector<int8_t> q;
@@ -144,9 +144,9 @@ void tiles_portable(const KWeight& w, const KActs& a, float* out, int64_t ldo, i
         const uint8_t* meta = s + L.groups * L.group_bytes();
         const int8_t* x = a.q.data() + m * K + sb * L.block;
         const int32_t* bs = a.bsum.data() + (m * K + sb * L.block) / 16;
-        const float dx = a.d[m * supers + sb];
+        const float* dx = a.d.data() + (m * K + sb * L.block) / 32;  // one per group
         for (int64_t c = 0; c < cols; ++c) {
-          int32_t isum = 0, msum = 0;
+          float fsum = 0.f, fmin = 0.f;
           for (int64_t g = 0; g < L.groups; ++g) {
             const uint8_t* grp = s + g * L.group_bytes();
             int32_t dot[2] = {0, 0};
@@ -158,25 +158,27 @@ void tiles_portable(const KWeight& w, const KActs& a, float* out, int64_t ldo, i
               dot[k / 16] += v * x[32 * g + k];
             }
             const int32_t b0 = bs[2 * g], b1 = bs[2 * g + 1];
+            int32_t isum = 0, msum = 0;
             if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
-              isum += meta[64 + 16 * g + c] * (dot[0] + dot[1]);
-              msum += meta[192 + 16 * g + c] * (b0 + b1);
+              isum = meta[64 + 16 * g + c] * (dot[0] + dot[1]);
+              msum = meta[192 + 16 * g + c] * (b0 + b1);
             } else if constexpr (F == KFormat::kQ6K) {
-              isum += static_cast<int8_t>(meta[32 + 32 * g + c]) * (dot[0] - 32 * b0) +
-                      static_cast<int8_t>(meta[48 + 32 * g + c]) * (dot[1] - 32 * b1);
+              isum = static_cast<int8_t>(meta[32 + 32 * g + c]) * (dot[0] - 32 * b0) +
+                     static_cast<int8_t>(meta[48 + 32 * g + c]) * (dot[1] - 32 * b1);
             } else if constexpr (F == KFormat::kQ5_0) {
-              isum += dot[0] + dot[1] - 16 * (b0 + b1);
+              isum = dot[0] + dot[1] - 16 * (b0 + b1);
             } else {
-              isum += dot[0] + dot[1];
-              msum += b0 + b1;
+              isum = dot[0] + dot[1];
+              msum = b0 + b1;
             }
+            fsum += dx[g] * static_cast<float>(isum);
+            fmin += dx[g] * static_cast<float>(msum);
           }
-          const float d = half_to_float(meta + 2 * c) * dx;
-          acc[c] += d * static_cast<float>(isum);
+          acc[c] += half_to_float(meta + 2 * c) * fsum;
           if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
-            acc[c] -= half_to_float(meta + 32 + 2 * c) * dx * static_cast<float>(msum);
+            acc[c] -= half_to_float(meta + 32 + 2 * c) * fmin;
           } else if constexpr (F == KFormat::kQ5_1) {
-            acc[c] += half_to_float(meta + 32 + 2 * c) * (dx * static_cast<float>(msum));
+            acc[c] += half_to_float(meta + 32 + 2 * c) * fmin;
           }
         }
       }
@@ -211,8 +213,8 @@ inline void khalf_avx2(const KWeight& w, const KActs& a, int64_t m0, int64_t t, 
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* s = tile + sb * L.super_bytes();
     const uint8_t* meta = s + L.groups * L.group_bytes();
-    __m256i isum[R], msum[R];
-    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm256_setzero_si256();
+    __m256 fsum[R], fmin[R];  // the groups' sums, each already times its d_x
+    for (int r = 0; r < R; ++r) fsum[r] = fmin[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < L.groups; ++g) {
       const uint8_t* grp = s + g * L.group_bytes();
       __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
@@ -243,35 +245,36 @@ inline void khalf_avx2(const KWeight& w, const KActs& a, int64_t m0, int64_t t, 
       }
       for (int r = 0; r < R; ++r) {
         const int32_t* bs = a.bsum.data() + ((m0 + r) * K + sb * L.block + 32 * g) / 16;
+        const __m256 dx = _mm256_set1_ps(a.d[((m0 + r) * K + sb * L.block) / 32 + g]);
         if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
           const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * g + 8 * h)));
           const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 192 + 16 * g + 8 * h)));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(dot[r][0], dot[r][1]), sc));
-          msum[r] = _mm256_add_epi32(msum[r], _mm256_mullo_epi32(mn, _mm256_set1_epi32(bs[0] + bs[1])));
+          fsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(_mm256_add_epi32(dot[r][0], dot[r][1]), sc)), dx, fsum[r]);
+          fmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mn, _mm256_set1_epi32(bs[0] + bs[1]))), dx, fmin[r]);
         } else if constexpr (F == KFormat::kQ6K) {
           const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 32 + 32 * g + 8 * h)));
           const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 48 + 32 * g + 8 * h)));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_sub_epi32(dot[r][0], _mm256_set1_epi32(32 * bs[0])), s0));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_sub_epi32(dot[r][1], _mm256_set1_epi32(32 * bs[1])), s1));
+          const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(dot[r][0], _mm256_set1_epi32(32 * bs[0])), s0),
+                                            _mm256_mullo_epi32(_mm256_sub_epi32(dot[r][1], _mm256_set1_epi32(32 * bs[1])), s1));
+          fsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dx, fsum[r]);
         } else if constexpr (F == KFormat::kQ5_0) {
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_sub_epi32(_mm256_add_epi32(dot[r][0], dot[r][1]),
-                                                               _mm256_set1_epi32(16 * (bs[0] + bs[1]))));
+          fsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(dot[r][0], dot[r][1]), _mm256_set1_epi32(16 * (bs[0] + bs[1])))), dx,
+                              fsum[r]);
         } else {
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(dot[r][0], dot[r][1]));
-          msum[r] = _mm256_set1_epi32(bs[0] + bs[1]);
+          fsum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])), dx, fsum[r]);
+          fmin[r] = _mm256_set1_ps(a.d[(m0 + r) * (K / 32) + (sb * L.block) / 32 + g] * static_cast<float>(bs[0] + bs[1]));
         }
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * h)));
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(a.d[(m0 + r) * supers + sb]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(fsum[r], d, acc[r]);
       if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 16 * h)));
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(fmin[r], dmin, acc[r]);
       } else if constexpr (F == KFormat::kQ5_1) {
         const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 16 * h)));
-        acc[r] = _mm256_fmadd_ps(mins, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(msum[r])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mins, fmin[r], acc[r]);
       }
     }
   }
@@ -336,8 +339,8 @@ inline void ktile_avx512(const KWeight& w, const KActs& a, int64_t m0, int64_t t
         _mm_prefetch(reinterpret_cast<const char*>(s + L.super_bytes() + o), _MM_HINT_T0);
       }
     }
-    __m512i isum[R], msum[R];
-    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm512_setzero_si512();
+    __m512 fsum[R], fmin[R];  // the groups' sums, each already times its d_x
+    for (int r = 0; r < R; ++r) fsum[r] = fmin[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < L.groups; ++g) {
       const uint8_t* grp = s + g * L.group_bytes();
       __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
@@ -366,35 +369,36 @@ inline void ktile_avx512(const KWeight& w, const KActs& a, int64_t m0, int64_t t
       }
       for (int r = 0; r < R; ++r) {
         const int32_t* bs = a.bsum.data() + ((m0 + r) * K + sb * L.block + 32 * g) / 16;
+        const __m512 dx = _mm512_set1_ps(a.d[((m0 + r) * K + sb * L.block) / 32 + g]);
         if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
           const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 + 16 * g)));
           const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 192 + 16 * g)));
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]), sc));
-          msum[r] = _mm512_add_epi32(msum[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(bs[0] + bs[1])));
+          fsum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]), sc)), dx, fsum[r]);
+          fmin[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(mn, _mm512_set1_epi32(bs[0] + bs[1]))), dx, fmin[r]);
         } else if constexpr (F == KFormat::kQ6K) {
           const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 32 + 32 * g)));
           const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 48 + 32 * g)));
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(32 * bs[0])), s0));
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(32 * bs[1])), s1));
+          const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(32 * bs[0])), s0),
+                                            _mm512_mullo_epi32(_mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(32 * bs[1])), s1));
+          fsum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), dx, fsum[r]);
         } else if constexpr (F == KFormat::kQ5_0) {
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_sub_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]),
-                                                               _mm512_set1_epi32(16 * (bs[0] + bs[1]))));
+          fsum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]), _mm512_set1_epi32(16 * (bs[0] + bs[1])))), dx,
+                              fsum[r]);
         } else {
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(dot[r][0], dot[r][1]));
-          msum[r] = _mm512_set1_epi32(bs[0] + bs[1]);
+          fsum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[r][0], dot[r][1])), dx, fsum[r]);
+          fmin[r] = _mm512_set1_ps(a.d[(m0 + r) * (K / 32) + (sb * L.block) / 32 + g] * static_cast<float>(bs[0] + bs[1]));
         }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
     for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.d[(m0 + r) * supers + sb]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(fsum[r], d, acc[r]);
       if constexpr (F == KFormat::kQ4K || F == KFormat::kQ5K) {
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
-        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(fmin[r], dmin, acc[r]);
       } else if constexpr (F == KFormat::kQ5_1) {
         const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
-        acc[r] = _mm512_fmadd_ps(mins, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(msum[r])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mins, fmin[r], acc[r]);
       }
     }
   }
@@ -469,7 +473,7 @@ at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // each worker thread's own, empty, buffer.
   thread_local KActs buffer;
   KActs& acts = buffer;
-  quantize_acts(x.data_ptr<float>(), M, x.stride(0), K, L.block, acts);
+  quantize_acts(x.data_ptr<float>(), M, x.stride(0), K, 32, acts);
   const Isa isa = active_isa();
   const int64_t tiles_n = (N + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kTile * K));

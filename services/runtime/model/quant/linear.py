@@ -47,8 +47,8 @@ it moves is measured in docs/benchmarks.md. int8 (per channel) weights and other
 keep the exact path.
 
 GGUF's larger blocks (q4_k, q5_k, q6_k, q5_0, q5_1; quant/gguf_blocks.py) run with int8
-activations the same way, per block of 256 values for the K-quants as llama.cpp's Q8_K
-(services/runtime/kernels/cpu/kquant_dot.cpp; rule and reference in kernels/kquant_act.py), the
+activations the same way, per block of 32 values (not llama.cpp's 256 for K-quants: measured in
+kernels/kquant_act.py) (services/runtime/kernels/cpu/kquant_dot.cpp; rule and reference in kernels/kquant_act.py), the
 weight repacked once at load into tiles of 16 outputs within 3% of the file's bytes. With
 ``activations="none"`` they are dequantized once at load to fp32 (the exact path).
 
