@@ -58,6 +58,7 @@ SKIP: dict[str, str] = {
                                               "make run's stack has a gateway",
     "docker build": "no container daemon here; tests/deploy/test_dockerfile.py runs the image's command",
     "kubectl ": "no cluster here; tests/deploy/ render, validate and run the manifests",
+    "> keys.json": "writes the file the kubectl secret below is made from, into the checkout",
     '"model": "tokenmill", "prompt": "Once upon a time"': "reaches a cluster through the kubectl port-forward "
                                                           "above",
     "request = generation_pb2.GenerateRequest(": "a fragment (`chat=...`) showing a field",
