@@ -14,6 +14,8 @@ services/runtime/kernels/paged_decode.py is the reference both are tested agains
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -81,6 +83,25 @@ def build_name() -> str:
     return f"tokenmill_cpu_{digest.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an flock on the build while torch builds or loads it, and clear a stale baton.
+
+    torch marks a build in progress with a plain ``lock`` file that only the builder removes: a
+    build killed midway (Ctrl-C during ``make install``, an OOM kill) leaves it behind, and every
+    later start then waits on it forever. The kernel drops an flock with its holder, so whoever
+    holds this one knows no other process is building here and the baton, if any, is stale.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".flock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load() -> object:
     """Build (or reuse) and load the extension; returns ``torch.ops.tokenmill_cpu``.
@@ -93,11 +114,15 @@ def load() -> object:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    name = build_name()
     try:
-        cpp_extension.load(
-            name=build_name(), sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False,
-        )
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(
+                # Copies: torch appends its own flags to these lists, which would change
+                # build_name() for the rest of the process.
+                name=name, sources=[str(s) for s in _SOURCES], extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False,
+            )
     except Exception as exc:  # compiler missing or failing: the reason goes to the caller
         raise CpuKernelsUnavailable(f"could not build the CPU attention kernels: {exc}") from exc
     cap = os.environ.get(ISA_ENV)
