@@ -349,9 +349,13 @@ def test_the_readme_routes_example_loads(tmp_path, monkeypatch):
 
     from services.gateway.config import GatewayServiceConfig
 
-    readme = (_Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme_path = _Path(__file__).resolve().parents[2] / "README.md"
+    readme = readme_path.read_text()
     section = readme[readme.index("## Gateway"):]
     example = _re.search(r"```yaml\n(.*?)```", section, _re.S).group(1)
     (tmp_path / "routes.yaml").write_text(example)
+    # The example's tokenizer path is relative to the routes file, as if it sat in the repository
+    # root; the gateway refuses to start on a tokenizer it cannot load.
+    (tmp_path / "models").symlink_to(readme_path.parent / "models")
     monkeypatch.setenv("FAR_TOKEN", "secret")
     GatewayServiceConfig(config=str(tmp_path / "routes.yaml")).validate()
