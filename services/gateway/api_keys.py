@@ -4,12 +4,14 @@
 
     [{"key": "sk-team-a-...", "tenant": "team-a"},
      {"key": "sk-team-b-...", "tenant": "team-b", "models": ["chat"], "max_concurrent_requests": 8,
-      "cache_group": "research"}]
+      "cache_group": "research", "max_priority": -10}]
 
 With it, every ``/v1/`` HTTP request and every Generation call needs ``Authorization: Bearer
 KEY``: no key or an unknown one is 401 (UNAUTHENTICATED), a model the key is not given 403
 (PERMISSION_DENIED), more requests of its tenant in flight than ``max_concurrent_requests``
-429 (RESOURCE_EXHAUSTED). The key's tenant (or its ``cache_group``) becomes the engine request's
+429 (RESOURCE_EXHAUSTED), a body ``priority`` more urgent (lower) than the key's
+``max_priority`` (default 0, the default priority; ``null`` = any) 400 (INVALID_ARGUMENT) naming
+``priority`` and the bound. The key's tenant (or its ``cache_group``) becomes the engine request's
 ``cache_salt``: requests reuse cached prefixes only within it, so ``cached_tokens`` tells a key
 nothing about another's prompts. The tenant is also the request's ``fairness_key``: the engine
 shares its time fairly between keys' tenants as between its own (an engine with tenants honours
@@ -33,10 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from services.common.errors import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
 
 MAX_KEY_CHARS = 4096
-FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group"}
+FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group", "max_priority"}
+DEFAULT_MAX_PRIORITY = 0
+"""A key's most urgent priority when its entry names none: the default priority, so no client
+jumps ahead of the others by naming ``"priority": -2147483648`` in its body."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,10 @@ class ApiKey:
     cache_group: str | None = None
     """Keys of one group share cached prefixes; by default a key's tenant shares only its own."""
 
+    max_priority: int | None = DEFAULT_MAX_PRIORITY
+    """The most urgent priority its requests may ask for (lower is served first); a request
+    below it is refused with INVALID_ARGUMENT (400) naming ``priority``; None = any."""
+
     @property
     def cache_salt(self) -> str:
         return f"group:{self.cache_group}" if self.cache_group is not None else f"tenant:{self.tenant}"
@@ -57,6 +66,14 @@ class ApiKey:
     def check_model(self, model: str) -> None:
         if self.models is not None and model not in self.models:
             raise PermissionDeniedError(f"this API key may not use the model '{model}'")
+
+    def check_priority(self, priority: int) -> None:
+        # Refused, not clamped: a clamped request would run at a priority its client did not ask
+        # for without being told; the 400 names the bound so the client can send a valid one.
+        if self.max_priority is not None and priority < self.max_priority:
+            raise InvalidArgumentError(f"priority {priority} is more urgent than this API key's max_priority "
+                                       f"{self.max_priority} (lower is served first): send priority >= "
+                                       f"{self.max_priority}")
 
 
 class ApiKeys:
@@ -136,7 +153,12 @@ def load_api_keys(path: str | Path) -> ApiKeys:
         group = item.get("cache_group")
         if group is not None and (not isinstance(group, str) or not group):
             raise ValueError(f"{where}: cache_group must be a non-empty string")
-        entries.append((key.encode(), ApiKey(tenant, None if models is None else tuple(models), limit, group)))
+        max_priority = item.get("max_priority", DEFAULT_MAX_PRIORITY)
+        if max_priority is not None and (not isinstance(max_priority, int) or isinstance(max_priority, bool)
+                                         or not -(2**31) <= max_priority < 2**31):
+            raise ValueError(f"{where}: max_priority must be a 32-bit integer or null, got {max_priority!r}")
+        entries.append((key.encode(), ApiKey(tenant, None if models is None else tuple(models), limit, group,
+                                             max_priority)))
     return ApiKeys(entries)
 
 

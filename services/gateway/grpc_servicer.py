@@ -93,6 +93,7 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
                                                         engine_md, timeout):
                 yield reply
             return
+        key.check_priority(request.priority)
         request.cache_salt = key.cache_salt  # the caller's own values, if any, are replaced
         request.fairness_key = key.tenant
         if request.request_id in self._owners:

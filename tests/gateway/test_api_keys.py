@@ -7,7 +7,12 @@ import json
 
 import pytest
 
-from services.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from services.common.errors import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
 from services.gateway.api_keys import load_api_keys
 
 
@@ -40,6 +45,21 @@ def test_keys_name_tenants_and_their_limits(tmp_path):
         pass
 
 
+def test_a_keys_priority_bound_defaults_to_the_default_priority(tmp_path):
+    keys = load_api_keys(write(tmp_path, [{"key": "sk-a", "tenant": "a"},
+                                          {"key": "sk-b", "tenant": "b", "max_priority": -3},
+                                          {"key": "sk-c", "tenant": "c", "max_priority": None}]))
+    a, b, c = (keys.authenticate(f"Bearer sk-{name}") for name in "abc")
+    a.check_priority(0)
+    a.check_priority(2**31 - 1)
+    with pytest.raises(InvalidArgumentError, match=r"^priority -2147483648 .*max_priority 0"):
+        a.check_priority(-(2**31))
+    b.check_priority(-3)
+    with pytest.raises(InvalidArgumentError, match="max_priority -3"):
+        b.check_priority(-4)
+    c.check_priority(-(2**31))
+
+
 @pytest.mark.parametrize(("entries", "message"), [
     ([], "non-empty JSON list"),
     ([{"key": "sk-a"}], "entry 0: tenant"),
@@ -47,6 +67,8 @@ def test_keys_name_tenants_and_their_limits(tmp_path):
     ([{"key": "sk-a", "tenant": "a"}, {"key": "sk-a", "tenant": "b"}], "entry 1: its key is already given"),
     ([{"key": "sk-a", "tenant": "a", "max_concurrent_requests": 0}], "max_concurrent_requests must be"),
     ([{"key": "sk-a", "tenant": "a", "token": "x"}], "unknown fields ['token']"),
+    ([{"key": "sk-a", "tenant": "a", "max_priority": -(2**31) - 1}], "max_priority must be a 32-bit integer"),
+    ([{"key": "sk-a", "tenant": "a", "max_priority": "0"}], "max_priority must be a 32-bit integer"),
 ])
 def test_a_bad_file_is_refused_naming_the_entry(tmp_path, entries, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -319,6 +319,7 @@ async def test_hostile_a_target_refusing_the_gateway_is_named_at_start_and_model
 
 # ---------------------------------------------------------------- the gateway's own API keys
 KEY_A, KEY_B, KEY_NARROW = "sk-alpha-0123456789", "sk-bravo-0123456789", "sk-narrow-0123456789"
+KEY_URGENT = "sk-urgent-0123456789"
 SECRET_PROMPT = ("The secret code of the vault is 4 8 1 5 1 6 2 3 4 2. Once upon a time there was a little girl "
                  "named Lily. She liked to play in the park with her friends. One day she saw a big red ball.")
 
@@ -329,7 +330,8 @@ async def keyed(stack) -> AsyncIterator[GatewayProcess]:
     keys = stack.root / "keys.json"
     keys.write_text(json.dumps([{"key": KEY_A, "tenant": "alpha"}, {"key": KEY_B, "tenant": "bravo"},
                                 {"key": KEY_NARROW, "tenant": "narrow", "models": ["another"],
-                                 "max_concurrent_requests": 1}]))
+                                 "max_concurrent_requests": 1},
+                                {"key": KEY_URGENT, "tenant": "urgent", "max_priority": -5}]))
     keys.chmod(0o600)
     gateway = await start_gateway(stack.root, str(stack.root / "routes.json"), ["--api-keys-file", "keys.json"])
     yield gateway
@@ -349,6 +351,36 @@ async def test_hostile_api_keys_are_required_and_refused_in_openais_envelope(key
     with pytest.raises(openai.PermissionDeniedError):
         await narrow.completions.create(model=MODEL, prompt="Once", max_tokens=2)
     assert await health(keyed) == 200  # health and metrics stay open
+
+
+async def test_hostile_a_body_priority_above_the_keys_bound_is_400_naming_it(keyed):
+    # The engine behind this gateway has no tenants, so nothing but the gateway bounds priority.
+    alpha = openai.AsyncOpenAI(base_url=f"{keyed.base}/v1", api_key=KEY_A, max_retries=0)
+    urgent = openai.AsyncOpenAI(base_url=f"{keyed.base}/v1", api_key=KEY_URGENT, max_retries=0)
+    for client, priority, bound in ((alpha, -(2**31), 0), (alpha, -1, 0), (urgent, -6, -5)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, extra_body={"priority": priority})
+        error = refused.value.body
+        assert error["param"] == "priority" and f"max_priority {bound}" in error["message"], error
+    for client, priority in ((alpha, 0), (alpha, 2**31 - 1), (urgent, -5)):
+        answer = await client.completions.create(model=MODEL, prompt="Once", max_tokens=2,
+                                                 extra_body={"priority": priority})
+        assert answer.usage.completion_tokens >= 1
+    async with create_channel(f"127.0.0.1:{keyed.grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(text="Once", priority=-(2**31))
+        request.stop.max_tokens = 2
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Generate(request, timeout=30, metadata=(
+                    (MODEL_HEADER, MODEL), ("authorization", f"Bearer {KEY_A}"))):
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "priority" in refused.value.details() and "max_priority 0" in refused.value.details()
+        request.priority = -5
+        replies = [r async for r in stub.Generate(request, timeout=30, metadata=(
+            (MODEL_HEADER, MODEL), ("authorization", f"Bearer {KEY_URGENT}")))]
+        assert replies[-1].HasField("finished")
 
 
 async def test_hostile_cached_tokens_reveal_nothing_across_api_keys(keyed):

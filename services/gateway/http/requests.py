@@ -31,6 +31,7 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
     api_key = api_key_of(request)
     if api_key is not None:
         api_key.check_model(route.model)
+        api_key.check_priority(body.priority)
     sla, worst = sla_from(headers, route.sla_ms, route.worst_case)
     metadata = metadata_from(headers, getattr(body, "metadata", None))
     params = body.model_dump(exclude_none=True, exclude={"messages", "prompt"})
