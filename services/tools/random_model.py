@@ -46,6 +46,10 @@ class RandomModelSpec:
     """Per-head dimension when it is not hidden_size / num_heads (Gemma 3: 256 at hidden 640)."""
     rope_local_theta: float = 10000.0
     """Gemma 3: the RoPE base of its local layers."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: the cap on attention scores."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: the cap on logits."""
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +76,8 @@ PRESETS: dict[str, RandomModelSpec] = {
 
 def _config_json(spec: RandomModelSpec) -> dict:
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
+                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                  "Phi3ForCausalLM": "phi3"}
     if spec.architecture not in model_type:
         raise ValueError(f"unsupported architecture {spec.architecture!r}")
     cfg = {
@@ -117,6 +122,14 @@ def _config_json(spec: RandomModelSpec) -> dict:
                                        **dict(spec.rope_scaling)},
                     "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta}}}
         cfg.pop("rope_scaling", None)
+    if spec.architecture == "Gemma2ForCausalLM":
+        del cfg["hidden_act"], cfg["rope_theta"]
+        cfg |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": spec.head_dim,
+                "sliding_window": spec.sliding_window, "rms_norm_eps": 1e-6,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+                "attn_logit_softcapping": spec.attn_logit_softcapping,
+                "final_logit_softcapping": spec.final_logit_softcapping,
+                "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
     if spec.architecture == "Qwen2ForCausalLM":
         cfg["use_sliding_window"] = False
     return cfg
@@ -190,7 +203,7 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
         }
         if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             tensors |= {p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)}
-        if spec.architecture == "Gemma3ForCausalLM":
+        if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             tensors |= {p + "pre_feedforward_layernorm.weight": ones(d), p + "post_feedforward_layernorm.weight": ones(d)}
         if spec.architecture == "Qwen2ForCausalLM":
             tensors |= {
@@ -205,7 +218,7 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
                 [tensors.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
             tensors[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")])
-    if spec.architecture == "Gemma3ForCausalLM":
+    if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         # Gemma's norms scale by 1 + w: stored weights around 0, not 1
         tensors |= {name: t - 1.0 for name, t in tensors.items() if name.endswith("norm.weight")}
     if not spec.tie_word_embeddings:

@@ -35,6 +35,11 @@ FAMILY_SPECS = {
                                           architecture="Gemma3ForCausalLM", seed=18, head_size=32, rope_theta=1e6,
                                           sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=True,
                                           rope_scaling=(("rope_type", "linear"), ("factor", 8.0))),
+    # Gemma 2 2B's layout scaled down (4 query heads over 2 KV heads of 64, local and global
+    # layers alternating), its caps lowered to where random weights' scores and logits reach them.
+    "gemma2": RandomModelSpec(**{**SMALL, "num_layers": 4}, architecture="Gemma2ForCausalLM", seed=20,
+                              head_size=64, sliding_window=16, tie_word_embeddings=True,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=8.0),
     # Phi-3-mini-128k's layout: fused q|k|v and gate|up, longrope over 4x its original context
     # (sequences here stay inside it, where transformers uses the short factors), a window.
     "phi3-longrope": RandomModelSpec(**{**SMALL, "num_kv_heads": 4, "max_position_embeddings": 1024},

@@ -85,6 +85,9 @@ class CompiledDecode:
     """``model``'s forward for decode-only steps, compiled on first use of each shape class."""
 
     def __init__(self, model: LlamaForCausalLM):
+        if model.config.attn_logit_softcapping is not None:
+            raise ValueError(f"the compiled decode step's C++ attention does not cap scores, which "
+                             f"{model.config.architecture} does (attn_logit_softcapping); run it with compile off")
         if not isinstance(model.backend, CpuAttentionBackend):
             raise ValueError(f"the compiled decode step runs on the cpu attention backend; the model uses "
                              f"{model.backend.name!r}")

@@ -3,7 +3,8 @@
 Llama, Mistral and Qwen2 share one implementation (llama.py: GQA/MQA, RoPE with ``rope_theta``
 and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias for
 Qwen2); Qwen3 adds per-head q/k norms (qwen3.py); Phi-3 stores q|k|v and gate|up fused (phi3.py);
-Gemma 3 is its own file (gemma3.py). Anything
+Gemma 3 is its own file (gemma3.py) and Gemma 2 its variant without q/k norms, with tanh soft-capping
+of attention scores and logits (gemma2.py). Anything
 else is refused with an error that names the architecture, rather than loaded and run wrong.
 
 A layer's sliding window (Mistral, Gemma 3's local layers, Qwen2 with ``use_sliding_window``)
@@ -23,9 +24,10 @@ from services.runtime.model.quant.config import QuantizationConfig
 from services.runtime.model.rope import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+            "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+            "Phi3ForCausalLM": "phi3"}
 """Which model file runs each architecture."""
 
 DTYPES: dict[str, torch.dtype] = {
@@ -85,6 +87,10 @@ class ModelConfig:
     """The MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)."""
     query_pre_attn_scalar: float | None = None
     """Gemma: attention scores are scaled by this ** -0.5 instead of head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: attention scores become ``c * tanh(s / c)`` before the mask and softmax."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: logits become ``c * tanh(logits / c)``."""
     quantization: QuantizationConfig | None = None
     """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
 
@@ -111,7 +117,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r}; tokenmill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         # transformers >= 5 writes RoPE settings under "rope_parameters" (per layer type for
         # Gemma 3); older configs use "rope_theta" plus an optional "rope_scaling" (and Gemma 3's
         # "rope_local_base_freq"). rope.py implements each scaling type.
@@ -128,7 +134,7 @@ class ModelConfig:
             rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
         rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
         rope_local = None
-        if gemma:
+        if arch == "Gemma3ForCausalLM":
             local_rope = local_rope or {}
             local_theta = float(raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
             rope_local = RopeScaling.from_dict(local_rope, local_theta, max_positions)
@@ -138,9 +144,16 @@ class ModelConfig:
         if hidden_act != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise ValueError(f"hidden_act {hidden_act!r} is not supported for {arch} "
                              f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})")
+        if arch != "Gemma2ForCausalLM":
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if raw.get(key) is not None:
+                    raise ValueError(f"{key} is supported for Gemma2ForCausalLM only, not {arch}")
+        softcaps = {}
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if raw.get(key) is not None:
-                raise ValueError(f"{key} is not supported (Gemma 2's soft-capping is not implemented)")
+                softcaps[key] = float(raw[key])
+                if not softcaps[key] > 0:
+                    raise ValueError(f"{key} must be > 0 (or null for none), got {raw[key]!r}")
 
         def need(key: str):
             if key not in raw:
@@ -187,6 +200,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(sliding) if sliding else None,
+            **softcaps,
             quantization=QuantizationConfig.from_dict(raw["quantization_config"])
             if raw.get("quantization_config") else None,
         )
@@ -216,6 +230,8 @@ def _layer_windows(raw: dict, arch: str, num_layers: int, window: int | None) ->
         if unknown:
             raise ValueError(f"layer_types {sorted(unknown)} are not supported")
         return tuple(window if kind == "sliding_attention" else None for kind in types)
+    if arch == "Gemma2ForCausalLM":  # local and global layers alternate, local first
+        return tuple(window if i % 2 == 0 else None for i in range(num_layers))
     if arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer is global
         pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))

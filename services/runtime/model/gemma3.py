@@ -54,8 +54,10 @@ class Gemma3Layer(nn.Module):
         self.o_proj = build_linear([w("self_attn.o_proj.weight")])
         self.gate_up = build_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
         self.down = build_linear([w("mlp.down_proj.weight")])
-        self.q_norm = gemma_norm_weight(w("self_attn.q_norm.weight"))
-        self.k_norm = gemma_norm_weight(w("self_attn.k_norm.weight"))
+        self.softcap = config.attn_logit_softcapping
+        """Gemma 2's cap on attention scores (None: uncapped)."""
+        self.q_norm = gemma_norm_weight(w("self_attn.q_norm.weight")) if config.qk_norm else None
+        self.k_norm = gemma_norm_weight(w("self_attn.k_norm.weight")) if config.qk_norm else None
         self.input_norm = gemma_norm_weight(w("input_layernorm.weight"))
         self.post_attn_norm = gemma_norm_weight(w("post_attention_layernorm.weight"))
         self.pre_mlp_norm = gemma_norm_weight(w("pre_feedforward_layernorm.weight"))
@@ -68,13 +70,17 @@ class Gemma3Layer(nn.Module):
         x = gemma_rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # [T, q + 2kv]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, h + self.num_kv_heads, self.head_dim)
-        qk = torch.cat([gemma_rms_norm(qk[:, :h], self.q_norm, self.eps),
-                        gemma_rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
+        if self.q_norm is not None:
+            qk = torch.cat([gemma_rms_norm(qk[:, :h], self.q_norm, self.eps),
+                            gemma_rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
         q, k = ops.rotary(qk, h, rope)  # [T, H, hd], [T, KH, hd]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, hd]
+        if self.softcap is None:
+            attn = backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, hd]
+        else:
+            attn = backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap)
         hidden = hidden + gemma_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), self.post_attn_norm, self.eps)
         x = gemma_rms_norm(hidden, self.pre_mlp_norm, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, F] each
@@ -91,14 +97,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.final_norm = gemma_norm_weight(self.final_norm.detach()).to(device)
         # transformers multiplies by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(self.embed.dtype).item()
+        # Gemma 2 rotates every layer alike (no rope_local)
         self.rotary_local = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                            config.rope_local.theta, device, config.rope_local)
+                                            config.rope_local.theta, device, config.rope_local) \
+            if config.rope_local is not None else self.rotary
 
     def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta,
                      backend: AttentionBackend) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed) * self.embed_scale
         rope_global = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
-        rope_local = self.ops.rotary_tables(positions, self.rotary_local, hidden.dtype)
+        rope_local = rope_global if self.rotary_local is self.rotary else \
+            self.ops.rotary_tables(positions, self.rotary_local, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope_local if layer.window else rope_global, kv_cache, meta, backend, self.ops)
         return gemma_rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)

@@ -83,7 +83,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
                        p + "self_attn.k_norm.weight": (config.head_dim,)}
-        if config.family == "gemma3":  # norms after attention and around the MLP
+        if config.family in ("gemma2", "gemma3"):  # norms after attention and around the MLP
             shapes |= {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
         if config.attention_bias:
             shapes |= {

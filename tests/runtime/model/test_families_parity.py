@@ -39,9 +39,10 @@ def test_logits_and_greedy_tokens_match_transformers(family_dirs, name):
     assert greedy(model, prompt, NEW_TOKENS, prefill_chunk=7) == hf_greedy(hf, prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "phi3-longrope", "gemma2"])
 def test_windowed_models_match_transformers_on_the_cpu_backend(family_dirs, name):
-    """The C++ decode kernel honours each layer's window: decode steps far past it give transformers' tokens."""
+    """The C++ decode kernel honours each layer's window: decode steps far past it give transformers' tokens
+    (Gemma 2's capped scores go through the torch backend's attention on this backend)."""
     from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
 
     model_dir = family_dirs[name]
@@ -68,3 +69,18 @@ def test_a_draft_model_runs_its_own_family(family_dirs):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     assert_close_to_reference(run_chunks(draft, ids, [25, 1, 14], [3, 1, 0], 16), ref)
+
+
+def test_gemma2_refuses_backends_that_do_not_cap_scores(family_dirs):
+    """Gemma 2's attention soft-capping is not in the Triton kernels or the compiled CPU decode step:
+    loading it there fails naming the backend, rather than running uncapped attention."""
+    from services.runtime.model.compiled_decode import CompiledDecode
+
+    class UncappedBackend(TorchAttentionBackend):
+        name = "triton"
+
+    with pytest.raises(ValueError, match="attn_logit_softcapping.*'triton' attention backend"):
+        load_model(family_dirs["gemma2"], UncappedBackend())
+    model = load_model(family_dirs["gemma2"], TorchAttentionBackend())
+    with pytest.raises(ValueError, match="does not cap scores"):
+        CompiledDecode(model)

@@ -36,7 +36,21 @@ def test_qwen2_windows_only_from_max_window_layers_on_and_only_when_used():
 
 
 @pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
-def test_soft_capping_is_refused_by_name(key):
+def test_soft_capping_outside_gemma2_is_refused_by_name(key):
     raw = {**BASE, "architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh", key: 30.0}
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_dict(raw)
+    with pytest.raises(ValueError, match=f"{key} must be > 0"):
+        ModelConfig.from_dict({**raw, "architectures": ["Gemma2ForCausalLM"], key: 0})
+
+
+def test_gemma2_config_without_layer_types_alternates_local_and_global_layers():
+    """Gemma 2's released config.json has no layer_types: layers 0, 2, ... are local, as transformers rules."""
+    raw = {**BASE, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh",
+           "sliding_window": 4096, "query_pre_attn_scalar": 224, "attn_logit_softcapping": 50.0,
+           "final_logit_softcapping": 30.0, "head_dim": 128}
+    config = ModelConfig.from_dict(raw)
+    assert config.family == "gemma2" and config.layer_windows == (4096, None) * 3
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.query_pre_attn_scalar == 224 and config.rope_local is None and not config.qk_norm
+    assert config.tie_word_embeddings

@@ -70,5 +70,9 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Causal attention of each new query over its sequence's cached context. Returns [T, H, D].
         ``window``: a sliding-window layer's keys per query (the query's own and the ``window - 1``
-        before it); None attends over the whole context."""
+        before it); None attends over the whole context.
+
+        The torch and cpu backends also take ``softcap=c`` (Gemma 2: scores ``c * tanh(s / c)``
+        before the mask and softmax); a model that needs it refuses the other backends by name
+        (gemma2.SOFTCAP_BACKENDS)."""
         ...

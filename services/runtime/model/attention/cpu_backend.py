@@ -56,9 +56,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        # Soft-capped scores (Gemma 2) are the torch backend's: the C++ decode kernel has no cap.
         self.check_step(meta, k_cache)
-        return super().attend(q, k_cache, v_cache, meta, scale, window)
+        return super().attend(q, k_cache, v_cache, meta, scale, window, softcap)
 
     @staticmethod
     def _native(x: torch.Tensor, cache: torch.Tensor) -> bool:

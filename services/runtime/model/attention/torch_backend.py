@@ -6,6 +6,9 @@ padded tensor and attended with a length mask, so a decode step costs a few batc
 per layer instead of one per sequence. Sequences with several new tokens (prompts,
 chunks, speculative verification) go one by one through scaled_dot_product_attention.
 
+Soft-capped scores (Gemma 2: ``c * tanh(s / c)`` before the mask and softmax) are something SDPA
+cannot do: a layer with a cap takes an explicit matmul, tanh, masked softmax and matmul instead.
+
 A quantized pool (``ScaledCache``) is written by ``kv_quant.write_quantized`` and read by
 dequantizing the gathered blocks to the query's dtype before SDPA.
 """
@@ -32,8 +35,10 @@ class TorchAttentionBackend:
         v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # q: [T, H, D] -> [T, H, D]
+        if softcap is not None:
+            return self._attend_softcapped(q, k_cache, v_cache, meta, scale, window, softcap)
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.context_lens_cpu, scale,
                                 window)
@@ -55,6 +60,31 @@ class TorchAttentionBackend:
                 q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size, scale,
                 window,
             )
+        return out
+
+    def _attend_softcapped(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                           softcap: float) -> torch.Tensor:
+        """Each sequence's queries over its context with capped scores, as transformers' eager
+        Gemma 2 attention computes them (scores in the query's dtype, softmax in fp32)."""
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            start = starts[i]
+            qs = q[start : start + q_len]  # [L, H, D]
+            k = self._gather(k_cache, meta.block_tables[i], ctx_len, meta.block_size, q.dtype)  # [C, KH, D]
+            v = self._gather(v_cache, meta.block_tables[i], ctx_len, meta.block_size, q.dtype)
+            group = qs.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, C, D]
+            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = torch.matmul(qs.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, L, C]
+            scores = torch.tanh(scores / softcap) * softcap
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            hidden = k_pos[None, :] > q_pos[:, None]  # [L, C]
+            if window is not None:
+                hidden |= k_pos[None, :] <= q_pos[:, None] - window
+            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+            out[start : start + q_len] = torch.matmul(probs.to(q.dtype), v).transpose(0, 1)
         return out
 
     @staticmethod
