@@ -63,13 +63,18 @@ RUN apt-get update \
  && useradd --uid 10001 --gid 10001 --home-dir /home/tokenmill --create-home --shell /usr/sbin/nologin tokenmill \
  && mkdir -p /var/cache/tokenmill && chown 10001:10001 /var/cache/tokenmill
 
-COPY --from=build --chown=10001:10001 /opt/tokenmill /opt/tokenmill
+# Owned by root, not the runtime user: the code, the venv and the CPU kernels built above (in
+# TORCH_EXTENSIONS_DIR, for CPU_MARCH) are read-only to the services, which run under a read-only
+# root filesystem. A kernel build directory the process cannot write is loaded as it is
+# (services/runtime/kernels/cpu/__init__.py), without torch's build step, which writes there.
+COPY --from=build /opt/tokenmill /opt/tokenmill
 
 WORKDIR /opt/tokenmill
 ENV PATH=/opt/tokenmill/.venv/bin:${PATH} \
     TORCH_EXTENSIONS_DIR=/opt/tokenmill/.cache/torch_extensions \
     TOKENMILL_CPU_KERNEL_MARCH=${CPU_MARCH} \
     TOKENMILL_CACHE_DIR=/var/cache/tokenmill \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 # gateway HTTP and gRPC, scheduler, tokenizer, executor, drafter, /metrics

@@ -167,6 +167,27 @@ def test_final_image_is_the_checkout_the_manifests_run():
     assert users and users[-1].split(":")[0] not in ("0", "root")
 
 
+def test_the_runtime_user_cannot_write_the_code_or_the_prebuilt_kernels():
+    build, final = stages()[0], stages()[-1]
+    copied = [rest for keyword, rest in final if keyword == "COPY" and "--from=build" in rest]
+    assert copied and not any("--chown" in rest for rest in copied)  # root-owned: read-only to USER
+    assert not any(keyword == "RUN" and ("chown" in rest or "chmod" in rest) and IMAGE_ROOT in rest
+                   for keyword, rest in final)
+
+    def env_of(stage) -> dict[str, str]:
+        pairs = shlex.split(" ".join(rest for keyword, rest in stage if keyword == "ENV"))
+        return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+    # The kernels are built in the build stage, for a named -march, into the directory the
+    # runtime stage loads them from (their build name hashes the flags and the checkout path).
+    built, run = env_of(build), env_of(final)
+    assert built["TORCH_EXTENSIONS_DIR"] == run["TORCH_EXTENSIONS_DIR"]
+    assert run["TORCH_EXTENSIONS_DIR"].startswith(IMAGE_ROOT + "/")
+    assert built["TOKENMILL_CPU_KERNEL_MARCH"] == run["TOKENMILL_CPU_KERNEL_MARCH"] == "${CPU_MARCH}"
+    assert any(keyword == "RUN" and "make runtime" in rest for keyword, rest in build)
+    assert any(keyword == "WORKDIR" and rest == IMAGE_ROOT for keyword, rest in build)
+
+
 def test_variants_and_build_arguments():
     text = DOCKERFILE.read_text()
     for arg in ("VARIANT=cpu", "CPU_MARCH=x86-64-v3", "MODELS=", "TORCH_INDEX_URL="):

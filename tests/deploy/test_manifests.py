@@ -281,6 +281,9 @@ def test_pods_run_as_the_image_user(rendered, overlay):
         assert security["runAsNonRoot"] is True and security["runAsUser"] == uid, workload["metadata"]["name"]
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        # The image's code and CPU kernel build are root-owned and read-only (test_dockerfile.py);
+        # what a service writes goes to an emptyDir.
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, container["name"]
 
 
 def test_autoscaler_targets_the_engines(rendered):

@@ -5,7 +5,10 @@ block table without first copying the blocks out; ``paged_decode.cpp`` reads the
 It also holds the step's K/V write (both pools in one call) and the checks of block tables and
 slots, each one pass that reports the first bad entry for Python to raise.
 The build (about a minute, ``make install`` does it ahead of time) is cached per source,
-flags and CPU, since it is compiled for the machine it runs on (``-march=native``).
+flags and CPU, since it is compiled for the machine it runs on (``-march=native``), or for a
+named ``-march`` (``TOKENMILL_CPU_KERNEL_MARCH``) when a container image builds it ahead of time.
+A build directory the process cannot write (the image's, root-owned under a read-only root
+filesystem) is loaded as it is, without torch's build step, which writes there.
 
 ``load()`` returns None when the kernels cannot be built here (no C++ compiler, say); the
 caller falls back to the PyTorch path and says so. ``paged_decode_reference`` in
@@ -116,7 +119,23 @@ def load() -> object:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     name = build_name()
     try:
-        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # makes it if missing
+    except OSError as exc:
+        raise CpuKernelsUnavailable(f"could not build the CPU attention kernels: no build directory: {exc}") from exc
+    prebuilt = build_dir / f"{name}{cpp_extension.LIB_EXT}"
+    if not os.access(build_dir, os.W_OK):
+        # A build directory this process cannot write is a finished build made ahead of time (the
+        # image builds it, root-owned, under a read-only root filesystem): torch's load() would
+        # write its ``lock`` baton and ninja's files there, so the library is loaded as it is.
+        # Its name hashes the sources, flags and torch, so it is the build these sources need.
+        if not prebuilt.is_file():
+            raise CpuKernelsUnavailable(f"could not load the CPU attention kernels: {build_dir} is read-only and "
+                                        f"holds no {prebuilt.name} (build them ahead of time with the same "
+                                        f"{MARCH_ENV}, torch and checkout path, or make the directory writable)")
+        torch.ops.load_library(str(prebuilt))
+        return _loaded()
+    try:
+        with _build_lock(build_dir):
             cpp_extension.load(
                 # Copies: torch appends its own flags to these lists, which would change
                 # build_name() for the rest of the process.
@@ -125,6 +144,10 @@ def load() -> object:
             )
     except Exception as exc:  # compiler missing or failing: the reason goes to the caller
         raise CpuKernelsUnavailable(f"could not build the CPU attention kernels: {exc}") from exc
+    return _loaded()
+
+
+def _loaded() -> object:
     cap = os.environ.get(ISA_ENV)
     if cap:
         set_isa(cap)
