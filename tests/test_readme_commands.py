@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.service_harness import REPO_ROOT
-from tests.helpers.typed_up import SERVING, moved_ports, start_up, user_env
+from tests.helpers import typed_up
 
 pytestmark = pytest.mark.slow
 
@@ -112,18 +112,8 @@ def _check(command: str, done: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def make_run_stack(tmp_path_factory):
     """`make run`'s command (its recipe, install done), from the repository's root."""
-    recipe = subprocess.run(["make", "--no-print-directory", "-s", "-n", "-o", "install", "run"], cwd=REPO_ROOT,
-                            env=user_env(), capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    assert recipe == '.venv/bin/tokenmill up --model "models/smollm2-135m-instruct-q4_1"', recipe
-    if not (REPO_ROOT / "models" / "smollm2-135m-instruct-q4_1" / "config.json").exists():
-        pytest.fail("models/smollm2-135m-instruct-q4_1 is missing: make install converts it")
-    env = user_env(**moved_ports(), TOKENMILL_LOG_DIR=str(tmp_path_factory.mktemp("logs")))
-    up = start_up(recipe, env)
-    try:
-        up.wait_for(SERVING, 300)
-        yield up, env
-    finally:
-        assert up.stop() == 0, up.text
+    with typed_up.make_run_stack(tmp_path_factory.mktemp("logs")) as stack:
+        yield stack
 
 
 def test_the_readme_has_commands_to_run():

@@ -10,13 +10,20 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.service_harness import REPO_ROOT
 
 SERVING = "Ctrl-C to stop"
+MAKE_RUN = '.venv/bin/tokenmill up --model "models/smollm2-135m-instruct-q4_1"'
+"""`make run`'s recipe (from ``make -n``, install done), checked against the Makefile each start."""
+MAKE_RUN_MODEL = "smollm2-135m-instruct-q4_1"
+"""The model id `make run`'s stack serves."""
 PRINTED = re.compile(r"^\[tokenmill up\]   (.+)$", re.M)
 """An indented line under `[tokenmill up]`: a command printed for the user to run."""
 
@@ -96,3 +103,23 @@ def start_up(command: str | list[str], env: Mapping[str, str], cwd: Path = REPO_
     threading.Thread(target=read, args=(process.stderr, up.lines), daemon=True).start()
     threading.Thread(target=read, args=(process.stdout, up.stdout), daemon=True).start()
     return up
+
+
+@contextmanager
+def make_run_stack(log_dir: Path) -> Iterator[tuple[TypedUp, dict[str, str]]]:
+    """A stack started exactly as `make run` starts it: its recipe, from the repository's root,
+    the model path relative as typed, only the documented variables moving its ports (so it runs
+    beside a person's own stack). Yields the running `tokenmill up` and the environment its
+    clients use; stops it (Ctrl-C) after, asserting a clean exit."""
+    recipe = subprocess.run(["make", "--no-print-directory", "-s", "-n", "-o", "install", "run"], cwd=REPO_ROOT,
+                            env=user_env(), capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert recipe == MAKE_RUN, recipe
+    if not (REPO_ROOT / "models" / MAKE_RUN_MODEL / "config.json").exists():
+        pytest.fail(f"models/{MAKE_RUN_MODEL} is missing: make install converts it")
+    env = user_env(**moved_ports(), TOKENMILL_LOG_DIR=str(log_dir))
+    up = start_up(recipe, env)
+    try:
+        up.wait_for(SERVING, 300)
+        yield up, env
+    finally:
+        assert up.stop() == 0, up.text
