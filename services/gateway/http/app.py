@@ -6,6 +6,7 @@
     POST /v1/chat/completions        http/chat.py
     POST /v1/messages                Anthropic's Messages API over the chat path (http/messages.py)
     POST /v1/messages/count_tokens
+    POST /v1/responses               http/responses.py (OpenAI's Responses API, stateless)
     GET  /health                     200 while some target of every model is healthy, else 503
     GET  /ready?model=ID             200 while some target of that model (every model without
                                      ?model=) is healthy, else 503; an unknown model is 404
@@ -26,6 +27,7 @@ from services.gateway.http.context import HttpContext
 from services.gateway.http.errors import install_error_handlers
 from services.gateway.http.messages import count_tokens, create_message
 from services.gateway.http.middleware import GatewayMiddleware
+from services.gateway.http.responses import create_response
 from services.gateway.http.models import list_models, retrieve_model
 from services.gateway.http.protocol import ChatCompletion, Completion, ErrorResponse, Model, ModelList
 
@@ -77,6 +79,8 @@ def build_app(ctx: HttpContext) -> FastAPI:
                       responses={200: {"content": ANTHROPIC_STREAM}, **ERRORS})
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], response_model=None,
                       responses=ERRORS)
+    app.add_api_route("/v1/responses", create_response, methods=["POST"], response_model=None,
+                      responses={200: {"content": STREAM}, **ERRORS})
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)

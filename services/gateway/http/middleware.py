@@ -27,8 +27,8 @@ from services.gateway.api_keys import ApiKeys
 from services.gateway.http.errors import ANTHROPIC_PATH, OpenAIError, from_error
 from services.gateway.metrics import GatewayMetrics
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages/count_tokens", "/v1/messages", "/v1/models",
-             "/health", "/metrics", "/openapi.json")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages/count_tokens", "/v1/messages",
+             "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 class GatewayMiddleware:
