@@ -42,6 +42,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import math
 import re
 import shutil
 import sys
@@ -113,9 +114,47 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match and match.group(2) in LAYER_TENSORS[arch]:
         return f"model.layers.{match.group(1)}.{LAYER_TENSORS[arch][match.group(2)]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError("the file has rope_freqs.weight (Llama 3.1-style RoPE scaling), which tokenmill does not run")
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the {ARCH_NAMES[arch]} layout")
+
+
+ROPE_FREQS = "rope_freqs.weight"
+"""Llama 3.1+: the per-frequency divisors of llama3 RoPE scaling, which llama.cpp stores in place of
+the rope_scaling settings (read by ``llama3_rope_scaling``, not a weight)."""
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The llama3 settings every released Llama 3.1 / 3.2 / 3.3 has (only ``factor`` differs: 8 or 32)."""
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as rope_freqs.weight for llama3 scaling (its rule, in fp32)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old = original_max_position_embeddings
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > old / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """config.json's rope_scaling for a file's rope_freqs.weight: Llama 3's settings with the largest
+    divisor as ``factor``, accepted only when they reproduce every stored divisor (else refused)."""
+    factors = np.asarray(factors, dtype=np.float32).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise ValueError(f"{ROPE_FREQS} has {factors.shape[0]} entries, not head_dim / 2 = {head_dim // 2}")
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
+    expected = llama3_rope_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
+    if not np.allclose(factors, expected, rtol=1e-5, atol=0):
+        raise ValueError(f"{ROPE_FREQS} holds frequency divisors that Llama 3's RoPE scaling (factor "
+                         f"{scaling['factor']:g}, low/high frequency factors 1/4, original context 8192) does not "
+                         "give; tokenmill runs only that rule")
+    return scaling
 
 
 def rotate_half_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -135,8 +174,10 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for the engine (and transformers) from the ``llama.*`` or ``gemma3.*`` metadata."""
+def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.dtype,
+                 rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for the engine (and transformers) from the ``llama.*`` or ``gemma3.*`` metadata
+    (and a Llama file's rope_freqs.weight, its llama3 RoPE scaling)."""
     arch = meta.get("general.architecture")
     if arch not in LAYER_TENSORS:
         raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the "
@@ -194,6 +235,10 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         "mlp_bias": False,
         "torch_dtype": TORCH_DTYPE_NAMES[dtype],
     }
+    if rope_freqs is not None:
+        if arch != "llama":
+            raise ValueError(f"GGUF tensor {ROPE_FREQS!r} has no place in the {ARCH_NAMES[arch]} layout")
+        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], head_dim)
     if arch == "gemma3":
         del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
         config |= {
@@ -234,6 +279,8 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
     permuted = arch == "llama"  # llama.cpp permutes q/k rows for its Llama RoPE only
     state: dict[str, torch.Tensor] = {}
     for tensor in tensors:
+        if tensor.name == ROPE_FREQS:  # read into config.json's rope_scaling
+            continue
         name = hf_tensor_name(tensor.name, arch)
         try:
             values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
@@ -284,6 +331,8 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
     state: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # read into config.json's rope_scaling
+            continue
         name = hf_tensor_name(tensor.name, arch)
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
@@ -375,7 +424,9 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     dtype = WEIGHT_DTYPES.get(weights, torch.float32)
     reader = GGUFReader(source)
     meta = read_metadata(reader)
-    config = llama_config(meta, {t.name for t in reader.tensors}, dtype)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    rope_freqs = None if freqs is None else dequantize(freqs.data, GGMLQuantizationType(freqs.tensor_type))
+    config = llama_config(meta, {t.name for t in reader.tensors}, dtype, rope_freqs)
     tokenizer = build_tokenizer(meta)
     if weights == "keep":
         state, formats = kept_state_dict(reader, config)

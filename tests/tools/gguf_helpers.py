@@ -34,7 +34,8 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llama", tokenizer_model: str = "gpt2",
                           pre: str = "smollm", extra_tensor: str | None = None, seed: int = 0,
                           dims: dict[str, int] | None = None,
-                          qtypes: dict[str, GGMLQuantizationType] | None = None) -> dict[str, np.ndarray]:
+                          qtypes: dict[str, GGMLQuantizationType] | None = None, rope_base: float = 100000.0,
+                          rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
     q/k rows permuted); returns the HF-layout float32 weights it was quantized from.
 
@@ -56,7 +57,7 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     writer.add_feed_forward_length(f)
     writer.add_head_count(h)
     writer.add_head_count_kv(kvh)
-    writer.add_rope_freq_base(100000.0)
+    writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(len(TOKENS))
@@ -111,6 +112,8 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
     if untied:
         add("output.weight", "lm_head.weight", rand(len(TOKENS), d), q80)
+    if rope_freqs is not None:  # Llama 3.1+: llama.cpp's llama3 RoPE divisors, F32
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     if extra_tensor is not None:
         writer.add_tensor(extra_tensor, rand(d))
     writer.write_header_to_file()
