@@ -117,3 +117,20 @@ async def test_reasoning_goes_to_reasoning_content_streamed_and_not_and_never_to
     assert len(cut.choices[0].message.reasoning_content) > len("The user asks")
     assert thought.startswith(cut.choices[0].message.reasoning_content)
     assert not cut.choices[0].message.content and not cut.choices[0].message.tool_calls
+
+
+async def test_responses_api_answers_the_reasoning_as_a_reasoning_item(stack):
+    """The Responses API over the same route: a ``reasoning`` output item before the message, whole and streamed."""
+    chat = await stack.client.chat.completions.create(model="r1", **REQUEST)
+    message = chat.choices[0].message
+    request = dict(model="r1", input=MESSAGES, temperature=0, max_output_tokens=64)
+    whole = await stack.client.responses.create(**request)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == message.reasoning_content and whole.output_text == message.content
+    async with stack.client.responses.stream(**request) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == message.reasoning_content and final.output_text == message.content
