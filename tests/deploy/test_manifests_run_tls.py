@@ -1,11 +1,13 @@
 """components/tls run from the manifests: the cpu overlay with auth and TLS, rendered, as local
-processes (tests/deploy/manifests.py), the Secret tokenmill-tls made here (one CA, one certificate
-for serving and connecting, for 127.0.0.1, where every cluster name maps locally).
+processes (tests/deploy/manifests.py), the Secrets tokenmill-tls-SERVICE made here (one CA, one
+certificate per service for serving and connecting, named by the service, for 127.0.0.1, where
+every cluster name maps locally).
 
 Every probe the manifests declare reaches SERVING in plaintext on its service's health port while
 the service's own port refuses plaintext; a request streams through the gateway (HTTP, and gRPC
 over TLS) over mTLS hops to the scheduler and its executor, tokenizer and drafter; the scheduler's
-public port refuses a client without a certificate from the CA.
+public port refuses a client without a certificate from the CA, and takes the gateway's alone; the
+executor refuses the gateway's certificate and serves the scheduler's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.common.pb.tokenmill.v1 import generation_pb2_grpc
+from services.common.internal_secret import METADATA_KEY
+from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc, generation_pb2_grpc
 from services.common.server import create_channel
 from services.common.tls import ClientTLS
 from services.stack.dev_ca import cert_pem, issue, key_pem, make_authority
@@ -33,15 +36,23 @@ from tests.helpers.stack_streams import greedy_request, record_stream
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 
+SERVICES = ("gateway", "scheduler", "executor", "tokenizer", "drafter")
+
+
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
+def pki(tmp_path_factory) -> dict[str, dict]:
+    """Per service: its files here (for the test's own clients) and its Secret's data."""
     authority = make_authority()
-    cert, key = issue(authority, "tokenmill", server=True, client=True)
-    folder = tmp_path_factory.mktemp("client-tls")
-    files = {"ca.crt": cert_pem(authority.cert), "tls.crt": cert_pem(cert), "tls.key": key_pem(key)}
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
-    return {name: str(folder / name) for name in files} | {"data": {k: v.decode() for k, v in files.items()}}
+    out: dict[str, dict] = {}
+    for service in SERVICES:
+        cert, key = issue(authority, f"tokenmill-{service}", server=True, client=True)
+        folder = tmp_path_factory.mktemp(f"tls-{service}")
+        files = {"ca.crt": cert_pem(authority.cert), "tls.crt": cert_pem(cert), "tls.key": key_pem(key)}
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        out[service] = {name: str(folder / name) for name in files} | {
+            "data": {k: v.decode() for k, v in files.items()}}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def tls_cluster(tmp_path_factory, pki) -> Iterator[LocalCluster]:
     docs = render_variant("cpu+auth+tls", workdir)
     secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])},
                "tokenmill-internal": {"secret": INTERNAL_SECRET},
-               "tokenmill-tls": pki["data"]}
+               **{f"tokenmill-tls-{service}": pki[service]["data"] for service in SERVICES}}
     local = LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
     local.start(startup_timeout_s=START_TIMEOUT_S)
     yield local
@@ -84,7 +95,7 @@ async def test_a_request_streams_through_the_gateway_over_tls_hops(serving: Loca
     assert reasons == ["length"] and tokens == 24 and text.strip()
     # The gateway's public gRPC port: TLS, no client certificate needed.
     port = serving.pods[GATEWAY].local_port("grpc", "test client")
-    async with create_channel(f"127.0.0.1:{port}", tls=ClientTLS(pki["ca.crt"])) as channel:
+    async with create_channel(f"127.0.0.1:{port}", tls=ClientTLS(pki["gateway"]["ca.crt"])) as channel:
         routed = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
                                      greedy_request(PROMPT, 24))
     assert routed.finish_reason == "length" and routed.text == text, (routed.code, routed.details)
@@ -92,12 +103,39 @@ async def test_a_request_streams_through_the_gateway_over_tls_hops(serving: Loca
 
 async def test_the_scheduler_asks_for_a_client_certificate(serving: LocalCluster, pki):
     port = serving.pods[ENGINE].local_port(50051, "test client")
-    async with create_channel(f"127.0.0.1:{port}", tls=ClientTLS(pki["ca.crt"])) as channel:
+    async with create_channel(f"127.0.0.1:{port}", tls=ClientTLS(pki["gateway"]["ca.crt"])) as channel:
         anonymous = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
                                         greedy_request(PROMPT, 4), timeout=10)
     assert anonymous.code == grpc.StatusCode.UNAVAILABLE and not anonymous.messages, anonymous.code
-    mtls = ClientTLS(pki["ca.crt"], pki["tls.crt"], pki["tls.key"])
+    for service in ("executor", "tokenizer"):  # the CA signed them, but only the gateway may call here
+        other = ClientTLS(pki[service]["ca.crt"], pki[service]["tls.crt"], pki[service]["tls.key"])
+        async with create_channel(f"127.0.0.1:{port}", tls=other) as channel:
+            refused = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
+                                          greedy_request(PROMPT, 4), timeout=10)
+        assert refused.code == grpc.StatusCode.PERMISSION_DENIED and not refused.messages, (service, refused.code)
+    gateway = pki["gateway"]
+    mtls = ClientTLS(gateway["ca.crt"], gateway["tls.crt"], gateway["tls.key"])
     async with create_channel(f"127.0.0.1:{port}", tls=mtls) as channel:
         record = await record_stream(_Tenant(generation_pb2_grpc.GenerationStub(channel), TOKEN),
                                      greedy_request(PROMPT, 4), timeout=30)
     assert record.finish_reason == "length", (record.code, record.details)
+
+
+async def test_the_gateways_certificate_cannot_drive_the_executor(serving: LocalCluster, pki):
+    port = serving.pods[ENGINE].local_port(50053, "test client")
+    secret = ((METADATA_KEY, INTERNAL_SECRET),)  # so only the certificate differs between the calls
+
+    async def info(service: str) -> grpc.StatusCode:
+        files = pki[service]
+        async with create_channel(f"127.0.0.1:{port}", tls=ClientTLS(files["ca.crt"], files["tls.crt"],
+                                                                      files["tls.key"])) as channel:
+            try:
+                await executor_pb2_grpc.ExecutorStub(channel).GetExecutorInfo(
+                    executor_pb2.GetExecutorInfoRequest(), metadata=secret, timeout=10)
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+        return grpc.StatusCode.OK
+
+    assert await info("gateway") == grpc.StatusCode.PERMISSION_DENIED
+    assert await info("tokenizer") == grpc.StatusCode.PERMISSION_DENIED
+    assert await info("scheduler") == grpc.StatusCode.OK
