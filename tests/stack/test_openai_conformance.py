@@ -158,6 +158,14 @@ def test_completion_echo_and_logprobs(client):
     assert max(generated.values()) == pytest.approx(lp.token_logprobs[-1], abs=1e-4)
 
 
+def test_completion_echo_without_generation_is_a_clear_400(client):
+    # OpenAI's legacy scoring call (echo, logprobs, max_tokens 0) is not served yet: the engine
+    # generates at least one token. Prompt logprobs come with max_tokens 1 (above).
+    error = _bad_request(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True,
+                                                           logprobs=1), "max_tokens")
+    assert "1" in error.body["message"]
+
+
 def test_completion_suffix_is_a_clear_400(client):
     _bad_request(lambda: client.completions.create(model=MODEL, prompt=PROMPT, suffix=" and that is all.",
                                                    max_tokens=3), "suffix")
@@ -305,6 +313,13 @@ def test_chat_stream_chunks(client):
     assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
     assert last.choices == [] and last.usage.completion_tokens == 5 and all(c.usage is None for c in body)
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    # n choices streamed: each opens with the role, ends once, and one usage chunk counts them all
+    both = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0, n=2,
+                                               stream=True, stream_options={"include_usage": True}))
+    for index in (0, 1):
+        own = [c.choices[0] for c in both if c.choices and c.choices[0].index == index]
+        assert own[0].delta.role == "assistant" and [c.finish_reason for c in own if c.finish_reason] == ["length"]
+    assert both[-1].choices == [] and both[-1].usage.completion_tokens == 4
     # a streamed tool call: the name first, then arguments that join to JSON
     tool_chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER], max_tokens=40,
