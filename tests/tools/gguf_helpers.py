@@ -35,13 +35,18 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
                           pre: str = "smollm", extra_tensor: str | None = None, seed: int = 0,
                           dims: dict[str, int] | None = None,
                           qtypes: dict[str, GGMLQuantizationType] | None = None, rope_base: float = 100000.0,
-                          rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                          rope_freqs: np.ndarray | None = None, sliding_window: int | None = None,
+                          longrope: tuple[np.ndarray, np.ndarray, int] | None = None) -> dict[str, np.ndarray]:
     """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
     q/k rows permuted); returns the HF-layout float32 weights it was quantized from.
 
     ``dims`` overrides TINY's sizes; ``qtypes`` the type of tensors by GGUF name without the
     layer and ``.weight`` (``attn_q``, ``ffn_down``, ``token_embd``, ``output``), K-quants
-    included (tests/helpers/kquants.py writes their blocks)."""
+    included (tests/helpers/kquants.py writes their blocks).
+
+    ``arch="phi3"`` writes llama.cpp's Phi-3 layout: ``attn_qkv`` (q|k|v) and ``ffn_up`` (gate|up)
+    fused, the HF names ``qkv_proj`` / ``gate_up_proj``; ``longrope`` (long factors, short
+    factors, original context) adds ``rope_factors_long/short`` and the rope.scaling keys."""
     sizes = TINY | (dims or {})
     d, h, kvh, f = sizes["hidden"], sizes["heads"], sizes["kv_heads"], sizes["ffn"]
     head_dim = d // h
@@ -60,6 +65,13 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(head_dim)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    if longrope is not None:
+        original = longrope[2]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        # as llama.cpp's converter computes it (transformers' default for longrope)
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(sizes["context"] / original) / np.log(original))))
     writer.add_vocab_size(len(TOKENS))
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
@@ -97,6 +109,14 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     add("token_embd.weight", "model.embed_tokens.weight", rand(len(TOKENS), d), q80)
     for i in range(sizes["layers"]):
         p = f"model.layers.{i}."
+        if arch == "phi3":
+            add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(d), f32)
+            add(f"blk.{i}.attn_qkv.weight", p + "self_attn.qkv_proj.weight", rand((h + 2 * kvh) * head_dim, d), q41)
+            add(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rand(d, h * head_dim), q41)
+            add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rand(d), f32)
+            add(f"blk.{i}.ffn_up.weight", p + "mlp.gate_up_proj.weight", rand(2 * f, d), q41)
+            add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)
+            continue
         add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(d), f32)
         add(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", rand(h * head_dim, d), q41, h)
         add(f"blk.{i}.attn_k.weight", p + "self_attn.k_proj.weight", rand(kvh * head_dim, d), q41, kvh)
@@ -112,6 +132,9 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
     if untied:
         add("output.weight", "lm_head.weight", rand(len(TOKENS), d), q80)
+    if longrope is not None:
+        writer.add_tensor("rope_factors_long.weight", np.asarray(longrope[0], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(longrope[1], dtype=np.float32))
     if rope_freqs is not None:  # Llama 3.1+: llama.cpp's llama3 RoPE divisors, F32
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     if extra_tensor is not None:
