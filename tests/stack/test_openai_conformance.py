@@ -158,12 +158,26 @@ def test_completion_echo_and_logprobs(client):
     assert max(generated.values()) == pytest.approx(lp.token_logprobs[-1], abs=1e-4)
 
 
-def test_completion_echo_without_generation_is_a_clear_400(client):
-    # OpenAI's legacy scoring call (echo, logprobs, max_tokens 0) is not served yet: the engine
-    # generates at least one token. Prompt logprobs come with max_tokens 1 (above).
-    error = _bad_request(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True,
-                                                           logprobs=1), "max_tokens")
-    assert "1" in error.body["message"]
+def test_completion_echo_only_scores_the_prompt(client):
+    # OpenAI's scoring call: echo, logprobs, max_tokens 0 (the prompt and its logprobs, nothing written)
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    with_one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0)
+    (choice,) = scored.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == with_one.usage.prompt_tokens
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == PROMPT and lp.token_logprobs[0] is None
+    assert lp.token_logprobs == pytest.approx(with_one.choices[0].logprobs.token_logprobs[:-1], abs=1e-4)
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert streamed[-1].usage.completion_tokens == 0
+    assert [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] \
+        == lp.tokens
+    # nothing to write and nothing to show is no request
+    _bad_request(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0), "max_tokens")
 
 
 def test_completion_suffix_is_a_clear_400(client):

@@ -61,6 +61,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     await unless_disconnected(request, _collect(streams, states))
     choices = []
     for state in states:
+        if body.max_tokens == 0:
+            _nothing_written(state)
         echo = echoes[state.prompt_index]
         logprobs = None
         if body.logprobs is not None and body.echo:  # the prompt's tokens, then the output's
@@ -75,6 +77,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         choices.append(choice)
     payload = {**head, "choices": choices, "usage": usage_of(states), "system_fingerprint": None}
     return Response(dumps(payload), media_type="application/json", headers=streams.target_header)
+
+
+def _nothing_written(state: ChoiceState) -> None:
+    """An echo-only choice (max_tokens 0): the token the engine wrote past the prompt is not
+    shown nor counted, as if the length limit had stopped it before it."""
+    state.text.clear()
+    state.logprobs.clear()
+    state.completion_tokens = 0
+    if state.finish_reason is not None:
+        state.finish_reason, state.stop_string = "length", None
 
 
 async def _collect(streams: ChoiceStreams, states: list[ChoiceState]) -> None:
@@ -104,20 +116,23 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], head: dict,
         kind = reply.WhichOneof("event")
         if kind == "started":
             continue
-        text = reply.delta.text if kind == "delta" else ""
+        written = kind == "delta" and body.max_tokens != 0
+        if body.max_tokens == 0:
+            _nothing_written(state)
+        text = reply.delta.text if written else ""
         prompt = None
         if fresh[index]:  # echo: the prompt opens the choice's first chunk, as OpenAI streams it
             text, fresh[index] = echoes[state.prompt_index] + text, False
             if body.logprobs is not None:  # with its tokens' logprobs (the engine's first delta has them)
                 prompt = echo_logprobs(state.prompt_logprobs, namer, body.logprobs)
                 offsets[index] = end_offset(prompt)
-        if kind == "delta" and not text and not reply.delta.token_ids:
+        if kind == "delta" and not text and not (written and reply.delta.token_ids):
             continue
         if kind == "delta" and body.logprobs is None:
             yield frames.text(index, text)
             continue
         logprobs = None
-        if body.logprobs is not None and kind == "delta":
+        if body.logprobs is not None and written:
             logprobs = completion_logprobs(reply.delta.logprobs, namer, offsets[index])
             offsets[index] = end_offset(logprobs) if logprobs["tokens"] else offsets[index]
         if prompt is not None:

@@ -108,7 +108,10 @@ def completion_template(body: CompletionRequest, prompt: str | list[int]) -> gen
         message.text = prompt
     else:
         message.token_ids.ids.extend(prompt)
-    _fill_common(message, body, body.max_tokens, body.logprobs, completion_prompt_logprobs(body))
+    # echo with max_tokens 0 reads the prompt's logprobs from a one-token run (the engine always
+    # writes one); the gateway drops that token (completions.py)
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    _fill_common(message, body, max_tokens, body.logprobs, completion_prompt_logprobs(body))
     return message
 
 

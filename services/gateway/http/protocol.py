@@ -98,7 +98,8 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], at_most(MAX_PROMPTS)] | list[TokenId] \
         | Annotated[list[list[TokenId]], at_most(MAX_PROMPTS)]
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(16, ge=0, le=2**31 - 1)
+    """0 with ``echo``: OpenAI's scoring call, the prompt (and its logprobs) with nothing written."""
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
@@ -108,6 +109,8 @@ class CompletionRequest(SamplingFields):
         """(field, why) of the first set field tokenmill cannot serve."""
         if (problem := self.stream_problem()) is not None:
             return problem
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing written)"
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported by tokenmill"
         if self.best_of is not None and self.best_of != self.n:
