@@ -14,6 +14,7 @@ import json
 
 import openai
 import pytest
+from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from tests.helpers import typed_up
@@ -282,6 +283,19 @@ def test_chat_response_format(client):
                                                 "name": "capital", "strict": True, "schema": schema}})
     assert strict.choices[0].finish_reason == "stop", strict
     assert set(json.loads(strict.choices[0].message.content)) == {"capital"}
+
+
+class Capital(BaseModel):
+    capital: str
+
+
+def test_chat_parse_into_a_pydantic_model(client):
+    # the client's structured-output helper: a pydantic model sent as a strict json_schema, the reply parsed
+    done = client.chat.completions.parse(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0,
+                                         response_format=Capital)
+    assert done.choices[0].message.parsed == Capital(capital="Paris")
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert raw.status_code == 200 and raw.headers["x-request-id"] and raw.parse().choices[0].message.content
 
 
 def test_chat_tools_and_tool_choice(client):
