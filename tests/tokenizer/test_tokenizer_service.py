@@ -385,7 +385,9 @@ async def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(tmp_path: P
         assert await asyncio.wait_for(process.wait(), timeout=20) == 0
         assert not port_file.exists()  # removed on the way out
         events = [json.loads(line)["event"] for line in (await process.stderr.read()).decode().splitlines()]
-        assert events[0] == "server_started" and events[-2:] == ["server_stopping", "server_stopped"]
+        # Started without --internal-secret-file, it says first that any local process may call it.
+        assert events[:2] == ["internal_service_unauthenticated", "server_started"]
+        assert events[-2:] == ["server_stopping", "server_stopped"]
     finally:
         if process.returncode is None:
             process.kill()

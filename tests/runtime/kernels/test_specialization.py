@@ -24,7 +24,9 @@ BUCKETED_CONSTEXPRS = {"SINGLE_PARTITION", "PARTITIONS_PAD", "BLOCK_M", "BLOCK_Q
 MODEL_CONSTEXPRS = {"HEAD_DIM", "HEAD_DIM_PAD", "QUERIES_PER_KV", "HEADS_PAD", "KV_HEADS_PAD", "NUM_KV_HEADS",
                     "HALF", "HALF_PAD", "BLOCK_SIZE", "TILE_N", "DOT_PRECISION", "DOT_UPCAST",
                     # the KV cache's storage (--kv-cache-dtype) and its quantization constants
-                    "KV_QUANT", "INT8", "QMAX", "MIN_SCALE", "MAX_SCALE"}
+                    "KV_QUANT", "INT8", "QMAX", "MIN_SCALE", "MAX_SCALE",
+                    # a layer with a sliding window or without: two variants at most per model
+                    "WINDOWED"}
 
 
 def unspecialized(kernel) -> tuple[set[str], set[str]]:
