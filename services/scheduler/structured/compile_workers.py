@@ -106,7 +106,8 @@ class CompileWorkers:
             if not turn.users:  # forgotten once unused: tenants come and go without bound
                 del self._tenants[tenant]
 
-    async def _run_on(self, slot: _Slot, request: StructuredOutput) -> str | InvalidArgumentError | CompileCrash:
+    async def _run_on(self, slot: _Slot, request: StructuredOutput,
+                      retry: bool = True) -> str | InvalidArgumentError | CompileCrash:
         if slot.process is not None and (slot.process.returncode is not None or slot.jobs >= RECYCLE_AFTER):
             await self._stop(slot)
         if slot.process is None:
@@ -121,6 +122,15 @@ class CompileWorkers:
         try:
             process.stdin.write(json.dumps(job).encode() + b"\n")
             await process.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            # The worker was gone before the job reached it (uvloop raises RuntimeError on a
+            # closed pipe): no fault of this request, so it gets one fresh worker.
+            _log.warning("grammar_compile_worker_gone_before_job", retry=retry)
+            await self._stop(slot)
+            if retry:
+                return await self._run_on(slot, request, retry=False)
+            raise UnavailableError("the grammar compile worker exited before it read the job; see the scheduler's log")
+        try:
             line = await asyncio.wait_for(process.stdout.readline(), self.timeout_s)
         except TimeoutError:
             await self._stop(slot)
