@@ -75,3 +75,73 @@ def test_reference_names_the_bad_argument():
         fused_moe_reference(x, w_gate_up, torch.randn(4, 8, 6), weights, ids)
     with pytest.raises(ValueError, match="topk_ids"):
         fused_moe_reference(x, w_gate_up, w_down, weights, ids.int())
+
+
+# The Triton kernels (in the interpreter on a CPU), judged as flash-attention's tests judge a kernel:
+# at most LOW_PRECISION_FACTOR times further from the float64 reference than the reference itself
+# computed in the kernel's dtype, plus FP32_TOLERANCE.
+
+def _expert_weights(num_experts, hidden, intermediate):
+    w_gate_up = torch.randn(num_experts, 2 * intermediate, hidden) / hidden ** 0.5
+    w_down = torch.randn(num_experts, hidden, intermediate) / intermediate ** 0.5
+    return w_gate_up, w_down
+
+
+def _route(kind: str, num_tokens: int, num_experts: int, top_k: int):
+    if kind == "one_expert":  # every token's slots on the same few experts, the rest empty
+        ids = torch.arange(top_k).repeat(num_tokens, 1) + num_experts - top_k
+        return torch.rand(num_tokens, top_k), ids
+    weights, ids = _routing(num_tokens, num_experts, top_k, skew=kind == "skewed")
+    if kind == "some_elsewhere":  # expert parallelism: slots whose expert another rank holds
+        ids[::2, 0] = -1
+    return weights, ids
+
+
+def _check_kernel(x, w_gate_up, w_down, weights, ids, activation, tiles=None):
+    from tests.helpers.kernel_cases import FP32_TOLERANCE, LOW_PRECISION_FACTOR
+    from services.runtime.kernels.fused_moe import fused_moe_triton
+
+    dtype = x.dtype
+    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, activation, tiles=tiles)
+    assert got.shape == x.shape and got.dtype == dtype and not got.isnan().any()
+    exact = fused_moe_reference(x.double(), w_gate_up.double(), w_down.double(), weights.double(), ids, activation)
+    torch_error = (fused_moe_reference(x, w_gate_up, w_down, weights, ids, activation).double() - exact).abs().max()
+    kernel_error = (got.double() - exact).abs().max()
+    assert kernel_error <= LOW_PRECISION_FACTOR * torch_error + FP32_TOLERANCE, (kernel_error, torch_error)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,route,activation,dtype", [
+    (1, 4, 1, "random", "silu", torch.float32),  # one token: one expert busy, three empty
+    (37, 8, 2, "skewed", "gelu_tanh", torch.bfloat16),  # rows not a multiple of the tile
+    (19, 8, 1, "one_expert", "silu", torch.float16),  # every token on one expert
+    (6, 64, 8, "random", "silu", torch.bfloat16),  # 64 experts, most of them empty
+    (9, 16, 2, "some_elsewhere", "gelu_tanh", torch.float32),
+])
+def test_triton_matches_reference(num_tokens, num_experts, top_k, route, activation, dtype):
+    hidden, intermediate = 40, 24  # neither a multiple of the column or reduction tiles
+    w_gate_up, w_down = _expert_weights(num_experts, hidden, intermediate)
+    weights, ids = _route(route, num_tokens, num_experts, top_k)
+    x = torch.randn(num_tokens, hidden)
+    _check_kernel(x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights, ids, activation, tiles=(16, 16, 16))
+
+
+def test_triton_default_tiles_and_an_empty_batch():
+    w_gate_up, w_down = _expert_weights(4, 72, 80)
+    weights, ids = _route("skewed", 70, 4, 2)  # > 8 pairs per expert: the 64-row tiles
+    _check_kernel(torch.randn(70, 72).half(), w_gate_up.half(), w_down.half(), weights, ids, "silu")
+    from services.runtime.kernels.fused_moe import fused_moe_triton
+
+    empty = fused_moe_triton(torch.empty(0, 72), w_gate_up, w_down, torch.empty(0, 2), torch.empty(0, 2).long())
+    assert empty.shape == (0, 72)
+
+
+def test_align_pairs_pads_each_expert_to_the_tile():
+    from services.runtime.kernels.fused_moe import align_pairs
+
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2], [2, 3]])  # expert 1 empty, one skipped slot
+    sorted_pairs, block_expert, num_padded = align_pairs(ids, num_experts=4, block_m=2)
+    pad = ids.numel()
+    # expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5, 6 (padded to 4); expert 3: pair 7 (padded to 2)
+    assert sorted_pairs.tolist()[:8] == [1, 4, 0, 2, 5, 6, 7, pad]
+    assert sorted_pairs.tolist()[8:] == [pad] * (len(sorted_pairs) - 8)
+    assert block_expert.tolist()[:4] == [0, 2, 2, 3] and num_padded.tolist() == [8]
