@@ -4,14 +4,19 @@
 
     [{"key": "sk-team-a-...", "tenant": "team-a"},
      {"key": "sk-team-b-...", "tenant": "team-b", "models": ["chat"], "max_concurrent_requests": 8,
-      "cache_group": "research", "max_priority": -10}]
+      "cache_group": "research", "max_priority": -10,
+      "requests_per_minute": 600, "tokens_per_minute": 200000}]
 
 With it, every ``/v1/`` HTTP request and every Generation call needs ``Authorization: Bearer
 KEY``: no key or an unknown one is 401 (UNAUTHENTICATED), a model the key is not given 403
 (PERMISSION_DENIED), more requests of its tenant in flight than ``max_concurrent_requests``
 429 (RESOURCE_EXHAUSTED), a body ``priority`` more urgent (lower) than the key's
 ``max_priority`` (default 0, the default priority; ``null`` = any) 400 (INVALID_ARGUMENT) naming
-``priority`` and the bound. The key's tenant (or its ``cache_group``) becomes the engine request's
+``priority`` and the bound, more requests or tokens a minute than its ``requests_per_minute`` or
+``tokens_per_minute`` 429 (RESOURCE_EXHAUSTED) with ``retry-after`` (rate_limits.py: prompt +
+completion tokens, ``max_tokens`` reserved at admission and settled to the usage when the request
+ends, on every endpoint and the gRPC intake). Each key's requests and tokens are counted on
+``/metrics`` under its tenant's name (never the key). The key's tenant (or its ``cache_group``) becomes the engine request's
 ``cache_salt``: requests reuse cached prefixes only within it, so ``cached_tokens`` tells a key
 nothing about another's prompts. The tenant is also the request's ``fairness_key``: the engine
 shares its time fairly between keys' tenants as between its own (an engine with tenants honours
@@ -36,9 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.rate_limits import FIELDS as LIMIT_FIELDS, Grant, RateLimited, RateLimiter, RateLimits, parse_limits
 
 MAX_KEY_CHARS = 4096
-FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group", "max_priority"}
+FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group", "max_priority", *LIMIT_FIELDS}
 DEFAULT_MAX_PRIORITY = 0
 """A key's most urgent priority when its entry names none: the default priority, so no client
 jumps ahead of the others by naming ``"priority": -2147483648`` in its body."""
@@ -59,6 +66,9 @@ class ApiKey:
     """The most urgent priority its requests may ask for (lower is served first); a request
     below it is refused with INVALID_ARGUMENT (400) naming ``priority``; None = any."""
 
+    limits: RateLimits = RateLimits()
+    """Its requests and tokens per minute (rate_limits.py); none by default."""
+
     @property
     def cache_salt(self) -> str:
         return f"group:{self.cache_group}" if self.cache_group is not None else f"tenant:{self.tenant}"
@@ -77,9 +87,13 @@ class ApiKey:
 
 
 class ApiKeys:
-    def __init__(self, entries: list[tuple[bytes, ApiKey]]) -> None:
+    def __init__(self, entries: list[tuple[bytes, ApiKey]], metrics: GatewayMetrics | None = None) -> None:
         self._entries = entries
         self._in_flight: dict[str, int] = {}
+        self.metrics = metrics
+        """Where each key's requests and tokens are counted, by tenant (main.py sets it)."""
+        # By the entry's identity: two entries may be equal in all but their secret.
+        self._limiters = {id(key): RateLimiter(key.limits, "this API key") for _, key in entries if key.limits}
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The key of an ``Authorization: Bearer KEY`` value; UnauthenticatedError otherwise."""
@@ -113,7 +127,30 @@ class ApiKeys:
                 del self._in_flight[name]
 
 
-def load_api_keys(path: str | Path) -> ApiKeys:
+    def admit(self, key: ApiKey, tokens: int) -> Grant:
+        """One request of ``key`` reserving ``tokens`` (prompt + completion) within its limits;
+        ResourceExhaustedError (with the wait) over them. The request settles the grant when it ends."""
+        limiter = self._limiters.get(id(key))
+        try:
+            grant = Grant(None, tokens) if limiter is None else limiter.admit(tokens)
+        except RateLimited as exc:
+            if self.metrics is not None:
+                self.metrics.key_requests.labels(key.tenant, exc.limit).inc()
+            raise
+        if self.metrics is not None:
+            self.metrics.key_requests.labels(key.tenant, "admitted").inc()
+            tokens_counter = self.metrics.key_tokens
+            prompt, completion = tokens_counter.labels(key.tenant, "prompt"), tokens_counter.labels(key.tenant, "completion")
+
+            def count(prompt_tokens: int, completion_tokens: int) -> None:
+                prompt.inc(prompt_tokens)
+                completion.inc(completion_tokens)
+
+            grant.on_use = count
+        return grant
+
+
+def load_api_keys(path: str | Path, metrics: GatewayMetrics | None = None) -> ApiKeys:
     """Read and check an API keys file; ValueError names the entry and the field."""
     origin = str(path)
     try:
@@ -158,8 +195,8 @@ def load_api_keys(path: str | Path) -> ApiKeys:
                                          or not -(2**31) <= max_priority < 2**31):
             raise ValueError(f"{where}: max_priority must be a 32-bit integer or null, got {max_priority!r}")
         entries.append((key.encode(), ApiKey(tenant, None if models is None else tuple(models), limit, group,
-                                             max_priority)))
-    return ApiKeys(entries)
+                                             max_priority, parse_limits(item, where))))
+    return ApiKeys(entries, metrics)
 
 
 def _optional_positive_int(item: dict[str, Any], name: str, where: str) -> int | None:

@@ -65,7 +65,8 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
     max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
                           "TOKENMILL_GATEWAY_MAX_CHOICES")
     api_keys_file: str = _f("", "JSON list of the gateway's API keys, each naming a tenant ({\"key\", \"tenant\"}, "
-                                "optional models, max_concurrent_requests, cache_group): every request then needs one, "
+                                "optional models, max_concurrent_requests, cache_group, max_priority, requests_per_minute, "
+                                "tokens_per_minute): every request then needs one, "
                                 "and each tenant's prefix cache is its own; empty = keyless, the client's "
                                 "Authorization goes to the engines (see services/gateway/api_keys.py)",
                             "TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)

@@ -11,6 +11,11 @@ structured output whose target failed UNAVAILABLE before Started (while admittin
 retried: its structured output is quarantined (grammar_quarantine.py) and identical ones are
 refused at once, so one hostile grammar cannot take down every replica in turn.
 
+A target at its rate limit (the routes file's ``requests_per_minute``/``tokens_per_minute``,
+rate_limits.py) is passed over for the next in the ranking; with every ranked target at its
+limit the request is refused (RESOURCE_EXHAUSTED with the shortest wait). Each call's tokens
+(prompt + completion) settle its target's budget and are counted on the request's API key grant.
+
 Each finished request feeds its target's estimator (TTFT and TPOT at the load it was sent
 at) and the metrics; a call that fails UNAVAILABLE takes its target out of the pool at once.
 Errors leave as the typed errors of services/common/errors.py (a RESOURCE_EXHAUSTED keeps the
@@ -19,6 +24,7 @@ engine's retry pushback), which each front end maps to its own statuses.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +46,7 @@ from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.grammar_quarantine import GrammarQuarantine, structured_digest
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import Target, TargetPool
+from services.gateway.rate_limits import RateLimited, RateLimiter
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
 
@@ -102,6 +109,9 @@ class Dispatcher:
         self.observers: list[Callable[[Outcome], None]] = []
         self.quarantine = GrammarQuarantine(clock)
         """Structured outputs a target died admitting: not sent again for a while."""
+        self.target_limits = {name: RateLimiter(target.spec.limits, f"target {name}", clock)
+                              for name, target in pool.targets.items() if target.spec.limits}
+        """The budgets of the targets that declare one."""
 
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
@@ -124,9 +134,10 @@ class Dispatcher:
         if digest is not None and self.quarantine.holds(digest):
             raise InvalidArgumentError("structured_output is quarantined: a target failed while admitting an "
                                        "identical one; it is refused without being sent")
+        ranked = self._within_limits(route, ranking.targets, request.expected_output_tokens)
         deadline = self.clock() + timeout_s
         error: TokenmillError | None = None
-        for index, state in enumerate(ranking.targets[:self.max_attempts]):
+        for index, state in enumerate(ranked[:self.max_attempts]):
             remaining = deadline - self.clock()
             if remaining <= 0:
                 raise DeadlineExceededError(f"the request took more than {timeout_s:g} s")
@@ -149,6 +160,28 @@ class Dispatcher:
                 error = retry.error
         raise error if error is not None else UnavailableError(f"no target could serve model '{route.model}'")
 
+    def _within_limits(self, route: Route, ranked: Sequence, tokens: int) -> Sequence:
+        """The ranked targets not at their rate limit; RateLimited when none is left for that."""
+        if not self.target_limits:
+            return ranked
+        within, waits = [], []
+        for state in ranked:
+            limiter = self.target_limits.get(state.name)
+            wait, limit = (0.0, "") if limiter is None else limiter.wait_s(tokens)
+            if wait <= 0:
+                within.append(state)
+            else:
+                waits.append((wait, limit))
+                self.metrics.target_limited.labels(state.name, limit).inc()
+        if within or not waits:
+            return within
+        wait, limit = min(waits)
+        if wait == math.inf:
+            raise InvalidArgumentError(f"max_tokens {tokens} is more than the tokens_per_minute of every target of "
+                                       f"model '{route.model}': ask for fewer tokens")
+        raise RateLimited(f"every target of model '{route.model}' is at its rate limit ({limit}): retry in "
+                          f"{wait:.1f} s", limit, wait)
+
     async def _attempt(self, route: Route, request: RouteRequest, target: Target,
                        message: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]] | None,
                        timeout_s: float, explore: bool, estimate: float | None):
@@ -156,6 +189,9 @@ class Dispatcher:
         load = state.engine_load()
         state.inflight += 1
         state.exploring += explore
+        limiter = self.target_limits.get(target.name)
+        grant = None if limiter is None else limiter.take(request.expected_output_tokens)
+        prompt_tokens = completion_tokens = 0
         started_at = self.clock()
         # None: the gateway calls as itself (its API keys are on: a key is never an engine's token).
         call = target.stub.Generate(message, metadata=target.own_metadata if metadata is None else tuple(metadata),
@@ -171,10 +207,15 @@ class Dispatcher:
                 kind = reply.WhichOneof("event")
                 if kind == "started":
                     held = reply
+                    prompt_tokens = reply.started.prompt_tokens
                     continue
+                if kind == "delta":
+                    completion_tokens += len(reply.delta.token_ids)
                 if kind == "finished":
                     done = True
                     finished = reply.finished
+                    prompt_tokens = finished.usage.prompt_tokens or prompt_tokens
+                    completion_tokens = finished.usage.completion_tokens
                     if first_token_at is None and finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
                         outcome = "UNAVAILABLE"
                         self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
@@ -200,12 +241,23 @@ class Dispatcher:
         finally:
             state.inflight -= 1
             state.exploring -= explore
+            if first_token_at is None and outcome != "ok":
+                prompt_tokens = completion_tokens = 0  # moved on (or refused): nothing the client used
+            self._count_tokens(request, grant, prompt_tokens, completion_tokens)
             _log.info("request_routed", request_id=request_id, model=route.model, target=target.name, outcome=outcome,
                       seconds=round(self.clock() - started_at, 4))
             if self.live.get(request_id) is target:
                 del self.live[request_id]
             if not done:
                 call.cancel()  # the client went away: the engine aborts the request at its next step
+
+    @staticmethod
+    def _count_tokens(request: RouteRequest, grant, prompt_tokens: int, completion_tokens: int) -> None:
+        if grant is not None:
+            grant.use(prompt_tokens, completion_tokens)
+            grant.settle()
+        if request.budget is not None:
+            request.budget.use(prompt_tokens, completion_tokens)
 
     def _failed(self, route: Route, target: Target, code: str, details: str) -> None:
         self.metrics.requests.labels(route.model, target.name, code).inc()

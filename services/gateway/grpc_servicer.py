@@ -3,7 +3,8 @@
 A gRPC client talks to the gateway as it would to one engine. The model id comes from the
 ``x-tokenmill-model`` metadata (absent: the routes file's default model); SLA and routing
 metadata from the keys of services/gateway/request_meta.py; ``authorization`` is passed on, or,
-with the gateway's API keys (api_keys.py), checked here and replaced by each target's own token.
+with the gateway's API keys (api_keys.py), checked here (its limits too) and replaced by each
+target's own token.
 Generate streams what the chosen engine streams (Started held until the first token, so a
 failure before it can still move to another target). Abort goes to the engine serving the
 request; GetModelInfo answers for a healthy target of the model (with the model id as its
@@ -99,13 +100,15 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         if request.request_id in self._owners:
             raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use by a running request")
         with self.api_keys.in_flight(key):
+            routed = route_request(route, request, md)
+            routed.budget = self.api_keys.admit(key, routed.expected_output_tokens)
             self._owners[request.request_id] = key.tenant
             try:
-                async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
-                                                            engine_md, timeout):
+                async for reply in self.dispatcher.generate(route, routed, request, engine_md, timeout):
                     yield reply
             finally:
                 del self._owners[request.request_id]
+                routed.budget.settle()
 
     async def Abort(self, request, context):
         md = _metadata(context)

@@ -42,7 +42,7 @@ async def serve(config: GatewayServiceConfig) -> RunningServer:
     dispatcher = Dispatcher(built, pool, default_model=routes.default_model, max_attempts=config.max_attempts,
                             metrics=metrics)
     await pool.start(wait_s=FIRST_POLL_WAIT_S)
-    api_keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
+    api_keys = load_api_keys(config.api_keys_file, metrics) if config.api_keys_file else None
     servicer = GatewayServicer(dispatcher, config.request_timeout_s, api_keys)
     running = await start_service(config, "gateway", registrar(
         servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"))

@@ -10,6 +10,12 @@
     tokenmill:gateway_routing_seconds                          time to rank a request's targets
     tokenmill:gateway_target_healthy{target}                   1 while the target is in the pool
     tokenmill:gateway_http_requests_total{endpoint,status}
+    tokenmill:gateway_key_requests_total{tenant,outcome}        per API key, named by its tenant (never
+                                                               the key): admitted, or the limit that
+                                                               refused it (requests_per_minute,
+                                                               tokens_per_minute)
+    tokenmill:gateway_key_tokens_total{tenant,kind}            kind: prompt, completion
+    tokenmill:gateway_target_rate_limited_total{target,limit}  a target passed over at its limit
 
 Each gateway has its own registry (tests run several in one process); /metrics serves it.
 """
@@ -38,6 +44,14 @@ class GatewayMetrics:
         self.routing_seconds = Histogram(PREFIX + "routing_seconds", "Time to rank one request's targets",
                                          buckets=ROUTING_BUCKETS, registry=r)
         self.healthy = Gauge(PREFIX + "target_healthy", "1 while the target is in the pool", ["target"], registry=r)
+        # Tenants come from the API keys file, targets from the routes file: bounded label sets.
+        self.key_requests = Counter(PREFIX + "key_requests_total", "Requests by API key (named by its tenant) "
+                                    "and outcome (admitted, or the limit that refused it)", ["tenant", "outcome"],
+                                    registry=r)
+        self.key_tokens = Counter(PREFIX + "key_tokens_total", "Prompt and completion tokens by API key (named "
+                                  "by its tenant)", ["tenant", "kind"], registry=r)
+        self.target_limited = Counter(PREFIX + "target_rate_limited_total", "Requests that passed a target over "
+                                      "at its rate limit", ["target", "limit"], registry=r)
         self.http = Counter(PREFIX + "http_requests_total", "HTTP requests by endpoint and status",
                             ["endpoint", "status"], registry=r)
 

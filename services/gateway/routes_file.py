@@ -9,6 +9,9 @@
         tls: {ca: ca.pem, cert: client.pem, key: client.key}   # optional: TLS / mTLS to it
         token_env: FAST_TOKEN          # optional: bearer token (from this variable) for the
                                        # gateway's own GetProfile calls when the engine has tenants
+        requests_per_minute: 600       # optional: the target's budgets (rate_limits.py); a target
+        tokens_per_minute: 500000      # at one is passed over for the route's next, and with all
+                                       # of them at theirs the request is 429 with retry-after
       - {name: weak, address: 10.0.0.6:50051, cost: 0.2}
     models:
       chat:                            # the model id clients ask for
@@ -41,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from services.gateway.rate_limits import FIELDS as LIMIT_FIELDS, RateLimits, parse_limits
 from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTINGS
 from services.gateway.tool_calls import PARSER_SETTINGS
 
@@ -65,6 +69,8 @@ class TargetSpec:
     token: str = ""
     """Bearer token the gateway presents on its own calls (GetProfile, GetModelInfo); clients' calls
     carry the client's own Authorization."""
+    limits: RateLimits = RateLimits()
+    """Its requests and tokens per minute (rate_limits.py); none by default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,7 @@ def _check_keys(item: dict, allowed: set[str], where: str) -> None:
 def _target(item: Any, where: str, base: Path) -> TargetSpec:
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object with name and address")
-    _check_keys(item, {"name", "address", "model", "cost", "tags", "tls", "token_env"}, where)
+    _check_keys(item, {"name", "address", "model", "cost", "tags", "tls", "token_env", *LIMIT_FIELDS}, where)
     name, address = item.get("name"), item.get("address")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name must be a non-empty string")
@@ -118,7 +124,7 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
             raise ValueError(f"{where}.token_env: environment variable {env!r} is not set")
         token = os.environ[env]
     return TargetSpec(name, address, str(item.get("model", "")), float(cost), tuple(tags),
-                      _tls(item.get("tls"), f"{where}.tls", base), token)
+                      _tls(item.get("tls"), f"{where}.tls", base), token, parse_limits(item, where))
 
 
 def _tls(item: Any, where: str, base: Path) -> TargetTLS | None:

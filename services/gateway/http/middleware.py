@@ -8,7 +8,8 @@
 - with the gateway's API keys (api_keys.py), a ``/v1/`` request's key (``Authorization: Bearer``,
   or Anthropic's ``x-api-key`` header): none or an unknown one
   gets 401, a tenant over its ``max_concurrent_requests`` 429; the key is in the scope's state
-  for the handlers, and its request counted in flight until the answer is sent;
+  for the handlers, and its request counted in flight until the answer is sent, when the
+  request's draw on the key's per-minute budgets (http/requests.py) is settled;
 - the count of answers by endpoint and status.
 """
 
@@ -110,6 +111,8 @@ class GatewayMiddleware:
             await self.app(scope, limited_receive, tagged_send)
         finally:
             held.__exit__(None, None, None)
+            if (budget := scope["state"].get("budget")) is not None:
+                budget.settle()
         self.metrics.http.labels(endpoint, str(status[0])).inc()
 
     async def _refuse(self, send: Any, endpoint: str, rid: str, error: OpenAIError) -> None:

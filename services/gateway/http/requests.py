@@ -37,13 +37,19 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
     params = body.model_dump(exclude_none=True, exclude={"messages", "prompt"})
     stop_max = params.get("max_completion_tokens", params.get("max_tokens"))
     expected = stop_max or route.expected_output_tokens
+    budget = None
+    if api_key is not None:
+        # One request (of its key's requests_per_minute) reserving every call's most tokens;
+        # the middleware settles it when the answer has gone.
+        budget = ctx.api_keys.admit(api_key, expected * total)
+        request.scope["state"]["budget"] = budget
     calls: Calls = []
     for prompt_index, (prompt, template) in enumerate(templates):
         if api_key is not None:
             template.cache_salt = api_key.cache_salt
             template.fairness_key = api_key.tenant
         prefix = prompt[:MAX_PREFIX_CHARS] if isinstance(prompt, str) else ids_prefix(prompt)
-        rr = RouteRequest(route.model, expected, sla, worst, prefix, params, metadata)
+        rr = RouteRequest(route.model, expected, sla, worst, prefix, params, metadata, budget)
         for j in range(body.n):
             index = prompt_index * body.n + j
             calls.append((rr, per_choice(template, body, request_id, index, total)))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.gateway.rate_limits import Grant
 
 
 @dataclass(slots=True)
@@ -23,6 +26,9 @@ class RouteRequest:
     """Request parameters (the OpenAI body's fields), for conditional rules: ``params.max_tokens``."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """Client metadata (``x-tokenmill-metadata`` or the body's ``metadata``): ``metadata.tier``."""
+    budget: Grant | None = None
+    """The API key's grant the request draws on (api_keys.py); the dispatcher counts each engine
+    call's tokens on it, the front end settles it when the request ends. None: keyless."""
 
     def lookup(self, path: str) -> tuple[bool, Any]:
         """(found, value) of a dotted path such as ``params.max_tokens`` or ``metadata.tier``."""
