@@ -113,6 +113,24 @@ class RankGroups:
             return
         self.reduce.allreduce([tensor]).wait()
 
+    def all_to_all(self, send: torch.Tensor, send_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism's exchange: ``send`` [N, ...] goes in runs of ``send_counts[r]``
+        rows (int64 [world], on the CPU) to rank r, in rank order -> (the rows received,
+        concatenated by source rank, on send's device; int64 [world] on the CPU, how many from
+        each). Through the segment on a CPU, else the reduce group (gloo; NCCL on CUDA), which
+        needs the counts first: one all-to-all of the counts, then one of the rows."""
+        if self.shm is not None and send.device.type == "cpu":
+            return self.shm.all_to_all(send.contiguous(), send_counts.contiguous())
+        device = send.device
+        recv_counts = torch.empty(self.world, dtype=torch.int64, device=device)
+        self.reduce.alltoall_base(recv_counts, send_counts.to(device), [1] * self.world, [1] * self.world,
+                                  dist.AllToAllOptions()).wait()
+        recv_counts = recv_counts.cpu()
+        received = torch.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype, device=device)
+        self.reduce.alltoall_base(received, send.contiguous(), recv_counts.tolist(), send_counts.tolist(),
+                                  dist.AllToAllOptions()).wait()
+        return received, recv_counts
+
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()

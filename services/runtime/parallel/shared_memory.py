@@ -109,6 +109,15 @@ class SharedMemoryReducer:
         if self.handle.broadcast_from_first(tensor, idle) != 0:
             raise RuntimeError(self.handle.last_error())
 
+    def all_to_all(self, send: torch.Tensor, send_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``send`` (contiguous, on the CPU, any dtype), ``send_counts[r]`` of them in
+        turn to rank r -> (the rows every rank sent this one, by source rank; how many from each)."""
+        recv_counts = torch.empty(send_counts.numel(), dtype=torch.int64)
+        status, received = self.handle.all_to_all(send, send_counts, recv_counts)
+        if status != 0:
+            raise RuntimeError(self.handle.last_error())
+        return received, recv_counts
+
     def check(self) -> None:
         """Raise the failure of an all-reduce made from C++ (the fused step), if one failed."""
         if self.handle.status() != 0:

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <vector>
 
 namespace tokenmill_cpu {
 namespace {
@@ -282,6 +283,99 @@ int64_t ShmAllReduce::broadcast(uint8_t* data, int64_t nbytes, bool idle) {
   return kReduceOk;
 }
 
+int64_t ShmAllReduce::exchange(const uint8_t* send, const int64_t* send_counts, int64_t row_bytes,
+                               int64_t* recv_counts, const std::function<uint8_t*(int64_t)>& allocate) {
+  const int64_t start_ns = now_ns();
+  const int64_t chunk = capacity_ * static_cast<int64_t>(sizeof(float));
+  const int64_t header = world_ * static_cast<int64_t>(sizeof(int64_t));
+  int64_t sent_rows = 0;
+  for (int64_t r = 0; r < world_; ++r) sent_rows += send_counts[r];
+  const int64_t length = header + sent_rows * row_bytes;  // my stream: header, then my rows
+  // Per peer: where my rows start in its stream, how many bytes, where they go in `recv`.
+  std::vector<int64_t> from(world_), size(world_), to(world_), stream(world_);
+  uint8_t* recv = nullptr;
+  int64_t rounds = 1;
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t off = round * chunk;
+    ++seq_;
+    uint8_t* mine = reinterpret_cast<uint8_t*>(buffer(seq_, rank_));
+    for (int64_t i = off; i < std::min(length, off + chunk);) {  // my stream's bytes [off, off + chunk)
+      const int64_t end = std::min(length, off + chunk);
+      if (i < header) {
+        const int64_t n = std::min(header, end) - i;
+        std::memcpy(mine + (i - off), reinterpret_cast<const uint8_t*>(send_counts) + i, n);
+        i += n;
+      } else {
+        std::memcpy(mine + (i - off), send + (i - header), end - i);
+        i = end;
+      }
+    }
+    const int64_t st = arrive_and_wait(false);
+    if (st != kReduceOk) return st;
+    if (round == 0) {  // every peer's header is in its first chunk (a chunk holds 1 MiB, 62 ranks at most)
+      int64_t total = 0;
+      for (int64_t r = 0; r < world_; ++r) {
+        const int64_t* counts = reinterpret_cast<const int64_t*>(buffer(seq_, r));
+        int64_t before = 0, all = 0;
+        for (int64_t d = 0; d < world_; ++d) {
+          if (d < rank_) before += counts[d];
+          all += counts[d];
+        }
+        recv_counts[r] = counts[rank_];
+        from[r] = header + before * row_bytes;
+        size[r] = counts[rank_] * row_bytes;
+        to[r] = total;
+        total += size[r];
+        stream[r] = header + all * row_bytes;
+        rounds = std::max(rounds, (stream[r] + chunk - 1) / chunk);
+      }
+      recv = allocate(total);
+    }
+    for (int64_t r = 0; r < world_; ++r) {  // the overlap of my part of r's stream with this chunk
+      const int64_t lo = std::max(from[r], off), hi = std::min(from[r] + size[r], off + chunk);
+      if (lo < hi) {
+        std::memcpy(recv + to[r] + (lo - from[r]), reinterpret_cast<uint8_t*>(buffer(seq_, r)) + (lo - off),
+                    hi - lo);
+      }
+    }
+  }
+  nanos_ += now_ns() - start_ns;
+  return kReduceOk;
+}
+
+std::tuple<int64_t, at::Tensor> ShmAllReduce::all_to_all(at::Tensor send, at::Tensor send_counts,
+                                                         at::Tensor recv_counts) {
+  TORCH_CHECK(send.device().is_cpu() && send.is_contiguous() && send.dim() >= 1,
+              "the all-to-all's rows must be a contiguous CPU tensor of at least one dimension");
+  for (const at::Tensor* counts : {&send_counts, &recv_counts}) {
+    TORCH_CHECK(counts->device().is_cpu() && counts->scalar_type() == at::kLong && counts->is_contiguous() &&
+                    counts->numel() == world_,
+                "the all-to-all's counts must be contiguous int64 CPU tensors of ", world_, " (the world)");
+  }
+  const int64_t* counts = send_counts.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t r = 0; r < world_; ++r) {
+    TORCH_CHECK(counts[r] >= 0, "the all-to-all's send_counts must not be negative");
+    rows += counts[r];
+  }
+  TORCH_CHECK(rows == send.size(0), "the all-to-all's send_counts add up to ", rows, " rows, the tensor has ",
+              send.size(0));
+  int64_t row_bytes = send.element_size();
+  for (int64_t d = 1; d < send.dim(); ++d) row_bytes *= send.size(d);
+  std::vector<int64_t> shape = send.sizes().vec();
+  at::Tensor out;
+  int64_t* received = recv_counts.data_ptr<int64_t>();
+  const int64_t st = exchange(static_cast<const uint8_t*>(send.data_ptr()), counts, row_bytes, received,
+                              [&](int64_t) {
+                                shape[0] = 0;
+                                for (int64_t r = 0; r < world_; ++r) shape[0] += received[r];
+                                out = at::empty(shape, send.options());
+                                return static_cast<uint8_t*>(out.data_ptr());
+                              });
+  if (st != kReduceOk) return {st, at::empty({0}, send.options())};
+  return {kReduceOk, out};
+}
+
 int64_t ShmAllReduce::broadcast_from_first(at::Tensor t, bool idle) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "the broadcast's tensor must be a contiguous CPU tensor");
   return broadcast(static_cast<uint8_t*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()), idle);
@@ -308,6 +402,7 @@ void register_shm_all_reduce(torch::Library& m) {
       .def("all_reduce", &tokenmill_cpu::ShmAllReduce::all_reduce)
       .def("gather_to_first", &tokenmill_cpu::ShmAllReduce::gather_to_first)
       .def("broadcast_from_first", &tokenmill_cpu::ShmAllReduce::broadcast_from_first)
+      .def("all_to_all", &tokenmill_cpu::ShmAllReduce::all_to_all)
       .def("abort", &tokenmill_cpu::ShmAllReduce::abort)
       .def("status", &tokenmill_cpu::ShmAllReduce::status)
       .def("last_error", &tokenmill_cpu::ShmAllReduce::last_error)

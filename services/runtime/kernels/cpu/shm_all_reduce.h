@@ -18,6 +18,12 @@
 // it reaches only after every rank arrived at seq + 1, and a rank arrives at seq + 1 only after
 // it has finished reading set seq & 1.
 //
+// All-to-all (expert parallelism's token exchange): each rank's stream is a header (how many
+// rows it sends to each rank, world int64s) and its rows, concatenated in destination order;
+// the stream goes through the rank's buffer a chunk per sequence number, and each rank copies
+// out of every peer's chunk the part of that peer's rows addressed to it. The first chunk's
+// headers tell every rank the longest stream, hence the same number of chunks for all.
+//
 // The same segment carries rank 0's step inputs to the others (broadcast: rank 0's buffer of
 // the set, read by all), which gloo's loopback round trips took a millisecond or more to do.
 //
@@ -34,7 +40,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <tuple>
 
 namespace tokenmill_cpu {
 
@@ -56,10 +64,20 @@ struct ShmAllReduce : torch::CustomClassHolder {
   // away); rank 0's death still ends the wait.
   int64_t broadcast(uint8_t* data, int64_t nbytes, bool idle);
 
-  // Torch-facing: fp32 contiguous CPU tensors (the broadcast: any dtype).
+  // Rows of `row_bytes` bytes: send[0:sum(send_counts)] goes, in runs of send_counts[r] rows,
+  // to rank r; the rows every rank sends this rank come back concatenated by source rank,
+  // with recv_counts[r] (world int64s, filled here) rows from rank r, into the bytes
+  // `allocate(total bytes)` returns once recv_counts is known. A ReduceStatus.
+  int64_t exchange(const uint8_t* send, const int64_t* send_counts, int64_t row_bytes, int64_t* recv_counts,
+                   const std::function<uint8_t*(int64_t)>& allocate);
+
+  // Torch-facing: fp32 contiguous CPU tensors (the broadcast and the all-to-all: any dtype).
   int64_t all_reduce(at::Tensor t);
   int64_t gather_to_first(at::Tensor local, at::Tensor out);
   int64_t broadcast_from_first(at::Tensor t, bool idle);
+  // send [N, ...] contiguous, send_counts int64 [world] summing to N, recv_counts int64 [world]
+  // (filled) -> (status, the received rows [sum(recv_counts), ...] in send's dtype).
+  std::tuple<int64_t, at::Tensor> all_to_all(at::Tensor send, at::Tensor send_counts, at::Tensor recv_counts);
 
   // Make every rank's current and later waits fail at once (the leader calls it when a rank dies).
   void abort();
