@@ -1,0 +1,112 @@
+"""Expert parallelism: a sparse layer's experts split over the tensor-parallel ranks, the routed
+tokens exchanged with all-to-alls.
+
+Every rank holds the layer's input for all T tokens (attention ends in an all-reduce) and the
+routing (the router is replicated: [T, E] is cheap next to the experts). Rank r of w:
+  1. takes its slice of the tokens, [T r / w, T (r + 1) / w), and sends each (token, slot)
+     pair to the rank holding its expert: the token's row, the expert's local index and the
+     routing weight, packed into one byte row (one exchange, whatever x's dtype);
+  2. runs its own experts over the pairs it received (``fused_moe`` with k = 1: each pair's
+     weighted output; Triton on CUDA), and sends each result back where the pair came from;
+  3. adds each of its tokens' k results in ascending expert order, rounding in x's dtype after
+     each add, as ``fused_moe_reference`` does on one rank;
+  4. gathers every rank's slice (an all-to-all of the slice to every rank), so each rank holds
+     [T, H] again for the next layer's attention.
+Experts go to ranks in contiguous runs as even as they go (shard.py's split), each rank's
+weights cut to its run, so a rank reads 1/w of the layer's expert bytes per step.
+
+``seconds`` splits the time spent here into the exchanges (waiting for the other ranks
+included) and the rest (routing bookkeeping, the experts), for the benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.runtime.kernels.fused_moe import fused_moe
+from services.runtime.parallel.collectives import RankGroups
+
+
+def expert_runs(num_experts: int, world: int) -> list[range]:
+    """Each rank's experts: contiguous runs as even as they go, the longer first."""
+    if not 1 <= world <= num_experts:
+        raise ValueError(f"expert parallelism over {world} ranks needs at least as many experts, got {num_experts}")
+    base, extra = divmod(num_experts, world)
+    bounds = [0]
+    for rank in range(world):
+        bounds.append(bounds[-1] + base + (rank < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] of any dtype -> [N, C * itemsize] uint8 (N may be 0: a rank with no tokens)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size())
+
+
+class ExpertParallelMoe:
+    """Rank ``groups.rank``'s experts of one sparse layer (its run of ``expert_runs``)."""
+
+    def __init__(self, groups: RankGroups, num_experts: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 activation: str = "silu") -> None:
+        """``w_gate_up`` [E_local, 2I, H], ``w_down`` [E_local, H, I]: this rank's run of experts."""
+        self.groups = groups
+        runs = expert_runs(num_experts, groups.world)
+        self.local = runs[groups.rank]
+        if w_gate_up.shape[0] != len(self.local) or w_down.shape[0] != len(self.local):
+            raise ValueError(f"rank {groups.rank} holds experts {self.local.start}..{self.local.stop - 1}, got "
+                             f"{w_gate_up.shape[0]} and {w_down.shape[0]} experts' weights")
+        self.w_gate_up, self.w_down, self.activation = w_gate_up, w_down, activation
+        self.run_starts = torch.tensor([r.start for r in runs[1:]], dtype=torch.int64, device=w_gate_up.device)
+        self.exchange_seconds = 0.0
+        self.compute_seconds = 0.0
+
+    def _exchange(self, send: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = self.groups.all_to_all(send, counts)
+        self.exchange_seconds += time.perf_counter() - start
+        return out
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] and the routing of every token (the same on every rank) -> [T, H] on every rank."""
+        start = time.perf_counter()
+        rank, world = self.groups.rank, self.groups.world
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        lo, hi = num_tokens * rank // world, num_tokens * (rank + 1) // world
+        ids = topk_ids[lo:hi].reshape(-1)  # [P] this rank's pairs, P = (hi - lo) * k
+        owner = torch.bucketize(ids, self.run_starts, right=True)
+        order = torch.argsort(owner, stable=True)  # pairs grouped by the rank that owns their expert
+        send_counts = torch.bincount(owner, minlength=world).cpu()
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=x.device), self.run_starts])
+        local_ids = (ids - starts[owner]).to(torch.int32)
+        pair_rows = x[lo:hi].index_select(0, order // top_k)
+        send = torch.cat([_as_bytes(pair_rows), _as_bytes(topk_weights[lo:hi].reshape(-1)[order].float()[:, None]),
+                          _as_bytes(local_ids[order][:, None])], dim=1)
+        self.compute_seconds += time.perf_counter() - start
+
+        received, recv_counts = self._exchange(send, send_counts)
+
+        start = time.perf_counter()
+        row_bytes = hidden * x.element_size()
+        rows = received[:, :row_bytes].contiguous().view(x.dtype)  # [n, H]
+        weights = received[:, row_bytes:row_bytes + 4].contiguous().view(torch.float32)  # [n, 1]
+        experts = received[:, row_bytes + 4:].contiguous().view(torch.int32).long()  # [n, 1]
+        results = fused_moe(rows, self.w_gate_up, self.w_down, weights, experts, self.activation)
+        self.compute_seconds += time.perf_counter() - start
+
+        returned, _ = self._exchange(results, recv_counts)  # in the order this rank sent its pairs
+
+        start = time.perf_counter()
+        per_pair = torch.empty_like(returned)
+        per_pair[order] = returned
+        per_pair = per_pair.view(hi - lo, top_k, hidden)
+        by_expert = torch.argsort(topk_ids[lo:hi], dim=1, stable=True)
+        mine = torch.zeros((hi - lo, hidden), dtype=x.dtype, device=x.device)
+        for j in range(top_k):  # k adds (not a loop over tokens), in ascending expert order
+            mine += per_pair.gather(1, by_expert[:, j, None, None].expand(-1, 1, hidden))[:, 0]
+        self.compute_seconds += time.perf_counter() - start
+
+        everyone, _ = self._exchange(mine.repeat(world, 1), torch.full((world,), hi - lo, dtype=torch.int64))
+        return everyone
