@@ -77,7 +77,9 @@ $(PROTO_STAMP): $(PROTO_SRC) scripts/gen_protos.py $(STAMP)
 run: install
 	$(VENV)/bin/tokenmill up --model "$(TOKENMILL_MODEL)"
 
-test: install
+# llama-cpp-python (built below for bench-peer) also serves the gateway's tests of an
+# OpenAI-compatible upstream (tests/gateway/test_gateway_upstreams.py).
+test: install $(VENV)/.llama-cpp-python
 	$(PY) -m pytest -q -rs
 
 # The public API fuzzed with 5,000 generated requests and 5,000 raw bodies per generator
@@ -120,7 +122,7 @@ bench-executors: install
 	$(PY) -m benchmarks executors
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
-# only: pip builds it from source with cmake, CPU-only (several minutes on a small machine).
+# and make test: pip builds it from source with cmake, CPU-only (several minutes on a small machine).
 # Native instructions except AMX: a CPU may report AMX tiles that its (virtual) machine does not
 # enable, and llama.cpp's AMX kernels then die of SIGILL (seen here); pip's wheel cache is
 # skipped so a wheel built with other flags is not reused.

@@ -24,6 +24,7 @@ engine's retry pushback), which each front end maps to its own statuses.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,6 +50,7 @@ from services.gateway.pool import Target, TargetPool
 from services.gateway.rate_limits import RateLimited, RateLimiter
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
+from services.gateway.upstreams.errors import rpc_error
 
 _log = structlog.get_logger("tokenmill.gateway.dispatch")
 
@@ -193,9 +195,19 @@ class Dispatcher:
         grant = None if limiter is None else limiter.take(request.expected_output_tokens)
         prompt_tokens = completion_tokens = 0
         started_at = self.clock()
-        # None: the gateway calls as itself (its API keys are on: a key is never an engine's token).
-        call = target.stub.Generate(message, metadata=target.own_metadata if metadata is None else tuple(metadata),
-                                    timeout=timeout_s)
+        limits = target.spec.timeouts
+        if limits.total_s and limits.total_s < timeout_s:
+            timeout_s = limits.total_s
+        if target.upstream is not None:
+            # An HTTP upstream speaks the same events (services/gateway/upstreams); it gets the
+            # gateway's own key, never the caller's.
+            call = target.upstream.generate(message, timeout_s)
+        else:
+            # None: the gateway calls as itself (its API keys are on: a key is never an engine's token).
+            call = target.stub.Generate(message, metadata=target.own_metadata if metadata is None else tuple(metadata),
+                                        timeout=timeout_s)
+        replies = aiter(call)
+        ttft_deadline = started_at + limits.ttft_s if limits.ttft_s else None
         held: generation_pb2.GenerateResponse | None = None
         first_token_at: float | None = None
         done = False
@@ -203,7 +215,19 @@ class Dispatcher:
         self.live[request_id] = target
         outcome = "cancelled"
         try:
-            async for reply in call:
+            while True:
+                try:
+                    if ttft_deadline is not None and first_token_at is None:
+                        reply = await asyncio.wait_for(anext(replies), max(ttft_deadline - self.clock(), 0.0))
+                    else:
+                        reply = await anext(replies)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    call.cancel()
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"target {target.name} sent no token within its ttft_s ({limits.ttft_s:g} s)") \
+                        from None
                 kind = reply.WhichOneof("event")
                 if kind == "started":
                     held = reply
@@ -277,6 +301,8 @@ class Dispatcher:
         if actual is not None and actual > 0:
             self.metrics.estimate_ratio.labels(target.name).observe(observed / actual)
         estimator.observe(load, ttft, tokens, observed, now, raw)
+        if target.passive is not None:
+            target.passive.observe(ttft, observed, tokens)
         if self.observers:
             outcome = Outcome(route.model, target.name, request_id, estimate, actual, observed, ttft, tokens,
                               request.sla_ms, explore)

@@ -120,6 +120,8 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         target = self.dispatcher.live.get(request.request_id)
         if target is None:
             return generation_pb2.AbortResponse(found=False)
+        if target.upstream is not None:  # an HTTP upstream: its stream is closed, the request ends ABORT
+            return generation_pb2.AbortResponse(found=target.upstream.abort(request.request_id))
         if self.api_keys is not None:
             engine_md = target.own_metadata
         try:

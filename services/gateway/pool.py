@@ -8,6 +8,12 @@ time out (one slow answer on a busy machine is not a dead target), or at once wh
 call to it fails UNAVAILABLE (``eject``); it is probed at the same pace, and comes back after
 ``READMIT_AFTER`` polls in a row that found it SERVING. The model info of each target is read
 once it first answers.
+
+An HTTP upstream (kind openai or anthropic, services/gateway/upstreams) is polled the same way,
+its health being its model listing's answer; it has no GetProfile, so each poll gives it the
+passive profile the gateway measured from the streams it relayed (routing/passive_profile.py),
+and its model info is the gateway's own (the route's model id, ``hermes`` tool calls: the form its
+structured calls are relayed in).
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ from services.common.server import channel_options, create_channel
 from services.common.tls import ClientTLS
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routes_file import TargetSpec
+from services.gateway.routing.passive_profile import PassiveProfile
 from services.gateway.routing.profile import ProfileView
 from services.gateway.routing.target import TargetState
+from services.gateway.upstreams import http_upstream
+from services.gateway.upstreams.client import HttpUpstream
 
 _log = structlog.get_logger("tokenmill.gateway.pool")
 
@@ -50,9 +59,9 @@ RECONNECT_OPTIONS = [
 class Target:
     spec: TargetSpec
     state: TargetState
-    channel: grpc.aio.Channel
-    stub: generation_pb2_grpc.GenerationStub
-    health: health_pb2_grpc.HealthStub
+    channel: grpc.aio.Channel | None
+    stub: generation_pb2_grpc.GenerationStub | None
+    health: health_pb2_grpc.HealthStub | None
     model_info: generation_pb2.ModelInfo | None = None
     successes: int = 0
     """SERVING polls in a row since it last failed."""
@@ -64,6 +73,10 @@ class Target:
     """The gateway's own bearer token, for its polls."""
     refused: str = ""
     """Why the target last refused the gateway's own GetModelInfo/GetProfile (its status code)."""
+    upstream: HttpUpstream | None = None
+    """An HTTP upstream's client (kind openai/anthropic); None for a tokenmill engine."""
+    passive: PassiveProfile | None = None
+    """An HTTP upstream's profile, measured from the streams the gateway relays."""
 
     @property
     def name(self) -> str:
@@ -88,6 +101,12 @@ class TargetPool:
         self.targets: dict[str, Target] = {}
         options = channel_options(max_message_bytes) + RECONNECT_OPTIONS
         for spec in specs:
+            if spec.http:
+                target = Target(spec, TargetState(spec.name, cost=spec.cost, tags=spec.tags), None, None, None,
+                                model_info=generation_pb2.ModelInfo(model_name=spec.model, tool_call_format="hermes"),
+                                upstream=http_upstream(spec), passive=PassiveProfile(window_s, spec.seed, clock))
+                self.targets[spec.name] = target
+                continue
             tls = ClientTLS(spec.tls.ca, spec.tls.cert, spec.tls.key) if spec.tls is not None else default_tls
             channel = create_channel(spec.address, options=options, tls=tls)
             own = (("authorization", f"Bearer {spec.token}"),) if spec.token else ()
@@ -112,6 +131,19 @@ class TargetPool:
 
     async def poll_once(self, target: Target) -> None:
         timeout = self.poll_timeout_s
+        if target.upstream is not None:
+            serving = await target.upstream.probe(timeout)
+            target.state.set_profile(target.passive.view(target.state.inflight))
+            if serving is None:
+                if target.state.inflight:
+                    return  # busy, and its streams show it alive (a server that serves one call at a time)
+                target.slow_polls += 1
+                if target.slow_polls < SLOW_POLLS_TO_LEAVE:
+                    return  # slow, not gone
+            else:
+                target.slow_polls = 0
+            self._set_serving(target, bool(serving))
+            return
         try:
             reply = await target.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -195,4 +227,7 @@ class TargetPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         for target in self.targets.values():
-            await target.channel.close()
+            if target.upstream is not None:
+                await target.upstream.close()
+            else:
+                await target.channel.close()

@@ -13,6 +13,15 @@
         tokens_per_minute: 500000      # at one is passed over for the route's next, and with all
                                        # of them at theirs the request is 429 with retry-after
       - {name: weak, address: 10.0.0.6:50051, cost: 0.2}
+      - name: llamacpp                 # an OpenAI-compatible server (vLLM, llama.cpp, SGLang, ...)
+        kind: openai                   # tokenmill (default) | openai | anthropic
+        url: http://10.0.0.7:8080/v1   # its base URL: chat/completions, completions, models below it
+        model: smollm2                 # the model id sent upstream (required for openai/anthropic)
+        token_env: LLAMACPP_KEY        # optional: its API key, read from this variable
+        tls: {ca: ca.pem, verify: true}  # optional: https with this CA (verify false: no check)
+        timeouts: {connect_s: 2, ttft_s: 5, total_s: 120}   # optional, any kind; 0 = none
+        seed_profile: {ttft_p50_ms: 300, ttft_p99_ms: 900, tokens_per_second: 40}
+                                       # optional: what routing assumes before it has measured
     models:
       chat:                            # the model id clients ask for
         route: {strategy: latency, targets: [fast, weak]}
@@ -28,6 +37,11 @@
                                        # deepseek_r1, qwen3; absent: the gateway's --reasoning-parser)
       small: weak                      # a bare target name routes everything there
     default_model: chat                # for gRPC clients that name no model (default: the first)
+
+Upstreams of kind ``openai`` and ``anthropic`` are reached over HTTP (services/gateway/upstreams);
+their credentials come only from the environment (``token_env``). They have no GetProfile: the
+gateway measures their profile from the streams it relays (routing/passive_profile.py), starting
+from ``seed_profile`` when given.
 
 A route is a target name or a strategy node ``{strategy, targets, ...}``; nodes nest (see
 routing/build.py for each strategy's options). Loading checks everything and raises
@@ -49,6 +63,9 @@ from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTI
 from services.gateway.tool_calls import PARSER_SETTINGS
 
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
+KINDS = ("tokenmill", "openai", "anthropic")
+"""What a target is: a tokenmill engine (gRPC), an OpenAI-compatible or an Anthropic Messages
+HTTP endpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +73,32 @@ class TargetTLS:
     ca: str = ""
     cert: str = ""
     key: str = ""
+    verify: bool = True
+    """HTTP upstreams: check the server's certificate (against ``ca``, else the system's CAs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetTimeouts:
+    """Per-request limits on one target, seconds; 0 = none (the gateway's --request-timeout-s
+    still bounds the whole request)."""
+
+    connect_s: float = 0.0
+    """HTTP upstreams: to open the connection."""
+    ttft_s: float = 0.0
+    """From sending the request to its first token: past it the request ends DEADLINE_EXCEEDED
+    (a fallback route moves it to its next target)."""
+    total_s: float = 0.0
+    """The whole request on this target."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeedProfile:
+    """A target's latency until the gateway has measured it (the shape of a model's published
+    latency: TTFT median and p99, decode speed of one stream)."""
+
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tokens_per_second: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +110,18 @@ class TargetSpec:
     tags: tuple[str, ...] = ()
     tls: TargetTLS | None = None
     token: str = ""
-    """Bearer token the gateway presents on its own calls (GetProfile, GetModelInfo); clients' calls
-    carry the client's own Authorization."""
+    """tokenmill: bearer token the gateway presents on its own calls (GetProfile, GetModelInfo);
+    clients' calls carry the client's own Authorization. openai/anthropic: the API key of every
+    call (clients' own keys are never forwarded to an HTTP upstream)."""
     limits: RateLimits = RateLimits()
     """Its requests and tokens per minute (rate_limits.py); none by default."""
+    kind: str = "tokenmill"
+    timeouts: TargetTimeouts = TargetTimeouts()
+    seed: SeedProfile | None = None
+
+    @property
+    def http(self) -> bool:
+        return self.kind != "tokenmill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +157,26 @@ def _check_keys(item: dict, allowed: set[str], where: str) -> None:
 def _target(item: Any, where: str, base: Path) -> TargetSpec:
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object with name and address")
-    _check_keys(item, {"name", "address", "model", "cost", "tags", "tls", "token_env", *LIMIT_FIELDS}, where)
-    name, address = item.get("name"), item.get("address")
+    kind = item.get("kind", "tokenmill")
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind must be one of {list(KINDS)}, got {kind!r}")
+    common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", *LIMIT_FIELDS}
+    _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url"}), where)
+    name = item.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name must be a non-empty string")
-    if not isinstance(address, str) or ":" not in address:
-        raise ValueError(f"{where}.address must be host:port, got {address!r}")
+    if kind == "tokenmill":
+        address = item.get("address")
+        if not isinstance(address, str) or ":" not in address:
+            raise ValueError(f"{where}.address must be host:port, got {address!r}")
+    else:
+        address = item.get("url")
+        if not isinstance(address, str) or not address.startswith(("http://", "https://")):
+            raise ValueError(f"{where}.url must be an http:// or https:// base URL (e.g. http://host:8080/v1), "
+                             f"got {address!r}")
+        address = address.rstrip("/")
+        if not isinstance(item.get("model"), str) or not item["model"]:
+            raise ValueError(f"{where}.model must name the model to ask the {kind} upstream for")
     cost = item.get("cost", 1.0)
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
         raise ValueError(f"{where}.cost must be a number >= 0, got {cost!r}")
@@ -124,19 +189,60 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
             raise ValueError(f"{where}.token_env: environment variable {env!r} is not set")
         token = os.environ[env]
     return TargetSpec(name, address, str(item.get("model", "")), float(cost), tuple(tags),
-                      _tls(item.get("tls"), f"{where}.tls", base), token, parse_limits(item, where))
+                      _tls(item.get("tls"), f"{where}.tls", base, kind), token, parse_limits(item, where), kind,
+                      _timeouts(item.get("timeouts"), f"{where}.timeouts"),
+                      _seed(item.get("seed_profile"), f"{where}.seed_profile"))
 
 
-def _tls(item: Any, where: str, base: Path) -> TargetTLS | None:
+def _number(item: dict, key: str, where: str, default: float, positive: bool) -> float:
+    value = item.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{where}.{key} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _timeouts(item: Any, where: str) -> TargetTimeouts:
+    if item is None:
+        return TargetTimeouts()
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object {{connect_s, ttft_s, total_s}}")
+    _check_keys(item, {"connect_s", "ttft_s", "total_s"}, where)
+    return TargetTimeouts(*(_number(item, key, where, 0.0, False) for key in ("connect_s", "ttft_s", "total_s")))
+
+
+def _seed(item: Any, where: str) -> SeedProfile | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object {{ttft_p50_ms, ttft_p99_ms, tokens_per_second}}")
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_second")
+    _check_keys(item, set(keys), where)
+    missing = [k for k in keys if k not in item]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    seed = SeedProfile(*(_number(item, key, where, 0.0, True) for key in keys))
+    if seed.ttft_p99_ms < seed.ttft_p50_ms:
+        raise ValueError(f"{where}.ttft_p99_ms ({seed.ttft_p99_ms:g}) must be >= ttft_p50_ms ({seed.ttft_p50_ms:g})")
+    return seed
+
+
+def _tls(item: Any, where: str, base: Path, kind: str) -> TargetTLS | None:
     if item is None:
         return None
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object {{ca, cert, key}}")
-    _check_keys(item, {"ca", "cert", "key"}, where)
-    paths = {k: str(base / v) if v and not Path(v).is_absolute() else str(v or "") for k, v in item.items()}
+    _check_keys(item, {"ca", "cert", "key"} | ({"verify"} if kind != "tokenmill" else set()), where)
+    verify = item.get("verify", True)
+    if not isinstance(verify, bool):
+        raise ValueError(f"{where}.verify must be true or false, got {verify!r}")
+    paths = {k: str(base / v) if v and not Path(v).is_absolute() else str(v or "")
+             for k, v in item.items() if k != "verify"}
     if bool(paths.get("cert")) != bool(paths.get("key")):
         raise ValueError(f"{where}: cert and key go together")
-    return TargetTLS(**paths)
+    for key, path in paths.items():
+        if kind != "tokenmill" and path and not Path(path).is_file():
+            raise ValueError(f"{where}.{key}: {path} is not a file")
+    return TargetTLS(**paths, verify=verify)
 
 
 def _model(name: str, item: Any, where: str, base: Path) -> ModelSpec:

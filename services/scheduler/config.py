@@ -14,7 +14,7 @@ from services.common.settings import embedded
 from services.scheduler.auth import load_auth_tokens
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
-from services.scheduler.latency_profile import DEFAULT_CAPACITY
+from services.common.latency_profile import DEFAULT_CAPACITY
 
 
 def _f(default, help_: str, env: str, **extra):

@@ -17,7 +17,7 @@ from services.common.tls import ClientTLS
 from services.scheduler.admission import Admission, DoorInterceptor, per_tenant_bound
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens, reload_auth
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.common.latency_profile import LatencyProfileRecorder
 from services.scheduler.request_release import RequestRelease
 from services.scheduler.servicer import GenerationServicer
 from services.scheduler.structured.compile_workers import CompileWorkers

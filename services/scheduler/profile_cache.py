@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
-from services.scheduler.latency_profile import LatencyProfileRecorder, LatencySnapshot
+from services.common.latency_profile import LatencyProfileRecorder, LatencySnapshot
 
 MAX_AGE_S = 1.0
 MAX_FRESH_PER_S = 10

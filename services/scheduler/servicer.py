@@ -19,7 +19,7 @@ from services.scheduler.auth import AuthTable, Tenant, current_tenant, salted_sc
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
 from services.scheduler.generation_codec import (
     delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto, structured_output_from_proto)
-from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.common.latency_profile import LatencyProfileRecorder
 from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions

@@ -21,7 +21,7 @@ from services.common.settings import parse_config
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core.config import SchedulerLimits
-from services.scheduler.latency_profile import percentile as profile_percentile
+from services.common.latency_profile import percentile as profile_percentile
 
 
 @pytest.mark.parametrize("name", sorted(ENTRIES), ids=lambda name: f"run {name}")

@@ -17,7 +17,7 @@ from services.scheduler.core.stats import SchedulerStats
 from services.scheduler.engine.handoff import TransferCounters
 from services.scheduler.generation_codec import profile_to_proto
 from services.common.percentile import percentile
-from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder
+from services.common.latency_profile import FinishedSample, LatencyProfileRecorder
 
 
 class FakeClock:
@@ -187,7 +187,7 @@ _RESIDENT_CHECK = """
 from tests.scheduler.test_profile import FakeClock, _rss_kib
 from services.scheduler.engine.handoff import TransferCounters
 from services.scheduler.generation_codec import profile_to_proto
-from services.scheduler.latency_profile import LatencyProfileRecorder
+from services.common.latency_profile import LatencyProfileRecorder
 before = _rss_kib()
 recorder = LatencyProfileRecorder(window_s=60.0, clock=FakeClock(), capacity=500_000)  # 20 MB
 print(_rss_kib() - before, recorder.capacity)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
-from services.scheduler.latency_profile import FinishedSample, LatencyProfileRecorder
+from services.common.latency_profile import FinishedSample, LatencyProfileRecorder
 from services.scheduler.profile_cache import MAX_FRESH_PER_S, ProfileCache
 
 

@@ -19,10 +19,12 @@ class ProfileView:
     kv_cache_usage: float
     num_running: int
     num_waiting: int
+    seeded: bool = False
+    """The latency is a routes file's seed_profile, not a measurement (no request counted)."""
 
     @property
     def has_latency(self) -> bool:
-        return self.num_requests > 0 and self.ttft_p50_ms > 0
+        return (self.num_requests > 0 or self.seeded) and self.ttft_p50_ms > 0
 
     @property
     def load(self) -> int:

@@ -1,6 +1,7 @@
 """The live latency profile behind GetProfile: statistics over a sliding window of finished requests.
 
-Fed by the scheduler loop's on_finished callback; each finished request leaves one sample
+Fed by the scheduler loop's on_finished callback (and, in the gateway, by the streams it relays
+from HTTP upstreams: routing/passive_profile.py); each finished request leaves one sample
 (finish time, TTFT, decode time, output tokens, e2e). A query looks back ``window`` seconds
 from now and computes:
 

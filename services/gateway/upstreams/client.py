@@ -1,0 +1,210 @@
+"""One HTTP upstream: its client (credentials, TLS, connect timeout), its calls, its health probe.
+
+A call sends the GenerateRequest translated by the target's dialect (openai.py, anthropic.py),
+always streamed (so the gateway sees each token arrive and can measure the upstream: the passive
+profile), and yields the engines' events: Started once the upstream answered 200, a Delta per
+piece of text, Finished with the upstream's finish reason and usage. Anything that goes wrong
+leaves as a gRPC status (errors.py); a stream that breaks off before its end is UNAVAILABLE, which
+the dispatcher retries only while no token was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx2
+import structlog
+
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.routes_file import TargetSpec
+from services.gateway.upstreams.dialect import Dialect, StreamReader
+from services.gateway.upstreams.errors import rpc_error, status_error
+
+_log = structlog.get_logger("tokenmill.gateway.upstream")
+
+MAX_ERROR_BODY = 4096
+"""Bytes of an error answer read to quote it."""
+
+
+def _verify(spec: TargetSpec) -> ssl.SSLContext | bool:
+    tls = spec.tls
+    if tls is None:
+        return True
+    if not tls.verify:
+        return False
+    context = ssl.create_default_context(cafile=tls.ca or None)
+    if tls.cert:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
+
+
+class HttpUpstream:
+    def __init__(self, spec: TargetSpec, dialect: Dialect) -> None:
+        self.spec = spec
+        self.dialect = dialect
+        connect = spec.timeouts.connect_s or None
+        # trust_env off: an HTTP(S)_PROXY meant for the gateway's users must not reroute its upstreams.
+        self.client = httpx2.AsyncClient(
+            verify=_verify(spec), trust_env=False,
+            timeout=httpx2.Timeout(None, connect=connect),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64))
+        self.headers = dialect.headers(spec.token)
+        self.live: dict[str, UpstreamCall] = {}
+        self._refused_probe = False
+
+    def generate(self, message: generation_pb2.GenerateRequest, timeout_s: float) -> UpstreamCall:
+        return UpstreamCall(self, message, timeout_s)
+
+    def abort(self, request_id: str) -> bool:
+        call = self.live.get(request_id)
+        if call is None:
+            return False
+        call.abort()
+        return True
+
+    async def probe(self, timeout_s: float) -> bool | None:
+        """Serving: the dialect's listing (GET models) answers below 500 and takes the key; None:
+        no answer within ``timeout_s`` (slow, which the pool tells from gone)."""
+        try:
+            response = await self.client.get(self.spec.address + self.dialect.health_path, headers=self.headers,
+                                             timeout=timeout_s)
+        except httpx2.TimeoutException:
+            return None
+        except httpx2.HTTPError:
+            return False
+        if response.status_code in (401, 403):
+            if not self._refused_probe:
+                _log.warning("upstream_refuses_the_gateway", target=self.spec.name, status=response.status_code,
+                             fix=f"the key in target '{self.spec.name}''s token_env is not one the upstream accepts")
+            self._refused_probe = True
+            return False
+        self._refused_probe = False
+        return response.status_code < 500
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class UpstreamCall:
+    """One request to the upstream, iterated like a gRPC Generate call (and cancelled like one)."""
+
+    def __init__(self, upstream: HttpUpstream, message: generation_pb2.GenerateRequest, timeout_s: float) -> None:
+        self.upstream = upstream
+        self.message = message
+        self.timeout_s = timeout_s
+        self._response: httpx2.Response | None = None
+        self._aborted = False
+        self._events = self._run()
+
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        return self._events
+
+    def cancel(self) -> None:
+        """The client went away: close the upstream's stream (the upstream stops generating)."""
+        asyncio.ensure_future(self._events.aclose())
+
+    def abort(self) -> None:
+        self._aborted = True
+        if self._response is not None:
+            asyncio.ensure_future(self._response.aclose())
+
+    async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        upstream, message = self.upstream, self.message
+        name = upstream.spec.name
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        path, body = upstream.dialect.build(message)
+        request = upstream.client.build_request("POST", upstream.spec.address + path, json=body,
+                                                headers=upstream.headers)
+        request_id = message.request_id
+        upstream.live[request_id] = self
+        reader = upstream.dialect.reader()
+        started = False
+        try:
+            try:
+                self._response = response = await asyncio.wait_for(upstream.client.send(request, stream=True),
+                                                                   deadline - loop.time())
+            except (TimeoutError, httpx2.TimeoutException):
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED if loop.time() >= deadline
+                                else grpc.StatusCode.UNAVAILABLE, f"upstream {name}: no answer in time") from None
+            except httpx2.HTTPError as exc:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}") from None
+            if response.status_code != 200:
+                said = await _error_body(response)
+                raise status_error(name, response.status_code, said, response.headers.get("retry-after"))
+            lines = response.aiter_lines()
+            event = ""
+            while not reader.done:
+                try:
+                    line = await asyncio.wait_for(anext(lines), deadline - loop.time())
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"upstream {name}: the request took more than {self.timeout_s:g} s") from None
+                except (httpx2.HTTPError, RuntimeError) as exc:  # aclose() by abort: httpx's StreamClosed
+                    if self._aborted:
+                        break
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} broke off the stream: {exc!r}") \
+                        from None
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                    continue
+                if not line.startswith("data:"):
+                    if not line:
+                        event = ""
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    payload = json.loads(data)
+                except ValueError:
+                    raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} sent an event that is not JSON: "
+                                                              f"{data[:200]!r}") from None
+                reader.feed(event, payload)
+                for text in reader.take():
+                    if not started:
+                        started = True
+                        yield _started(request_id, reader)
+                    yield generation_pb2.GenerateResponse(delta=generation_pb2.Delta(text=text))
+            if self._aborted:
+                reader.finish = common_pb2.FINISH_REASON_ABORT
+            elif reader.finish is None:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} ended the stream before its end")
+            for text in reader.take():
+                yield generation_pb2.GenerateResponse(delta=generation_pb2.Delta(text=text))
+            if not started:
+                yield _started(request_id, reader)
+            finished = generation_pb2.Finished(finish_reason=reader.finish, usage=common_pb2.Usage(
+                prompt_tokens=reader.prompt_tokens, completion_tokens=reader.completion_tokens,
+                cached_tokens=reader.cached_tokens))
+            if reader.stop_reason is not None:
+                finished.stop_reason = reader.stop_reason
+            yield generation_pb2.GenerateResponse(finished=finished)
+        finally:
+            if upstream.live.get(request_id) is self:
+                del upstream.live[request_id]
+            if self._response is not None:
+                await self._response.aclose()
+
+
+def _started(request_id: str, reader: StreamReader) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(started=generation_pb2.Started(request_id=request_id,
+                                                                          prompt_tokens=reader.prompt_tokens))
+
+
+async def _error_body(response: httpx2.Response) -> str:
+    chunks = bytearray()
+    try:
+        async for chunk in response.aiter_bytes():
+            chunks += chunk
+            if len(chunks) >= MAX_ERROR_BODY:
+                break
+    except httpx2.HTTPError:
+        pass
+    return chunks[:MAX_ERROR_BODY].decode(errors="replace")

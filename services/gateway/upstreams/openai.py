@@ -1,0 +1,168 @@
+"""GenerateRequest <-> an OpenAI-compatible server's chat and completions APIs (vLLM, llama.cpp,
+SGLang, Ollama, a hosted API).
+
+A conversation goes to ``POST {url}/chat/completions``, a text or token-id prompt to
+``POST {url}/completions``, both streamed with ``stream_options.include_usage``. The sampling
+fields OpenAI defines travel under their own names; the engine's extensions that servers commonly
+take (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) only when set. A
+structured output travels as ``response_format`` (a JSON schema or any JSON object); what an
+OpenAI server cannot be asked (logprobs returned per token id, prompt logprobs, a regex, choice or
+Lark grammar, a conversation without the assistant's cue) is refused naming it, never dropped.
+
+Replies: ``finish_reason`` "length" is LENGTH, anything else EOS (OpenAI does not say whether a
+stop string matched); streamed ``tool_calls`` are gathered and written as ``hermes`` text at the
+end, which the front ends read back into calls.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.upstreams.dialect import StreamReader, hermes_call
+from services.gateway.upstreams.errors import refused, rpc_error
+
+KIND = "openai"
+
+
+def _seed(seed: int) -> int:
+    """The engine's unsigned 64-bit seed back to OpenAI's signed one (the front end wrapped it)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def sampling_fields(message: generation_pb2.GenerateRequest) -> dict[str, Any]:
+    s, stop = message.sampling, message.stop
+    if s.HasField("logprobs"):
+        raise refused(KIND, "logprobs")
+    if s.HasField("prompt_logprobs"):
+        raise refused(KIND, "prompt_logprobs")
+    body: dict[str, Any] = {}
+    if s.HasField("temperature"):
+        body["temperature"] = s.temperature
+    if s.HasField("top_p"):
+        body["top_p"] = s.top_p
+    if s.top_k:
+        body["top_k"] = s.top_k
+    if s.min_p:
+        body["min_p"] = s.min_p
+    if s.HasField("repetition_penalty"):
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+    if s.HasField("seed"):
+        body["seed"] = _seed(s.seed)
+    if stop.HasField("max_tokens"):
+        body["max_tokens"] = stop.max_tokens
+    if stop.stop:
+        body["stop"] = list(stop.stop)
+    if stop.stop_token_ids:
+        body["stop_token_ids"] = list(stop.stop_token_ids)
+    if stop.ignore_eos:
+        body["ignore_eos"] = True
+    if stop.min_tokens:
+        body["min_tokens"] = stop.min_tokens
+    if stop.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
+    if message.HasField("structured_output"):
+        body["response_format"] = response_format(message.structured_output)
+    return body
+
+
+def response_format(structured: generation_pb2.StructuredOutput) -> dict[str, Any]:
+    kind = structured.WhichOneof("kind")
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(structured.json_schema)}}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    raise refused(KIND, f"a structured output of kind {kind}")
+
+
+def chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, Any]]:
+    out = []
+    for turn in chat.messages:
+        item: dict[str, Any] = {"role": turn.role, "content": turn.content if turn.HasField("content") else None}
+        if turn.tool_calls:
+            item["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}} for c in turn.tool_calls]
+        if turn.tool_call_id:
+            item["tool_call_id"] = turn.tool_call_id
+        if turn.name:
+            item["name"] = turn.name
+        out.append(item)
+    return out
+
+
+class OpenAIDialect:
+    kind = KIND
+    health_path = "/models"
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def headers(self, token: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    def build(self, message: generation_pb2.GenerateRequest) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        prompt = message.WhichOneof("prompt")
+        if prompt == "chat":
+            chat = message.chat
+            if chat.HasField("add_generation_prompt") and not chat.add_generation_prompt:
+                raise refused(KIND, "add_generation_prompt false (its chat API always cues the assistant's turn)")
+            body["messages"] = chat_messages(chat)
+            if chat.tools_json:
+                body["tools"] = json.loads(chat.tools_json)
+            path = "/chat/completions"
+        elif prompt == "text":
+            body["prompt"] = message.text
+            path = "/completions"
+        elif prompt == "token_ids":
+            body["prompt"] = list(message.token_ids.ids)
+            path = "/completions"
+        else:
+            raise refused(KIND, "a request without a prompt")
+        body.update(sampling_fields(message))
+        return path, body
+
+    def reader(self) -> StreamReader:
+        return OpenAIReader()
+
+
+class OpenAIReader(StreamReader):
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls: dict[int, list[str]] = {}
+        """Streamed tool calls by index: [name, arguments so far]."""
+
+    def feed(self, event: str, payload: dict[str, Any]) -> None:
+        if "error" in payload and not payload.get("choices"):
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"the upstream failed: {json.dumps(payload['error'])[:500]}")
+        usage = payload.get("usage")
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            self.usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), details.get("cached_tokens"))
+        for choice in payload.get("choices") or ():
+            delta = choice.get("delta")
+            if delta is not None:  # chat
+                self.text(delta.get("content") or "")
+                for call in delta.get("tool_calls") or ():
+                    entry = self._calls.setdefault(call.get("index", 0), ["", ""])
+                    function = call.get("function") or {}
+                    entry[0] += function.get("name") or ""
+                    entry[1] += function.get("arguments") or ""
+            else:  # completions
+                self.text(choice.get("text") or "")
+            reason = choice.get("finish_reason")
+            if reason:
+                self.finish = common_pb2.FINISH_REASON_LENGTH if reason == "length" else common_pb2.FINISH_REASON_EOS
+                for index in sorted(self._calls):
+                    name, arguments = self._calls[index]
+                    self.text(hermes_call(name, arguments))
+                self._calls.clear()

