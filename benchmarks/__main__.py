@@ -53,6 +53,8 @@ MICRO: dict[str, tuple[str, str]] = {
     "overlap": ("benchmarks.micro.overlap", "per-step time through the services, overlapped scheduling on and off"),
     "grammar-masks": ("benchmarks.micro.grammar_masks", "token-mask cost of llguidance against xgrammar (structured outputs)"),
     "step-overhead": ("benchmarks.micro.step_overhead", "CPU per step of each service process against in-process"),
+    "expert-parallel": ("benchmarks.micro.expert_parallel",
+                        "sparse layers' experts over tensor-parallel ranks against one rank: all-to-all against compute"),
 }
 """Micro-benchmarks (benchmarks/micro/): each answered one question; docs/benchmarks.md has the answer."""
 
