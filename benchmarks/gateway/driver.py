@@ -1,11 +1,15 @@
 """``make bench-gateway``: the gateway's four questions, answered in one run with ratios.
 
-    python -m benchmarks gateway [--parts overhead,policies,decision,throughput] [--quick]
+    python -m benchmarks gateway [--parts overhead,policies,goodput,decision,throughput] [--quick] [--no-peers]
 
 1. overhead    HTTP through the gateway against the engine's gRPC API directly (stories260K):
                TTFT p50 added, 32-stream tokens/s ratio, the gateway's CPU per token.
-2. policies    five routing policies on one simulated heterogeneous pool, one Poisson trace:
-               SLA attainment, cost, response times, the estimate's error.
+2. policies    five routing policies and the real peers (peers.py: LiteLLM's Router with four
+               strategies, Portkey's gateway with two weightings) on one simulated heterogeneous
+               pool, one Poisson trace: SLA attainment, cost, response times (SLA-free too), the
+               estimate's error, and tokenmill's ratios to the best baseline and best real peer.
+   goodput     the same policies and peers over ascending arrival rates: the highest rate at which
+               >= 90 % of SLA requests meet their SLA (DistServe's goodput), and tokenmill's ratio.
 3. decision    one routing decision with 64 targets: p50/p99, wall and CPU time.
 4. throughput  routed requests/s of one gateway process on one core against simulated targets.
 
@@ -21,14 +25,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks.gateway import decision, overhead, policies, throughput
+from benchmarks.gateway import decision, overhead, peers, policies, throughput
 from benchmarks.gateway.workload import poisson_trace
 from benchmarks.harness import flags, report as harness_report
 from benchmarks.harness.flags import setting
 from services.common.logging import configure_logging
 
 PROG = "python -m benchmarks gateway"
-PARTS = ("overhead", "policies", "decision", "throughput")
+PARTS = ("overhead", "policies", "goodput", "decision", "throughput")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,11 @@ class GatewaySettings:
     quick: bool = setting(False, "shorter runs (a smoke test, not figures)")
     rate: float = setting(16.0, "requests/s of the routing workload")
     seconds: float = setting(30.0, "length of the routing workload's trace")
+    peers: bool = setting(True, "run the real peers (LiteLLM's Router, Portkey's gateway), installed at pinned "
+                                "versions into TOKENMILL_BENCH_CACHE (default ~/.cache/tokenmill/bench-peers)")
+    goodput_rates: tuple[float, ...] = setting((4.0, 8.0, 12.0, 16.0, 24.0, 32.0),
+                                               "arrival rates (requests/s, ascending) the goodput search tries")
+    goodput_seconds: float = setting(15.0, "length of each goodput trace")
     out: str | None = setting(None, "where the JSON report goes (none: benchmarks/results/gateway-DATE.json)")
 
     def validate(self) -> None:
@@ -61,35 +70,87 @@ def _overhead(quick: bool) -> dict:
     return r
 
 
-def _policies(quick: bool, rate: float, seconds: float) -> dict:
+def _row(name: str, r) -> str:
+    tight, loose = r.attained.get("tight", (0, 1)), r.attained.get("loose", (0, 1))
+    share = "/".join(f"{100 * r.share.get(k, 0):.0f}" for k in ("fast", "medium", "slow", "weak"))
+    return (f"| {name} | {100 * r.attainment:.1f} % | {100 * tight[0] / tight[1]:.0f} % | "
+            f"{100 * loose[0] / loose[1]:.0f} % | {1000 * r.cost_per_request:.1f} | {r.e2e_p50_ms:.0f} | "
+            f"{r.e2e_p99_ms:.0f} | {r.free_p50_ms:.0f} | {share} |" + (f" ({r.failed} failed)" if r.failed else ""))
+
+
+def _runs(name: str, traces: list, stop_below: float | None = None) -> list | str:
+    """Results of the policy or real peer ``name`` over the traces, or why the peer was skipped."""
+    if name in policies.POLICIES:
+        return policies.run_policy_traces(name, traces, stop_below)
+    return peers.run_peer(name, traces, stop_below)
+
+
+def _policies(quick: bool, rate: float, seconds: float, with_peers: bool) -> dict:
     jobs = poisson_trace(rate, seconds / (2 if quick else 1), seed=1)
-    print(f"\n## Routing policies ({len(jobs)} requests, Poisson {rate:g}/s; SLA: tight 1.6x / loose 4x an idle fast "
-          "engine, or none)\n"
+    names = [*policies.POLICIES, *(peers.PEERS if with_peers else ())]
+    print(f"\n## Routing policies and real peers ({len(jobs)} requests, Poisson {rate:g}/s; SLA: tight 1.6x / loose "
+          f"4x an idle fast engine, or none; LiteLLM {peers.LITELLM_VERSION}, Portkey {peers.PORTKEY_VERSION})\n"
           "| policy | SLA met | tight | loose | cost / request | e2e p50 ms | e2e p99 ms | SLA-free e2e p50 ms "
           "| fast/medium/slow/weak |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-    out = {}
-    for name in policies.POLICIES:
-        r = asyncio.run(policies.run_policy(name, jobs))
-        tight, loose = r.attained.get("tight", (0, 1)), r.attained.get("loose", (0, 1))
-        share = "/".join(f"{100 * r.share.get(k, 0):.0f}" for k in ("fast", "medium", "slow", "weak"))
-        print(f"| {name} | {100 * r.attainment:.1f} % | {100 * tight[0] / tight[1]:.0f} % | "
-              f"{100 * loose[0] / loose[1]:.0f} % | {1000 * r.cost_per_request:.1f} | {r.e2e_p50_ms:.0f} | "
-              f"{r.e2e_p99_ms:.0f} | {r.free_p50_ms:.0f} | {share} |" + (f" ({r.failed} failed)" if r.failed else ""), flush=True)
+    out, skipped = {}, {}
+    for name in names:
+        runs = _runs(name, [jobs])
+        if isinstance(runs, str):
+            skipped[name] = runs
+            print(f"| {name} | skipped: {runs} |", flush=True)
+            continue
+        r = runs[0]
+        print(_row(name, r), flush=True)
         out[name] = {"attainment": r.attainment, "attained": r.attained, "cost_per_request": r.cost_per_request,
-                     "e2e_p50_ms": r.e2e_p50_ms, "e2e_p99_ms": r.e2e_p99_ms, "free_p50_ms": r.free_p50_ms, "share": r.share, "failed": r.failed,
-                     "estimate_error_p50": r.estimate_error_p50}
+                     "e2e_p50_ms": r.e2e_p50_ms, "e2e_p99_ms": r.e2e_p99_ms, "free_p50_ms": r.free_p50_ms,
+                     "share": r.share, "failed": r.failed, "estimate_error_p50": r.estimate_error_p50}
     ours = out["tokenmill-latency"]
-    best = max((v for k, v in out.items() if k != "tokenmill-latency"), key=lambda v: v["attainment"])
-    best_name = next(k for k, v in out.items() if v is best)
-    print(f"tokenmill-latency: {100 * (ours['attainment'] - best['attainment']):+.1f} points of SLA attainment over "
-          f"the best baseline ({best_name}) at {ours['cost_per_request'] / best['cost_per_request']:.2f}x its cost "
-          f"(goal: >= +10 points at <= 1x); median estimate error "
-          f"{100 * (ours['estimate_error_p50'] or float('nan')):.1f} % (goal <= 15 %); SLA-free e2e p50 "
-          f"{ours['free_p50_ms']:.0f} ms against the best baseline's "
-          f"{min(v['free_p50_ms'] for k, v in out.items() if k != 'tokenmill-latency'):.0f} ms (goal <= 2x)",
-          flush=True)
-    return out
+    baselines = {k: v for k, v in out.items() if k in policies.POLICIES and k != "tokenmill-latency"}
+    for label, group in (("reimplemented baseline", baselines), ("real peer", {k: v for k, v in out.items()
+                                                                                if k not in policies.POLICIES})):
+        if not group:
+            continue
+        best_name = max(group, key=lambda k: group[k]["attainment"])
+        best = group[best_name]
+        free = min(v["free_p50_ms"] for v in group.values())
+        print(f"tokenmill-latency against the best {label} ({best_name}): "
+              f"{100 * (ours['attainment'] - best['attainment']):+.1f} points of SLA attainment (goal >= +10) at "
+              f"{ours['cost_per_request'] / best['cost_per_request']:.2f}x its cost; SLA-free e2e p50 "
+              f"{ours['free_p50_ms']:.0f} ms, {ours['free_p50_ms'] / free:.2f}x the best {label}'s {free:.0f} ms "
+              f"(goal <= 2x)", flush=True)
+    print(f"median estimate error {100 * (ours['estimate_error_p50'] or float('nan')):.1f} % (goal <= 15 %)")
+    return {**out, "skipped": skipped}
+
+
+def _goodput(quick: bool, rates: tuple[float, ...], seconds: float, with_peers: bool) -> dict:
+    seconds = seconds / (2 if quick else 1)
+    traces = [poisson_trace(rate, seconds, seed=2) for rate in rates]
+    names = [*policies.POLICIES, *(peers.PEERS if with_peers else ())]
+    print(f"\n## Goodput: the highest arrival rate (of {', '.join(f'{r:g}' for r in rates)}/s, {seconds:g} s "
+          f"traces) at which >= {100 * policies.GOODPUT_SLA_MET:.0f} % of SLA requests meet their SLA\n"
+          "| policy | goodput req/s | SLA met at each rate tried |\n| --- | --- | --- |", flush=True)
+    out, skipped = {}, {}
+    for name in names:
+        runs = _runs(name, traces, stop_below=policies.GOODPUT_SLA_MET)
+        if isinstance(runs, str):
+            skipped[name] = runs
+            print(f"| {name} | skipped: {runs} |", flush=True)
+            continue
+        value = policies.goodput(runs, list(rates))
+        out[name] = {"goodput": value, "attainment": {str(rate): r.attainment for rate, r in zip(rates, runs)}}
+        print(f"| {name} | {value:g} | " + ", ".join(f"{rate:g}/s {100 * r.attainment:.0f} %"
+                                                    for rate, r in zip(rates, runs)) + " |", flush=True)
+    ours = out["tokenmill-latency"]["goodput"]
+    for label, group in (("reimplemented baseline", [k for k in out if k in policies.POLICIES
+                                                      and k != "tokenmill-latency"]),
+                         ("real peer", [k for k in out if k not in policies.POLICIES])):
+        if group:
+            best = max(group, key=lambda k: out[k]["goodput"])
+            ratio = ours / out[best]["goodput"] if out[best]["goodput"] else float("inf")
+            print(f"tokenmill-latency goodput {ours:g} req/s, {ratio:.2f}x the best {label}'s ({best}, "
+                  f"{out[best]['goodput']:g} req/s; goal >= 1.5x)", flush=True)
+    return {**out, "skipped": skipped}
 
 
 def _decision() -> dict:
@@ -128,7 +189,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     print(f"# make bench-gateway at {report['commit']}, load average {report['load_before']}, "
           f"{report['cpus']} CPUs", flush=True)
     runners = {"overhead": lambda: _overhead(args.quick), "policies": lambda: _policies(args.quick, args.rate,
-                                                                                           args.seconds),
+                                                                                           args.seconds, args.peers),
+               "goodput": lambda: _goodput(args.quick, args.goodput_rates, args.goodput_seconds, args.peers),
                "decision": _decision, "throughput": lambda: _throughput(args.quick)}
     for part in parts:
         report[part] = runners[part]()

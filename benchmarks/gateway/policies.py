@@ -108,6 +108,44 @@ def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Ou
     return result
 
 
+def summarize(policy: str, jobs: list[Job], records: dict[int, tuple[float, str, int] | None]) -> PolicyResult:
+    """A peer's run as the dispatcher's would be summed up: ``records`` holds each request's (e2e
+    ms, engine that served it, completion tokens), or None when it failed."""
+    e2e, outcomes = {}, {}
+    for index, job in enumerate(jobs):
+        rid, record = f"job-{index}", records.get(index)
+        e2e[rid] = None if record is None else record[0]
+        if record is not None:
+            outcomes[rid] = Outcome("m", record[1], rid, None, None, record[0], 0.0, record[2], job.sla_ms, False)
+    return _summary(policy, jobs, e2e, outcomes)
+
+
+GOODPUT_SLA_MET = 0.9
+"""DistServe's goodput: the highest arrival rate at which this share of SLA requests meet theirs."""
+
+
+def goodput(results: list[PolicyResult], rates: list[float]) -> float:
+    """The highest of ``rates`` (ascending, one result each, possibly cut short at the first miss)
+    below which every rate met GOODPUT_SLA_MET; 0 when the lowest did not."""
+    best = 0.0
+    for rate, result in zip(rates, results):
+        if result.attainment < GOODPUT_SLA_MET:
+            break
+        best = rate
+    return best
+
+
+def run_policy_traces(policy: str, traces: list[list[Job]], stop_below: float | None = None) -> list[PolicyResult]:
+    """``policy`` (one of POLICIES) over each trace on a fresh pool, until one's attainment is below
+    ``stop_below``."""
+    results = []
+    for jobs in traces:
+        results.append(asyncio.run(run_policy(policy, jobs)))
+        if stop_below is not None and results[-1].attainment < stop_below:
+            break
+    return results
+
+
 async def run_policy(policy: str, jobs: list[Job]) -> PolicyResult:
     with simulator(sim_engines()) as (addresses, _):
         specs = tuple(TargetSpec(name, addresses[name], cost=cost_of(name)) for name in engine_names())

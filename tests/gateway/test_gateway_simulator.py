@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
@@ -132,3 +133,23 @@ def _served(gateway) -> dict[str, float]:
 
 def _delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+async def test_the_http_api_answers_the_openai_client_as_the_engine_generates():
+    server = await serve_engine(SimSpec("fast-0", prefill_ms=5, tpot_ms=2, stream_interval=4), http=True)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0)
+        prompt = [{"role": "user", "content": "x" * 40}]
+        answer = await client.chat.completions.create(model="any", messages=prompt, max_tokens=10)
+        assert answer.model == "fast-0" and answer.choices[0].finish_reason == "length"
+        assert answer.choices[0].message.content == " t" * 10
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (10, 10)
+        stream = await client.chat.completions.create(model="any", messages=prompt, max_tokens=10, stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == " t" * 10
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model="any", messages=prompt, max_tokens=0)
+        assert not server.sim_engine.live and not server.sim_engine.running
+    finally:
+        await server.stop(grace=0)

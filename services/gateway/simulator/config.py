@@ -34,6 +34,8 @@ class SimulatorConfig:
     host: str = _f("127.0.0.1", "interface to listen on", "TOKENMILL_SIM_HOST")
     ports_file: str = _f("", "write {name: port} as JSON here once every engine serves", "TOKENMILL_SIM_PORTS_FILE",
                          path=True)
+    http_ports_file: str = _f("", "also serve each engine's OpenAI-compatible HTTP API (simulator/http_api.py) and "
+                              "write {name: http port} as JSON here", "TOKENMILL_SIM_HTTP_PORTS_FILE", path=True)
     profile_window_s: float = _f(60.0, "default window of GetProfile, seconds", "TOKENMILL_SIM_PROFILE_WINDOW_S")
     log_level: str = _f("warning", "least severe log level written", "TOKENMILL_SIM_LOG_LEVEL")
 
