@@ -163,6 +163,10 @@ class ExecutorInfo:
     kv_layout: str = ""
     """The KV pool's layout (model, layers, kv heads, head size, block size, storage dtype):
     KV blocks copy only between executors that report the same one."""
+    kv_group_windows: tuple[int, ...] = (0,)
+    """Per KV group, its layers' sliding window in tokens, 0 for full attention
+    (services/common/kv_groups.py): block tables interleave the groups' blocks, and a window
+    group's blocks behind the window go back to the pool."""
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -23,7 +23,8 @@ from services.executor.tensor_parallel import start_rank_zero, tensor_parallel_p
 from services.runtime.device import resolve_device, resolve_dtype
 from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.kv_blocks import kv_layout
-from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, num_blocks_for_budget
+from services.common.kv_groups import KVGroups
+from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, model_kv_groups, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.families import load_model
@@ -73,6 +74,11 @@ class ModelRunner:
         self.all_reduces: AllReduceHooks | None = None
         """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
         vocab: list[range] | None = None
+        self.kv_groups = model_kv_groups(mc)
+        """Window and full-attention layers in groups of their own blocks (services/common/kv_groups.py)."""
+        if config.tensor_parallel_size > 1 and self.kv_groups.num_groups > 1:
+            # The ranks' pools are one per layer: every layer keeps every block (no window freeing).
+            self.kv_groups = KVGroups((tuple(range(mc.num_layers)),), (0,))
         if config.tensor_parallel_size > 1:
             if mc.family != "llama":
                 raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
@@ -88,10 +94,11 @@ class ModelRunner:
             self.model = load_model(config.model, self.backend, self.device, self.dtype, mc,
                                     prepack_cpu_weights=not path.plain_weights,
                                     quant_activations=self._quant_activations())
-            self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device)
+            self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device,
+                                                                             self.kv_groups)
             # A path's scratch blocks lie past the pool the scheduler is told about.
             self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
-                                             self.kv_dtype, self.device)
+                                             self.kv_dtype, self.device, self.kv_groups)
         self.paths = set_up_paths(path, config, PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks,
@@ -130,7 +137,7 @@ class ModelRunner:
     def info(self) -> ExecutorInfo:
         mc = self.model_config
         layout = kv_layout(mc, self.block_size, self.kv_dtype, self.dtype)
-        kv_bytes = self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype)
+        kv_bytes = self.num_usable_blocks * bytes_per_block(mc, self.block_size, self.kv_dtype, self.kv_groups)
         if self.parallel is not None:
             # All ranks' pools together; a layout of its own, so no peer takes its blocks for its own.
             kv_bytes = sum(self.parallel.kv_bytes)
@@ -150,6 +157,7 @@ class ModelRunner:
             kv_cache_dtype=dtype_name(self.dtype) if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype,
             kv_cache_bytes=kv_bytes,
             kv_layout=layout,
+            kv_group_windows=self.kv_groups.windows,
         )
 
     # ------------------------------------------------------------------ the step
@@ -217,7 +225,7 @@ class ModelRunner:
                     outputs[row].logprobs = (outputs[row].logprobs or []) + out.logprobs
 
     def _run_step(self, scheduled: Scheduled, drafts: dict[int, list[int]]) -> list[SequenceOutput]:
-        step = ForwardStep(scheduled, self.block_size, self.device)
+        step = ForwardStep(scheduled, self.block_size, self.device, self.kv_groups.num_groups)
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [
@@ -391,11 +399,11 @@ def _kv_storage_dtype(config: ExecutorConfig, dtype: torch.dtype, backend_name: 
 
 
 def _blocks_for_budget(config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype,
-                       device: torch.device) -> int:
+                       device: torch.device, groups: KVGroups) -> int:
     if device.type == "cuda":
         budget = cuda_kv_budget(device, config.gpu_memory_utilization)
         # Keep headroom for activations of a full step, measured roughly as 10% of the budget.
         budget = int(budget * 0.9)
     else:
         budget = config.kv_cache_bytes
-    return num_blocks_for_budget(model_config, config.block_size, kv_dtype, budget)
+    return num_blocks_for_budget(model_config, config.block_size, kv_dtype, budget, groups)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from services.common.errors import DeadlineExceededError, InvalidArgumentError
+from services.common.kv_groups import first_needed_block
 from services.common.step import ExecutorInfo, NewSequence, RunningSequence, StepPlan
 
 MAX_STEPS_PER_PLAN = 64
@@ -53,10 +54,16 @@ def _check_new(where: str, new: NewSequence, info: ExecutorInfo) -> None:
         _refuse(f"{where}.num_scheduled_tokens {new.num_scheduled_tokens} from {new.num_computed_tokens} must reach "
                 f"no further than its {num_tokens} known tokens (and be >= 1)")
     _check_blocks(f"{where}.block_ids", new.block_ids, info)
-    needed = -(-end // info.block_size)
+    groups = len(info.kv_group_windows)
+    needed = -(-end // info.block_size) * groups
     if len(new.block_ids) < needed:
         _refuse(f"{where}.block_ids has {len(new.block_ids)} blocks; {end} tokens need {needed}")
-    if len(set(new.block_ids)) != len(new.block_ids):
+    # Window groups' entries before the first window this sequence reads are never read or
+    # written (a prefix hit leaves placeholders there): the rest must be distinct.
+    first = min((first_needed_block(new.num_computed_tokens, w, info.block_size)
+                 for w in info.kv_group_windows if w), default=0)
+    live = [b for i, b in enumerate(new.block_ids) if not info.kv_group_windows[i % groups] or i // groups >= first]
+    if len(set(live)) != len(live):
         _refuse(f"{where}.block_ids names a block twice: {list(new.block_ids)}")
     try:
         new.sampling.validate(info.vocab_size)

@@ -37,10 +37,11 @@ def _tensors(pool: KVPool) -> tuple[torch.Tensor, ...]:
 
 
 def read_blocks(cache: KVCache, block_ids: Sequence[int]) -> list[bytes]:
-    """One byte string per layer: K then V of ``block_ids`` in order (scales after each)."""
+    """One byte string per layer (per slot of a page with KV groups): K then V of ``block_ids``
+    in order (scales after each)."""
     index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.layers[0][0].device)
     out = []
-    for k, v in cache.layers:
+    for k, v in cache.slots:
         parts = [t.index_select(0, index).cpu().reshape(-1) for pool in (k, v) for t in _tensors(pool)]
         out.append(torch.cat(parts).numpy().tobytes())
     return out
@@ -49,10 +50,10 @@ def read_blocks(cache: KVCache, block_ids: Sequence[int]) -> list[bytes]:
 def write_blocks(cache: KVCache, block_ids: Sequence[int], layers: Sequence[bytes]) -> None:
     """Copy what ``read_blocks`` made (of as many blocks) into ``block_ids``; raises ValueError
     when the sizes do not match this pool."""
-    if len(layers) != len(cache.layers):
-        raise ValueError(f"{len(layers)} layers of KV for a pool of {len(cache.layers)}")
+    if len(layers) != len(cache.slots):
+        raise ValueError(f"{len(layers)} layers of KV for a pool of {len(cache.slots)}")
     index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.layers[0][0].device)
-    for (k, v), data in zip(cache.layers, layers):
+    for (k, v), data in zip(cache.slots, layers):
         tensors = [t for pool in (k, v) for t in _tensors(pool)]
         sizes = [len(block_ids) * t[0].nbytes for t in tensors]
         if sum(sizes) != len(data):

@@ -17,10 +17,16 @@ from services.runtime.model.attention.base import AttentionMetadata
 
 
 def pack_rows(
-    rows: Sequence[tuple[Sequence[int], int, list[int]]], block_size: int, device: torch.device
+    rows: Sequence[tuple[Sequence[int], int, list[int]]], block_size: int, device: torch.device,
+    num_kv_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """``pack_step_inputs`` of rows (tokens, position of the first, block ids): each row's
-    tokens take the positions from there on, and their slots through its block table."""
+    tokens take the positions from there on, and their slots through its block table.
+
+    ``num_kv_groups`` > 1: each block table interleaves that many groups' blocks
+    (services/common/kv_groups.py); the metadata is group 0's, with every group's in ``groups``."""
+    if num_kv_groups > 1:
+        return _pack_grouped_rows(rows, block_size, device, num_kv_groups)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -90,3 +96,30 @@ def unpack_step_inputs(
         block_size=block_size,
     )
     return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta
+
+
+def _pack_grouped_rows(
+    rows: Sequence[tuple[Sequence[int], int, list[int]]], block_size: int, device: torch.device, n: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """pack_rows per KV group: one upload per group's slots and tables; the ids, positions and
+    lengths are group 0's, shared."""
+    ids, positions, meta, cu = pack_rows([(t, start, blocks[0::n]) for t, start, blocks in rows], block_size, device)
+    metas = [meta]
+    for k in range(1, n):
+        slots: list[int] = []
+        tables = []
+        for tokens, start, blocks in rows:
+            table = blocks[k::n]
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + len(tokens))]
+            tables.append(table)
+        width = max(len(table) for table in tables)
+        flat = [b for table in tables for b in (*table, *[0] * (width - len(table)))]
+        metas.append(AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(rows), width),
+            context_lens=meta.context_lens, query_start_loc=meta.query_start_loc,
+            query_lens_cpu=meta.query_lens_cpu, context_lens_cpu=meta.context_lens_cpu,
+            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len, block_size=block_size,
+        ))
+    meta.groups = tuple(metas)
+    return ids, positions, meta, cu

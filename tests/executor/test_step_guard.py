@@ -71,3 +71,28 @@ async def test_the_schedulers_idle_session_stays_up_on_its_heartbeats(monkeypatc
         assert [link._call for link in links] == sessions
     finally:
         await stack.stop()
+
+
+def test_a_window_groups_table_may_repeat_placeholders_behind_its_window_only():
+    """Tables of three KV groups (full, window 6, window 6), blocks of 4: a prefix hit of 16 tokens
+    reads the window groups' blocks from the third on; entries before are placeholders (0)."""
+    import pytest
+
+    from services.common.errors import InvalidArgumentError
+    from services.common.sampling_params import SamplingParams
+    from services.common.step import ExecutorInfo, NewSequence, StepPlan
+    from services.executor.step_guard import check_plan
+
+    info = ExecutorInfo(num_blocks=64, block_size=4, max_model_len=64, vocab_size=100, dtype="float32", device="cpu",
+                        attention_backend="torch", model="m", architecture="Gemma3ForCausalLM", bos_token_id=None,
+                        eos_token_ids=(), kv_group_windows=(0, 6, 6))
+
+    def plan(table: list[int]) -> StepPlan:
+        return StepPlan(1, new=[NewSequence(1, list(range(18)), 18, 16, 2, table, SamplingParams())])
+
+    hit = [1, 0, 0, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # 5 rows: 18 tokens
+    check_plan(plan(hit), info)
+    with pytest.raises(InvalidArgumentError, match="names a block twice"):
+        check_plan(plan(hit[:-1] + [4]), info)
+    with pytest.raises(InvalidArgumentError, match="18 tokens need 15"):
+        check_plan(plan(hit[:-3]), info)

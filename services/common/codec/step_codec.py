@@ -348,6 +348,7 @@ def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
         kv_cache_bytes=info.kv_cache_bytes,
         role=info.role,
         kv_layout=info.kv_layout,
+        kv_group_windows=list(info.kv_group_windows),
     )
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
@@ -363,4 +364,5 @@ def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
         eos_token_ids=tuple(msg.eos_token_ids),
         kv_cache_dtype=msg.kv_cache_dtype, kv_cache_bytes=msg.kv_cache_bytes,
         role=msg.role or "mixed", kv_layout=msg.kv_layout,
+        kv_group_windows=tuple(msg.kv_group_windows) or (0,),
     )

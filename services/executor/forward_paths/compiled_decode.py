@@ -54,7 +54,11 @@ class CompiledDecodePath(ForwardPath):
         return config.compiled_decode.compile
 
     @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> CompiledDecodePath:
+    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> CompiledDecodePath | None:
+        if getattr(runtime.model, "kv_group_of", None) is not None:
+            # Its step reads one block table; a model with window and full-attention KV groups
+            # has one per group (services/common/kv_groups.py): the eager step runs it.
+            return None
         # Imported only when asked for: it brings in torch.compile's machinery.
         from services.runtime.model.compiled_decode import CompiledDecode
 

@@ -59,7 +59,11 @@ class DecodeGraphsPath(ForwardPath):
         return config.decode_graphs.padded_decode_on_cpu
 
     @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> DecodeGraphsPath:
+    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> DecodeGraphsPath | None:
+        if getattr(runtime.model, "kv_group_of", None) is not None:
+            # Its step reads one block table; a model with window and full-attention KV groups
+            # has one per group (services/common/kv_groups.py): the eager step runs it.
+            return None
         from services.runtime.model.decode_graphs import DecodeGraphs
 
         return cls(DecodeGraphs(

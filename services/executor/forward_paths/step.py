@@ -30,15 +30,18 @@ class PackedStep:
 class ForwardStep:
     """Rows of (sequence, tokens scheduled): the next ``n`` tokens after its computed ones."""
 
-    __slots__ = ("rows", "query_starts", "_block_size", "_device", "_packed")
+    __slots__ = ("rows", "query_starts", "_block_size", "_device", "_packed", "_num_kv_groups")
 
-    def __init__(self, rows: list[tuple[SequenceState, int]], block_size: int, device: torch.device) -> None:
+    def __init__(self, rows: list[tuple[SequenceState, int]], block_size: int, device: torch.device,
+                 num_kv_groups: int = 1) -> None:
         self.rows = rows
         self.query_starts = [0, *accumulate(n for _, n in rows)]
         """Where each row's tokens start in the flattened batch, and the total: [B + 1]."""
         self._block_size = block_size
         self._device = device
         self._packed: PackedStep | None = None
+        self._num_kv_groups = num_kv_groups
+        """Block tables interleave this many KV groups (services/common/kv_groups.py)."""
 
     @property
     def is_decode_only(self) -> bool:
@@ -59,6 +62,6 @@ class ForwardStep:
         if self._packed is None:
             rows = [(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n], s.num_computed_tokens, s.block_ids)
                     for s, n in self.rows]
-            ids, positions, meta, _ = pack_rows(rows, self._block_size, self._device)
+            ids, positions, meta, _ = pack_rows(rows, self._block_size, self._device, self._num_kv_groups)
             self._packed = PackedStep(ids, positions, meta)
         return self._packed

@@ -108,6 +108,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         rope_global = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
         rope_local = rope_global if self.rotary_local is self.rotary else \
             self.ops.rotary_tables(positions, self.rotary_local, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope_local if layer.window else rope_global, kv_cache, meta, backend, self.ops)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_meta = meta if self.kv_group_of is None else meta.for_group(self.kv_group_of[i])
+            hidden = layer(hidden, rope_local if layer.window else rope_global, kv_cache, layer_meta, backend,
+                           self.ops)
         return gemma_rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)

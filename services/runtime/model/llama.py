@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.kv_groups import kv_groups
 from services.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.layers import RotaryEmbedding
@@ -106,6 +107,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(self.layer_class(config, weights, f"model.layers.{i}.", i)
                                     for i in range(config.num_layers))
+        groups = kv_groups(config.layer_windows, config.num_layers)
+        self.kv_group_of = [groups.place(i)[0] for i in range(config.num_layers)] if groups.num_groups > 1 else None
+        """Each layer's KV group where there are several (its metadata: ``meta.for_group``)."""
         self.final_norm = nn.Parameter(weights.pop("model.norm.weight"), requires_grad=False)
         lm_head = weights.pop("lm_head.weight", None)
         # Tied: the same Parameter object, so moving the model moves one matrix.
@@ -165,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         decode step (compiled_decode.py) passes an attention over tensors only."""
         hidden = F.embedding(input_ids, self.embed)
         rope = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, kv_cache, meta, backend, self.ops)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_meta = meta if self.kv_group_of is None else meta.for_group(self.kv_group_of[i])
+            hidden = layer(hidden, rope, kv_cache, layer_meta, backend, self.ops)
         return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -17,6 +17,17 @@ needs them for something else (eviction, least recently freed first).
 Block 0 is an ordinary block. No "null" block is reserved: padding entries of a block table
 are never read (context lengths bound every gather) and padded slots use slot id -1, so the
 executor needs no dummy block.
+
+Sliding windows (services/common/kv_groups.py): a model mixing window and full-attention layers
+has several KV groups, and a request's block table interleaves them (entry ``i * num_groups +
+k`` is group ``k``'s block for the ``i``-th ``block_size`` tokens). Once a window group's block
+lies wholly before the window of the request's next query, the request gives it back
+(``computed``); its entry stays in the table (the executor never reads it again: every backend
+attends within the window) but the block is free, and keeps its prefix hash until evicted. A
+prefix hit then needs the full groups' blocks of the whole prefix but the window groups' blocks
+of its last window only; the entries before that are ``PLACEHOLDER``, held by no one and never
+read. ``_window_start`` records, per request, the first block whose window-group entries it
+holds.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from services.common.kv_groups import first_needed_block
 from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
 
 if TYPE_CHECKING:
@@ -54,20 +66,33 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+PLACEHOLDER = 0
+"""A window group's table entry the request does not hold (before its window since a prefix
+hit): any valid id, never read."""
+
+
 class BlockManager:
     """Allocates blocks to requests, shares cached prefix blocks, evicts LRU cached blocks.
 
     Every request's block table is ``request.block_ids``; this class is the only writer.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: Sequence[int] = (0,)) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not group_windows or min(group_windows) < 0:
+            raise ValueError(f"group_windows must be one window >= 0 per KV group, got {list(group_windows)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
+        """Per KV group, its sliding window in tokens (0: full attention); see the module docstring."""
+        self.num_groups = len(self.group_windows)
+        self._window_start: dict[str, int] = {}
+        """Per request with window groups: its first block whose window-group entries it holds."""
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._free_queue = FreeBlockQueue(self.blocks)
         self._cached_blocks: dict[bytes, KVBlock] = {}
@@ -115,13 +140,46 @@ class BlockManager:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes_for(request, max_hit_blocks)
-        hit_block_ids = []
+        n = self.num_groups
+        full = [k for k, w in enumerate(self.group_windows) if not w]
+        hits: list[list[KVBlock | None]] = []  # per block, per group: the cached block or None
         for block_hash in hashes[:max_hit_blocks]:
-            block = self._cached_blocks.get(block_hash)
-            if block is None:
+            row = [self._cached_blocks.get(self._key(block_hash, k)) for k in range(n)]
+            if any(row[k] is None for k in full):
                 break
-            hit_block_ids.append(block.block_id)
-        return hit_block_ids, len(hit_block_ids) * self.block_size
+            hits.append(row)
+        # The longest prefix whose window groups hold every block their last window reads.
+        num_hit = len(hits)
+        while num_hit > 0 and not self._window_blocks_cached(hits, num_hit):
+            num_hit -= 1
+        first = self._first_needed(num_hit * self.block_size)
+        table: list[int] = []
+        for index in range(num_hit):
+            for k in range(n):
+                block = hits[index][k]
+                held = not self.group_windows[k] or index >= first
+                table.append(block.block_id if held else PLACEHOLDER)
+        return table, num_hit * self.block_size
+
+    def _window_blocks_cached(self, hits: list[list[KVBlock | None]], num_hit: int) -> bool:
+        first = self._first_needed(num_hit * self.block_size)
+        return all(hits[index][k] is not None for index in range(first, num_hit)
+                   for k, window in enumerate(self.group_windows) if window)
+
+    def _first_needed(self, num_computed_tokens: int) -> int:
+        """The first block whose window-group entries a request with this many computed tokens
+        still reads: one bound for every window group, that of the widest window."""
+        return min((first_needed_block(num_computed_tokens, w, self.block_size) for w in self.group_windows if w),
+                   default=0)
+
+    def _key(self, block_hash: bytes, group: int) -> bytes:
+        """A group's blocks are cached apart: one prefix names a block in each group."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+    def _holds(self, request_id: str, index: int) -> list[int]:
+        """The groups whose entries of block ``index`` the request holds."""
+        start = self._window_start.get(request_id, 0)
+        return [k for k, w in enumerate(self.group_windows) if not w or index >= start]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's fully computed blocks in the prefix cache.
@@ -134,20 +192,40 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        n = self.num_groups
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids) // n)
         start = self._num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         hashes = self._hashes_for(request, num_full)
         for index in range(start, num_full):
-            block = self.blocks[request.block_ids[index]]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already cached under this very hash
-            block_hash = hashes[index]
-            if block_hash not in self._cached_blocks:
-                block.block_hash = block_hash
-                self._cached_blocks[block_hash] = block
+            for k in self._holds(request.request_id, index):
+                block = self.blocks[request.block_ids[index * n + k]]
+                if block.block_hash is not None:
+                    continue  # a prefix hit: already cached under this very hash
+                key = self._key(hashes[index], k)
+                if key not in self._cached_blocks:
+                    block.block_hash = key
+                    self._cached_blocks[key] = block
         self._num_registered_blocks[request.request_id] = num_full
+
+    def computed(self, request: Request) -> None:
+        """After request.num_computed_tokens advanced: cache its full blocks, then give back the
+        window groups' blocks that its next query's window has passed (still cached, they stay
+        reusable by a later prefix until evicted). Queries of steps in flight come later still,
+        so they read none of them; nothing writes them again."""
+        self.cache_full_blocks(request)
+        if not any(self.group_windows):
+            return
+        first = min(self._first_needed(request.num_computed_tokens), len(request.block_ids) // self.num_groups)
+        start = self._window_start.get(request.request_id, 0)
+        if first <= start:
+            return
+        n = self.num_groups
+        released = [request.block_ids[index * n + k] for index in range(start, first)
+                    for k, w in enumerate(self.group_windows) if w]
+        self._window_start[request.request_id] = first
+        self.release(released[::-1])  # release() appends in reverse: the oldest is evicted first
 
     def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
@@ -181,26 +259,35 @@ class BlockManager:
                 f"{len(request.block_ids)} blocks / {request.num_computed_tokens} computed tokens"
             )
         is_first_allocation = not request.block_ids
-        num_planned = request.num_planned_tokens + len(computed_block_ids) * self.block_size
+        n = self.num_groups
+        num_hit_blocks = len(computed_block_ids) // n
+        num_planned = request.num_planned_tokens + num_hit_blocks * self.block_size
         num_required = _cdiv(num_planned + num_new_tokens, self.block_size)
-        num_to_allocate = max(0, num_required - len(request.block_ids) - len(computed_block_ids))
+        num_to_allocate = n * max(0, num_required - len(request.block_ids) // n - num_hit_blocks)
+        # The hit's entries the request holds (not a window group's placeholders before its window).
+        window_start = self._first_needed(num_hit_blocks * self.block_size)
+        claimed = [block_id for index in range(num_hit_blocks) for k, block_id in
+                   enumerate(computed_block_ids[index * n:(index + 1) * n])
+                   if not self.group_windows[k] or index >= window_start]
         # A hit on a free (cached, unreferenced) block takes it out of the free pool too.
-        num_free_hits = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
+        num_free_hits = sum(1 for b in claimed if self.blocks[b].ref_count == 0)
         if num_to_allocate + num_free_hits > len(self._free_queue):
             return None
 
-        for block_id in computed_block_ids:
+        for block_id in claimed:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self._free_queue.remove(block)
             block.ref_count += 1
+        if is_first_allocation and window_start:
+            self._window_start[request.request_id] = window_start
         new_block_ids = [self._take_free_block().block_id for _ in range(num_to_allocate)]
         request.block_ids.extend(computed_block_ids)
         request.block_ids.extend(new_block_ids)
 
         if is_first_allocation and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_block_ids) * self.block_size
+            self.prefix_cache_hits += num_hit_blocks * self.block_size
         return new_block_ids
 
     def _take_free_block(self) -> KVBlock:
@@ -222,10 +309,15 @@ class BlockManager:
 
     def detach(self, request: Request) -> list[int]:
         """Take the request's blocks away from it, still held: its KV is being copied to
-        another executor, and the blocks must not be handed out before ``release``."""
-        block_ids, request.block_ids = request.block_ids, []
+        another executor, and the blocks must not be handed out before ``release``. Returns the
+        blocks it holds (its table without the window entries it gave back)."""
+        table, request.block_ids = request.block_ids, []
+        n = self.num_groups
+        block_ids = [table[index * n + k] for index in range(len(table) // n)
+                     for k in self._holds(request.request_id, index)]
         self._block_hashes.pop(request.request_id, None)
         self._num_registered_blocks.pop(request.request_id, None)
+        self._window_start.pop(request.request_id, None)
         return block_ids
 
     def release(self, block_ids: list[int]) -> None:
@@ -248,7 +340,7 @@ class BlockManager:
         hits = 0
         for index in range((len(token_ids) - 1) // size):
             parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
-            if parent not in self._cached_blocks:
+            if parent not in self._cached_blocks:  # group 0: a full group when there is one
                 break
             hits += 1
         return hits * size

@@ -142,6 +142,9 @@ class SchedulerConfig:
     """Tokens per KV-cache block."""
     vocab_size: int
     """Token ids of new requests are checked against [0, vocab_size)."""
+    kv_group_windows: tuple[int, ...] = (0,)
+    """Per KV group of the executor's pool, its sliding window (0: full attention); see
+    services/common/kv_groups.py."""
 
     @classmethod
     def for_executor(cls, limits: SchedulerLimits, info: ExecutorInfo) -> SchedulerConfig:
@@ -154,6 +157,7 @@ class SchedulerConfig:
             num_blocks=info.num_blocks,
             block_size=info.block_size,
             vocab_size=info.vocab_size,
+            kv_group_windows=info.kv_group_windows,
         )
 
     def validate(self) -> None:
@@ -169,10 +173,15 @@ class SchedulerConfig:
                 f"max_model_len must be >= 2 (one prompt token and one output token), "
                 f"got {self.max_model_len}"
             )
-        capacity = self.num_blocks * self.block_size
+        if not self.kv_group_windows or min(self.kv_group_windows) < 0:
+            raise ValueError(f"kv_group_windows must be one window >= 0 per KV group, got {self.kv_group_windows}")
+        # A sequence holds a block of each KV group per block_size tokens (until windows pass).
+        groups = len(self.kv_group_windows)
+        capacity = self.num_blocks // groups * self.block_size
         if capacity < self.max_model_len:
+            per_group = f" / {groups} KV groups" if groups > 1 else ""
             raise ValueError(
-                f"num_blocks={self.num_blocks} x block_size={self.block_size} = {capacity} tokens "
+                f"num_blocks={self.num_blocks}{per_group} x block_size={self.block_size} = {capacity} tokens "
                 f"cannot hold one sequence of max_model_len={self.max_model_len}"
             )
         limits = self.limits

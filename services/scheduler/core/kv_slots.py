@@ -36,12 +36,14 @@ class KVSlotUsage:
         return self.wasted_slots / self.allocated_slots if self.allocated_slots else 0.0
 
 
-def kv_slot_usage(running: Iterable[Request], block_size: int) -> KVSlotUsage:
+def kv_slot_usage(running: Iterable[Request], block_size: int, num_kv_groups: int = 1) -> KVSlotUsage:
+    """``num_kv_groups``: block tables interleave that many groups' blocks; a row of them counts
+    as one block (services/common/kv_groups.py)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     allocated = used = 0
     for request in tuple(running):  # a snapshot: another thread may be reading while the loop mutates
-        slots = len(request.block_ids) * block_size
+        slots = len(request.block_ids) // num_kv_groups * block_size
         allocated += slots
         used += min(slots, request.num_tokens)
     return KVSlotUsage(allocated, used)

@@ -104,7 +104,7 @@ class Scheduler:
         config.validate()
         self.config = config
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.limits.enable_prefix_caching
+            config.num_blocks, config.block_size, config.limits.enable_prefix_caching, config.kv_group_windows
         )
         self.waiting = WaitingQueue(idle_credit=config.max_model_len)
         """By priority, then the tenant served the fewest tokens, then arrival (core/waiting_queue.py)."""
@@ -455,7 +455,7 @@ class Scheduler:
                 request.add_prompt_logprobs(request.num_computed_tokens, output.prompt_logprobs)
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             if not output.token_ids:  # a prefill chunk short of the end: nothing to report
-                self.block_manager.cache_full_blocks(request)
+                self.block_manager.computed(request)
                 continue
             first = request.num_output_tokens == 0
             update = request.append_outputs(output.token_ids, output.logprobs, self.config.max_model_len)
@@ -472,7 +472,7 @@ class Scheduler:
             # The last sampled token has no K/V yet; with speculation, neither do the rejected
             # drafts beyond the accepted ones.
             request.num_computed_tokens = request.num_tokens - 1
-            self.block_manager.cache_full_blocks(request)
+            self.block_manager.computed(request)
             if update.finish_reason is not None:
                 self._finish(request, update.finish_reason, update.stop_reason)
             updates.append(update)

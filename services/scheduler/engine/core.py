@@ -177,7 +177,8 @@ class EngineCore:
         return combined_stats([lane.scheduler.get_stats() for lane in self.lanes.values()]) if self.lanes else None
 
     def kv_slots(self) -> KVSlotUsage | None:
-        usages = [kv_slot_usage(lane.scheduler.running, lane.scheduler.config.block_size)
+        usages = [kv_slot_usage(lane.scheduler.running, lane.scheduler.config.block_size,
+                                 len(lane.scheduler.config.kv_group_windows))
                   for lane in self.lanes.values()]
         if not usages:
             return None

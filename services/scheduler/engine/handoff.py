@@ -130,6 +130,11 @@ class Handoff:
             counters.failures += 1
             return False  # pools of different layouts: the decode side recomputes the prompt
         manager = target.scheduler.block_manager
+        if any(manager.group_windows):
+            # Sliding-window tables, whose entries behind the window the source gave back: not
+            # copied as a run of blocks; the decode side recomputes the prompt.
+            counters.failures += 1
+            return False
         num_tokens = request.num_tokens - 1
         hit_ids, hit_tokens = manager.get_computed_blocks(request)
         if manager.allocate_slots(request, num_tokens - hit_tokens, hit_ids) is None:

@@ -35,6 +35,13 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    groups: tuple[AttentionMetadata, ...] = ()
+    """With KV groups (services/common/kv_groups.py): each group's metadata (its own slots and
+    block tables, the rest shared), group 0 being this one; empty for one group."""
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group ``group`` reads."""
+        return self.groups[group] if self.groups else self
 
     @property
     def num_seqs(self) -> int:

@@ -73,6 +73,11 @@ class TorchAttentionBackend:
             qs = q[start : start + q_len]  # [L, H, D]
             k = self._gather(k_cache, meta.block_tables[i], ctx_len, meta.block_size, q.dtype)  # [C, KH, D]
             v = self._gather(v_cache, meta.block_tables[i], ctx_len, meta.block_size, q.dtype)
+            if window is not None and ctx_len - q_len + 1 > window:
+                # Keys no query sees (their blocks may be back in the pool): zeroed, as NaN there
+                # would survive the mask (0 * NaN).
+                k[: ctx_len - q_len + 1 - window] = 0
+                v[: ctx_len - q_len + 1 - window] = 0
             group = qs.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, C, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -144,6 +149,10 @@ class TorchAttentionBackend:
             if n < span:
                 k[row, n:].zero_()
                 v[row, n:].zero_()
+            if window is not None and n > window:
+                # Behind the window too: those blocks may have gone back to the pool (kv_groups.py).
+                k[row, : n - window].zero_()
+                v[row, : n - window].zero_()
         positions = torch.arange(span, device=q.device)
         valid = positions[None, :] < context_lens[:, None].long()  # [B, S]
         if window is not None:  # the query at context_len - 1 sees the last `window` keys
