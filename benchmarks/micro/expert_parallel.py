@@ -1,14 +1,16 @@
 """Micro-benchmark of expert parallelism on a CPU: a stack of sparse layers' experts over two
 (or more) ranks, against the same stack on one rank, and where the ranks' time goes.
 
-    python -m benchmarks expert-parallel [--world 2] [--all-reduce shm|gloo] [--batches 1,32]
+    python -m benchmarks expert-parallel [--world 2] [--all-reduce shm|gloo] [--exchange all_to_all|all_reduce]
+                                         [--batches 1,32]
 
 Random fp32 weights (each expert seeded by its layer and index, so every rank makes its own
 run of them and the one-rank baseline all of them); each layer routes its input (softmax, top
 k, renormalized) and the experts' output is added back to it. Every rank and the baseline run
 one intra-op thread. A step is the whole stack for a batch of ``batch`` tokens; tokens/s is
-``batch`` over the median step. The split is each rank's own count: the three all-to-alls a
-layer (waiting for the other ranks included) against the rest (routing bookkeeping, experts).
+``batch`` over the median step. The split is each rank's own count: the exchange (three
+all-to-alls a layer, or one all-reduce; waiting for the other ranks included) against the rest
+(routing bookkeeping, experts).
 Only the sparse layers run: no attention, no LM head.
 """
 
@@ -32,7 +34,9 @@ PROG = "python -m benchmarks expert-parallel"
 @dataclass(frozen=True, slots=True)
 class ExpertParallelSettings:
     world: int = setting(2, "ranks the experts are split over")
-    all_reduce: str = setting("shm", "shm (the shared-memory segment) or gloo: how the ranks exchange tokens")
+    all_reduce: str = setting("shm", "shm (the shared-memory segment) or gloo: the ranks' channel")
+    exchange: str = setting("all_to_all", "all_to_all (tokens to their experts' ranks and back) or all_reduce "
+                                          "(each rank's experts over all tokens, the outputs summed)")
     layers: int = setting(4, "sparse layers in the stack")
     experts: int = setting(16, "experts per layer")
     top_k: int = setting(2, "experts per token")
@@ -46,6 +50,8 @@ class ExpertParallelSettings:
         flags.check_at_least(self, 1, "repeats")
         if self.all_reduce not in ("shm", "gloo"):
             raise ValueError(f"all_reduce must be shm or gloo, got {self.all_reduce!r}")
+        if self.exchange not in ("all_to_all", "all_reduce"):
+            raise ValueError(f"exchange must be all_to_all or all_reduce, got {self.exchange!r}")
         if self.world > self.experts:
             raise ValueError(f"world {self.world} exceeds experts {self.experts}")
 
@@ -98,7 +104,7 @@ def _rank_main(rank: int, s: ExpertParallelSettings, port: int, results) -> None
     stack = []
     for layer in range(s.layers):
         router, w_gate_up, w_down = _layer(s, layer, mine)
-        stack.append((router, ExpertParallelMoe(groups, s.experts, w_gate_up, w_down)))
+        stack.append((router, ExpertParallelMoe(groups, s.experts, w_gate_up, w_down, exchange=s.exchange)))
 
     def step(x: torch.Tensor) -> None:
         for router, moe in stack:
@@ -130,7 +136,7 @@ def run_benchmark(s: ExpertParallelSettings) -> None:
     from services.runtime.kernels.fused_moe import fused_moe
 
     torch.set_num_threads(1)
-    print(f"layers={s.layers} experts={s.experts} top_k={s.top_k} hidden={s.hidden} intermediate={s.intermediate} "
+    print(f"exchange={s.exchange} over {s.all_reduce} layers={s.layers} experts={s.experts} top_k={s.top_k} hidden={s.hidden} intermediate={s.intermediate} "
           f"fp32, one thread a rank, median of {s.repeats} steps")
     single = {}
     stack = [_layer(s, layer, range(s.experts)) for layer in range(s.layers)]

@@ -12,6 +12,12 @@ routing (the router is replicated: [T, E] is cheap next to the experts). Rank r 
      each add, as ``fused_moe_reference`` does on one rank;
   4. gathers every rank's slice (an all-to-all of the slice to every rank), so each rank holds
      [T, H] again for the next layer's attention.
+``exchange="all_reduce"`` is the other way to the same sum: every rank runs its own experts
+over all T tokens (the slots of other ranks' experts skipped) and one all-reduce adds the
+ranks' partial outputs. It moves one [T, H] sum a layer where the all-to-alls move the pairs
+twice and the slices once, and needs the tokens replicated, which they are here; the order of
+each token's adds then follows the ranks (the same numbers as one rank's for k <= 2).
+
 Experts go to ranks in contiguous runs as even as they go (shard.py's split), each rank's
 weights cut to its run, so a rank reads 1/w of the layer's expert bytes per step.
 
@@ -27,6 +33,11 @@ import torch
 
 from services.runtime.kernels.fused_moe import fused_moe
 from services.runtime.parallel.collectives import RankGroups
+
+
+EXCHANGES = ("all_to_all", "all_reduce")
+"""all_to_all: each rank's slice of the tokens goes to its experts' ranks and back; all_reduce:
+every rank's experts over all tokens, the partial outputs summed."""
 
 
 def expert_runs(num_experts: int, world: int) -> list[range]:
@@ -49,9 +60,12 @@ class ExpertParallelMoe:
     """Rank ``groups.rank``'s experts of one sparse layer (its run of ``expert_runs``)."""
 
     def __init__(self, groups: RankGroups, num_experts: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                 activation: str = "silu") -> None:
-        """``w_gate_up`` [E_local, 2I, H], ``w_down`` [E_local, H, I]: this rank's run of experts."""
-        self.groups = groups
+                 activation: str = "silu", exchange: str = "all_to_all") -> None:
+        """``w_gate_up`` [E_local, 2I, H], ``w_down`` [E_local, H, I]: this rank's run of experts;
+        ``exchange``: one of EXCHANGES."""
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+        self.groups, self.exchange = groups, exchange
         runs = expert_runs(num_experts, groups.world)
         self.local = runs[groups.rank]
         if w_gate_up.shape[0] != len(self.local) or w_down.shape[0] != len(self.local):
@@ -70,6 +84,8 @@ class ExpertParallelMoe:
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] and the routing of every token (the same on every rank) -> [T, H] on every rank."""
+        if self.exchange == "all_reduce":
+            return self._all_reduce(x, topk_weights, topk_ids)
         start = time.perf_counter()
         rank, world = self.groups.rank, self.groups.world
         num_tokens, hidden = x.shape
@@ -110,3 +126,14 @@ class ExpertParallelMoe:
 
         everyone, _ = self._exchange(mine.repeat(world, 1), torch.full((world,), hi - lo, dtype=torch.int64))
         return everyone
+
+    def _all_reduce(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        here = (topk_ids >= self.local.start) & (topk_ids < self.local.stop)
+        local_ids = torch.where(here, topk_ids - self.local.start, -1)  # -1: another rank's expert
+        out = fused_moe(x, self.w_gate_up, self.w_down, topk_weights, local_ids, self.activation)
+        self.compute_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        self.groups.all_reduce(out)
+        self.exchange_seconds += time.perf_counter() - start
+        return out
