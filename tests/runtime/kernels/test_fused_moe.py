@@ -97,12 +97,14 @@ def _route(kind: str, num_tokens: int, num_experts: int, top_k: int):
     return weights, ids
 
 
-def _check_kernel(x, w_gate_up, w_down, weights, ids, activation, tiles=None):
+def _check_kernel(device, x, w_gate_up, w_down, weights, ids, activation, tiles=None):
+    """The kernel on ``device`` (the interpreter on a CPU), the references on the CPU."""
     from tests.helpers.kernel_cases import FP32_TOLERANCE, LOW_PRECISION_FACTOR
     from services.runtime.kernels.fused_moe import fused_moe_triton
 
     dtype = x.dtype
-    got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, activation, tiles=tiles)
+    got = fused_moe_triton(*(t.to(device) for t in (x, w_gate_up, w_down, weights, ids)), activation, tiles=tiles)
+    got = got.cpu()
     assert got.shape == x.shape and got.dtype == dtype and not got.isnan().any()
     exact = fused_moe_reference(x.double(), w_gate_up.double(), w_down.double(), weights.double(), ids, activation)
     torch_error = (fused_moe_reference(x, w_gate_up, w_down, weights, ids, activation).double() - exact).abs().max()
@@ -117,21 +119,22 @@ def _check_kernel(x, w_gate_up, w_down, weights, ids, activation, tiles=None):
     (6, 64, 8, "random", "silu", torch.bfloat16),  # 64 experts, most of them empty
     (9, 16, 2, "some_elsewhere", "gelu_tanh", torch.float32),
 ])
-def test_triton_matches_reference(num_tokens, num_experts, top_k, route, activation, dtype):
+def test_triton_matches_reference(num_tokens, num_experts, top_k, route, activation, dtype, device):
     hidden, intermediate = 40, 24  # neither a multiple of the column or reduction tiles
     w_gate_up, w_down = _expert_weights(num_experts, hidden, intermediate)
     weights, ids = _route(route, num_tokens, num_experts, top_k)
     x = torch.randn(num_tokens, hidden)
-    _check_kernel(x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights, ids, activation, tiles=(16, 16, 16))
+    _check_kernel(device, x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights, ids, activation, tiles=(16, 16, 16))
 
 
-def test_triton_default_tiles_and_an_empty_batch():
+def test_triton_default_tiles_and_an_empty_batch(device):
     w_gate_up, w_down = _expert_weights(4, 72, 80)
     weights, ids = _route("skewed", 70, 4, 2)  # > 8 pairs per expert: the 64-row tiles
-    _check_kernel(torch.randn(70, 72).half(), w_gate_up.half(), w_down.half(), weights, ids, "silu")
+    _check_kernel(device, torch.randn(70, 72).half(), w_gate_up.half(), w_down.half(), weights, ids, "silu")
     from services.runtime.kernels.fused_moe import fused_moe_triton
 
-    empty = fused_moe_triton(torch.empty(0, 72), w_gate_up, w_down, torch.empty(0, 2), torch.empty(0, 2).long())
+    empty = fused_moe_triton(torch.empty(0, 72, device=device), w_gate_up.to(device), w_down.to(device),
+                             torch.empty(0, 2, device=device), torch.empty(0, 2, dtype=torch.int64, device=device))
     assert empty.shape == (0, 72)
 
 
