@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -48,11 +49,16 @@ from services.gateway.grammar_quarantine import GrammarQuarantine, structured_di
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import Target, TargetPool
 from services.gateway.rate_limits import RateLimited, RateLimiter
+from services.gateway.routing.breaker import TARGET_FAILURES
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
 from services.gateway.upstreams.errors import rpc_error
 
 _log = structlog.get_logger("tokenmill.gateway.dispatch")
+
+BACKOFF_S = 0.05
+"""The first pause before ranking again once every ranked target failed retryably; doubled at
+each further round, with full jitter (up to the request's deadline)."""
 
 GOOD_FINISHES = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_EOS)
 
@@ -111,6 +117,8 @@ class Dispatcher:
         self.observers: list[Callable[[Outcome], None]] = []
         self.quarantine = GrammarQuarantine(clock)
         """Structured outputs a target died admitting: not sent again for a while."""
+        self.rng = random.Random()
+        """The backoff's jitter."""
         self.target_limits = {name: RateLimiter(target.spec.limits, f"target {name}", clock)
                               for name, target in pool.targets.items() if target.spec.limits}
         """The budgets of the targets that declare one."""
@@ -139,12 +147,28 @@ class Dispatcher:
         ranked = self._within_limits(route, ranking.targets, request.expected_output_tokens)
         deadline = self.clock() + timeout_s
         error: TokenmillError | None = None
-        for index, state in enumerate(ranked[:self.max_attempts]):
+        order = list(ranked)
+        rounds = 0
+        for attempt in range(self.max_attempts):
+            if not order:
+                # Every ranked target failed before its first token with a failure that is not the
+                # request's doing: pause (exponential, jittered), rank again and retry; a target
+                # that is only busy (a 503) is still in the pool and may be tried again.
+                pause = BACKOFF_S * (2 ** rounds) * self.rng.random()
+                rounds += 1
+                if error is None or deadline - self.clock() <= pause:
+                    break
+                await asyncio.sleep(pause)
+                order = list(self._within_limits(route, route.node.rank(request).targets,
+                                                 request.expected_output_tokens))
+                if not order:
+                    break
+            state = order.pop(0)
             remaining = deadline - self.clock()
             if remaining <= 0:
                 raise DeadlineExceededError(f"the request took more than {timeout_s:g} s")
             target = self.pool.targets[state.name]
-            first = index == 0
+            first = attempt == 0
             self.metrics.decisions.labels(route.model, target.name, ranking.reason if first else "fallback").inc()
             estimate = ranking.estimate_ms if first else None
             try:
@@ -195,6 +219,9 @@ class Dispatcher:
         grant = None if limiter is None else limiter.take(request.expected_output_tokens)
         prompt_tokens = completion_tokens = 0
         started_at = self.clock()
+        probe = target.breaker.dispatched()
+        if probe:
+            self.pool.probe_started(target)
         limits = target.spec.timeouts
         if limits.total_s and limits.total_s < timeout_s:
             timeout_s = limits.total_s
@@ -210,7 +237,7 @@ class Dispatcher:
         ttft_deadline = started_at + limits.ttft_s if limits.ttft_s else None
         held: generation_pb2.GenerateResponse | None = None
         first_token_at: float | None = None
-        done = False
+        done = engine_failed = False
         request_id = message.request_id
         self.live[request_id] = target
         outcome = "cancelled"
@@ -244,6 +271,7 @@ class Dispatcher:
                         outcome = "UNAVAILABLE"
                         self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
                         raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
+                    engine_failed = finished.finish_reason == common_pb2.FINISH_REASON_ERROR
                     if finished.finish_reason in GOOD_FINISHES:
                         self._observe(route, request, target, load, started_at, first_token_at, finished,
                                       estimate, explore, request_id)
@@ -254,17 +282,18 @@ class Dispatcher:
                     held = None
                 yield reply
             self.metrics.requests.labels(route.model, target.name, "ok").inc()
-            outcome = "ok"
+            outcome = "UNAVAILABLE" if engine_failed else "ok"  # an engine that failed mid-stream: its breaker counts it
         except grpc.aio.AioRpcError as err:
             done = True
             code = outcome = err.code().name
-            self._failed(route, target, code, err.details() or "")
+            self._failed(route, target, code, err.details() or "", getattr(err, "alive", False))
             if first_token_at is None and code in route.retry_codes:
                 raise _Retry(code, engine_error(err), started=held is not None or first_token_at is not None) from None
             raise engine_error(err) from None
         finally:
             state.inflight -= 1
             state.exploring -= explore
+            self._judge(target, outcome, probe)
             if first_token_at is None and outcome != "ok":
                 prompt_tokens = completion_tokens = 0  # moved on (or refused): nothing the client used
             self._count_tokens(request, grant, prompt_tokens, completion_tokens)
@@ -283,10 +312,24 @@ class Dispatcher:
         if request.budget is not None:
             request.budget.use(prompt_tokens, completion_tokens)
 
-    def _failed(self, route: Route, target: Target, code: str, details: str) -> None:
+    def _failed(self, route: Route, target: Target, code: str, details: str, alive: bool = False) -> None:
         self.metrics.requests.labels(route.model, target.name, code).inc()
-        if code == "UNAVAILABLE":
+        if code == "UNAVAILABLE" and not alive:
             self.pool.eject(target, details)
+
+    def _judge(self, target: Target, outcome: str, probe: bool) -> None:
+        """The request's verdict on its target, for the target's circuit breaker."""
+        breaker = target.breaker
+        if outcome == "ok":
+            breaker.succeeded()
+        elif outcome in TARGET_FAILURES:
+            if breaker.failed():
+                self.pool.trip(target)
+            return
+        else:
+            breaker.ended_without_verdict()
+        if probe:
+            self.pool.probe_ended(target)
 
     def _observe(self, route: Route, request: RouteRequest, target: Target, load: float, started_at: float,
                  first_token_at: float | None, finished: generation_pb2.Finished,

@@ -33,6 +33,7 @@ from services.common.server import channel_options, create_channel
 from services.common.tls import ClientTLS
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routes_file import TargetSpec
+from services.gateway.routing.breaker import CircuitBreaker
 from services.gateway.routing.passive_profile import PassiveProfile
 from services.gateway.routing.profile import ProfileView
 from services.gateway.routing.target import TargetState
@@ -77,6 +78,8 @@ class Target:
     """An HTTP upstream's client (kind openai/anthropic); None for a tokenmill engine."""
     passive: PassiveProfile | None = None
     """An HTTP upstream's profile, measured from the streams the gateway relays."""
+    breaker: CircuitBreaker | None = None
+    """Out of the pool after its failures in a row, whatever its health says (routing/breaker.py)."""
 
     @property
     def name(self) -> str:
@@ -113,6 +116,8 @@ class TargetPool:
             self.targets[spec.name] = Target(spec, TargetState(spec.name, cost=spec.cost, tags=spec.tags), channel,
                                              generation_pb2_grpc.GenerationStub(channel),
                                              health_pb2_grpc.HealthStub(channel), own_metadata=own)
+        for target in self.targets.values():
+            target.breaker = CircuitBreaker(target.spec.breaker.failures, target.spec.breaker.open_s, clock)
         self.states = {name: target.state for name, target in self.targets.items()}
         self._tasks: list[asyncio.Task] = []
 
@@ -199,6 +204,8 @@ class TargetPool:
 
     def _set_serving(self, target: Target, serving: bool) -> None:
         state = target.state
+        if serving and not target.breaker.admits():
+            return  # open (or its probe is running): out whatever the health says
         if not serving:
             target.successes = 0
             if state.healthy:
@@ -220,6 +227,23 @@ class TargetPool:
         target.successes = 0
         target.state.healthy = False
         self.metrics.healthy.labels(target.name).set(0.0)
+
+    def trip(self, target: Target) -> None:
+        """Its breaker opened: out of the pool until the breaker lets a probe through."""
+        _log.warning("target_breaker_open", target=target.name, failures=target.breaker.consecutive,
+                     open_s=target.breaker.open_s)
+        target.state.healthy = False
+        self.metrics.healthy.labels(target.name).set(0.0)
+
+    def probe_started(self, target: Target) -> None:
+        """The half-open breaker's one request went to it: no other until it ends."""
+        target.state.healthy = False
+
+    def probe_ended(self, target: Target) -> None:
+        """The probe succeeded (or said nothing of the target): back in for every request."""
+        if target.breaker.admits() and not target.ejected:
+            target.state.healthy = True
+            self.metrics.healthy.labels(target.name).set(1.0)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -22,6 +22,8 @@
         timeouts: {connect_s: 2, ttft_s: 5, total_s: 120}   # optional, any kind; 0 = none
         seed_profile: {ttft_p50_ms: 300, ttft_p99_ms: 900, tokens_per_second: 40}
                                        # optional: what routing assumes before it has measured
+        breaker: {failures: 5, open_s: 10}   # optional, any kind: out after 5 failed requests in
+                                       # a row, one probe request 10 s later (these defaults)
     models:
       chat:                            # the model id clients ask for
         route: {strategy: latency, targets: [fast, weak]}
@@ -92,6 +94,16 @@ class TargetTimeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """The target's circuit breaker (routing/breaker.py)."""
+
+    failures: int = 5
+    """Failed requests in a row (the target's failures, not the requests') that take it out."""
+    open_s: float = 10.0
+    """How long it stays out before one request probes it."""
+
+
+@dataclass(frozen=True, slots=True)
 class SeedProfile:
     """A target's latency until the gateway has measured it (the shape of a model's published
     latency: TTFT median and p99, decode speed of one stream)."""
@@ -118,6 +130,7 @@ class TargetSpec:
     kind: str = "tokenmill"
     timeouts: TargetTimeouts = TargetTimeouts()
     seed: SeedProfile | None = None
+    breaker: BreakerSettings = BreakerSettings()
 
     @property
     def http(self) -> bool:
@@ -160,7 +173,8 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
     kind = item.get("kind", "tokenmill")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind must be one of {list(KINDS)}, got {kind!r}")
-    common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", *LIMIT_FIELDS}
+    common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", "breaker",
+              *LIMIT_FIELDS}
     _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url"}), where)
     name = item.get("name")
     if not isinstance(name, str) or not name:
@@ -191,7 +205,20 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
     return TargetSpec(name, address, str(item.get("model", "")), float(cost), tuple(tags),
                       _tls(item.get("tls"), f"{where}.tls", base, kind), token, parse_limits(item, where), kind,
                       _timeouts(item.get("timeouts"), f"{where}.timeouts"),
-                      _seed(item.get("seed_profile"), f"{where}.seed_profile"))
+                      _seed(item.get("seed_profile"), f"{where}.seed_profile"),
+                      _breaker(item.get("breaker"), f"{where}.breaker"))
+
+
+def _breaker(item: Any, where: str) -> BreakerSettings:
+    if item is None:
+        return BreakerSettings()
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object {{failures, open_s}}")
+    _check_keys(item, {"failures", "open_s"}, where)
+    failures = item.get("failures", BreakerSettings.failures)
+    if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
+        raise ValueError(f"{where}.failures must be an integer >= 1, got {failures!r}")
+    return BreakerSettings(failures, _number(item, "open_s", where, BreakerSettings.open_s, True))
 
 
 def _number(item: dict, key: str, where: str, default: float, positive: bool) -> float:

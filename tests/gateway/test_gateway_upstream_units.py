@@ -155,3 +155,26 @@ def test_anthropic_translation_and_reader():
     assert reader.take() == ["It is"] and reader.done
     assert (reader.prompt_tokens, reader.completion_tokens) == (12, 3)
     assert (reader.finish, reader.stop_reason) == (common_pb2.FINISH_REASON_STOP, "\n\n")
+
+
+def test_circuit_breaker_opens_probes_once_and_closes():
+    from services.gateway.routing.breaker import CircuitBreaker
+
+    clock = Clock()
+    breaker = CircuitBreaker(failures=3, open_s=5.0, clock=clock)
+    assert not breaker.failed() and not breaker.failed()
+    breaker.succeeded()  # a success resets the count: failures must come in a row
+    assert not breaker.failed() and not breaker.failed() and breaker.failed()
+    assert breaker.state == "open" and not breaker.admits()
+    clock.now += 4.9
+    assert not breaker.admits()
+    clock.now += 0.2
+    assert breaker.admits() and breaker.state == "half_open"
+    assert breaker.dispatched() and not breaker.admits() and not breaker.dispatched()  # one probe at a time
+    assert breaker.failed() and breaker.state == "open" and breaker.opened == 2  # the probe failed: open again
+    clock.now += 5.1
+    assert breaker.admits() and breaker.dispatched()
+    breaker.ended_without_verdict()  # the client went away: the next request probes
+    assert breaker.admits() and breaker.dispatched()
+    breaker.succeeded()
+    assert breaker.state == "closed" and breaker.admits() and not breaker.dispatched()

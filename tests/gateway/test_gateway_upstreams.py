@@ -11,6 +11,11 @@
   key given to the front gateway by variable) over a stories260K engine. The chat endpoint and the
   Messages endpoint of the front gateway, streamed and not, answer what the upstream's own chat
   endpoint answers; a stop sequence comes back as Anthropic's stop_sequence.
+- Reliability on real servers: an upstream that answers 503 before the first byte (a gateway
+  whose engine is gone) is retried after a backoff, then its circuit breaker takes it out although
+  its health answers, and lets one probe through after open_s; a llama.cpp server that refuses
+  connections moves the request to the next target; one SIGKILLed mid-stream ends that stream
+  with an error and is not retried (tokens were sent).
 """
 
 from __future__ import annotations
@@ -235,3 +240,124 @@ async def test_a_stop_sequence_comes_back_through_the_anthropic_upstream(anthrop
                                              messages=TALE[1:], stop_sequences=[stop], extra_body={"temperature": 0})
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == reference.choices[0].message.content.split(stop)[0]
+
+
+# ---------------------------------------------------------------- reliability
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_503_is_retried_with_backoff_then_the_breaker_opens_and_probes(tmp_path):
+    # An upstream whose own engine is gone: its model listing answers, its chat answers 503.
+    upstream = await serve_gateway_for(write_routes(tmp_path / "upstream.json", {
+        "targets": [{"name": "gone", "address": f"127.0.0.1:{free_port()}"}], "models": {"m": "gone"}}))
+    front = await serve_gateway_for(write_routes(tmp_path / "front.json", {
+        "targets": [{"name": "flaky", "kind": "openai", "url": f"http://127.0.0.1:{upstream.http_port}/v1",
+                     "model": "m", "breaker": {"failures": 2, "open_s": 1.0}}],
+        "models": {"m": "flaky"}}))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.http_port}/v1", api_key="k", max_retries=0)
+    try:
+        await wait_healthy(front, ["flaky"])
+        target = front.dispatcher.pool.targets["flaky"]
+        fallbacks = front.dispatcher.metrics.fallbacks.labels("m", "flaky", "UNAVAILABLE")
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+        assert caught.value.status_code == 503 and "HTTP 503" in caught.value.message
+        # tried twice (busy, not gone: the 503 keeps it in the pool), then the breaker opened
+        assert fallbacks._value.get() == 2 and target.breaker.opened == 1
+        await front.dispatcher.pool.poll_once(target)  # its health answers...
+        assert not target.state.healthy  # ...and the open breaker keeps it out
+        with pytest.raises(openai.APIStatusError, match="no healthy target"):
+            await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+        assert fallbacks._value.get() == 2  # not sent
+        await asyncio.sleep(1.1)
+        await front.dispatcher.pool.poll_once(target)
+        assert target.state.healthy and target.breaker.state == "half_open"
+        with pytest.raises(openai.APIStatusError):
+            await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+        assert fallbacks._value.get() == 3 and target.breaker.opened == 2  # the one probe failed: open again
+    finally:
+        await client.close()
+        await stop_all([front, upstream])
+
+
+async def test_refused_connections_move_on_and_a_kill_mid_stream_is_not_retried(llamacpp, tmp_path):
+    from services.gateway.config import GatewayServiceConfig
+    from services.gateway.main import serve as serve_gateway
+
+    os.environ["TEST_VICTIM_KEY"] = LLAMACPP_KEY
+    victims = [start_llamacpp(packaged_file(), tmp_path / f"victim{i}.log") for i in range(2)]
+    entry = {"kind": "openai", "model": "smollm2", "token_env": "TEST_VICTIM_KEY"}
+    routes = write_routes(tmp_path / "routes.json", {
+        "targets": [{"name": "refusing", "url": f"http://127.0.0.1:{victims[0][1]}/v1", **entry},
+                    {"name": "killed", "url": f"http://127.0.0.1:{victims[1][1]}/v1", **entry},
+                    {"name": "backup", "url": f"http://127.0.0.1:{llamacpp}/v1", **entry}],
+        "models": {"first": {"strategy": "fallback", "targets": ["refusing", "backup"]},
+                   "second": {"strategy": "fallback", "targets": ["killed", "backup"]}}})
+    # Polls far apart: the pool does not notice the dead servers before a request does.
+    gateway = await serve_gateway(GatewayServiceConfig(port=0, http_port=0, config=routes, profile_interval_s=60))
+    del os.environ["TEST_VICTIM_KEY"]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="k", max_retries=0,
+                                timeout=120)
+    metrics = gateway.dispatcher.metrics
+    try:
+        await wait_healthy(gateway, ["refusing", "killed", "backup"])
+        victims[0][0].kill()
+        victims[0][0].wait()
+        raw = await client.chat.completions.with_raw_response.create(model="first", messages=QUESTION, max_tokens=4,
+                                                                     temperature=0)
+        assert raw.headers["x-tokenmill-target"] == "backup" and raw.parse().choices[0].message.content
+        assert metrics.fallbacks.labels("first", "refusing", "UNAVAILABLE")._value.get() == 1
+        assert not gateway.dispatcher.pool.targets["refusing"].state.healthy  # out at once
+
+        backup_before = metrics.requests.labels("second", "backup", "ok")._value.get()
+        stream = await client.chat.completions.create(model="second", messages=QUESTION, max_tokens=400,
+                                                      temperature=0, stream=True,
+                                                      extra_body={"ignore_eos": True})
+        pieces = []
+        with pytest.raises(openai.APIError):
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                    if len(pieces) == 3:
+                        victims[1][0].kill()
+        assert len(pieces) >= 3
+        assert metrics.fallbacks.labels("second", "killed", "UNAVAILABLE")._value.get() == 0  # tokens were sent
+        assert metrics.requests.labels("second", "backup", "ok")._value.get() == backup_before
+        assert metrics.requests.labels("second", "killed", "UNAVAILABLE")._value.get() == 1
+    finally:
+        await client.close()
+        await stop_all([gateway])
+        for process, _ in victims:
+            process.kill()
+            process.wait()
+
+
+async def test_ttft_and_total_timeouts_of_a_target(llamacpp, tmp_path):
+    os.environ["TEST_TIMEOUT_KEY"] = LLAMACPP_KEY
+    entry = {"kind": "openai", "url": f"http://127.0.0.1:{llamacpp}/v1", "model": "smollm2",
+             "token_env": "TEST_TIMEOUT_KEY"}
+    try:
+        gateway = await serve_gateway_for(write_routes(tmp_path / "routes.json", {
+            "targets": [{"name": "hasty", "timeouts": {"ttft_s": 0.001}, **entry},
+                        {"name": "brief", "timeouts": {"total_s": 0.5}, **entry}],
+            "models": {"hasty": "hasty", "brief": "brief"}}))
+    finally:
+        del os.environ["TEST_TIMEOUT_KEY"]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="k", max_retries=0)
+    try:
+        await wait_healthy(gateway, ["hasty", "brief"])
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="hasty", messages=QUESTION, max_tokens=4)
+        assert caught.value.status_code == 504 and "ttft_s" in caught.value.message
+        began = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.completions.create(model="brief", prompt="Once upon a time", max_tokens=2000)
+        assert caught.value.status_code == 504 and time.monotonic() - began < 5
+    finally:
+        await client.close()
+        await stop_all([gateway])

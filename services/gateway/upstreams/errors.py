@@ -2,7 +2,8 @@
 
 The dispatcher retries UNAVAILABLE before the first token (routing/build.py), so only failures
 that cannot be the request's own doing map to it: the connection refused or lost, and 502 / 503 /
-504 answers. A 429 is RESOURCE_EXHAUSTED with its retry-after kept; a 4xx other than that is the
+504 answers (a 503 says the server is there but busy: it stays in the pool, and the retry may come
+back to it after a backoff). A 429 is RESOURCE_EXHAUSTED with its retry-after kept; a 4xx other than that is the
 request's (INVALID_ARGUMENT, NOT_FOUND); a refused key is the gateway's own misconfiguration, not
 the client's, so it is INTERNAL naming the target's token_env.
 """
@@ -13,14 +14,24 @@ import grpc
 import grpc.aio
 
 
-def rpc_error(code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> grpc.aio.AioRpcError:
+class UpstreamError(grpc.aio.AioRpcError):
+    """A failure as a gRPC status; ``alive``: the target answered (a 503: busy, not gone), so the
+    dispatcher does not take it out of the pool (its breaker still counts the failure)."""
+
+    def __init__(self, code: grpc.StatusCode, trailing: grpc.aio.Metadata, details: str, alive: bool) -> None:
+        super().__init__(code, grpc.aio.Metadata(), trailing, details)
+        self.alive = alive
+
+
+def rpc_error(code: grpc.StatusCode, details: str, retry_after_s: float | None = None,
+              alive: bool = False) -> UpstreamError:
     trailing = grpc.aio.Metadata()
     if retry_after_s is not None:
         trailing.add("grpc-retry-pushback-ms", str(int(retry_after_s * 1000)))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+    return UpstreamError(code, trailing, details, alive)
 
 
-def status_error(target: str, status: int, body: str, retry_after: str | None) -> grpc.aio.AioRpcError:
+def status_error(target: str, status: int, body: str, retry_after: str | None) -> UpstreamError:
     said = f"upstream {target} answered HTTP {status}: {body[:500]}"
     if status == 429:
         try:
@@ -28,7 +39,9 @@ def status_error(target: str, status: int, body: str, retry_after: str | None) -
         except ValueError:
             after = None
         return rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, said, after)
-    if status in (502, 503, 504):
+    if status == 503:
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, said, alive=True)
+    if status in (502, 504):
         return rpc_error(grpc.StatusCode.UNAVAILABLE, said)
     if status in (401, 403):
         return rpc_error(grpc.StatusCode.INTERNAL, f"{said} (the key in target {target}'s token_env is refused)")
@@ -39,6 +52,6 @@ def status_error(target: str, status: int, body: str, retry_after: str | None) -
     return rpc_error(grpc.StatusCode.INTERNAL, said)
 
 
-def refused(kind: str, what: str) -> grpc.aio.AioRpcError:
+def refused(kind: str, what: str) -> UpstreamError:
     """A request field this kind of upstream cannot carry: refused, never silently dropped."""
     return rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"{what} cannot be sent to an {kind} upstream")
