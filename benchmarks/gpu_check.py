@@ -3,7 +3,8 @@
   (a) runs ``pytest tests/runtime/kernels`` on CUDA over the full grid (TOKENMILL_FULL_KERNEL_GRID=1);
   (b) measures the two ceilings (HBM bandwidth from a large device copy, bf16 matmul rate), then
       times paged decode and prefill attention against them and against
-      torch.nn.functional.scaled_dot_product_attention on the same shapes (dense K/V);
+      torch.nn.functional.scaled_dot_product_attention on the same shapes (dense K/V), then the
+      weight-only quantized matmul and the fused-MoE kernels at three families' layer shapes;
   (c) end-to-end decode tokens/s of a ~1B-parameter random-weight Llama in bf16 per backend,
       through the executor's ModelRunner: torch, triton eager (--enforce-eager) and triton with
       decode steps replayed from CUDA graphs (skipped with a message if that API is not importable);
@@ -104,6 +105,11 @@ class Shapes:
     services_streams: int = 16
     services_tokens: int = 128
     services_prompt_len: int = 128
+    moe_cases: tuple[tuple[str, int, int, int, int], ...] = (
+        # (label, hidden, intermediate, experts, top_k)
+        ("Mixtral 8x7B", 4096, 14336, 8, 2), ("Qwen3-30B-A3B", 2048, 768, 128, 8), ("OLMoE", 2048, 1024, 64, 8),
+    )
+    moe_batches: tuple[int, ...] = (1, 16, 256)
     test_selection: tuple[str, ...] = ()
     test_workers: int = 8
 
@@ -113,6 +119,7 @@ DRY_RUN_SHAPES = Shapes(
     prefill_cases=((1, 48, 48), (2, 96, 16)), copy_bytes=8 * 1024**2, matmul_size=128,
     e2e_preset="tiny", e2e_dtype="fp32", e2e_batches=(2,), e2e_prompt_len=20, e2e_decode_steps=3,
     services_streams=2, services_tokens=6, services_prompt_len=8,
+    moe_cases=(("tiny", 32, 48, 4, 2),), moe_batches=(1, 5),
     test_selection=("-k", "choose_num_partitions or interpreter_bf16"), test_workers=0,
 )
 
@@ -349,6 +356,39 @@ def bench_quant_matmul(report: Report, shapes: Shapes, device, timer: Timer, cei
     report.table(["format", "weight", "rows", "quant ms", "bf16 dense ms", "speedup", "weight bytes / ceiling"], rows)
 
 
+def bench_fused_moe(report: Report, shapes: Shapes, device, timer: Timer, ceilings: Ceilings) -> None:
+    """The fused-MoE kernels (services/runtime/kernels/fused_moe.py) in bf16 at three families'
+    layer shapes against the PyTorch reference (a product per expert with tokens): ms per layer,
+    the routed experts' weight bytes per second against the ceiling, the largest difference."""
+    import torch
+
+    from services.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_triton
+
+    rows = []
+    for label, hidden, intermediate, experts, top_k in shapes.moe_cases:
+        g = torch.Generator(device=device).manual_seed(0)
+        w_gate_up = torch.randn(experts, 2 * intermediate, hidden, device=device, dtype=torch.bfloat16, generator=g)
+        w_gate_up /= hidden ** 0.5
+        w_down = torch.randn(experts, hidden, intermediate, device=device, dtype=torch.bfloat16, generator=g)
+        w_down /= intermediate ** 0.5
+        for batch in shapes.moe_batches:
+            x = torch.randn(batch, hidden, device=device, dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(batch, experts, device=device, generator=g)
+            weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+            ms = timer(lambda: fused_moe_triton(x, w_gate_up, w_down, weights, ids))
+            ref_ms = timer(lambda: fused_moe_reference(x, w_gate_up, w_down, weights, ids))
+            diff = (fused_moe_triton(x, w_gate_up, w_down, weights, ids).float()
+                    - fused_moe_reference(x, w_gate_up, w_down, weights, ids).float()).abs().max().item()
+            used = int(torch.unique(ids).numel())
+            expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * 2 * used
+            rows.append([label, batch, used, ms, ref_ms, ref_ms / ms,
+                         f"{expert_bytes / (ms * 1e-3) / ceilings.bytes_per_s:.0%}", diff])
+        del w_gate_up, w_down
+        _free(device)
+    report.table(["layer", "tokens", "experts used", "triton ms", "reference ms", "speedup",
+                  "expert bytes / ceiling", "max abs diff"], rows)
+
+
 def _free(device) -> None:
     import torch
 
@@ -582,6 +622,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         section("(b) prefill attention",
                 lambda: bench_prefill(report, shapes, device, timer, ceilings, prefill_deadline))
         section("(b) weight-only quantized matmul", lambda: bench_quant_matmul(report, shapes, device, timer, ceilings))
+        section("(b) fused mixture-of-experts", lambda: bench_fused_moe(report, shapes, device, timer, ceilings))
     if "e2e" in sections:
         services_reserve = 120.0 if "services" in sections else 10.0
         section("(c) end-to-end decode", lambda: bench_end_to_end(report, shapes, device, end - services_reserve))
