@@ -2,7 +2,8 @@
 
 ``TorchOps`` is plain PyTorch (CPU, and the reference on GPU). ``TritonOps`` runs the fused
 Triton kernels of services/runtime/kernels: residual add + RMSNorm in one pass, rotary in
-place on the q/k views of the fused projection, SiLU-and-mul. Both compute the same math
+place on the q/k views of the fused projection, SiLU-and-mul, the fused mixture-of-experts
+(``moe_experts``: a sparse layer's routed experts, kernels/fused_moe.py). Both compute the same math
 with the same rounding points as Hugging Face's Llama.
 """
 
@@ -45,6 +46,14 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+    @staticmethod
+    def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu") -> torch.Tensor:
+        # x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing [T, k] -> [T, H]
+        from services.runtime.kernels.fused_moe import fused_moe_reference  # here: its module imports triton
+
+        return fused_moe_reference(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+
+
 class TritonOps:
     name = "triton"
 
@@ -74,6 +83,12 @@ class TritonOps:
 
     def silu_and_mul(self, x):
         return self._silu_and_mul(x)
+
+    @staticmethod
+    def moe_experts(x, w_gate_up, w_down, topk_weights, topk_ids, activation: str = "silu"):
+        from services.runtime.kernels.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
 
 
 def get_model_ops(backend_name: str):

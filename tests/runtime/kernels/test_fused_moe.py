@@ -148,3 +148,15 @@ def test_align_pairs_pads_each_expert_to_the_tile():
     assert sorted_pairs.tolist()[:8] == [1, 4, 0, 2, 5, 6, 7, pad]
     assert sorted_pairs.tolist()[8:] == [pad] * (len(sorted_pairs) - 8)
     assert block_expert.tolist()[:4] == [0, 2, 2, 3] and num_padded.tolist() == [8]
+
+
+def test_model_ops_run_the_reference_and_the_triton_kernel(device):
+    from services.runtime.model.ops import TorchOps, TritonOps
+
+    w_gate_up, w_down = _expert_weights(8, 32, 48)
+    weights, ids = _route("random", 5, 8, 2)
+    x = torch.randn(5, 32)
+    want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
+    assert torch.equal(TorchOps.moe_experts(x, w_gate_up, w_down, weights, ids), want)
+    got = TritonOps().moe_experts(*(t.to(device) for t in (x, w_gate_up, w_down, weights, ids)))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
