@@ -31,6 +31,9 @@ RUNS: dict[str, tuple[str, str]] = {
                       "one tenant sends hostile requests: do the other's streams complete, its TTFT beside alone"),
     "gateway": ("benchmarks.gateway.driver",
                 "the gateway: HTTP overhead, routing policies, decision time, routed requests/s (make bench-gateway)"),
+    "gateway-mixed": ("benchmarks.gateway.mixed_pool",
+                      "two tokenmill engines and a llama.cpp server behind one latency route: llama.cpp gets "
+                      "requests only while its passive profile meets their SLA"),
     "executors": ("benchmarks.executors", "two executors against one, prefill/decode split, failover (make bench-executors)"),
     "tensor-parallel": ("benchmarks.tensor_parallel",
                         "decode steps of a model over tensor-parallel ranks against one rank on one and two threads"),
