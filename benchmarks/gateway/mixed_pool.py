@@ -142,7 +142,11 @@ async def _phase(name: str, client, gateway, outcomes: list, sla_ms: float, requ
     profile = llama.state.estimator.profile
     over = [o for o in mine if o["target"] == "llamacpp" and not o["explore"]
             and o["estimate_ms"] is not None and o["estimate_ms"] > sla_ms]
+    estimator = llama.state.estimator
+    idle_ms = estimator.estimate_ms(tokens, 0.0, False, time.monotonic())
     return {
+        "llamacpp_idle_estimate_ms": None if idle_ms is None else round(idle_ms, 1),
+        "llamacpp_margin_q90": round(estimator.quantile_ratio(0.9), 2),
         "phase": name, "sla_ms": round(sla_ms, 1), "requests": requests, "concurrency": concurrency,
         "seconds": round(seconds, 2), "errors": sum("error" in o for o in outcomes[first:]),
         "to_llamacpp": sum(o["target"] == "llamacpp" for o in mine),
@@ -211,7 +215,8 @@ def _line(r: dict) -> str:
     return (f"{r['phase']:<28} SLA {r['sla_ms']:>7.0f} ms: llama.cpp {r['to_llamacpp']}/{r['requests']}, "
             f"over SLA at dispatch {r['llamacpp_estimate_over_sla']}; {shares}; decisions {r['decisions']}; "
             f"llama.cpp profile TTFT p50/p99 {profile.get('ttft_p50_ms')}/{profile.get('ttft_p99_ms')} ms, "
-            f"TPOT p50 {profile.get('tpot_p50_ms')} ms")
+            f"TPOT p50 {profile.get('tpot_p50_ms')} ms; its estimate idle {r['llamacpp_idle_estimate_ms']} ms, "
+            f"x{r['llamacpp_margin_q90']} at the route's confidence 0.9")
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
