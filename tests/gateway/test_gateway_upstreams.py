@@ -130,6 +130,23 @@ async def test_chat_through_the_gateway_is_llamacpps_answer(openai_front):
     assert profile.tpot_p50_ms > 0 and profile.tokens_per_second_per_stream > 0
 
 
+async def test_messages_and_responses_front_ends_reach_llamacpp(openai_front):
+    front, direct, gateway = openai_front
+    reference = await direct.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
+    expected = reference.choices[0].message.content
+    messages = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{gateway.http_port}", api_key="unused",
+                                        max_retries=0, timeout=120)
+    try:
+        message = await messages.messages.create(model="smol", max_tokens=12, messages=QUESTION,
+                                                 extra_body={"temperature": 0})
+    finally:
+        await messages.close()
+    assert message.content[0].text == expected and message.stop_reason == "max_tokens"
+    response = await front.responses.create(model="smol", input=QUESTION[0]["content"], max_output_tokens=12,
+                                            temperature=0)
+    assert response.output_text == expected and response.status == "incomplete"
+
+
 async def test_completions_streamed_and_not_are_llamacpps_answer(openai_front):
     front, direct, _ = openai_front
     reference = await direct.completions.create(model="smollm2", prompt="Once upon a time", temperature=0,
@@ -229,6 +246,9 @@ async def test_an_anthropic_upstream_answers_the_chat_and_messages_front_ends(an
         text = "".join([piece async for piece in streamed.text_stream])
         final = await streamed.get_final_message()
     assert text == expected and final.stop_reason == "max_tokens"
+    response = await chat.responses.create(model="tale", instructions=TALE[0]["content"], input=TALE[1]["content"],
+                                           max_output_tokens=20, temperature=0)
+    assert response.output_text == expected
 
 
 async def test_a_stop_sequence_comes_back_through_the_anthropic_upstream(anthropic_front):
