@@ -80,6 +80,7 @@ class _ScratchPlans:
     def __init__(self, runner: ModelRunner):
         self.block_size = runner.block_size
         self.num_blocks = runner.num_usable_blocks
+        self.num_kv_groups = runner.kv_groups.num_groups
         self.next_block = 0
         self.next_step = -1
         self.lengths: dict[int, int] = {}  # seq id -> known tokens
@@ -88,7 +89,8 @@ class _ScratchPlans:
     def _take_blocks(self, seq_id: int, tokens: int) -> list[int]:
         """Blocks so that ``seq_id`` holds ``tokens``: the new ones only."""
         have = self.blocks.setdefault(seq_id, [])
-        need = -(-tokens // self.block_size) - len(have)
+        # a block of each KV group per block_size tokens (services/common/kv_groups.py)
+        need = -(-tokens // self.block_size) * self.num_kv_groups - len(have)
         if self.next_block + need > self.num_blocks:
             raise _OutOfScratch
         new = list(range(self.next_block, self.next_block + need))

@@ -87,3 +87,17 @@ def test_compile_caches_default_to_one_stable_folder_and_keep_a_choice(tmp_path)
     chosen = {"TRITON_CACHE_DIR": "/somewhere/triton"}
     assert compile_cache_dirs(chosen)["TRITON_CACHE_DIR"] == "/somewhere/triton"
     assert chosen["TORCHINDUCTOR_CACHE_DIR"].endswith("/.cache/tokenmill/inductor")
+
+
+def test_warm_up_gives_each_kv_group_its_blocks(tmp_path):
+    """Gemma 3's window and global layers keep blocks of their own (services/common/kv_groups.py):
+    the scratch sequences' tables hold a block of each group per block_size tokens (once they
+    held one, and the first step's slots ran off the table)."""
+    from services.tools.random_model import build_random_model
+    from tests.helpers.family_specs import FAMILY_SPECS
+
+    model_dir = build_random_model(FAMILY_SPECS["gemma3"], tmp_path / "gemma3")
+    r = runner(model=str(model_dir))
+    assert r.kv_groups.num_groups == 3
+    report = warm_up(r)
+    assert r.sequences == {} and report.steps == 8

@@ -62,6 +62,7 @@ def _paged_decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, window, WINDOWED: tl.constexpr,
+    softcap, SOFTCAPPED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,7 +97,8 @@ def _paged_decode_partition_kernel(
             acc, l_i, m_i, q, context_len - 1, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
             kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             key_start, part_end, qk_scale_log2, dims, dim_valid,
-            BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+            BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
+            softcap=softcap, SOFTCAPPED=SOFTCAPPED)
 
         store_mask = head_valid[:, None] & dim_valid[None, :]
         if SINGLE_PARTITION:
@@ -165,9 +167,11 @@ def paged_decode_attention(
     num_partitions: int = 1,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Returns out [B, H, D].
     ``window``: the query sees only the last ``window`` keys (a sliding-window layer).
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` (Gemma 2); None: uncapped.
 
     ``max_context_len`` (a host int, >= every context_lens entry) sizes the partitions without
     a device sync. ``num_partitions`` > 1 enables split-K; see ``choose_num_partitions``.
@@ -216,6 +220,7 @@ def paged_decode_attention(
         SINGLE_PARTITION=single, **dot_flags(q.dtype, _paged_decode_partition_kernel),
         KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
         window=int(window or 0), WINDOWED=window is not None and window < max_context_len,
+        softcap=float(softcap or 0.0), SOFTCAPPED=softcap is not None,
         num_warps=4,
     )
     if not single:
@@ -240,9 +245,11 @@ def paged_decode_reference(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [B, H, D].
-    ``window``: the query sees only the last ``window`` keys (a sliding-window layer)."""
+    ``window``: the query sees only the last ``window`` keys (a sliding-window layer);
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` before the mask."""
     num_seqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -256,6 +263,8 @@ def paged_decode_reference(
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [H, C, D]
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
         scores = (q[seq].unsqueeze(1) @ keys.transpose(1, 2)).float() * scale  # [H, 1, C]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if window is not None and context_len > window:
             scores[..., : context_len - window] = float("-inf")
         probs = torch.softmax(scores, dim=-1).to(q.dtype)

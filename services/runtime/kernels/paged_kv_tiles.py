@@ -17,6 +17,9 @@ import triton.language as tl
 
 from services.runtime.kernels._common import dot
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # 1 / ln 2
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def attend_kv_tiles(
@@ -26,13 +29,14 @@ def attend_kv_tiles(
     key_start, key_end, qk_scale_log2, dims, dim_valid,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    window=0, WINDOWED: tl.constexpr = False,
+    window=0, WINDOWED: tl.constexpr = False, softcap=0.0, SOFTCAPPED: tl.constexpr = False,
 ):
     """Online softmax of the rows of ``q`` [M, D_PAD] over keys [key_start, key_end), folded into
     (acc [M, D_PAD], l_i [M], m_i [M]). MASKED: the last tile's keys past key_end are excluded
     (without, every tile must be whole). CAUSAL (with MASKED): so are keys past a row's own
     position, ``query_pos`` [M]; without, ``query_pos`` is not read. WINDOWED (with CAUSAL): also
-    keys at or before ``query_pos - window`` (a sliding-window layer).
+    keys at or before ``query_pos - window`` (a sliding-window layer). SOFTCAPPED: scores
+    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
 
     Without WINDOWED the caller guarantees that each row sees a key in the first tile (decode:
     every tile holds a valid key; prefill: key 0 is visible to every row), so m_i is finite from
@@ -64,7 +68,12 @@ def attend_kv_tiles(
         scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
         if KV_QUANT:
             scores = scores * k_scale[None, :]
-        scores = scores * qk_scale_log2
+        if SOFTCAPPED:
+            # tanh(x) = 2 sigmoid(2x) - 1, on the scaled score, then into exp2's base
+            capped = scores * (qk_scale_log2 * LN2) / softcap
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * LOG2E
+        else:
+            scores = scores * qk_scale_log2
         if MASKED:
             if CAUSAL:
                 visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])

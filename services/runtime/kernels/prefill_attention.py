@@ -50,7 +50,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    window, WINDOWED: tl.constexpr,
+    window, WINDOWED: tl.constexpr, softcap, SOFTCAPPED: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * QUERIES_PER_KV <= BLOCK_M)
     seq = tl.program_id(0)
@@ -92,7 +92,8 @@ def _prefill_attention_kernel(
                 acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
                 kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 key_start, key_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, window, True)
+                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, window, True,
+                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
         else:
             # keys <= the tile's first query position are visible to every row of the tile
             unmasked_end = (prefix_len + tile_first_query + 1) // TILE_N * TILE_N
@@ -100,12 +101,14 @@ def _prefill_attention_kernel(
                 acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 0, unmasked_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+                BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
+                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
             acc, l_i, m_i = attend_kv_tiles(
                 acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS)
+                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
+                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
 
         o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -135,9 +138,11 @@ def prefill_attention(
     max_context_len: int,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context. Returns [T, H, D].
     ``window``: each query sees only the last ``window`` keys up to itself (a sliding-window layer).
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` (Gemma 2); None: uncapped.
 
     ``max_query_len`` and ``max_context_len`` are host ints (>= the per-sequence values) that
     size the grid without a device sync. Requires query_len <= context_len per sequence.
@@ -181,6 +186,7 @@ def prefill_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n,
         **dot_flags(q.dtype, _prefill_attention_kernel), KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
         window=int(window or 0), WINDOWED=window is not None and window < max_context_len,
+        softcap=float(softcap or 0.0), SOFTCAPPED=softcap is not None,
         num_warps=8 if block_m >= 128 else 4,
     )
     return out
@@ -195,9 +201,11 @@ def prefill_attention_reference(
     query_start_loc: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Loop-per-sequence reference in the inputs' dtype (softmax in fp32). Returns [T, H, D].
-    ``window``: each query sees only the last ``window`` keys up to itself (a sliding-window layer)."""
+    ``window``: each query sees only the last ``window`` keys up to itself (a sliding-window layer);
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` before the mask."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -212,6 +220,8 @@ def prefill_attention_reference(
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [H, L, D]
         scores = (queries @ keys.transpose(1, 2)).float() * scale  # [H, L, C]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # query i sits at position context_len - query_len + i and sees keys up to it
         query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)[None, :]

@@ -19,7 +19,7 @@ from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.gemma3 import Gemma3ForCausalLM
 
-SOFTCAP_BACKENDS = ("torch", "cpu")
+SOFTCAP_BACKENDS = ("torch", "cpu", "triton")
 """The attention backends that cap scores (``attend(..., softcap=c)``)."""
 
 

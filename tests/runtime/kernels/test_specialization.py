@@ -26,7 +26,9 @@ MODEL_CONSTEXPRS = {"HEAD_DIM", "HEAD_DIM_PAD", "QUERIES_PER_KV", "HEADS_PAD", "
                     # the KV cache's storage (--kv-cache-dtype) and its quantization constants
                     "KV_QUANT", "INT8", "QMAX", "MIN_SCALE", "MAX_SCALE",
                     # a layer with a sliding window or without: two variants at most per model
-                    "WINDOWED"}
+                    "WINDOWED",
+                    # Gemma 2 caps every layer's scores, other models none
+                    "SOFTCAPPED"}
 
 
 def unspecialized(kernel) -> tuple[set[str], set[str]]:

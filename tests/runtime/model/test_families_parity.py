@@ -72,14 +72,15 @@ def test_a_draft_model_runs_its_own_family(family_dirs):
 
 
 def test_gemma2_refuses_backends_that_do_not_cap_scores(family_dirs):
-    """Gemma 2's attention soft-capping is not in the Triton kernels or the compiled CPU decode step:
-    loading it there fails naming the backend, rather than running uncapped attention."""
+    """Gemma 2's attention soft-capping is not in the compiled CPU decode step (nor in a backend
+    outside gemma2.SOFTCAP_BACKENDS): loading it there fails naming it, rather than running
+    uncapped attention."""
     from services.runtime.model.compiled_decode import CompiledDecode
 
     class UncappedBackend(TorchAttentionBackend):
-        name = "triton"
+        name = "reference"
 
-    with pytest.raises(ValueError, match="attn_logit_softcapping.*'triton' attention backend"):
+    with pytest.raises(ValueError, match="attn_logit_softcapping.*'reference' attention backend"):
         load_model(family_dirs["gemma2"], UncappedBackend())
     model = load_model(family_dirs["gemma2"], TorchAttentionBackend())
     with pytest.raises(ValueError, match="does not cap scores"):

@@ -79,7 +79,7 @@ class AttentionBackend(Protocol):
         ``window``: a sliding-window layer's keys per query (the query's own and the ``window - 1``
         before it); None attends over the whole context.
 
-        The torch and cpu backends also take ``softcap=c`` (Gemma 2: scores ``c * tanh(s / c)``
-        before the mask and softmax); a model that needs it refuses the other backends by name
-        (gemma2.SOFTCAP_BACKENDS)."""
+        The torch, cpu and triton backends also take ``softcap=c`` (Gemma 2: scores
+        ``c * tanh(s / c)`` before the mask and softmax); a model that needs it refuses any other
+        backend by name (gemma2.SOFTCAP_BACKENDS)."""
         ...

@@ -49,8 +49,9 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        # q: [T, H, D] -> [T, H, D]
+        # q: [T, H, D] -> [T, H, D]; softcap: Gemma 2's cap on scores (a model-fixed specialization)
         if meta.is_decode_only:
             num_partitions = choose_num_partitions(
                 meta.num_seqs, k_cache.shape[2], meta.max_context_len, self._parallelism(q.device)
@@ -58,10 +59,12 @@ class TritonAttentionBackend:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                 max_context_len=meta.max_context_len, num_partitions=num_partitions, window=window,
+                softcap=softcap,
             )
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale,
             max_query_len=meta.max_query_len, max_context_len=meta.max_context_len, window=window,
+            softcap=softcap,
         )
 
     def warm_up(self, k_cache, v_cache, num_heads: int, max_context_len: int, dtype: torch.dtype | None = None) -> int:
