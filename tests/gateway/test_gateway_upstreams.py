@@ -15,7 +15,9 @@
   whose engine is gone) is retried after a backoff, then its circuit breaker takes it out although
   its health answers, and lets one probe through after open_s; a llama.cpp server that refuses
   connections moves the request to the next target; one SIGKILLed mid-stream ends that stream
-  with an error and is not retried (tokens were sent).
+  with an error and is not retried (tokens were sent); per-target TTFT and total timeouts.
+- TLS: llama.cpp over https with a local CA: trusted with the routes file's ``tls.ca``, refused
+  (kept out of the pool) with the system's CAs.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ LLAMACPP_KEY = "sk-llamacpp-0123456789"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY) -> tuple[subprocess.Popen, int]:
+def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY,
+                   extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
     """llama.cpp's OpenAI-compatible server on a free port, as its users start it."""
     out = log.open("wb")
     process = subprocess.Popen(
@@ -62,11 +65,11 @@ def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY) -> tuple[
          "--host", "127.0.0.1", "--port", "0", "--n_ctx", "2048", "--n_threads", "1", "--api_key", api_key,
          # its default interrupts a streaming request whenever another call (the gateway's health
          # probe included) takes the model's lock
-         "--interrupt_requests", "False"],
+         "--interrupt_requests", "False", *extra],
         stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        found = re.search(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_bytes())
+        found = re.search(rb"Uvicorn running on https?://127\.0\.0\.1:(\d+)", log.read_bytes())
         if found:
             return process, int(found.group(1))
         if process.poll() is not None:
@@ -381,3 +384,36 @@ async def test_ttft_and_total_timeouts_of_a_target(llamacpp, tmp_path):
     finally:
         await client.close()
         await stop_all([gateway])
+
+
+async def test_https_upstream_with_the_routes_files_ca(tmp_path):
+    from services.stack.dev_ca import write_dev_certificates
+
+    pki = write_dev_certificates(tmp_path / "pki")
+    process, port = start_llamacpp(packaged_file(), tmp_path / "tls.log", extra=(
+        "--ssl_certfile", str(pki.server_cert), "--ssl_keyfile", str(pki.server_key)))
+    os.environ["TEST_TLS_KEY"] = LLAMACPP_KEY
+    entry = {"kind": "openai", "url": f"https://127.0.0.1:{port}/v1", "model": "smollm2", "token_env": "TEST_TLS_KEY"}
+    try:
+        # the CA as a path relative to the routes file, as a user writes it
+        gateway = await serve_gateway_for(write_routes(pki.folder / "routes.json", {
+            "targets": [{"name": "trusted", "tls": {"ca": pki.ca.name}, **entry},
+                        {"name": "system-cas", **entry}, {"name": "unchecked", "tls": {"verify": False}, **entry}],
+            "models": {"trusted": "trusted", "system-cas": "system-cas"}}))
+    finally:
+        del os.environ["TEST_TLS_KEY"]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="k", max_retries=0,
+                                timeout=120)
+    try:
+        await wait_healthy(gateway, ["trusted", "unchecked"])
+        answer = await client.chat.completions.create(model="trusted", messages=QUESTION, max_tokens=4, temperature=0)
+        assert answer.choices[0].message.content
+        # the local CA is not among the system's: that target's handshake fails, it stays out
+        assert not gateway.dispatcher.pool.targets["system-cas"].state.healthy
+        with pytest.raises(openai.APIStatusError, match="no healthy target"):
+            await client.chat.completions.create(model="system-cas", messages=QUESTION, max_tokens=4)
+    finally:
+        await client.close()
+        await stop_all([gateway])
+        process.kill()
+        process.wait()
