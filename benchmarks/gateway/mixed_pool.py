@@ -1,6 +1,6 @@
 """A mixed pool behind one route: two tokenmill engines and a llama.cpp server.
 
-    python -m benchmarks gateway-mixed [--requests 16] [--loaded-concurrency 4] [--tokens 32]
+    python -m benchmarks gateway-mixed [--requests 16] [--loaded-concurrency 4] [--tokens 32] [--max-concurrency 1]
 
 Two real tokenmill engines (stories260K, one thread each, as `tokenmill up` starts their
 services) and llama.cpp's OpenAI-compatible server (llama-cpp-python's ``python -m
@@ -14,8 +14,9 @@ of ``--tokens`` tokens:
 
 1. idle, loose SLA, one at a time: llama.cpp fits: it should take them;
 2. idle, tight SLA: it does not fit: the engines should;
-3. loose SLA, ``--loaded-concurrency`` at once: llama.cpp serves one request at a time, so its
-   measured TTFT grows with its queue and it stops fitting; the rest spills to the engines;
+3. loose SLA, ``--loaded-concurrency`` at once: llama.cpp serves one request at a time: with
+   ``max_concurrency: 1`` (the default here) the route tries the others while it holds one; with
+   0 its measured TTFT grows with its queue until it stops fitting, and the rest spills;
 4. idle, loose SLA again: back to llama.cpp.
 
 Per phase: where the requests went, why (the strategy's decision reasons: ``sla_cheapest`` is a
@@ -56,6 +57,8 @@ class MixedSettings:
     requests: int = setting(16, "requests per phase")
     loaded_concurrency: int = setting(4, "requests in flight at once in the loaded phase")
     tokens: int = setting(32, "max_tokens of every request")
+    max_concurrency: int = setting(1, "llama.cpp's max_concurrency in the routes file (llama-cpp-python's server runs "
+                                       "one request at a time; 0: no bound declared)")
     calibration: int = setting(5, "direct requests to llama.cpp that set L (their p50 end-to-end)")
     out: str | None = setting(None, "where the JSON report goes (none: benchmarks/results/gateway-mixed-DATE.json)")
 
@@ -179,7 +182,8 @@ async def _run(settings: MixedSettings, engines: list[str], llama_url: str) -> d
 
         routes.write_text(json.dumps({
             "targets": [{"name": "engine-a", "address": engines[0]}, {"name": "engine-b", "address": engines[1]},
-                        {"name": "llamacpp", "kind": "openai", "url": llama_url, "model": "smollm2", "cost": 0.1}],
+                        {"name": "llamacpp", "kind": "openai", "url": llama_url, "model": "smollm2", "cost": 0.1,
+                         "max_concurrency": settings.max_concurrency}],
             "models": {"mixed": {"strategy": "latency", "targets": ["engine-a", "engine-b", "llamacpp"]}}}))
         # A 60 s window: the engines' GetProfile and llama.cpp's passive profile keep the phases' data.
         gateway = await serve(GatewayServiceConfig(port=0, http_port=0, config=str(routes), profile_window_s=60.0,
@@ -205,7 +209,8 @@ async def _run(settings: MixedSettings, engines: list[str], llama_url: str) -> d
         finally:
             await client.close()
             await gateway.stop(grace=0)
-    return {"llamacpp_direct_p50_ms": round(llama_ms, 1), "phases": results}
+    return {"llamacpp_direct_p50_ms": round(llama_ms, 1), "max_concurrency": settings.max_concurrency,
+            "phases": results}
 
 
 def _line(r: dict) -> str:

@@ -52,6 +52,7 @@ from services.gateway.rate_limits import RateLimited, RateLimiter
 from services.gateway.routing.breaker import TARGET_FAILURES
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
+from services.gateway.routing.target import with_room_first
 from services.gateway.upstreams.errors import rpc_error
 
 _log = structlog.get_logger("tokenmill.gateway.dispatch")
@@ -144,7 +145,7 @@ class Dispatcher:
         if digest is not None and self.quarantine.holds(digest):
             raise InvalidArgumentError("structured_output is quarantined: a target failed while admitting an "
                                        "identical one; it is refused without being sent")
-        ranked = self._within_limits(route, ranking.targets, request.expected_output_tokens)
+        ranked = with_room_first(self._within_limits(route, ranking.targets, request.expected_output_tokens))
         deadline = self.clock() + timeout_s
         error: TokenmillError | None = None
         order = list(ranked)
@@ -159,8 +160,8 @@ class Dispatcher:
                 if error is None or deadline - self.clock() <= pause:
                     break
                 await asyncio.sleep(pause)
-                order = list(self._within_limits(route, route.node.rank(request).targets,
-                                                 request.expected_output_tokens))
+                order = with_room_first(list(self._within_limits(route, route.node.rank(request).targets,
+                                                                 request.expected_output_tokens)))
                 if not order:
                     break
             state = order.pop(0)
@@ -168,7 +169,7 @@ class Dispatcher:
             if remaining <= 0:
                 raise DeadlineExceededError(f"the request took more than {timeout_s:g} s")
             target = self.pool.targets[state.name]
-            first = attempt == 0
+            first = attempt == 0 and state is ranking.targets[0]  # not when its slots were full
             self.metrics.decisions.labels(route.model, target.name, ranking.reason if first else "fallback").inc()
             estimate = ranking.estimate_ms if first else None
             try:

@@ -118,6 +118,7 @@ class TargetPool:
                                              health_pb2_grpc.HealthStub(channel), own_metadata=own)
         for target in self.targets.values():
             target.breaker = CircuitBreaker(target.spec.breaker.failures, target.spec.breaker.open_s, clock)
+            target.state.max_concurrency = target.spec.max_concurrency
         self.states = {name: target.state for name, target in self.targets.items()}
         self._tasks: list[asyncio.Task] = []
 

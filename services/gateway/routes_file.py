@@ -24,6 +24,8 @@
                                        # optional: what routing assumes before it has measured
         breaker: {failures: 5, open_s: 10}   # optional, any kind: out after 5 failed requests in
                                        # a row, one probe request 10 s later (these defaults)
+        max_concurrency: 1             # optional: requests it runs at once; while the gateway has
+                                       # that many there, the route's other targets go first
     models:
       chat:                            # the model id clients ask for
         route: {strategy: latency, targets: [fast, weak]}
@@ -131,6 +133,10 @@ class TargetSpec:
     timeouts: TargetTimeouts = TargetTimeouts()
     seed: SeedProfile | None = None
     breaker: BreakerSettings = BreakerSettings()
+    max_concurrency: int = 0
+    """Requests the target runs at once (a llama.cpp server's slots; 1 for llama-cpp-python's
+    server); while the gateway has that many open there, the route tries its other targets
+    first. 0: no bound (an engine or vLLM batches whatever comes)."""
 
     @property
     def http(self) -> bool:
@@ -174,7 +180,7 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
     if kind not in KINDS:
         raise ValueError(f"{where}.kind must be one of {list(KINDS)}, got {kind!r}")
     common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", "breaker",
-              *LIMIT_FIELDS}
+              "max_concurrency", *LIMIT_FIELDS}
     _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url"}), where)
     name = item.get("name")
     if not isinstance(name, str) or not name:
@@ -206,7 +212,14 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
                       _tls(item.get("tls"), f"{where}.tls", base, kind), token, parse_limits(item, where), kind,
                       _timeouts(item.get("timeouts"), f"{where}.timeouts"),
                       _seed(item.get("seed_profile"), f"{where}.seed_profile"),
-                      _breaker(item.get("breaker"), f"{where}.breaker"))
+                      _breaker(item.get("breaker"), f"{where}.breaker"), _max_concurrency(item, where))
+
+
+def _max_concurrency(item: dict, where: str) -> int:
+    value = item.get("max_concurrency", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}.max_concurrency must be an integer >= 0 (0: no bound), got {value!r}")
+    return value
 
 
 def _breaker(item: Any, where: str) -> BreakerSettings:

@@ -178,3 +178,19 @@ def test_circuit_breaker_opens_probes_once_and_closes():
     assert breaker.admits() and breaker.dispatched()
     breaker.succeeded()
     assert breaker.state == "closed" and breaker.admits() and not breaker.dispatched()
+
+
+def test_a_target_with_every_slot_taken_is_tried_after_the_others():
+    from services.gateway.routing.target import TargetState, with_room_first
+
+    serial, big = TargetState("serial", max_concurrency=1), TargetState("big")
+    free = TargetState("two", max_concurrency=2)
+    ranked = [serial, big, free]
+    assert with_room_first(ranked) is ranked  # nothing open there: as ranked
+    serial.inflight, free.inflight, big.inflight = 1, 1, 50
+    assert with_room_first(ranked) == [big, free, serial]
+    free.inflight = 2
+    assert with_room_first(ranked) == [big, serial, free]
+    assert parse_routes(routes({"name": "e", "address": "h:1", "max_concurrency": 1})).targets[0].max_concurrency == 1
+    with pytest.raises(ValueError, match="max_concurrency must be an integer >= 0"):
+        parse_routes(routes({"name": "e", "address": "h:1", "max_concurrency": -1}))

@@ -26,6 +26,8 @@ class TargetState:
     """``inflight`` when the profile was read: what the engine's own counts already include."""
     profile_load: int = -1
     """running + waiting of the last profile (-1: none read yet)."""
+    max_concurrency: int = 0
+    """Requests the target runs at once (0: no bound); at it, the route's others go first."""
     exploring: int = 0
     """Requests in flight that were sent to learn the target's latency (not on its estimate)."""
     estimator: ResponseTimeEstimator = field(default_factory=ResponseTimeEstimator)
@@ -50,3 +52,13 @@ class TargetState:
 
     def raw_estimate_ms(self, output_tokens: int, worst_case: bool, now: float) -> float | None:
         return self.estimator.raw_estimate_ms(output_tokens, self.engine_load(), worst_case, now)
+
+
+def with_room_first(ranked: list[TargetState]) -> list[TargetState]:
+    """The ranking with the targets whose every slot the gateway holds (``max_concurrency``) moved
+    after the others, in their order: a request sent there would queue behind them, which no
+    estimate made from finished requests foresees. Still tried last rather than dropped."""
+    full = [t for t in ranked if t.max_concurrency and t.inflight >= t.max_concurrency]
+    if not full:
+        return ranked
+    return [t for t in ranked if not (t.max_concurrency and t.inflight >= t.max_concurrency)] + full
