@@ -21,7 +21,8 @@ of ``--tokens`` tokens:
 
 Per phase: where the requests went, why (the strategy's decision reasons: ``sla_cheapest`` is a
 fit, ``lowest_estimate`` none fitted, ``explore`` learning a target), the requests llama.cpp got
-whose estimate at dispatch exceeded their SLA, each target's SLA attainment, and llama.cpp's
+whose estimate at dispatch exceeded their SLA (``slots_full``: the route's first choice was
+llama.cpp with its one slot taken, so the next one served), each target's SLA attainment, and llama.cpp's
 passive profile at the phase's end. The report goes to --out (default
 benchmarks/results/gateway-mixed-DATE.json).
 """
@@ -49,7 +50,7 @@ PROG = "python -m benchmarks gateway-mixed"
 PROMPT = "Once upon a time"
 ENGINE_ARGS = ("--dtype", "fp32", "--device", "cpu", "--attention-backend", "torch", "--num-blocks", "256")
 """The torch attention backend: no C++ kernel build before the first run."""
-REASONS = ("sla_cheapest", "lowest_estimate", "explore", "no_data_least_loaded", "fallback")
+REASONS = ("sla_cheapest", "lowest_estimate", "explore", "no_data_least_loaded", "slots_full", "fallback")
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,8 +169,9 @@ class Dispatcher:
             if remaining <= 0:
                 raise DeadlineExceededError(f"the request took more than {timeout_s:g} s")
             target = self.pool.targets[state.name]
-            first = attempt == 0 and state is ranking.targets[0]  # not when its slots were full
-            self.metrics.decisions.labels(route.model, target.name, ranking.reason if first else "fallback").inc()
+            first = attempt == 0 and state is ranking.targets[0]
+            reason = ranking.reason if first else "slots_full" if attempt == 0 else "fallback"
+            self.metrics.decisions.labels(route.model, target.name, reason).inc()
             estimate = ranking.estimate_ms if first else None
             try:
                 async for reply in self._attempt(route, request, target, message, metadata, remaining,
