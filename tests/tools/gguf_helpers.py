@@ -36,7 +36,8 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
                           dims: dict[str, int] | None = None,
                           qtypes: dict[str, GGMLQuantizationType] | None = None, rope_base: float = 100000.0,
                           rope_freqs: np.ndarray | None = None, sliding_window: int | None = None,
-                          longrope: tuple[np.ndarray, np.ndarray, int] | None = None) -> dict[str, np.ndarray]:
+                          longrope: tuple[np.ndarray, np.ndarray, int] | None = None,
+                          softcaps: tuple[float, float] | None = None) -> dict[str, np.ndarray]:
     """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
     q/k rows permuted); returns the HF-layout float32 weights it was quantized from.
 
@@ -46,7 +47,10 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
 
     ``arch="phi3"`` writes llama.cpp's Phi-3 layout: ``attn_qkv`` (q|k|v) and ``ffn_up`` (gate|up)
     fused, the HF names ``qkv_proj`` / ``gate_up_proj``; ``longrope`` (long factors, short
-    factors, original context) adds ``rope_factors_long/short`` and the rope.scaling keys."""
+    factors, original context) adds ``rope_factors_long/short`` and the rope.scaling keys.
+
+    ``arch="gemma2"`` writes llama.cpp's Gemma 2 layout: pre- and post-norms around attention and
+    the MLP, every norm stored as ``1 + w``; ``softcaps`` (attention, final) their metadata."""
     sizes = TINY | (dims or {})
     d, h, kvh, f = sizes["hidden"], sizes["heads"], sizes["kv_heads"], sizes["ffn"]
     head_dim = d // h
@@ -67,6 +71,12 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     writer.add_rope_dimension_count(head_dim)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
+    if arch == "gemma2":  # llama.cpp's Gemma 2 conversion writes the head sizes
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if softcaps is not None:
+        writer.add_attn_logit_softcapping(softcaps[0])
+        writer.add_final_logit_softcapping(softcaps[1])
     if longrope is not None:
         original = longrope[2]
         writer.add_rope_scaling_orig_ctx_len(original)
@@ -117,6 +127,23 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
             add(f"blk.{i}.ffn_up.weight", p + "mlp.gate_up_proj.weight", rand(2 * f, d), q41)
             add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)
             continue
+        if arch == "gemma2":  # llama.cpp stores Gemma's norm weights w as 1 + w
+            def norm(gguf_name: str, hf_name: str) -> None:
+                w = rand(d)
+                writer.add_tensor(gguf_name, 1 + w)
+                hf[p + hf_name] = w
+            norm(f"blk.{i}.attn_norm.weight", "input_layernorm.weight")
+            add(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", rand(h * head_dim, d), q41)
+            add(f"blk.{i}.attn_k.weight", p + "self_attn.k_proj.weight", rand(kvh * head_dim, d), q41)
+            add(f"blk.{i}.attn_v.weight", p + "self_attn.v_proj.weight", rand(kvh * head_dim, d), q41)
+            add(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight", rand(d, h * head_dim), q41)
+            norm(f"blk.{i}.post_attention_norm.weight", "post_attention_layernorm.weight")
+            norm(f"blk.{i}.ffn_norm.weight", "pre_feedforward_layernorm.weight")
+            add(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rand(f, d), q41)
+            add(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rand(f, d), q41)
+            add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)
+            norm(f"blk.{i}.post_ffw_norm.weight", "post_feedforward_layernorm.weight")
+            continue
         add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(d), f32)
         add(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", rand(h * head_dim, d), q41, h)
         add(f"blk.{i}.attn_k.weight", p + "self_attn.k_proj.weight", rand(kvh * head_dim, d), q41, kvh)
@@ -129,7 +156,12 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
         add(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight", rand(f, d), q41)
         add(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight", rand(f, d), q41)
         add(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight", rand(d, f), q41)
-    add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
+    if arch == "gemma2":
+        w = rand(d)
+        writer.add_tensor("output_norm.weight", 1 + w)
+        hf["model.norm.weight"] = w
+    else:
+        add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
     if untied:
         add("output.weight", "lm_head.weight", rand(len(TOKENS), d), q80)
     if longrope is not None:
