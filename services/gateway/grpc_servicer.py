@@ -2,7 +2,7 @@
 
 A gRPC client talks to the gateway as it would to one engine. The model id comes from the
 ``x-tokenmill-model`` metadata (absent: the routes file's default model); SLA and routing
-metadata from the keys of services/gateway/request_meta.py; ``authorization`` is passed on, or,
+metadata from the keys of services/gateway/intake.py (which builds the routing request, as for HTTP); ``authorization`` is passed on, or,
 with the gateway's API keys (api_keys.py), checked here (its limits too) and replaced by each
 target's own token.
 Generate streams what the chosen engine streams (Started held until the first token, so a
@@ -22,14 +22,7 @@ from services.common.errors import InvalidArgumentError, UnavailableError
 from services.gateway.api_keys import ApiKey, ApiKeys
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.gateway.dispatch import Dispatcher, engine_error
-from services.gateway.request_meta import (
-    MODEL_HEADER,
-    forwarded_auth,
-    ids_prefix,
-    chat_prefix,
-    metadata_from,
-    sla_from,
-)
+from services.gateway.intake import MODEL_HEADER, chat_prefix, forwarded_auth, ids_prefix, route_request, text_prefix
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
 
@@ -38,8 +31,8 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
 
 
-def route_request(route: Route, request: generation_pb2.GenerateRequest, md: Mapping[str, str]) -> RouteRequest:
-    sla, worst = sla_from(md, route.sla_ms, route.worst_case)
+def routed(route: Route, request: generation_pb2.GenerateRequest, md: Mapping[str, str]) -> RouteRequest:
+    """The intake's routing request of a Generate call (its fields read off the protobuf here)."""
     stop, sampling = request.stop, request.sampling
     max_tokens = stop.max_tokens if stop.HasField("max_tokens") else None
     params = {"max_tokens": max_tokens, "priority": request.priority, "top_k": sampling.top_k}
@@ -47,15 +40,14 @@ def route_request(route: Route, request: generation_pb2.GenerateRequest, md: Map
         params["temperature"] = sampling.temperature
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        prefix = request.text[:4096]
+        prefix = text_prefix(request.text)
     elif kind == "chat":
         prefix = chat_prefix([(m.role, m.content) for m in request.chat.messages])
     elif kind == "token_ids":
         prefix = ids_prefix(request.token_ids.ids)
     else:
         prefix = ""
-    return RouteRequest(route.model, max_tokens or route.expected_output_tokens, sla, worst, prefix, params,
-                        metadata_from(md))
+    return route_request(route, md, max_tokens=max_tokens, prefix=prefix, params=params)
 
 
 class GatewayServicer(generation_pb2_grpc.GenerationServicer):
@@ -90,7 +82,7 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         if key is None:
             # Only a keyed gateway names its clients' shares; a keyless one passes none on.
             request.fairness_key = ""
-            async for reply in self.dispatcher.generate(route, route_request(route, request, md), request,
+            async for reply in self.dispatcher.generate(route, routed(route, request, md), request,
                                                         engine_md, timeout):
                 yield reply
             return
@@ -100,15 +92,15 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
         if request.request_id in self._owners:
             raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use by a running request")
         with self.api_keys.in_flight(key):
-            routed = route_request(route, request, md)
-            routed.budget = self.api_keys.admit(key, routed.expected_output_tokens)
+            rr = routed(route, request, md)
+            rr.budget = self.api_keys.admit(key, rr.expected_output_tokens)
             self._owners[request.request_id] = key.tenant
             try:
-                async for reply in self.dispatcher.generate(route, routed, request, engine_md, timeout):
+                async for reply in self.dispatcher.generate(route, rr, request, engine_md, timeout):
                     yield reply
             finally:
                 del self._owners[request.request_id]
-                routed.budget.settle()
+                rr.budget.settle()
 
     async def Abort(self, request, context):
         md = _metadata(context)

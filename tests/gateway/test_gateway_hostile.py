@@ -37,7 +37,7 @@ from prometheus_client import REGISTRY
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from services.scheduler.core.config import SchedulerLimits
-from services.gateway.request_meta import MODEL_HEADER
+from services.gateway.intake import MODEL_HEADER
 from tests.helpers.gateway_process import GatewayProcess, start_gateway
 from tests.helpers.gateway_stack import serve_engine, stop_all, stories_with_chat_template, write_routes
 

@@ -42,7 +42,7 @@ from services.gateway.http.structured import OutputPlan, ToolCallStream, parse_t
 from services.gateway.http.tokens import TokenNamer
 from services.gateway import reasoning
 from services.gateway.reasoning.think import ThinkParser
-from services.gateway.request_meta import chat_prefix
+from services.gateway.intake import chat_prefix
 from services.gateway.tool_calls.reader import ReplyReader
 
 

@@ -12,6 +12,7 @@ import json
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.http.errors import bad_request
+from services.gateway.intake import max_output_tokens
 from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -131,7 +132,7 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
         # objects. Sent whatever tool_choice is: the model knows what it may call.
         message.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
                                              ensure_ascii=False)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max_output_tokens(body.max_completion_tokens, body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     _fill_common(message, body, max_tokens, logprobs, body.prompt_logprobs)
     return message

@@ -10,7 +10,7 @@ from services.gateway.http.context import HttpContext, api_key_of
 from services.gateway.http.engine_request import per_choice
 from services.gateway.http.errors import bad_request
 from services.gateway.http.protocol import SamplingFields
-from services.gateway.request_meta import MAX_PREFIX_CHARS, forwarded_auth, ids_prefix, metadata_from, sla_from
+from services.gateway.intake import forwarded_auth, ids_prefix, max_output_tokens, route_request, text_prefix
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
 from services.common.pb.tokenmill.v1 import generation_pb2
@@ -32,24 +32,23 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
     if api_key is not None:
         api_key.check_model(route.model)
         api_key.check_priority(body.priority)
-    sla, worst = sla_from(headers, route.sla_ms, route.worst_case)
-    metadata = metadata_from(headers, getattr(body, "metadata", None))
     params = body.model_dump(exclude_none=True, exclude={"messages", "prompt"})
-    stop_max = params.get("max_completion_tokens", params.get("max_tokens"))
-    expected = stop_max or route.expected_output_tokens
-    budget = None
+    max_tokens = max_output_tokens(getattr(body, "max_completion_tokens", None), body.max_tokens)
+    routed = [route_request(route, headers, max_tokens=max_tokens, params=params, body_metadata=getattr(
+        body, "metadata", None), prefix=text_prefix(prompt) if isinstance(prompt, str) else ids_prefix(prompt))
+        for prompt, _ in templates]
     if api_key is not None:
         # One request (of its key's requests_per_minute) reserving every call's most tokens;
         # the middleware settles it when the answer has gone.
-        budget = ctx.api_keys.admit(api_key, expected * total)
+        budget = ctx.api_keys.admit(api_key, routed[0].expected_output_tokens * total)
         request.scope["state"]["budget"] = budget
+        for rr in routed:
+            rr.budget = budget
     calls: Calls = []
-    for prompt_index, (prompt, template) in enumerate(templates):
+    for prompt_index, (rr, (_, template)) in enumerate(zip(routed, templates)):
         if api_key is not None:
             template.cache_salt = api_key.cache_salt
             template.fairness_key = api_key.tenant
-        prefix = prompt[:MAX_PREFIX_CHARS] if isinstance(prompt, str) else ids_prefix(prompt)
-        rr = RouteRequest(route.model, expected, sla, worst, prefix, params, metadata, budget)
         for j in range(body.n):
             index = prompt_index * body.n + j
             calls.append((rr, per_choice(template, body, request_id, index, total)))

@@ -1,6 +1,10 @@
-"""What both front ends read from a request besides its body: SLA, metadata, the prefix to hash.
+"""The gateway's one intake: what routing sees of a request, built once for HTTP and gRPC.
 
-Headers (HTTP) and call metadata (gRPC) use the same keys:
+Each front end reads its own body (OpenAI JSON, Anthropic's and the Responses API through the
+chat path, the Generation API's protobuf) and hands ``route_request`` plain values: the output
+limit (``max_output_tokens`` resolves OpenAI's two names of it), the prompt's prefix (cut here, at
+MAX_PREFIX_CHARS, whatever its form), the parameters conditional rules read, and its headers or
+call metadata, which use the same keys:
 
     x-tokenmill-model            gRPC only: the model id (HTTP has the body's "model")
     x-tokenmill-sla-ms           the response time the client needs, in ms
@@ -16,9 +20,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgumentError, UnauthenticatedError
+from services.gateway.routing.build import Route
+from services.gateway.routing.request import RouteRequest
+
+if TYPE_CHECKING:
+    from services.gateway.rate_limits import Grant
 
 SLA_HEADER = "x-tokenmill-sla-ms"
 PERCENTILE_HEADER = "x-tokenmill-sla-percentile"
@@ -74,6 +83,25 @@ def forwarded_auth(value: str | None) -> tuple[tuple[str, str], ...]:
     if not value.isascii() or not value.isprintable():
         raise UnauthenticatedError("malformed Authorization header: send 'Bearer TOKEN' in printable ASCII")
     return (("authorization", value),)
+
+
+def route_request(route: Route, headers: Mapping[str, str], *, max_tokens: int | None, prefix: str,
+                  params: Mapping[str, Any], body_metadata: Mapping[str, Any] | None = None,
+                  budget: Grant | None = None) -> RouteRequest:
+    """The routing request of one prompt: its SLA and metadata from ``headers`` (else the route's
+    defaults), the output it expects (``max_tokens``, else the route's ``expected_output_tokens``)."""
+    sla, worst = sla_from(headers, route.sla_ms, route.worst_case)
+    return RouteRequest(route.model, max_tokens or route.expected_output_tokens, sla, worst, prefix, params,
+                        metadata_from(headers, body_metadata), budget)
+
+
+def max_output_tokens(max_completion_tokens: int | None, max_tokens: int | None) -> int | None:
+    """OpenAI's two names of one limit: ``max_completion_tokens`` (the newer) wins."""
+    return max_completion_tokens if max_completion_tokens is not None else max_tokens
+
+
+def text_prefix(text: str) -> str:
+    return text[:MAX_PREFIX_CHARS]
 
 
 def chat_prefix(messages: Sequence[tuple[str, str]]) -> str:
