@@ -90,7 +90,7 @@ def run_litellm(python: Path, strategy: str, traces: list[list[Job]], http_ports
             "strategy": strategy,
             "deployments": {name: f"http://127.0.0.1:{http_ports[name]}/v1" for name in engine_names()},
             "stop_below": stop_below,
-            "traces": [[[j.at_s, j.prompt, j.max_tokens, j.sla_ms] for j in jobs] for jobs in traces]}))
+            "traces": [[[j.at_s, j.prompt, j.max_tokens, j.sla_ms if j.counted else None] for j in jobs] for jobs in traces]}))
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
                "LITELLM_TELEMETRY": "False", "PYTHONPATH": ""}
         subprocess.run([str(python), str(RUNNER), str(spec), str(out)], check=True, env=env, timeout=3600,

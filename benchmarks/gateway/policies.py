@@ -74,11 +74,13 @@ async def _one(dispatcher: Dispatcher, route: Route, job: Job, index: int, t0: f
 
 
 def _summary(policy: str, jobs: list[Job], records: dict, outcomes: dict[str, Outcome]) -> PolicyResult:
-    result = PolicyResult(policy, requests=len(jobs))
+    result = PolicyResult(policy, requests=sum(job.counted for job in jobs))
     times, free, cost, share = [], [], 0.0, Counter()
     attained: dict[str, list[int]] = {}
     errors = []
     for index, job in enumerate(jobs):
+        if not job.counted:
+            continue
         rid = f"job-{index}"
         e2e, outcome = records.get(rid), outcomes.get(rid)
         if e2e is None or outcome is None:

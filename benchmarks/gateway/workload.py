@@ -42,6 +42,8 @@ class Job:
     max_tokens: int
     sla_ms: float | None
     sla_class: str
+    counted: bool = True
+    """False for a warm-up request: sent like the others, left out of the figures."""
 
 
 def sim_engines(jitter: float = 0.05) -> list[dict]:
@@ -58,7 +60,10 @@ def cost_of(target: str) -> float:
     return COSTS[target.rsplit("-", 1)[0]]
 
 
-def poisson_trace(rate_per_s: float, duration_s: float, seed: int = 1) -> list[Job]:
+def poisson_trace(rate_per_s: float, duration_s: float, seed: int = 1, warmup_s: float = 0.0) -> list[Job]:
+    """``duration_s`` of arrivals after ``warmup_s`` of warm-up ones (sent, not counted): the
+    routers learn their targets' latencies first, and the figures are of the steady state."""
+    duration_s += warmup_s
     rng = random.Random(seed)
     fast = POOL["fast"]
     jobs, t = [], 0.0
@@ -70,4 +75,4 @@ def poisson_trace(rate_per_s: float, duration_s: float, seed: int = 1) -> list[J
         name, slack, _ = rng.choices(SLA_CLASSES, [w for _, _, w in SLA_CLASSES])[0]
         idle_fast_ms = fast["prefill_ms"] + fast["tpot_ms"] * tokens
         prompt = rng.choice(SYSTEM_PROMPTS) + f"Question {len(jobs)}: what happens next?"
-        jobs.append(Job(t, prompt, tokens, None if slack is None else slack * idle_fast_ms, name))
+        jobs.append(Job(t, prompt, tokens, None if slack is None else slack * idle_fast_ms, name, t >= warmup_s))
