@@ -56,8 +56,13 @@ class Gemma3Layer(nn.Module):
         self.down = build_linear([w("mlp.down_proj.weight")])
         self.softcap = config.attn_logit_softcapping
         """Gemma 2's cap on attention scores (None: uncapped)."""
-        self.q_norm = gemma_norm_weight(w("self_attn.q_norm.weight")) if config.qk_norm else None
-        self.k_norm = gemma_norm_weight(w("self_attn.k_norm.weight")) if config.qk_norm else None
+        self.qk_norm = None
+        """q's and k's ``1 + w`` as one [H + KH, hd] weight: one norm call for both (per head)."""
+        if config.qk_norm:
+            q_norm = gemma_norm_weight(w("self_attn.q_norm.weight"))
+            k_norm = gemma_norm_weight(w("self_attn.k_norm.weight"))
+            self.qk_norm = nn.Parameter(torch.cat([q_norm.expand(self.num_heads, -1),
+                                                   k_norm.expand(self.num_kv_heads, -1)]), requires_grad=False)
         self.input_norm = gemma_norm_weight(w("input_layernorm.weight"))
         self.post_attn_norm = gemma_norm_weight(w("post_attention_layernorm.weight"))
         self.pre_mlp_norm = gemma_norm_weight(w("pre_feedforward_layernorm.weight"))
@@ -70,9 +75,9 @@ class Gemma3Layer(nn.Module):
         x = gemma_rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # [T, q + 2kv]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, h + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat([gemma_rms_norm(qk[:, :h], self.q_norm, self.eps),
-                            gemma_rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
+        if self.qk_norm is not None:
+            # normalized per head, then scaled: bitwise what the fused op with [hd] weights computes
+            qk = (F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps) * self.qk_norm).to(qk.dtype)
         q, k = ops.rotary(qk, h, rope)  # [T, H, hd], [T, KH, hd]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
