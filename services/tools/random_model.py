@@ -50,6 +50,23 @@ class RandomModelSpec:
     """Gemma 2: the cap on attention scores."""
     final_logit_softcapping: float | None = None
     """Gemma 2: the cap on logits."""
+    num_experts: int = 0
+    """Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE): the routed experts per sparse layer."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    """Each expert's width (Qwen2/3-MoE; Mixtral and OLMoE use intermediate_size)."""
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: the shared expert's width."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Qwen2/3-MoE: layers that keep a dense MLP."""
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +76,9 @@ class RandomModelSpec:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * d * f + 2 * d
+        if self.num_experts:
+            per_layer = attn + 2 * d + self.num_experts * (d + 3 * d * self.expert_size) \
+                + 3 * d * self.shared_expert_intermediate_size
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + head + self.num_layers * per_layer + d
 
@@ -77,7 +97,8 @@ PRESETS: dict[str, RandomModelSpec] = {
 def _config_json(spec: RandomModelSpec) -> dict:
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                  "Phi3ForCausalLM": "phi3"}
+                  "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
     if spec.architecture not in model_type:
         raise ValueError(f"unsupported architecture {spec.architecture!r}")
     cfg = {
@@ -130,8 +151,21 @@ def _config_json(spec: RandomModelSpec) -> dict:
                 "attn_logit_softcapping": spec.attn_logit_softcapping,
                 "final_logit_softcapping": spec.final_logit_softcapping,
                 "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
-    if spec.architecture == "Qwen2ForCausalLM":
+    if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         cfg["use_sliding_window"] = False
+    if spec.architecture == "MixtralForCausalLM":
+        cfg |= {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                "sliding_window": spec.sliding_window}
+    if spec.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        cfg |= {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                "norm_topk_prob": spec.norm_topk_prob}
+    if spec.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        cfg |= {"moe_intermediate_size": spec.expert_size, "decoder_sparse_step": 1,
+                "mlp_only_layers": list(spec.mlp_only_layers)}
+    if spec.architecture == "Qwen2MoeForCausalLM":
+        cfg |= {"shared_expert_intermediate_size": spec.shared_expert_intermediate_size, "qkv_bias": True}
+    if spec.architecture == "OlmoeForCausalLM":
+        cfg |= {"clip_qkv": None, "pad_token_id": 0}
     return cfg
 
 
@@ -171,6 +205,22 @@ def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _expert_tensors(spec: RandomModelSpec, p: str, rand) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts under transformers' checkpoint names, in place of its MLP's."""
+    d, f = spec.hidden_size, spec.expert_size
+    block, gate, up, down = ("block_sparse_moe.", "w1", "w3", "w2") if spec.architecture == "MixtralForCausalLM" \
+        else ("mlp.", "gate_proj", "up_proj", "down_proj")
+    out = {f"{p}{block}gate.weight": rand(spec.num_experts, d)}
+    for e in range(spec.num_experts):
+        out |= {f"{p}{block}experts.{e}.{gate}.weight": rand(f, d), f"{p}{block}experts.{e}.{up}.weight": rand(f, d),
+                f"{p}{block}experts.{e}.{down}.weight": rand(d, f)}
+    if spec.shared_expert_intermediate_size:
+        s = spec.shared_expert_intermediate_size
+        out |= {f"{p}mlp.shared_expert.gate_proj.weight": rand(s, d), f"{p}mlp.shared_expert.up_proj.weight": rand(s, d),
+                f"{p}mlp.shared_expert.down_proj.weight": rand(d, s), f"{p}mlp.shared_expert_gate.weight": rand(1, d)}
+    return out
+
+
 def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """Write config.json and model.safetensors, plus tokenizer files: copied from
     ``tokenizer_from`` when given, else a synthetic tokenizer (when the vocabulary has room for one)."""
@@ -201,11 +251,18 @@ def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_fro
             p + "input_layernorm.weight": ones(d),
             p + "post_attention_layernorm.weight": ones(d),
         }
-        if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"):
             tensors |= {p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)}
+        if spec.architecture == "OlmoeForCausalLM":  # over the whole q and k widths
+            tensors |= {p + "self_attn.q_norm.weight": ones(spec.num_heads * hd),
+                        p + "self_attn.k_norm.weight": ones(spec.num_kv_heads * hd)}
+        if spec.sparse(i):  # the routed experts replace the MLP
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del tensors[p + f"mlp.{name}.weight"]
+            tensors |= _expert_tensors(spec, p, rand)
         if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             tensors |= {p + "pre_feedforward_layernorm.weight": ones(d), p + "post_feedforward_layernorm.weight": ones(d)}
-        if spec.architecture == "Qwen2ForCausalLM":
+        if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             tensors |= {
                 p + "self_attn.q_proj.bias": rand(spec.num_heads * hd) * 10,
                 p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,

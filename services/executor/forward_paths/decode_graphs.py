@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement, setting
 
 if TYPE_CHECKING:
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.decode_graphs import DecodeGraphs
+
+_log = structlog.get_logger("tokenmill.model")
 
 GRAPH_BACKENDS = ("triton",)
 """Backends whose forward is capturable: no host reads of device data, no host branching on
@@ -65,6 +69,11 @@ class DecodeGraphsPath(ForwardPath):
             # has one per group (services/common/kv_groups.py): the eager step runs it.
             return None
         from services.runtime.model.decode_graphs import DecodeGraphs
+
+        if runtime.device.type == "cuda" and runtime.model.config.moe is not None:
+            # The grouped experts size their products from the routing on the host: nothing to capture.
+            _log.info("decode graphs", path="eager", reason="the model routes its MLP through experts")
+            return None
 
         return cls(DecodeGraphs(
             runtime.model, runtime.kv_caches, block_size=runtime.block_size, max_model_len=runtime.max_model_len,

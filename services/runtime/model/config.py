@@ -4,7 +4,8 @@ Llama, Mistral and Qwen2 share one implementation (llama.py: GQA/MQA, RoPE with 
 and its scaling types (rope.py), RMSNorm, SwiGLU, tied or untied embeddings, q/k/v bias for
 Qwen2); Qwen3 adds per-head q/k norms (qwen3.py); Phi-3 stores q|k|v and gate|up fused (phi3.py);
 Gemma 3 is its own file (gemma3.py) and Gemma 2 its variant without q/k norms, with tanh soft-capping
-of attention scores and logits (gemma2.py). Anything
+of attention scores and logits (gemma2.py). The mixture-of-experts families (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE) are those layers with the MLP replaced by a routed set of experts (moe.py). Anything
 else is refused with an error that names the architecture, rather than loaded and run wrong.
 
 A layer's sliding window (Mistral, Gemma 3's local layers, Qwen2 with ``use_sliding_window``)
@@ -20,15 +21,19 @@ from pathlib import Path
 
 import torch
 
+from services.runtime.model.moe_config import MoeConfig
 from services.runtime.model.quant.config import QuantizationConfig
 from services.runtime.model.rope import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-            "Phi3ForCausalLM": "phi3"}
+            "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+            "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
 """Which model file runs each architecture."""
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,10 +98,19 @@ class ModelConfig:
     """Gemma 2: logits become ``c * tanh(logits / c)``."""
     quantization: QuantizationConfig | None = None
     """Which weights the checkpoint stores quantized (``quantization_config``; quant/config.py)."""
+    moe: MoeConfig | None = None
+    """Mixture of experts: the routed MLP's shape and rule (None: a dense model)."""
+    qk_norm_per_head: bool = True
+    """With ``qk_norm``: each head normalized over head_dim (Qwen3), or the whole q and k
+    projections over their full width (OLMoE)."""
 
     @property
     def family(self) -> str:
         return FAMILIES[self.architecture]
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the routed experts (else a dense MLP of ``intermediate_size``)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def max_model_len(self) -> int:
@@ -140,6 +154,10 @@ class ModelConfig:
             rope_local = RopeScaling.from_dict(local_rope, local_theta, max_positions)
         if raw.get("mlp_bias") or raw.get("attention_out_bias"):
             raise ValueError("mlp_bias / attention_out_bias are not supported")
+        if arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM") and raw.get("attention_bias"):
+            raise ValueError(f"attention_bias (which {arch} puts on o_proj too) is not supported")
+        if raw.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv {raw['clip_qkv']!r} is not supported (only null)")
         hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if hidden_act != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise ValueError(f"hidden_act {hidden_act!r} is not supported for {arch} "
@@ -172,7 +190,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = int(need("num_hidden_layers"))
         sliding = raw.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        if arch in QWEN_ARCHITECTURES and not raw.get("use_sliding_window", False):
             sliding = None
         layer_windows = _layer_windows(raw, arch, num_layers, int(sliding) if sliding else None)
         dtype_str = raw.get("torch_dtype") or raw.get("dtype") or "float32"
@@ -190,10 +208,13 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),
             layer_windows=layer_windows,
             rope_local=rope_local,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_per_head=arch != "OlmoeForCausalLM",
+            moe=MoeConfig.from_dict(raw, arch, num_layers),
             hidden_act=hidden_act,
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or head_dim) if gemma else None,
             dtype=parse_dtype(str(dtype_str)),
@@ -235,7 +256,7 @@ def _layer_windows(raw: dict, arch: str, num_layers: int, window: int | None) ->
     if arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer is global
         pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the layers from max_window_layers on
+    if arch in QWEN_ARCHITECTURES:  # the layers from max_window_layers on
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers

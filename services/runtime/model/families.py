@@ -11,12 +11,15 @@ from services.runtime.model.config import ModelConfig
 from services.runtime.model.gemma2 import Gemma2ForCausalLM
 from services.runtime.model.gemma3 import Gemma3ForCausalLM
 from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.olmoe import OlmoeForCausalLM
 from services.runtime.model.phi3 import Phi3ForCausalLM
 from services.runtime.model.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    # Mixture of experts: the same layers, their MLP routed when config.moe says so (moe.py)
+    "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": Qwen3ForCausalLM, "olmoe": OlmoeForCausalLM,
 }
 
 

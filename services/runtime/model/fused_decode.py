@@ -74,6 +74,8 @@ def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
     if type(model) is not LlamaForCausalLM:
         return f"the model is {type(model).__name__}; the fused step runs the Llama layer"
+    if model.config.moe is not None:
+        return "the model routes its MLP through experts; the fused step runs dense layers"
     if any(layer.window is not None for layer in model.layers):
         return "the model has sliding-window layers; the fused step attends over the whole context"
     if not isinstance(model.backend, CpuAttentionBackend):

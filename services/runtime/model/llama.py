@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2) as one forward over a flattened varlen batch.
+"""The Llama family (Llama, Mistral, Qwen2; Mixtral and Qwen2-MoE with routed experts) as one forward
+over a flattened varlen batch.
 
 Every sequence in a step contributes any number of new tokens (a prompt, a prefill chunk,
 one decode token, k+1 speculative tokens); the batch is flattened to T tokens and the
@@ -19,6 +20,7 @@ from services.runtime.model.attention.base import AttentionBackend, AttentionMet
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.layers import RotaryEmbedding
 from services.runtime.model.linear import Linear, worth_prepacking
+from services.runtime.model.moe import SparseMoe
 from services.runtime.model.ops import TorchOps, get_model_ops
 from services.runtime.model.quant.formats import QuantizedWeight, dequantize
 from services.runtime.model.quant.linear import QuantLinear, build_linear
@@ -47,8 +49,11 @@ class LlamaLayer(nn.Module):
             else None,
         )
         self.o_proj = build_linear([w("self_attn.o_proj.weight")])
-        self.gate_up = build_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
-        self.down = build_linear([w("mlp.down_proj.weight")])
+        self.moe = SparseMoe(config, weights, prefix) if config.sparse(index) else None
+        """The routed experts in place of the MLP (moe.py), or None: a dense layer."""
+        if self.moe is None:
+            self.gate_up = build_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+            self.down = build_linear([w("mlp.down_proj.weight")])
         self.input_norm = nn.Parameter(w("input_layernorm.weight"), requires_grad=False)
         self.post_norm = nn.Parameter(w("post_attention_layernorm.weight"), requires_grad=False)
 
@@ -74,6 +79,8 @@ class LlamaLayer(nn.Module):
         attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)  # [T, H, hd]
         attn_out = self.o_proj(attn.reshape(t, self.q_size))
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
+        if self.moe is not None:
+            return hidden + self.moe(x)
         gate_up = self.gate_up(x)  # [T, 2F]
         return hidden + self.down(ops.silu_and_mul(gate_up))
 

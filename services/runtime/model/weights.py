@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from services.runtime.model.config import ModelConfig
+from services.runtime.model.moe import expert_weight_names
 from services.runtime.model.quant.checkpoint import assemble, split_expected
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -75,14 +76,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (d,),
             p + "post_attention_layernorm.weight": (d,),
         }
+        if config.sparse(i):  # the routed experts in place of the MLP (moe.py)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[p + f"mlp.{name}.weight"]
+            shapes |= expert_weight_names(config, p)
         if config.family == "phi3":  # q|k|v and gate|up stored fused (phi3.py splits them)
             for name in ("q_proj", "k_proj", "v_proj"):
                 del shapes[p + f"self_attn.{name}.weight"]
             del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
             shapes |= {p + "self_attn.qkv_proj.weight": (q_out + 2 * kv_out, d), p + "mlp.gate_up_proj.weight": (2 * f, d)}
         if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
-                       p + "self_attn.k_norm.weight": (config.head_dim,)}
+            per_head = config.qk_norm_per_head  # else OLMoE's norms over the whole q and k widths
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim if per_head else q_out,),
+                       p + "self_attn.k_norm.weight": (config.head_dim if per_head else kv_out,)}
         if config.family in ("gemma2", "gemma3"):  # norms after attention and around the MLP
             shapes |= {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
         if config.attention_bias:
