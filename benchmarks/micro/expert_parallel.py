@@ -104,7 +104,8 @@ def _rank_main(rank: int, s: ExpertParallelSettings, port: int, results) -> None
     stack = []
     for layer in range(s.layers):
         router, w_gate_up, w_down = _layer(s, layer, mine)
-        stack.append((router, ExpertParallelMoe(groups, s.experts, w_gate_up, w_down, exchange=s.exchange)))
+        stack.append((router, ExpertParallelMoe(rank, s.world, s.experts, w_gate_up, w_down, exchange=s.exchange,
+                                                     groups=groups)))
 
     def step(x: torch.Tensor) -> None:
         for router, moe in stack:

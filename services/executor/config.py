@@ -27,6 +27,8 @@ TENSOR_PARALLEL_ALL_REDUCE = ("auto", "shm", "gloo")
 """The same names as services/runtime/parallel/collectives.py ALL_REDUCE_BACKENDS (torch-free here)."""
 TENSOR_PARALLEL_LM_HEADS = ("vocab", "replicated")
 """The same names as services/runtime/parallel/vocab_head.py LM_HEADS."""
+TENSOR_PARALLEL_EXPERTS = ("all_to_all", "all_reduce", "replicated")
+"""all_to_all and all_reduce: services/runtime/parallel/expert_parallel.py EXCHANGES."""
 
 
 @dataclass(slots=True)
@@ -67,6 +69,12 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
                  "or replicated (rank 0 alone runs the whole head)")
     """vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
     of the logits (docs/benchmarks.md, "Tensor parallelism on a CPU", measures both)."""
+    tensor_parallel_experts: str = setting(
+        "all_to_all", "a mixture-of-experts model's experts under tensor parallelism: all_to_all (split over the "
+                      "ranks, tokens sent to their experts' ranks and back), all_reduce (split, each rank's experts "
+                      "over all tokens, the outputs summed) or replicated (every rank runs every expert)")
+    """The split ones read 1/N of the expert bytes a rank per step; docs/benchmarks.md ("Expert
+    parallelism on a CPU") measures both exchanges."""
     quant_activations: str = setting(
         "auto", "CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight "
                 "type, int8 for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types "
@@ -109,6 +117,9 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
         if self.tensor_parallel_lm_head not in TENSOR_PARALLEL_LM_HEADS:
             raise ValueError(f"tensor_parallel_lm_head must be one of {', '.join(TENSOR_PARALLEL_LM_HEADS)}, "
                              f"got {self.tensor_parallel_lm_head!r}")
+        if self.tensor_parallel_experts not in TENSOR_PARALLEL_EXPERTS:
+            raise ValueError(f"tensor_parallel_experts must be one of {', '.join(TENSOR_PARALLEL_EXPERTS)}, "
+                             f"got {self.tensor_parallel_experts!r}")
         if self.tensor_parallel_all_reduce not in TENSOR_PARALLEL_ALL_REDUCE:
             raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(TENSOR_PARALLEL_ALL_REDUCE)}, "
                              f"got {self.tensor_parallel_all_reduce!r}")

@@ -95,13 +95,15 @@ def start_rank_zero(config: ExecutorConfig, mc: ModelConfig, device: torch.devic
                         rank=rank, world=world, store_path=store_path, threads=torch.get_num_threads(),
                         log_level=level if level in ("debug", "info", "warning", "error") else "info",
                         all_reduce=config.tensor_parallel_all_reduce, fused=path is FusedDecodePath,
-                        lm_head=config.tensor_parallel_lm_head, max_model_len=max_model_len,
+                        lm_head=config.tensor_parallel_lm_head, experts=config.tensor_parallel_experts,
+                        max_model_len=max_model_len,
                         graphs_max_batch_size=graphs_max_batch_size)
 
     leader = TensorParallelLeader(spec, world)  # the other ranks load while this one does
     try:
         model, hooks, plan = load_shard(config.model, mc, backend, device, dtype, world, 0,
-                                        vocab_parallel=config.tensor_parallel_lm_head == "vocab")
+                                        vocab_parallel=config.tensor_parallel_lm_head == "vocab",
+                                        experts=config.tensor_parallel_experts)
         blocks = config.num_blocks or blocks_for_budget(model.config, config.block_size, kv_dtype, device,
                                                         config.kv_cache_bytes, config.gpu_memory_utilization)
         groups = leader.join(device, config.tensor_parallel_all_reduce)

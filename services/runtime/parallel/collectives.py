@@ -229,13 +229,29 @@ class AllReduceHooks:
     model code stays the single-device code. ``groups`` is set once the ranks have joined."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.groups: RankGroups | None = None
+        self._groups: RankGroups | None = None
+        self.expert_layers: list = []
+        """The sparse layers' ExpertParallelMoe (expert_parallel.py), which exchange tokens
+        themselves; they get the groups with the hooks."""
         self.timed = False
         self._seconds = 0.0
         self._shm_start = 0.0
         for layer in model.layers:
-            for module in (layer.o_proj, layer.down):
-                module.register_forward_hook(self._hook)
+            # A sparse layer has no row-parallel down projection: its experts are replicated
+            # (nothing to sum) or split (their exchange sums them).
+            for module in (layer.o_proj, getattr(layer, "down", None)):
+                if module is not None:
+                    module.register_forward_hook(self._hook)
+
+    @property
+    def groups(self) -> RankGroups | None:
+        return self._groups
+
+    @groups.setter
+    def groups(self, groups: RankGroups) -> None:
+        self._groups = groups
+        for experts in self.expert_layers:
+            experts.groups = groups
 
     def start_timing(self) -> None:
         """Count the time spent in collectives from now (the benchmark's share of a step)."""

@@ -56,20 +56,43 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size())
 
 
-class ExpertParallelMoe:
-    """Rank ``groups.rank``'s experts of one sparse layer (its run of ``expert_runs``)."""
+def split_experts(model, world: int, rank: int, exchange: str) -> list["ExpertParallelMoe"]:
+    """Cut every sparse layer of ``model`` (a ``moe`` attribute with stacked dense ``w_gate_up``
+    and ``w_down``) to ``rank``'s run of experts and give it the ExpertParallelMoe that runs
+    them (``moe.expert_parallel``); the groups are set on them once the ranks have joined."""
+    split = []
+    for index, layer in enumerate(model.layers):
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        if not all(isinstance(w, torch.Tensor) for w in (moe.w_gate_up, moe.w_down)):
+            raise ValueError(f"layer {index}: expert parallelism splits dense experts; this layer's are "
+                             f"{type(moe.w_gate_up).__name__} (tensor_parallel_experts 'replicated' runs them)")
+        num_experts = moe.w_gate_up.shape[0]
+        run = expert_runs(num_experts, world)[rank]
+        experts = ExpertParallelMoe(rank, world, num_experts, moe.w_gate_up.data[run.start:run.stop].clone(),
+                                    moe.w_down.data[run.start:run.stop].clone(),
+                                    getattr(moe, "activation", "silu"), exchange)
+        moe.w_gate_up = moe.w_down = None  # the rank's run lives in ``experts``, the rest is freed
+        moe.expert_parallel = experts
+        split.append(experts)
+    return split
 
-    def __init__(self, groups: RankGroups, num_experts: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                 activation: str = "silu", exchange: str = "all_to_all") -> None:
+
+class ExpertParallelMoe:
+    """Rank ``rank``'s experts of one sparse layer (its run of ``expert_runs``)."""
+
+    def __init__(self, rank: int, world: int, num_experts: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 activation: str = "silu", exchange: str = "all_to_all", groups: RankGroups | None = None) -> None:
         """``w_gate_up`` [E_local, 2I, H], ``w_down`` [E_local, H, I]: this rank's run of experts;
-        ``exchange``: one of EXCHANGES."""
+        ``exchange``: one of EXCHANGES; ``groups``: the ranks' (set later when not given)."""
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
-        self.groups, self.exchange = groups, exchange
-        runs = expert_runs(num_experts, groups.world)
-        self.local = runs[groups.rank]
+        self.groups, self.exchange, self.rank, self.world = groups, exchange, rank, world
+        runs = expert_runs(num_experts, world)
+        self.local = runs[rank]
         if w_gate_up.shape[0] != len(self.local) or w_down.shape[0] != len(self.local):
-            raise ValueError(f"rank {groups.rank} holds experts {self.local.start}..{self.local.stop - 1}, got "
+            raise ValueError(f"rank {rank} holds experts {self.local.start}..{self.local.stop - 1}, got "
                              f"{w_gate_up.shape[0]} and {w_down.shape[0]} experts' weights")
         self.w_gate_up, self.w_down, self.activation = w_gate_up, w_down, activation
         self.run_starts = torch.tensor([r.start for r in runs[1:]], dtype=torch.int64, device=w_gate_up.device)
@@ -87,7 +110,7 @@ class ExpertParallelMoe:
         if self.exchange == "all_reduce":
             return self._all_reduce(x, topk_weights, topk_ids)
         start = time.perf_counter()
-        rank, world = self.groups.rank, self.groups.world
+        rank, world = self.rank, self.world
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         lo, hi = num_tokens * rank // world, num_tokens * (rank + 1) // world

@@ -18,6 +18,7 @@ from services.runtime.model.config import ModelConfig
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
 from services.runtime.parallel.collectives import AllReduceHooks, RankGroups
+from services.runtime.parallel.expert_parallel import split_experts
 from services.runtime.parallel.shard import ShardPlan, ffn_alignment, plan_shards, shard_checkpoint, shard_config
 
 KV_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8,
@@ -53,6 +54,8 @@ class RankSpec:
     """Whether rank 0 runs the fused CPU step: the rank builds its own over its shard then."""
     lm_head: str = "replicated"
     """vocab_head.LM_HEADS: whether this rank holds and runs its share of the LM head."""
+    experts: str = "all_to_all"
+    """ExecutorConfig.tensor_parallel_experts: how a sparse layer's experts are held and run."""
     max_model_len: int = 0
     graphs_max_batch_size: int = 0
     """Whether rank 0 runs the decode graphs (> 0: their largest bucket): the rank builds its own
@@ -67,15 +70,19 @@ class RankSpec:
 
 
 def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, device: torch.device,
-               dtype: torch.dtype, world: int, rank: int, prepack: bool = True, vocab_parallel: bool = False
-               ) -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
+               dtype: torch.dtype, world: int, rank: int, prepack: bool = True, vocab_parallel: bool = False,
+               experts: str = "all_to_all") -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
     """The model cut to ``rank``'s shard, its all-reduce hooks not yet joined to a group;
-    ``vocab_parallel``: its LM head is the rank's vocabulary rows (on rank 0 too)."""
+    ``vocab_parallel``: its LM head is the rank's vocabulary rows (on rank 0 too); ``experts``:
+    ExecutorConfig.tensor_parallel_experts (sparse layers' experts split, or replicated)."""
     weights = load_checkpoint(model_dir, config, dtype)
     plan = plan_shards(config, world, ffn_alignment(weights, config))[rank]
     local = shard_config(config, plan, vocab_parallel)
     model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan, vocab_parallel), backend, device, prepack)
-    return model, AllReduceHooks(model), plan
+    hooks = AllReduceHooks(model)
+    if experts != "replicated":
+        hooks.expert_layers = split_experts(model, world, rank, experts)
+    return model, hooks, plan
 
 
 def agree_on_fused_step(model: LlamaForCausalLM, kv_cache: KVCache, groups: RankGroups) -> str | None:

@@ -45,7 +45,7 @@ def run(spec: RankSpec) -> None:
     config = ModelConfig.from_model_dir(spec.model)
     backend = get_attention_backend(spec.attention_backend, device)
     model, hooks, plan = load_shard(spec.model, config, backend, device, parse_dtype(spec.dtype), spec.world,
-                                    spec.rank, vocab_parallel=spec.lm_head == "vocab")
+                                    spec.rank, vocab_parallel=spec.lm_head == "vocab", experts=spec.experts)
     kv_dtype = KV_DTYPES[spec.kv_dtype]
     blocks = spec.num_blocks or blocks_for_budget(model.config, spec.block_size, kv_dtype, device,
                                                   spec.kv_cache_bytes, spec.gpu_memory_utilization)

@@ -94,8 +94,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cp
         for name, exchange in itertools.product(LAYER_CASES, EXCHANGES):
             x, w_gate_up, w_down, weights, ids = (t.to(on) for t in layer_inputs(name))
             mine = expert_runs(w_gate_up.shape[0], world)[rank]
-            layer = ExpertParallelMoe(groups, w_gate_up.shape[0], w_gate_up[mine.start:mine.stop],
-                                      w_down[mine.start:mine.stop], exchange=exchange)
+            layer = ExpertParallelMoe(rank, world, w_gate_up.shape[0], w_gate_up[mine.start:mine.stop],
+                                      w_down[mine.start:mine.stop], exchange=exchange, groups=groups)
             results[f"{backend}/{exchange}/{name}"] = layer(x, weights, ids).cpu()
     save_file(results, os.path.join(out_dir, f"rank{rank}.safetensors"))
 
