@@ -13,6 +13,8 @@ from tests.conftest import STORIES_DIR
 
 def test_the_flag_and_the_variable_set_it(monkeypatch):
     assert parse_config(ExecutorServiceConfig, ["--tensor-parallel-size=2"]).executor.tensor_parallel_size == 2
+    experts = parse_config(ExecutorServiceConfig, ["--tensor-parallel-experts", "all_reduce"]).executor
+    assert experts.tensor_parallel_experts == "all_reduce"
     monkeypatch.setenv("TOKENMILL_EXECUTOR_TENSOR_PARALLEL_SIZE", "3")
     assert parse_config(ExecutorServiceConfig, []).executor.tensor_parallel_size == 3
 
@@ -20,6 +22,9 @@ def test_the_flag_and_the_variable_set_it(monkeypatch):
 def test_bad_values_are_refused_naming_the_setting():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         ExecutorConfig(tensor_parallel_size=0).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_experts must be one of all_to_all, all_reduce, "
+                                         "replicated, got 'split'"):
+        ExecutorConfig(tensor_parallel_experts="split").validate()
     config = ExecutorServiceConfig(executor=ExecutorConfig(tensor_parallel_size=2), role="prefill")
     with pytest.raises(ValueError, match="role 'prefill' moves KV blocks .* tensor_parallel_size 2 needs role 'mixed'"):
         config.validate()
