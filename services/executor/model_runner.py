@@ -27,7 +27,8 @@ from services.common.kv_groups import KVGroups
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, model_kv_groups, num_blocks_for_budget
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
-from services.runtime.model.families import load_model
+from services.runtime.model.families import load_model, model_class
+from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import STEP_KINDS, AllReduceHooks
 from services.runtime.parallel.leader import TensorParallelError, TensorParallelLeader
@@ -80,9 +81,9 @@ class ModelRunner:
             # The ranks' pools are one per layer: every layer keeps every block (no window freeing).
             self.kv_groups = KVGroups((tuple(range(mc.num_layers)),), (0,))
         if config.tensor_parallel_size > 1:
-            if mc.family != "llama":
+            if model_class(mc) is not LlamaForCausalLM:  # Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE
                 raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
-                                 f"Llama family; {mc.architecture} runs on one rank")
+                                 f"Llama family's model; {mc.architecture} runs on one rank")
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
             path = rank_zero.path

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.runtime.kernels.fused_moe import fused_moe
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.moe_config import MoeConfig
 from services.runtime.model.quant.linear import build_linear
@@ -121,6 +122,9 @@ class SparseMoe(nn.Module):
             self.shared_gate_up = build_linear([w("shared_expert.gate_proj.weight"), w("shared_expert.up_proj.weight")])
             self.shared_down = build_linear([w("shared_expert.down_proj.weight")])
             self.shared_gate = nn.Parameter(w("shared_expert_gate.weight"), requires_grad=False)  # [1, H]
+        self.expert_parallel = None
+        """Under tensor parallelism with split experts: the ExpertParallelMoe holding this rank's
+        run of them (services/runtime/parallel/expert_parallel.py); w_gate_up and w_down are None then."""
         self.load: torch.Tensor | None = None
         """Tokens routed to each expert since the model was loaded, [E] int64 (the load metric's source)."""
 
@@ -129,7 +133,12 @@ class SparseMoe(nn.Module):
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize, self.router_order)
         counts = expert_counts(ids, self.num_experts)
         self.load = counts if self.load is None else self.load + counts
-        out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, counts=counts.tolist())
+        if self.expert_parallel is not None:  # tensor parallelism: this rank's run of experts, the tokens exchanged
+            out = self.expert_parallel(x, weights, ids)
+        elif x.is_cuda:
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)  # the fused Triton kernel
+        else:
+            out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, counts=counts.tolist())
         if self.shared_gate_up is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_down(F.silu(gate) * up)
