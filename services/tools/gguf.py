@@ -38,6 +38,15 @@ rows not permuted, so they map to ``qkv_proj`` / ``gate_up_proj`` as stored; a l
 longrope factors are the tensors ``rope_factors_long`` / ``rope_factors_short`` (into config.json's
 rope_scaling) beside ``phi3.rope.scaling.original_context_length`` and ``attn_factor``.
 
+Mixture of experts (Mixtral, which llama.cpp files under arch ``llama`` with ``llama.expert_count``;
+``qwen3moe``; ``olmoe``). A layer's router ``ffn_gate_inp`` and its experts stacked per
+projection, ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ([E, out, in] once read), become
+transformers' per-expert tensors (``block_sparse_moe.experts.N.w1/w3/w2`` for Mixtral,
+``mlp.experts.N.gate_proj/up_proj/down_proj`` otherwise); ``expert_count``, ``expert_used_count``
+and ``expert_feed_forward_length`` give config.json's expert settings, and top-k renormalization is
+llama.cpp's per architecture (on for Qwen3-MoE, off for OLMoE) unless ``expert_weights_norm`` says.
+Shared experts (``ffn_*_shexp``) are refused by name, and so is ``--weights keep`` of such a file.
+
 ``--weights keep`` stores the quantized tensors the runtime runs as they are. Q4_0, Q4_1 and Q8_0
 blocks are split into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins``
 (fp16), the layout of services/runtime/model/quant/formats.py; Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1
@@ -109,20 +118,44 @@ _PHI3_LAYER_TENSORS = {  # q|k|v and gate|up fused, as in the checkpoint (phi3.p
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
                  "gemma2": {k: v for k, v in _GEMMA3_LAYER_TENSORS.items() if k not in ("attn_q_norm", "attn_k_norm")},
-                 "qwen3": _LAYER_TENSORS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                 "qwen3": _LAYER_TENSORS | _QK_NORMS, "qwen3moe": _LAYER_TENSORS | _QK_NORMS,
+                 "olmoe": _LAYER_TENSORS | _QK_NORMS,
                  "phi3": _PHI3_LAYER_TENSORS}
 """GGUF layer tensor names per ``general.architecture`` -> HF module names."""
-ARCH_NAMES = {"llama": "Llama", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3"}
-_MODEL_TYPES = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3"}
+ARCH_NAMES = {"llama": "Llama", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3",
+              "qwen3moe": "Qwen3-MoE", "olmoe": "OLMoE"}
+_MODEL_TYPES = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3",
+                "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 """config.json model_type -> GGUF architecture."""
+EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+"""llama.cpp's router and stacked experts ([E, out, in] once read) of a mixture-of-experts layer."""
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def expert_state(gguf_name: str, values: np.ndarray, config: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+    """A router or stacked-experts tensor under transformers' per-expert names (None: not one of them)."""
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if not match or match.group(2) not in EXPERT_TENSORS:
+        return None
+    mixtral = config["model_type"] == "mixtral"
+    p = f"model.layers.{match.group(1)}.{'block_sparse_moe' if mixtral else 'mlp'}."
+    kind = match.group(2)
+    if kind == "ffn_gate_inp":
+        return {p + "gate.weight": values}
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if values.ndim != 3 or values.shape[0] != experts:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has shape {values.shape[::-1]}; expected {experts} experts")
+    name = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+            "ffn_down_exps": ("w2", "down_proj")}[kind][0 if mixtral else 1]
+    return {f"{p}experts.{e}.{name}.weight": values[e] for e in range(experts)}
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
@@ -241,12 +274,17 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
             raise ValueError(f"GGUF metadata has no '{arch}.{key}'")
         return meta[f"{arch}.{key}"]
 
-    if meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"{arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts models are "
-                         "not served")
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if arch in ("qwen3moe", "olmoe") and not experts:
+        raise ValueError(f"GGUF metadata has no '{arch}.expert_count' (a {ARCH_NAMES[arch]} file routes experts)")
+    if experts and arch not in ("llama", "qwen3moe", "olmoe"):
+        raise ValueError(f"{arch}.expert_count is {experts}: mixture-of-experts {ARCH_NAMES[arch]} files are not "
+                         "converted (llama, i.e. Mixtral, qwen3moe and olmoe are)")
+    if experts and any(name.split(".")[2:3] in (["ffn_gate_shexp"], ["ffn_gate_inp_shexp"]) for name in tensor_names):
+        raise ValueError("the file has shared experts (ffn_*_shexp); only routed experts are converted")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     allowed = {"llama": ("none",), "gemma2": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
-               "phi3": ("none", "longrope")}[arch]
+               "phi3": ("none", "longrope"), "qwen3moe": ("none", "yarn"), "olmoe": ("none",)}[arch]
     if scaling not in allowed:
         raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
                          f"{', '.join(allowed)}")
@@ -319,8 +357,24 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
             "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
             "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
         }
-    if arch == "qwen3":
-        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    if experts:
+        used = int(need("expert_used_count"))
+        if arch == "llama":
+            config |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+                       "num_experts_per_tok": used, "sliding_window": None}
+        else:
+            # llama.cpp renormalizes Qwen3-MoE's top-k weights and not OLMoE's unless the file says otherwise
+            norm = bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+            config |= {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": norm}
+        if arch == "qwen3moe":
+            config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                       "moe_intermediate_size": int(need("expert_feed_forward_length")), "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "use_sliding_window": False}
+        if arch == "olmoe":
+            config |= {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "clip_qkv": None}
+    if arch in ("qwen3", "qwen3moe"):
+        if arch == "qwen3":
+            config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         if scaling == "yarn":
             config["rope_scaling"] = {
                 "rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
@@ -351,13 +405,19 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
     for tensor in tensors:
         if tensor.name in SETTINGS_TENSORS:  # read into config.json's rope_scaling
             continue
-        name = hf_tensor_name(tensor.name, arch)
+        match = _LAYER_NAME.fullmatch(tensor.name)
+        name = None if match and match.group(2) in EXPERT_TENSORS else hf_tensor_name(tensor.name, arch)
         try:
             values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
         except NotImplementedError as exc:
             raise ValueError(f"tensor {tensor.name}: {exc}") from None
         # GGUF lists dimensions innermost first: [in, out] is an [out, in] row-major matrix.
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        experts = expert_state(tensor.name, values, config)
+        if experts is not None:
+            state |= {k: torch.from_numpy(np.require(v, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
+                      .to(dtype) for k, v in experts.items()}
+            continue
         if permuted and tensor.name.endswith(".attn_q.weight"):
             values = rotate_half_rows(values, heads)
         elif permuted and tensor.name.endswith(".attn_k.weight"):
@@ -497,6 +557,9 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     settings = {t.name: dequantize(t.data, GGMLQuantizationType(t.tensor_type))
                 for t in reader.tensors if t.name in SETTINGS_TENSORS}
     config = llama_config(meta, {t.name for t in reader.tensors}, dtype, settings)
+    if weights == "keep" and (config.get("num_local_experts") or config.get("num_experts")):
+        raise ValueError("--weights keep does not take mixture-of-experts tensors yet; convert with --weights fp32 "
+                         "or bf16")
     if weights == "keep" and config["model_type"] == "phi3":
         raise ValueError("--weights keep does not take Phi-3's fused q|k|v and gate|up matrices; "
                          "convert with --weights fp32 or bf16")
