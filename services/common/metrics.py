@@ -9,6 +9,7 @@ so everything registers in prometheus_client's default registry unless a test pa
     request_metrics().observe_finished  the scheduler's per-request histograms and token counters
     SchedulerCollector                  gauges and counters read from the scheduler at scrape time
     executor_metrics()                  the executor's compute time per step
+    expert_load_collector()             a mixture-of-experts model's tokens per expert per layer
 
 Gauges are read at scrape time by a custom collector rather than pushed after every step:
 the step loop pays nothing for them, and a scrape always sees the current state.
@@ -409,6 +410,40 @@ def executor_step_histogram(registry: CollectorRegistry = REGISTRY) -> Histogram
         PREFIX + "executor_execute_seconds",
         "Executor compute per step: plan to tensors, forward, sampling (no gRPC, no codec)",
         buckets=STEP_LATENCY_BUCKETS, registry=registry))
+
+
+class ExpertLoadCollector(Collector):
+    """``tokenmill:executor_moe_expert_tokens_total{layer,expert}``: the tokens routed to each
+    expert of each sparse layer since the executor was ready. Skewed routing is what MoE users
+    debug; rate() of it over rate() of the steps is the tokens per expert per step. Read at scrape
+    time from the model's running counts, so a step pays one small add per layer."""
+
+    def __init__(self) -> None:
+        self._source: Callable[[], list[tuple[int, list[int]]]] | None = None
+
+    def watch(self, source: Callable[[], list[tuple[int, list[int]]]] | None) -> None:
+        """``source()`` -> [(layer index, tokens per expert)] of the model being served."""
+        self._source = source
+
+    def describe(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(PREFIX + "executor_moe_expert_tokens", "", labels=["layer", "expert"])
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(PREFIX + "executor_moe_expert_tokens",
+                                     "Tokens routed to each expert of each mixture-of-experts layer",
+                                     labels=["layer", "expert"])
+        for layer, counts in (self._source() if self._source is not None else ()):
+            for expert, n in enumerate(counts):
+                family.add_metric([str(layer), str(expert)], n)
+        yield family
+
+
+def expert_load_collector(registry: CollectorRegistry = REGISTRY) -> ExpertLoadCollector:
+    def make() -> ExpertLoadCollector:
+        collector = ExpertLoadCollector()
+        registry.register(collector)
+        return collector
+    return _once(registry, "expert_load", make)
 
 
 # ---------------------------------------------------------------------------- reading /metrics

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from services.common.metrics import executor_step_histogram
+from services.common.metrics import executor_step_histogram, expert_load_collector
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import RunningServer
 from services.common.tls import ClientTLS
@@ -69,6 +69,11 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
         # before that thread shuts down): the stop header must not cross a step's broadcasts.
         running.on_stop(lambda: loop.run_in_executor(worker, runner.close))
         runner.parallel.on_lost(_end_executor)
+    if runner.model.config.moe is not None and config.metrics_port >= 0:
+        from services.runtime.model.moe import expert_loads, reset_expert_loads
+
+        reset_expert_loads(runner.model)  # count served tokens, not the warm-up's
+        expert_load_collector().watch(lambda: expert_loads(runner.model))
     loaded.set_result(runner)
     info = runner.info()
     _log.info("model_loaded", model=info.model, device=info.device, dtype=info.dtype,

@@ -99,6 +99,22 @@ def expert_weight_names(config: ModelConfig, prefix: str) -> dict[str, tuple[int
     return shapes
 
 
+def expert_loads(model: nn.Module) -> list[tuple[int, list[int]]]:
+    """[(layer index, tokens routed to each expert since the last reset)] of a model's sparse layers."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        moe = getattr(layer, "moe", None)
+        if moe is not None:
+            out.append((i, moe.load.tolist() if moe.load is not None else [0] * moe.num_experts))
+    return out
+
+
+def reset_expert_loads(model: nn.Module) -> None:
+    for layer in model.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load = None
+
+
 class SparseMoe(nn.Module):
     """One layer's routed MLP (and shared expert), built from its checkpoint tensors."""
 

@@ -86,3 +86,30 @@ def test_config_reads_each_family_and_names_what_it_refuses():
         ModelConfig.from_dict(_raw(num_experts=0))
     with pytest.raises(ValueError, match="clip_qkv"):
         ModelConfig.from_dict(_raw(architectures=["OlmoeForCausalLM"], clip_qkv=8.0))
+
+
+def test_expert_load_counts_every_routed_token_and_reaches_the_metrics_text(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.common.metrics import expert_load_collector, parse_samples
+    from services.runtime.model.attention.torch_backend import TorchAttentionBackend
+    from services.runtime.model.families import load_model
+    from services.runtime.model.moe import expert_loads, reset_expert_loads
+    from services.tools.random_model import build_random_model
+    from tests.helpers.moe_specs import MOE_SPECS
+    from tests.helpers.paged_forward import run_chunks
+
+    spec = MOE_SPECS["qwen3-moe"]
+    model = load_model(build_random_model(spec, tmp_path / "m"), TorchAttentionBackend())
+    ids = torch.randint(3, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    run_chunks(model, ids, [5, 4], [0], 16)
+    loads = expert_loads(model)
+    assert [layer for layer, _ in loads] == [0, 2]  # layer 1 is dense
+    assert all(sum(counts) == 9 * spec.num_experts_per_tok and len(counts) == 64 for _, counts in loads)
+    registry = CollectorRegistry()
+    expert_load_collector(registry).watch(lambda: expert_loads(model))
+    samples = parse_samples(generate_latest(registry).decode())
+    assert sum(v for k, v in samples.items() if k.startswith('tokenmill:executor_moe_expert_tokens_total{expert="')
+               and 'layer="2"' in k) == 9 * spec.num_experts_per_tok
+    reset_expert_loads(model)
+    assert all(sum(counts) == 0 for _, counts in expert_loads(model))
