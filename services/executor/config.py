@@ -70,11 +70,13 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     """vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
     of the logits (docs/benchmarks.md, "Tensor parallelism on a CPU", measures both)."""
     tensor_parallel_experts: str = setting(
-        "all_to_all", "a mixture-of-experts model's experts under tensor parallelism: all_to_all (split over the "
-                      "ranks, tokens sent to their experts' ranks and back), all_reduce (split, each rank's experts "
-                      "over all tokens, the outputs summed) or replicated (every rank runs every expert)")
-    """The split ones read 1/N of the expert bytes a rank per step; docs/benchmarks.md ("Expert
-    parallelism on a CPU") measures both exchanges."""
+        "all_reduce", "a mixture-of-experts model's experts under tensor parallelism: all_reduce (split over the "
+                      "ranks, each rank's experts over all tokens, the outputs summed), all_to_all (split, tokens "
+                      "sent to their experts' ranks and back) or replicated (every rank runs every expert)")
+    """The split ones read 1/N of the expert bytes a rank per step. all_reduce is the default:
+    the tokens are already whole on every rank, and on a quiet CPU it ran 1.4-1.8x one rank
+    where the all-to-all's three exchanges a layer ran 0.5-0.8x (docs/benchmarks.md, "Expert
+    parallelism on a CPU")."""
     quant_activations: str = setting(
         "auto", "CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight "
                 "type, int8 for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types "

@@ -54,7 +54,7 @@ class RankSpec:
     """Whether rank 0 runs the fused CPU step: the rank builds its own over its shard then."""
     lm_head: str = "replicated"
     """vocab_head.LM_HEADS: whether this rank holds and runs its share of the LM head."""
-    experts: str = "all_to_all"
+    experts: str = "all_reduce"
     """ExecutorConfig.tensor_parallel_experts: how a sparse layer's experts are held and run."""
     max_model_len: int = 0
     graphs_max_batch_size: int = 0
@@ -71,7 +71,7 @@ class RankSpec:
 
 def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, device: torch.device,
                dtype: torch.dtype, world: int, rank: int, prepack: bool = True, vocab_parallel: bool = False,
-               experts: str = "all_to_all") -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
+               experts: str = "all_reduce") -> tuple[LlamaForCausalLM, AllReduceHooks, ShardPlan]:
     """The model cut to ``rank``'s shard, its all-reduce hooks not yet joined to a group;
     ``vocab_parallel``: its LM head is the rank's vocabulary rows (on rank 0 too); ``experts``:
     ExecutorConfig.tensor_parallel_experts (sparse layers' experts split, or replicated)."""
