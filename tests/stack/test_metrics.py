@@ -79,6 +79,8 @@ async def test_endpoints_answer_and_counters_move(stack):
     ports = {name: running.metrics_port for name, running in stack.items()}
     assert len(set(ports.values())) == 3 and all(p > 0 for p in ports.values())
     before = await scrape(ports["scheduler"])
+    # The execute histogram is process-wide: an executor an earlier test ran in this process counted into it.
+    executed_before = (await scrape(ports["executor"])).get("tokenmill:executor_execute_seconds_count", 0.0)
     streams = await generate_all(scheduler.address)
     assert [sum(map(len, deltas)) for deltas in streams] == [MAX_TOKENS] * len(PROMPTS)
 
@@ -123,7 +125,7 @@ async def test_endpoints_answer_and_counters_move(stack):
     while True:
         executor_samples = await scrape(ports["executor"])
         scheduler_steps = (await scrape(ports["scheduler"]))["tokenmill:scheduler_steps_total"]
-        executed = executor_samples["tokenmill:executor_execute_seconds_count"]
+        executed = executor_samples["tokenmill:executor_execute_seconds_count"] - executed_before
         if executed == scheduler_steps or asyncio.get_running_loop().time() > deadline:
             break
         await asyncio.sleep(0.05)
@@ -170,3 +172,35 @@ async def test_get_profile_reflects_requests_just_served(stack):
     assert printed["num_requests"] == profile.num_requests
     assert printed["max_output_tokens"] == MAX_TOKENS
     assert printed["window_seconds"] == 300.0
+
+
+@pytest.mark.slow
+async def test_executor_metrics_count_tokens_per_expert(tmp_path):
+    """A mixture-of-experts model served by the real services: its executor's /metrics counts the
+    tokens routed to each expert of each sparse layer, the served tokens only (not the warm-up's).
+    Last in this file: its servers count into the process-wide RPC metrics the test above reads."""
+    from services.tools.random_model import build_random_model
+    from tests.helpers.moe_specs import MOE_SPECS
+
+    spec = MOE_SPECS["mixtral"]
+    model = str(build_random_model(spec, tmp_path / "mixtral"))
+    tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model, metrics_port=0))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, metrics_port=0, executor=ExecutorConfig(
+        model=model, dtype="fp32", device="cpu", attention_backend="torch", block_size=8, num_blocks=64)))
+    scheduler = await serve_scheduler(SchedulerServiceConfig(
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,)))
+    try:
+        before = await scrape(executor.metrics_port)
+        assert sum(v for k, v in before.items() if k.startswith("tokenmill:executor_moe_expert_tokens_total")) == 0
+        streams = await generate_all(scheduler.address)
+        assert [sum(map(len, deltas)) for deltas in streams] == [MAX_TOKENS] * len(PROMPTS)
+        after = await scrape(executor.metrics_port)
+        # every prompt token and every generated token but the last of each stream went through each layer
+        tokens = sum(len(p) for p in PROMPTS) + (MAX_TOKENS - 1) * len(PROMPTS)
+        for layer in range(spec.num_layers):
+            routed = [after[f'tokenmill:executor_moe_expert_tokens_total{{expert="{e}",layer="{layer}"}}']
+                      for e in range(spec.num_experts)]
+            assert sum(routed) == tokens * spec.num_experts_per_tok
+    finally:
+        for running in (scheduler, executor, tokenizer):
+            await running.stop(grace=0)
