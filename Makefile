@@ -28,7 +28,7 @@ GEMMA3_MODEL       := models/gemma3-270m
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors clean
+.PHONY: install runtime proto docs-config run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3_MODEL)/config.json
 
@@ -73,6 +73,10 @@ proto: $(PROTO_STAMP)
 $(PROTO_STAMP): $(PROTO_SRC) scripts/gen_protos.py $(STAMP)
 	$(PY) scripts/gen_protos.py
 	touch $@
+
+# docs/configuration.md from the settings dataclasses (tests/test_configuration_doc.py checks it).
+docs-config: $(PROTO_STAMP)
+	$(PY) scripts/gen_configuration_doc.py
 
 run: install
 	$(VENV)/bin/tokenmill up --model "$(TOKENMILL_MODEL)"
