@@ -125,3 +125,26 @@ def test_torch_backend_honours_the_window(window, decode_only):
     out = TorchAttentionBackend().attend(q, batch.k_cache, batch.v_cache, meta, 0.2, window)
     expected = ReferenceAttentionBackend().attend(q, batch.k_cache, batch.v_cache, meta, 0.2, window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# head dims 8/16 with contexts from 8 * head dim take the tiled path's V pass by positions, whose
+# tiles straddle the window's start here (first = 30, 113 with kTile 16)
+@pytest.mark.parametrize("head_dim", [8, 16, 64])
+@pytest.mark.parametrize("window", [100, 400])
+def test_cpu_decode_kernel_ignores_nan_before_the_window(head_dim, window):
+    context_lens = [130, 513]
+    batch = build_paged_batch(context_lens, [1, 1], 1, head_dim, 16, torch.float32, torch.device("cpu"))
+    q = torch.randn(2, 4, head_dim)
+    scale = head_dim**-0.5
+    expected = paged_decode_reference(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                                      scale, window)
+    # a freed block's rows before the window may hold anything: NaN there must not reach the output
+    start = 0
+    for ctx in context_lens:
+        stale = batch.slots[start : start + max(0, ctx - window)]
+        batch.k_cache.view(-1, head_dim)[stale] = float("nan")
+        batch.v_cache.view(-1, head_dim)[stale] = float("nan")
+        start += ctx
+    out = cpu_kernels.paged_decode(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale,
+                                   window=window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -436,12 +436,18 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
     const int64_t n = std::min(kTile, context_len - t0);
     if (t0 + kTile <= first) continue;  // every weight 0
     load_tile(v_cache, v_scale, block_table, block_size, t0, n, KH, token_stride, stage, tile, tile_scale);
+    // A tile straddling the window's start: its earlier rows get weight 0, but 0 * NaN is NaN, so
+    // those V values (a freed block may hold anything) are zeroed rather than multiplied.
+    const int64_t stale = std::max<int64_t>(0, first - t0);
+    if (stale > 0) {
+      for (int64_t c = 0; c < token_stride; ++c) std::fill_n(tile + c * kTile, stale, 0.f);
+    }
     for (int64_t h = 0; h < H; ++h) {
       float p[kTile];
       const float* ph = scores + h * padded + t0;
       const float* vs = tile_scale + (h / group) * kTile;
 #pragma omp simd
-      for (int64_t i = 0; i < kTile; ++i) p[i] = kScaled ? ph[i] * vs[i] : ph[i];
+      for (int64_t i = 0; i < kTile; ++i) p[i] = i < stale ? 0.f : (kScaled ? ph[i] * vs[i] : ph[i]);
       const float* v = tile + (h / group) * kD * kTile;
       float* a = acc + h * kD * kTile;
       for (int64_t d = 0; d < kD; ++d) {
