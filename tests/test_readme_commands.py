@@ -1,4 +1,5 @@
-"""The README's commands, run as printed: the docs are tests.
+"""The README's commands, and those of the docs pages its sections moved to, run as printed: the
+docs are tests.
 
 Convention (README.md says it too): every line of a fenced ```bash, ```sh or ```console block is a
 shell command (a line ending in ``\\`` continues on the next; ``$ `` before a console command is
@@ -29,6 +30,8 @@ from tests.helpers import typed_up
 pytestmark = pytest.mark.slow
 
 README = REPO_ROOT / "README.md"
+# The README's user-facing sections that moved into docs/: their commands are run the same way.
+PAGES = (README, *(REPO_ROOT / "docs" / name for name in ("usage.md", "models.md", "gateway.md", "kubernetes.md")))
 SHELL_BLOCKS = ("bash", "sh", "console")
 DEFAULT_PORTS = {"8000": "TOKENMILL_GATEWAY_HTTP_PORT", "50050": "TOKENMILL_GATEWAY_PORT",
                  "50051": "TOKENMILL_SCHEDULER_PORT"}
@@ -89,7 +92,7 @@ def readme_commands(text: str) -> list[tuple[str, str]]:
     return found
 
 
-COMMANDS = readme_commands(README.read_text())
+COMMANDS = [command for page in PAGES for command in readme_commands(page.read_text())]
 
 
 def _skip_reason(command: str) -> str | None:
