@@ -5,7 +5,7 @@
     inprocess, stack, tools              engine in one process; launching and calling a stack;
                                          model conversion and building
     gateway                              OpenAI HTTP + routed Generation API, a client of the
-                                         engines' public API only (and its engine simulator)
+                                         engines' public API only
     scheduler | tokenizer | executor | drafter
                                          the four services: never import each other
     runtime                              model, kernels, sampler, KV layout (torch): executor, drafter
@@ -202,7 +202,7 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
     ["services.tokenizer.main", "services.tokenizer.servicer"],
     ["services.common.codec.step_codec", "services.common.step", "services.common.server", "services.common.detokenize"],
     ["services.stack.launcher", "services.stack.client"],
-    ["services.gateway.main", "services.gateway.simulator.main"],
+    ["services.gateway.main", "benchmarks.gateway.simulator.main"],
     # the harness's parts a run on the services uses: its client process stays torch-free
     ["benchmarks.harness.launch", "benchmarks.harness.client", "benchmarks.harness.bursts", "benchmarks.harness.cpu",
      "benchmarks.harness.scrape", "benchmarks.harness.report", "benchmarks.harness.flags", "benchmarks.harness.child"],

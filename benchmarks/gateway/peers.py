@@ -172,7 +172,7 @@ def sim_with_http(engines: list[dict]):
     """The simulator with each engine's HTTP API too; yields {name: http port}."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-sim-http-") as tmp:
         grpc_ports, http_ports = Path(tmp) / "ports.json", Path(tmp) / "http.json"
-        proc = subprocess.Popen([sys.executable, "-m", "services.gateway.simulator", "--engines", json.dumps(engines),
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gateway.simulator", "--engines", json.dumps(engines),
                                  "--ports-file", str(grpc_ports), "--http-ports-file", str(http_ports)],
                                 cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -45,7 +45,7 @@ def simulator(engines: list[dict], cpus: str | None = None):
     """A simulator process serving ``engines``; yields ({name: address}, pid)."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-sim-") as tmp:
         ports = Path(tmp) / "ports.json"
-        proc = subprocess.Popen([*_prefix(cpus), sys.executable, "-m", "services.gateway.simulator",
+        proc = subprocess.Popen([*_prefix(cpus), sys.executable, "-m", "benchmarks.gateway.simulator",
                                  "--engines", json.dumps(engines), "--ports-file", str(ports)],
                                 cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,5 +1,5 @@
 """Percentiles with linear interpolation between closest ranks (numpy's default), one definition
-for the latency profile, the gateway's simulator and the benchmarks."""
+for the latency profile, the benchmarks and their engine simulator."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import pytest
 from services.cli.serve import SERVICES
 from services.cli.up import UpConfig
 from services.common.settings import parse_config, to_argv
-from services.gateway.simulator.config import SimulatorConfig
+from benchmarks.gateway.simulator.config import SimulatorConfig
 
 
 def _service_config(service: str) -> type:

@@ -7,8 +7,8 @@ import dataclasses
 
 from services.gateway.pool import READMIT_AFTER, SLOW_POLLS_TO_LEAVE, TargetPool
 from services.gateway.routes_file import TargetSpec
-from services.gateway.simulator.engine import SimSpec
-from services.gateway.simulator.main import serve_engine
+from benchmarks.gateway.simulator.engine import SimSpec
+from benchmarks.gateway.simulator.main import serve_engine
 
 
 async def test_not_serving_and_ejected_targets_leave_and_come_back():

@@ -13,9 +13,9 @@ import pytest
 
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
-from services.gateway.simulator.config import SimulatorConfig
-from services.gateway.simulator.engine import SimEngine, SimSpec
-from services.gateway.simulator.main import serve_engine
+from benchmarks.gateway.simulator.config import SimulatorConfig
+from benchmarks.gateway.simulator.engine import SimEngine, SimSpec
+from benchmarks.gateway.simulator.main import serve_engine
 from tests.helpers.gateway_stack import serve_gateway_for, stop_all, wait_healthy, write_routes
 
 

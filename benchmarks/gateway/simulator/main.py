@@ -1,4 +1,4 @@
-"""Engine simulator entry point: ``python -m services.gateway.simulator --engines SPECS``.
+"""Engine simulator entry point: ``python -m benchmarks.gateway.simulator --engines SPECS``.
 
 Serves one gRPC server per simulated engine (each with health and reflection, as every tokenmill
 server), all on this process's one event loop: a pool of 64 engines costs one process.
@@ -16,13 +16,13 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer, run_service, start_server
 from services.common.service_main import registrar
 from services.common.settings import parse_config
-from services.gateway.simulator.config import SimulatorConfig
+from benchmarks.gateway.simulator.config import SimulatorConfig
 from services.gateway.http.connection_limits import ConnectionLimits
 from services.gateway.http.server import start_http
-from services.gateway.simulator.engine import SimEngine, SimSpec
-from services.gateway.simulator.http_api import build_app
-from services.gateway.simulator.profile import SimProfile
-from services.gateway.simulator.servicer import SimulatorServicer
+from benchmarks.gateway.simulator.engine import SimEngine, SimSpec
+from benchmarks.gateway.simulator.http_api import build_app
+from benchmarks.gateway.simulator.profile import SimProfile
+from benchmarks.gateway.simulator.servicer import SimulatorServicer
 
 
 async def serve_engine(spec: SimSpec, host: str = "127.0.0.1", port: int = 0,

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.gateway.simulator.engine import SimEngine
-from services.gateway.simulator.servicer import TOKEN_TEXT
+from benchmarks.gateway.simulator.engine import SimEngine
+from benchmarks.gateway.simulator.servicer import TOKEN_TEXT
 
 
 def _prompt_tokens(messages: list) -> int:

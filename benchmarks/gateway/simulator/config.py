@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from services.gateway.simulator.engine import SimSpec
+from benchmarks.gateway.simulator.engine import SimSpec
 
 SPEC_FIELDS = {f.name for f in fields(SimSpec)}
 

@@ -13,8 +13,8 @@ import uuid
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.gateway.simulator.engine import SimEngine
-from services.gateway.simulator.profile import SimProfile
+from benchmarks.gateway.simulator.engine import SimEngine
+from benchmarks.gateway.simulator.profile import SimProfile
 
 TOKEN_TEXT = " t"
 FIRST_TOKEN_ID = 100

@@ -6,7 +6,7 @@ import time
 from collections import deque
 
 from services.common.percentile import sorted_percentile
-from services.gateway.simulator.engine import SimFinished
+from benchmarks.gateway.simulator.engine import SimFinished
 
 RETENTION_S = 600.0
 

@@ -1,0 +1,3 @@
+from benchmarks.gateway.simulator.main import main
+
+raise SystemExit(main())

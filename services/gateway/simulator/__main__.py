@@ -1,3 +1,0 @@
-from services.gateway.simulator.main import main
-
-raise SystemExit(main())
