@@ -1,11 +1,15 @@
-"""Batched LoRA: the reference against the merged-weight form of each row's adapter, and
-``lora_apply`` against the reference over awkward shapes."""
+"""Batched LoRA on the CPU: the reference against the merged-weight form of each row's adapter,
+and the C++ kernel (what ``lora_apply`` runs on a CPU) against the reference over awkward shapes.
+The Triton kernels' tests are in test_lora_triton.py (this file also runs in the AVX2-only build)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import lora_cases
+from tests.helpers.kernel_cases import case_id
 
+from services.runtime.kernels import lora
 from services.runtime.kernels.lora import lora_apply, lora_reference
 
 
@@ -47,12 +51,43 @@ def test_reference_refuses_a_slot_outside_the_stack():
         lora_reference(torch.zeros(3, 9), torch.zeros(3, 8), lora_a, lora_b, torch.tensor([0, 1, -1]), scales)
 
 
-@pytest.mark.parametrize("slots", [[-1, -1, -1], [1, 1, 1], [0], [1, -1, 0, 1]])
-def test_lora_apply_matches_the_reference(slots):
-    lora_a, lora_b, scales = _adapters(2, 16, 40, 56, ranks=[16, 5])
-    x = torch.randn(len(slots), 40)
-    y = torch.randn(len(slots), 56)
-    row_slots = torch.tensor(slots)
-    expected = lora_reference(y.clone(), x, lora_a, lora_b, row_slots, scales)
-    assert lora_apply(y, x, lora_a, lora_b, row_slots, scales) is y
+@pytest.fixture(scope="module")
+def cpu_ops():
+    ops = lora._cpu_ops()
+    assert ops is not None, "the C++ CPU kernels did not build"
+    return ops
+
+
+@pytest.mark.parametrize("case", lora_cases.CASES, ids=case_id)
+def test_cpu_kernel_matches_the_reference(case, cpu_ops):
+    y, x, lora_a, lora_b, slots, scales = lora_cases.step(case)
+    before = y.clone()
+    expected = lora_reference(y.clone(), x, lora_a, lora_b, slots, scales)
+
+    assert cpu_ops.lora_apply(y, x, lora_a, lora_b, slots, scales) == -1
+
+    lora_cases.assert_matches_reference(y, expected, before, slots)
+
+
+def test_lora_apply_runs_the_cpu_kernel_and_falls_back_where_it_does_not_fit(cpu_ops, monkeypatch):
+    case = {"rows": "mixed", "rank": 16, "features": (72, 200), "dtype": torch.float32}
+    y, x, lora_a, lora_b, slots, scales = lora_cases.step(case)
+    expected = lora_reference(y.clone(), x, lora_a, lora_b, slots.long(), scales)
+    calls = []
+    monkeypatch.setattr(lora, "lora_reference", lambda *args: calls.append(args) or lora_reference(*args))
+
+    assert lora_apply(y, x, lora_a, lora_b, slots.long(), scales) is y
+    assert not calls  # int64 slots and a strided y still take the kernel
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+    y16 = torch.zeros(37, 200, dtype=torch.bfloat16)
+    lora_apply(y16, x.bfloat16(), lora_a.bfloat16(), lora_b.bfloat16(), slots, scales)  # 16-bit adapters
+    assert len(calls) == 1
+
+
+def test_cpu_kernel_refuses_a_slot_outside_the_stack_and_writes_nothing(cpu_ops):
+    lora_a, lora_b, scales = _adapters(2, 4, 8, 8)
+    y = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match=r"row_slots\[2\] = -2 must be -1 \(no adapter\) or a slot in \[0, 2\)"):
+        lora_apply(y, torch.ones(3, 8), lora_a, lora_b, torch.tensor([0, 1, -2], dtype=torch.int32), scales)
+    assert not y.any()

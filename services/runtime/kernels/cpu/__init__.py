@@ -35,12 +35,13 @@ from services.runtime.kernels.kv_quant import ScaledCache
 # quant_dot.cpp: the same weights times int8-quantized activations (services/runtime/kernels/quant_act.py);
 # kquant_dot.cpp: GGUF K-quant and q5_0/q5_1 weights times int8 activations (services/runtime/kernels/kquant_act.py);
 # fused_decode.cpp: a small model's whole decode step (services/runtime/model/fused_decode.py);
-# shm_all_reduce.cpp: a CPU tensor-parallel group's all-reduce (services/runtime/parallel/shared_memory.py).
+# shm_all_reduce.cpp: a CPU tensor-parallel group's all-reduce (services/runtime/parallel/shared_memory.py);
+# lora.cpp: batched LoRA, each row its own adapter (services/runtime/kernels/lora.py).
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_decode.cpp", "quant_matmul.cpp", "quant_dot.cpp", "kquant_dot.cpp", "fused_decode.cpp",
-             "shm_all_reduce.cpp")]
+             "shm_all_reduce.cpp", "lora.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("paged_decode.h", "vec_exp.h", "cpu_isa.h", "quant_kernels.h",
-                                                        "shm_all_reduce.h")]
+                                                        "shm_all_reduce.h", "lora.h", "worker_pool.h")]
 MARCH_ENV = "TOKENMILL_CPU_KERNEL_MARCH"
 """Overrides ``-march=native`` (e.g. ``haswell``: AVX2 without AVX-512). The tests build the
 kernels for an AVX2-only CPU this way on any x86 machine, so the paths without AVX-512 run in
