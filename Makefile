@@ -28,7 +28,7 @@ GEMMA3_MODEL       := models/gemma3-270m
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto docs-config run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors clean
+.PHONY: install runtime proto docs-config run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors bench-lora clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3_MODEL)/config.json
 
@@ -124,6 +124,11 @@ bench-gateway: install
 # an executor SIGKILLed under load (benchmarks/executors.py; ~10 minutes on 2 cores).
 bench-executors: install
 	$(PY) -m benchmarks executors
+
+# Multi-LoRA on SmolLM2-135M: what 8 rank-16 adapters mixed in a step add to its products, fp32
+# and bf16 adapters over Q4_1 and fp32 weights, one thread (benchmarks/micro/lora_products.py).
+bench-lora: install
+	$(PY) -m benchmarks lora-products
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # and make test: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

@@ -55,6 +55,8 @@ MICRO: dict[str, tuple[str, str]] = {
     "kv-quant-cpu": ("benchmarks.micro.kv_quant_cpu", "the C++ kernels over an int8/fp8 KV pool against fp32"),
     "overlap": ("benchmarks.micro.overlap", "per-step time through the services, overlapped scheduling on and off"),
     "grammar-masks": ("benchmarks.micro.grammar_masks", "token-mask cost of llguidance against xgrammar (structured outputs)"),
+    "lora-products": ("benchmarks.micro.lora_products",
+                      "SmolLM2's products with 8 LoRA adapters mixed in a step against the base alone"),
     "step-overhead": ("benchmarks.micro.step_overhead", "CPU per step of each service process against in-process"),
     "expert-parallel": ("benchmarks.micro.expert_parallel",
                         "sparse layers' experts over tensor-parallel ranks against one rank: all-to-all against compute"),

@@ -4,14 +4,26 @@
 
 Shapes: y [T, out], x [T, in], lora_a [S, R, in], lora_b [S, out, R], row_slots [T] int32 or
 int64 (-1: the row has no adapter), scales [S] float32 (alpha / rank). An adapter of rank r < R
-is padded with zeros to R, which adds nothing. The update is computed in fp32 (adapters are
-fp32 whatever the base weights are) and added to y with one rounding to y's dtype.
+is padded with zeros to R, which adds nothing.
+
+A fused projection (q|k|v, gate|up) takes its members' adapters in one call with
+``out_splits``, the members' output widths (summing to out): lora_a is then [S, k * R, in], the
+k members' A stacked, and lora_b [S, out, R], each member's B in its own output rows. Member j's
+outputs get the update of ranks [j * R, (j + 1) * R) only, as a block-diagonal B would give,
+without storing or reading its zeros; x is shrunk once for all members. The update is computed in fp32 whatever the base
+weights are, from adapters stored in fp32 or (half the bytes to read per step) bf16, and added
+to y with one rounding to y's dtype.
+
+lora_b may be PEFT's layout (contiguous [S, out, R]) or the transposed view of a contiguous
+[S, R, out] stack (``stack.transpose(1, 2)``), which is what the expand reads: the kernels take
+that one in place, and on the CPU the other is transposed per call (see lora.cpp). A caller that
+holds its adapters for many steps should stack B rank-major.
 
 This is punica's BGMV/SGMV idea: one step serves rows of many adapters (and of none), and each
 adapter's A and B are read once per step for all its rows, shrink (x A^T, [rows, R]) before
 expand (. B^T, [rows, out]). ``lora_apply`` picks the kernel for the device: C++ on the CPU
 (services/runtime/kernels/cpu/lora.cpp), the Triton kernels below on CUDA, and this reference
-where neither fits (fp16 or bf16 adapters on the CPU, a machine without a C++ compiler).
+where neither fits (fp16 adapters on the CPU, a machine without a C++ compiler).
 ``lora_reference`` is the PyTorch statement of the math every kernel is tested against.
 
 The Triton kernels follow the same plan on the GPU: the rows are sorted by slot (on the device,
@@ -36,7 +48,7 @@ from services.runtime.kernels._common import FLOAT_DTYPES
 _log = structlog.get_logger("tokenmill.kernels")
 
 MAX_RANK = 256
-"""The largest (padded) rank the kernels take: the C++ expand keeps a rank x 64 tile of B in L1."""
+"""The largest (padded) rank the kernels take: Triton holds a block of rows' rank-wide h in registers."""
 
 
 def check_lora_inputs(
@@ -46,6 +58,7 @@ def check_lora_inputs(
     lora_b: torch.Tensor,
     row_slots: torch.Tensor,
     scales: torch.Tensor,
+    out_splits: tuple[int, ...] | None = None,
 ) -> None:
     """Shapes, dtypes and devices (not the slot values: reading them would sync a GPU)."""
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
@@ -55,6 +68,11 @@ def check_lora_inputs(
     num_slots, rank, in_features = lora_a.shape if lora_a.dim() == 3 else (-1, -1, -1)
     if in_features != x.shape[1]:
         raise ValueError(f"lora_a must be [slots, rank, {x.shape[1]}], got {tuple(lora_a.shape)}")
+    if out_splits is not None:
+        if not out_splits or sum(out_splits) != y.shape[1] or min(out_splits) < 1 or rank % len(out_splits):
+            raise ValueError(f"out_splits {tuple(out_splits)} must be positive widths summing to y's {y.shape[1]} "
+                             f"columns, one per band of lora_a's {rank} ranks")
+        rank //= len(out_splits)
     if tuple(lora_b.shape) != (num_slots, y.shape[1], rank):
         raise ValueError(f"lora_b must be [{num_slots}, {y.shape[1]}, {rank}] to match lora_a "
                          f"{tuple(lora_a.shape)} and y {tuple(y.shape)}, got {tuple(lora_b.shape)}")
@@ -86,16 +104,21 @@ def lora_reference(
     lora_b: torch.Tensor,
     row_slots: torch.Tensor,
     scales: torch.Tensor,
+    out_splits: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """y [T, out] += scales[s] * (x @ A_s^T) @ B_s^T per row of slot s (in place; y is returned)."""
-    check_lora_inputs(y, x, lora_a, lora_b, row_slots, scales)
+    """y [T, out] += scales[s] * (x @ A_s^T) @ B_s^T per row of slot s (in place; y is returned);
+    with ``out_splits``, band by band (see the module docstring)."""
+    check_lora_inputs(y, x, lora_a, lora_b, row_slots, scales, out_splits)
     check_slot_values(row_slots, lora_a.shape[0])
+    splits = list(out_splits or [y.shape[1]])
+    band_rank = lora_b.shape[2]
     for slot in row_slots.unique().tolist():
         if slot < 0:
             continue
         rows = (row_slots == slot).nonzero().squeeze(1)
-        shrunk = x[rows].float() @ lora_a[slot].float().T  # [rows, R]
-        delta = shrunk @ lora_b[slot].float().T  # [rows, out]
+        shrunk = x[rows].float() @ lora_a[slot].float().T  # [rows, k * R]
+        bands = zip(shrunk.split(band_rank, dim=1), lora_b[slot].float().split(splits, dim=0))
+        delta = torch.cat([h @ b.T for h, b in bands], dim=1)  # [rows, out]
         y[rows] = (y[rows].float() + scales[slot] * delta).to(y.dtype)
     return y
 
@@ -107,6 +130,7 @@ def lora_apply(
     lora_b: torch.Tensor,
     row_slots: torch.Tensor,
     scales: torch.Tensor,
+    out_splits: tuple[int, ...] | None = None,
     *,
     inputs_checked: bool = False,
 ) -> torch.Tensor:
@@ -117,22 +141,75 @@ def lora_apply(
     values are not read back (that would sync the device) and a row of such a slot gets no update.
     """
     if not inputs_checked:
-        check_lora_inputs(y, x, lora_a, lora_b, row_slots, scales)
+        check_lora_inputs(y, x, lora_a, lora_b, row_slots, scales, out_splits)
     if y.device.type == "cuda":
-        return lora_triton(y, x, lora_a, lora_b, row_slots, scales)
+        return lora_triton(y, x, lora_a, lora_b, row_slots, scales, out_splits)
     if y.device.type == "cpu" and _cpu_kernel_fits(y, x, lora_a, lora_b, row_slots, scales):
         ops = _cpu_ops()
         if ops is not None:
-            bad = ops.lora_apply(y, x, lora_a, lora_b, row_slots, scales)
+            bad = ops.lora_apply(y, x, lora_a, lora_b, row_slots, scales, list(out_splits or [y.shape[1]]))
             if bad >= 0:
                 raise ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in "
                                  f"[0, {lora_a.shape[0]})")
             return y
-    return lora_reference(y, x, lora_a, lora_b, row_slots, scales)
+    return lora_reference(y, x, lora_a, lora_b, row_slots, scales, out_splits)
+
+
+class LoraStack:
+    """One projection's adapter stack (lora_a, lora_b, scales, out_splits), checked once.
+
+    A step calls the kernel once per projection and layer (120 calls for SmolLM2's 30 layers),
+    and at one row per adapter lora_apply's checks of the stack and its choice of kernel cost
+    more than the CPU kernel itself (~7 us against ~5 us per call on the benchmark machine).
+    Here they are done when the stack is made; ``apply`` checks only what changes per step (x, y,
+    row_slots). The tensors are held, not copied: loading an adapter into a slot in place
+    (``copy_``) needs no new stack.
+    """
+
+    __slots__ = ("lora_a", "lora_b", "scales", "out_splits", "_splits", "_cpu")
+
+    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
+                 out_splits: tuple[int, ...] | None = None):
+        num_slots, rank, in_features = lora_a.shape if lora_a.dim() == 3 else (0, 0, 0)
+        out_features = lora_b.shape[1] if lora_b.dim() == 3 else 0
+        probe_y = torch.empty((0, out_features), dtype=torch.float32, device=lora_a.device)
+        probe_x = torch.empty((0, in_features), dtype=torch.float32, device=lora_a.device)
+        check_lora_inputs(probe_y, probe_x, lora_a, lora_b, torch.empty(0, dtype=torch.int32, device=lora_a.device),
+                          scales, out_splits)
+        self.lora_a, self.lora_b, self.scales, self.out_splits = lora_a, lora_b, scales, out_splits
+        self._splits = list(out_splits or [out_features])
+        self._cpu = (lora_a.device.type == "cpu" and lora_a.dtype in _CPU_ADAPTER_DTYPES and lora_a.is_contiguous()
+                     and (lora_b.is_contiguous() or _rank_major(lora_b)) and scales.is_contiguous()
+                     and rank <= MAX_RANK and _cpu_ops() is not None)
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        """``lora_apply(y, x, *stack, row_slots)``; y is returned."""
+        a = self.lora_a
+        if (self._cpu and x.dim() == 2 and y.dim() == 2 and x.shape[1] == a.shape[2] and y.shape[1] == self.lora_b.shape[1]
+                and x.shape[0] == y.shape[0] == row_slots.shape[0] and row_slots.dim() == 1
+                and x.dtype == y.dtype and x.dtype in FLOAT_DTYPES and row_slots.dtype in (torch.int32, torch.int64)
+                and x.stride(1) == 1 and y.stride(1) == 1 and row_slots.is_contiguous()
+                and x.device.type == y.device.type == row_slots.device.type == "cpu"):
+            bad = _cpu_ops().lora_apply(y, x, a, self.lora_b, row_slots, self.scales, self._splits)
+            if bad >= 0:
+                raise ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in "
+                                 f"[0, {a.shape[0]})")
+            return y
+        return lora_apply(y, x, a, self.lora_b, row_slots, self.scales, self.out_splits)
+
+
+_CPU_ADAPTER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rank_major(lora_b: torch.Tensor) -> bool:
+    """lora_b [S, out, R] is the transposed view of a [S, R, out] stack."""
+    num_slots, out_features, rank = lora_b.shape
+    return lora_b.stride(1) == 1 and lora_b.stride(2) == out_features and lora_b.stride(0) >= rank * out_features
 
 
 def _cpu_kernel_fits(y, x, lora_a, lora_b, row_slots, scales) -> bool:
-    return (lora_a.dtype == torch.float32 and lora_a.is_contiguous() and lora_b.is_contiguous()
+    return (lora_a.dtype in _CPU_ADAPTER_DTYPES and lora_a.is_contiguous()
+            and (lora_b.is_contiguous() or _rank_major(lora_b))
             and x.dtype == y.dtype and x.stride(-1) == 1 and y.stride(-1) == 1 and row_slots.is_contiguous()
             and scales.is_contiguous() and lora_a.shape[1] <= MAX_RANK)
 
@@ -153,6 +230,7 @@ def _cpu_ops() -> object | None:
 _BLOCK_M = 16  # rows of one slot per program (tl.dot's smallest tile)
 _BLOCK_N = 64  # outputs per expand program
 _BLOCK_K = 64  # input features per shrink iteration
+_MAX_BANDS = 4  # members of a fused projection (out_splits) the expand kernel tells apart
 
 
 @triton.jit
@@ -195,10 +273,12 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, b_ptr, y_ptr, scales_ptr, sorted_rows_ptr, slot_start_ptr, slot_count_ptr,
-    stride_y, out_features, rank,
+    stride_y, stride_bs, stride_bo, stride_br, out_features, band_rank, end0, end1, end2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # y[rows, n block] += scale_s * h[rows] B_s[n block]^T; B_s [out, rank]
+    # y[rows, n block] += scale_s * h[rows] B_s[n block]^T; B_s [out, band_rank] at its strides.
+    # Output c of band j = (c >= end0) + (c >= end1) + (c >= end2) reads the ranks
+    # [j * band_rank, (j + 1) * band_rank) of h: B's rows are placed there, zeros elsewhere.
     slot = tl.program_id(0)
     block = tl.program_id(1)
     if block * BLOCK_M >= tl.load(slot_count_ptr + slot):
@@ -208,8 +288,11 @@ def _lora_expand_kernel(
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < out_features
     h = tl.load(h_ptr + positions[:, None] * BLOCK_R + ranks[None, :], mask=row_mask[:, None], other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * out_features * rank + cols[None, :] * rank + ranks[:, None],
-                mask=(ranks[:, None] < rank) & col_mask[None, :], other=0.0).to(tl.float32)
+    first = ((cols >= end0).to(tl.int32) + (cols >= end1).to(tl.int32) + (cols >= end2).to(tl.int32)) * band_rank
+    in_band = (ranks[:, None] >= first[None, :]) & (ranks[:, None] < first[None, :] + band_rank)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bo
+                + (ranks[:, None] - first[None, :]) * stride_br,
+                mask=in_band & col_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
     delta = tl.dot(h, b, input_precision="ieee") * tl.load(scales_ptr + slot)  # [BLOCK_M, BLOCK_N]
     mask = row_mask[:, None] & col_mask[None, :]
     y_at = y_ptr + rows[:, None] * stride_y + cols[None, :]
@@ -224,6 +307,7 @@ def lora_triton(
     lora_b: torch.Tensor,
     row_slots: torch.Tensor,
     scales: torch.Tensor,
+    out_splits: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (CUDA, or the interpreter on the CPU); inputs as ``lora_apply``'s."""
     if x.stride(-1) != 1 or y.stride(-1) != 1:
@@ -234,7 +318,14 @@ def lora_triton(
     num_rows, out_features = y.shape
     if num_rows == 0 or num_slots == 0 or rank == 0:
         return y
-    lora_a, lora_b, scales = lora_a.contiguous(), lora_b.contiguous(), scales.contiguous()
+    splits = list(out_splits or [out_features])
+    if len(splits) > _MAX_BANDS:
+        raise ValueError(f"out_splits may name at most {_MAX_BANDS} members on the GPU, got {len(splits)}")
+    ends = [sum(splits[: j + 1]) for j in range(len(splits) - 1)]
+    ends += [out_features] * (_MAX_BANDS - 1 - len(ends))  # unused ends: no output reaches them
+    lora_a, scales = lora_a.contiguous(), scales.contiguous()
+    if not (lora_b.is_contiguous() or _rank_major(lora_b)):
+        lora_b = lora_b.contiguous()
     # Rows sorted by slot, the rows of slot -1 (and of any slot outside the stack) first and unused.
     slots = torch.where((row_slots >= 0) & (row_slots < num_slots), row_slots, -1).to(torch.int64)
     sorted_rows = torch.argsort(slots, stable=True).to(torch.int32)
@@ -249,7 +340,8 @@ def lora_triton(
         BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, num_warps=4,
     )
     _lora_expand_kernel[(num_slots, row_blocks, triton.cdiv(out_features, _BLOCK_N))](
-        shrunk, lora_b, y, scales, sorted_rows, starts, counts, y.stride(0), out_features, rank,
+        shrunk, lora_b, y, scales, sorted_rows, starts, counts, y.stride(0), *lora_b.stride(), out_features,
+        lora_b.shape[2], *ends,
         BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_N=_BLOCK_N, num_warps=4,
     )
     return y

@@ -23,6 +23,16 @@ def test_triton_kernels_match_the_reference(case, device):
     lora_cases.assert_matches_reference(y, expected, before, slots)
 
 
+@pytest.mark.parametrize("out_splits, band_rank, b_layout, adapter_dtype", lora_cases.FUSED_CASES)
+def test_triton_fused_projection(out_splits, band_rank, b_layout, adapter_dtype, device):
+    y, x, lora_a, lora_b, slots, scales = lora_cases.fused_step(out_splits, band_rank, b_layout, adapter_dtype,
+                                                                torch.bfloat16, device)
+    before = y.clone()
+    expected = lora_reference(y.clone(), x, lora_a, lora_b, slots, scales, out_splits)
+    lora_triton(y, x, lora_a, lora_b, slots, scales, out_splits)
+    lora_cases.assert_matches_reference(y, expected, before, slots)
+
+
 def test_triton_fp16_activations_and_int64_slots(device):
     case = {"rows": "mixed", "rank": 8, "features": (40, 56), "dtype": torch.float16}
     y, x, lora_a, lora_b, slots, scales = lora_cases.step(case, device=device)
