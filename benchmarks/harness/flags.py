@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any, TypeVar
 
-from services.common.settings import add_config_arguments, config_from_args
+from services.common.settings import add_config_arguments, config_from_args, setting  # noqa: F401 (a run's own settings)
 
 T = TypeVar("T")
 
@@ -58,13 +58,6 @@ def config_field(config_cls: type, name: str, *, default: Any = dataclasses.MISS
             return dataclasses.field(default_factory=source.default_factory, metadata={"help": help_text})
         else:
             raise TypeError(f"{config_cls.__name__}.{name} has no default: give one")
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
-def setting(default: Any, help_text: str) -> Any:
-    """A run's own setting: its default and the one line its flag shows."""
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("use a tuple for a sequence default (settings are frozen)")
     return dataclasses.field(default=default, metadata={"help": help_text})
 
 

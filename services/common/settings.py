@@ -5,10 +5,8 @@ fields carry their help text and environment variable::
 
     @dataclass
     class ExecutorConfig:
-        port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)",
-                                                   "env": "TOKENMILL_EXECUTOR_PORT"})
-        model: str = field(default="", metadata={"help": "checkpoint directory",
-                                                 "env": "TOKENMILL_MODEL"})
+        port: int = setting(50052, "gRPC port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
+        model: str = setting("", "checkpoint directory", "TOKENMILL_MODEL", path=True)
 
     config = parse_config(ExecutorConfig, description="tokenmill executor")
 
@@ -146,6 +144,20 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
         items = [part.strip() for part in text.split(",") if part.strip()]
         return spec.sequence_type(spec.parse(item) for item in items)
     return _absolute(spec, spec.parse(text))
+
+
+def setting(default: Any = _MISSING, help: str = "", env: str | None = None, *,
+            default_factory: Any = _MISSING, **extra: Any) -> Any:
+    """A setting declared once: its default, the one line its flag's ``--help`` shows, and its
+    environment variable (``None``: named by an ``embedded`` config's env_prefix, or none).
+    ``extra`` is more metadata: ``path=True`` (made absolute where parsed), ``repeat=True``
+    (one flag per item). Settings are values, so a sequence default is a tuple."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple for a sequence default (settings are frozen)")
+    metadata = {"help": help, **({"env": env} if env else {}), **extra}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def embedded(config_cls: type, *, env_prefix: str, default: Any = None) -> Any:

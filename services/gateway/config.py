@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.service_config import service_process_fields
+from services.common.settings import setting
 from services.gateway.api_keys import load_api_keys
 from services.gateway.reasoning import PARSER_SETTINGS as REASONING_PARSER_SETTINGS
 from services.gateway.http.tokens import TokenizerLoadError, TokenNamer
@@ -24,60 +25,67 @@ MAX_PUBLIC_MESSAGE_BYTES = 16 * 1024 * 1024
 """As the scheduler's public API: a prompt of a million token ids is some 4 MiB."""
 
 
-def _f(default, help_: str, env: str, **extra):
-    return field(default=default, metadata={"help": help_, "env": env, **extra})
-
-
 @dataclass
 class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, MAX_PUBLIC_MESSAGE_BYTES,
                                                   backend_tls=True)):
     """tokenmill gateway: an OpenAI-compatible HTTP API and the Generation gRPC API in front of tokenmill
     engines, routing each request over them on their live latency profiles, its SLA and cost."""
 
-    config: str = _f("", "routes file (YAML or JSON): the targets, and for each model id how to route it "
-                         "(required; see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG", path=True)
-    http_port: int = _f(DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)",
-                        "TOKENMILL_GATEWAY_HTTP_PORT")
+    config: str = setting("",
+                          "routes file (YAML or JSON): the targets, and for each model id how to route it (required; "
+                          "see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG", path=True)
+    http_port: int = setting(DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)",
+                             "TOKENMILL_GATEWAY_HTTP_PORT")
     http_port_file: str = field(default="", metadata={
         "help": "write the bound HTTP port to this file once serving (empty = don't)", "path": True})
-    profile_interval_s: float = _f(0.25, "how often each target's health and GetProfile are read, seconds; an "
-                                         "unhealthy target is probed at the same pace", "TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
-    profile_window_s: float = _f(10.0, "the window GetProfile is asked for, seconds (short: the profile follows the "
-                                       "live load)", "TOKENMILL_GATEWAY_PROFILE_WINDOW_S")
-    max_attempts: int = _f(3, "targets one request may try: a failure before anything was streamed moves it to "
-                              "the next target of its route", "TOKENMILL_GATEWAY_MAX_ATTEMPTS")
-    request_timeout_s: float = _f(600.0, "a request still running after this long ends with 504 / DEADLINE_EXCEEDED",
-                                  "TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
-    http_header_timeout_s: float = _f(10.0, "an HTTP connection whose request headers are not all in this long after "
-                                            "it opened (or after its next request's first byte) is closed with 408",
-                                      "TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
-    http_body_timeout_s: float = _f(60.0, "an HTTP request body not all in this long after its headers gets 408",
-                                    "TOKENMILL_GATEWAY_HTTP_BODY_TIMEOUT_S")
-    http_max_header_bytes: int = _f(64 * 1024, "largest request line and headers of an HTTP request, bytes; larger "
-                                               "ones get 431", "TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
-    http_max_connections: int = _f(4096, "most open HTTP connections; more are closed as they arrive (lowered "
-                                         "with a warning when the open-file limit, ulimit -n, is short)",
-                                   "TOKENMILL_GATEWAY_HTTP_MAX_CONNECTIONS")
-    http_keep_alive_s: float = _f(30.0, "an idle HTTP connection is closed this long after its last answer",
-                                  "TOKENMILL_GATEWAY_HTTP_KEEP_ALIVE_S")
-    max_request_bytes: int = _f(8 * 1024 * 1024, "largest HTTP request body; larger ones get 413",
-                                "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
-    max_choices: int = _f(64, "most choices one request may ask for (n x prompts; each is one engine call)",
-                          "TOKENMILL_GATEWAY_MAX_CHOICES")
-    api_keys_file: str = _f("", "JSON list of the gateway's API keys, each naming a tenant ({\"key\", \"tenant\"}, "
-                                "optional models, max_concurrent_requests, cache_group, max_priority, requests_per_minute, "
-                                "tokens_per_minute): every request then needs one, "
-                                "and each tenant's prefix cache is its own; empty = keyless, the client's "
-                                "Authorization goes to the engines (see services/gateway/api_keys.py)",
-                            "TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)
-    tool_call_parser: str = _f("auto", "how tool_choice auto reads tool calls out of a reply: auto (the format the "
-                                       "serving engine's chat template defines, text when none), none (text), "
-                                       "hermes, llama3_json or mistral; a route's tool_call_parser overrides it",
-                               "TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
-    reasoning_parser: str = _f("none", "how chat replies' reasoning is read out to reasoning_content: none (the reply "
-                                       "is content), deepseek_r1 (the template opens <think>: the reply starts inside "
-                                       "it) or qwen3 (reasoning when the reply opens <think>); a route's "
-                                       "reasoning_parser overrides it", "TOKENMILL_GATEWAY_REASONING_PARSER")
+    profile_interval_s: float = setting(0.25, "how often each target's health and GetProfile are read, seconds; an "
+                                        "unhealthy target is probed at the same pace",
+                                        "TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
+    profile_window_s: float = setting(10.0,
+                                      "the window GetProfile is asked for, seconds (short: the profile follows the "
+                                      "live load)", "TOKENMILL_GATEWAY_PROFILE_WINDOW_S")
+    max_attempts: int = setting(3,
+                                "targets one request may try: a failure before anything was streamed moves it to the "
+                                "next target of its route", "TOKENMILL_GATEWAY_MAX_ATTEMPTS")
+    request_timeout_s: float = setting(600.0,
+                                       "a request still running after this long ends with 504 / DEADLINE_EXCEEDED",
+                                       "TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
+    http_header_timeout_s: float = setting(10.0,
+                                           "an HTTP connection whose request headers are not all in this long after "
+                                           "it opened (or after its next request's first byte) is closed with 408",
+                                           "TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
+    http_body_timeout_s: float = setting(60.0, "an HTTP request body not all in this long after its headers gets 408",
+                                         "TOKENMILL_GATEWAY_HTTP_BODY_TIMEOUT_S")
+    http_max_header_bytes: int = setting(64 * 1024,
+                                         "largest request line and headers of an HTTP request, bytes; larger ones "
+                                         "get 431", "TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
+    http_max_connections: int = setting(4096,
+                                        "most open HTTP connections; more are closed as they arrive (lowered with a "
+                                        "warning when the open-file limit, ulimit -n, is short)",
+                                        "TOKENMILL_GATEWAY_HTTP_MAX_CONNECTIONS")
+    http_keep_alive_s: float = setting(30.0, "an idle HTTP connection is closed this long after its last answer",
+                                       "TOKENMILL_GATEWAY_HTTP_KEEP_ALIVE_S")
+    max_request_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body; larger ones get 413",
+                                     "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
+    max_choices: int = setting(64, "most choices one request may ask for (n x prompts; each is one engine call)",
+                               "TOKENMILL_GATEWAY_MAX_CHOICES")
+    api_keys_file: str = setting("",
+                                 "JSON list of the gateway's API keys, each naming a tenant ({\"key\", \"tenant\"}, "
+                                 "optional models, max_concurrent_requests, cache_group, max_priority, "
+                                 "requests_per_minute, tokens_per_minute): every request then needs one, and each "
+                                 "tenant's prefix cache is its own; empty = keyless, the client's Authorization goes "
+                                 "to the engines (see services/gateway/api_keys.py)",
+                                 "TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)
+    tool_call_parser: str = setting("auto",
+                                    "how tool_choice auto reads tool calls out of a reply: auto (the format the "
+                                    "serving engine's chat template defines, text when none), none (text), hermes, "
+                                    "llama3_json or mistral; a route's tool_call_parser overrides it",
+                                    "TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
+    reasoning_parser: str = setting("none",
+                                    "how chat replies' reasoning is read out to reasoning_content: none (the reply "
+                                    "is content), deepseek_r1 (the template opens <think>: the reply starts inside "
+                                    "it) or qwen3 (reasoning when the reply opens <think>); a route's "
+                                    "reasoning_parser overrides it", "TOKENMILL_GATEWAY_REASONING_PARSER")
 
     def validate(self) -> None:
         """The numbers, and the routes file read and built (every route's targets exist, every

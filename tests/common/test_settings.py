@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.settings import add_config_arguments, config_from_args, embedded, parse_config, to_argv
+from services.common.settings import add_config_arguments, config_from_args, embedded, parse_config, setting, to_argv
 
 
 class Backend(enum.Enum):
@@ -232,3 +232,27 @@ def test_an_embedded_default_instance_gives_the_defaults_and_an_empty_prefix_no_
         parse_config(SmallBatch, ["--help"], env={})
     text = " ".join(capsys.readouterr().out.split())
     assert "running batch (default: 1)" in text
+
+
+@dataclass(frozen=True)
+class _Declared:
+    limit: int = setting(4, "most things at once", "TEST_DECLARED_LIMIT")
+    root: str = setting("", "a directory", path=True)
+    names: tuple[str, ...] = setting(default_factory=lambda: ("a", "b"), help="names, comma-separated")
+
+
+def test_setting_declares_help_env_and_extra_metadata_once(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(_Declared, ["--root", "sub", "--names", "x,y"], env={"TEST_DECLARED_LIMIT": "7"})
+    assert config == _Declared(limit=7, root=str(tmp_path / "sub"), names=("x", "y"))
+    with pytest.raises(SystemExit):
+        parse_config(_Declared, ["--help"], env={})
+    out = capsys.readouterr().out
+    assert "most things at once (default: 4; env: TEST_DECLARED_LIMIT)" in " ".join(out.split())
+    assert _Declared().names == ("a", "b")
+
+
+def test_setting_refuses_a_mutable_default() -> None:
+    with pytest.raises(TypeError, match="use a tuple"):
+        setting([1, 2], "a list")

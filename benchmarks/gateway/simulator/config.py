@@ -13,31 +13,29 @@ one); ``--ports-file`` receives {name: port} as JSON once all serve.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from benchmarks.gateway.simulator.engine import SimSpec
+from services.common.settings import setting
 
 SPEC_FIELDS = {f.name for f in fields(SimSpec)}
-
-
-def _f(default, help_: str, env: str, **extra):
-    return field(default=default, metadata={"help": help_, "env": env, **extra})
 
 
 @dataclass
 class SimulatorConfig:
     """tokenmill engine simulator: the Generation API over simulated engines with configured latency."""
 
-    engines: str = _f("", "JSON list of engine specs, or the path of a file holding one (see the module's doc)",
-                      "TOKENMILL_SIM_ENGINES")
-    host: str = _f("127.0.0.1", "interface to listen on", "TOKENMILL_SIM_HOST")
-    ports_file: str = _f("", "write {name: port} as JSON here once every engine serves", "TOKENMILL_SIM_PORTS_FILE",
-                         path=True)
-    http_ports_file: str = _f("", "also serve each engine's OpenAI-compatible HTTP API (simulator/http_api.py) and "
-                              "write {name: http port} as JSON here", "TOKENMILL_SIM_HTTP_PORTS_FILE", path=True)
-    profile_window_s: float = _f(60.0, "default window of GetProfile, seconds", "TOKENMILL_SIM_PROFILE_WINDOW_S")
-    log_level: str = _f("warning", "least severe log level written", "TOKENMILL_SIM_LOG_LEVEL")
+    engines: str = setting("", "JSON list of engine specs, or the path of a file holding one (see the module's doc)",
+                           "TOKENMILL_SIM_ENGINES")
+    host: str = setting("127.0.0.1", "interface to listen on", "TOKENMILL_SIM_HOST")
+    ports_file: str = setting("", "write {name: port} as JSON here once every engine serves",
+                              "TOKENMILL_SIM_PORTS_FILE", path=True)
+    http_ports_file: str = setting("",
+                                   "also serve each engine's OpenAI-compatible HTTP API (simulator/http_api.py) and "
+                                   "write {name: http port} as JSON here", "TOKENMILL_SIM_HTTP_PORTS_FILE", path=True)
+    profile_window_s: float = setting(60.0, "default window of GetProfile, seconds", "TOKENMILL_SIM_PROFILE_WINDOW_S")
+    log_level: str = setting("warning", "least severe log level written", "TOKENMILL_SIM_LOG_LEVEL")
 
     def specs(self) -> list[SimSpec]:
         text = self.engines

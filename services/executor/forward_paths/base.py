@@ -15,8 +15,10 @@ reads the settings without loading a model runtime. Paths import their torch cod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from services.common.settings import setting  # noqa: F401 (each path declares its settings with it)
 
 if TYPE_CHECKING:
     import torch
@@ -24,12 +26,6 @@ if TYPE_CHECKING:
     from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.llama import KVCaches, LlamaForCausalLM
-
-
-def setting(default: Any, help_text: str) -> Any:
-    """A setting with its default and the one-line help its flag shows (the flag and its
-    TOKENMILL_EXECUTOR_* variable are named after the field)."""
-    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass(frozen=True, slots=True)
