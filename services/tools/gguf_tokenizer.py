@@ -2,35 +2,55 @@
 
 A GGUF carries no ``tokenizer.json``; llama.cpp stores the vocabulary as metadata:
 
-    tokenizer.ggml.model        "gpt2": byte-level BPE (the only kind converted here)
-    tokenizer.ggml.pre          the pre-tokenizer's name in llama.cpp ("smollm", "gpt-2", ...)
-    tokenizer.ggml.tokens       the pieces, in id order, spelled in GPT-2's byte alphabet ("Ġthe")
+    tokenizer.ggml.model        "gpt2": byte-level BPE; "llama": SentencePiece (BPE with byte fallback)
+    tokenizer.ggml.pre          the BPE pre-tokenizer's name in llama.cpp ("llama-bpe", "qwen2", ...)
+    tokenizer.ggml.tokens       the pieces, in id order ("Ġthe" in GPT-2's byte alphabet, "▁the" in SentencePiece's)
+    tokenizer.ggml.scores       SentencePiece: each piece's score (higher merges first)
     tokenizer.ggml.token_type   1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    tokenizer.ggml.merges       "Ġ t" pairs, best first
+    tokenizer.ggml.merges       BPE: "Ġ t" pairs, best first
+    tokenizer.ggml.add_space_prefix   SentencePiece: a "▁" before the text (llama.cpp's default: yes)
     tokenizer.ggml.{bos,eos,unknown,padding,eot,eom}_token_id, tokenizer.ggml.add_{bos,eos}_token
     tokenizer.chat_template     the Jinja chat template
 
-Control tokens (``<|im_start|>``, ``<|im_end|>``...) become special added tokens, so a rendered
-chat template's markup is read as those ids (and decode(skip_special_tokens) leaves them out);
-user-defined ones become plain added tokens, matched whole as llama.cpp does.
+The rules are llama.cpp's (``llama-vocab.cpp``), whose encoding of a file is the reference the
+tests compare with, text by text:
 
-Pre-tokenizers are rebuilt from llama.cpp's definitions (``llama-vocab.cpp``), which split text
-with a list of regexes applied in turn:
+- Control and unknown pieces become special added tokens (matched whole in the text, left out by
+  decode(skip_special_tokens)); user-defined ones plain added tokens, also matched whole.
+- BOS is added when ``add_bos_token`` says so; without the key llama.cpp adds it for SentencePiece
+  and for the Llama 3 pre-tokenizer family, not for other byte-level BPE.
+
+Byte-level BPE. Pre-tokenizers are rebuilt from llama.cpp's definitions, which split text with a
+list of regexes applied in turn (a `tokenizers` Sequence of isolating Splits):
 
 - ``gpt-2``: GPT-2's regex ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)``;
 - ``smollm`` (llama.cpp groups it with starcoder): ``\\p{N}`` first (every digit on its own),
   then GPT-2's regex. In `tokenizers` that is Digits(individual_digits) then ByteLevel with its
   regex, which is the pre-tokenizer of SmolLM2's own tokenizer.json.
+- ``qwen2``: QWEN2_SPLIT; ``llama-bpe`` (Llama 3.x): LLAMA3_SPLIT, the same with digits in runs
+  of up to three, and a word that is a piece of its own taken whole before any merge
+  (``ignore_merges``, as Llama 3's tokenizer.json and llama.cpp do). PRE_TOKENIZERS lists the
+  names llama.cpp gives the same split.
 
 Any other name, or none, is refused rather than guessed: a wrong split still encodes, but into
 ids the model never saw in training.
 
-SentencePiece vocabularies (``tokenizer.ggml.model`` "llama") are converted for Gemma files, as
-transformers' GGUF loader and Gemma's own tokenizer.json build them: BPE with byte fallback over
-the pieces, spaces written as "▁" by a normalizer (no prefix space), and merges rebuilt from the
-vocabulary (the file has none): every split of a piece into two pieces, best first in the order
-the pieces appear in the file (Gemma's scores do not follow its merge order). Pieces the file
-stores as runs of real spaces are spelled with "▁", as Gemma looks them up.
+SentencePiece (``tokenizer.ggml.model`` "llama": Llama 2, Mistral / Mixtral, Phi-3, TinyLlama...).
+llama.cpp escapes spaces as "▁", puts one "▁" before each run of text that opens the input or
+follows a special token (``add_space_prefix``), then joins adjacent symbols, starting from single
+characters, always taking the pair whose join is the best-scoring piece (ties: the leftmost);
+characters no piece covers become their UTF-8 bytes' ``<0xNN>`` pieces. That is BPE with byte
+fallback whose merges are every split of a piece into two pieces, ranked by the joined piece's
+score: what transformers' LlamaTokenizerFast builds too. Decoding turns "▁" back into spaces and
+drops the one "▁" the prefix put before the first piece. Phi-3 files (``general.name`` containing
+"phi-3" or "phi3") get llama.cpp's Phi-3 rule: whitespace after a special token other than <unk>,
+<s> and <|endoftext|> is dropped.
+
+Gemma's SentencePiece vocabularies (``general.architecture`` gemma*) are built as transformers'
+GGUF loader and Gemma's own tokenizer.json build them: no prefix space, and merges rebuilt from
+the piece order (the file has none): every split of a piece into two pieces, best first in the
+order the pieces appear in the file. Pieces the file stores as runs of real spaces are spelled
+with "▁", as Gemma looks them up.
 """
 
 from __future__ import annotations
@@ -40,25 +60,55 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+SPACE = "\u2581"  # SentencePiece's "▁"
 
 
 def _byte_level(use_regex: bool = True) -> pre_tokenizers.ByteLevel:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
 
 
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                    _byte_level(use_regex=False)])
+
+
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 """llama.cpp's ``qwen2`` split (Qwen2, Qwen2.5, Qwen3): letters with one leading non-letter, digits one by one."""
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""llama.cpp's ``llama3`` split (Llama 3.x's tokenizer.json): qwen2's with digits in runs of up to three."""
+
+_GPT2 = lambda: _byte_level()  # noqa: E731
+_SMOLLM = lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])  # noqa: E731
+_QWEN2 = lambda: _split_then_bytes(QWEN2_SPLIT)  # noqa: E731
+_LLAMA3 = lambda: _split_then_bytes(LLAMA3_SPLIT)  # noqa: E731
+
 PRE_TOKENIZERS = {
-    "gpt-2": lambda: _byte_level(),
-    "qwen2": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-                                              _byte_level(use_regex=False)]),
-    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "gpt-2": _GPT2, "phi-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2,
+    "smollm": _SMOLLM, "starcoder": _SMOLLM, "refact": _SMOLLM, "codeshell": _SMOLLM,
+    "qwen2": _QWEN2, "stablelm2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
+    "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
 }
-"""llama.cpp's ``tokenizer.ggml.pre`` name -> the equivalent `tokenizers` pre-tokenizer."""
+"""llama.cpp's ``tokenizer.ggml.pre`` name -> the equivalent `tokenizers` pre-tokenizer (llama.cpp
+maps each group of names to one split)."""
+
+LLAMA3_FAMILY = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
+"""Names for which llama.cpp takes a word that is a piece whole (``ignore_merges``) and adds BOS
+by default; ``dbrx`` and ``smaug-bpe`` share the split but neither setting."""
+
+_PHI3_NOT_RSTRIPPED = ("<unk>", "<s>", "<|endoftext|>")
+
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<|end_of_text|>", "<EOT>", "</s>"})
+"""Control pieces llama.cpp ends generation on by their text whatever the ids the metadata names
+(Phi-3's ``<|end|>``, Llama 3's ``<|eot_id|>`` / ``<|eom_id|>``); applied here to the
+vocabularies converted since (SentencePiece other than Gemma's, the Llama 3 family)."""
 
 
 def _required(metadata: Mapping[str, Any], key: str) -> Any:
@@ -76,15 +126,54 @@ def _token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | N
     return int(value)
 
 
+def _is_gemma(metadata: Mapping[str, Any]) -> bool:
+    return str(metadata.get("general.architecture", "")).startswith("gemma")
+
+
+def _is_sentencepiece(metadata: Mapping[str, Any]) -> bool:
+    """A SentencePiece vocabulary as llama.cpp encodes it (Gemma's is built as transformers builds it)."""
+    return metadata.get("tokenizer.ggml.model") == "llama" and not _is_gemma(metadata)
+
+
+def _token_types(metadata: Mapping[str, Any], tokens: list[str]) -> list[int]:
+    types: list[int] = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    return types
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("tokenizer.ggml.tokens lists a piece twice")
+    return vocab
+
+
+def _add_vocabulary_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int],
+                           rstrip: frozenset[str] = frozenset()) -> None:
+    """Control and unknown pieces as special added tokens, user-defined ones as plain added tokens;
+    each keeps its vocabulary id (it is already a piece of the vocabulary)."""
+    tokenizer.add_special_tokens([
+        AddedToken(token, special=True, normalized=False, rstrip=token in rstrip)
+        for token, kind in zip(tokens, types) if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
+    ])
+    tokenizer.add_tokens([
+        AddedToken(token, special=False, normalized=False, rstrip=token in rstrip)
+        for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED
+    ])
+    if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ValueError("the added tokens changed the vocabulary size; the GGUF's token list is inconsistent")
+
+
 def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
-    """The `tokenizers` fast tokenizer the metadata describes: byte-level BPE, or Gemma's SentencePiece."""
+    """The `tokenizers` fast tokenizer the metadata describes: byte-level BPE or SentencePiece."""
     kind = _required(metadata, "tokenizer.ggml.model")
-    if kind == "llama" and str(metadata.get("general.architecture", "")).startswith("gemma"):
-        return _gemma_sentencepiece(metadata)
+    if kind == "llama":
+        return _gemma_sentencepiece(metadata) if _is_gemma(metadata) else _sentencepiece(metadata)
     if kind != "gpt2":
         raise ValueError(
             f"tokenizer.ggml.model is {kind!r}; the vocabularies converted are 'gpt2' (byte-level BPE) and "
-            f"'llama' (SentencePiece) of Gemma files"
+            f"'llama' (SentencePiece)"
         )
     pre = metadata.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
@@ -92,13 +181,9 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
             f"tokenizer.ggml.pre is {pre!r}; the pre-tokenizers converted are {', '.join(sorted(PRE_TOKENIZERS))}"
         )
     tokens: list[str] = list(_required(metadata, "tokenizer.ggml.tokens"))
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = _token_types(metadata, tokens)
     merges: list[str] = list(_required(metadata, "tokenizer.ggml.merges"))
-    if len(types) != len(tokens):
-        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("tokenizer.ggml.tokens lists a piece twice")
+    vocab = _vocab(tokens)
     pairs = []
     for line in merges:
         left, sep, right = line.partition(" ")
@@ -106,21 +191,75 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
             raise ValueError(f"tokenizer.ggml.merges entry {line!r} is not two pieces separated by one space")
         pairs.append((left, right))
 
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=pre in LLAMA3_FAMILY))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    # Added tokens keep their vocabulary ids (each is already a piece of the vocabulary).
-    tokenizer.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL
-    ])
-    tokenizer.add_tokens([
-        AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED
-    ])
-    if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise ValueError("the added tokens changed the vocabulary size; the GGUF's token list is inconsistent")
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    ends = _bos_eos_processor(metadata, tokens)
+    tokenizer.post_processor = byte_level if ends is None else processors.Sequence([byte_level, ends])
+    _add_vocabulary_tokens(tokenizer, tokens, types)
+    return tokenizer
+
+
+def _bos_eos_processor(metadata: Mapping[str, Any], tokens: list[str]) -> processors.TemplateProcessing | None:
+    """BOS / EOS around the text as llama.cpp adds them (the tokenizer service reads the same flags
+    from tokenizer_config.json; this keeps tokenizer.json alone faithful too)."""
+    ids = special_token_ids(metadata)
+    bos = ids["bos"] if add_bos_token(metadata) else None
+    eos = ids["eos"] if metadata.get("tokenizer.ggml.add_eos_token") else None
+    if bos is None and eos is None:
+        return None
+    head = f"{tokens[bos]}:0 " if bos is not None else ""
+    tail = f" {tokens[eos]}:0" if eos is not None else ""
+    used = {(tokens[i], i) for i in (bos, eos) if i is not None}
+    return processors.TemplateProcessing(single=f"{head}$A:0{tail}", pair=f"{head}$A:0{tail} {head}$B:1{tail}",
+                                         special_tokens=sorted(used))
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, ranked as llama.cpp joins them: the joined piece's
+    score, higher first (ties between pieces: the lower id; between splits of one piece: the ids of
+    the halves)."""
+    ranked: list[tuple[float, int, int, int, str, str]] = []
+    for piece_id, piece in enumerate(tokens):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[piece_id], piece_id, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece(metadata: Mapping[str, Any]) -> Tokenizer:
+    tokens: list[str] = list(_required(metadata, "tokenizer.ggml.tokens"))
+    types = _token_types(metadata, tokens)
+    scores = [float(s) for s in _required(metadata, "tokenizer.ggml.scores")]
+    if len(scores) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    vocab = _vocab(tokens)
+    unk_id = special_token_ids(metadata)["unk"]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(tokens, scores, vocab),
+                                     unk_token=tokens[unk_id] if unk_id is not None else None,
+                                     fuse_unk=True, byte_fallback=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # The added tokens split the text first, and the normalizer runs on each run of text between
+    # them, so Prepend gives every run its "▁": llama.cpp's prefix at the start and after a special.
+    escape = [normalizers.Replace(" ", SPACE)]
+    tokenizer.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if prefix else []) + escape)
+    tokenizer.pre_tokenizer = None  # llama.cpp joins symbols over the whole run, across words
+    # Strip after ByteFallback and Fuse: it removes the prefix's "▁" only, never a byte-spelled space.
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                           *([decoders.Strip(SPACE, 1, 0)] if prefix else []),
+                                           decoders.Replace(SPACE, " ")])
+    name = str(metadata.get("general.name", "")).lower()
+    rstrip: frozenset[str] = frozenset()
+    if "phi-3" in name or "phi3" in name:  # llama.cpp's Phi-3 token attributes, chosen by the model's name
+        rstrip = frozenset(t for t, kind in zip(tokens, types)
+                           if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED)
+                           or t == "</s>") - set(_PHI3_NOT_RSTRIPPED)
+    _add_vocabulary_tokens(tokenizer, tokens, types, rstrip)
+    tokenizer.post_processor = _bos_eos_processor(metadata, tokens)
     return tokenizer
 
 
@@ -158,29 +297,53 @@ def _gemma_sentencepiece(metadata: Mapping[str, Any]) -> Tokenizer:
 
 
 def special_token_ids(metadata: Mapping[str, Any]) -> dict[str, int | None]:
-    """bos, eos, unk, pad, eot, eom ids as the metadata states them (None where absent)."""
+    """bos, eos, unk, pad, eot, eom ids as the metadata states them (None where absent); a
+    SentencePiece vocabulary without them has llama.cpp's defaults, <unk> 0, <s> 1, </s> 2."""
     vocab_size = len(_required(metadata, "tokenizer.ggml.tokens"))
     keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
             "pad": "padding_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
-    return {name: _token_id(metadata, key, vocab_size) for name, key in keys.items()}
+    ids = {name: _token_id(metadata, key, vocab_size) for name, key in keys.items()}
+    if _is_sentencepiece(metadata):
+        for name, default in (("unk", 0), ("bos", 1), ("eos", 2)):
+            if ids[name] is None and default < vocab_size:
+                ids[name] = default
+    return ids
+
+
+def _counts_text_ends(metadata: Mapping[str, Any]) -> bool:
+    return _is_sentencepiece(metadata) or (
+        metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in LLAMA3_FAMILY)
 
 
 def end_token_ids(metadata: Mapping[str, Any]) -> list[int]:
-    """The ids that end generation: EOS, then the end-of-turn/-message ids when the file names them."""
+    """The ids that end generation: EOS, then the end-of-turn/-message ids when the file names them,
+    then (SentencePiece and Llama 3 vocabularies) the control pieces llama.cpp ends on by text."""
     ids = special_token_ids(metadata)
-    return list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    ends = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]
+    if _counts_text_ends(metadata):
+        tokens = metadata["tokenizer.ggml.tokens"]
+        types = _token_types(metadata, list(tokens))
+        ends += [i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_TYPE_CONTROL and t in EOG_TEXTS]
+    return list(dict.fromkeys(ends))
+
+
+def add_bos_token(metadata: Mapping[str, Any]) -> bool:
+    """``add_bos_token``, or llama.cpp's default without it: yes for SentencePiece and the Llama 3
+    family, no for other byte-level BPE (Gemma's files always state it)."""
+    if "tokenizer.ggml.add_bos_token" in metadata:
+        return bool(metadata["tokenizer.ggml.add_bos_token"])
+    return _is_sentencepiece(metadata) or metadata.get("tokenizer.ggml.pre") in LLAMA3_FAMILY
 
 
 def tokenizer_config(metadata: Mapping[str, Any], model_max_length: int) -> dict[str, Any]:
     """tokenizer_config.json: special tokens by text, BOS/EOS flags, the chat template.
 
-    A GGUF without ``add_bos_token`` gets no BOS: llama.cpp and transformers' GGUF loader
-    default to adding one only for sentencepiece vocabularies, never for byte-level BPE.
+    A GGUF without ``add_bos_token`` gets llama.cpp's default (``add_bos_token``).
     """
     tokens = _required(metadata, "tokenizer.ggml.tokens")
     ids = special_token_ids(metadata)
     config: dict[str, Any] = {
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": add_bos_token(metadata),
         "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(model_max_length),

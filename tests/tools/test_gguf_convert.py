@@ -126,8 +126,8 @@ def test_tokenizer_files(tiny):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(arch="qwen2"), r"general.architecture is 'qwen2'"),
-    (dict(tokenizer_model="llama"), r"tokenizer.ggml.model is 'llama'"),
-    (dict(pre="llama-bpe"), r"tokenizer.ggml.pre is .llama-bpe.; the pre-tokenizers converted are gpt-2, qwen2, smollm"),
+    (dict(tokenizer_model="t5"), r"tokenizer.ggml.model is 't5'"),
+    (dict(pre="deepseek-llm"), r"tokenizer.ggml.pre is .deepseek-llm.; the pre-tokenizers converted are codeshell, "),
     (dict(extra_tensor="blk.0.attn_q_norm.weight"), r"'blk.0.attn_q_norm.weight' has no place in the Llama layout"),
     # A layer index the file chose must not size a loop (in keep mode it drove a ~7e9-step one).
     (dict(extra_tensor="blk.999999999.attn_q.weight"),
