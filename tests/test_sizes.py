@@ -1,0 +1,144 @@
+"""The size contract: no function or method in services/ or benchmarks/ longer than 60 lines,
+and no class of the scheduler process (services/scheduler, services/common) longer than 60.
+
+A long function is where a second job hides; a long class in the scheduler process is where
+the request's state starts to spread (SGLang's scheduler grew six mixins that way). Lines are
+counted from ``def``/``class`` to the last line of the body, docstring and comments included.
+
+``OVER_LIMIT`` names what was already longer when the contract was written. It only shrinks:
+a new name over the limit fails, and so does a listed one that is now within it (take it off
+the list, so it cannot grow back unnoticed).
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 60
+CLASS_ROOTS = ("services/scheduler/", "services/common/")
+
+OVER_LIMIT: frozenset[str] = frozenset({
+    "benchmarks/gpu_check.py::bench_end_to_end",
+    "benchmarks/gpu_check.py::main",
+    "benchmarks/micro/lora_products.py::main",
+    "benchmarks/peer/driver.py::run_benchmark",
+    "benchmarks/peer/quality.py::main",
+    "benchmarks/serving/driver.py::run_systems",
+    "benchmarks/stress.py::run",
+    "benchmarks/tensor_parallel.py::main",
+    "services/common/latency_profile.py::LatencyProfileRecorder",
+    "services/common/metrics.py::SchedulerCollector",
+    "services/common/sampling_params.py::SamplingParams",
+    "services/common/server.py::RunningServer",
+    "services/common/server.py::start_server",
+    "services/common/service_config.py::service_process_fields",
+    "services/executor/model_runner.py::ModelRunner.__init__",
+    "services/gateway/dispatch.py::Dispatcher._attempt",
+    "services/gateway/http/chat.py::_chunks",
+    "services/gateway/http/chat.py::create_chat_completion",
+    "services/gateway/http/middleware.py::GatewayMiddleware.__call__",
+    "services/gateway/http/responses.py::_events",
+    "services/gateway/tool_calls/mistral.py::MistralParser._step",
+    "services/gateway/upstreams/client.py::UpstreamCall._run",
+    "services/runtime/kernels/paged_decode.py::_paged_decode_partition_kernel",
+    "services/runtime/kernels/paged_decode.py::paged_decode_attention",
+    "services/runtime/kernels/paged_kv_tiles.py::attend_kv_tiles",
+    "services/runtime/kernels/prefill_attention.py::_prefill_attention_kernel",
+    "services/runtime/kernels/prefill_attention.py::prefill_attention",
+    "services/runtime/model/config.py::ModelConfig.from_dict",
+    "services/runtime/sampling/batch.py::SamplingBatch.build",
+    "services/scheduler/admission.py::Admission",
+    "services/scheduler/config.py::SchedulerServiceConfig",
+    "services/scheduler/core/block_manager.py::BlockManager",
+    "services/scheduler/core/config.py::SchedulerConfig",
+    "services/scheduler/core/config.py::SchedulerLimits",
+    "services/scheduler/core/free_block_queue.py::FreeBlockQueue",
+    "services/scheduler/core/scheduler.py::Scheduler",
+    "services/scheduler/core/scheduler.py::Scheduler.update",
+    "services/scheduler/core/waiting_queue.py::WaitingQueue",
+    "services/scheduler/engine/core.py::EngineCore",
+    "services/scheduler/engine/drafting.py::Drafting",
+    "services/scheduler/engine/handoff.py::Handoff",
+    "services/scheduler/engine/lane.py::ExecutorLane",
+    "services/scheduler/engine/publisher.py::Publisher",
+    "services/scheduler/engine/request_table.py::RequestTable",
+    "services/scheduler/links/drafter_link.py::DrafterLink",
+    "services/scheduler/links/executor_link.py::ExecutorLink",
+    "services/scheduler/links/tokenizer_link.py::TokenizerLink",
+    "services/scheduler/request/output.py::RequestOutput",
+    "services/scheduler/request/request.py::Request",
+    "services/scheduler/request/request.py::Request.__init__",
+    "services/scheduler/request/stop.py::StopConditions",
+    "services/scheduler/servicer.py::GenerationServicer",
+    "services/scheduler/servicer.py::GenerationServicer.Generate",
+    "services/scheduler/structured/compile_workers.py::CompileWorkers",
+    "services/scheduler/structured/grammar_compiler.py::GrammarCompiler",
+    "services/scheduler/supervisor.py::Supervisor",
+    "services/tools/gguf.py::llama_config",
+    "services/tools/llama2c_tokenizer.py::build_tokenizer",
+    "services/tools/random_model.py::_config_json",
+    "services/tools/random_model.py::build_random_model",
+})
+
+
+def _source_files(root: Path) -> list[Path]:
+    generated = root / "services" / "common" / "pb"
+    files = sorted((root / "services").rglob("*.py")) + sorted((root / "benchmarks").rglob("*.py"))
+    return [f for f in files if not f.is_relative_to(generated)]
+
+
+def _definitions(tree: ast.AST, prefix: str = ""):
+    """(kind, qualified name, lines) of every function and class, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            yield kind, prefix + node.name, node.end_lineno - node.lineno + 1
+            yield from _definitions(node, f"{prefix}{node.name}.")
+        else:
+            yield from _definitions(node, prefix)
+
+
+@cache
+def oversized(root: Path = REPO_ROOT) -> dict[str, int]:
+    """{path::qualified.name: lines} of each function, and each scheduler-process class, over MAX_LINES."""
+    found = {}
+    for path in _source_files(root):
+        where = path.relative_to(root).as_posix()
+        for kind, name, lines in _definitions(ast.parse(path.read_text(), filename=str(path))):
+            if lines > MAX_LINES and (kind == "function" or where.startswith(CLASS_ROOTS)):
+                found[f"{where}::{name}"] = lines
+    return found
+
+
+def test_no_new_function_or_scheduler_class_over_the_limit():
+    new = {name: lines for name, lines in oversized().items() if name not in OVER_LIMIT}
+    assert not new, (f"longer than {MAX_LINES} lines: split along a seam "
+                     + ", ".join(f"{name} ({lines})" for name, lines in sorted(new.items())))
+
+
+def test_the_list_of_old_ones_only_shrinks():
+    found = oversized()
+    within = sorted(name for name in OVER_LIMIT if name not in found)
+    assert not within, f"now within {MAX_LINES} lines or gone: take off OVER_LIMIT {within}"
+
+
+def test_the_contract_sees_long_functions_and_scheduler_classes(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_LINES))
+    nested = "".join(f"        x{i} = {i}\n" for i in range(MAX_LINES))
+    files = {
+        "services/gateway/long.py": f"def long():\n{body}\ndef short():\n    return 1\n",
+        "services/gateway/big_class.py": f"class Big:\n{body}",
+        "services/scheduler/big_class.py": f"class Big:\n    async def method(self):\n{nested}",
+        "benchmarks/run.py": f"def outer():\n    def inner():\n{nested}",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert sorted(oversized(tmp_path)) == [
+        "benchmarks/run.py::outer", "benchmarks/run.py::outer.inner",
+        "services/gateway/long.py::long",
+        "services/scheduler/big_class.py::Big", "services/scheduler/big_class.py::Big.method",
+    ]
