@@ -55,7 +55,7 @@ with "▁", as Gemma looks them up.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -70,11 +70,6 @@ def _byte_level(use_regex: bool = True) -> pre_tokenizers.ByteLevel:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
 
 
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                    _byte_level(use_regex=False)])
-
-
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 """llama.cpp's ``qwen2`` split (Qwen2, Qwen2.5, Qwen3): letters with one leading non-letter, digits one by one."""
@@ -83,24 +78,57 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 """llama.cpp's ``llama3`` split (Llama 3.x's tokenizer.json): qwen2's with digits in runs of up to three."""
 
-_GPT2 = lambda: _byte_level()  # noqa: E731
-_SMOLLM = lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])  # noqa: E731
-_QWEN2 = lambda: _split_then_bytes(QWEN2_SPLIT)  # noqa: E731
-_LLAMA3 = lambda: _split_then_bytes(LLAMA3_SPLIT)  # noqa: E731
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+"""GPT-2's regex; ByteLevel's own regex is this one."""
 
-PRE_TOKENIZERS = {
-    "gpt-2": _GPT2, "phi-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2,
-    "smollm": _SMOLLM, "starcoder": _SMOLLM, "refact": _SMOLLM, "codeshell": _SMOLLM,
-    "qwen2": _QWEN2, "stablelm2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
-    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
-    "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""llama.cpp's ``tekken`` split (Mistral NeMo, Pixtral 12B, Mistral Small 3): its rewrite of the
+tokenizer.json regex without \p{Lu}/\p{Ll}, which treats a non-ASCII letter as both cases."""
+
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?((?=[\p{{L}}])([^a-z]))*((?=[\p{{L}}])([^A-Z]))+{_CONTRACTIONS}"
+               rf"|[^\r\n\p{{L}}\p{{N}}]?((?=[\p{{L}}])([^a-z]))+((?=[\p{{L}}])([^A-Z]))*{_CONTRACTIONS}"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""llama.cpp's ``gpt-4o`` split (o200k: Phi-4-mini, Llama 4), rewritten the same way."""
+
+_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+
+
+def _splits(*patterns: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    """llama.cpp's list of regexes, each splitting what the previous left, then the byte alphabet."""
+    return lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
+                                           + [_byte_level(use_regex=False)])
+
+
+_GPT2 = _byte_level
+_SMOLLM = lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])  # noqa: E731
+
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "gpt-2": _GPT2, "phi-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2, "jais": _GPT2,
+    "smollm": _SMOLLM, "starcoder": _SMOLLM, "refact": _SMOLLM, "codeshell": _SMOLLM, "command-r": _SMOLLM,
+    "exaone": _SMOLLM, "minerva-7b": _SMOLLM,
+    "qwen2": _splits(QWEN2_SPLIT), "stablelm2": _splits(QWEN2_SPLIT), "deepseek-r1-qwen": _splits(QWEN2_SPLIT),
+    "megrez": _splits(QWEN2_SPLIT),
+    **{name: _splits(LLAMA3_SPLIT) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx",
+                                                "smaug-bpe")},
+    "tekken": _splits(TEKKEN_SPLIT),
+    "gpt-4o": _splits(GPT4O_SPLIT), "llama4": _splits(GPT4O_SPLIT),
+    "falcon": _splits(r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]"),
+    "default": _splits(r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "deepseek-coder": _splits("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"),
+    "bloom": _splits(_BLOOM), "poro-chat": _splits(_BLOOM), "viking": _splits(_BLOOM, r"\p{N}"),
 }
 """llama.cpp's ``tokenizer.ggml.pre`` name -> the equivalent `tokenizers` pre-tokenizer (llama.cpp
-maps each group of names to one split)."""
+maps each group of names to one list of regexes; a file without the key, which llama.cpp reads
+as "default" with a warning that quality will suffer, is refused)."""
 
 LLAMA3_FAMILY = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
+WHOLE_WORDS_AND_BOS = LLAMA3_FAMILY | {"tekken"}
 """Names for which llama.cpp takes a word that is a piece whole (``ignore_merges``) and adds BOS
-by default; ``dbrx`` and ``smaug-bpe`` share the split but neither setting."""
+by default; ``dbrx`` and ``smaug-bpe`` share Llama 3's split but neither setting."""
 
 _PHI3_NOT_RSTRIPPED = ("<unk>", "<s>", "<|endoftext|>")
 
@@ -108,7 +136,7 @@ EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<en
                        "<|end_of_text|>", "<EOT>", "</s>"})
 """Control pieces llama.cpp ends generation on by their text whatever the ids the metadata names
 (Phi-3's ``<|end|>``, Llama 3's ``<|eot_id|>`` / ``<|eom_id|>``); applied here to the
-vocabularies converted since (SentencePiece other than Gemma's, the Llama 3 family)."""
+vocabularies converted since (SentencePiece other than Gemma's, WHOLE_WORDS_AND_BOS)."""
 
 
 def _required(metadata: Mapping[str, Any], key: str) -> Any:
@@ -192,7 +220,7 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
         pairs.append((left, right))
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                                     ignore_merges=pre in LLAMA3_FAMILY))
+                                     ignore_merges=pre in WHOLE_WORDS_AND_BOS))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     byte_level = processors.ByteLevel(trim_offsets=False)
@@ -312,7 +340,7 @@ def special_token_ids(metadata: Mapping[str, Any]) -> dict[str, int | None]:
 
 def _counts_text_ends(metadata: Mapping[str, Any]) -> bool:
     return _is_sentencepiece(metadata) or (
-        metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in LLAMA3_FAMILY)
+        metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in WHOLE_WORDS_AND_BOS)
 
 
 def end_token_ids(metadata: Mapping[str, Any]) -> list[int]:
@@ -332,7 +360,7 @@ def add_bos_token(metadata: Mapping[str, Any]) -> bool:
     family, no for other byte-level BPE (Gemma's files always state it)."""
     if "tokenizer.ggml.add_bos_token" in metadata:
         return bool(metadata["tokenizer.ggml.add_bos_token"])
-    return _is_sentencepiece(metadata) or metadata.get("tokenizer.ggml.pre") in LLAMA3_FAMILY
+    return _is_sentencepiece(metadata) or metadata.get("tokenizer.ggml.pre") in WHOLE_WORDS_AND_BOS
 
 
 def tokenizer_config(metadata: Mapping[str, Any], model_max_length: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tools.gguf import read_metadata as gguf_metadata
-from services.tools.gguf_tokenizer import LLAMA3_FAMILY, LLAMA3_SPLIT, PRE_TOKENIZERS, build_tokenizer, end_token_ids
+from services.tools.gguf_tokenizer import LLAMA3_SPLIT, PRE_TOKENIZERS, WHOLE_WORDS_AND_BOS, build_tokenizer, end_token_ids
 from services.tools.gguf_tokenizer import tokenizer_config as gguf_tokenizer_config
 
 spm = pytest.importorskip("sentencepiece")
@@ -43,7 +43,8 @@ TEXTS = [
     "line one\nline two\n\n\tTabbed\r\n", "It's they'll we've I'M YOU'RE", "12345 678 9 1234567890",
     "naïve café Straße Ελληνικά русский", "日本語 中文 한국어", "emoji 🎉🚀 👍🏽 and ✨ (new)",
     "unseen: ⅧⅨ ꙮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u200b zero-width", "ʼ quotes “curly” — dash … ellipsis",
-    "$1,234.56!!! ??? ...", "x" * 40, "ünïcödé\u00a0nbsp",
+    "$1,234.56!!! ??? ...", "x" * 40, "ünïcödé\u00a0nbsp", "Ünïcode ÉCOLE éCole école", "a—b“c”d!?",
+    "中文abc123한국어", "x\n\n\n y \r\n\r\n z  ",
 ]
 """Awkward text; the special tokens of each family are mixed in by SPECIAL_TEXTS."""
 
@@ -313,10 +314,11 @@ def test_llama3_vocabulary_encodes_as_llama_cpp(llama3_vocab, tmp_path):
 
 @pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
 def test_every_pre_tokenizer_name_splits_as_llama_cpp(llama3_vocab, tmp_path, pre):
-    source = write_llama3(tmp_path / "pre.gguf", llama3_vocab, pre=pre, add_bos=False)
-    # end ids by text are llama.cpp's for every name; converted only for the Llama 3 family (docs/models.md)
+    # no add_bos_token key: llama.cpp's default for the name decides, and ours must agree
+    source = write_llama3(tmp_path / "pre.gguf", llama3_vocab, pre=pre)
+    # end ids by text are llama.cpp's for every name; converted only for WHOLE_WORDS_AND_BOS (docs/models.md)
     assert_same_as_llama_cpp(source, tmp_path / "model", TEXTS + [" zzyzxqv", "12345678 1.5 3,141", "'S 'LL"],
-                             end_ids=pre in LLAMA3_FAMILY)
+                             end_ids=pre in WHOLE_WORDS_AND_BOS)
 
 
 # -- what is not converted is refused by name -----------------------------------------------------
