@@ -9,8 +9,11 @@ import pytest
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.routes_file import SeedProfile, parse_routes
 from services.gateway.routing.passive_profile import PassiveProfile
+from services.gateway.upstreams import anthropic as anthropic_dialect
+from services.gateway.upstreams import openai as openai_dialect
 from services.gateway.upstreams.anthropic import AnthropicDialect
 from services.gateway.upstreams.openai import OpenAIDialect
+from services.gateway.upstreams.sampling import FIELDS
 
 
 def routes(target: dict) -> dict:
@@ -155,6 +158,49 @@ def test_anthropic_translation_and_reader():
     assert reader.take() == ["It is"] and reader.done
     assert (reader.prompt_tokens, reader.completion_tokens) == (12, 3)
     assert (reader.finish, reader.stop_reason) == (common_pb2.FINISH_REASON_STOP, "\n\n")
+
+
+def every_field_set() -> generation_pb2.GenerateRequest:
+    message = chat_request()
+    s, stop = message.sampling, message.stop
+    s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty = 0.5, 0.9, 40, 0.05, 1.1
+    s.presence_penalty, s.frequency_penalty, s.seed = 0.2, 0.3, 7
+    s.logit_bias[13] = -1.0
+    s.logprobs, s.prompt_logprobs = 2, 1
+    stop.max_tokens, stop.ignore_eos, stop.min_tokens, stop.include_stop_str_in_output = 9, True, 2, True
+    stop.stop_token_ids.append(2)
+    return message
+
+
+def test_one_field_map_covers_every_sampling_and_stopping_field():
+    """A field added to the proto without a line in the shared map would be dropped by both
+    dialects without a word: the map must name each one."""
+    message = generation_pb2.GenerateRequest()
+    declared = {f.name for f in message.sampling.DESCRIPTOR.fields} | {f.name for f in message.stop.DESCRIPTOR.fields}
+    assert {name for name, _ in FIELDS} == declared
+    read = {name: get(every_field_set()) for name, get in FIELDS}
+    assert all(value is not None for value in read.values()), read
+    assert {name: get(generation_pb2.GenerateRequest()) for name, get in FIELDS} == dict.fromkeys(declared)
+
+
+@pytest.mark.parametrize("dialect", [OpenAIDialect("m"), AnthropicDialect("m")], ids=["openai", "anthropic"])
+def test_each_dialect_carries_its_fields_and_refuses_the_others_by_name(dialect):
+    carried = dict(openai_dialect.SAMPLING if dialect.kind == "openai" else anthropic_dialect.SAMPLING)
+    for name, _ in FIELDS:
+        message = generation_pb2.GenerateRequest()
+        message.CopyFrom(every_field_set())
+        for other, _ in FIELDS:  # only ``name`` left set
+            if other != name:
+                (message.sampling if message.sampling.DESCRIPTOR.fields_by_name.get(other) else message.stop
+                 ).ClearField(other)
+        if name in carried:
+            _, body = dialect.build(message)
+            assert body[carried[name]] not in (None, 0, [], {}), (name, body)
+        else:
+            with pytest.raises(grpc.aio.AioRpcError, match=f"details = \"{name} cannot be sent to an {dialect.kind} upstream"):
+                dialect.build(message)
+    assert "logprobs" not in carried and "stop_sequences" == anthropic_dialect.SAMPLING["stop"]
+    assert len(openai_dialect.SAMPLING) == len(FIELDS) - 2  # all but the per-token-id logprobs
 
 
 def test_circuit_breaker_opens_probes_once_and_closes():

@@ -22,6 +22,7 @@ import grpc
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.upstreams.dialect import StreamReader, hermes_call
 from services.gateway.upstreams.errors import refused, rpc_error
+from services.gateway.upstreams.sampling import sampling_body
 
 KIND = "anthropic"
 API_VERSION = "2023-06-01"
@@ -33,19 +34,9 @@ STOP_REASONS = {"end_turn": common_pb2.FINISH_REASON_EOS, "tool_use": common_pb2
                 "pause_turn": common_pb2.FINISH_REASON_EOS, "refusal": common_pb2.FINISH_REASON_EOS}
 
 
-def _refuse_unsupported(message: generation_pb2.GenerateRequest) -> None:
-    s, stop = message.sampling, message.stop
-    unsupported = [
-        ("logprobs", s.HasField("logprobs")), ("prompt_logprobs", s.HasField("prompt_logprobs")),
-        ("min_p", s.min_p != 0), ("repetition_penalty", s.HasField("repetition_penalty")),
-        ("presence_penalty", s.presence_penalty != 0), ("frequency_penalty", s.frequency_penalty != 0),
-        ("logit_bias", bool(s.logit_bias)), ("seed", s.HasField("seed")),
-        ("stop_token_ids", bool(stop.stop_token_ids)), ("ignore_eos", stop.ignore_eos),
-        ("min_tokens", stop.min_tokens != 0), ("structured output", message.HasField("structured_output")),
-    ]
-    for name, present in unsupported:
-        if present:
-            raise refused(KIND, name)
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens",
+            "stop": "stop_sequences"}
+"""What the Messages API takes of the shared fields (sampling.py); the rest are refused."""
 
 
 def _blocks(turn: generation_pb2.ChatMessage) -> list[dict[str, Any]]:
@@ -102,10 +93,10 @@ class AnthropicDialect:
         return headers
 
     def build(self, message: generation_pb2.GenerateRequest) -> tuple[str, dict[str, Any]]:
-        _refuse_unsupported(message)
-        stop, s = message.stop, message.sampling
-        body: dict[str, Any] = {"model": self.model, "stream": True,
-                                "max_tokens": stop.max_tokens if stop.HasField("max_tokens") else DEFAULT_MAX_TOKENS}
+        if message.HasField("structured_output"):
+            raise refused(KIND, "structured output")
+        body: dict[str, Any] = {"model": self.model, "stream": True, "max_tokens": DEFAULT_MAX_TOKENS,
+                                **sampling_body(KIND, message, SAMPLING)}
         prompt = message.WhichOneof("prompt")
         if prompt == "chat":
             if message.chat.HasField("add_generation_prompt") and not message.chat.add_generation_prompt:
@@ -120,14 +111,6 @@ class AnthropicDialect:
             body["messages"] = [{"role": "user", "content": message.text}]
         else:
             raise refused(KIND, "a token-id prompt" if prompt == "token_ids" else "a request without a prompt")
-        if s.HasField("temperature"):
-            body["temperature"] = s.temperature
-        if s.HasField("top_p"):
-            body["top_p"] = s.top_p
-        if s.top_k:
-            body["top_k"] = s.top_k
-        if stop.stop:
-            body["stop_sequences"] = list(stop.stop)
         return "/v1/messages", body
 
     def reader(self) -> StreamReader:

@@ -24,52 +24,18 @@ import grpc
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.upstreams.dialect import StreamReader, hermes_call
 from services.gateway.upstreams.errors import refused, rpc_error
+from services.gateway.upstreams.sampling import FIELDS, sampling_body
 
 KIND = "openai"
 
 
-def _seed(seed: int) -> int:
-    """The engine's unsigned 64-bit seed back to OpenAI's signed one (the front end wrapped it)."""
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
+SAMPLING = {name: name for name, _ in FIELDS if name not in ("logprobs", "prompt_logprobs")}
+"""Every field under its own name (the engine's extensions are those vLLM, SGLang and llama.cpp
+take) but logprobs: an OpenAI server's come back per token text, not per token id."""
 
 
 def sampling_fields(message: generation_pb2.GenerateRequest) -> dict[str, Any]:
-    s, stop = message.sampling, message.stop
-    if s.HasField("logprobs"):
-        raise refused(KIND, "logprobs")
-    if s.HasField("prompt_logprobs"):
-        raise refused(KIND, "prompt_logprobs")
-    body: dict[str, Any] = {}
-    if s.HasField("temperature"):
-        body["temperature"] = s.temperature
-    if s.HasField("top_p"):
-        body["top_p"] = s.top_p
-    if s.top_k:
-        body["top_k"] = s.top_k
-    if s.min_p:
-        body["min_p"] = s.min_p
-    if s.HasField("repetition_penalty"):
-        body["repetition_penalty"] = s.repetition_penalty
-    if s.presence_penalty:
-        body["presence_penalty"] = s.presence_penalty
-    if s.frequency_penalty:
-        body["frequency_penalty"] = s.frequency_penalty
-    if s.logit_bias:
-        body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
-    if s.HasField("seed"):
-        body["seed"] = _seed(s.seed)
-    if stop.HasField("max_tokens"):
-        body["max_tokens"] = stop.max_tokens
-    if stop.stop:
-        body["stop"] = list(stop.stop)
-    if stop.stop_token_ids:
-        body["stop_token_ids"] = list(stop.stop_token_ids)
-    if stop.ignore_eos:
-        body["ignore_eos"] = True
-    if stop.min_tokens:
-        body["min_tokens"] = stop.min_tokens
-    if stop.include_stop_str_in_output:
-        body["include_stop_str_in_output"] = True
+    body = sampling_body(KIND, message, SAMPLING)
     if message.HasField("structured_output"):
         body["response_format"] = response_format(message.structured_output)
     return body
