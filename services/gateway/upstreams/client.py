@@ -28,6 +28,9 @@ _log = structlog.get_logger("tokenmill.gateway.upstream")
 
 MAX_ERROR_BODY = 4096
 """Bytes of an error answer read to quote it."""
+MAX_EVENT_BYTES = 1 << 20
+"""Bytes of one line of an upstream's event stream: a line growing past this (an upstream that
+never sends a newline) ends the call, instead of the gateway buffering it without bound."""
 
 
 def _verify(spec: TargetSpec) -> ssl.SSLContext | bool:
@@ -134,13 +137,23 @@ class UpstreamCall:
             except httpx2.HTTPError as exc:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}") from None
             if response.status_code != 200:
+                if response.is_redirect:
+                    raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered HTTP {response.status_code} "
+                                    f"to {response.headers.get('location', '')[:200]!r}; redirects are not followed "
+                                    f"(set the target's url to where it serves)")
                 said = await _error_body(response)
                 raise status_error(name, response.status_code, said, response.headers.get("retry-after"))
-            lines = response.aiter_lines()
+            content_type = response.headers.get("content-type", "")
+            if not content_type.startswith("text/event-stream"):
+                raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered {content_type[:100]!r}, not "
+                                                          f"an event stream (text/event-stream)")
+            lines = sse_lines(response, name)
             event = ""
             while not reader.done:
                 try:
-                    line = await asyncio.wait_for(anext(lines), deadline - loop.time())
+                    # timeout_at, not wait_for: no task made per line (one event-loop turn less a token)
+                    async with asyncio.timeout_at(deadline):
+                        line = await anext(lines)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -196,6 +209,28 @@ class UpstreamCall:
 def _started(request_id: str, reader: StreamReader) -> generation_pb2.GenerateResponse:
     return generation_pb2.GenerateResponse(started=generation_pb2.Started(request_id=request_id,
                                                                           prompt_tokens=reader.prompt_tokens))
+
+
+async def sse_lines(response: httpx2.Response, name: str) -> AsyncIterator[str]:
+    """The stream's lines (``\\n`` or ``\\r\\n`` ended), none longer than MAX_EVENT_BYTES."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer = buffer + chunk if buffer else chunk
+        if b"\n" in chunk:
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                if len(line) > MAX_EVENT_BYTES:
+                    raise _too_long(name)
+                yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise _too_long(name)
+    if buffer:
+        yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
+def _too_long(name: str) -> grpc.aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} sent an event line longer than {MAX_EVENT_BYTES} "
+                                               f"bytes (MAX_EVENT_BYTES)")
 
 
 async def _error_body(response: httpx2.Response) -> str:
