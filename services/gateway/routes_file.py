@@ -26,6 +26,8 @@
                                        # a row, one probe request 10 s later (these defaults)
         max_concurrency: 1             # optional: requests it runs at once; while the gateway has
                                        # that many there, the route's other targets go first
+        tokenizer: models/smollm2      # optional (openai/anthropic): a model directory or
+                                       # tokenizer.json, to count the usage an upstream reports not
     models:
       chat:                            # the model id clients ask for
         route: {strategy: latency, targets: [fast, weak]}
@@ -137,6 +139,9 @@ class TargetSpec:
     """Requests the target runs at once (a llama.cpp server's slots; 1 for llama-cpp-python's
     server); while the gateway has that many open there, the route tries its other targets
     first. 0: no bound (an engine or vLLM batches whatever comes)."""
+    tokenizer: str = ""
+    """openai/anthropic: the served model's tokenizer (a model directory or tokenizer.json), to
+    count the usage an upstream does not report; without it that usage is estimated."""
 
     @property
     def http(self) -> bool:
@@ -181,7 +186,7 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
         raise ValueError(f"{where}.kind must be one of {list(KINDS)}, got {kind!r}")
     common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", "breaker",
               "max_concurrency", *LIMIT_FIELDS}
-    _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url"}), where)
+    _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url", "tokenizer"}), where)
     name = item.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name must be a non-empty string")
@@ -212,7 +217,19 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
                       _tls(item.get("tls"), f"{where}.tls", base, kind), token, parse_limits(item, where), kind,
                       _timeouts(item.get("timeouts"), f"{where}.timeouts"),
                       _seed(item.get("seed_profile"), f"{where}.seed_profile"),
-                      _breaker(item.get("breaker"), f"{where}.breaker"), _max_concurrency(item, where))
+                      _breaker(item.get("breaker"), f"{where}.breaker"), _max_concurrency(item, where),
+                      _tokenizer(item, where, base))
+
+
+def _tokenizer(item: dict, where: str, base: Path) -> str:
+    path = item.get("tokenizer", "")
+    if not isinstance(path, str):
+        raise ValueError(f"{where}.tokenizer must be a path (a model directory or tokenizer.json), got {path!r}")
+    if path and not Path(path).is_absolute():
+        path = str(base / path)
+    if path and not (Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)).is_file():
+        raise ValueError(f"{where}.tokenizer: {path} is neither a tokenizer.json nor a directory holding one")
+    return path
 
 
 def _max_concurrency(item: dict, where: str) -> int:

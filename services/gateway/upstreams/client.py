@@ -23,6 +23,7 @@ from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.routes_file import TargetSpec
 from services.gateway.upstreams.dialect import Dialect, StreamReader
 from services.gateway.upstreams.errors import rpc_error, status_error
+from services.gateway.upstreams.usage import UsageCounter
 
 _log = structlog.get_logger("tokenmill.gateway.upstream")
 
@@ -56,6 +57,7 @@ class HttpUpstream:
             timeout=httpx2.Timeout(None, connect=connect),
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64))
         self.headers = dialect.headers(spec.token)
+        self.usage = UsageCounter(spec.tokenizer)
         self.live: dict[str, UpstreamCall] = {}
         self._refused_probe = False
 
@@ -196,6 +198,11 @@ class UpstreamCall:
             finished = generation_pb2.Finished(finish_reason=reader.finish, usage=common_pb2.Usage(
                 prompt_tokens=reader.prompt_tokens, completion_tokens=reader.completion_tokens,
                 cached_tokens=reader.cached_tokens))
+            if not reader.prompt_reported:
+                finished.usage.prompt_tokens = upstream.usage.prompt_tokens(message)
+                finished.usage.estimated = True
+            if not reader.completion_reported:  # counted one a streamed piece (usage.py)
+                finished.usage.estimated = True
             if reader.stop_reason is not None:
                 finished.stop_reason = reader.stop_reason
             yield generation_pb2.GenerateResponse(finished=finished)

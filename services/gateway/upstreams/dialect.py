@@ -11,9 +11,9 @@ from services.common.pb.tokenmill.v1 import generation_pb2
 class StreamReader:
     """Reads an upstream's streamed events; the call takes the text they carry with take().
 
-    ``completion_tokens`` counts the pieces of text until the upstream's usage says otherwise
-    (servers that stream one token per event but no usage, as llama-cpp-python's, are counted
-    right; ``prompt_tokens`` stays 0 there)."""
+    ``completion_tokens`` counts the pieces of text until the upstream's usage says otherwise;
+    ``prompt_reported`` / ``completion_reported`` say whether the upstream's usage gave each count
+    (where not, the call counts it itself: usage.py)."""
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -25,8 +25,8 @@ class StreamReader:
         self.done = False
         """The upstream's last event arrived."""
         self._texts: list[str] = []
-        self._counted = False
-        """Usage came from the upstream: stop counting pieces."""
+        self.prompt_reported = False
+        self.completion_reported = False
 
     def feed(self, event: str, payload: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -38,15 +38,16 @@ class StreamReader:
     def text(self, piece: str) -> None:
         if piece:
             self._texts.append(piece)
-            if not self._counted:
+            if not self.completion_reported:
                 self.completion_tokens += 1
 
     def usage(self, prompt: int | None, completion: int | None, cached: int | None = None) -> None:
         if prompt is not None:
             self.prompt_tokens = prompt
+            self.prompt_reported = True
         if completion is not None:
             self.completion_tokens = completion
-            self._counted = True
+            self.completion_reported = True
         if cached is not None:
             self.cached_tokens = cached
 
