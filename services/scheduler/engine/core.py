@@ -44,7 +44,7 @@ from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.core.stats import SchedulerStats, combined_stats
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.engine.drafting import Drafting
-from services.scheduler.engine.handoff import Handoff
+from services.scheduler.engine.handoff import Handoff, HandoffContext
 from services.scheduler.engine.lane import ExecutorLane, LaneContext
 from services.scheduler.engine.parking import ParkedRequests
 from services.scheduler.engine.placement import ANY_ROLE, ROLES_FOR_DECODE, ROLES_FOR_NEW, choose_lane
@@ -97,7 +97,7 @@ class EngineCore:
         live = lambda: [r.seq_id for lane in self.lanes.values() for r in lane.scheduler.running]  # noqa: E731
         drafting = Drafting(drafter, speculation or SpeculationConfig(), live) if drafter else None
         self.drafting = drafting
-        self.handoff = Handoff(self)
+        self.handoff = Handoff(HandoffContext(self.lanes, self.requests, self.requeue))
         self._context = LaneContext(limits, clock, self.requests, self.publisher, self.step_times, drafting,
                                     self._lost, self.handoff.after_update)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,10 +29,10 @@ import structlog
 
 from services.scheduler.engine.placement import ROLES_FOR_DECODE, choose_lane
 from services.scheduler.request.request import Request
+from services.scheduler.engine.request_table import RequestTable
 from services.scheduler.request.update import RequestUpdate
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.core import EngineCore
     from services.scheduler.engine.lane import ExecutorLane
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -54,9 +55,20 @@ class TransferCounters:
     """Blocks the decode side's prefix cache already held, so not sent."""
 
 
+@dataclass(frozen=True, slots=True)
+class HandoffContext:
+    """What a hand-off needs of its engine: no more, so the engine core is not a dependency."""
+
+    lanes: Mapping[str, ExecutorLane]
+    """The attached executors by name, live: a lane dropped meanwhile is gone from it."""
+    requests: RequestTable
+    requeue: Callable[[Request], object]
+    """Queue a request that left its executor on another (a failed copy recomputes there)."""
+
+
 class Handoff:
-    def __init__(self, engine: EngineCore) -> None:
-        self._engine = engine
+    def __init__(self, context: HandoffContext) -> None:
+        self._context = context
         self._moving: dict[str, asyncio.Task] = {}
         self.counters: dict[str, TransferCounters] = {}
         """By decode executor name."""
@@ -69,7 +81,7 @@ class Handoff:
         """Hand the requests whose first token this prefill executor just produced to a decode one."""
         if lane.role != "prefill":
             return
-        decoders = [other for other in self._engine.lanes.values() if other.role in ROLES_FOR_DECODE]
+        decoders = [other for other in self._context.lanes.values() if other.role in ROLES_FOR_DECODE]
         if not decoders:
             return
         for update in updates:
@@ -97,21 +109,21 @@ class Handoff:
             raise
         finally:
             self._moving.pop(request.request_id, None)
-            if self._engine.lanes.get(source.name) is source:
+            if self._context.lanes.get(source.name) is source:
                 source.scheduler.block_manager.release(held)
                 source.wake()
-        engine = self._engine
-        if engine.requests.get(request.request_id) is None:  # ended meanwhile
+        context = self._context
+        if context.requests.get(request.request_id) is None:  # ended meanwhile
             target.scheduler.block_manager.free(request)
             return
-        if copied and engine.lanes.get(target.name) is target:
+        if copied and context.lanes.get(target.name) is target:
             target.scheduler.add_request(request, moved=True)
             target.wake()
             return
-        if engine.lanes.get(target.name) is target:
+        if context.lanes.get(target.name) is target:
             target.scheduler.block_manager.free(request)
         request.leave_executor()
-        engine.requeue(request)
+        context.requeue(request)
 
     @staticmethod
     async def _revoke(source: ExecutorLane, grant: str) -> None:
