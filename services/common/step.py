@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.adapters import AdapterInfo
 from services.common.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class NewSequence:
     sampling: SamplingParams
     min_tokens_ban: MinTokensBan | None = None
     """Ids the sampler may not draw before min_tokens outputs (StopConditions.min_tokens_ban)."""
+    adapter: str = ""
+    """The LoRA adapter its every forward adds (its name on the executor); "" = the base model."""
 
 
 @dataclass(slots=True)
@@ -167,6 +170,11 @@ class ExecutorInfo:
     """Per KV group, its layers' sliding window in tokens, 0 for full attention
     (services/common/kv_groups.py): block tables interleave the groups' blocks, and a window
     group's blocks behind the window go back to the pool."""
+    max_loras: int = 0
+    """LoRA adapters it holds resident at once: the most distinct adapters one step may use
+    (0 = it serves none)."""
+    adapters: tuple[AdapterInfo, ...] = ()
+    """The adapters it has loaded (resident or not), as of this report."""
 
     @property
     def kv_cache_tokens(self) -> int:

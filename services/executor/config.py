@@ -94,7 +94,30 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     one stream faster than llama.cpp on the same file (speed and quality of both in
     docs/benchmarks.md, "The default served path is the exact one")."""
 
+    lora: tuple[str, ...] = field(default=(), metadata={
+        "help": "a PEFT LoRA adapter to serve beside the base model, NAME=PATH (a directory with "
+                "adapter_config.json and adapter_model.safetensors); repeat the flag for more",
+        "repeat": True})
+    """Requests choose one by NAME (GenerateRequest.adapter; the gateway's OpenAI ``model``). More
+    can be loaded and unloaded while serving (the engine's LoadAdapter / UnloadAdapter)."""
+    max_loras: int = setting(4, "LoRA adapters resident at once (the most one step may mix); others are "
+                                "read again from their directory when a request needs them (LRU)")
+    """Each slot holds a max_lora_rank copy of every adapted projection, in fp32."""
+    max_lora_rank: int = setting(16, "largest LoRA rank served; an adapter of a higher rank is refused")
+    """Smaller ranks are padded with zeros to it, so it sizes the slots and each low-rank product."""
+
     def validate(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        for entry in self.lora:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora entries must be NAME=PATH, got {entry[:200]!r}")
+        if self.lora and self.max_loras == 0:
+            raise ValueError(f"lora names {len(self.lora)} adapter(s) but max_loras is 0")
+        if self.lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"lora adapters run on one rank; tensor_parallel_size is {self.tensor_parallel_size}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):

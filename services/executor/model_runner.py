@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from services.common.adapters import AdapterInfo
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
 from services.executor.forward_paths import PathRuntime, Placement, choose_path, set_up_paths
@@ -25,6 +26,10 @@ from services.runtime.kernels.kv_quant import parse_kv_cache_dtype
 from services.runtime.kv_blocks import kv_layout
 from services.common.kv_groups import KVGroups
 from services.runtime.kv_cache import KVCache, bytes_per_block, cuda_kv_budget, model_kv_groups, num_blocks_for_budget
+from services.runtime.lora.adapter import AdapterError, LoraAdapter, load_adapter, parse_lora_flag
+from services.runtime.lora.batch import LoraBatch
+from services.runtime.lora.registry import AdapterRegistry
+from services.runtime.lora.stacks import LoraStacks
 from services.runtime.model.attention.registry import get_attention_backend, resolve_backend_name
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.families import load_model, model_class
@@ -119,6 +124,42 @@ class ModelRunner:
         self.grammars = GrammarMatchers(config.model, mc.vocab_size, mc.eos_token_ids)
         self.sequences: dict[int, SequenceState] = {}
         self._limits = PoolLimits(self.num_usable_blocks, self.block_size, self.vocab_size)
+        self.adapters = AdapterRegistry(
+            lambda: LoraStacks(mc, config.max_loras, config.max_lora_rank, self.device), config.max_loras,
+            lambda adapter: load_adapter(adapter.name, adapter.path, mc, config.max_lora_rank))
+        """The LoRA adapters it serves (services/runtime/lora/); their slots fill at first use."""
+        for entry in config.lora:
+            self.load_adapter(*parse_lora_flag(entry))
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Read and check an adapter (AdapterError naming the file and field) and serve it under
+        ``name``. Safe beside a running step: only the step thread writes the slots."""
+        if self.config.max_loras == 0:
+            raise AdapterError(f"adapter {name!r}: this executor serves no adapters (max_loras=0)")
+        if self.parallel is not None:
+            raise AdapterError(f"adapter {name!r}: adapters run on one rank; this executor has "
+                               f"tensor_parallel_size {self.config.tensor_parallel_size}")
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.adapters.register(adapter)
+        return _adapter_info(adapter)
+
+    def unload_adapter(self, name: str) -> bool:
+        return self.adapters.unregister(name)
+
+    def _lora_slots(self, scheduled: Scheduled) -> list[int] | None:
+        """The adapter slot of each row of the step (-1: the base model), None when no row has
+        one. A sequence whose adapter has no slot (unloaded, files gone) is marked to fail."""
+        names = {state.adapter for state, _ in scheduled if state.adapter and state.adapter_error is None}
+        if not names:
+            return None
+        slots, errors = self.adapters.slots_for(names)
+        row_slots = []
+        for state, _ in scheduled:
+            if state.adapter in errors:
+                state.adapter_error = errors[state.adapter]
+            row_slots.append(slots.get(state.adapter, -1) if state.adapter_error is None else -1)
+        return row_slots if any(slot >= 0 for slot in row_slots) else None
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel executor (nothing to do for one rank)."""
@@ -159,6 +200,8 @@ class ModelRunner:
             kv_cache_bytes=kv_bytes,
             kv_layout=layout,
             kv_group_windows=self.kv_groups.windows,
+            max_loras=self.config.max_loras if self.parallel is None else 0,
+            adapters=tuple(_adapter_info(adapter) for adapter in self.adapters.known()),
         )
 
     # ------------------------------------------------------------------ the step
@@ -202,7 +245,8 @@ class ModelRunner:
         """The model over the step's tokens, by the first path that takes it: final hidden states
         [T, D]. ``logit_rows``: the rows whose logits follow (the other ranks' share of a
         vocab-parallel head is of those)."""
-        path = next(path for path in self.paths if path.takes(step))
+        # A step with adapters runs eagerly: the other paths run the base model's weights alone.
+        path = self.paths[-1] if step.lora is not None else next(path for path in self.paths if path.takes(step))
         if self.parallel is not None:
             packed = step.packed
             return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step),
@@ -226,7 +270,10 @@ class ModelRunner:
                     outputs[row].logprobs = (outputs[row].logprobs or []) + out.logprobs
 
     def _run_step(self, scheduled: Scheduled, drafts: dict[int, list[int]]) -> list[SequenceOutput]:
-        step = ForwardStep(scheduled, self.block_size, self.device, self.kv_groups.num_groups)
+        slots = self._lora_slots(scheduled)
+        step = ForwardStep(scheduled, self.block_size, self.device, self.kv_groups.num_groups,
+                           None if slots is None else LoraBatch.for_rows(self.adapters.stacks, slots, scheduled,
+                                                                         self.device))
         # Only sequences whose known tokens are all computed after this step sample a token;
         # a prefill chunk that stops short of the end produces nothing.
         sample_rows = [
@@ -369,7 +416,7 @@ def _report_grammar_errors(scheduled: Scheduled, outputs: list[SequenceOutput]) 
         if state.grammar_error is None and state.matcher is not None and state.matcher.is_error():
             state.grammar_error = GrammarMatchers.failure(state.matcher)
             state.matcher = None  # unconstrained until the scheduler ends it; its tokens are dropped
-        output.error = state.grammar_error
+        output.error = state.grammar_error or state.adapter_error
 
 
 def _sampling_rows(scheduled: Scheduled, sample_rows: list[int], drafts: dict[int, list[int]]) -> Scheduled:
@@ -380,6 +427,11 @@ def _sampling_rows(scheduled: Scheduled, sample_rows: list[int], drafts: dict[in
         k = len(drafts.get(i, ()))
         rows.extend((scheduled[i][0], k - j) for j in range(k + 1))
     return rows
+
+
+def _adapter_info(adapter: LoraAdapter) -> AdapterInfo:
+    return AdapterInfo(adapter.name, str(adapter.path), adapter.rank, adapter.alpha, adapter.target_modules,
+                       adapter.fingerprint)
 
 
 def _max_model_len(config: ExecutorConfig, model_config: ModelConfig) -> int:

@@ -31,6 +31,11 @@ class SequenceState:
     grammar_error: str | None = None
     """Why the sequence's grammar cannot go on (its matcher did not build, or failed at a
     limit): each of its outputs carries it, and the scheduler ends its request with it."""
+    adapter: str = ""
+    """Its LoRA adapter's name ("" = the base model)."""
+    adapter_error: str | None = None
+    """Why its adapter cannot be applied (unloaded, its files gone): like grammar_error, the
+    scheduler ends its request with it; its rows meanwhile run on the base model alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +65,7 @@ def apply_plan(sequences: dict[int, SequenceState], plan: StepPlan, limits: Pool
         _check_block_ids(new.seq_id, new.block_ids, limits)
         state = SequenceState(
             new.seq_id, list(new.token_ids), new.prompt_len, list(new.block_ids),
-            new.num_computed_tokens, new.sampling, new.min_tokens_ban,
+            new.num_computed_tokens, new.sampling, new.min_tokens_ban, adapter=new.adapter,
         )
         sequences[new.seq_id] = state
         scheduled.append((state, new.num_scheduled_tokens))

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from services.common.adapters import AdapterInfo
 from services.common.sampling_params import SamplingParams
 from services.drafter.ngram import NgramProposer
 from services.drafter.proposer import Proposer
@@ -117,6 +118,7 @@ class Engine:
         add_special_tokens: bool = True,
         num_speculative_tokens: int | None = None,
         structured_output: StructuredOutput | None = None,
+        adapter: str = "",
     ) -> str:
         """Queue one request; returns its id. Raises ValueError (naming the field and the limit)
         for a request the scheduler refuses, ResourceExhaustedError when the waiting queue is
@@ -128,9 +130,21 @@ class Engine:
             sampling = dataclasses.replace(sampling, grammar=self.grammar_compiler.compile_now(structured_output))
         request_id = request_id or f"req-{self._num_admitted}"
         self._run(self._call(self.core.submit, request_id, prompt_ids, sampling,
-                             stop or StopConditions(), self._collect, priority, num_speculative_tokens))
+                             stop or StopConditions(), self._collect, priority, num_speculative_tokens,
+                             "", "", adapter))
         self._num_admitted += 1
         return request_id
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Serve a LoRA adapter under ``name`` (the executor's LoadAdapter, in process)."""
+        info = self.runner.load_adapter(name, path)
+        self._run(self._call(self.core.adapters.learn, [info]))
+        return info
+
+    def unload_adapter(self, name: str) -> bool:
+        found = self.runner.unload_adapter(name)
+        self._run(self._call(self.core.adapters.forget, name))
+        return found
 
     def _collect(self, delta: GenerationDelta) -> None:
         self._outbox.append(delta)
@@ -161,14 +175,17 @@ class Engine:
         prompts: Iterable[str | Sequence[int] | None],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         stop: StopConditions | Sequence[StopConditions] | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> Iterator[tuple[int, GenerationDelta]]:
-        """Run prompts to completion with continuous batching, yielding (prompt index, delta)."""
+        """Run prompts to completion with continuous batching, yielding (prompt index, delta).
+        ``adapters``: each prompt's LoRA adapter ("" = the base model)."""
         prompts = list(prompts)
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         stops = stop if isinstance(stop, (list, tuple)) else [stop] * len(prompts)
+        adapters = list(adapters) if adapters is not None else [""] * len(prompts)
         index = {}
-        for i, (prompt, s, st) in enumerate(zip(prompts, samplings, stops)):
-            index[self.add_request(prompt, s, st)] = i
+        for i, (prompt, s, st, adapter) in enumerate(zip(prompts, samplings, stops, adapters)):
+            index[self.add_request(prompt, s, st, adapter=adapter)] = i
         while self.has_unfinished():
             for delta in self.step():
                 if delta.request_id in index:

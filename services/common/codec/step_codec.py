@@ -23,6 +23,7 @@ import math
 
 from itertools import accumulate
 
+from services.common.adapters import AdapterInfo
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import common_pb2, executor_pb2
 from services.common.sampling_params import SamplingParams
@@ -111,6 +112,7 @@ def _new_sequence_to_proto(seq: NewSequence) -> executor_pb2.NewSequence:
         min_tokens=ban.min_tokens if ban is not None else 0,
         stop_token_ids=ban.token_ids if ban is not None else (),
         grammar=seq.sampling.grammar or "",
+        adapter=seq.adapter,
     )
 
 
@@ -128,6 +130,7 @@ def _new_sequence_from_proto(msg: executor_pb2.NewSequence) -> NewSequence:
             if msg.min_tokens > 0 and msg.stop_token_ids
             else None
         ),
+        adapter=msg.adapter,
     )
 
 
@@ -349,6 +352,8 @@ def executor_info_to_proto(info: ExecutorInfo) -> executor_pb2.ExecutorInfo:
         role=info.role,
         kv_layout=info.kv_layout,
         kv_group_windows=list(info.kv_group_windows),
+        max_loras=info.max_loras,
+        adapters=[adapter_to_proto(a) for a in info.adapters],
     )
     if info.bos_token_id is not None:
         message.bos_token_id = info.bos_token_id
@@ -365,4 +370,14 @@ def executor_info_from_proto(msg: executor_pb2.ExecutorInfo) -> ExecutorInfo:
         kv_cache_dtype=msg.kv_cache_dtype, kv_cache_bytes=msg.kv_cache_bytes,
         role=msg.role or "mixed", kv_layout=msg.kv_layout,
         kv_group_windows=tuple(msg.kv_group_windows) or (0,),
+        max_loras=msg.max_loras, adapters=tuple(adapter_from_proto(a) for a in msg.adapters),
     )
+
+
+def adapter_to_proto(adapter: AdapterInfo) -> common_pb2.AdapterInfo:
+    return common_pb2.AdapterInfo(name=adapter.name, path=adapter.path, rank=adapter.rank, alpha=adapter.alpha,
+                                  target_modules=adapter.target_modules, fingerprint=adapter.fingerprint)
+
+
+def adapter_from_proto(msg: common_pb2.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(msg.name, msg.path, msg.rank, msg.alpha, tuple(msg.target_modules), msg.fingerprint)

@@ -35,4 +35,4 @@ class EagerPath(ForwardPath):
 
     def forward(self, step: ForwardStep) -> torch.Tensor:
         packed = step.packed
-        return self.model(packed.input_ids, packed.positions, self.kv_caches, packed.meta)
+        return self.model(packed.input_ids, packed.positions, self.kv_caches, packed.meta, step.lora)

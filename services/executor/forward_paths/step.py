@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.runtime.lora.batch import LoraBatch
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.step_inputs import pack_rows
 
@@ -30,11 +31,13 @@ class PackedStep:
 class ForwardStep:
     """Rows of (sequence, tokens scheduled): the next ``n`` tokens after its computed ones."""
 
-    __slots__ = ("rows", "query_starts", "_block_size", "_device", "_packed", "_num_kv_groups")
+    __slots__ = ("rows", "query_starts", "lora", "_block_size", "_device", "_packed", "_num_kv_groups")
 
     def __init__(self, rows: list[tuple[SequenceState, int]], block_size: int, device: torch.device,
-                 num_kv_groups: int = 1) -> None:
+                 num_kv_groups: int = 1, lora: LoraBatch | None = None) -> None:
         self.rows = rows
+        self.lora = lora
+        """Each token's LoRA adapter slot (None: the base model for every row)."""
         self.query_starts = [0, *accumulate(n for _, n in rows)]
         """Where each row's tokens start in the flattened batch, and the total: [B + 1]."""
         self._block_size = block_size

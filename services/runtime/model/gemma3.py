@@ -108,7 +108,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             if config.rope_local is not None else self.rotary
 
     def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta,
-                     backend: AttentionBackend) -> torch.Tensor:
+                     backend: AttentionBackend, lora=None) -> torch.Tensor:
+        assert lora is None, "LoRA adapters are refused for Gemma at load (lora/adapter.py LORA_FAMILIES)"
         hidden = F.embedding(input_ids, self.embed) * self.embed_scale
         rope_global = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
         rope_local = rope_global if self.rotary_local is self.rotary else \

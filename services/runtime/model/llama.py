@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.kv_groups import kv_groups
+from services.runtime.lora.batch import LoraBatch
 from services.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.layers import RotaryEmbedding
@@ -32,6 +33,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 class LlamaLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, index: int = 0):
         super().__init__()
+        self.index = index
         self.window = config.window(index)
         """This layer's sliding window (keys per query), or None: full attention."""
         self.num_heads = config.num_heads
@@ -65,11 +67,14 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: TorchOps,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         # hidden: [T, D]; rope: this step's rotary tables (ops.rotary_tables)
         t = hidden.shape[0]
         x = ops.rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # [T, q + 2kv]
+        if lora is not None:
+            lora.apply(self.index, "qkv", qkv, x)
         qk = self.norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                                      self.head_dim))
         q, k = ops.rotary(qk, self.num_heads, rope)  # [T, H, hd], [T, KH, hd]
@@ -77,12 +82,21 @@ class LlamaLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)  # [T, H, hd]
-        attn_out = self.o_proj(attn.reshape(t, self.q_size))
+        attn = attn.reshape(t, self.q_size)
+        attn_out = self.o_proj(attn)
+        if lora is not None:
+            lora.apply(self.index, "o_proj", attn_out, attn)
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_norm, self.eps)  # hidden += attn_out
         if self.moe is not None:
             return hidden + self.moe(x)
         gate_up = self.gate_up(x)  # [T, 2F]
-        return hidden + self.down(ops.silu_and_mul(gate_up))
+        if lora is None:
+            return hidden + self.down(ops.silu_and_mul(gate_up))
+        lora.apply(self.index, "gate_up", gate_up, x)
+        act = ops.silu_and_mul(gate_up)
+        down = self.down(act)
+        lora.apply(self.index, "down", down, act)
+        return hidden + down
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """qk: [T, H + KH, hd], before RoPE. Llama has no q/k norm (Qwen3 does: qwen3.py)."""
@@ -166,19 +180,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, D] (normed)."""
-        return self.forward_with(input_ids, positions, kv_caches, meta, self.backend)
+        """input_ids, positions: [T] -> final hidden states [T, D] (normed). ``lora``: each row's
+        adapter (services/runtime/lora/), None when no row has one."""
+        return self.forward_with(input_ids, positions, kv_caches, meta, self.backend, lora)
 
     def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta,
-                     backend: AttentionBackend) -> torch.Tensor:
+                     backend: AttentionBackend, lora: LoraBatch | None = None) -> torch.Tensor:
         """The forward through a given attention backend, which alone reads ``meta``: the compiled
         decode step (compiled_decode.py) passes an attention over tensors only."""
         hidden = F.embedding(input_ids, self.embed)
         rope = self.ops.rotary_tables(positions, self.rotary, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             layer_meta = meta if self.kv_group_of is None else meta.for_group(self.kv_group_of[i])
-            hidden = layer(hidden, rope, kv_cache, layer_meta, backend, self.ops)
+            hidden = layer(hidden, rope, kv_cache, layer_meta, backend, self.ops, lora)
         return self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

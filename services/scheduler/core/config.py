@@ -129,6 +129,9 @@ class SchedulerConfig:
     kv_group_windows: tuple[int, ...] = (0,)
     """Per KV group of the executor's pool, its sliding window (0: full attention); see
     services/common/kv_groups.py."""
+    max_loras: int = 0
+    """Distinct LoRA adapters the executor holds at once: requests of more adapters than that
+    do not run together (a request waits until one of the running adapters' requests ends)."""
 
     @classmethod
     def for_executor(cls, limits: SchedulerLimits, info: ExecutorInfo) -> SchedulerConfig:
@@ -142,6 +145,7 @@ class SchedulerConfig:
             block_size=info.block_size,
             vocab_size=info.vocab_size,
             kv_group_windows=info.kv_group_windows,
+            max_loras=info.max_loras,
         )
 
     def validate(self) -> None:

@@ -311,10 +311,13 @@ class Scheduler:
                           victims: set[int] = frozenset()) -> None:
         limits = self.config.limits
         manager = self.block_manager
+        adapters = {r.adapter for r in self.running if r.adapter}
         while budget > 0 and len(self.running) < limits.max_num_seqs:
             request = self.waiting.peek()
             if request is None or request.seq_id in victims:
                 break  # a request preempted in this plan cannot also start in it
+            if request.adapter and request.adapter not in adapters and len(adapters) >= self.config.max_loras:
+                break  # every adapter slot is taken by running requests; keep arrival order
             if request.block_ids:  # its KV was copied here from the executor that computed it
                 hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
             else:
@@ -347,8 +350,11 @@ class Scheduler:
                     block_ids=list(request.block_ids),
                     sampling=request.sampling,
                     min_tokens_ban=request.min_tokens_ban,
+                    adapter=request.adapter,
                 )
             )
+            if request.adapter:
+                adapters.add(request.adapter)
             mark_in_flight(step, request, num_new)
             budget -= num_new
 

@@ -43,6 +43,7 @@ from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.core.stats import SchedulerStats, combined_stats
 from services.scheduler.core.waiting_queue import QueueFullError
+from services.scheduler.engine.adapters import AdapterTable, adapter_scope
 from services.scheduler.engine.drafting import Drafting
 from services.scheduler.engine.handoff import Handoff, HandoffContext
 from services.scheduler.engine.lane import ExecutorLane, LaneContext
@@ -98,6 +99,8 @@ class EngineCore:
         drafting = Drafting(drafter, speculation or SpeculationConfig(), live) if drafter else None
         self.drafting = drafting
         self.handoff = Handoff(HandoffContext(self.lanes, self.requests, self.requeue))
+        self.adapters = AdapterTable()
+        """The LoRA adapters requests may name (services/scheduler/engine/adapters.py)."""
         self._context = LaneContext(limits, clock, self.requests, self.publisher, self.step_times, drafting,
                                     self._lost, self.handoff.after_update)
 
@@ -111,6 +114,7 @@ class EngineCore:
             raise ValueError(f"executor {name!r} is already attached")
         scheduler = Scheduler(SchedulerConfig.for_executor(self.limits, info), self._seq_ids)
         self.eos_token_ids = model_eos_token_ids(tokenizer_eos_token_ids, info)
+        self.adapters.learn(info.adapters)
         lane = ExecutorLane(name, port, info, scheduler, self._context)
         self.lanes[name] = lane
         if self._running:
@@ -134,7 +138,7 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
                sink: DeltaSink, priority: int = 0, num_speculative_tokens: int | None = None,
-               tenant: str = "", cache_scope: str = "") -> RequestOutput:
+               tenant: str = "", cache_scope: str = "", adapter: str = "") -> RequestOutput:
         """Admit a request on the executor placement chooses; its deltas go to ``sink``, the
         last one finished.
 
@@ -142,12 +146,16 @@ class EngineCore:
         InvalidArgumentError for a request_id in use, ValueError (naming the field) for a
         request the scheduler core refuses, ResourceExhaustedError when the waiting queue is
         full. ``tenant`` ("" without authentication) is whom admission is fair between;
-        ``cache_scope`` whose cached prefixes it may reuse (Request.cache_scope).
+        ``cache_scope`` whose cached prefixes it may reuse (Request.cache_scope); ``adapter``
+        the LoRA adapter it runs with ("" = the base model; NotFoundError when none of that name
+        is loaded), which narrows that scope to the adapter's weights.
         """
+        if adapter:
+            cache_scope = adapter_scope(cache_scope, self.adapters.resolve(adapter))
         detokenizer = self.requests.check_new(request_id)
         now = self.clock()
         request = Request(request_id, prompt_ids, sampling, stop, self.eos_token_ids, priority=priority,
-                          arrival_time=now, tenant=tenant, cache_scope=cache_scope)
+                          arrival_time=now, tenant=tenant, cache_scope=cache_scope, adapter=adapter)
         lanes = list(self.lanes.values())
         lane = choose_lane(request, lanes, ROLES_FOR_NEW) or choose_lane(request, lanes, ANY_ROLE)
         if lane is None:

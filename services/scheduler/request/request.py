@@ -84,6 +84,7 @@ class Request:
         "priority",
         "tenant",
         "cache_scope",
+        "adapter",
         "arrival_time",
         "num_computed_tokens",
         "num_in_flight_tokens",
@@ -115,6 +116,7 @@ class Request:
         arrival_time: float = 0.0,
         tenant: str = "",
         cache_scope: str = "",
+        adapter: str = "",
     ) -> None:
         self.request_id = request_id
         self.seq_id = -1
@@ -132,6 +134,9 @@ class Request:
         self.cache_scope = cache_scope
         """Whose cached prefixes it may reuse (block_manager.py): requests of one scope share, two
         scopes never ("" = the unscoped requests, e.g. without authentication)."""
+        self.adapter = adapter
+        """The LoRA adapter it runs with ("" = the base model); cache_scope already tells its
+        adapter apart, so no prefix computed with other weights serves it."""
         self.tenant = tenant
         """Who asked ("" without authentication): admission is fair between tenants
         (core/fairness.py)."""

@@ -1,0 +1,63 @@
+"""Random PEFT LoRA adapters of a real model, saved as PEFT saves them, and the reference
+greedy output of each: transformers with the adapter merged by peft (test-only packages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    targets: tuple[str, ...]
+    rank: int
+    alpha: float
+    rslora: bool = False
+    seed: int = 0
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapters(model_dir: Path, out_dir: Path, specs: list[AdapterSpec], prompts: list[list[int]],
+                  max_new_tokens: int) -> tuple[dict[str, Path], dict[str, list[list[int]]]]:
+    """Each spec saved under out_dir/name by peft's save_pretrained (random A and B, small
+    enough to keep the model fluent but large enough to change its answers), and the greedy
+    continuation of each prompt by transformers with the adapter merged (key "" = the base)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths: dict[str, Path] = {}
+    expected: dict[str, list[list[int]]] = {}
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    expected[""] = _greedy(base(), prompts, max_new_tokens)
+    for spec in specs:
+        torch.manual_seed(spec.seed)
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                            use_rslora=spec.rslora, lora_dropout=0.0, init_lora_weights=False)
+        model = get_peft_model(base(), config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.04)
+        paths[spec.name] = out_dir / spec.name
+        model.save_pretrained(paths[spec.name])
+        expected[spec.name] = _greedy(model.merge_and_unload().eval(), prompts, max_new_tokens)
+    return paths, expected
+
+
+@torch.inference_mode()
+def _greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
