@@ -115,6 +115,7 @@ def test_mixed_plan_round_trip() -> None:
                 num_scheduled_tokens=8,
                 block_ids=[3, 4, 9],
                 sampling=SamplingParams(),
+                adapter="tenant-a/support",
             ),
         ],
         running=[
@@ -344,3 +345,18 @@ def test_bad_multi_step_counts_are_invalid_arguments(num_steps, message) -> None
     msg.running_num_steps.extend(num_steps)
     with pytest.raises(InvalidArgumentError, match=message):
         plan_from_proto(msg)
+
+
+def test_executor_info_carries_its_adapters_and_slots() -> None:
+    from services.common.adapters import AdapterInfo
+    from services.common.codec.step_codec import executor_info_from_proto, executor_info_to_proto
+    from services.common.step import ExecutorInfo
+
+    adapters = (AdapterInfo("support", "/srv/lora/support", 8, 16.0, ("q_proj", "v_proj"), "ab" * 16),
+                AdapterInfo("sql", "/srv/lora/sql", 64, 32.0, ("down_proj",), "cd" * 16))
+    info = ExecutorInfo(num_blocks=64, block_size=16, max_model_len=256, vocab_size=512, dtype="float32",
+                        device="cpu", attention_backend="torch", model="m", architecture="LlamaForCausalLM",
+                        bos_token_id=1, eos_token_ids=(2,), max_loras=4, adapters=adapters)
+    back = executor_info_from_proto(executor_pb2.ExecutorInfo.FromString(
+        executor_info_to_proto(info).SerializeToString()))
+    assert (back.max_loras, back.adapters) == (4, adapters)

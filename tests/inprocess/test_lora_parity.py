@@ -1,47 +1,195 @@
 """LoRA adapters in one mixed batch match transformers + peft with each adapter merged.
 
-Three random PEFT adapters of SmolLM2's real target modules (all seven; q/v with rslora; the
-MLP at the largest rank), served with max_loras=2 so the third evicts one and an evicted one is
-read again; every prompt runs with each adapter and with the base, all submitted at once.
+A small random-weight Llama (two layers, GQA) and three random PEFT adapters of the real target
+modules (all seven; q/v with rslora; the MLP at the largest rank), served with max_loras=2 so the
+third evicts one and an evicted one is read again from its directory. Greedy tokens are compared
+exactly; each adapter is checked to change the base model's answers, so a run that ignored the
+adapters would fail.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import random
 
 import pytest
 
+from services.common.errors import NotFoundError
 from services.common.sampling_params import SamplingParams
+from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
 from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
+from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.request.stop import StopConditions
+from services.tools.random_model import build_random_model
+from tests.conftest import STORIES_DIR
 from tests.helpers.lora_adapters import ALL_TARGETS, AdapterSpec, make_adapters
+from tests.helpers.parity_specs import PARITY_SPECS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
-NEW_TOKENS = 16
+NEW_TOKENS = 8
+BLOCK_SIZE = 16
+SPECS = [AdapterSpec("all", ALL_TARGETS, 8, 16), AdapterSpec("qv", ("q_proj", "v_proj"), 4, 8, True, 1),
+         AdapterSpec("mlp", ("gate_proj", "up_proj", "down_proj"), 16, 16, False, 2)]
 
 
-@pytest.mark.slow
-def test_mixed_adapters_match_peft_merged(tmp_path):
-    assert (SMOLLM2_DIR / "config.json").is_file(), f"{SMOLLM2_DIR} is absent: `make install` converts it"
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model dir, adapter dirs, prompts, expected greedy tokens per adapter; "" = the base)."""
+    root = tmp_path_factory.mktemp("lora")
+    model = build_random_model(PARITY_SPECS["llama-gqa-8-2"], root / "model", tokenizer_from=STORIES_DIR)
+    rng = random.Random(7)
+    # Two full KV blocks and most of a third: the prefix cache holds two blocks of each, and
+    # the eight new tokens need a fourth block (what preemption is made of).
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (2 * BLOCK_SIZE + 12, 2 * BLOCK_SIZE + 14)]
+    paths, expected = make_adapters(model, root, SPECS, prompts, NEW_TOKENS)
+    for spec in SPECS:
+        assert expected[spec.name] != expected[""], f"adapter {spec.name} does not change the base's answers"
+    return model, paths, prompts, expected
 
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
-    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
-    specs = [AdapterSpec("all", ALL_TARGETS, 8, 16), AdapterSpec("qv", ("q_proj", "v_proj"), 4, 8, True, 1),
-             AdapterSpec("mlp", ("gate_proj", "up_proj", "down_proj"), 16, 16, False, 2)]
-    paths, expected = make_adapters(SMOLLM2_DIR, tmp_path, specs, prompts, NEW_TOKENS)
-    config = ExecutorConfig(model=str(SMOLLM2_DIR), dtype="fp32", device="cpu", max_loras=2,
-                            lora=tuple(f"{name}={path}" for name, path in paths.items()))
-    engine = Engine(EngineConfig(config))
-    names = ["", "all", "qv", "mlp"]
-    batch = [(p, name) for p in range(len(prompts)) for name in names]
-    outputs: dict[int, list[int]] = {}
-    for index, delta in engine.generate([prompts[p] for p, _ in batch], SamplingParams(temperature=0.0),
+
+def engine_for(served, **settings) -> Engine:
+    model, paths, _, _ = served
+    config = ExecutorConfig(model=str(model), dtype="fp32", device="cpu", block_size=BLOCK_SIZE,
+                            lora=tuple(f"{name}={path}" for name, path in paths.items()), **settings)
+    return Engine(EngineConfig(config))
+
+
+def run(engine: Engine, batch: list[tuple[list[int], str]]) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens and cached prompt tokens of each (prompt, adapter), all submitted at once."""
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    for index, delta in engine.generate([p for p, _ in batch], SamplingParams(temperature=0.0),
                                         StopConditions(max_tokens=NEW_TOKENS, ignore_eos=True),
                                         adapters=[name for _, name in batch]):
-        outputs.setdefault(index, []).extend(delta.token_ids)
-    for index, (p, name) in enumerate(batch):
-        assert outputs[index] == expected[name][p], f"prompt {p}, adapter {name or 'base'}"
+        assert delta.error_message is None, delta.error_message
+        tokens.setdefault(index, []).extend(delta.token_ids)
+        if delta.usage is not None:
+            cached[index] = delta.usage.cached_tokens
+    return [tokens[i] for i in range(len(batch))], [cached[i] for i in range(len(batch))]
+
+
+def test_mixed_adapters_and_base_in_one_batch_match_peft_merged(served):
+    _, _, prompts, expected = served
+    engine = engine_for(served, max_loras=2)
+    names = ["", "all", "qv", "mlp"]
+    batch = [(prompts[p], name) for p in range(len(prompts)) for name in names]
+    outputs, _ = run(engine, batch)
+    for (prompt, name), got in zip(batch, outputs):
+        assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'}"
     assert engine.runner.adapters.loads >= 4  # three adapters through two slots: one read again
+    engine.close()
+
+
+def test_a_cached_prefix_of_one_adapter_never_serves_another(served):
+    """The same prompt under adapter X, then Y, then the base, then X again: only the last reuses
+    X's blocks, and every answer is still its own adapter's."""
+    _, _, prompts, expected = served
+    engine = engine_for(served, max_loras=2)
+    order = ["all", "qv", "", "mlp", "all"]
+    cached = []
+    for name in order:
+        outputs, hits = run(engine, [(prompts[0], name)])
+        assert outputs[0] == expected[name][0], f"adapter {name or 'base'} after {cached}"
+        cached.append(hits[0])
+    assert cached[:4] == [0, 0, 0, 0], cached
+    assert cached[4] == 2 * BLOCK_SIZE, cached  # the cache is on: X's own blocks serve X
+    engine.close()
+
+
+def test_preempted_adapter_sequences_resume_exactly(served):
+    """A KV pool too small for every sequence at once: sequences are preempted and recomputed,
+    with their adapter, and still match peft."""
+    _, _, prompts, expected = served
+    # Each sequence is admitted with 3 blocks and needs a 4th: 7 blocks cannot grow two.
+    engine = engine_for(served, max_loras=3, num_blocks=7, max_model_len=96)
+    batch = [(prompts[p], name) for name in ["all", "qv", "mlp", ""] for p in range(len(prompts))]
+    outputs, _ = run(engine, batch)
+    for (prompt, name), got in zip(batch, outputs):
+        assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'}"
+    assert engine.core.stats().num_preemptions > 0
+    engine.close()
+
+
+class AnswerDrafts(Proposer):
+    """Drafts the continuation one adapter's reference gives each prompt: right for that adapter's
+    sequences (accepted), wrong for the others' (rejected), so both verify paths run."""
+
+    def __init__(self, prompts: list[list[int]], answers: list[list[int]]) -> None:
+        self.prompts, self.answers = prompts, answers
+
+    def new_session(self) -> ProposerSession:
+        return AnswerSession(self)
+
+    def info(self) -> ProposerInfo:
+        return ProposerInfo(DraftMethod.NGRAM, 4)
+
+
+class AnswerSession(ProposerSession):
+    def __init__(self, proposer: AnswerDrafts) -> None:
+        self.proposer = proposer
+        self.tokens: dict[int, list[int]] = {}
+
+    def open(self, seq_id, token_ids):
+        self.tokens[seq_id] = list(token_ids)
+
+    def append(self, seq_id, token_ids):
+        self.tokens[seq_id].extend(token_ids)
+
+    def close(self, seq_id):
+        self.tokens.pop(seq_id, None)
+
+    def close_all(self):
+        self.tokens.clear()
+
+    def propose_batch(self, seq_ids, num_tokens=None):
+        drafts = []
+        for seq_id in seq_ids:
+            tokens = self.tokens[seq_id]
+            prompt = next(p for p in self.proposer.prompts if tokens[:len(p)] == p)
+            done = len(tokens) - len(prompt)
+            drafts.append(self.proposer.answers[self.proposer.prompts.index(prompt)][done: done + (num_tokens or 4)])
+        return drafts
+
+    def __contains__(self, seq_id):
+        return seq_id in self.tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+def test_speculative_drafts_are_verified_with_each_rows_adapter(served):
+    model, paths, prompts, expected = served
+    config = ExecutorConfig(model=str(model), dtype="fp32", device="cpu", block_size=BLOCK_SIZE, max_loras=3,
+                            lora=tuple(f"{name}={path}" for name, path in paths.items()))
+    engine = Engine(EngineConfig(config, speculation=SpeculationConfig(num_speculative_tokens=4, adaptive=False)),
+                    proposer=AnswerDrafts(prompts, expected["all"]))
+    batch = [(prompts[p], name) for p in range(len(prompts)) for name in ["", "all", "qv", "mlp"]]
+    outputs, _ = run(engine, batch)
+    for (prompt, name), got in zip(batch, outputs):
+        assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'}"
+    spec = engine.scheduler.get_stats().spec_decode
+    assert spec.num_accepted_tokens >= NEW_TOKENS  # the "all" rows took their drafts
+    assert spec.num_draft_tokens > spec.num_accepted_tokens  # and the other rows' drafts were refused
+    engine.close()
+
+
+def test_adapters_load_and_unload_while_serving_and_one_slot_serves_them_in_turn(served):
+    """No --lora: adapters loaded into a running engine with one slot, each answering as peft
+    does (the slot rewritten between them), the base unchanged; an unloaded adapter is refused
+    by name, and a name loaded again is served from its files again."""
+    model, paths, prompts, expected = served
+    engine = Engine(EngineConfig(ExecutorConfig(model=str(model), dtype="fp32", device="cpu", block_size=BLOCK_SIZE,
+                                                max_loras=1)))
+    info = engine.load_adapter("qv", str(paths["qv"]))
+    assert (info.rank, info.target_modules) == (4, ("q_proj", "v_proj"))
+    engine.load_adapter("mlp", str(paths["mlp"]))
+    # One slot: the scheduler runs the two adapters' requests one adapter at a time.
+    batch = [(prompts[0], "qv"), (prompts[0], "mlp"), (prompts[1], ""), (prompts[1], "qv")]
+    outputs, _ = run(engine, batch)
+    assert outputs == [expected["qv"][0], expected["mlp"][0], expected[""][1], expected["qv"][1]]
+    assert engine.unload_adapter("qv") and not engine.unload_adapter("qv")
+    with pytest.raises(NotFoundError, match="adapter 'qv' is not loaded on this engine"):
+        engine.add_request(prompts[0], SamplingParams(temperature=0.0), adapter="qv")
+    engine.load_adapter("qv", str(paths["all"]))  # the name now holds other weights
+    outputs, cached = run(engine, [(prompts[0], "qv")])
+    assert outputs[0] == expected["all"][0] and cached == [0]
+    engine.close()

@@ -8,11 +8,6 @@ import torch
 
 from services.runtime.lora.stacks import LoraStacks
 
-try:
-    from services.runtime.kernels.lora import lora_apply
-except ImportError:  # before the batched kernels land: their PyTorch reference
-    from services.runtime.lora.reference import lora_apply
-
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
@@ -27,12 +22,6 @@ class LoraBatch:
         return cls(stacks, torch.tensor(per_token, dtype=torch.int32, device=device))
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y [T, out] += each row's scale * (x [T, in] @ A^T) @ B^T of ``projection`` in ``layer``."""
-        lora_a, lora_b = self.stacks.layers[layer][projection]
-        if y.dtype == torch.float32 and x.dtype == torch.float32:
-            lora_apply(y, x, lora_a, lora_b, self.row_slots, self.stacks.scales)
-            return
-        # A half-precision model: the adapter's product in fp32, then rounded once into y.
-        out = y.float()
-        lora_apply(out, x.float(), lora_a, lora_b, self.row_slots, self.stacks.scales)
-        y.copy_(out)
+        """y [T, out] += each row's scale * B (A x) of ``projection`` in ``layer``: computed in
+        fp32 from the fp32 stacks and rounded once into y (services/runtime/kernels/lora.py)."""
+        self.stacks.layers[layer][projection].apply(y, x, self.row_slots)
