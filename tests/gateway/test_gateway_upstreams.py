@@ -217,10 +217,12 @@ async def anthropic_front(tmp_path_factory):
     os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
     front = await serve_gateway_for(write_routes(root / "front.json", {
         "targets": [{"name": "messages", "kind": "anthropic", "url": f"http://127.0.0.1:{upstream.http_port}",
+                     "model": "stories", "token_env": "TEST_UPSTREAM_KEY", "timeouts": {"connect_s": 5}},
+                    {"name": "chatapi", "kind": "openai", "url": f"http://127.0.0.1:{upstream.http_port}/v1",
                      "model": "stories", "token_env": "TEST_UPSTREAM_KEY", "timeouts": {"connect_s": 5}}],
-        "models": {"tale": "messages"}}))
+        "models": {"tale": "messages", "tale-openai": "chatapi"}}))
     del os.environ["TEST_UPSTREAM_KEY"]
-    await wait_healthy(front, ["messages"])
+    await wait_healthy(front, ["messages", "chatapi"])
     clients = (openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.http_port}/v1", api_key="unused", max_retries=0),
                anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{front.http_port}", api_key="unused",
                                         max_retries=0),
@@ -270,6 +272,58 @@ async def test_a_stop_sequence_comes_back_through_the_anthropic_upstream(anthrop
                                              messages=TALE[1:], stop_sequences=[stop], extra_body={"temperature": 0})
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == reference.choices[0].message.content.split(stop)[0]
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "city": {"type": "string"}}, "required": ["city"]}}}]
+CALLED = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+              "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+
+
+@pytest.mark.parametrize("model", ["tale", "tale-openai"])
+async def test_a_conversation_with_tool_calls_and_results_crosses_either_dialect(anthropic_front, model):
+    """The assistant's call and the tool's result travel as tool_use / tool_result blocks
+    (Anthropic) or tool_calls / a tool turn (OpenAI) and reach the engine as the same conversation
+    the upstream's own chat endpoint sees: the same answer, streamed and not."""
+    chat, _, upstream = anthropic_front
+    reference = await upstream.chat.completions.create(model="stories", messages=CALLED, tools=WEATHER,
+                                                       temperature=0, max_tokens=12)
+    expected = reference.choices[0].message.content
+    assert expected
+    answer = await chat.chat.completions.create(model=model, messages=CALLED, tools=WEATHER, temperature=0,
+                                                max_tokens=12)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == reference.usage.prompt_tokens
+    stream = await chat.chat.completions.create(model=model, messages=CALLED, tools=WEATHER, temperature=0,
+                                                max_tokens=12, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+
+
+async def test_a_named_tool_choice_through_an_openai_upstream_comes_back_as_the_call(anthropic_front):
+    """A named tool_choice travels as the function's JSON schema (response_format); the upstream's
+    constrained JSON comes back as that function's call, as the upstream itself answers the call.
+    The Messages dialect cannot carry the schema and says so."""
+    chat, _, upstream = anthropic_front
+    ask = {"messages": CALLED[:1], "tools": WEATHER, "temperature": 0, "max_tokens": 40,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    direct = (await upstream.chat.completions.create(model="stories", **ask)).choices[0]
+    reference = direct.message.tool_calls[0]
+    answer = await chat.chat.completions.create(model="tale-openai", **ask)
+    call = answer.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == ("get_weather", reference.function.arguments)
+    assert answer.choices[0].finish_reason == direct.finish_reason
+    stream = await chat.chat.completions.create(model="tale-openai", stream=True, **ask)
+    names, arguments = [], ""
+    async for chunk in stream:
+        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments or ""
+    assert (names, arguments) == (["get_weather"], reference.function.arguments)
+    with pytest.raises(openai.BadRequestError, match="cannot be sent to an anthropic upstream"):
+        await chat.chat.completions.create(model="tale", **ask)
 
 
 # ---------------------------------------------------------------- reliability
