@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_ADAPTER_NAME_CHARS = 128
+"""The longest adapter name (GenerateRequest.adapter, --lora NAME=PATH)."""
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:

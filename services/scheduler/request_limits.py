@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.adapters import MAX_ADAPTER_NAME_CHARS
 from services.common.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import generation_pb2
@@ -69,8 +70,8 @@ class RequestLimits:
         stop = (MAX_STOP_STRINGS * (UTF8_BYTES_PER_CHAR * MAX_STOP_STRING_CHARS + FIELD_FRAMING_BYTES)
                 + MAX_STOP_TOKEN_IDS * FIELD_FRAMING_BYTES)
         logit_bias = MAX_LOGIT_BIAS_ENTRIES * FIELD_FRAMING_BYTES
-        request_id = (UTF8_BYTES_PER_CHAR * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_FAIRNESS_KEY_CHARS)
-                      + 3 * FIELD_FRAMING_BYTES)
+        request_id = (UTF8_BYTES_PER_CHAR * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_FAIRNESS_KEY_CHARS
+                                            + MAX_ADAPTER_NAME_CHARS) + 4 * FIELD_FRAMING_BYTES)
         structured = self.max_grammar_bytes + MAX_CHOICES * FIELD_FRAMING_BYTES if self.max_grammar_bytes else 0
         return max(text, token_ids, chat) + stop + logit_bias + request_id + structured + FIXED_FIELDS_BYTES
 
@@ -85,6 +86,7 @@ def check_sizes(request: generation_pb2.GenerateRequest, limits: RequestLimits) 
     _at_most("cache_salt", len(request.cache_salt), MAX_CACHE_SALT_CHARS, "MAX_CACHE_SALT_CHARS", unit="characters")
     _at_most("fairness_key", len(request.fairness_key), MAX_FAIRNESS_KEY_CHARS, "MAX_FAIRNESS_KEY_CHARS",
              unit="characters")
+    _at_most("adapter", len(request.adapter), MAX_ADAPTER_NAME_CHARS, "MAX_ADAPTER_NAME_CHARS", unit="characters")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         # len() of the field copies the text out of the message; the message limit bounds it.

@@ -203,7 +203,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         place = self.admission.enter(share)
         try:
             intake = await self._intake(request, tenant, share)
-            salt = request.cache_salt
+            salt, adapter = request.cache_salt, request.adapter
             # The stream may last minutes: hold what was taken, not the message (the server's own
             # reference goes with RequestRelease, request_release.py).
             del request
@@ -214,7 +214,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
                     num_speculative_tokens=intake.num_speculative_tokens,
                     tenant=share,
-                    cache_scope=salted_scope(tenant.cache_scope if tenant is not None else "", salt))
+                    cache_scope=salted_scope(tenant.cache_scope if tenant is not None else "", salt),
+                    adapter=adapter)
             except BaseException:
                 if reservation is not None:
                     budget.settle(reservation, 0)  # refused: nothing was used

@@ -186,13 +186,13 @@ class Supervisor:
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int, num_speculative_tokens: int | None = None, tenant: str = "",
-               cache_scope: str = "") -> RequestHandle:
+               cache_scope: str = "", adapter: str = "") -> RequestHandle:
         """Admit a request (EngineCore.submit, which names what it raises); its deltas arrive on
         the handle's queue."""
         self.check_accepting()
         handle = RequestHandle(request_id, len(prompt_ids))
         self.core.submit(request_id, prompt_ids, sampling, stop, handle.queue.put_nowait, priority,
-                         num_speculative_tokens, tenant, cache_scope)
+                         num_speculative_tokens, tenant, cache_scope, adapter)
         return handle
 
     async def prepare_grammar(self, grammar: str) -> str:

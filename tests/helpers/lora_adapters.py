@@ -61,3 +61,30 @@ def _greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[i
                              do_sample=False, eos_token_id=None, pad_token_id=0)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+BLOCK_SIZE = 16
+NEW_TOKENS = 8
+TINY_SPECS = [AdapterSpec("all", ALL_TARGETS, 8, 16), AdapterSpec("qv", ("q_proj", "v_proj"), 4, 8, True, 1),
+              AdapterSpec("mlp", ("gate_proj", "up_proj", "down_proj"), 16, 16, False, 2)]
+"""Three adapters of the real target modules: all seven; q/v with rslora; the MLP at rank 16."""
+
+
+def tiny_served(root: Path) -> tuple[Path, dict[str, Path], list[list[int]], dict[str, list[list[int]]]]:
+    """A small random-weight Llama (two layers, GQA) under root/model, TINY_SPECS's adapters, two
+    prompts and the reference greedy tokens of each adapter ("" = the base). Each prompt holds two
+    full KV blocks and most of a third, so the prefix cache keeps two blocks of it and its
+    NEW_TOKENS need a fourth block."""
+    import random
+
+    from services.tools.random_model import build_random_model
+    from tests.conftest import STORIES_DIR
+    from tests.helpers.parity_specs import PARITY_SPECS
+
+    model = build_random_model(PARITY_SPECS["llama-gqa-8-2"], root / "model", tokenizer_from=STORIES_DIR)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (2 * BLOCK_SIZE + 12, 2 * BLOCK_SIZE + 14)]
+    paths, expected = make_adapters(model, root, TINY_SPECS, prompts, NEW_TOKENS)
+    for spec in TINY_SPECS:
+        assert expected[spec.name] != expected[""], f"adapter {spec.name} does not change the base's answers"
+    return model, paths, prompts, expected

@@ -9,8 +9,6 @@ adapters would fail.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from services.common.errors import NotFoundError
@@ -20,30 +18,13 @@ from services.executor.config import ExecutorConfig
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.request.stop import StopConditions
-from services.tools.random_model import build_random_model
-from tests.conftest import STORIES_DIR
-from tests.helpers.lora_adapters import ALL_TARGETS, AdapterSpec, make_adapters
-from tests.helpers.parity_specs import PARITY_SPECS
-
-NEW_TOKENS = 8
-BLOCK_SIZE = 16
-SPECS = [AdapterSpec("all", ALL_TARGETS, 8, 16), AdapterSpec("qv", ("q_proj", "v_proj"), 4, 8, True, 1),
-         AdapterSpec("mlp", ("gate_proj", "up_proj", "down_proj"), 16, 16, False, 2)]
+from tests.helpers.lora_adapters import BLOCK_SIZE, NEW_TOKENS, tiny_served
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(model dir, adapter dirs, prompts, expected greedy tokens per adapter; "" = the base)."""
-    root = tmp_path_factory.mktemp("lora")
-    model = build_random_model(PARITY_SPECS["llama-gqa-8-2"], root / "model", tokenizer_from=STORIES_DIR)
-    rng = random.Random(7)
-    # Two full KV blocks and most of a third: the prefix cache holds two blocks of each, and
-    # the eight new tokens need a fourth block (what preemption is made of).
-    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (2 * BLOCK_SIZE + 12, 2 * BLOCK_SIZE + 14)]
-    paths, expected = make_adapters(model, root, SPECS, prompts, NEW_TOKENS)
-    for spec in SPECS:
-        assert expected[spec.name] != expected[""], f"adapter {spec.name} does not change the base's answers"
-    return model, paths, prompts, expected
+    return tiny_served(tmp_path_factory.mktemp("lora"))
 
 
 def engine_for(served, **settings) -> Engine:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.adapters import MAX_ADAPTER_NAME_CHARS
 from services.runtime.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -39,7 +40,6 @@ LORA_FAMILIES = ("llama", "qwen3")
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
-MAX_ADAPTER_NAME_CHARS = 128
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
