@@ -77,7 +77,7 @@ def _register_fake_kernels() -> None:
         return None
 
     @torch.library.register_fake("tokenmill_cpu::paged_decode")
-    def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window=0):
+    def _paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
         return None
 
 

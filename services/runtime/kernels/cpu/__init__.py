@@ -271,9 +271,11 @@ def paged_decode(
     *,
     inputs_checked: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query per sequence, over the paged cache. q: [B, H, D] -> [B, H, D].
     ``window``: a sliding window of that many keys (the query and the ``window - 1`` before it).
+    ``softcap``: scores ``softcap * tanh(s / softcap)`` after the scale (Gemma 2), None: uncapped.
 
     k/v cache: [num_blocks, block_size, KH, D], or quantized (kv_quant.ScaledCache); block_tables [B, max_blocks] and context_lens
     [B] are int32 (converted if not). Only the first ``context_lens[b]`` slots of a sequence's
@@ -293,9 +295,10 @@ def paged_decode(
     out = torch.empty_like(q)
     if isinstance(k_cache, ScaledCache):
         ops.paged_decode_quantized(out, q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, block_tables,
-                                   context_lens, float(scale), int(window or 0))
+                                   context_lens, float(scale), int(window or 0), float(softcap or 0.0))
         return out
-    ops.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, float(scale), int(window or 0))
+    ops.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, float(scale), int(window or 0),
+                     float(softcap or 0.0))
     return out
 
 

@@ -22,6 +22,8 @@
 //   context_lens:  [B] int32
 //   window:        0, or a sliding window of W keys: the query at position p sees positions
 //                  p - W + 1 .. p (earlier scores are masked to -inf and their V rows not read)
+//   softcap:       0, or Gemma 2's cap c > 0 on the scaled scores: s -> c * tanh(s / c), applied
+//                  after the scale (and a quantized pool's K scale), before the softmax
 //
 // A quantized pool (services/runtime/kernels/kv_quant.py) holds int8 or float8_e4m3fn values and
 // one fp16 scale per slot per kv head, [num_blocks, block_size, KH] contiguous: the scale of a
@@ -207,7 +209,8 @@ template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                      const at::Half* k_scale, const at::Half* v_scale,
                      const int32_t* block_table, int64_t context_len, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t first, Scratch& scratch) {
+                     int64_t head_dim, int64_t block_size, float scale, int64_t first, float softcap,
+                     Scratch& scratch) {
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t D = kD > 0 ? kD : head_dim, H = num_heads, group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // one slot's K (or V) row: all kv heads
@@ -248,6 +251,7 @@ void decode_sequence(const scalar_t* q, scalar_t* out, const cache_t* k_cache, c
         if (h % group == 0) head_scale = widen_scale(k_scale[slot * num_kv_heads + h / group]);
         s *= head_scale;
       }
+      if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
       scores[h * padded + t] = s;
       row_max[h] = std::max(row_max[h], s);
     }
@@ -366,7 +370,7 @@ template <typename scalar_t, typename cache_t, int64_t kD>
 void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_cache, const cache_t* v_cache,
                            const at::Half* k_scale, const at::Half* v_scale, const int32_t* block_table,
                            int64_t context_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int64_t first, Scratch& scratch) {
+                           int64_t block_size, float scale, int64_t first, float softcap, Scratch& scratch) {
   static_assert(kD > 0, "the tiled path needs the head dim as a constant");
   constexpr bool kScaled = !std::is_same_v<scalar_t, cache_t>;
   const int64_t H = num_heads, KH = num_kv_heads, group = H / KH;
@@ -411,6 +415,11 @@ void decode_sequence_tiled(const scalar_t* q, scalar_t* out, const cache_t* k_ca
       for (int64_t i = 0; i < kTile; ++i) {
         const float scaled = kScaled ? s[i] * ks[i] : s[i];
         row[i] = i < n && t0 + i >= first ? scaled : -std::numeric_limits<float>::infinity();
+      }
+      if (softcap > 0.f) {  // -inf stays -inf (tanh(-inf) = -1 would give it weight): capped in place
+        for (int64_t i = 0; i < n; ++i) {
+          if (t0 + i >= first) row[i] = softcap * std::tanh(row[i] / softcap);
+        }
       }
     }
   }
@@ -469,7 +478,8 @@ template <typename scalar_t, typename cache_t>
 void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr, const cache_t* v_ptr,
                   const at::Half* k_scale, const at::Half* v_scale,
                   const int32_t* tables, const int32_t* lens, int64_t B, int64_t max_blocks, int64_t H, int64_t KH,
-                  int64_t D, int64_t block_size, float scale, int64_t window, tokenmill_cpu::WorkerPool* pool) {
+                  int64_t D, int64_t block_size, float scale, int64_t window, float softcap,
+                  tokenmill_cpu::WorkerPool* pool) {
   // Longest contexts first, handed out one at a time: the threads finish together even
   // when lengths differ widely, and a thread the OS takes away for a moment (another
   // process on the same cores) holds up one sequence rather than half the batch, as a
@@ -492,7 +502,7 @@ void decode_batch(const scalar_t* q_ptr, scalar_t* out_ptr, const cache_t* k_ptr
     // A sliding window of W keys: the query at position lens[b] - 1 sees positions from lens[b] - W.
     const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     decode(q_ptr + b * H * D, out_ptr + b * H * D, k_ptr, v_ptr, k_scale, v_scale, tables + b * max_blocks, lens[b], H,
-           KH, D, block_size, scale, first, scratch);
+           KH, D, block_size, scale, first, softcap, scratch);
   };
   if (pool != nullptr) {  // the fused step's threads (worker_pool.h), a sequence a chunk
     pool->parallel_for(B, 1, [&](int64_t begin, int64_t end) {
@@ -563,8 +573,11 @@ void dispatch_quantized(at::ScalarType cache_type, Body&& body) {
 // batch in q's dtype and the pool's storage type. Both registered ops and the fused step run it.
 void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
-                const at::Tensor& context_lens, double scale, tokenmill_cpu::WorkerPool* pool, int64_t window = 0) {
+                const at::Tensor& context_lens, double scale, tokenmill_cpu::WorkerPool* pool, int64_t window = 0,
+                double softcap = 0.0) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap must be a finite number >= 0 (0: none), got ",
+              softcap);
   check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens);
   const bool quantized = k_scale != nullptr;
   if (quantized) {
@@ -585,7 +598,7 @@ void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, 
           static_cast<const cache_t*>(v_cache.data_ptr()), quantized ? k_scale->data_ptr<at::Half>() : nullptr,
           quantized ? v_scale->data_ptr<at::Half>() : nullptr, block_tables.data_ptr<int32_t>(),
           context_lens.data_ptr<int32_t>(), B, block_tables.size(1), H, k_cache.size(2), D, k_cache.size(1),
-          static_cast<float>(scale), window, pool);
+          static_cast<float>(scale), window, static_cast<float>(softcap), pool);
     };
     if (quantized) {
       dispatch_quantized(k_cache.scalar_type(), batch);
@@ -596,15 +609,17 @@ void run_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window) {
-  run_decode(out, q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens, scale, nullptr, window);
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+                  double softcap) {
+  run_decode(out, q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens, scale, nullptr, window, softcap);
 }
 
 void paged_decode_quantized(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window) {
-  run_decode(out, q, k_cache, v_cache, &k_scale, &v_scale, block_tables, context_lens, scale, nullptr, window);
+                            int64_t window, double softcap) {
+  run_decode(out, q, k_cache, v_cache, &k_scale, &v_scale, block_tables, context_lens, scale, nullptr, window,
+             softcap);
 }
 
 // Stores a step's new K and V rows, k/v [T, KH, D] (any token and head strides, unit last
@@ -775,13 +790,13 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("find_bad_table_entry(Tensor block_tables, Tensor context_lens, int num_blocks, int block_size) -> int[]");
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor context_lens, float scale, int window=0, float softcap=0.) -> ()");
   m.def(
       "write_kv_quantized(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
       "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def(
       "paged_decode_quantized(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, "
-      "Tensor v_scale, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor v_scale, Tensor block_tables, Tensor context_lens, float scale, int window=0, float softcap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {

@@ -57,8 +57,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        # Soft-capped scores (Gemma 2) are the torch backend's: the C++ decode kernel has no cap.
         self.check_step(meta, k_cache)
+        if softcap is not None and meta.is_decode_only and q.device.type == "cpu" and (
+                isinstance(k_cache, ScaledCache) or q.dtype == k_cache.dtype == v_cache.dtype):
+            # Soft-capped decode rows (Gemma 2) through the C++ kernel, which caps as the reference
+            # does; prompts and mixed steps keep the torch backend's capped path.
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                            inputs_checked=True, window=window, softcap=softcap)
         return super().attend(q, k_cache, v_cache, meta, scale, window, softcap)
 
     @staticmethod
