@@ -126,9 +126,12 @@ bench-executors: install
 	$(PY) -m benchmarks executors
 
 # Multi-LoRA on SmolLM2-135M: what 8 rank-16 adapters mixed in a step add to its products, fp32
-# and bf16 adapters over Q4_1 and fp32 weights, one thread (benchmarks/micro/lora_products.py).
+# and bf16 adapters over Q4_1 and fp32 weights, one thread (benchmarks/micro/lora_products.py);
+# then served in process: 8 adapters over 32 streams and one adapter's stream against the base,
+# and the streams' gaps while an adapter loads (benchmarks/lora_serving.py).
 bench-lora: install
 	$(PY) -m benchmarks lora-products
+	$(PY) -m benchmarks lora-serving
 
 # tokenmill against llama.cpp (benchmarks/peer/). llama-cpp-python is installed for this target
 # and make test: pip builds it from source with cmake, CPU-only (several minutes on a small machine).

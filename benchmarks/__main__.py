@@ -39,6 +39,9 @@ RUNS: dict[str, tuple[str, str]] = {
                         "decode steps of a model over tensor-parallel ranks against one rank on one and two threads"),
     "structured": ("benchmarks.structured",
                    "decode tok/s under a JSON schema against unconstrained; first token, new schema against cached"),
+    "lora-serving": ("benchmarks.lora_serving",
+                     "8 LoRA adapters mixed over 32 streams against the base, one adapter's stream, an adapter "
+                     "loaded while streams run (make bench-lora)"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""

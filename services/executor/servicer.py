@@ -38,8 +38,8 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.common.codec.step_codec import executor_info_to_proto, plan_from_proto, result_to_proto
-from services.common.errors import TokenmillError, UnavailableError
+from services.common.codec.step_codec import adapter_to_proto, executor_info_to_proto, plan_from_proto, result_to_proto
+from services.common.errors import InvalidArgumentError, TokenmillError, UnavailableError
 from services.common.stream_session import logged_stream
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.step import ExecutorInfo, StepPlan, StepResult
@@ -150,6 +150,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         error = await asyncio.get_running_loop().run_in_executor(self._grammar_worker, grammars.prepare,
                                                                  request.grammar)
         return executor_pb2.PrepareGrammarResponse(error=error)
+
+    async def LoadAdapter(self, request: executor_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext):
+        """Read and check a PEFT adapter (on a thread: its files may be large) and serve it;
+        INVALID_ARGUMENT naming the file and field when it cannot be served here."""
+        runner = self._require_runner()
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(None, runner.load_adapter, request.name,
+                                                                    request.path)
+        except ValueError as exc:  # AdapterError, and a bad NAME
+            raise InvalidArgumentError(str(exc)) from None
+        self._info = None  # its report lists the adapters
+        return adapter_to_proto(info)
+
+    async def UnloadAdapter(self, request: executor_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
+        found = self._require_runner().unload_adapter(request.name)
+        self._info = None
+        return executor_pb2.UnloadAdapterResponse(found=found)
 
     def _transfer(self) -> KVTransfer:
         """The KV copies' side of this executor (services/executor/kv_transfer.py), once loaded."""

@@ -4,9 +4,13 @@ greedy output of each: transformers with the adapter merged by peft (test-only p
 from __future__ import annotations
 
 from dataclasses import dataclass
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from services.runtime.lora.adapter import module_shapes
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,35 @@ def tiny_served(root: Path) -> tuple[Path, dict[str, Path], list[list[int]], dic
     for spec in TINY_SPECS:
         assert expected[spec.name] != expected[""], f"adapter {spec.name} does not change the base's answers"
     return model, paths, prompts, expected
+
+
+def _stories_config():
+    from services.runtime.model.config import ModelConfig
+    from tests.conftest import STORIES_DIR
+
+    return ModelConfig.from_model_dir(STORIES_DIR)
+
+
+STORIES_CONFIG = _stories_config()
+"""stories260K's shapes (Llama: hidden 64, MLP 172, 8 heads over 4 KV heads, 5 layers)."""
+
+
+def write_adapter(directory: Path, rank: int = 4, targets=("q_proj", "v_proj", "down_proj"),
+                  config: dict | None = None, tensors: dict | None = None) -> Path:
+    """An adapter as PEFT's save_pretrained writes it (random A and B), edited by the arguments."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shapes = module_shapes(STORIES_CONFIG)
+    written = {}
+    for layer in range(STORIES_CONFIG.num_layers):
+        for module in targets:
+            out_features, in_features = shapes[module]
+            part = "mlp" if module.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            written[f"{key}.lora_A.weight"] = torch.randn(rank, in_features)
+            written[f"{key}.lora_B.weight"] = torch.randn(out_features, rank)
+    written.update(tensors or {})
+    save_file(written, directory / "adapter_model.safetensors")
+    body = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+            "bias": "none", **(config or {})}
+    (directory / "adapter_config.json").write_text(json.dumps(body))
+    return directory

@@ -8,35 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from services.runtime.lora.adapter import AdapterError, load_adapter, module_shapes
-from services.runtime.model.config import ModelConfig
-from tests.conftest import STORIES_DIR
+from services.runtime.lora.adapter import AdapterError, load_adapter
+from tests.helpers.lora_adapters import STORIES_CONFIG as MODEL
+from tests.helpers.lora_adapters import write_adapter
 
-MODEL = ModelConfig.from_model_dir(STORIES_DIR)  # Llama: hidden 64, MLP 172, 8 heads over 4 KV heads
 MAX_RANK = 16
-
-
-def write_adapter(directory: Path, rank: int = 4, targets=("q_proj", "v_proj", "down_proj"),
-                  config: dict | None = None, tensors: dict | None = None) -> Path:
-    """An adapter as PEFT's save_pretrained writes it (random A and B), edited by the arguments."""
-    directory.mkdir(parents=True, exist_ok=True)
-    shapes = module_shapes(MODEL)
-    written = {}
-    for layer in range(MODEL.num_layers):
-        for module in targets:
-            out_features, in_features = shapes[module]
-            part = "mlp" if module.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            written[f"{key}.lora_A.weight"] = torch.randn(rank, in_features)
-            written[f"{key}.lora_B.weight"] = torch.randn(out_features, rank)
-    written.update(tensors or {})
-    save_file(written, directory / "adapter_model.safetensors")
-    body = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-            "bias": "none", **(config or {})}
-    (directory / "adapter_config.json").write_text(json.dumps(body))
-    return directory
 
 
 def refusal(directory: Path) -> str:
