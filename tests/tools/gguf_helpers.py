@@ -37,7 +37,8 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
                           qtypes: dict[str, GGMLQuantizationType] | None = None, rope_base: float = 100000.0,
                           rope_freqs: np.ndarray | None = None, sliding_window: int | None = None,
                           longrope: tuple[np.ndarray, np.ndarray, int] | None = None,
-                          softcaps: tuple[float, float] | None = None) -> dict[str, np.ndarray]:
+                          softcaps: tuple[float, float] | None = None,
+                          sentencepiece: tuple[list[str], list[float], list[int]] | None = None) -> dict[str, np.ndarray]:
     """A 2-layer Llama as llama.cpp's converter writes it (Q4_1 linears, Q8_0 embedding, F32 norms,
     q/k rows permuted); returns the HF-layout float32 weights it was quantized from.
 
@@ -50,7 +51,10 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     factors, original context) adds ``rope_factors_long/short`` and the rope.scaling keys.
 
     ``arch="gemma2"`` writes llama.cpp's Gemma 2 layout: pre- and post-norms around attention and
-    the MLP, every norm stored as ``1 + w``; ``softcaps`` (attention, final) their metadata."""
+    the MLP, every norm stored as ``1 + w``; ``softcaps`` (attention, final) their metadata.
+
+    ``sentencepiece`` (pieces, scores, token types) writes that vocabulary instead, as llama.cpp's
+    converter writes a Llama 2 one: model "llama", no merges, no pre-tokenizer, no add_bos key."""
     sizes = TINY | (dims or {})
     d, h, kvh, f = sizes["hidden"], sizes["heads"], sizes["kv_heads"], sizes["ffn"]
     head_dim = d // h
@@ -82,18 +86,25 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
         writer.add_rope_scaling_orig_ctx_len(original)
         # as llama.cpp's converter computes it (transformers' default for longrope)
         writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(sizes["context"] / original) / np.log(original))))
-    writer.add_vocab_size(len(TOKENS))
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3] * len(CONTROL_TOKENS) + [1] * (len(TOKENS) - len(CONTROL_TOKENS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    tokens = TOKENS if sentencepiece is None else sentencepiece[0]
+    writer.add_vocab_size(len(tokens))
+    if sentencepiece is None:
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(TOKENS)
+        writer.add_token_types([3] * len(CONTROL_TOKENS) + [1] * (len(TOKENS) - len(CONTROL_TOKENS)))
+        writer.add_token_merges(MERGES)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_pad_token_id(2)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHATML)
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(sentencepiece[1])
+        writer.add_token_types(sentencepiece[2])
 
     hf: dict[str, np.ndarray] = {}
 
@@ -116,7 +127,7 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
             writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
 
     q41, q80, f32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
-    add("token_embd.weight", "model.embed_tokens.weight", rand(len(TOKENS), d), q80)
+    add("token_embd.weight", "model.embed_tokens.weight", rand(len(tokens), d), q80)
     for i in range(sizes["layers"]):
         p = f"model.layers.{i}."
         if arch == "phi3":
@@ -163,7 +174,7 @@ def write_tiny_llama_gguf(path: Path, *, untied: bool = False, arch: str = "llam
     else:
         add("output_norm.weight", "model.norm.weight", 1 + rand(d), f32)
     if untied:
-        add("output.weight", "lm_head.weight", rand(len(TOKENS), d), q80)
+        add("output.weight", "lm_head.weight", rand(len(tokens), d), q80)
     if longrope is not None:
         writer.add_tensor("rope_factors_long.weight", np.asarray(longrope[0], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.asarray(longrope[1], dtype=np.float32))

@@ -341,3 +341,27 @@ def test_sentencepiece_without_scores_is_refused(sp, tmp_path):
     source = write_vocab_gguf(tmp_path / "x.gguf", "llama", tokens, [_sp_type(sp, i) for i in range(len(tokens))])
     with pytest.raises(ValueError, match=r"no 'tokenizer.ggml.scores'"):
         build_tokenizer(read_metadata(source))
+
+
+# -- a whole file through `tokenmill convert gguf` ------------------------------------------------
+
+def test_a_llama2_file_converts_and_serves_its_vocabulary(sp, tmp_path, monkeypatch):
+    """A Llama 2 model file (weights and a SentencePiece vocabulary without special ids or BOS
+    flag) through the command a user types; the model directory then encodes as llama.cpp does."""
+    from services.tools.gguf import main
+    from tests.tools.gguf_helpers import write_tiny_llama_gguf
+
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    write_tiny_llama_gguf(tmp_path / "llama2.gguf", sentencepiece=(
+        tokens, [sp.get_score(i) for i in range(len(tokens))], [_sp_type(sp, i) for i in range(len(tokens))]))
+    monkeypatch.chdir(tmp_path)
+    assert main(["llama2.gguf", "--out", "model"]) == 0
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (len(tokens), 1, 2)
+    assert json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    ours = TextTokenizer.from_dir(tmp_path / "model")
+    ref = LlamaCpp(tmp_path / "llama2.gguf")
+    for text in TEXTS:
+        assert ours.encode(text) == ref.encode(text), text
+    # tokenizer.json alone adds BOS too, as Llama 2's own tokenizer.json does
+    assert Tokenizer.from_file(str(tmp_path / "model" / "tokenizer.json")).encode("Hi").ids[0] == 1
