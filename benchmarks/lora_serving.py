@@ -137,14 +137,16 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
         run_streams(engine, prompts(2), ["", names[0]], 4)  # warm-up: kernels built, slots written
 
-        def best(adapters: list[str], max_tokens: int) -> float:
-            return max(run_streams(engine, prompts(len(adapters)), adapters, max_tokens)[0]
-                       for _ in range(args.repeats))
-
-        base = best([""] * args.streams, args.max_tokens)
-        mixed = best([names[i % args.adapters] for i in range(args.streams)], args.max_tokens)
-        single_base = best([""], args.single_tokens)
-        single_adapter = best([names[0]], args.single_tokens)
+        # The runs alternate within each pass, so a drift of the machine's load favours none.
+        runs = {"base": ([""] * args.streams, args.max_tokens),
+                "mixed": ([names[i % args.adapters] for i in range(args.streams)], args.max_tokens),
+                "single_base": ([""], args.single_tokens), "single_adapter": ([names[0]], args.single_tokens)}
+        rates = {name: 0.0 for name in runs}
+        for _ in range(args.repeats):
+            for name, (adapters, max_tokens) in runs.items():
+                rate = run_streams(engine, prompts(len(adapters)), adapters, max_tokens)[0]
+                rates[name] = max(rates[name], rate)
+        base, mixed, single_base, single_adapter = (rates[name] for name in runs)
         adapter_streams = [names[i % args.adapters] for i in range(args.streams)]
         _, quiet = run_streams(engine, prompts(args.streams), adapter_streams, args.max_tokens)
         load_seconds = []
