@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.gateway.tool_calls import PARSERS
+from services.gateway.tool_calls.constrained import ConstrainedCallParser, ToolCallShape
 from services.gateway.tool_calls.json_call import MAX_HEADER_CHARS
 from services.gateway.tool_calls.reader import ReplyReader, WholeReply, read_whole
 
@@ -218,3 +219,37 @@ def test_a_header_longer_than_the_cap_is_not_streamed(fmt):
     assert reader.whole() == (WholeReply(None, [(name, "{}")]) if fmt == "hermes" else WholeReply(text, []))
     short = text.replace(name, "get_time")
     assert read_whole(PARSERS[fmt](None), short).calls == [("get_time", "{}")]
+
+
+REQUIRED = ToolCallShape(None, ("get_weather", "get_time"))
+WRAPPED = REQUIRED.prefix_of("get_weather") + WEATHER_PARIS + "}"
+
+
+@pytest.mark.parametrize("shape, text, whole, calls", [
+    # a named function: the reply is its arguments, whole or cut
+    (ToolCallShape("get_time"), TIME_UTC, True, [("get_time", TIME_UTC)]),
+    (ToolCallShape("get_time"), '{"zone": "U', False, [("get_time", '{"zone": "U')]),
+    # required: the wrapper's closing brace is not an argument when the reply ended by itself...
+    (REQUIRED, WRAPPED, True, [("get_weather", WEATHER_PARIS)]),
+    # ...and a cut reply keeps all it wrote after the name, a last brace included
+    (REQUIRED, WRAPPED[:-1], False, [("get_weather", WEATHER_PARIS)]),
+    (REQUIRED, WRAPPED[:-3], False, [("get_weather", WEATHER_PARIS[:-2])]),
+    # cut before the name: neither content nor calls
+    (REQUIRED, '{"name": "get_wea', False, []),
+])
+def test_a_constrained_call_reads_the_same_whole_and_cut_at_every_boundary(shape, text, whole, calls):
+    for cut in range(len(text) + 1):
+        reader = ReplyReader(ConstrainedCallParser(shape), "call_r_3", numbered=False)
+        deltas = []
+        for piece in (text[:cut], text[cut:]):
+            content, new = reader.feed(piece)
+            assert content == ""
+            deltas += new
+        content, new = reader.finish(whole=whole)
+        assert content == ""
+        deltas += new
+        assert reader.whole() == WholeReply(None, calls)
+        opened = [d for d in deltas if "id" in d]
+        assert [(d["id"], d["index"], d["function"]["name"]) for d in opened] == [
+            ("call_r_3", 0, name) for name, _ in calls]
+        assert "".join(d["function"]["arguments"] for d in deltas) == "".join(a for _, a in calls)

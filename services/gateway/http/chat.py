@@ -38,7 +38,7 @@ from services.gateway.http.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
 from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
-from services.gateway.http.structured import OutputPlan, ToolCallStream, parse_tool_call, plan_output, tool_call_id
+from services.gateway.http.structured import OutputPlan, call_readers, plan_output
 from services.gateway.http.tokens import TokenNamer
 from services.gateway import reasoning
 from services.gateway.reasoning.think import ThinkParser
@@ -69,8 +69,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer here, to name the field
         raise _refusal(exc, plan) from None
     states = [ChoiceState(i, 0) for i in range(len(calls))]
-    readers = auto_tools.readers(body, route, ctx.tool_call_parser, ctx.dispatcher,
-                                 [message.request_id for _, message in calls], f"call_{rid}")
+    readers = (call_readers(plan.tool, rid, len(calls)) if plan.tool is not None else
+               auto_tools.readers(body, route, ctx.tool_call_parser, ctx.dispatcher,
+                                  [message.request_id for _, message in calls], f"call_{rid}"))
     thinking = reasoning.parser_name(route.reasoning_parser, ctx.reasoning_parser) if plan.structured is None else None
     thinkers = [reasoning.PARSERS[thinking]() if thinking else None for _ in calls]
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
@@ -80,7 +81,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         request.state.prompt_tokens = streams.prompt_tokens()
         usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
         last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
-        chunks = _chunks(streams, states, readers, thinkers, head, body, namer, plan, rid, usage_chunks)
+        chunks = _chunks(streams, states, readers, thinkers, head, body, namer, usage_chunks)
         return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **streams.target_header})
     thoughts: list[list[str]] = [[] for _ in calls]
@@ -94,7 +95,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             answers[s.index].append(text)
             if reader is not None:
                 reader.feed(text)
-        message, finish_reason = _message(s, plan, rid) if reader is None else _read_message(s, reader)
+        message, finish_reason = ({"role": "assistant", "content": "".join(s.text)}, s.finish_reason) \
+            if reader is None else _read_message(s, reader)
         if thinker is not None:
             if reader is None:
                 message["content"] = "".join(answers[s.index])
@@ -145,26 +147,11 @@ def _refusal(exc: BaseException, plan: OutputPlan) -> OpenAIError:
     return error
 
 
-def _message(state: ChoiceState, plan: OutputPlan, rid: str) -> tuple[dict, str | None]:
-    """A finished choice's message and finish_reason: a constrained reply is a tool call, whole
-    ("tool_calls") or cut by max_tokens ("length", its arguments partial)."""
-    text = "".join(state.text)
-    if plan.tool is None:
-        return {"role": "assistant", "content": text}, state.finish_reason
-    call = parse_tool_call(plan.tool, text, whole=state.finish_reason == "stop")
-    if call is None:  # cut before the function's name: as streamed, no content and no call
-        return {"role": "assistant", "content": None}, state.finish_reason
-    name, arguments = call
-    tool_call = {"id": tool_call_id(rid, state.index), "type": "function",
-                 "function": {"name": name, "arguments": arguments}}
-    return ({"role": "assistant", "content": None, "tool_calls": [tool_call]},
-            _calls_finish(state.finish_reason))
-
-
 def _read_message(state: ChoiceState, reader: ReplyReader) -> tuple[dict, str | None]:
-    """A finished choice read for calls (tool_choice auto), its text fed as it came: its content
-    and the calls in it."""
-    reader.finish()
+    """A finished choice read for calls (tool_choice auto, or a reply constrained to a call: a
+    call cut by max_tokens is still one, "length", its arguments partial), its text fed as it
+    came: its content and the calls in it."""
+    reader.finish(whole=state.finish_reason == "stop")
     whole = reader.whole()
     if not whole.calls:
         return {"role": "assistant", "content": whole.content}, state.finish_reason
@@ -181,11 +168,9 @@ def _calls_finish(finish_reason: str | None) -> str | None:
 
 async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None],
                   thinkers: list[ThinkParser | None], head: dict, body: ChatCompletionRequest, namer: TokenNamer,
-                  plan: OutputPlan, rid: str, usage_chunks: bool) -> AsyncIterator[bytes]:
+                  usage_chunks: bool) -> AsyncIterator[bytes]:
     extra = {"usage": None} if usage_chunks else {}
     opened = [False] * len(states)
-    calls = ([ToolCallStream(plan.tool, tool_call_id(rid, i)) for i in range(len(states))]
-             if plan.tool is not None else None)
     frames = ChunkFrames(head, chat=True, usage_null=usage_chunks)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
@@ -200,23 +185,24 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
         kind = reply.WhichOneof("event")
         if kind == "started":
             continue
+        reader, thinker = readers[index], thinkers[index]
         if not opened[index]:
             opened[index] = True
-            yield chunk(index, {"role": "assistant", "content": "" if calls is None else None})
-        reader, thinker = readers[index], thinkers[index]
+            calls_only = reader is not None and not reader.parser.writes_content
+            yield chunk(index, {"role": "assistant", "content": None if calls_only else ""})
         answer = reply.delta.text if kind == "delta" else ""
         if thinker is not None:  # the reasoning first: what follows reads the content alone
             thought, answer = thinker.feed(answer) if kind == "delta" else thinker.finish()
             if thought:
                 yield chunk(index, {"reasoning_content": thought})
         if reader is not None:
-            # tool_choice auto: the reply's text through its parser, content and calls as they come.
+            # Read for calls (tool_choice auto, or constrained to one): content and calls as they come.
             text, tool_deltas = reader.feed(answer)
             if kind != "delta":
-                tail, last_deltas = reader.finish()
+                tail, last_deltas = reader.finish(whole=state.finish_reason == "stop")
                 text, tool_deltas = text + tail, tool_deltas + last_deltas
             logprobs = chat_logprobs(reply.delta.logprobs, namer) if body.logprobs and kind == "delta" else None
-            if text or logprobs:
+            if (text or logprobs) and reader.parser.writes_content:
                 yield chunk(index, {"content": text}, logprobs)
             for tool_delta in tool_deltas:
                 yield chunk(index, {"tool_calls": [tool_delta]})
@@ -227,10 +213,6 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
             if kind == "finished":
                 finish_reason = _calls_finish(state.finish_reason) if reader.calls else state.finish_reason
                 yield chunk(index, {}, finish_reason=finish_reason)
-            continue
-        if kind == "delta" and calls is not None:
-            for tool_delta in calls[index].feed(reply.delta.text):
-                yield chunk(index, {"tool_calls": [tool_delta]})
             continue
         if kind == "delta":
             delta = reply.delta
@@ -243,10 +225,4 @@ async def _chunks(streams: ChoiceStreams, states: list[ChoiceState], readers: li
             continue
         if answer:  # what the reasoning parser held back to the end
             yield frames.text(index, answer)
-        finish_reason = state.finish_reason
-        if calls is not None:
-            for tool_delta in calls[index].finish(whole=finish_reason == "stop"):
-                yield chunk(index, {"tool_calls": [tool_delta]})
-            if calls[index].opened:
-                finish_reason = _calls_finish(finish_reason)
-        yield chunk(index, {}, finish_reason=finish_reason)
+        yield chunk(index, {}, finish_reason=state.finish_reason)

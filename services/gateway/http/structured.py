@@ -24,6 +24,8 @@ What maps to what:
 
 Streaming a call: the first chunk names it (``index``, ``id``, ``type``, ``function.name``,
 empty ``arguments``); later chunks carry ``function.arguments`` in pieces, as the text comes.
+The call is read by one more tool-call parser (services/gateway/tool_calls/constrained.py), so
+chat.py reads a constrained reply as it reads one with ``tool_choice`` auto.
 """
 
 from __future__ import annotations
@@ -35,18 +37,8 @@ from services.common.json_layout import JSON_LAYOUT
 from services.common.pb.tokenmill.v1 import generation_pb2
 from services.gateway.http.errors import bad_request
 from services.gateway.http.protocol import ChatCompletionRequest, NamedToolChoice
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallShape:
-    """How a constrained reply encodes its call: the whole reply is the arguments of ``name``,
-    or (``name`` None) ``{"name": ..., "arguments": ...}`` over ``names``."""
-
-    name: str | None
-    names: tuple[str, ...] = ()
-
-    def prefix_of(self, name: str) -> str:
-        return '{"name": ' + json.dumps(name) + ', "arguments": '
+from services.gateway.tool_calls.constrained import ConstrainedCallParser, ToolCallShape
+from services.gateway.tool_calls.reader import ReplyReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,73 +96,8 @@ def _tool_plan(body: ChatCompletionRequest) -> OutputPlan:
     return OutputPlan(generation_pb2.StructuredOutput(grammar=grammar), "tools.function.parameters", shape)
 
 
-def tool_call_id(request_id: str, choice: int) -> str:
-    return f"call_{request_id}_{choice}"
-
-
-def parse_tool_call(shape: ToolCallShape, text: str, whole: bool) -> tuple[str, str] | None:
-    """(name, arguments) of a finished reply; None while the reply has not named its function.
-
-    ``whole``: the reply ended by itself (finish "stop"), so a ``required`` reply's last
-    character is the wrapper's closing brace. A reply cut by max_tokens keeps everything after
-    the name as its (partial) arguments, as OpenAI returns a cut call."""
-    if shape.name is not None:
-        return shape.name, text
-    for name in shape.names:
-        prefix = shape.prefix_of(name)
-        if text.startswith(prefix):
-            arguments = text[len(prefix):]
-            return name, arguments[:-1] if whole and arguments.endswith("}") else arguments
-    return None
-
-
-@dataclass(slots=True)
-class ToolCallStream:
-    """One choice's text -> the tool_calls deltas of its chunks, as the text arrives."""
-
-    shape: ToolCallShape
-    call_id: str
-    name: str | None = None
-    buffered: str = ""
-    """With ``required``: the text before the call's name is known."""
-    opened: bool = False
-    held: str = ""
-    """With ``required``: the last character, which may be the closing brace of the wrapper."""
-
-    def __post_init__(self) -> None:
-        self.name = self.shape.name
-
-    def feed(self, text: str) -> list[dict]:
-        """The deltas that ``text`` completes (a name once known, then argument pieces)."""
-        out: list[dict] = []
-        if self.shape.name is None:
-            if self.name is None:
-                self.buffered += text
-                for name in self.shape.names:
-                    prefix = self.shape.prefix_of(name)
-                    if self.buffered.startswith(prefix):
-                        self.name, text = name, self.buffered[len(prefix):]
-                        break
-                else:
-                    return out
-                out.append(self._opening())
-                self.opened = True
-            # Hold the last character back: the wrapper's closing brace is not an argument.
-            text, self.held = (self.held + text)[:-1], (self.held + text)[-1:]
-        elif not self.opened:
-            self.opened = True
-            out.append(self._opening())
-        if text:
-            out.append({"index": 0, "function": {"arguments": text}})
-        return out
-
-    def finish(self, whole: bool) -> list[dict]:
-        """The deltas left at the end: the held character, unless it closed a whole reply's
-        wrapper (the same arguments parse_tool_call reads from the whole text)."""
-        held, self.held = self.held, ""
-        if not self.opened or not held or (whole and held == "}"):
-            return []
-        return [{"index": 0, "function": {"arguments": held}}]
-
-    def _opening(self) -> dict:
-        return {"index": 0, "id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": ""}}
+def call_readers(shape: ToolCallShape, request_id: str, count: int) -> list[ReplyReader | None]:
+    """One reader per choice of a reply constrained to a tool call, its call named
+    ``call_<request id>_<choice>``."""
+    return [ReplyReader(ConstrainedCallParser(shape), f"call_{request_id}_{i}", numbered=False)
+            for i in range(count)]

@@ -5,7 +5,9 @@ One module per format (``hermes``, ``llama3_json``, ``mistral``), each a streami
 the JSON of one call as it arrives. ``PARSERS`` names them, as the settings
 (``--tool-call-parser``, a route's ``tool_call_parser``) and the engine's
 ``ModelInfo.tool_call_format`` do. Each takes the functions the request offers and the most
-calls to read (None: all; 1 for ``parallel_tool_calls: false``).
+calls to read (None: all; 1 for ``parallel_tool_calls: false``). A reply constrained to one
+call (``tool_choice`` required or named) is read by one more parser, constrained.py, behind the
+same interface, so every chat reply that can make calls goes through one ReplyReader.
 """
 
 from __future__ import annotations

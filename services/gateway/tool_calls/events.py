@@ -38,9 +38,12 @@ Event = Content | CallOpened | CallArguments
 class ToolCallParser(Protocol):
     done: bool
     """The most calls asked for are made (``max_calls``): the rest of the reply is not read."""
+    writes_content: bool
+    """False where the reply can hold nothing but calls (a constrained one: ``content`` null)."""
 
     def feed(self, text: str) -> list[Event]:
         """The events the reply's next text completes."""
 
-    def finish(self) -> list[Event]:
-        """The reply ended: what was held back (a partial marker, a header that never completed)."""
+    def finish(self, whole: bool = True) -> list[Event]:
+        """The reply ended: what was held back (a partial marker, a header that never completed).
+        ``whole``: it ended by itself, not cut by max_tokens."""

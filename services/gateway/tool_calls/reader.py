@@ -28,6 +28,8 @@ class ReplyReader:
 
     parser: ToolCallParser
     call_id_prefix: str
+    numbered: bool = True
+    """False: the reply makes one call at most (a constrained one), whose id is the prefix itself."""
     calls: int = 0
     _held: str = ""
     _names: list[str] = field(default_factory=list)
@@ -38,8 +40,9 @@ class ReplyReader:
         """(content to send, tool-call deltas to send) that ``text`` completes."""
         return self._apply(self.parser.feed(text), final=False)
 
-    def finish(self) -> tuple[str, list[dict]]:
-        return self._apply(self.parser.finish(), final=True)
+    def finish(self, whole: bool = True) -> tuple[str, list[dict]]:
+        """What the end releases; ``whole``: the reply ended by itself (finish "stop")."""
+        return self._apply(self.parser.finish(whole), final=True)
 
     @property
     def done(self) -> bool:
@@ -47,7 +50,7 @@ class ReplyReader:
         return self.parser.done
 
     def call_id(self, index: int) -> str:
-        return f"{self.call_id_prefix}_{index}"
+        return f"{self.call_id_prefix}_{index}" if self.numbered else self.call_id_prefix
 
     def _apply(self, events: list[Event], final: bool) -> tuple[str, list[dict]]:
         content: list[str] = []
@@ -83,7 +86,7 @@ class ReplyReader:
         """The reply read so far (after ``finish``: all of it)."""
         content = "".join(self._content)
         calls = [(name, "".join(pieces)) for name, pieces in zip(self._names, self._arguments)]
-        return WholeReply(content if content or not calls else None, calls)
+        return WholeReply(content if (content or not calls) and self.parser.writes_content else None, calls)
 
 
 def read_whole(parser: ToolCallParser, text: str) -> WholeReply:

@@ -65,7 +65,10 @@ class CallStateMachine:
         self._text += text  # appended: the search position stays valid
         return self._run(final=False)
 
-    def finish(self) -> list[Event]:
+    writes_content = True
+
+    def finish(self, whole: bool = True) -> list[Event]:
+        """``whole`` changes nothing here: free text is read the same however it ended."""
         return [] if self.done else self._run(final=True)
 
     def _run(self, final: bool) -> list[Event]:
