@@ -28,7 +28,7 @@ GEMMA3_MODEL       := models/gemma3-270m
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto docs-config run test fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors bench-lora clean
+.PHONY: install runtime proto docs-config run test llama-cpp-background fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors bench-lora clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3_MODEL)/config.json
 
@@ -82,9 +82,32 @@ run: install
 	$(VENV)/bin/tokenmill up --model "$(TOKENMILL_MODEL)"
 
 # llama-cpp-python (built below for bench-peer) also serves the gateway's tests of an
-# OpenAI-compatible upstream (tests/gateway/test_gateway_upstreams.py).
-test: install $(VENV)/.llama-cpp-python
-	$(PY) -m pytest -q -rs
+# OpenAI-compatible upstream (tests/gateway/test_gateway_upstreams.py). Its build (minutes of
+# compiling) is kept off the critical path: started niced in the background once the venv is
+# there, it uses the CPU time that installing and the suite leave idle (tests wait on processes
+# they start); the tests that need it run last and wait for it (tests/helpers/llama_cpp_build.py),
+# and make test fails if the build failed. Its output goes to $(LLAMA_CPP_BG_LOG).
+LLAMA_CPP_BG_PID := $(VENV)/.llama-cpp-python.pid
+LLAMA_CPP_BG_LOG := $(VENV)/llama-cpp-python-build.log
+
+# PYTEST_ARGS narrows the run (e.g. PYTEST_ARGS=tests/gateway).
+test: llama-cpp-background install
+	TOKENMILL_LLAMA_CPP_BUILD_PID=$$(cat $(LLAMA_CPP_BG_PID) 2>/dev/null) \
+	TOKENMILL_LLAMA_CPP_BUILD_LOG=$(abspath $(LLAMA_CPP_BG_LOG)) $(PY) -m pytest -q -rs $(PYTEST_ARGS); status=$$?; \
+	pid=$$(cat $(LLAMA_CPP_BG_PID) 2>/dev/null); \
+	while [ -n "$$pid" ] && kill -0 $$pid 2>/dev/null; do sleep 2; done; rm -f $(LLAMA_CPP_BG_PID); \
+	if ! $(MAKE) -q $(LLAMA_CPP_STAMP); then \
+		echo "llama-cpp-python's build failed ($(LLAMA_CPP_BG_LOG)):"; tail -40 $(LLAMA_CPP_BG_LOG); exit 1; fi; \
+	exit $$status
+
+# Starts $(LLAMA_CPP_STAMP)'s build in the background unless it is up to date (after the chat
+# model's pip install: two pips never write the venv at once).
+llama-cpp-background: $(STAMP) $(CHAT_MODEL_STAMP)
+	@rm -f $(LLAMA_CPP_BG_PID)
+	@if ! $(MAKE) -q $(LLAMA_CPP_STAMP); then \
+		echo "building llama-cpp-python in the background (log: $(LLAMA_CPP_BG_LOG))"; \
+		MAKEFLAGS= nice -n 10 $(MAKE) --no-print-directory $(LLAMA_CPP_STAMP) </dev/null >$(LLAMA_CPP_BG_LOG) 2>&1 & \
+		echo $$! > $(LLAMA_CPP_BG_PID); fi
 
 # The public API fuzzed with 5,000 generated requests and 5,000 raw bodies per generator
 # (make test runs 40 of each).

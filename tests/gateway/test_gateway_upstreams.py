@@ -49,10 +49,11 @@ from tests.helpers.gateway_stack import (
     wait_healthy,
     write_routes,
 )
+from tests.helpers.llama_cpp_build import require_llama_cpp
 from tests.helpers.service_harness import REPO_ROOT
 from tests.tools.smollm2 import packaged_file
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest.mark.llama_cpp]
 
 LLAMACPP_KEY = "sk-llamacpp-0123456789"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,6 +62,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY,
                    extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
     """llama.cpp's OpenAI-compatible server on a free port, as its users start it."""
+    require_llama_cpp()
     out = log.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
