@@ -106,7 +106,7 @@ llama-cpp-background: $(STAMP) $(CHAT_MODEL_STAMP)
 	@rm -f $(LLAMA_CPP_BG_PID)
 	@if ! $(MAKE) -q $(LLAMA_CPP_STAMP); then \
 		echo "building llama-cpp-python in the background (log: $(LLAMA_CPP_BG_LOG))"; \
-		MAKEFLAGS= nice -n 10 $(MAKE) --no-print-directory $(LLAMA_CPP_STAMP) </dev/null >$(LLAMA_CPP_BG_LOG) 2>&1 & \
+		nice -n 10 $(MAKE) -j1 --no-print-directory $(LLAMA_CPP_STAMP) </dev/null >$(LLAMA_CPP_BG_LOG) 2>&1 & \
 		echo $$! > $(LLAMA_CPP_BG_PID); fi
 
 # The public API fuzzed with 5,000 generated requests and 5,000 raw bodies per generator
