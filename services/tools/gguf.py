@@ -45,7 +45,9 @@ transformers' per-expert tensors (``block_sparse_moe.experts.N.w1/w3/w2`` for Mi
 ``mlp.experts.N.gate_proj/up_proj/down_proj`` otherwise); ``expert_count``, ``expert_used_count``
 and ``expert_feed_forward_length`` give config.json's expert settings, and top-k renormalization is
 llama.cpp's per architecture (on for Qwen3-MoE, off for OLMoE) unless ``expert_weights_norm`` says.
-Shared experts (``ffn_*_shexp``) are refused by name, and so is ``--weights keep`` of such a file.
+Shared experts (``ffn_*_shexp``) are refused by name. Under ``--weights keep`` each expert's rows
+of a stacked tensor are kept as that expert's projection (the router, not a projection, in fp32),
+and the runtime multiplies them in their type (services/runtime/kernels/moe_experts.py).
 
 ``--weights keep`` stores the quantized tensors the runtime runs as they are. Q4_0, Q4_1 and Q8_0
 blocks are split into ``X.qweight`` (the values, GGUF's nibble order), ``X.scales`` and ``X.mins``
@@ -460,17 +462,30 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
     permuted = arch == "llama"
     state: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
+    floats = []
     for tensor in reader.tensors:
         if tensor.name in SETTINGS_TENSORS:  # read into config.json's rope_scaling
             continue
-        name = hf_tensor_name(tensor.name, arch)
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            continue  # float: dequantized below
+        match = _LAYER_NAME.fullmatch(tensor.name)
+        kind = match.group(2) if match else None
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) or \
+                kind == "ffn_gate_inp":  # float, and the router (not a projection): dequantized below
+            floats.append(tensor)
+            continue
         if qtype not in KEPT_TYPES:
             raise ValueError(f"tensor {tensor.name} is {qtype.name}; --weights keep stores "
                              f"{', '.join(t.name for t in KEPT_TYPES)} as they are; convert with --weights fp32")
         fmt = KEPT_TYPES[qtype]
+        if kind in EXPERT_TENSORS:  # [E, out, row bytes]: each expert's blocks kept as one projection's
+            blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[2]), int(tensor.shape[1]), -1)
+            for expert_name, rows in expert_state(tensor.name, blocks, config).items():
+                module = expert_name.removesuffix(".weight")
+                parts = ({"qweight": np.array(rows)} if fmt in _WHOLE_BLOCKS else split_blocks(rows, fmt))
+                state |= {f"{module}.{suffix}": torch.from_numpy(np.ascontiguousarray(v)) for suffix, v in parts.items()}
+                formats[module] = fmt
+            continue
+        name = hf_tensor_name(tensor.name, arch)
         module = name.removesuffix(".weight")
         for suffix, values in kept_parts(tensor, fmt).items():
             if permuted and tensor.name.endswith(".attn_q.weight"):
@@ -479,16 +494,15 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
                 values = rotate_half_rows(values, kv_heads)
             state[f"{module}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(values))
         formats[module] = fmt
-    floats = [t for t in reader.tensors if GGMLQuantizationType(t.tensor_type) not in KEPT_TYPES]
     state |= _dequantized(floats, config, torch.float32)
     return state, formats
 
 
-def keep_quantization_config(formats: Mapping[str, str], num_layers: int) -> dict[str, Any]:
+def keep_quantization_config(formats: Mapping[str, str], num_layers: int, tied: bool = True) -> dict[str, Any]:
     """quantization_config for kept tensors: the projections' most common format, the rest as exceptions."""
     from collections import Counter
 
-    from services.runtime.model.quant.config import EMBEDDING, LINEAR_NAMES, NONE, QuantizationConfig
+    from services.runtime.model.quant.config import EMBEDDING, LINEAR_NAMES, LM_HEAD, NONE, QuantizationConfig
 
     linear = [m for m in formats if m.startswith("model.layers.") or m == "lm_head"]
     default = Counter(formats[m] for m in linear).most_common(1)[0][0] if linear else "q8_0"
@@ -499,6 +513,8 @@ def keep_quantization_config(formats: Mapping[str, str], num_layers: int) -> dic
             module = f"model.layers.{i}.{proj}"
             if module not in formats:
                 modules[module] = NONE
+    if not tied and LM_HEAD not in formats:  # an output matrix the file holds in float
+        modules[LM_HEAD] = NONE
     return QuantizationConfig(default, 32, modules).to_dict()
 
 
@@ -557,9 +573,6 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     settings = {t.name: dequantize(t.data, GGMLQuantizationType(t.tensor_type))
                 for t in reader.tensors if t.name in SETTINGS_TENSORS}
     config = llama_config(meta, {t.name for t in reader.tensors}, dtype, settings)
-    if weights == "keep" and (config.get("num_local_experts") or config.get("num_experts")):
-        raise ValueError("--weights keep does not take mixture-of-experts tensors yet; convert with --weights fp32 "
-                         "or bf16")
     if weights == "keep" and config["model_type"] == "phi3":
         raise ValueError("--weights keep does not take Phi-3's fused q|k|v and gate|up matrices; "
                          "convert with --weights fp32 or bf16")
@@ -567,7 +580,8 @@ def convert_gguf(source: Path, out_dir: Path, weights: str = "fp32", force: bool
     if weights == "keep":
         state, formats = kept_state_dict(reader, config)
         if formats:
-            config["quantization_config"] = keep_quantization_config(formats, config["num_hidden_layers"])
+            config["quantization_config"] = keep_quantization_config(formats, config["num_hidden_layers"],
+                                                                    bool(config.get("tie_word_embeddings")))
     else:
         state = dequantized_state_dict(reader, config, dtype)
     types = sorted({GGMLQuantizationType(t.tensor_type).name for t in reader.tensors})

@@ -145,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, Linear) and worth_prepacking(module.weight):
                     module.prepack()
         for module in list(self.modules()):
-            if isinstance(module, QuantLinear):
-                # after the move: each device packs its own way (quant/linear.py)
+            if isinstance(module, (QuantLinear, SparseMoe)):
+                # after the move: each device packs its own way (quant/linear.py, moe.py)
                 module.prepare(quant_activations if device.type == "cpu" else "none")
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device,
                                       config.rope)

@@ -10,6 +10,11 @@ at least one token multiplies all its tokens' rows in one product per projection
 read once per step), and the weighted rows are summed back per token. There is no loop over
 tokens, and an expert no token chose costs nothing. Experts are stacked as
 ``w_gate_up`` [E, 2I, H] (gate rows first) and ``w_down`` [E, H, I], transformers' layout.
+
+One reference, one fast path per kind of weight: float experts run kernels/fused_moe.py's
+``fused_moe`` (its PyTorch reference ``fused_moe_reference`` on a CPU, the Triton kernel on
+CUDA); experts a GGUF checkpoint keeps quantized run the grouped C++ kernel of
+kernels/moe_experts.py on a CPU (its reference beside it), or are dequantized at load elsewhere.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.runtime.kernels.fused_moe import fused_moe
+from services.runtime.kernels.moe_experts import experts_fit, gate_up, moe_experts_int8, pack_experts
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.moe_config import MoeConfig
+from services.runtime.model.quant.formats import QuantizedWeight, dequantize
+from services.runtime.model.quant.linear import cpu_kernels_ready
 from services.runtime.model.quant.linear import build_linear
 
 
@@ -44,36 +52,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert this step, [E] int64 (what the load metric counts)."""
     return torch.bincount(topk_ids.reshape(-1), minlength=num_experts)
-
-
-def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, activation: str = "silu",
-                    counts: list[int] | None = None) -> torch.Tensor:
-    """The routed experts' weighted sum, grouped by expert: one product per projection per expert with tokens.
-
-    x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k] int64 -> [T, H].
-    ``counts``: ``expert_counts`` as a list when the caller has it (one device sync fewer).
-    """
-    if activation != "silu":
-        raise ValueError(f"expert activation {activation!r} is not supported (only silu)")
-    t, k = topk_ids.shape
-    num_experts = w_gate_up.shape[0]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # [T*k]: pairs grouped by expert, tokens in order within one
-    rows = order // k  # each sorted pair's token
-    if counts is None:
-        counts = expert_counts(flat, num_experts).tolist()
-    xs = x.index_select(0, rows)  # [T*k, H]
-    out = torch.empty_like(xs)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        gate, up = F.linear(xs[start:start + n], w_gate_up[expert]).chunk(2, dim=-1)  # [n, I] each
-        out[start:start + n] = F.linear(F.silu(gate) * up, w_down[expert])
-        start += n
-    weighted = out * topk_weights.reshape(-1)[order].unsqueeze(1)  # fp32 weights: the product in fp32
-    return torch.zeros_like(x).index_add_(0, rows, weighted.to(x.dtype))
 
 
 _EXPERT_NAMES = {  # family -> (module prefix, router, gate, up, down)
@@ -128,11 +106,29 @@ class SparseMoe(nn.Module):
         w = lambda name: weights.pop(p + name)  # noqa: E731 - local shorthand
         self.router = nn.Parameter(w(f"{router}.weight"), requires_grad=False)  # [E, H]
         experts = range(moe.num_experts)
-        self.w_gate_up = nn.Parameter(torch.stack([
-            torch.cat([w(f"experts.{e}.{gate}.weight"), w(f"experts.{e}.{up}.weight")]) for e in experts]),
-            requires_grad=False)  # [E, 2I, H]
-        self.w_down = nn.Parameter(torch.stack([w(f"experts.{e}.{down}.weight") for e in experts]),
-                                   requires_grad=False)  # [E, H, I]
+        gates = [w(f"experts.{e}.{gate}.weight") for e in experts]
+        ups = [w(f"experts.{e}.{up}.weight") for e in experts]
+        downs = [w(f"experts.{e}.{down}.weight") for e in experts]
+        self.quantized: tuple[list[QuantizedWeight], list[QuantizedWeight]] | None = None
+        """Experts a checkpoint keeps quantized (GGUF types), as read: (gate|up per expert, down per
+        expert) until ``prepare`` packs them for the CPU kernel or dequantizes them."""
+        self.w13 = self.w2 = None
+        """The quantized experts packed for kernels/moe_experts.py, [E, bytes] uint8 each (path cpu_int8)."""
+        self.path = "dense"
+        kept = [isinstance(t, QuantizedWeight) for t in gates + ups + downs]
+        if all(kept) and all(g.fmt == u.fmt for g, u in zip(gates, ups)):
+            self.quantized = ([gate_up(g, u) for g, u in zip(gates, ups)], downs)
+            self.w_gate_up = self.w_down = None
+            self.path = "unprepared"
+        else:
+            if any(kept):  # some experts in float, or gate and up apart: all in float, as build_linear does
+                dtype = self.router.dtype
+                gates, ups, downs = ([dequantize(t, dtype) if isinstance(t, QuantizedWeight) else t for t in ts]
+                                     for ts in (gates, ups, downs))
+            self.w_gate_up = nn.Parameter(torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
+                                          requires_grad=False)  # [E, 2I, H]
+            self.w_down = nn.Parameter(torch.stack(downs), requires_grad=False)  # [E, H, I]
+        self.inter = moe.intermediate_size
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_expert_size:
             self.shared_gate_up = build_linear([w("shared_expert.gate_proj.weight"), w("shared_expert.up_proj.weight")])
@@ -144,17 +140,45 @@ class SparseMoe(nn.Module):
         self.load: torch.Tensor | None = None
         """Tokens routed to each expert since the model was loaded, [E] int64 (the load metric's source)."""
 
+    def prepare(self, activations: str = "auto") -> str:
+        """Ready quantized experts for the router's device (after the move); returns the path.
+
+        On a CPU with ``activations`` int8 or auto, experts in a format of kernels/moe_experts.py
+        are packed for its grouped int8-activation kernel (there is no exact grouped kernel, so auto
+        takes int8 as it does for K-quant linears); otherwise (none, CUDA, another format) they are
+        dequantized once to the router's dtype and run as dense experts."""
+        if self.quantized is None:
+            return self.path
+        w13, w2 = self.quantized
+        device = self.router.device
+        if (device.type == "cpu" and activations in ("int8", "auto") and experts_fit(w13) and experts_fit(w2)
+                and cpu_kernels_ready()):
+            self.w13, self.w2 = pack_experts(w13), pack_experts(w2)
+            self.formats = (w13[0].fmt, w2[0].fmt)
+            self.path = "cpu_int8"
+        else:
+            dtype = self.router.dtype
+            self.w_gate_up = nn.Parameter(torch.stack([dequantize(w, dtype) for w in w13]).to(device),
+                                          requires_grad=False)
+            self.w_down = nn.Parameter(torch.stack([dequantize(w, dtype) for w in w2]).to(device),
+                                       requires_grad=False)
+            self.path = "dequantized"
+        self.quantized = None  # the packed tiles or the dense copy hold every byte the products read
+        return self.path
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] (the post-attention normed hidden) -> [T, H]
+        if self.path == "unprepared":
+            self.prepare()
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize, self.router_order)
         counts = expert_counts(ids, self.num_experts)
         self.load = counts if self.load is None else self.load + counts
         if self.expert_parallel is not None:  # tensor parallelism: this rank's run of experts, the tokens exchanged
             out = self.expert_parallel(x, weights, ids)
-        elif x.is_cuda:
-            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)  # the fused Triton kernel
-        else:
-            out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, counts=counts.tolist())
+        elif self.path == "cpu_int8":  # quantized experts, grouped, in C++
+            out = moe_experts_int8(x, self.w13, self.formats[0], self.w2, self.formats[1], weights, ids, self.inter)
+        else:  # the fused Triton kernel on CUDA, its grouped PyTorch reference elsewhere
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared_gate_up is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_down(F.silu(gate) * up)

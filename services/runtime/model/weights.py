@@ -107,11 +107,11 @@ def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
     their own dtypes and returned as QuantizedWeights under the weight's name (quant/checkpoint.py).
     """
     model_dir = Path(model_dir)
-    expected = expected_shapes(config)
+    expected = layout = expected_shapes(config)
     quant = config.quantization
     parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     if quant is not None:
-        expected, parts = split_expected(expected, quant, config.num_layers, config.tie_word_embeddings)
+        expected, parts = split_expected(layout, quant, config.num_layers, config.tie_word_embeddings)
         expected |= {name: shape for name, (shape, _) in parts.items()}
     tensors: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -150,5 +150,5 @@ def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
             f"{', '.join(sorted(unexpected)[:5])}{more}"
         )
     if quant is not None:
-        return assemble(tensors, quant, config.num_layers, config.tie_word_embeddings)
+        return assemble(tensors, quant, config.num_layers, config.tie_word_embeddings, layout)
     return tensors

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow  # one more build of the extension (about a minute
 KERNEL_TESTS = ["tests/runtime/kernels/test_cpu_paged_decode.py", "tests/runtime/kernels/test_kv_quant.py",
                 "tests/runtime/kernels/test_shm_all_reduce.py",
                 "tests/runtime/kernels/test_quant_dot.py", "tests/runtime/kernels/test_kquant_dot.py",
+                "tests/runtime/kernels/test_moe_experts.py",
                 "tests/runtime/kernels/test_quant_matmul.py", "tests/runtime/model/test_quant.py",
                 "tests/runtime/kernels/test_lora.py"]
 

@@ -1,4 +1,4 @@
-"""The grouped expert computation against a loop over tokens, over awkward routings, and the
+"""The grouped expert computation (the layer's one reference, fused_moe_reference) against a loop over tokens, over awkward routings, and the
 routing rules and config checks of the mixture-of-experts layer."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from services.runtime.model.config import ModelConfig
-from services.runtime.model.moe import grouped_experts, route
+from services.runtime.kernels.fused_moe import fused_moe_reference
+from services.runtime.model.moe import route
 
 
 def per_token_reference(x, w_gate_up, w_down, topk_weights, topk_ids):
@@ -46,14 +47,14 @@ def test_grouped_experts_match_a_loop_over_tokens(t, k, e, kind):
     w_gate_up, w_down = torch.randn(e, 2 * i, h, generator=gen) * 0.2, torch.randn(e, h, i, generator=gen) * 0.2
     ids = _ids(kind, t, k, e, gen)
     weights = torch.rand(t, k, generator=gen)
-    got = grouped_experts(x, w_gate_up, w_down, weights, ids)
+    got = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(got.double(), per_token_reference(x, w_gate_up, w_down, weights, ids),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_no_tokens_give_an_empty_output():
-    out = grouped_experts(torch.zeros(0, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), torch.zeros(0, 2),
-                          torch.zeros(0, 2, dtype=torch.int64))
+    out = fused_moe_reference(torch.zeros(0, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), torch.zeros(0, 2),
+                              torch.zeros(0, 2, dtype=torch.int64))
     assert out.shape == (0, 8)
 
 

@@ -36,10 +36,11 @@ from services.runtime.kernels.kv_quant import ScaledCache
 # kquant_dot.cpp: GGUF K-quant and q5_0/q5_1 weights times int8 activations (services/runtime/kernels/kquant_act.py);
 # fused_decode.cpp: a small model's whole decode step (services/runtime/model/fused_decode.py);
 # shm_all_reduce.cpp: a CPU tensor-parallel group's all-reduce (services/runtime/parallel/shared_memory.py);
-# lora.cpp: batched LoRA, each row its own adapter (services/runtime/kernels/lora.py).
+# lora.cpp: batched LoRA, each row its own adapter (services/runtime/kernels/lora.py);
+# moe_experts.cpp: a sparse layer's quantized experts, grouped (services/runtime/kernels/moe_experts.py).
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("paged_decode.cpp", "quant_matmul.cpp", "quant_dot.cpp", "kquant_dot.cpp", "fused_decode.cpp",
-             "shm_all_reduce.cpp", "lora.cpp")]
+             "shm_all_reduce.cpp", "lora.cpp", "moe_experts.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("paged_decode.h", "vec_exp.h", "cpu_isa.h", "quant_kernels.h",
                                                         "shm_all_reduce.h", "lora.h", "worker_pool.h")]
 MARCH_ENV = "TOKENMILL_CPU_KERNEL_MARCH"

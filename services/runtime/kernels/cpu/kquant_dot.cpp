@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "quant_kernels.h"
 
 namespace tokenmill_cpu {
 namespace {
@@ -80,14 +81,7 @@ struct KWeight {
   int64_t N = 0, K = 0;
 };
 
-// Activations: q [M, K] int8, d [M, K / block] fp32, bsum [M, K / 16] (sum of q per 16 values).
-// The products take blocks of 32; 256 (llama.cpp's Q8_K) is offered to the tests alone.
-struct KActs {
-  int64_t M = 0, K = 0, block = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> bsum;
-};
+using KActs = KquantActivations;  // quant_kernels.h
 
 inline uint32_t load_u32(const int8_t* p) {
   uint32_t v;
@@ -501,6 +495,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_quantize_activations(const
 }
 
 }  // namespace
+
+void kquant_quantize_rows(const float* x, int64_t M, int64_t x_stride, int64_t K, KquantActivations& a) {
+  quantize_acts(x, M, x_stride, K, 32, a);
+}
+
+int64_t kquant_tile_bytes(int64_t code, int64_t K) {
+  const KLayout L = layout_of(kformat_of(code));
+  return K / L.block * L.super_bytes();
+}
+
+int64_t kquant_block(int64_t code) { return layout_of(kformat_of(code)).block; }
+
+void kquant_matmul_tiles(const uint8_t* packed, int64_t code, int64_t N, int64_t K, const KquantActivations& a,
+                         float* out, int64_t ldo, int64_t t0, int64_t t1, Isa isa) {
+  KWeight w;
+  w.data = packed, w.format = kformat_of(code), w.N = N, w.K = K;
+  ktiles(w, a, out, ldo, t0, t1, isa);
+}
+
 }  // namespace tokenmill_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_quant, m) {

@@ -70,4 +70,28 @@ void int8_matmul_tiles(const PackedInt8Weight& w, const QuantizedActivations& a,
 void int8_matmul(const PackedInt8Weight& w, const float* x, int64_t M, int64_t x_stride, float* out,
                  int64_t out_stride, QuantizedActivations& scratch, WorkerPool* pool = nullptr);
 
+// ---------------------------------------------------------------------------- K-quants (kquant_dot.cpp)
+
+// Activations for the K-quant tiles: q [M, K] int8, d [M, K / block] fp32, bsum [M, K / 16]
+// (sum of q per 16 values). The products take blocks of 32; 256 (llama.cpp's Q8_K) is offered to
+// the tests alone.
+struct KquantActivations {
+  int64_t M = 0, K = 0, block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> bsum;
+};
+
+// Rows of x quantized per 32 values (kernels/kquant_act.py's rule).
+void kquant_quantize_rows(const float* x, int64_t M, int64_t x_stride, int64_t K, KquantActivations& a);
+
+// Bytes of one 16-output tile of kquant_act.pack_tiles' layout for format `code` (KQUANT_FORMAT_CODES), and the
+// values per super-block (K must be a multiple).
+int64_t kquant_tile_bytes(int64_t code, int64_t K);
+int64_t kquant_block(int64_t code);
+
+// Tiles [t0, t1) of out[m, n] (row stride ldo) = x[m] . w[n], x quantized in `a`. One thread's share.
+void kquant_matmul_tiles(const uint8_t* packed, int64_t code, int64_t N, int64_t K, const KquantActivations& a,
+                         float* out, int64_t ldo, int64_t t0, int64_t t1, Isa isa);
+
 }  // namespace tokenmill_cpu

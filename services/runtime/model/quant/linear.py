@@ -227,6 +227,11 @@ def _emptied(w: QuantizedWeight) -> QuantizedWeight:
                            None if w.scales is None else w.scales[:0], None if w.mins is None else w.mins[:0])
 
 
+def cpu_kernels_ready() -> bool:
+    """Whether the C++ CPU kernels are built and loaded here (a warning says why not, once)."""
+    return _cpu_kernel_available()
+
+
 @functools.cache
 def _cpu_kernel_available() -> bool:
     from services.runtime.kernels import cpu
@@ -253,6 +258,10 @@ def _cpu_kernel_available() -> bool:
     @torch.library.register_fake("tokenmill_quant::kquant_matmul")
     def _(x, packed, fmt, n, k):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("tokenmill_quant::moe_experts_int8")
+    def _(x, w13, fmt13, w2, fmt2, topk_weights, topk_ids, inter):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("tokenmill_quant::quant_dequantize")
     def _(qweight, scales, zeros, bits, group):
