@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 import structlog
 
-from services.common.interceptor import StreamBehavior, UnaryBehavior, rebuild_handler
+from services.common.interceptor import StreamBehavior, UnaryBehavior, rebuild_handler, refuse
 from services.common.log_limit import RateLimitedLog
 
 _log = structlog.get_logger("tokenmill.service")
@@ -58,25 +58,25 @@ class PeerIdentityInterceptor(grpc.aio.ServerInterceptor):
         return rebuild_handler(handler, lambda behavior: self._unary(behavior, method),
                                lambda behavior: self._stream(behavior, method))
 
-    async def _check(self, context: grpc.aio.ServicerContext, method: str) -> None:
+    async def _check(self, request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
         names = peer_names(context)
         if names & self._by_method.get(method, self.allowed):
             return
         self.refused += 1
         _refusals.log("warning", "peer_not_allowed", method, method=method, peer=context.peer(), names=sorted(names))
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            "this client certificate may not call this service (tls_allowed_clients)")
+        await refuse(request, context, grpc.StatusCode.PERMISSION_DENIED,
+                     "this client certificate may not call this service (tls_allowed_clients)")
 
     def _unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._check(context, method)
+            await self._check(request, context, method)
             return await behavior(request, context)
 
         return handler
 
     def _stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
         async def handler(request: Any, context: grpc.aio.ServicerContext):
-            await self._check(context, method)
+            await self._check(request, context, method)
             async for response in behavior(request, context):
                 yield response
 
