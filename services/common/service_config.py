@@ -118,6 +118,14 @@ INTERNAL_SECRET_HELP = {
 }
 
 
+ALLOW_UNAUTHENTICATED_HELP = {
+    "require": "start with neither --internal-secret-file nor mTLS (--tls-client-ca), so that any process that "
+               "can reach the port may call (a test or a single-user machine); off: such a start is refused",
+    "present": "start with neither --internal-secret-file nor a client certificate for the backends "
+               "(--backend-tls-cert), whose calls then carry no credentials; off: such a start is refused",
+}
+
+
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
                            backend_tls: bool = False, internal_secret: str = "") -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
@@ -182,6 +190,9 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
         @dataclass(slots=True)
         class ServiceProcessFields(ServiceProcessFields):  # noqa: F811 - the same base, plus the secret
             internal_secret_file: str = path_field(service, "internal_secret_file", help_text)
+            allow_unauthenticated: bool = field(default=False, metadata={
+                "help": ALLOW_UNAUTHENTICATED_HELP[internal_secret],
+                "env": _env_prefix(service) + "ALLOW_UNAUTHENTICATED"})
             internal_secret_required: ClassVar[bool] = internal_secret == "require"
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"

@@ -87,6 +87,29 @@ def check_process_fields(config: ServiceProcessConfig) -> None:
     internal_secret(config)
 
 
+def check_authenticated(config: ServiceProcessConfig) -> None:
+    """An internal service must know who calls it (the deployment's secret, or mTLS), and the
+    scheduler must present a credential to those it calls, unless --allow-unauthenticated is typed:
+    loopback is no trust boundary (any local process may connect), so an unauthenticated start
+    is refused rather than warned about. ValueError naming both ways out."""
+    if not hasattr(config, "internal_secret_file"):
+        return
+    secret = internal_secret(config)
+    if secret or config.allow_unauthenticated:
+        return
+    if getattr(config, "internal_secret_required", False):
+        if config.tls_client_ca:
+            return
+        raise ValueError("no caller authentication: set --internal-secret-file (the deployment's secret; "
+                         "`tokenmill up` writes one) or mTLS (--tls-client-ca, best with --tls-allowed-clients), "
+                         "or type --allow-unauthenticated to let any process that reaches the port call")
+    if getattr(config, "backend_tls_cert", ""):
+        return
+    raise ValueError("no credential for the backends: set --internal-secret-file (the deployment's secret; "
+                     "`tokenmill up` writes one) or a client certificate (--backend-tls-cert), "
+                     "or type --allow-unauthenticated to call them without credentials")
+
+
 def internal_secret(config: ServiceProcessConfig) -> str:
     """The secret in the config's --internal-secret-file ('' when it has none); ValueError naming
     the flag when the file is unfit (services/common/internal_secret.py)."""
@@ -167,6 +190,7 @@ def service_main(
         check_bind(config, name, warn=False)  # before a model is loaded; start_service checks again, and warns
         if validate is not None:
             validate()
+        check_authenticated(config)  # last: a wrong value is named first, whatever the credentials
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -129,7 +129,7 @@ async def test_malformed_messages_end_the_stream_by_name(stub, request_fields: d
 async def test_flags_start_a_self_speculative_drafter_process(tmp_path: Path, stories_dir) -> None:
     port_file = tmp_path / "drafter.port"
     process = await launch_module("services.drafter", [
-        "--port", "0", "--port-file", str(port_file), "--method", "draft_model", "--draft-model", str(stories_dir),
+        "--port", "0", "--port-file", str(port_file), "--allow-unauthenticated", "--method", "draft_model", "--draft-model", str(stories_dir),
         "--draft-layers", "2", "--num-speculative-tokens", "2", "--device", "cpu", "--num-blocks", "8"])
     try:
         port = await wait_for_port_file(port_file, process, timeout=60)

@@ -229,7 +229,8 @@ def test_the_executor_service_ends_when_a_rank_dies(tmp_path):
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.executor", f"--model={STORIES_DIR}", "--device=cpu", "--num-blocks=32",
-         "--port=0", f"--port-file={port_file}", "--tensor-parallel-size=2", "--skip-warmup"],
+         "--port=0", f"--port-file={port_file}", "--tensor-parallel-size=2", "--skip-warmup",
+         "--allow-unauthenticated"],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

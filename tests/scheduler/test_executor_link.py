@@ -26,7 +26,8 @@ def _free_port() -> int:
 async def test_connect_waits_out_an_executor_that_is_still_loading() -> None:
     port = _free_port()
     process = await launch_module("services.executor", [
-        "--port", str(port), "--model", str(STORIES_DIR), "--dtype", "fp32", "--device", "cpu", "--num-blocks", "64"])
+        "--port", str(port), "--model", str(STORIES_DIR), "--dtype", "fp32", "--device", "cpu", "--num-blocks", "64",
+        "--allow-unauthenticated"])
     link = ExecutorLink(f"127.0.0.1:{port}")
     try:
         info = await link.connect(timeout=90)  # at once: the executor is still starting

@@ -41,7 +41,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[tuple]:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     port_file = Path(tmp_path_factory.mktemp("tok")) / "tokenizer.port"
-    tokenizer = await launch_module("services.tokenizer", ["--port", "0", "--port-file", str(port_file),
+    tokenizer = await launch_module("services.tokenizer", ["--port", "0", "--port-file", str(port_file), "--allow-unauthenticated",
                                                            "--model", MODEL])
     executor = scheduler = None
     try:

@@ -43,7 +43,7 @@ def address(tmp_path_factory) -> Iterator[str]:
     run_dir = tmp_path_factory.mktemp("tokenizer_service")
     port_file, log_file = run_dir / "tokenizer.port", run_dir / "tokenizer.log"
     command = [sys.executable, "-m", "services.tokenizer", "--port", "0", "--port-file", str(port_file),
-               "--model", str(STORIES_DIR)]  # fmt: skip
+               "--model", str(STORIES_DIR), "--allow-unauthenticated"]  # fmt: skip
     with log_file.open("wb") as log:
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},

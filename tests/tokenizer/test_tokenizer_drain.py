@@ -30,7 +30,7 @@ GRACE_S = 30.0
 async def _start(tmp_path: Path, grace: float) -> tuple[asyncio.subprocess.Process, int]:
     port_file = tmp_path / "tokenizer.port"
     process = await launch_module("services.tokenizer", ["--port", "0", "--port-file", str(port_file),
-                                                         "--shutdown-grace-seconds", str(grace)])
+                                                         "--shutdown-grace-seconds", str(grace), "--allow-unauthenticated"])
     return process, await wait_for_port_file(port_file, process)
 
 

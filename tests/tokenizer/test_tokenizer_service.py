@@ -373,7 +373,8 @@ async def test_a_bad_stream_fails_alone_and_the_call_serves_the_others(stub, req
 @pytest.mark.timeout(60)
 async def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "run" / "tokenizer.port"
-    process = await launch_module("services.tokenizer", ["--port", "0", "--port-file", str(port_file)])
+    process = await launch_module("services.tokenizer", ["--port", "0", "--port-file", str(port_file),
+                                                         "--allow-unauthenticated"])
     try:
         port = await wait_for_port_file(port_file, process)
         async with create_channel(f"127.0.0.1:{port}") as channel:
@@ -385,7 +386,7 @@ async def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(tmp_path: P
         assert await asyncio.wait_for(process.wait(), timeout=20) == 0
         assert not port_file.exists()  # removed on the way out
         events = [json.loads(line)["event"] for line in (await process.stderr.read()).decode().splitlines()]
-        # Started without --internal-secret-file, it says first that any local process may call it.
+        # Started with --allow-unauthenticated, it says first that any local process may call it.
         assert events[:2] == ["internal_service_unauthenticated", "server_started"]
         assert events[-2:] == ["server_stopping", "server_stopped"]
     finally:
