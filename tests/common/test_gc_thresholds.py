@@ -57,7 +57,7 @@ print(seen[0])
 def test_a_service_process_runs_with_the_flags_thresholds(argv, expected) -> None:
     # A fresh interpreter, as a service process starts: what the collector holds when the
     # server would start. None: Python's own, as the interpreter started.
-    result = subprocess.run([sys.executable, "-c", SERVICE_THRESHOLDS, *argv], cwd=REPO_ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", SERVICE_THRESHOLDS, "--allow-unauthenticated", *argv], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     python_defaults, at_start = result.stdout.strip().splitlines()[-2:]

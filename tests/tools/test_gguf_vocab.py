@@ -26,8 +26,13 @@ from services.tools.gguf import read_metadata as gguf_metadata
 from services.tools.gguf_tokenizer import LLAMA3_SPLIT, PRE_TOKENIZERS, WHOLE_WORDS_AND_BOS, build_tokenizer, end_token_ids
 from services.tools.gguf_tokenizer import tokenizer_config as gguf_tokenizer_config
 
-spm = pytest.importorskip("sentencepiece")
-llama_cpp = pytest.importorskip("llama_cpp")
+import sentencepiece as spm
+
+from tests.helpers.llama_cpp_build import require_llama_cpp
+
+# llama.cpp is the reference these vocabularies are matched against: `make test` builds it in the
+# background, so the module runs last and imports it only once that build has ended.
+pytestmark = pytest.mark.llama_cpp
 
 TRAINING = [
     "The quick brown fox jumps over the lazy dog. It's 2024, and they'll pay $1,234.56 for 12345 apples!",
@@ -133,6 +138,9 @@ class LlamaCpp:
     """llama.cpp's own encoding and decoding of a GGUF's vocabulary."""
 
     def __init__(self, path: Path) -> None:
+        require_llama_cpp()
+        import llama_cpp
+        self.lib = llama_cpp
         self.llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
         self.vocab = self.llm._model.vocab
         meta = read_metadata(path)
@@ -149,12 +157,12 @@ class LlamaCpp:
         buf = ctypes.create_string_buffer(256)
         for position, token in enumerate(ids):
             strip = 1 if position == 0 and self.space_prefix else 0
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), strip, special)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), strip, special)
             out += buf.raw[:n]
         return out.decode("utf-8", errors="replace")
 
     def end_ids(self) -> set[int]:
-        return {i for i in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(self.vocab, i)}
+        return {i for i in range(self.llm.n_vocab()) if self.lib.llama_vocab_is_eog(self.vocab, i)}
 
 
 def convert(path: Path, out: Path) -> TextTokenizer:
