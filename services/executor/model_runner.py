@@ -245,8 +245,8 @@ class ModelRunner:
         """The model over the step's tokens, by the first path that takes it: final hidden states
         [T, D]. ``logit_rows``: the rows whose logits follow (the other ranks' share of a
         vocab-parallel head is of those)."""
-        # A step with adapters runs eagerly: the other paths run the base model's weights alone.
-        path = self.paths[-1] if step.lora is not None else next(path for path in self.paths if path.takes(step))
+        path = next(path for path in self.paths
+                    if (step.lora is None or path.applies_lora) and path.takes(step))
         if self.parallel is not None:
             packed = step.packed
             return self.parallel.run_step(packed.input_ids, packed.positions, packed.meta, lambda: path.forward(step),

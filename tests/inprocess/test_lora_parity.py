@@ -4,7 +4,8 @@ A small random-weight Llama (two layers, GQA) and three random PEFT adapters of 
 modules (all seven; q/v with rslora; the MLP at the largest rank), served with max_loras=2 so the
 third evicts one and an evicted one is read again from its directory. Greedy tokens are compared
 exactly; each adapter is checked to change the base model's answers, so a run that ignored the
-adapters would fail.
+adapters would fail. The model is small enough for the fused CPU step, which runs the adapter
+steps by default; one test also runs them eagerly.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from services.common.errors import NotFoundError
 from services.common.sampling_params import SamplingParams
 from services.drafter.proposer import DraftMethod, Proposer, ProposerInfo, ProposerSession
 from services.executor.config import ExecutorConfig
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.inprocess.engine import Engine, EngineConfig
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.request.stop import StopConditions
+from tests.helpers.forward_paths import fused_decode
 from tests.helpers.lora_adapters import BLOCK_SIZE, NEW_TOKENS, tiny_served
 
 
@@ -48,15 +51,20 @@ def run(engine: Engine, batch: list[tuple[list[int], str]]) -> tuple[list[list[i
     return [tokens[i] for i in range(len(batch))], [cached[i] for i in range(len(batch))]
 
 
-def test_mixed_adapters_and_base_in_one_batch_match_peft_merged(served):
+@pytest.mark.parametrize("cpu_decode", ["auto", "eager"])
+def test_mixed_adapters_and_base_in_one_batch_match_peft_merged(served, cpu_decode):
+    """auto: the fused C++ step adds the adapters (fused_decode.cpp); eager: the PyTorch forward."""
     _, _, prompts, expected = served
-    engine = engine_for(served, max_loras=2)
+    engine = engine_for(served, max_loras=2, fused_decode=FusedDecodeSettings(cpu_decode=cpu_decode))
     names = ["", "all", "qv", "mlp"]
     batch = [(prompts[p], name) for p in range(len(prompts)) for name in names]
     outputs, _ = run(engine, batch)
     for (prompt, name), got in zip(batch, outputs):
         assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'}"
     assert engine.runner.adapters.loads >= 4  # three adapters through two slots: one read again
+    fused = fused_decode(engine.runner)
+    # The fused step was handed the adapters, so their rows ran there.
+    assert (fused is not None and fused._lora_stacks is engine.runner.adapters.stacks) == (cpu_decode == "auto")
     engine.close()
 
 

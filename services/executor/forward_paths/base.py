@@ -69,6 +69,9 @@ class ForwardPath:
     """When in use: load the model without weights prepacked for oneDNN."""
     scratch_blocks: ClassVar[int] = 0
     """When in use: KV blocks past the scheduler's pool that the path owns."""
+    applies_lora: ClassVar[bool] = False
+    """Whether its forward adds the step's LoRA adapters (``step.lora``); a step with adapters
+    skips the paths that run the base model's weights alone."""
     lm_head = None
     """Set by an instance whose LM head replaces the model's for every step: a callable
     hidden [N, D] -> fp32 logits [N, V] (None: the model's own)."""

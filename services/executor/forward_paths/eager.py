@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 class EagerPath(ForwardPath):
     name = "eager"
+    applies_lora = True
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches) -> None:
         self.model = model

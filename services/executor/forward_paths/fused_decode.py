@@ -5,7 +5,7 @@ Wanted on a CPU unless ``--cpu-decode eager``; set up where the model qualifies
 (``fused_decode.why_not``: fp32 weights none of which are prepacked, or quantized weights on
 a CPU kernel's path), else the executor logs why and runs eagerly, or with ``--cpu-decode
 fused`` refuses to start. It takes decode steps, and steps of up to ``--cpu-fused-max-tokens``
-new tokens (8 times as many for a quantized model); its LM head (where the model's is a plain
+new tokens (8 times as many for a quantized model), with or without LoRA adapters; its LM head (where the model's is a plain
 fp32 matrix or a CPU kernel's quantized one) serves every step, so a row's logits never depend
 on its batch.
 
@@ -57,6 +57,7 @@ class FusedDecodeSettings:
 class FusedDecodePath(ForwardPath):
     name = "fused_decode"
     settings = FusedDecodeSettings
+    applies_lora = True
 
     def __init__(self, fused: FusedDecode, kv_caches: KVCaches) -> None:
         self.fused = fused
@@ -101,4 +102,4 @@ class FusedDecodePath(ForwardPath):
 
     def forward(self, step: ForwardStep) -> torch.Tensor:
         packed = step.packed
-        return self.fused(packed.input_ids, packed.positions, self.kv_caches, packed.meta)
+        return self.fused(packed.input_ids, packed.positions, self.kv_caches, packed.meta, step.lora)

@@ -31,6 +31,12 @@ limit the step runs eagerly.
 Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
 order), as the tests check against it over plain and quantized pools.
 
+Steps whose rows carry LoRA adapters (services/runtime/lora/) run here too: the decoder holds
+the model's adapter stacks (``ModelLoras``, read in place, so loading an adapter into a slot
+needs nothing new here) and, after each q|k|v, o, gate|up and down product, adds the update of
+each row's adapter with the batched kernel the eager layer calls (lora.cpp), its rows grouped by
+slot once per step. Rows of the base model add nothing.
+
 Under tensor parallelism (services/runtime/parallel/) every rank builds one over its shard and
 hands it the group's shared-memory all-reduce (``reducer``), which the C++ step calls after
 each layer's o and down products, where the eager model's forward hooks sum; a failed
@@ -53,6 +59,8 @@ from services.runtime.model.quant.formats import bits
 from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear
 
 if TYPE_CHECKING:
+    from services.runtime.lora.batch import LoraBatch
+    from services.runtime.lora.stacks import LoraStacks
     from services.runtime.parallel.shared_memory import SharedMemoryReducer
 
 _QUANT_PATHS = ("cpu_int8", "cpu_kernel")
@@ -140,6 +148,8 @@ class FusedDecode:
         self.quantized = any(isinstance(m, QuantLinear) for m in model.layers.modules())
         self.max_step_tokens = max_step_tokens * (QUANTIZED_STEP_FACTOR if self.quantized else 1)
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
+        self._lora_stacks: LoraStacks | None = None
+        """The adapter stacks handed to the decoder (the registry makes one set, at its first adapter)."""
 
     @property
     def isa(self) -> str:
@@ -157,8 +167,8 @@ class FusedDecode:
         return meta.is_decode_only or meta.slot_mapping.shape[0] <= self.max_step_tokens
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [B] -> final hidden states [B, D], as ``model(...)`` computes them."""
+                 meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [B] -> final hidden states [B, D], as ``model(..., lora)`` computes them."""
         if kv_caches[0][0] is not self._k_cache:
             raise ValueError("the fused decode step runs over the KV pools it was built with")
         # Raw pointer reads and writes follow: the tables and slots are checked against the pool
@@ -171,7 +181,14 @@ class FusedDecode:
             query_lens = torch.tensor(meta.query_lens_cpu, device=block_tables.device)
             block_tables = block_tables.repeat_interleave(query_lens, dim=0)
             context_lens = (positions + 1).to(torch.int32)
-        hidden = self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+        if lora is None:
+            hidden = self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+        else:
+            if lora.stacks is not self._lora_stacks:
+                self._decoder.set_lora(model_loras(lora.stacks))
+                self._lora_stacks = lora.stacks
+            hidden = self._decoder.forward_lora(input_ids, positions, meta.slot_mapping, block_tables, context_lens,
+                                                lora.row_slots)
         if self._reducer is not None:
             self._reducer.check()  # an all-reduce that failed inside ended the step early
         return hidden
@@ -189,3 +206,20 @@ def projection(linear: Linear | QuantLinear):
         return cls.int8(linear.packed, INT8_FORMAT_CODES[w.fmt], linear.out_features, linear.in_features, bias)
     scales, zeros, group = linear.cpu_operands()
     return cls.exact(w.qweight, scales, zeros, bits(w.fmt), group, bias)
+
+
+LORA_KINDS = ("qkv", "o_proj", "gate_up", "down")
+"""The decoder's adapted products per layer, in ModelLoras's order (lora.h)."""
+
+
+def model_loras(stacks: LoraStacks):
+    """The decoder's handle on every layer's adapter stacks (the tensors themselves, not copies)."""
+    lora_a, lora_b = [], []
+    for layer in stacks.layers:
+        for kind in LORA_KINDS:
+            lora_a.append(layer[kind].lora_a)
+            lora_b.append(layer[kind].lora_b)
+    first = stacks.layers[0]
+    splits = [list(first[kind].out_splits or (first[kind].lora_b.shape[1],)) for kind in LORA_KINDS]
+    return torch.classes.tokenmill_cpu.ModelLoras(lora_a, lora_b, stacks.scales, [len(s) for s in splits],
+                                                  [w for s in splits for w in s])

@@ -20,6 +20,10 @@
 // model's forward hooks sum them. A failed all-reduce ends the step early (its output is then
 // garbage) and leaves its status on the all-reduce object, which the caller checks.
 //
+// LoRA adapters (forward_lora, set_lora): after each of the q|k|v, o, gate|up and down products,
+// the rows that carry an adapter add its low-rank update through lora.cpp's batched kernel (the
+// rows grouped by slot once per step), where the eager layer calls the same kernel.
+//
 // The math is the eager model's (services/runtime/model/llama.py) with the same rounding
 // points in fp32; sums run in a different order, so results agree to ~1e-6, not bitwise.
 
@@ -35,6 +39,7 @@
 #include <memory>
 #include <vector>
 
+#include "lora.h"
 #include "paged_decode.h"
 #include "quant_kernels.h"
 #include "shm_all_reduce.h"
@@ -339,6 +344,40 @@ struct LlamaDecoder : torch::CustomClassHolder {
   // context_lens [B] int32 -> final hidden states [B, D], normed.
   at::Tensor forward(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
                      at::Tensor context_lens) {
+    return step(input_ids, positions, slot_mapping, block_tables, context_lens, false);
+  }
+
+  // forward with each row's LoRA adapter: row_slots [B] int32 or int64, a slot of the adapters
+  // set_lora gave (-1: the base model alone). Rows without an adapter cost nothing more.
+  at::Tensor forward_lora(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                          at::Tensor context_lens, at::Tensor row_slots) {
+    TORCH_CHECK(lora_, "this decoder was given no adapters (set_lora)");
+    TORCH_CHECK(row_slots.dim() == 1 && row_slots.numel() == input_ids.numel(), "one adapter slot per token");
+    const bool any = lora_->group(row_slots.contiguous());
+    return step(input_ids, positions, slot_mapping, block_tables, context_lens, any);
+  }
+
+  // The model's resident adapters (their stacks are read in place at every forward_lora).
+  void set_lora(c10::intrusive_ptr<tokenmill_cpu::ModelLoras> lora) {
+    TORCH_CHECK(lora->layers() == static_cast<int64_t>(layers_.size()), "adapters for ", lora->layers(),
+                " layers; the decoder has ", layers_.size());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      const Projection* kinds[] = {layer.qkv.get(), layer.o.get(), layer.gate_up.get(), layer.down.get()};
+      for (int64_t kind = 0; kind < tokenmill_cpu::ModelLoras::kKinds; ++kind) {
+        TORCH_CHECK(lora->in_features(l, kind) == kinds[kind]->in && lora->out_features(l, kind) == kinds[kind]->out,
+                    "layer ", l, " adapter stack ", kind, " is [", lora->out_features(l, kind), ", ",
+                    lora->in_features(l, kind), "]; its projection is [", kinds[kind]->out, ", ", kinds[kind]->in, "]");
+      }
+    }
+    lora_ = std::move(lora);
+  }
+
+ private:
+  // The step; with_lora: add the rows' adapters (grouped by forward_lora) after each product.
+  at::Tensor step(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                  at::Tensor context_lens, bool with_lora) {
+    tokenmill_cpu::ModelLoras* lora = with_lora ? lora_.get() : nullptr;
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                     slot_mapping.scalar_type() == at::kLong,
                 "input_ids, positions and slot_mapping must be int64");
@@ -387,6 +426,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
       const Layer& layer = layers_[l];
       rms_norm_rows(h, B, D, layer.input_norm.data_ptr<float>(), eps_, xp);
       layer.qkv->apply(xp, B, qkvp, workspace_, pool_.get());
+      if (lora) lora->apply(l, 0, xp, qkvp, pool_.get());
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkvp + b * qkv_size;
         rotate_heads(row, H_ + KH_, hd, cos_tab + pos[b] * hd, sin_tab + pos[b] * hd);
@@ -411,11 +451,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
                                       quantized_ ? &v_scales_[l] : nullptr, block_tables, context_lens, scale,
                                       pool_.get());
       layer.o->apply(ap, B, tp, workspace_, pool_.get());
+      if (lora) lora->apply(l, 1, ap, tp, pool_.get());
       if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
       rms_norm_rows(h, B, D, layer.post_norm.data_ptr<float>(), eps_, xp);
       layer.gate_up->apply(xp, B, gup, workspace_, pool_.get());
+      if (lora) lora->apply(l, 2, xp, gup, pool_.get());
       for (int64_t b = 0; b < B; ++b) {
         const float* g = gup + b * 2 * F;
         const float* u = g + F;
@@ -424,6 +466,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
         for (int64_t f = 0; f < F; ++f) a[f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
       }
       layer.down->apply(actp, B, tp, workspace_, pool_.get());
+      if (lora) lora->apply(l, 3, actp, tp, pool_.get());
       if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
@@ -432,6 +475,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     return x;
   }
 
+ public:
   // hidden [N, D] -> logits [N, V]. Each row is summed in one fixed order whatever N (the same
   // kernels as the layers' products, whose rows never mix), so a request's logits, and the
   // logprobs it is shown, do not depend on how many other rows sample in its step: BLAS picks
@@ -454,6 +498,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
  private:
   std::unique_ptr<tokenmill_cpu::WorkerPool> pool_;  // first: the last member destroyed
   c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer_;
+  c10::intrusive_ptr<tokenmill_cpu::ModelLoras> lora_;
   at::Tensor embed_, cos_full_, sin_signed_, final_norm_;
   c10::intrusive_ptr<Projection> lm_head_;
   std::vector<Layer> layers_;
@@ -466,6 +511,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   tokenmill_cpu::register_shm_all_reduce(m);
+  tokenmill_cpu::register_model_loras(m);
   m.class_<Projection>("Projection")
       .def_static("plain", &Projection::plain)
       .def_static("exact", &Projection::exact)
@@ -477,6 +523,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
                        at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>())
       .def("forward", &LlamaDecoder::forward)
+      .def("forward_lora", &LlamaDecoder::forward_lora)
+      .def("set_lora", &LlamaDecoder::set_lora)
       .def("logits", &LlamaDecoder::logits)
       .def("set_all_reduce", &LlamaDecoder::set_all_reduce);
 }

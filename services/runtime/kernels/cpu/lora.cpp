@@ -320,42 +320,22 @@ void lora_rows(const LoraStack& w, const float* x, int64_t x_stride, float* y, i
 
 namespace {
 
-// The op behind services/runtime/kernels/lora.py: y updated in place. Returns -1, or the first
-// row whose slot is outside [-1, S) (nothing is written then): an exception thrown here does
-// not reach Python on every torch build, so the caller raises.
-int64_t lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                   const at::Tensor& row_slots, const at::Tensor& scales, c10::IntArrayRef out_splits) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
-              "x [T, in] and y [T, out] need unit last strides");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
+// One projection's stack over lora_a [S, R, in], lora_b [S, out, R / bands] and scales [S]
+// (lora_apply's layout), the bands' end columns in band_ends (kept alive by the caller).
+tokenmill_cpu::LoraStack stack_of(const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& scales,
+                                  const std::vector<int64_t>& band_ends) {
   const bool bf16 = lora_a.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && (bf16 || lora_a.scalar_type() == at::kFloat) &&
-                  lora_a.size(2) == x.size(1), "lora_a must be [S, R, in] fp32 or bf16 contiguous");
-  const int64_t S = lora_a.size(0), R = lora_a.size(1), T = x.size(0);
-  const int64_t out = y.size(1);
-  const int64_t bands = static_cast<int64_t>(out_splits.size());
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && (bf16 || lora_a.scalar_type() == at::kFloat),
+              "lora_a must be [S, R, in] fp32 or bf16 contiguous");
+  const int64_t S = lora_a.size(0), R = lora_a.size(1);
+  const int64_t bands = static_cast<int64_t>(band_ends.size());
   TORCH_CHECK(bands >= 1 && R % bands == 0, "out_splits: one width per band of lora_a's ranks");
-  const int64_t Rb = R / bands;
-  thread_local std::vector<int64_t> band_ends;
-  band_ends.clear();
-  for (int64_t width : out_splits) {
-    TORCH_CHECK(width >= 1, "out_splits must be positive");
-    band_ends.push_back((band_ends.empty() ? 0 : band_ends.back()) + width);
-  }
-  TORCH_CHECK(band_ends.back() == out, "out_splits must sum to y's columns");
+  const int64_t Rb = R / bands, out = band_ends.back();
   TORCH_CHECK(lora_b.dim() == 3 && lora_b.scalar_type() == lora_a.scalar_type() && lora_b.size(0) == S &&
                   lora_b.size(1) == out && lora_b.size(2) == Rb, "lora_b must be [S, out, R / bands] in lora_a's dtype");
   const bool rank_major = lora_b.stride(1) == 1 && lora_b.stride(2) == out && lora_b.stride(0) >= Rb * out;
   TORCH_CHECK(rank_major || lora_b.is_contiguous(), "lora_b must be contiguous, or the transposed view of [S, R, out]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == S, "scales [S] fp32");
-  TORCH_CHECK(row_slots.dim() == 1 && row_slots.size(0) == T && row_slots.is_contiguous() &&
-                  (row_slots.scalar_type() == at::kInt || row_slots.scalar_type() == at::kLong),
-              "row_slots [T] int32 or int64");
-  thread_local tokenmill_cpu::LoraRows grouped;
-  const int64_t bad = row_slots.scalar_type() == at::kInt
-                          ? tokenmill_cpu::group_rows_by_slot(row_slots.data_ptr<int32_t>(), T, S, grouped)
-                          : tokenmill_cpu::group_rows_by_slot(row_slots.data_ptr<int64_t>(), T, S, grouped);
-  if (bad >= 0) return bad;
   tokenmill_cpu::LoraStack w;
   if (bf16) {
     w.a16 = reinterpret_cast<const uint16_t*>(lora_a.data_ptr<at::BFloat16>());
@@ -364,9 +344,44 @@ int64_t lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, 
     w.a = lora_a.data_ptr<float>(), w.b = lora_b.data_ptr<float>();
   }
   w.scales = scales.data_ptr<float>();
-  w.S = S, w.R = R, w.in = x.size(1), w.out = out;
+  w.S = S, w.R = R, w.in = lora_a.size(2), w.out = out;
   w.b_slot_stride = lora_b.stride(0), w.b_rank_major = rank_major;
   w.band_rank = Rb, w.bands = bands, w.band_ends = band_ends.data();
+  return w;
+}
+
+std::vector<int64_t> band_ends_of(c10::IntArrayRef out_splits) {
+  std::vector<int64_t> ends;
+  for (int64_t width : out_splits) {
+    TORCH_CHECK(width >= 1, "out_splits must be positive");
+    ends.push_back((ends.empty() ? 0 : ends.back()) + width);
+  }
+  TORCH_CHECK(!ends.empty(), "out_splits: one width per band of lora_a's ranks");
+  return ends;
+}
+
+// The op behind services/runtime/kernels/lora.py: y updated in place. Returns -1, or the first
+// row whose slot is outside [-1, S) (nothing is written then): an exception thrown here does
+// not reach Python on every torch build, so the caller raises.
+int64_t lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                   const at::Tensor& row_slots, const at::Tensor& scales, c10::IntArrayRef out_splits) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
+              "x [T, in] and y [T, out] need unit last strides");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
+  thread_local std::vector<int64_t> band_ends;
+  band_ends = band_ends_of(out_splits);
+  TORCH_CHECK(band_ends.back() == y.size(1), "out_splits must sum to y's columns");
+  const tokenmill_cpu::LoraStack w = stack_of(lora_a, lora_b, scales, band_ends);
+  TORCH_CHECK(w.in == x.size(1), "lora_a must be [S, R, in] with x's in");
+  const int64_t T = x.size(0), S = w.S;
+  TORCH_CHECK(row_slots.dim() == 1 && row_slots.size(0) == T && row_slots.is_contiguous() &&
+                  (row_slots.scalar_type() == at::kInt || row_slots.scalar_type() == at::kLong),
+              "row_slots [T] int32 or int64");
+  thread_local tokenmill_cpu::LoraRows grouped;
+  const int64_t bad = row_slots.scalar_type() == at::kInt
+                          ? tokenmill_cpu::group_rows_by_slot(row_slots.data_ptr<int32_t>(), T, S, grouped)
+                          : tokenmill_cpu::group_rows_by_slot(row_slots.data_ptr<int64_t>(), T, S, grouped);
+  if (bad >= 0) return bad;
   if (x.scalar_type() == at::kFloat) {
     tokenmill_cpu::apply_stack(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), grouped, nullptr);
     return -1;
@@ -385,6 +400,48 @@ int64_t lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, 
 }
 
 }  // namespace
+
+namespace tokenmill_cpu {
+
+ModelLoras::ModelLoras(std::vector<at::Tensor> lora_a, std::vector<at::Tensor> lora_b, at::Tensor scales,
+                       std::vector<int64_t> bands, std::vector<int64_t> out_splits) {
+  TORCH_CHECK(static_cast<int64_t>(bands.size()) == kKinds, "bands: one count per kind (q|k|v, o, gate|up, down)");
+  TORCH_CHECK(!lora_a.empty() && lora_a.size() % kKinds == 0 && lora_b.size() == lora_a.size(),
+              "lora_a and lora_b: ", kKinds, " stacks per layer");
+  int64_t offset = 0;
+  for (int64_t kind = 0; kind < kKinds; ++kind) {
+    TORCH_CHECK(bands[kind] >= 1 && offset + bands[kind] <= static_cast<int64_t>(out_splits.size()),
+                "out_splits: the widths of every kind's bands");
+    band_ends_[kind] = band_ends_of(c10::IntArrayRef(out_splits.data() + offset, bands[kind]));
+    offset += bands[kind];
+  }
+  TORCH_CHECK(offset == static_cast<int64_t>(out_splits.size()), "out_splits: the widths of every kind's bands");
+  S_ = scales.numel();
+  tensors_ = lora_a;
+  tensors_.insert(tensors_.end(), lora_b.begin(), lora_b.end());
+  tensors_.push_back(scales);
+  for (size_t i = 0; i < lora_a.size(); ++i) stacks_.push_back(stack_of(lora_a[i], lora_b[i], scales, band_ends_[i % kKinds]));
+}
+
+bool ModelLoras::group(const at::Tensor& row_slots) {
+  TORCH_CHECK(row_slots.dim() == 1 && row_slots.is_contiguous() &&
+                  (row_slots.scalar_type() == at::kInt || row_slots.scalar_type() == at::kLong),
+              "row_slots must be [T] int32 or int64");
+  const int64_t T = row_slots.size(0);
+  const int64_t bad = row_slots.scalar_type() == at::kInt
+                          ? group_rows_by_slot(row_slots.data_ptr<int32_t>(), T, S_, grouped_)
+                          : group_rows_by_slot(row_slots.data_ptr<int64_t>(), T, S_, grouped_);
+  TORCH_CHECK(bad < 0, "row_slots[", bad, "] must be -1 (no adapter) or a slot in [0, ", S_, ")");
+  return grouped_.begin[S_] > 0;
+}
+
+void register_model_loras(torch::Library& m) {
+  m.class_<ModelLoras>("ModelLoras")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, std::vector<int64_t>,
+                       std::vector<int64_t>>());
+}
+
+}  // namespace tokenmill_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, Tensor scales, "
