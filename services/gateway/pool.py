@@ -194,9 +194,9 @@ class TargetPool:
         target.refused = code
         if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             _log.warning("target_refuses_the_gateway", target=target.name, code=code, details=err.details(),
-                         consequence="no model info and no profile from this target: tool_call_parser auto reads "
-                                     "its replies as text, routing uses the gateway's own observations, and "
-                                     "GetModelInfo asks with each caller's token",
+                         consequence="no model info and no profile from this target: routing uses the gateway's "
+                                     "own observations, and GetModelInfo and tool_call_parser auto ask with "
+                                     "each caller's token",
                          fix=f"give target '{target.name}' a token_env in the routes file, naming a variable "
                              "that holds a token of the engine's tenants" if not target.spec.token else
                              f"the token of target '{target.name}' (its token_env) is not one the engine accepts")

@@ -12,12 +12,17 @@ the greedy reply the same ids get as a completions prompt), and the gateway send
 calls, tool_call_id and name; a tool turn without tool_call_id, or arguments that are not JSON,
 are a 400 naming the field. With ``parallel_tool_calls`` false a reply that would make two calls
 makes one: the choice ends at its first call, streamed and not, and the engine stops there (with
-ignore_eos it generated the reply's tokens, not max_tokens)."""
+ignore_eos it generated the reply's tokens, not max_tokens).
+
+The engine has tenants. The gateway polls target e1 with a tenant's token (``token_env``); the
+same engine behind target e1-tokenless, with no token in the routes file, refuses the gateway's
+polls: ``auto`` there learns the format with the caller's token and still reads the call."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -54,6 +59,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Rome?"},
             {"role": "user", "content": "What is the weather in Oslo?"},
             {"role": "assistant", "content": worked_call("Oslo")},
             {"role": "user", "content": "What is the weather in Paris?"}]
+TENANT_TOKEN, TOKEN_ENV = "token-of-tenant-a-0123456789", "AUTO_TOOLS_TEST_ENGINE_TOKEN"
+AS_TENANT = (("authorization", f"Bearer {TENANT_TOKEN}"),)
 REQUEST = dict(messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=48)
 
 
@@ -70,14 +77,21 @@ async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     assert (SMOLLM2_DIR / "config.json").is_file(), f"{SMOLLM2_DIR} is absent: `make install` converts it"
     root = tmp_path_factory.mktemp("auto-tools")
     model = smollm2_with_hermes_template(root)
-    engine = await serve_engine(model=model, num_blocks=96, max_model_len=1024)
+    tenants = root / "tenants.json"
+    tenants.write_text(json.dumps([{"token": TENANT_TOKEN, "tenant": "a"}]))
+    tenants.chmod(0o600)
+    engine = await serve_engine(model=model, num_blocks=96, max_model_len=1024, auth_tokens_file=str(tenants))
+    os.environ[TOKEN_ENV] = TENANT_TOKEN
     routes = write_routes(root / "routes.json", {
-        "targets": [{"name": "e1", "address": engine[-1].address}],
-        "models": {"smol": "e1", "smol-text": {"route": "e1", "tool_call_parser": "none"}}})
+        "targets": [{"name": "e1", "address": engine[-1].address, "token_env": TOKEN_ENV},
+                    {"name": "e1-tokenless", "address": engine[-1].address}],
+        "models": {"smol": "e1", "smol-text": {"route": "e1", "tool_call_parser": "none"},
+                   "smol-tokenless": "e1-tokenless"}})
     gateway = await serve_gateway_for(routes)  # --tool-call-parser auto: the engine's format
-    await wait_healthy(gateway, ["e1"])
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none", max_retries=0,
-                                timeout=300)
+    del os.environ[TOKEN_ENV]
+    await wait_healthy(gateway, ["e1", "e1-tokenless"])
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key=TENANT_TOKEN,
+                                max_retries=0, timeout=300)
     async with create_channel(engine[-1].address) as channel:
         yield Stack([gateway, *reversed(engine)], client, generation_pb2_grpc.GenerationStub(channel), model)
     await client.close()
@@ -85,7 +99,7 @@ async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
 
 
 async def test_the_engine_reports_its_template_format_and_renders_the_tools(stack):
-    info = await stack.engine.GetModelInfo(generation_pb2.GetModelInfoRequest())
+    info = await stack.engine.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=AS_TENANT)
     assert info.tool_call_format == "hermes"
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     plain = await stack.client.chat.completions.create(model="smol", messages=question, max_tokens=1)
@@ -111,6 +125,26 @@ async def test_auto_parses_the_call_the_model_wrote(stack):
     assert (call.function.name, call.function.arguments) == expected.calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert reply.usage.completion_tokens == raw.usage.completion_tokens
+
+
+async def test_auto_reads_calls_of_an_engine_that_refuses_the_gateways_own_polls(stack):
+    tokenless = stack.servers[0].dispatcher.pool.targets["e1-tokenless"]
+    assert tokenless.refused == "UNAUTHENTICATED" and tokenless.model_info is None
+    expected = await stack.client.chat.completions.create(model="smol", **REQUEST)
+    for stream in (True, False):
+        reply = await stack.client.chat.completions.create(model="smol-tokenless", stream=stream, **REQUEST)
+        if stream:
+            finish, names = None, []
+            async for chunk in reply:
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+                    names += [d.function.name for d in choice.delta.tool_calls or () if d.function.name]
+            assert (finish, names) == ("tool_calls", ["get_weather"])
+        else:
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == \
+                [(c.function.name, c.function.arguments) for c in expected.choices[0].message.tool_calls]
+    assert tokenless.model_info.tool_call_format == "hermes"
 
 
 async def test_auto_streams_the_call_as_openai_deltas(stack):
@@ -300,7 +334,7 @@ async def test_parallel_tool_calls_false_stops_the_engine_at_the_call(stack, str
     received = await completion_tokens(reply)
     for _ in range(200):  # the engine aborts the request at its next step and records it then
         profile = await stack.engine.GetProfile(generation_pb2.GetProfileRequest(
-            window_seconds=time.monotonic() - started + 0.2))
+            window_seconds=time.monotonic() - started + 0.2), metadata=AS_TENANT)
         if profile.num_running == 0 and profile.num_requests > 0:
             break
         await asyncio.sleep(0.05)

@@ -69,6 +69,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer here, to name the field
         raise _refusal(exc, plan) from None
     states = [ChoiceState(i, 0) for i in range(len(calls))]
+    if plan.tool is None:
+        await auto_tools.learn_formats(body, ctx.dispatcher, [message.request_id for _, message in calls], metadata)
     readers = (call_readers(plan.tool, rid, len(calls)) if plan.tool is not None else
                auto_tools.readers(body, route, ctx.tool_call_parser, ctx.dispatcher,
                                   [message.request_id for _, message in calls], f"call_{rid}"))
