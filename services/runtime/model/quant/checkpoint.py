@@ -21,10 +21,11 @@ def quantized_modules(quant: QuantizationConfig, num_layers: int, tied: bool,
     """Module name -> format for every module the checkpoint stores quantized.
 
     With the float layout's ``shapes``, the projections it has: a sparse layer's routed experts
-    (``...experts.N.<proj>``) count as linear projections, its absent dense MLP does not."""
+    (``...experts.N.<proj>``) and shared expert (``...shared_expert.<proj>``) count as linear
+    projections, its absent dense MLP does not."""
     names = [f"model.layers.{i}.{n}" for i in range(num_layers) for n in LINEAR_NAMES]
     experts = [] if shapes is None else [k.removesuffix(".weight") for k in shapes
-                                         if ".experts." in k and k.endswith(".weight")]
+                                         if (".experts." in k or ".shared_expert." in k) and k.endswith(".weight")]
     unknown = sorted(set(quant.modules) - set(names) - set(experts) - {EMBEDDING, LM_HEAD})
     if unknown:
         raise ValueError(f"quantization_config modules names module(s) the model does not have: {', '.join(unknown[:5])}")
