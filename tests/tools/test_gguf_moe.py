@@ -69,7 +69,7 @@ def write_moe_gguf(model_dir, path, spec, expert_types: tuple[str, str] = ("q8_0
         writer.add_expert_feed_forward_length(spec.expert_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
-    writer.add_vocab_size(len(TOKENS))
+    writer.add_vocab_size(spec.vocab_size)  # the embedding's rows (TOKENS or more)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(TOKENS)

@@ -32,6 +32,7 @@ import time
 import torch
 
 from services.runtime.kernels.fused_moe import fused_moe
+from services.runtime.model.quant.formats import dequantize
 from services.runtime.parallel.collectives import RankGroups
 
 
@@ -58,20 +59,32 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def split_experts(model, world: int, rank: int, exchange: str) -> list["ExpertParallelMoe"]:
     """Cut every sparse layer of ``model`` (a ``moe`` attribute with stacked dense ``w_gate_up``
-    and ``w_down``) to ``rank``'s run of experts and give it the ExpertParallelMoe that runs
-    them (``moe.expert_parallel``); the groups are set on them once the ranks have joined."""
+    and ``w_down``, or experts a checkpoint keeps quantized) to ``rank``'s run of experts and give
+    it the ExpertParallelMoe that runs them (``moe.expert_parallel``); the groups are set on them
+    once the ranks have joined. Quantized experts are dequantized here, only the rank's run: ranks
+    run float activations (the runner resolves quant_activations to none under tensor parallelism,
+    where one rank dequantizes its kept experts at load too)."""
     split = []
     for index, layer in enumerate(model.layers):
         moe = getattr(layer, "moe", None)
         if moe is None:
             continue
-        if not all(isinstance(w, torch.Tensor) for w in (moe.w_gate_up, moe.w_down)):
-            raise ValueError(f"layer {index}: expert parallelism splits dense experts; this layer's are "
+        quantized = getattr(moe, "quantized", None)
+        if quantized is not None:
+            w13, w2 = quantized
+            run = expert_runs(len(w13), world)[rank]
+            dtype = moe.router.dtype
+            w_gate_up = torch.stack([dequantize(w, dtype) for w in w13[run.start:run.stop]])
+            w_down = torch.stack([dequantize(w, dtype) for w in w2[run.start:run.stop]])
+            moe.quantized, moe.path = None, "dequantized"
+        elif all(isinstance(w, torch.Tensor) for w in (moe.w_gate_up, moe.w_down)):
+            run = expert_runs(moe.w_gate_up.shape[0], world)[rank]
+            w_gate_up = moe.w_gate_up.data[run.start:run.stop].clone()
+            w_down = moe.w_down.data[run.start:run.stop].clone()
+        else:
+            raise ValueError(f"layer {index}: expert parallelism splits dense or kept experts; this layer's are "
                              f"{type(moe.w_gate_up).__name__} (tensor_parallel_experts 'replicated' runs them)")
-        num_experts = moe.w_gate_up.shape[0]
-        run = expert_runs(num_experts, world)[rank]
-        experts = ExpertParallelMoe(rank, world, num_experts, moe.w_gate_up.data[run.start:run.stop].clone(),
-                                    moe.w_down.data[run.start:run.stop].clone(),
+        experts = ExpertParallelMoe(rank, world, moe.num_experts, w_gate_up, w_down,
                                     getattr(moe, "activation", "silu"), exchange)
         moe.w_gate_up = moe.w_down = None  # the rank's run lives in ``experts``, the rest is freed
         moe.expert_parallel = experts

@@ -15,6 +15,7 @@ import torch
 from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_budget
 from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig
+from services.runtime.model.families import model_class
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
 from services.runtime.parallel.collectives import AllReduceHooks, RankGroups
@@ -78,7 +79,7 @@ def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, d
     weights = load_checkpoint(model_dir, config, dtype)
     plan = plan_shards(config, world, ffn_alignment(weights, config))[rank]
     local = shard_config(config, plan, vocab_parallel)
-    model = LlamaForCausalLM(local, shard_checkpoint(weights, config, plan, vocab_parallel), backend, device, prepack)
+    model = model_class(config)(local, shard_checkpoint(weights, config, plan, vocab_parallel), backend, device, prepack)
     hooks = AllReduceHooks(model)
     if experts != "replicated":
         hooks.expert_layers = split_experts(model, world, rank, experts)
