@@ -48,14 +48,22 @@ FIRST_REGULAR_TOKEN_ID = 3  # after <unk> <s> </s>: prompts hold no special toke
 
 @dataclass(frozen=True, slots=True)
 class DecodeSettings:
-    preset: str = setting("llama-100m", f"random-weight model: {', '.join(sorted(PRESETS))}")
-    device: str = setting("cpu", "cpu, cuda or cuda:N (both systems)")
-    batch_sizes: tuple[int, ...] = setting((1, 8, 32), "the engine's batch sizes, comma-separated")
-    prompt_len: int = setting(64, "prompt tokens of every request")
-    output_len: int = setting(128, "output tokens of every request (EOS ignored)")
-    repeats: int = setting(3, "timed runs of every configuration (medians reported)")
-    threads: int = setting(0, "torch threads (0 = torch's default for this machine)")
-    json: Path | None = setting(None, "also write the results here")
+    preset: str = setting("llama-100m", choices=tuple(sorted(PRESETS)))
+    """Random-weight model."""
+    device: str = setting("cpu")
+    """cpu, cuda or cuda:N (both systems)."""
+    batch_sizes: tuple[int, ...] = setting((1, 8, 32))
+    """The engine's batch sizes, comma-separated."""
+    prompt_len: int = setting(64)
+    """Prompt tokens of every request."""
+    output_len: int = setting(128)
+    """Output tokens of every request (EOS ignored)."""
+    repeats: int = setting(3)
+    """Timed runs of every configuration (medians reported)."""
+    threads: int = setting(0)
+    """torch threads (0 = torch's default for this machine)."""
+    json: Path | None = setting(None)
+    """Also write the results here."""
 
     def validate(self) -> None:
         flags.check_choices("preset", self.preset, sorted(PRESETS))

@@ -50,13 +50,20 @@ ACCEPTANCE_LAYERS = (2, 4, 8, 16, 24)
 class DraftModelBenchSettings:
     num_speculative_tokens: int = config_field(DrafterConfig, "num_speculative_tokens", default=4,
                                                note="(k: tokens each proposal drafts)")
-    batches: tuple[int, ...] = setting((1, 8), "sequences per proposal session, comma-separated")
-    prompt_len: int = setting(128, "random prompt tokens of each timed sequence")
-    iterations: int = setting(20, "timed proposals per case (alternating all accepted / none accepted)")
-    continuation: int = setting(48, "target tokens per acceptance prompt")
-    threads: int = setting(1, "torch intra-op threads (the drafter runs with one)")
-    skip_acceptance: bool = setting(False, "time the proposals only")
-    json: Path | None = setting(None, "result file (none: benchmarks/results/draft-model-DATE.json)")
+    batches: tuple[int, ...] = setting((1, 8))
+    """Sequences per proposal session, comma-separated."""
+    prompt_len: int = setting(128)
+    """Random prompt tokens of each timed sequence."""
+    iterations: int = setting(20)
+    """Timed proposals per case (alternating all accepted / none accepted)."""
+    continuation: int = setting(48)
+    """Target tokens per acceptance prompt."""
+    threads: int = setting(1)
+    """torch intra-op threads (the drafter runs with one)."""
+    skip_acceptance: bool = setting(False)
+    """Time the proposals only."""
+    json: Path | None = setting(None)
+    """Result file (none: benchmarks/results/draft-model-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "num_speculative_tokens", "prompt_len", "iterations", "continuation", "threads")

@@ -51,25 +51,42 @@ PARTS = ("scaling", "pd", "failover")
 
 @dataclass(frozen=True)
 class ExecutorsSettings:
-    parts: tuple[str, ...] = setting(PARTS, "which parts to run (comma-separated): scaling, pd, failover")
-    model: str = setting("random:llama-100m", "model of the scaling and pd parts (a directory or random:PRESET)")
-    failover_model: str = setting(str(STORIES), "model of the failover part (small: the survivor recomputes "
-                                                "every moved stream's prompt and outputs)")
-    kv_cache_bytes: int = setting(512 * 1024**2, "each executor's KV pool")
-    num_requests: int = setting(64, "scaling: requests")
-    concurrency: int = setting(16, "scaling: requests in flight")
-    prompt_len: str = setting("32:256", "scaling: prompt lengths, LOW:HIGH (uniform)")
-    output_len: str = setting("16:128", "scaling: output lengths, LOW:HIGH (uniform)")
-    pd_decode_streams: int = setting(16, "pd: streams decoding long outputs")
-    pd_decode_output: int = setting(128, "pd: tokens each decode stream generates")
-    pd_prompt_len: int = setting(768, "pd: length of the long prompts that arrive")
-    pd_prompts: int = setting(4, "pd: how many long prompts arrive")
-    pd_prompt_rate: float = setting(0.5, "pd: long prompts a second (Poisson arrivals)")
-    pd_tpot_slo_ms: float = setting(250.0, "pd: the TPOT SLO of goodput")
-    failover_streams: int = setting(32, "failover: streams")
-    failover_output: int = setting(256, "failover: tokens each stream generates")
-    seed: int = setting(0, "seed of the prompts and arrivals")
-    out: str = setting("", "result JSON path (default benchmarks/results/executors-DATE.json)")
+    parts: tuple[str, ...] = setting(PARTS)
+    """Which parts to run (comma-separated): scaling, pd, failover."""
+    model: str = setting("random:llama-100m")
+    """Model of the scaling and pd parts (a directory or random:PRESET)."""
+    failover_model: str = setting(str(STORIES))
+    """Model of the failover part (small: the survivor recomputes every moved stream's prompt and outputs)."""
+    kv_cache_bytes: int = setting(512 * 1024**2)
+    """Each executor's KV pool."""
+    num_requests: int = setting(64)
+    """scaling: requests."""
+    concurrency: int = setting(16)
+    """scaling: requests in flight."""
+    prompt_len: str = setting("32:256")
+    """scaling: prompt lengths, LOW:HIGH (uniform)."""
+    output_len: str = setting("16:128")
+    """scaling: output lengths, LOW:HIGH (uniform)."""
+    pd_decode_streams: int = setting(16)
+    """pd: streams decoding long outputs."""
+    pd_decode_output: int = setting(128)
+    """pd: tokens each decode stream generates."""
+    pd_prompt_len: int = setting(768)
+    """pd: length of the long prompts that arrive."""
+    pd_prompts: int = setting(4)
+    """pd: how many long prompts arrive."""
+    pd_prompt_rate: float = setting(0.5)
+    """pd: long prompts a second (Poisson arrivals)."""
+    pd_tpot_slo_ms: float = setting(250.0)
+    """pd: the TPOT SLO of goodput."""
+    failover_streams: int = setting(32)
+    """failover: streams."""
+    failover_output: int = setting(256)
+    """failover: tokens each stream generates."""
+    seed: int = setting(0)
+    """Seed of the prompts and arrivals."""
+    out: str = setting("")
+    """Result JSON path (default benchmarks/results/executors-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_choices("parts", self.parts, PARTS)

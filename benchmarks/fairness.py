@@ -155,10 +155,12 @@ async def run(address: str, seconds: float, flood: int, flood_client: str, servi
 
 @dataclass(frozen=True, slots=True)
 class FairnessSettings:
-    seconds: float = setting(20.0, "seconds of the quiet tenant's requests, alone and then flooded")
-    flood: int = setting(40, "streams the flood tenant keeps open")
-    flood_client: str = setting("process", "the flood's client in a process of its own (process), or in the quiet "
-                                           "client's event loop (same)")
+    seconds: float = setting(20.0)
+    """Seconds of the quiet tenant's requests, alone and then flooded."""
+    flood: int = setting(40)
+    """Streams the flood tenant keeps open."""
+    flood_client: str = setting("process")
+    """The flood's client in a process of its own (process), or in the quiet client's event loop (same)."""
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_",
                                        default=SchedulerLimits(max_num_seqs=8))
 

@@ -557,11 +557,16 @@ def bench_services(report: Report, shapes: Shapes, device, deadline: float) -> N
 # ---------------------------------------------------------------------------------------- main
 @dataclass(frozen=True, slots=True)
 class GpuCheckSettings:
-    out: str = field(metadata={"help": "markdown report path"})
-    dry_run: bool = setting(False, "tiny shapes; runs on a CPU through the interpreter")
-    sections: tuple[str, ...] = setting(SECTIONS, f"comma list of {', '.join(SECTIONS)}")
-    test_timeout: float = setting(240.0, "seconds for section (a)")
-    budget: float = setting(450.0, "seconds for the whole run")
+    out: str = setting()
+    """Markdown report path."""
+    dry_run: bool = setting(False)
+    """Tiny shapes; runs on a CPU through the interpreter."""
+    sections: tuple[str, ...] = setting(SECTIONS, choices=SECTIONS)
+    """Which sections to run, comma-separated."""
+    test_timeout: float = setting(240.0)
+    """Seconds for section (a)."""
+    budget: float = setting(450.0)
+    """Seconds for the whole run."""
 
     def validate(self) -> None:
         flags.check_choices("sections", self.sections, SECTIONS)

@@ -230,13 +230,18 @@ def show(result: dict, streams: int, attackers: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class HostileFloodSettings:
-    seconds: float = setting(20.0, "seconds of the victim's requests, alone and then flooded")
-    attackers: int = setting(4, "the attacker's concurrent loops")
-    victim_streams: int = setting(2, "the victim's greedy streams in flight, back to back")
-    attention_backend: str = setting("auto", "the executor's attention backend (torch, cpu or auto)")
+    seconds: float = setting(20.0)
+    """Seconds of the victim's requests, alone and then flooded."""
+    attackers: int = setting(4)
+    """The attacker's concurrent loops."""
+    victim_streams: int = setting(2)
+    """The victim's greedy streams in flight, back to back."""
+    attention_backend: str = setting("auto")
+    """The executor's attention backend (torch, cpu or auto)."""
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_",
                                        default=SchedulerLimits(max_num_seqs=8))
-    out: str = setting("", "result file (default: benchmarks/results/hostile-flood-DATE-TIME.json)")
+    out: str = setting("")
+    """Result file (default: benchmarks/results/hostile-flood-DATE-TIME.json)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "attackers", "victim_streams")

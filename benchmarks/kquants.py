@@ -28,10 +28,14 @@ PROG = "python -m benchmarks kquants"
 
 @dataclass(frozen=True, slots=True)
 class KQuantsSettings:
-    output_len: int = setting(64, "new tokens per request (greedy, EOS ignored)")
-    streams: int = setting(8, "requests decoded at once in the batched run")
-    threads: int = setting(1, "torch threads")
-    work: str = setting("/tmp/tokenmill-kquants", "directory for the re-quantized file and its conversions")
+    output_len: int = setting(64)
+    """New tokens per request (greedy, EOS ignored)."""
+    streams: int = setting(8)
+    """Requests decoded at once in the batched run."""
+    threads: int = setting(1)
+    """torch threads."""
+    work: str = setting("/tmp/tokenmill-kquants")
+    """Directory for the re-quantized file and its conversions."""
 
     def validate(self) -> None:
         for name in ("output_len", "streams", "threads"):

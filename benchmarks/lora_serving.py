@@ -39,14 +39,22 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True, slots=True)
 class LoraServingSettings:
-    model: str = setting("models/smollm2-135m-instruct-q4_1", "the base model's directory")
-    streams: int = setting(32, "concurrent streams of the throughput and load runs")
-    adapters: int = setting(8, "adapters the mixed streams are spread over")
-    rank: int = setting(16, "rank of every adapter")
-    prompt_tokens: int = setting(32, "prompt length (random token ids)")
-    max_tokens: int = setting(32, "tokens generated per stream")
-    single_tokens: int = setting(64, "tokens of the single-stream runs")
-    repeats: int = setting(2, "passes of each throughput run (the best is reported)")
+    model: str = setting("models/smollm2-135m-instruct-q4_1")
+    """The base model's directory."""
+    streams: int = setting(32)
+    """Concurrent streams of the throughput and load runs."""
+    adapters: int = setting(8)
+    """Adapters the mixed streams are spread over."""
+    rank: int = setting(16)
+    """Rank of every adapter."""
+    prompt_tokens: int = setting(32)
+    """Prompt length (random token ids)."""
+    max_tokens: int = setting(32)
+    """Tokens generated per stream."""
+    single_tokens: int = setting(64)
+    """Tokens of the single-stream runs."""
+    repeats: int = setting(2)
+    """Passes of each throughput run (the best is reported)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "streams", "adapters", "rank", "prompt_tokens", "max_tokens",

@@ -43,9 +43,12 @@ QUEUED = 4
 
 @dataclass(frozen=True, slots=True)
 class OverloadSettings:
-    burst: int = setting(200, "calls in one burst")
-    rounds: int = setting(3, "bursts (each against a freshly filled queue)")
-    floor: bool = setting(True, "first time the bursts against a bare server that only refuses")
+    burst: int = setting(200)
+    """Calls in one burst."""
+    rounds: int = setting(3)
+    """Bursts (each against a freshly filled queue)."""
+    floor: bool = setting(True)
+    """First time the bursts against a bare server that only refuses."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "burst", "rounds")

@@ -86,16 +86,22 @@ def messages(workload: str, index: int) -> list[dict[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class SpecSettings:
-    rounds: int = setting(2, "measurements of every case, alternating the order of the systems")
-    tokens: int = setting(128, "max output tokens per request")
+    rounds: int = setting(2)
+    """Measurements of every case, alternating the order of the systems."""
+    tokens: int = setting(128)
+    """Max output tokens per request."""
     draft_layers: int = config_field(DraftModelSettings, "draft_layers", default=4)
     num_speculative_tokens: int = config_field(
         SchedulerServiceConfig, "num_speculative_tokens", default=8,
         note="Given to the scheduler and the drafter of the ngram and draft systems alike.")
-    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
-    workloads: tuple[str, ...] = setting(WORKLOADS, f"comma-separated subset of {','.join(WORKLOADS)}")
-    batches: tuple[int, ...] = setting((1, 8), "requests at once per measurement (1: two one after the other)")
-    out: str = setting("", "result JSON (empty: benchmarks/results/spec-COMMIT.json)")
+    systems: tuple[str, ...] = setting(SYSTEMS, choices=SYSTEMS)
+    """Which systems to run, comma-separated."""
+    workloads: tuple[str, ...] = setting(WORKLOADS, choices=WORKLOADS)
+    """Which workloads to run, comma-separated."""
+    batches: tuple[int, ...] = setting((1, 8))
+    """Requests at once per measurement (1: two one after the other)."""
+    out: str = setting("")
+    """Result JSON (empty: benchmarks/results/spec-COMMIT.json)."""
 
     def validate(self) -> None:
         flags.check_choices("systems", self.systems, SYSTEMS)

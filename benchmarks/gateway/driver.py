@@ -37,18 +37,26 @@ PARTS = ("overhead", "policies", "goodput", "decision", "throughput")
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    parts: tuple[str, ...] = setting(PARTS, f"comma-separated subset of {', '.join(PARTS)}")
-    quick: bool = setting(False, "shorter runs (a smoke test, not figures)")
-    rate: float = setting(16.0, "requests/s of the routing workload")
-    seconds: float = setting(30.0, "length of the routing workload's trace")
-    peers: bool = setting(True, "run the real peers (LiteLLM's Router, Portkey's gateway), installed at pinned "
-                                "versions into TOKENMILL_BENCH_CACHE (default ~/.cache/tokenmill/bench-peers)")
-    goodput_rates: tuple[float, ...] = setting((2.0, 4.0, 8.0, 12.0, 16.0, 24.0),
-                                               "arrival rates (requests/s, ascending) the goodput search tries")
-    goodput_seconds: float = setting(20.0, "length of each goodput trace, after its warm-up")
-    goodput_warmup_s: float = setting(10.0, "seconds of warm-up requests before each goodput trace (sent, not "
-                                            "counted: the routers learn their targets first)")
-    out: str | None = setting(None, "where the JSON report goes (none: benchmarks/results/gateway-DATE.json)")
+    parts: tuple[str, ...] = setting(PARTS, choices=PARTS)
+    """Which parts to run, comma-separated."""
+    quick: bool = setting(False)
+    """Shorter runs (a smoke test, not figures)."""
+    rate: float = setting(16.0)
+    """requests/s of the routing workload."""
+    seconds: float = setting(30.0)
+    """Length of the routing workload's trace."""
+    peers: bool = setting(True)
+    """Run the real peers (LiteLLM's Router, Portkey's gateway), installed at pinned versions into
+    TOKENMILL_BENCH_CACHE (default ~/.cache/tokenmill/bench-peers)."""
+    goodput_rates: tuple[float, ...] = setting((2.0, 4.0, 8.0, 12.0, 16.0, 24.0))
+    """Arrival rates (requests/s, ascending) the goodput search tries."""
+    goodput_seconds: float = setting(20.0)
+    """Length of each goodput trace, after its warm-up."""
+    goodput_warmup_s: float = setting(10.0)
+    """Seconds of warm-up requests before each goodput trace (sent, not counted: the routers learn their targets
+    first)."""
+    out: str | None = setting(None)
+    """Where the JSON report goes (none: benchmarks/results/gateway-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_choices("parts", self.parts, PARTS)

@@ -55,13 +55,19 @@ REASONS = ("sla_cheapest", "lowest_estimate", "explore", "no_data_least_loaded",
 
 @dataclass(frozen=True, slots=True)
 class MixedSettings:
-    requests: int = setting(16, "requests per phase")
-    loaded_concurrency: int = setting(4, "requests in flight at once in the loaded phase")
-    tokens: int = setting(32, "max_tokens of every request")
-    max_concurrency: int = setting(1, "llama.cpp's max_concurrency in the routes file (llama-cpp-python's server runs "
-                                       "one request at a time; 0: no bound declared)")
-    calibration: int = setting(5, "direct requests to llama.cpp that set L (their p50 end-to-end)")
-    out: str | None = setting(None, "where the JSON report goes (none: benchmarks/results/gateway-mixed-DATE.json)")
+    requests: int = setting(16)
+    """Requests per phase."""
+    loaded_concurrency: int = setting(4)
+    """Requests in flight at once in the loaded phase."""
+    tokens: int = setting(32)
+    """max_tokens of every request."""
+    max_concurrency: int = setting(1)
+    """llama.cpp's max_concurrency in the routes file (llama-cpp-python's server runs one request at a time; 0: no
+    bound declared)."""
+    calibration: int = setting(5)
+    """Direct requests to llama.cpp that set L (their p50 end-to-end)."""
+    out: str | None = setting(None)
+    """Where the JSON report goes (none: benchmarks/results/gateway-mixed-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "requests", "loaded_concurrency", "tokens", "calibration")

@@ -1,7 +1,7 @@
 """A run's flags from its settings dataclass, as the services get theirs.
 
-Each run declares its settings once, as a dataclass whose fields carry their help
-(``metadata={"help": ...}``); ``parse`` builds the command line from it with
+Each run declares its settings once, as a dataclass of ``setting`` fields, each with its
+docstring (its ``--help``) under it; ``parse`` builds the command line from it with
 services.common.settings (flags, defaults, ``--help``), then calls the dataclass's
 ``validate()``, whose ValueError becomes a usage error naming the flag. Settings the engine
 already declares are not declared again: the scheduler's limits are embedded whole
@@ -12,43 +12,29 @@ which takes the name, default and help from there.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import textwrap
 from collections.abc import Sequence
-from functools import cache
 from typing import Any, TypeVar
 
-from services.common.settings import add_config_arguments, config_from_args, setting  # noqa: F401 (a run's own settings)
+from services.common.settings import (  # noqa: F401 (setting: a run's own settings)
+    add_config_arguments,
+    config_from_args,
+    field_help,
+    setting,
+)
 
 T = TypeVar("T")
 
 
-@cache
-def attribute_docs(config_cls: type) -> dict[str, str]:
-    """Each field's attribute docstring (the string literal under it), first paragraph, one line."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(config_cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            paragraph = inspect.cleandoc(following.value.value).split("\n\n")[0]
-            docs[node.target.id] = " ".join(paragraph.split())
-    return docs
-
-
 def config_field(config_cls: type, name: str, *, default: Any = dataclasses.MISSING, note: str = "") -> Any:
     """A setting that is field ``name`` of ``config_cls``: its default (unless ``default``) and its
-    help (the field's metadata, else its attribute docstring), so the flag says what the engine's
-    setting says. ``note`` is appended to the help (how the run uses it)."""
+    help (its docstring's first paragraph), so the flag says what the engine's setting says. ``note`` is appended
+    to the help (how the run uses it)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     if name not in fields:
         raise AttributeError(f"{config_cls.__name__} has no field {name!r}")
     source = fields[name]
-    help_text = source.metadata.get("help") or attribute_docs(config_cls).get(name, "")
+    help_text = field_help(config_cls, source, first_paragraph=True)
     if note:
         help_text = f"{help_text} {note}".strip()
     if default is dataclasses.MISSING:

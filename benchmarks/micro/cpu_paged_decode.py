@@ -78,16 +78,24 @@ def time_call(fn, inner: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CpuPagedDecodeSettings:
-    baseline: str = setting("3f093b1~1", "git revision of the kernel to compare against")
-    shapes: tuple[str, ...] = setting(("8:4:8", "8:4:16", "8:4:32", "9:3:64", "32:8:128"),
-                                      "query heads:kv heads:head dim, comma-separated")
-    batches: tuple[int, ...] = setting((1, 8, 32, 64), "batch sizes, comma-separated")
-    contexts: tuple[int, ...] = setting((16, 100, 1024), "longest context of a sequence, comma-separated")
-    threads: tuple[int, ...] = setting((1, 2), "torch threads, comma-separated")
-    repeats: int = setting(7, "interleaved rounds (the median is printed)")
-    dtype: str = setting("float32", f"one of {', '.join(DTYPES)}")
-    block_size: int = setting(16, "tokens per KV block")
-    max_pool_mib: float = setting(64.0, "skip configurations whose K pool is larger")
+    baseline: str = setting("3f093b1~1")
+    """Git revision of the kernel to compare against."""
+    shapes: tuple[str, ...] = setting(("8:4:8", "8:4:16", "8:4:32", "9:3:64", "32:8:128"))
+    """Query heads:kv heads:head dim, comma-separated."""
+    batches: tuple[int, ...] = setting((1, 8, 32, 64))
+    """Batch sizes, comma-separated."""
+    contexts: tuple[int, ...] = setting((16, 100, 1024))
+    """Longest context of a sequence, comma-separated."""
+    threads: tuple[int, ...] = setting((1, 2))
+    """torch threads, comma-separated."""
+    repeats: int = setting(7)
+    """Interleaved rounds (the median is printed)."""
+    dtype: str = setting("float32", choices=DTYPES)
+    """Data type of the pools and queries."""
+    block_size: int = setting(16)
+    """Tokens per KV block."""
+    max_pool_mib: float = setting(64.0)
+    """Skip configurations whose K pool is larger."""
 
     def validate(self) -> None:
         flags.check_choices("dtype", self.dtype, DTYPES)

@@ -33,17 +33,27 @@ PROG = "python -m benchmarks expert-parallel"
 
 @dataclass(frozen=True, slots=True)
 class ExpertParallelSettings:
-    world: int = setting(2, "ranks the experts are split over")
-    all_reduce: str = setting("shm", "shm (the shared-memory segment) or gloo: the ranks' channel")
-    exchange: str = setting("all_to_all", "all_to_all (tokens to their experts' ranks and back) or all_reduce "
-                                          "(each rank's experts over all tokens, the outputs summed)")
-    layers: int = setting(4, "sparse layers in the stack")
-    experts: int = setting(16, "experts per layer")
-    top_k: int = setting(2, "experts per token")
-    hidden: int = setting(1024, "hidden size")
-    intermediate: int = setting(512, "each expert's intermediate size")
-    batches: str = setting("1,32", "comma-separated batch sizes (tokens per step)")
-    repeats: int = setting(20, "timed steps per batch size (the median is printed)")
+    world: int = setting(2)
+    """Ranks the experts are split over."""
+    all_reduce: str = setting("shm")
+    """Shm (the shared-memory segment) or gloo: the ranks' channel."""
+    exchange: str = setting("all_to_all")
+    """all_to_all (tokens to their experts' ranks and back) or all_reduce (each rank's experts over all tokens, the
+    outputs summed)."""
+    layers: int = setting(4)
+    """Sparse layers in the stack."""
+    experts: int = setting(16)
+    """Experts per layer."""
+    top_k: int = setting(2)
+    """Experts per token."""
+    hidden: int = setting(1024)
+    """Hidden size."""
+    intermediate: int = setting(512)
+    """Each expert's intermediate size."""
+    batches: str = setting("1,32")
+    """comma-separated batch sizes (tokens per step)."""
+    repeats: int = setting(20)
+    """Timed steps per batch size (the median is printed)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 2, "world")

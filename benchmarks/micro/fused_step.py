@@ -58,10 +58,14 @@ def time_ms(fn, rounds: int) -> list[float]:
 
 @dataclass(frozen=True, slots=True)
 class FusedStepSettings:
-    model: str = setting(str(STORIES), "model directory (one the fused CPU step takes)")
-    threads: int = setting(1, "torch intra-op threads")
-    rounds: int = setting(41, "timed rounds of each shape, fused and eager interleaved")
-    sizes: tuple[int, ...] = setting((1, 4, 8, 16, 32, 48, 64, 96, 128, 256), "prompt lengths, comma-separated")
+    model: str = setting(str(STORIES))
+    """Model directory (one the fused CPU step takes)."""
+    threads: int = setting(1)
+    """torch intra-op threads."""
+    rounds: int = setting(41)
+    """Timed rounds of each shape, fused and eager interleaved."""
+    sizes: tuple[int, ...] = setting((1, 4, 8, 16, 32, 48, 64, 96, 128, 256))
+    """Prompt lengths, comma-separated."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "threads", "rounds")

@@ -80,7 +80,8 @@ def xgrammar_case(batch: int, ids: list[int]) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True)
 class GrammarMaskSettings:
-    repeats: int = setting(3, "timed runs of each case (medians printed)")
+    repeats: int = setting(3)
+    """Timed runs of each case (medians printed)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "repeats")

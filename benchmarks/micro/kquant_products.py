@@ -31,10 +31,14 @@ SHAPES = ((1024, 640, "q5_0"), (256, 640, "q5_0"), (2048, 640, "q5_0"), (640, 10
 
 @dataclass(frozen=True, slots=True)
 class KQuantSettings:
-    rows: tuple[int, ...] = setting((1, 8, 32), "input rows (tokens) per product, comma-separated")
-    isas: tuple[str, ...] = setting((), "instruction sets to time (none: every one this CPU has but portable)")
-    copies: int = setting(8, "distinct weights per shape")
-    repeats: int = setting(5, "passes over the weights (the best is reported)")
+    rows: tuple[int, ...] = setting((1, 8, 32))
+    """Input rows (tokens) per product, comma-separated."""
+    isas: tuple[str, ...] = setting(())
+    """Instruction sets to time (none: every one this CPU has but portable)."""
+    copies: int = setting(8)
+    """Distinct weights per shape."""
+    repeats: int = setting(5)
+    """Passes over the weights (the best is reported)."""
 
     def validate(self) -> None:
         if self.isas:

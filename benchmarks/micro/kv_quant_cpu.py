@@ -29,13 +29,20 @@ PROG = "python -m benchmarks kv-quant-cpu"
 
 @dataclass(frozen=True, slots=True)
 class KvQuantCpuSettings:
-    seqs: int = setting(16, "sequences, one query each")
-    context: int = setting(1024, "context of every sequence")
-    heads: int = setting(9, "query heads (SmolLM2-135M's by default)")
-    kv_heads: int = setting(3, "KV heads")
-    head_dim: int = setting(64, "head dimension")
-    block_size: int = setting(16, "tokens per KV block")
-    repeats: int = setting(7, "interleaved rounds (the median is printed)")
+    seqs: int = setting(16)
+    """Sequences, one query each."""
+    context: int = setting(1024)
+    """Context of every sequence."""
+    heads: int = setting(9)
+    """Query heads (SmolLM2-135M's by default)."""
+    kv_heads: int = setting(3)
+    """KV heads."""
+    head_dim: int = setting(64)
+    """Head dimension."""
+    block_size: int = setting(16)
+    """Tokens per KV block."""
+    repeats: int = setting(7)
+    """Interleaved rounds (the median is printed)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "seqs", "context", "heads", "kv_heads", "head_dim", "block_size", "repeats")

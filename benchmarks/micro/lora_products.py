@@ -42,12 +42,18 @@ SPLITS = ((HIDDEN, KV_WIDTH, KV_WIDTH), (HIDDEN,), (INTERMEDIATE, INTERMEDIATE),
 
 @dataclass(frozen=True, slots=True)
 class LoraProductsSettings:
-    rows: tuple[int, ...] = setting((1, 32), "rows (tokens) per step, comma-separated")
-    slots: int = setting(8, "adapters resident (the rows are spread over them)")
-    rank: int = setting(16, "rank of every adapter")
-    weights: tuple[str, ...] = setting(WEIGHTS, "base weights: q4_1 (int8 activations), fp32 (prepacked)")
-    adapter_dtypes: tuple[str, ...] = setting(ADAPTER_DTYPES, "how the adapters are stored (computed in fp32 either way)")
-    repeats: int = setting(5, "passes over the step (the best is reported)")
+    rows: tuple[int, ...] = setting((1, 32))
+    """Rows (tokens) per step, comma-separated."""
+    slots: int = setting(8)
+    """Adapters resident (the rows are spread over them)."""
+    rank: int = setting(16)
+    """Rank of every adapter."""
+    weights: tuple[str, ...] = setting(WEIGHTS)
+    """Base weights: q4_1 (int8 activations), fp32 (prepacked)."""
+    adapter_dtypes: tuple[str, ...] = setting(ADAPTER_DTYPES)
+    """How the adapters are stored (computed in fp32 either way)."""
+    repeats: int = setting(5)
+    """Passes over the step (the best is reported)."""
 
     def validate(self) -> None:
         flags.check_choices("weights", self.weights, WEIGHTS)

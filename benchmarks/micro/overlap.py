@@ -42,11 +42,16 @@ PROMPTS = ["Once upon a time", "The cat", "Lily wanted", "Tom and his dog", "One
 
 @dataclass(frozen=True, slots=True)
 class OverlapSettings:
-    runs: int = setting(3, "runs of each setting, alternating which goes first")
-    streams: tuple[int, ...] = setting((1, 32), "stream counts, comma-separated")
-    tokens: int = setting(128, "output tokens per stream")
-    kv_cache_bytes: int = setting(32 * 1024**2, "the executor's KV pool")
-    max_load: float = setting(0.0, "wait for the 1-minute load average to drop below this first (0 = do not wait)")
+    runs: int = setting(3)
+    """Runs of each setting, alternating which goes first."""
+    streams: tuple[int, ...] = setting((1, 32))
+    """Stream counts, comma-separated."""
+    tokens: int = setting(128)
+    """Output tokens per stream."""
+    kv_cache_bytes: int = setting(32 * 1024**2)
+    """The executor's KV pool."""
+    max_load: float = setting(0.0)
+    """Wait for the 1-minute load average to drop below this first (0 = do not wait)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "runs")

@@ -29,10 +29,14 @@ SHAPES = ((960, 576, "q4_1"), (576, 576, "q4_1"), (3072, 576, "q4_1"), (576, 153
 
 @dataclass(frozen=True, slots=True)
 class ProductsSettings:
-    rows: tuple[int, ...] = setting((1, 8, 32), "input rows (tokens) per product, comma-separated")
-    isas: tuple[str, ...] = setting((), "instruction sets to time (none: every one this CPU has but portable)")
-    copies: int = setting(8, "distinct weights per shape (2 for the head)")
-    repeats: int = setting(5, "passes over the weights (the best is reported)")
+    rows: tuple[int, ...] = setting((1, 8, 32))
+    """Input rows (tokens) per product, comma-separated."""
+    isas: tuple[str, ...] = setting(())
+    """Instruction sets to time (none: every one this CPU has but portable)."""
+    copies: int = setting(8)
+    """Distinct weights per shape (2 for the head)."""
+    repeats: int = setting(5)
+    """Passes over the weights (the best is reported)."""
 
     def validate(self) -> None:
         if self.isas:

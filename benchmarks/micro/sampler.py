@@ -82,8 +82,10 @@ def run_benchmark(device: torch.device, repeats: int = 20, batch_sizes: tuple[in
 
 @dataclass(frozen=True, slots=True)
 class SamplerSettings:
-    device: str = setting("cpu", "cpu, cuda or cuda:N")
-    repeats: int = setting(20, "timed runs of each case (the median is printed)")
+    device: str = setting("cpu")
+    """cpu, cuda or cuda:N."""
+    repeats: int = setting(20)
+    """Timed runs of each case (the median is printed)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "repeats")

@@ -21,8 +21,10 @@ PROG = "python -m benchmarks step-codec"
 
 @dataclass(frozen=True, slots=True)
 class StepCodecSettings:
-    num_seqs: int = setting(256, "sequences in the decode step")
-    iters: int = setting(2000, "timed calls of each part")
+    num_seqs: int = setting(256)
+    """Sequences in the decode step."""
+    iters: int = setting(2000)
+    """Timed calls of each part."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "num_seqs", "iters")

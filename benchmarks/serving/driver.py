@@ -41,37 +41,57 @@ SYSTEM_ORDER = ("inprocess", "services", "hf-static", "hf-sequential")
 class ServingSettings:
     """Workload fields left at none take the preset's value."""
 
-    preset: str = setting("quick", f"starting configuration: {', '.join(sorted(presets.PRESETS))}")
-    model: str | None = setting(None, "model directory, or random:PRESET (built into benchmarks/.cache)")
-    num_requests: int | None = setting(None, "requests in the workload")
-    concurrency: int | None = setting(None, "requests in flight (closed loop); HF static batch size")
-    request_rate: float | None = setting(None, "Poisson arrivals per second (concurrency then caps in-flight)")
-    prompt_len: str | None = setting(None, "prompt tokens: N or LOW:HIGH (uniform)")
-    output_len: str | None = setting(None, "output tokens: N or LOW:HIGH (uniform), forced with ignore_eos")
-    prompts_file: str | None = setting(None, "JSONL prompts ({'prompt': text} or {'prompt_ids': [...]})")
-    shared_prefix_fraction: float | None = setting(None, "leading share of every prompt that is identical")
-    seed: int = setting(0, "seed of the workload")
-    systems: tuple[str, ...] = setting((), f"comma-separated subset of {','.join(SYSTEM_ORDER)} (empty: the preset's)")
-    address: str | None = setting(None, "benchmark a running stack at this address instead of launching one")
-    scheduler_metrics_url: str | None = setting(None, "with --address: the scheduler's /metrics URL (KV waste, steps)")
-    executor_metrics_url: str | None = setting(None, "with --address: the executor's /metrics URL (compute time)")
-    hf_sequential_requests: int | None = setting(
-        None, "run HF sequential on the first N requests only (0 = all; none: the preset's)")
-    torch_threads: int = setting(
-        os.cpu_count() or 1,
-        "intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); "
-        "default: every core, as torch would use. On a machine other jobs share, 1 is steadier: "
-        "OpenMP threads that lose their core stall each other")
+    preset: str = setting("quick", choices=tuple(sorted(presets.PRESETS)))
+    """Starting configuration."""
+    model: str | None = setting(None)
+    """Model directory, or random:PRESET (built into benchmarks/.cache)."""
+    num_requests: int | None = setting(None)
+    """Requests in the workload."""
+    concurrency: int | None = setting(None)
+    """Requests in flight (closed loop); HF static batch size."""
+    request_rate: float | None = setting(None)
+    """Poisson arrivals per second (concurrency then caps in-flight)."""
+    prompt_len: str | None = setting(None)
+    """Prompt tokens: N or LOW:HIGH (uniform)."""
+    output_len: str | None = setting(None)
+    """Output tokens: N or LOW:HIGH (uniform), forced with ignore_eos."""
+    prompts_file: str | None = setting(None)
+    """JSONL prompts ({'prompt': text} or {'prompt_ids': [...]})."""
+    shared_prefix_fraction: float | None = setting(None)
+    """Leading share of every prompt that is identical."""
+    seed: int = setting(0)
+    """Seed of the workload."""
+    systems: tuple[str, ...] = setting((), choices=SYSTEM_ORDER)
+    """Which systems to run, comma-separated (empty: the preset's)."""
+    address: str | None = setting(None)
+    """Benchmark a running stack at this address instead of launching one."""
+    scheduler_metrics_url: str | None = setting(None)
+    """With --address: the scheduler's /metrics URL (KV waste, steps)."""
+    executor_metrics_url: str | None = setting(None)
+    """With --address: the executor's /metrics URL (compute time)."""
+    hf_sequential_requests: int | None = setting(None)
+    """Run HF sequential on the first N requests only (0 = all; none: the preset's)."""
+    torch_threads: int = setting(os.cpu_count() or 1)
+    """intra-op threads of every system (this process, and OMP_NUM_THREADS for the services); default: every core, as
+    torch would use. On a machine other jobs share, 1 is steadier: OpenMP threads that lose their core stall each
+    other."""
     kv_cache_bytes: int | None = config_field(ExecutorConfig, "kv_cache_bytes", default=None,
                                               note="Both tokenmill systems' pool (none: the preset's).")
     engine: EngineSettings = embedded(EngineSettings, env_prefix="")
-    slo_ttft_ms: float | None = setting(None, "SLO on time to first token (goodput counts requests meeting every SLO)")
-    slo_tpot_ms: float | None = setting(None, "SLO on time per output token")
-    slo_e2e_ms: float | None = setting(None, "SLO on end-to-end latency")
-    out_dir: str | None = setting(None, "where the JSON and PNG go (none: benchmarks/results)")
-    name: str | None = setting(None, "file name stem (none: bench-PRESET-TIMESTAMP)")
-    plot: bool = setting(True, "write the PNG")
-    progress: bool = setting(True, "progress bars on stderr")
+    slo_ttft_ms: float | None = setting(None)
+    """SLO on time to first token (goodput counts requests meeting every SLO)."""
+    slo_tpot_ms: float | None = setting(None)
+    """SLO on time per output token."""
+    slo_e2e_ms: float | None = setting(None)
+    """SLO on end-to-end latency."""
+    out_dir: str | None = setting(None)
+    """Where the JSON and PNG go (none: benchmarks/results)."""
+    name: str | None = setting(None)
+    """File name stem (none: bench-PRESET-TIMESTAMP)."""
+    plot: bool = setting(True)
+    """Write the PNG."""
+    progress: bool = setting(True)
+    """Progress bars on stderr."""
 
     def validate(self) -> None:
         flags.check_choices("preset", self.preset, sorted(presets.PRESETS))

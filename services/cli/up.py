@@ -35,58 +35,68 @@ class UpConfig:
     """tokenmill up: start the four services locally with the default model, stream a demo
     generation, then serve until Ctrl-C."""
 
-    model: str = setting(DEFAULT_MODEL, "model directory (default: the shipped stories260K)", "TOKENMILL_MODEL",
-                         path=True)
-    host: str = setting("127.0.0.1", "public API host", "TOKENMILL_SCHEDULER_HOST")
-    port: int = setting(50051, "public API port", "TOKENMILL_SCHEDULER_PORT")
-    tokenizer_port: int = setting(0, "tokenizer port (0 = any free port)", "TOKENMILL_TOKENIZER_PORT")
-    executor_port: int = setting(0, "executor port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
-    drafter_port: int = setting(0, "drafter port (0 = any free port)", "TOKENMILL_DRAFTER_PORT")
-    log_dir: str = setting(".tokenmill/logs", "where each service writes its JSON log", "TOKENMILL_LOG_DIR", path=True)
-    executors: int = setting(1, "executors behind the scheduler, each with its own KV pool (requests are placed on the "
-                             "one holding their longest cached prefix, else the least loaded; a lost one's requests "
-                             "move to the others)", "TOKENMILL_EXECUTORS")
-    prefill_executors: int = setting(0, "prefill/decode disaggregation: executors that compute prompts (with "
-                                     "--decode-executors; replaces --executors)", "TOKENMILL_PREFILL_EXECUTORS")
-    decode_executors: int = setting(0, "prefill/decode disaggregation: executors that decode, the KV of each prompt "
-                                    "copied to them from the prefill executor", "TOKENMILL_DECODE_EXECUTORS")
-    executor_arg: tuple[str, ...] = setting((), "extra flag passed to every executor, e.g. --executor-arg=--dtype=bf16 "
-                                            "(repeatable)", repeat=True)
-    kv_cache_dtype: str | None = setting(None, "executor KV-cache storage: " + ", ".join(KV_CACHE_DTYPE_NAMES) +
-                                         " (auto = the model's dtype; int8 / fp8_e4m3 are quantized with a scale per "
-                                         "token per kv head, ~1.9x the tokens of bf16 in the same memory); same as "
-                                         "--executor-arg=--kv-cache-dtype=...")
-    drafter_arg: tuple[str, ...] = setting((), "extra flag passed to the drafter, e.g. "
-                                           "--drafter-arg=--method=draft_model (repeatable)", repeat=True)
-    speculate: int | None = setting(None,
-                                    "speculative decoding with up to K drafts per sequence per step from the drafter "
-                                    "(n-gram unless --drafter-arg=--method=draft_model ...); same as "
-                                    "--scheduler-arg=--num-speculative-tokens=K "
-                                    "--drafter-arg=--num-speculative-tokens=K")
-    scheduler_arg: tuple[str, ...] = setting((), "extra flag passed to the scheduler, e.g. "
-                                             "--scheduler-arg=--max-num-seqs=64 (repeatable)", repeat=True)
-    chat_template: str = setting("",
-                                 "chat template for the tokenizer(s), replacing the model's or standing in for none: "
-                                 "a Jinja file's path or the template's text inline (holding {{ or {%)")
-    replicas: int = setting(1,
-                            "engines to start, each its own tokenizer, executor(s), drafter and scheduler (the first "
-                            "on --port, the others on free ports), routed by the gateway", "TOKENMILL_REPLICAS")
-    http_port: int = setting(8000, "the gateway's OpenAI-compatible HTTP port (0 = any free port)",
-                             "TOKENMILL_GATEWAY_HTTP_PORT")
-    gateway_port: int = setting(50050, "the gateway's routed Generation gRPC port (0 = any free port)",
-                                "TOKENMILL_GATEWAY_PORT")
-    gateway: bool = setting(True, "start the gateway in front of the engine(s) (--no-gateway: the engines alone)")
-    gateway_arg: tuple[str, ...] = setting((), "extra flag passed to the gateway, e.g. "
-                                           "--gateway-arg=--request-timeout-s=60 (repeatable)", repeat=True)
-    tls: bool = setting(False, "mTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost "
-                        "written to the run directory (their paths are printed)")
-    demo_prompt: str = setting("Once upon a time", "prompt of the demo generation (models without a chat template)")
-    demo_chat: str = setting("What is the capital of France?",
-                             "user message of the demo conversation (models with a chat template)")
-    demo: bool = setting(True, "stream a demo generation once the stack serves (--no-demo: skip it); with engine auth "
-                         "(--scheduler-arg=--auth-tokens-file=FILE) it presents a token of FILE whose tenant may use "
-                         "the model, and a demo that fails is reported, never stops the stack")
-    exit_after_demo: bool = setting(False, "stop after the demo instead of serving")
+    model: str = setting(DEFAULT_MODEL, env="TOKENMILL_MODEL", path=True)
+    """Model directory (default: the shipped stories260K)."""
+    host: str = setting("127.0.0.1", env="TOKENMILL_SCHEDULER_HOST")
+    """Public API host."""
+    port: int = setting(50051, env="TOKENMILL_SCHEDULER_PORT")
+    """Public API port."""
+    tokenizer_port: int = setting(0, env="TOKENMILL_TOKENIZER_PORT")
+    """Tokenizer port (0 = any free port)."""
+    executor_port: int = setting(0, env="TOKENMILL_EXECUTOR_PORT")
+    """Executor port (0 = any free port)."""
+    drafter_port: int = setting(0, env="TOKENMILL_DRAFTER_PORT")
+    """Drafter port (0 = any free port)."""
+    log_dir: str = setting(".tokenmill/logs", env="TOKENMILL_LOG_DIR", path=True)
+    """Where each service writes its JSON log."""
+    executors: int = setting(1, env="TOKENMILL_EXECUTORS")
+    """Executors behind the scheduler, each with its own KV pool (requests are placed on the one holding their longest
+    cached prefix, else the least loaded; a lost one's requests move to the others)."""
+    prefill_executors: int = setting(0, env="TOKENMILL_PREFILL_EXECUTORS")
+    """prefill/decode disaggregation: executors that compute prompts (with --decode-executors; replaces --executors)."""
+    decode_executors: int = setting(0, env="TOKENMILL_DECODE_EXECUTORS")
+    """prefill/decode disaggregation: executors that decode, the KV of each prompt copied to them from the prefill
+    executor."""
+    executor_arg: tuple[str, ...] = setting((), repeat=True)
+    """Extra flag passed to every executor, e.g. --executor-arg=--dtype=bf16 (repeatable)."""
+    kv_cache_dtype: str | None = setting(None, choices=KV_CACHE_DTYPE_NAMES)
+    """Executor KV-cache storage (auto = the model's dtype; int8 / fp8_e4m3 are quantized with a scale per token per
+    kv head, ~1.9x the tokens of bf16 in the same memory); same as --executor-arg=--kv-cache-dtype=DTYPE."""
+    drafter_arg: tuple[str, ...] = setting((), repeat=True)
+    """Extra flag passed to the drafter, e.g. --drafter-arg=--method=draft_model (repeatable)."""
+    speculate: int | None = setting(None)
+    """Speculative decoding with up to K drafts per sequence per step from the drafter (n-gram unless
+    --drafter-arg=--method=draft_model ...); same as --scheduler-arg=--num-speculative-tokens=K
+    --drafter-arg=--num-speculative-tokens=K."""
+    scheduler_arg: tuple[str, ...] = setting((), repeat=True)
+    """Extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64 (repeatable)."""
+    chat_template: str = setting("")
+    """Chat template for the tokenizer(s), replacing the model's or standing in for none: a Jinja file's path or the
+    template's text inline (holding {{ or {%)."""
+    replicas: int = setting(1, env="TOKENMILL_REPLICAS")
+    """Engines to start, each its own tokenizer, executor(s), drafter and scheduler (the first on --port, the others
+    on free ports), routed by the gateway."""
+    http_port: int = setting(8000, env="TOKENMILL_GATEWAY_HTTP_PORT")
+    """The gateway's OpenAI-compatible HTTP port (0 = any free port)."""
+    gateway_port: int = setting(50050, env="TOKENMILL_GATEWAY_PORT")
+    """The gateway's routed Generation gRPC port (0 = any free port)."""
+    gateway: bool = setting(True)
+    """Start the gateway in front of the engine(s) (--no-gateway: the engines alone)."""
+    gateway_arg: tuple[str, ...] = setting((), repeat=True)
+    """Extra flag passed to the gateway, e.g. --gateway-arg=--request-timeout-s=60 (repeatable)."""
+    tls: bool = setting(False)
+    """MTLS on every hop, with a throwaway local CA and certificates for 127.0.0.1/localhost written to the run
+    directory (their paths are printed)."""
+    demo_prompt: str = setting("Once upon a time")
+    """Prompt of the demo generation (models without a chat template)."""
+    demo_chat: str = setting("What is the capital of France?")
+    """User message of the demo conversation (models with a chat template)."""
+    demo: bool = setting(True)
+    """Stream a demo generation once the stack serves (--no-demo: skip it); with engine auth
+    (--scheduler-arg=--auth-tokens-file=FILE) it presents a token of FILE whose tenant may use the model, and a
+    demo that fails is reported, never stops the stack."""
+    exit_after_demo: bool = setting(False)
+    """Stop after the demo instead of serving."""
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:

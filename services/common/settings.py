@@ -1,12 +1,14 @@
 """Command-line flags and environment variables from one config dataclass.
 
 Every service and the launcher describe their configuration once, as a dataclass whose
-fields carry their help text and environment variable::
+fields carry their environment variable, with a docstring under each that is its ``--help``::
 
     @dataclass
     class ExecutorConfig:
-        port: int = setting(50052, "gRPC port (0 = any free port)", "TOKENMILL_EXECUTOR_PORT")
-        model: str = setting("", "checkpoint directory", "TOKENMILL_MODEL", path=True)
+        port: int = setting(50052, env="TOKENMILL_EXECUTOR_PORT")
+        '''gRPC port (0 = any free port).'''
+        model: str = setting("", env="TOKENMILL_MODEL", path=True)
+        '''Checkpoint directory.'''
 
     config = parse_config(ExecutorConfig, description="tokenmill executor")
 
@@ -36,15 +38,19 @@ also uses (the scheduler's limits) is declared once and the service config holds
     class SchedulerServiceConfig:
         port: int = ...
         limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
-        # --max-num-seqs / TOKENMILL_MAX_NUM_SEQS, with the help from the limit's metadata
+        # --max-num-seqs / TOKENMILL_MAX_NUM_SEQS, with the help from the limit's docstring
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
+import functools
+import inspect
 import os
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -146,25 +152,64 @@ def _convert(spec: _FieldSpec, text: str) -> Any:
     return _absolute(spec, spec.parse(text))
 
 
-def setting(default: Any = _MISSING, help: str = "", env: str | None = None, *,
+def setting(default: Any = _MISSING, *, env: str | None = None,
             default_factory: Any = _MISSING, **extra: Any) -> Any:
-    """A setting declared once: its default, the one line its flag's ``--help`` shows, and its
-    environment variable (``None``: named by an ``embedded`` config's env_prefix, or none).
-    ``extra`` is more metadata: ``path=True`` (made absolute where parsed), ``repeat=True``
-    (one flag per item). Settings are values, so a sequence default is a tuple."""
+    """A setting declared once: its default and its environment variable (``None``: named by an
+    ``embedded`` config's env_prefix, or none). Its ``--help`` is the docstring written under the
+    field (``attribute_docs``). ``extra`` is more metadata: ``path=True`` (made absolute where
+    parsed), ``repeat=True`` (one flag per item), ``choices=NAMES`` (listed after the help, so a
+    docstring need not repeat a constant). Settings are values, so a sequence default is a
+    tuple."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for a sequence default (settings are frozen)")
-    metadata = {"help": help, **({"env": env} if env else {}), **extra}
+    if "help" in extra:
+        raise TypeError("a setting's help is the docstring under its field, not a help= argument")
+    metadata = {**({"env": env} if env else {}), **extra}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def attribute_docs(config_cls: type) -> dict[str, str]:
+    """{field name: the docstring written under it (``inspect.cleandoc``-ed)} over config_cls and
+    its bases.
+
+    Read from the source, as vLLM's config classes and TGI's clap do: a string literal right
+    after an annotated assignment documents that attribute. A class whose source cannot be read
+    (made at run time) documents nothing; its fields carry ``metadata["help"]``.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(config_cls.__mro__):
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def field_help(config_cls: type, field: dataclasses.Field, *, first_paragraph: bool = False) -> str:
+    """A field's one description, on one line as ``--help`` shows it: the docstring under it, else
+    its metadata's help (the fields that helper functions make for several services)."""
+    text = attribute_docs(config_cls).get(field.name) or field.metadata.get("help", "")
+    if first_paragraph:
+        text = text.split("\n\n")[0]
+    return " ".join(text.split())
 
 
 def embedded(config_cls: type, *, env_prefix: str, default: Any = None) -> Any:
     """A field that holds a whole config dataclass, whose fields become this config's flags.
 
     Each inner field keeps its own flag name (``--max-num-seqs``, under the caller's prefix
-    only), takes its help from its metadata, and its environment variable from its metadata
+    only), takes its help from its docstring, and its environment variable from its metadata
     or else ``env_prefix + NAME`` (``TOKENMILL_MAX_NUM_SEQS``; an empty prefix gives the inner
     fields none). The defaults are the inner dataclass's own, or those of ``default``, an
     instance of it (a benchmark that runs the scheduler with a small batch by default).
@@ -232,7 +277,7 @@ def _add_arguments(
             continue
         spec = _field_spec(field, tp, prefix)
         env_name = field.metadata.get("env") or (env_prefix + field.name.upper() if env_prefix else None)
-        help_text = field.metadata.get("help", "")
+        help_text = field_help(config_cls, field)
         default = _absolute(spec, _field_default(field) if defaults is None else getattr(defaults, field.name))
         from_env = False
         if env_name and env_name in environ:
@@ -246,6 +291,8 @@ def _add_arguments(
             notes.append(f"default: {_format_value(default) or '(empty)'}" + (f" from {env_name}" if from_env else ""))
         if env_name and not from_env:
             notes.append(f"env: {env_name}")
+        if "choices" in field.metadata:
+            notes.append("choices: " + ", ".join(_format_value(c) for c in field.metadata["choices"]))
         full_help = f"{help_text} ({'; '.join(notes)})" if notes else help_text
         full_help = full_help.replace("%", "%%")  # argparse formats help with %
         kwargs: dict[str, Any] = {"dest": spec.dest, "help": full_help}

@@ -29,23 +29,30 @@ four layers in fp32, or 8K tokens of all 30."""
 class DraftModelSettings:
     """What the draft-model proposer loads and how (``--method draft_model``)."""
 
-    draft_model: str = setting("", "draft_model: model directory of the draft, with the target's vocabulary (the "
-                               "target's own directory with --draft-layers: self-speculative)", path=True)
-    draft_layers: int = setting(0, "draft_model: run only the first N layers plus the final norm and head (0 = every "
-                                "layer)")
-    """Self-speculative drafting when draft_model is the target itself."""
-    target_model: str = setting("", "draft_model: the target's model directory; its vocab_size must equal the draft's "
-                                "(empty = not checked here)", path=True)
-    device: str = setting("auto", "draft_model: cpu, cuda, cuda:N, or auto (cuda when available)")
-    dtype: str = setting("auto", "draft_model: fp32, bf16, fp16, or auto (fp32 on a CPU, else the checkpoint's "
-                               "or bf16)")
-    attention_backend: str = setting("auto", "draft_model: torch, triton, cpu, or auto")
-    block_size: int = setting(16, "draft_model: tokens per block of the draft's own KV pool")
-    kv_cache_bytes: int = setting(DEFAULT_DRAFT_KV_CACHE_BYTES,
-                                  "draft_model: the draft's KV pool budget in bytes (a sequence that finds the "
-                                  "pool full gets no draft, never an error)")
-    num_blocks: int = setting(0, "draft_model: exact number of KV blocks (0 = from --kv-cache-bytes)")
-    """0 = size from kv_cache_bytes, or GPU memory on CUDA. Tests use it."""
+    draft_model: str = setting("", path=True)
+    """draft_model: model directory of the draft, with the target's vocabulary (the target's own directory with
+    --draft-layers: self-speculative)."""
+    draft_layers: int = setting(0)
+    """draft_model: run only the first N layers plus the final norm and head (0 = every layer).
+
+    Self-speculative drafting when draft_model is the target itself."""
+    target_model: str = setting("", path=True)
+    """draft_model: the target's model directory; its vocab_size must equal the draft's (empty = not checked here)."""
+    device: str = setting("auto")
+    """draft_model: cpu, cuda, cuda:N, or auto (cuda when available)."""
+    dtype: str = setting("auto")
+    """draft_model: fp32, bf16, fp16, or auto (fp32 on a CPU, else the checkpoint's or bf16)."""
+    attention_backend: str = setting("auto")
+    """draft_model: torch, triton, cpu, or auto."""
+    block_size: int = setting(16)
+    """draft_model: tokens per block of the draft's own KV pool."""
+    kv_cache_bytes: int = setting(DEFAULT_DRAFT_KV_CACHE_BYTES)
+    """draft_model: the draft's KV pool budget in bytes (a sequence that finds the pool full gets no draft, never an
+    error)."""
+    num_blocks: int = setting(0)
+    """draft_model: exact number of KV blocks (0 = from --kv-cache-bytes).
+
+    0 = size from kv_cache_bytes, or GPU memory on CUDA. Tests use it."""
 
     def validate(self) -> None:
         if not self.draft_model:
@@ -69,15 +76,15 @@ def check_num_speculative_tokens(k: int) -> None:
 class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT, internal_secret="require")):
     """tokenmill drafter: proposes draft tokens for speculative decoding (prompt lookup or a draft model)."""
 
-    method: DraftMethod = setting(DraftMethod.NGRAM, "how drafts are made: ngram (prompt lookup) or draft_model",
-                                  f"{ENV_PREFIX}METHOD")
+    method: DraftMethod = setting(DraftMethod.NGRAM, env=f"{ENV_PREFIX}METHOD")
+    """How drafts are made: ngram (prompt lookup) or draft_model."""
     num_speculative_tokens: int = setting(_NGRAM_DEFAULTS.num_speculative_tokens,
-                                          "default and largest number of draft tokens per sequence per step",
-                                          f"{ENV_PREFIX}NUM_SPECULATIVE_TOKENS")
-    ngram_min: int = setting(_NGRAM_DEFAULTS.min_ngram, "ngram: shortest suffix n-gram to look up",
-                             f"{ENV_PREFIX}NGRAM_MIN")
-    ngram_max: int = setting(_NGRAM_DEFAULTS.max_ngram, "ngram: longest suffix n-gram to look up, tried first",
-                             f"{ENV_PREFIX}NGRAM_MAX")
+                                          env=f"{ENV_PREFIX}NUM_SPECULATIVE_TOKENS")
+    """Default and largest number of draft tokens per sequence per step."""
+    ngram_min: int = setting(_NGRAM_DEFAULTS.min_ngram, env=f"{ENV_PREFIX}NGRAM_MIN")
+    """ngram: shortest suffix n-gram to look up."""
+    ngram_max: int = setting(_NGRAM_DEFAULTS.max_ngram, env=f"{ENV_PREFIX}NGRAM_MAX")
+    """ngram: longest suffix n-gram to look up, tried first."""
     draft: DraftModelSettings = embedded(DraftModelSettings, env_prefix=ENV_PREFIX)
 
     def validate(self) -> None:

@@ -13,9 +13,9 @@ Importable without torch: command lines are built from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from services.common.service_config import model_field, service_process_fields
+from services.common.service_config import DEFAULT_MODEL_DIR, service_process_fields
 from services.common.settings import embedded
 from services.executor.forward_paths import path_settings, validate_paths
 from services.executor.forward_paths.base import setting
@@ -33,56 +33,72 @@ TENSOR_PARALLEL_EXPERTS = ("all_to_all", "all_reduce", "replicated")
 
 @dataclass(slots=True)
 class ExecutorConfig(path_settings(ENV_PREFIX)):
-    model: str = model_field("model directory (config.json, *.safetensors)")
+    model: str = setting(str(DEFAULT_MODEL_DIR), env="TOKENMILL_MODEL", path=True)
     """A Hugging Face-style model directory (config.json, *.safetensors, tokenizer.json)."""
-    dtype: str = setting("auto", "fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU)")
-    """auto: the checkpoint's dtype (bf16 for an fp32 one) off the CPU, fp32 on it."""
-    device: str = setting("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    attention_backend: str = setting(
-        "auto", "torch, triton, cpu, or auto (triton on CUDA; cpu on a CPU, torch if its C++ kernel cannot be built)")
-    block_size: int = setting(16, "tokens per KV-cache block (a power of two)")
-    kv_cache_bytes: int = setting(2 * 1024**3, "KV-cache budget on CPU, in bytes")
-    """All layers, K and V."""
-    kv_cache_dtype: str = setting(
-        "auto", "auto (the model's dtype), int8 or fp8_e4m3 (quantized, fp16 scale per token per kv head)")
-    """The same byte budget then holds ~1.9x the tokens of a bf16 pool."""
-    gpu_memory_utilization: float = setting(
-        0.90, "on CUDA, the share of device memory for weights, activations and KV cache")
-    num_blocks: int = setting(0, "exact number of KV blocks (0 = size from the memory budget)")
-    """Tests use it."""
-    max_model_len: int = setting(0, "cap on context length (0 = the model's own limit)")
-    seed: int = setting(0, "seed of the generator used for unseeded sampling")
-    tensor_parallel_size: int = setting(
-        1, "ranks (processes, one device each on CUDA) the model is split over: shared memory on a CPU, NCCL on CUDA")
-    """Rank 0 is this process and serves the Step stream; it starts the others. Each holds its
+    dtype: str = setting("auto")
+    """fp32, bf16, fp16, or auto (the checkpoint's; fp32 on CPU).
+
+    auto: the checkpoint's dtype (bf16 for an fp32 one) off the CPU, fp32 on it."""
+    device: str = setting("auto")
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    attention_backend: str = setting("auto")
+    """torch, triton, cpu, or auto (triton on CUDA; cpu on a CPU, torch if its C++ kernel cannot be built)."""
+    block_size: int = setting(16)
+    """Tokens per KV-cache block (a power of two)."""
+    kv_cache_bytes: int = setting(2 * 1024**3)
+    """KV-cache budget on CPU, in bytes.
+
+    All layers, K and V."""
+    kv_cache_dtype: str = setting("auto")
+    """auto (the model's dtype), int8 or fp8_e4m3 (quantized, fp16 scale per token per kv head).
+
+    The same byte budget then holds ~1.9x the tokens of a bf16 pool."""
+    gpu_memory_utilization: float = setting(0.90)
+    """On CUDA, the share of device memory for weights, activations and KV cache."""
+    num_blocks: int = setting(0)
+    """Exact number of KV blocks (0 = size from the memory budget).
+
+    Tests use it."""
+    max_model_len: int = setting(0)
+    """Cap on context length (0 = the model's own limit)."""
+    seed: int = setting(0)
+    """Seed of the generator used for unseeded sampling."""
+    tensor_parallel_size: int = setting(1)
+    """Ranks (processes, one device each on CUDA) the model is split over: shared memory on a CPU, NCCL on CUDA.
+
+    Rank 0 is this process and serves the Step stream; it starts the others. Each holds its
     share of the heads and MLP columns and of the KV pool (kv_cache_bytes is per rank). Steps
     run eagerly or, on a CPU, through the fused CPU step; the compiled step and the decode
     graphs take no all-reduce yet."""
-    tensor_parallel_all_reduce: str = setting(
-        "auto", "tensor-parallel CPU ranks sum over: shm (a shared memory segment), gloo (loopback sockets), "
-                "or auto (shm, gloo where the segment cannot be made; NCCL on CUDA)")
-    """shm: a few microseconds an all-reduce where gloo's loopback round trips take hundreds
+    tensor_parallel_all_reduce: str = setting("auto")
+    """tensor-parallel CPU ranks sum over: shm (a shared memory segment), gloo (loopback sockets), or auto (shm,
+    gloo where the segment cannot be made; NCCL on CUDA).
+
+    shm: a few microseconds an all-reduce where gloo's loopback round trips take hundreds
     (docs/benchmarks.md, "Tensor parallelism on a CPU"); gloo stays for measurement and as the
     fallback."""
-    tensor_parallel_lm_head: str = setting(
-        "vocab", "tensor-parallel LM head: vocab (each rank its share of the vocabulary, gathered onto rank 0) "
-                 "or replicated (rank 0 alone runs the whole head)")
-    """vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
+    tensor_parallel_lm_head: str = setting("vocab")
+    """tensor-parallel LM head: vocab (each rank its share of the vocabulary, gathered onto rank 0) or replicated
+    (rank 0 alone runs the whole head).
+
+    vocab: the head's weights read once over the ranks instead of all on rank 0, for a gather
     of the logits (docs/benchmarks.md, "Tensor parallelism on a CPU", measures both)."""
-    tensor_parallel_experts: str = setting(
-        "all_reduce", "a mixture-of-experts model's experts under tensor parallelism: all_reduce (split over the "
-                      "ranks, each rank's experts over all tokens, the outputs summed), all_to_all (split, tokens "
-                      "sent to their experts' ranks and back) or replicated (every rank runs every expert)")
-    """The split ones read 1/N of the expert bytes a rank per step. all_reduce is the default:
+    tensor_parallel_experts: str = setting("all_reduce")
+    """A mixture-of-experts model's experts under tensor parallelism: all_reduce (split over the ranks, each
+    rank's experts over all tokens, the outputs summed), all_to_all (split, tokens sent to their experts'
+    ranks and back) or replicated (every rank runs every expert).
+
+    The split ones read 1/N of the expert bytes a rank per step. all_reduce is the default:
     the tokens are already whole on every rank, and on a quiet CPU it ran 1.4-1.8x one rank
     where the all-to-all's three exchanges a layer ran 0.5-0.8x (docs/benchmarks.md, "Expert
     parallelism on a CPU")."""
-    quant_activations: str = setting(
-        "auto", "CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight "
-                "type, int8 for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types "
-                "with no exact kernel are dequantized to fp32 at load) or int8 (activations rounded to int8 per block, "
-                "integer dot products: llama.cpp's arithmetic, faster, not exact)")
-    """auto, the default, is faithful first: q4_0/q4_1/q8_0 and tokenmill's own int4/int8 weights
+    quant_activations: str = setting("auto")
+    """CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight type, int8
+    for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types with no exact
+    kernel are dequantized to fp32 at load) or int8 (activations rounded to int8 per block, integer dot
+    products: llama.cpp's arithmetic, faster, not exact).
+
+    auto, the default, is faithful first: q4_0/q4_1/q8_0 and tokenmill's own int4/int8 weights
     take fp32 activations (the dequantized model's numbers up to the order of sums, so a kept GGUF
     answers as its fp32 twin does), and only the types that have no exact kernel (K-quants,
     q5_0/q5_1) take int8 activations rather than a dequantized fp32 copy 4-8x their size; none on
@@ -94,17 +110,19 @@ class ExecutorConfig(path_settings(ENV_PREFIX)):
     one stream faster than llama.cpp on the same file (speed and quality of both in
     docs/benchmarks.md, "The default served path is the exact one")."""
 
-    lora: tuple[str, ...] = field(default=(), metadata={
-        "help": "a PEFT LoRA adapter to serve beside the base model, NAME=PATH (a directory with "
-                "adapter_config.json and adapter_model.safetensors); repeat the flag for more",
-        "repeat": True})
-    """Requests choose one by NAME (GenerateRequest.adapter; the gateway's OpenAI ``model``). More
+    lora: tuple[str, ...] = setting((), repeat=True)
+    """A PEFT LoRA adapter to serve beside the base model, NAME=PATH (a directory with adapter_config.json and
+    adapter_model.safetensors); repeat the flag for more. Requests choose one by NAME (GenerateRequest.adapter; the gateway's OpenAI ``model``). More
     can be loaded and unloaded while serving (the engine's LoadAdapter / UnloadAdapter)."""
-    max_loras: int = setting(4, "LoRA adapters resident at once (the most one step may mix); others are "
-                                "read again from their directory when a request needs them (LRU)")
-    """Each slot holds a max_lora_rank copy of every adapted projection, in fp32."""
-    max_lora_rank: int = setting(16, "largest LoRA rank served; an adapter of a higher rank is refused")
-    """Smaller ranks are padded with zeros to it, so it sizes the slots and each low-rank product."""
+    max_loras: int = setting(4)
+    """LoRA adapters resident at once (the most one step may mix); others are read again from their directory
+    when a request needs them (LRU).
+
+    Each slot holds a max_lora_rank copy of every adapted projection, in fp32."""
+    max_lora_rank: int = setting(16)
+    """Largest LoRA rank served; an adapter of a higher rank is refused.
+
+    Smaller ranks are padded with zeros to it, so it sizes the slots and each low-rank product."""
 
     def validate(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -169,27 +187,22 @@ class ExecutorServiceConfig(service_process_fields("executor", DEFAULT_PORT, bac
     """tokenmill executor: runs the model over the step batches the scheduler plans."""
 
     executor: ExecutorConfig = embedded(ExecutorConfig, env_prefix=ENV_PREFIX)
-    role: str = field(default="mixed", metadata={
-        "help": "what the scheduler runs here: mixed (prompts and decoding), prefill (prompts, whose KV then "
-                "moves to a decode executor) or decode (requests whose prompt a prefill executor computed; it "
-                "pulls their KV from there, over the --backend-tls-* credentials when set)",
-        "env": "TOKENMILL_EXECUTOR_ROLE"})
-    step_idle_timeout_s: float = field(default=60.0, metadata={
-        "help": "end a Step session that sends nothing for this long, so a silent client cannot hold the only "
-                "session (the scheduler sends an empty step every 10 s while idle); 0 = never",
-        "env": "TOKENMILL_EXECUTOR_STEP_IDLE_TIMEOUT_S"})
-    tls_peer_clients: tuple[str, ...] = field(default=(), metadata={
-        "help": "with --tls-allowed-clients: client certificate identities (comma-separated) that may also call "
-                "ReadKVBlocks, and nothing else here: the other executors, which pull a prompt's KV from this one",
-        "env": "TOKENMILL_EXECUTOR_TLS_PEER_CLIENTS"})
-    kv_peers: tuple[str, ...] = field(default=(), metadata={
-        "help": "executors (host:port, comma-separated, as the scheduler names them in --executor-addresses) this "
-                "one may pull a prompt's KV blocks from; PullKVBlocks naming any other is refused before anything "
-                "connects (empty = none: a decode executor then recomputes every prompt)",
-        "env": "TOKENMILL_EXECUTOR_KV_PEERS"})
-    skip_warmup: bool = field(default=False, metadata={
-        "help": "report SERVING without first running the shapes it will serve (first requests pay compilation)",
-        "env": "TOKENMILL_EXECUTOR_SKIP_WARMUP"})
+    role: str = setting("mixed", env="TOKENMILL_EXECUTOR_ROLE")
+    """What the scheduler runs here: mixed (prompts and decoding), prefill (prompts, whose KV then moves to a decode
+    executor) or decode (requests whose prompt a prefill executor computed; it pulls their KV from there, over the
+    --backend-tls-* credentials when set)."""
+    step_idle_timeout_s: float = setting(60.0, env="TOKENMILL_EXECUTOR_STEP_IDLE_TIMEOUT_S")
+    """End a Step session that sends nothing for this long, so a silent client cannot hold the only session (the
+    scheduler sends an empty step every 10 s while idle); 0 = never."""
+    tls_peer_clients: tuple[str, ...] = setting((), env="TOKENMILL_EXECUTOR_TLS_PEER_CLIENTS")
+    """With --tls-allowed-clients: client certificate identities (comma-separated) that may also call ReadKVBlocks,
+    and nothing else here: the other executors, which pull a prompt's KV from this one."""
+    kv_peers: tuple[str, ...] = setting((), env="TOKENMILL_EXECUTOR_KV_PEERS")
+    """Executors (host:port, comma-separated, as the scheduler names them in --executor-addresses) this one may pull a
+    prompt's KV blocks from; PullKVBlocks naming any other is refused before anything connects (empty = none: a
+    decode executor then recomputes every prompt)."""
+    skip_warmup: bool = setting(False, env="TOKENMILL_EXECUTOR_SKIP_WARMUP")
+    """Report SERVING without first running the shapes it will serve (first requests pay compilation)."""
 
     def validate(self) -> None:
         self.executor.validate()

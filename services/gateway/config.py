@@ -7,7 +7,7 @@ unless its entry in the routes file has a ``tls`` of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.service_config import service_process_fields
 from services.common.settings import setting
@@ -31,61 +31,50 @@ class GatewayServiceConfig(service_process_fields("gateway", DEFAULT_GRPC_PORT, 
     """tokenmill gateway: an OpenAI-compatible HTTP API and the Generation gRPC API in front of tokenmill
     engines, routing each request over them on their live latency profiles, its SLA and cost."""
 
-    config: str = setting("",
-                          "routes file (YAML or JSON): the targets, and for each model id how to route it (required; "
-                          "see the README's Gateway section)", "TOKENMILL_GATEWAY_CONFIG", path=True)
-    http_port: int = setting(DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)",
-                             "TOKENMILL_GATEWAY_HTTP_PORT")
-    http_port_file: str = field(default="", metadata={
-        "help": "write the bound HTTP port to this file once serving (empty = don't)", "path": True})
-    profile_interval_s: float = setting(0.25, "how often each target's health and GetProfile are read, seconds; an "
-                                        "unhealthy target is probed at the same pace",
-                                        "TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
-    profile_window_s: float = setting(10.0,
-                                      "the window GetProfile is asked for, seconds (short: the profile follows the "
-                                      "live load)", "TOKENMILL_GATEWAY_PROFILE_WINDOW_S")
-    max_attempts: int = setting(3,
-                                "targets one request may try: a failure before anything was streamed moves it to the "
-                                "next target of its route", "TOKENMILL_GATEWAY_MAX_ATTEMPTS")
-    request_timeout_s: float = setting(600.0,
-                                       "a request still running after this long ends with 504 / DEADLINE_EXCEEDED",
-                                       "TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
-    http_header_timeout_s: float = setting(10.0,
-                                           "an HTTP connection whose request headers are not all in this long after "
-                                           "it opened (or after its next request's first byte) is closed with 408",
-                                           "TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
-    http_body_timeout_s: float = setting(60.0, "an HTTP request body not all in this long after its headers gets 408",
-                                         "TOKENMILL_GATEWAY_HTTP_BODY_TIMEOUT_S")
-    http_max_header_bytes: int = setting(64 * 1024,
-                                         "largest request line and headers of an HTTP request, bytes; larger ones "
-                                         "get 431", "TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
-    http_max_connections: int = setting(4096,
-                                        "most open HTTP connections; more are closed as they arrive (lowered with a "
-                                        "warning when the open-file limit, ulimit -n, is short)",
-                                        "TOKENMILL_GATEWAY_HTTP_MAX_CONNECTIONS")
-    http_keep_alive_s: float = setting(30.0, "an idle HTTP connection is closed this long after its last answer",
-                                       "TOKENMILL_GATEWAY_HTTP_KEEP_ALIVE_S")
-    max_request_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body; larger ones get 413",
-                                     "TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
-    max_choices: int = setting(64, "most choices one request may ask for (n x prompts; each is one engine call)",
-                               "TOKENMILL_GATEWAY_MAX_CHOICES")
-    api_keys_file: str = setting("",
-                                 "JSON list of the gateway's API keys, each naming a tenant ({\"key\", \"tenant\"}, "
-                                 "optional models, max_concurrent_requests, cache_group, max_priority, "
-                                 "requests_per_minute, tokens_per_minute): every request then needs one, and each "
-                                 "tenant's prefix cache is its own; empty = keyless, the client's Authorization goes "
-                                 "to the engines (see services/gateway/api_keys.py)",
-                                 "TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)
-    tool_call_parser: str = setting("auto",
-                                    "how tool_choice auto reads tool calls out of a reply: auto (the format the "
-                                    "serving engine's chat template defines, text when none), none (text), hermes, "
-                                    "llama3_json or mistral; a route's tool_call_parser overrides it",
-                                    "TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
-    reasoning_parser: str = setting("none",
-                                    "how chat replies' reasoning is read out to reasoning_content: none (the reply "
-                                    "is content), deepseek_r1 (the template opens <think>: the reply starts inside "
-                                    "it) or qwen3 (reasoning when the reply opens <think>); a route's "
-                                    "reasoning_parser overrides it", "TOKENMILL_GATEWAY_REASONING_PARSER")
+    config: str = setting("", env="TOKENMILL_GATEWAY_CONFIG", path=True)
+    """Routes file (YAML or JSON): the targets, and for each model id how to route it (required; see the README's
+    Gateway section)."""
+    http_port: int = setting(DEFAULT_HTTP_PORT, env="TOKENMILL_GATEWAY_HTTP_PORT")
+    """OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)."""
+    http_port_file: str = setting("", path=True)
+    """Write the bound HTTP port to this file once serving (empty = don't)."""
+    profile_interval_s: float = setting(0.25, env="TOKENMILL_GATEWAY_PROFILE_INTERVAL_S")
+    """How often each target's health and GetProfile are read, seconds; an unhealthy target is probed at the same
+    pace."""
+    profile_window_s: float = setting(10.0, env="TOKENMILL_GATEWAY_PROFILE_WINDOW_S")
+    """The window GetProfile is asked for, seconds (short: the profile follows the live load)."""
+    max_attempts: int = setting(3, env="TOKENMILL_GATEWAY_MAX_ATTEMPTS")
+    """Targets one request may try: a failure before anything was streamed moves it to the next target of its route."""
+    request_timeout_s: float = setting(600.0, env="TOKENMILL_GATEWAY_REQUEST_TIMEOUT_S")
+    """A request still running after this long ends with 504 / DEADLINE_EXCEEDED."""
+    http_header_timeout_s: float = setting(10.0, env="TOKENMILL_GATEWAY_HTTP_HEADER_TIMEOUT_S")
+    """An HTTP connection whose request headers are not all in this long after it opened (or after its next request's
+    first byte) is closed with 408."""
+    http_body_timeout_s: float = setting(60.0, env="TOKENMILL_GATEWAY_HTTP_BODY_TIMEOUT_S")
+    """An HTTP request body not all in this long after its headers gets 408."""
+    http_max_header_bytes: int = setting(64 * 1024, env="TOKENMILL_GATEWAY_HTTP_MAX_HEADER_BYTES")
+    """Largest request line and headers of an HTTP request, bytes; larger ones get 431."""
+    http_max_connections: int = setting(4096, env="TOKENMILL_GATEWAY_HTTP_MAX_CONNECTIONS")
+    """Most open HTTP connections; more are closed as they arrive (lowered with a warning when the open-file limit,
+    ulimit -n, is short)."""
+    http_keep_alive_s: float = setting(30.0, env="TOKENMILL_GATEWAY_HTTP_KEEP_ALIVE_S")
+    """An idle HTTP connection is closed this long after its last answer."""
+    max_request_bytes: int = setting(8 * 1024 * 1024, env="TOKENMILL_GATEWAY_MAX_REQUEST_BYTES")
+    """Largest HTTP request body; larger ones get 413."""
+    max_choices: int = setting(64, env="TOKENMILL_GATEWAY_MAX_CHOICES")
+    """Most choices one request may ask for (n x prompts; each is one engine call)."""
+    api_keys_file: str = setting("", env="TOKENMILL_GATEWAY_API_KEYS_FILE", path=True)
+    """JSON list of the gateway's API keys, each naming a tenant ({"key", "tenant"}, optional models,
+    max_concurrent_requests, cache_group, max_priority, requests_per_minute, tokens_per_minute): every request then
+    needs one, and each tenant's prefix cache is its own; empty = keyless, the client's Authorization goes to the
+    engines (see services/gateway/api_keys.py)."""
+    tool_call_parser: str = setting("auto", env="TOKENMILL_GATEWAY_TOOL_CALL_PARSER")
+    """How tool_choice auto reads tool calls out of a reply: auto (the format the serving engine's chat template
+    defines, text when none), none (text), hermes, llama3_json or mistral; a route's tool_call_parser overrides it."""
+    reasoning_parser: str = setting("none", env="TOKENMILL_GATEWAY_REASONING_PARSER")
+    """How chat replies' reasoning is read out to reasoning_content: none (the reply is content), deepseek_r1 (the
+    template opens <think>: the reply starts inside it) or qwen3 (reasoning when the reply opens <think>); a
+    route's reasoning_parser overrides it."""
 
     def validate(self) -> None:
         """The numbers, and the routes file read and built (every route's targets exist, every

@@ -27,57 +27,51 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
                                                     backend_tls=True, internal_secret="present")):
     """tokenmill scheduler: the public Generation API, token-level scheduling and KV block accounting."""
 
-    executor_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",),
-                                                  "executor service address(es), comma-separated: each keeps its own "
-                                                  "KV pool and requests are placed on the one holding their longest "
-                                                  "cached prefix, else the least loaded; a lost one's requests move "
-                                                  "to the others", "TOKENMILL_EXECUTOR_ADDRESSES")
-    tokenizer_addresses: tuple[str, ...] = setting(("127.0.0.1:50052",),
-                                                   "tokenizer service address(es), comma-separated; load is spread "
-                                                   "over them", "TOKENMILL_TOKENIZER_ADDRESSES")
-    drafter_address: str = setting("", "drafter service address (empty = no speculative decoding)",
-                                   "TOKENMILL_DRAFTER_ADDRESS")
-    num_speculative_tokens: int = setting(0, "most draft tokens per sequence per step, 0 = no speculative decoding; "
-                                          "needs --drafter-address (a request may ask for fewer or none; the drafter "
-                                          "caps it too)", "TOKENMILL_NUM_SPECULATIVE_TOKENS")
-    spec_adaptive: bool = setting(True,
-                                  "adapt each request's draft count to its acceptance rate, down to 0 when drafts do "
-                                  "not pay (off = always num_speculative_tokens)", "TOKENMILL_SPEC_ADAPTIVE")
-    spec_min_acceptance: float = setting(0.3,
-                                         "adaptive k: the i-th draft is sent while the request's acceptance rate to "
-                                         "the power i is at least this (lower = longer drafts)",
-                                         "TOKENMILL_SPEC_MIN_ACCEPTANCE")
-    spec_draft_deadline_ms: float = setting(50.0, "how long a step waits for the drafter's proposals; later ones are "
-                                            "dropped and the step runs without drafts",
-                                            "TOKENMILL_SPEC_DRAFT_DEADLINE_MS")
+    executor_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",), env="TOKENMILL_EXECUTOR_ADDRESSES")
+    """Executor service address(es), comma-separated: each keeps its own KV pool and requests are placed on the one
+    holding their longest cached prefix, else the least loaded; a lost one's requests move to the others."""
+    tokenizer_addresses: tuple[str, ...] = setting(("127.0.0.1:50052",), env="TOKENMILL_TOKENIZER_ADDRESSES")
+    """Tokenizer service address(es), comma-separated; load is spread over them."""
+    drafter_address: str = setting("", env="TOKENMILL_DRAFTER_ADDRESS")
+    """Drafter service address (empty = no speculative decoding)."""
+    num_speculative_tokens: int = setting(0, env="TOKENMILL_NUM_SPECULATIVE_TOKENS")
+    """Most draft tokens per sequence per step, 0 = no speculative decoding; needs --drafter-address (a request may
+    ask for fewer or none; the drafter caps it too)."""
+    spec_adaptive: bool = setting(True, env="TOKENMILL_SPEC_ADAPTIVE")
+    """Adapt each request's draft count to its acceptance rate, down to 0 when drafts do not pay (off = always
+    num_speculative_tokens)."""
+    spec_min_acceptance: float = setting(0.3, env="TOKENMILL_SPEC_MIN_ACCEPTANCE")
+    """Adaptive k: the i-th draft is sent while the request's acceptance rate to the power i is at least this (lower =
+    longer drafts)."""
+    spec_draft_deadline_ms: float = setting(50.0, env="TOKENMILL_SPEC_DRAFT_DEADLINE_MS")
+    """How long a step waits for the drafter's proposals; later ones are dropped and the step runs without drafts."""
     limits: SchedulerLimits = embedded(SchedulerLimits, env_prefix="TOKENMILL_")
-    max_prompt_chars: int = setting(0, "longest text prompt accepted, in characters (0 = 32 per token of the model's "
-                                    "context, checked before the text is tokenized)", "TOKENMILL_MAX_PROMPT_CHARS")
-    max_waiting_per_tenant: int = setting(0,
-                                          "requests one tenant may have queued (not yet producing output); beyond it "
-                                          "RESOURCE_EXHAUSTED. 0 = with --auth-tokens-file, max_waiting_requests "
-                                          "shared equally among up to 4 tenants (none without it); -1 = only the "
-                                          "overall max_waiting_requests", "TOKENMILL_MAX_WAITING_PER_TENANT")
-    grammar_compile_workers: int = setting(2, "child processes that compile structured outputs (a grammar that crashes "
-                                           "the grammar library kills one of them, never the scheduler)",
-                                           "TOKENMILL_GRAMMAR_COMPILE_WORKERS")
-    grammar_compiles_per_tenant: int = setting(1, "compile workers one tenant may hold at once (the others wait); "
-                                               "without --auth-tokens-file every client is one tenant",
-                                               "TOKENMILL_GRAMMAR_COMPILES_PER_TENANT")
-    grammar_compile_timeout_s: float = setting(5.0, "longest a structured output may take to compile; a slower one is "
-                                               "refused with INVALID_ARGUMENT and its worker restarted",
-                                               "TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S")
-    connect_timeout_s: float = setting(60.0, "how long to wait for the executor and tokenizers at start",
-                                       "TOKENMILL_CONNECT_TIMEOUT_S")
-    auth_tokens_file: str = setting("", "JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; "
-                                    "clients then send 'authorization: Bearer TOKEN' (empty = no authentication)",
-                                    "TOKENMILL_AUTH_TOKENS_FILE", path=True)
-    profile_window_s: float = setting(60.0, "sliding window of the latency profile (GetProfile), seconds",
-                                      "TOKENMILL_PROFILE_WINDOW_S")
-    profile_capacity: int = setting(DEFAULT_CAPACITY,
-                                    "finished-request samples GetProfile keeps: a ring allocated at start (40 bytes "
-                                    "a sample); a window in which more requests finished is answered over the newest "
-                                    "ones and its window_seconds says the span", "TOKENMILL_PROFILE_CAPACITY")
+    max_prompt_chars: int = setting(0, env="TOKENMILL_MAX_PROMPT_CHARS")
+    """Longest text prompt accepted, in characters (0 = 32 per token of the model's context, checked before the text
+    is tokenized)."""
+    max_waiting_per_tenant: int = setting(0, env="TOKENMILL_MAX_WAITING_PER_TENANT")
+    """Requests one tenant may have queued (not yet producing output); beyond it RESOURCE_EXHAUSTED. 0 = with
+    --auth-tokens-file, max_waiting_requests shared equally among up to 4 tenants (none without it); -1 = only the
+    overall max_waiting_requests."""
+    grammar_compile_workers: int = setting(2, env="TOKENMILL_GRAMMAR_COMPILE_WORKERS")
+    """Child processes that compile structured outputs (a grammar that crashes the grammar library kills one of them,
+    never the scheduler)."""
+    grammar_compiles_per_tenant: int = setting(1, env="TOKENMILL_GRAMMAR_COMPILES_PER_TENANT")
+    """Compile workers one tenant may hold at once (the others wait); without --auth-tokens-file every client is one
+    tenant."""
+    grammar_compile_timeout_s: float = setting(5.0, env="TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S")
+    """Longest a structured output may take to compile; a slower one is refused with INVALID_ARGUMENT and its worker
+    restarted."""
+    connect_timeout_s: float = setting(60.0, env="TOKENMILL_CONNECT_TIMEOUT_S")
+    """How long to wait for the executor and tokenizers at start."""
+    auth_tokens_file: str = setting("", env="TOKENMILL_AUTH_TOKENS_FILE", path=True)
+    """JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; clients then send 'authorization:
+    Bearer TOKEN' (empty = no authentication)."""
+    profile_window_s: float = setting(60.0, env="TOKENMILL_PROFILE_WINDOW_S")
+    """Sliding window of the latency profile (GetProfile), seconds."""
+    profile_capacity: int = setting(DEFAULT_CAPACITY, env="TOKENMILL_PROFILE_CAPACITY")
+    """finished-request samples GetProfile keeps: a ring allocated at start (40 bytes a sample); a window in which
+    more requests finished is answered over the newest ones and its window_seconds says the span."""
 
     def speculation(self) -> SpeculationConfig:
         return SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens, adaptive=self.spec_adaptive,

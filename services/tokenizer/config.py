@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.service_config import model_field, service_process_fields
+from services.common.settings import setting
 from services.tokenizer.text_tokenizer import read_chat_template_option
 
 DEFAULT_PORT = 50052
@@ -15,14 +16,12 @@ class TokenizerConfig(service_process_fields("tokenizer", DEFAULT_PORT, internal
     """tokenmill tokenizer: text <-> token ids, chat templates and streaming detokenization."""
 
     model: str = model_field("model directory holding tokenizer.json (and tokenizer_config.json)")
-    chat_template_timeout_s: float = field(default=2.0, metadata={
-        "help": "longest a chat template may take to render one conversation; past it the call is interrupted "
-                "and answered DEADLINE_EXCEEDED (a template is code shipped with the model)",
-        "env": "TOKENMILL_TOKENIZER_CHAT_TEMPLATE_TIMEOUT_S"})
-    chat_template: str = field(default="", metadata={
-        "help": "chat template to render conversations with, replacing the model's (or standing in for none): a "
-                "Jinja file's path, or the template's text inline (holding {{ or {%); empty = the model's own",
-        "env": "TOKENMILL_TOKENIZER_CHAT_TEMPLATE"})
+    chat_template_timeout_s: float = setting(2.0, env="TOKENMILL_TOKENIZER_CHAT_TEMPLATE_TIMEOUT_S")
+    """Longest a chat template may take to render one conversation; past it the call is interrupted and answered
+    DEADLINE_EXCEEDED (a template is code shipped with the model)."""
+    chat_template: str = setting("", env="TOKENMILL_TOKENIZER_CHAT_TEMPLATE")
+    """Chat template to render conversations with, replacing the model's (or standing in for none): a Jinja file's
+    path, or the template's text inline (holding {{ or {%); empty = the model's own."""
 
     def validate(self) -> None:
         if not self.chat_template_timeout_s > 0:

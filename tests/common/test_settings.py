@@ -236,23 +236,33 @@ def test_an_embedded_default_instance_gives_the_defaults_and_an_empty_prefix_no_
 
 @dataclass(frozen=True)
 class _Declared:
-    limit: int = setting(4, "most things at once", "TEST_DECLARED_LIMIT")
-    root: str = setting("", "a directory", path=True)
-    names: tuple[str, ...] = setting(default_factory=lambda: ("a", "b"), help="names, comma-separated")
+    limit: int = setting(4, env="TEST_DECLARED_LIMIT")
+    """Most things
+    at once."""
+    root: str = setting("", path=True)
+    """A directory."""
+    names: tuple[str, ...] = setting(default_factory=lambda: ("a", "b"), choices=("a", "b", "x", "y"))
+    """Names, comma-separated."""
 
 
-def test_setting_declares_help_env_and_extra_metadata_once(capsys: pytest.CaptureFixture[str],
-                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setting_declares_env_and_extra_metadata_once_with_its_docstring_as_help(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     config = parse_config(_Declared, ["--root", "sub", "--names", "x,y"], env={"TEST_DECLARED_LIMIT": "7"})
     assert config == _Declared(limit=7, root=str(tmp_path / "sub"), names=("x", "y"))
     with pytest.raises(SystemExit):
         parse_config(_Declared, ["--help"], env={})
-    out = capsys.readouterr().out
-    assert "most things at once (default: 4; env: TEST_DECLARED_LIMIT)" in " ".join(out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Most things at once. (default: 4; env: TEST_DECLARED_LIMIT)" in out
+    assert "Names, comma-separated. (default: a,b; choices: a, b, x, y)" in out
     assert _Declared().names == ("a", "b")
+
+
+def test_setting_refuses_a_help_argument() -> None:
+    with pytest.raises(TypeError, match="docstring"):
+        setting(1, help="most things")
 
 
 def test_setting_refuses_a_mutable_default() -> None:
     with pytest.raises(TypeError, match="use a tuple"):
-        setting([1, 2], "a list")
+        setting([1, 2])

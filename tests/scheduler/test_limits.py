@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.common.settings import parse_config, to_argv
+from services.common.settings import field_help, parse_config, to_argv
 from services.common.step import ExecutorInfo
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.core import Scheduler, SchedulerConfig, SchedulerLimits
@@ -108,14 +108,15 @@ def test_every_limit_is_a_service_flag_with_its_env_variable_and_help(capsys: py
     with pytest.raises(SystemExit):
         parse_config(SchedulerServiceConfig, ["--help"], env={})
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
-    assert "most sequences running at once (default: 256; env: TOKENMILL_MAX_NUM_SEQS)" in text
-    assert "--enable-prefix-caching, --no-enable-prefix-caching reuse K/V of shared prompt prefixes " \
-           "(default: true; env: TOKENMILL_ENABLE_PREFIX_CACHING)" in text
+    assert "Most requests running at once (holding blocks, known to the executor). " \
+           "(default: 256; env: TOKENMILL_MAX_NUM_SEQS)" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching Reuse the K/V of full blocks whose token prefix " \
+           "was computed before. (default: true; env: TOKENMILL_ENABLE_PREFIX_CACHING)" in text
     for f in dataclasses.fields(SchedulerLimits):
         flag, env = FLAGS[f.name]
         default = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
         assert f"{flag} " in text
-        assert f"{f.metadata['help']} (default: {default}; env: {env})" in text
+        assert f"{field_help(SchedulerLimits, f)} (default: {default}; env: {env})" in text
 
 
 def test_flags_over_env_over_the_limits_defaults():

@@ -26,16 +26,19 @@ SPEC_FIELDS = {f.name for f in fields(SimSpec)}
 class SimulatorConfig:
     """tokenmill engine simulator: the Generation API over simulated engines with configured latency."""
 
-    engines: str = setting("", "JSON list of engine specs, or the path of a file holding one (see the module's doc)",
-                           "TOKENMILL_SIM_ENGINES")
-    host: str = setting("127.0.0.1", "interface to listen on", "TOKENMILL_SIM_HOST")
-    ports_file: str = setting("", "write {name: port} as JSON here once every engine serves",
-                              "TOKENMILL_SIM_PORTS_FILE", path=True)
-    http_ports_file: str = setting("",
-                                   "also serve each engine's OpenAI-compatible HTTP API (simulator/http_api.py) and "
-                                   "write {name: http port} as JSON here", "TOKENMILL_SIM_HTTP_PORTS_FILE", path=True)
-    profile_window_s: float = setting(60.0, "default window of GetProfile, seconds", "TOKENMILL_SIM_PROFILE_WINDOW_S")
-    log_level: str = setting("warning", "least severe log level written", "TOKENMILL_SIM_LOG_LEVEL")
+    engines: str = setting("", env="TOKENMILL_SIM_ENGINES")
+    """JSON list of engine specs, or the path of a file holding one (see the module's doc)."""
+    host: str = setting("127.0.0.1", env="TOKENMILL_SIM_HOST")
+    """Interface to listen on."""
+    ports_file: str = setting("", env="TOKENMILL_SIM_PORTS_FILE", path=True)
+    """Write {name: port} as JSON here once every engine serves."""
+    http_ports_file: str = setting("", env="TOKENMILL_SIM_HTTP_PORTS_FILE", path=True)
+    """Also serve each engine's OpenAI-compatible HTTP API (simulator/http_api.py) and write {name: http port} as JSON
+    here."""
+    profile_window_s: float = setting(60.0, env="TOKENMILL_SIM_PROFILE_WINDOW_S")
+    """Default window of GetProfile, seconds."""
+    log_level: str = setting("warning", env="TOKENMILL_SIM_LOG_LEVEL")
+    """Least severe log level written."""
 
     def specs(self) -> list[SimSpec]:
         text = self.engines

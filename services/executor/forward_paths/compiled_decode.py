@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class CompiledDecodeSettings:
-    compile: bool = setting(False, "CPU: compile the decode step with torch.compile (slower start-up)")
-    """Start-up pays the compilation; outputs may differ from the eager path's in the last bits
+    compile: bool = setting(False)
+    """CPU: compile the decode step with torch.compile (slower start-up).
+
+    Start-up pays the compilation; outputs may differ from the eager path's in the last bits
     of the logits."""
 
 

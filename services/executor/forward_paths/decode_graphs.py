@@ -32,13 +32,16 @@ per-step lengths beyond AttentionMetadata's bucketed fields."""
 
 @dataclass(frozen=True, slots=True)
 class DecodeGraphSettings:
-    enforce_eager: bool = setting(False, "CUDA: run every step eagerly (no CUDA graphs for decode)")
-    cuda_graph_max_batch_size: int = setting(
-        128, "CUDA: largest decode batch captured as a graph; larger batches run eagerly")
-    """Buckets 1, 2, 4, 8, then steps of 8 up to it."""
-    padded_decode_on_cpu: bool = setting(
-        False, "testing aid: run CPU decode steps through the CUDA-graph path's padded buffers")
-    """Eagerly (there is nothing to capture on a CPU), so the path is tested without a GPU."""
+    enforce_eager: bool = setting(False)
+    """CUDA: run every step eagerly (no CUDA graphs for decode)."""
+    cuda_graph_max_batch_size: int = setting(128)
+    """CUDA: largest decode batch captured as a graph; larger batches run eagerly.
+
+    Buckets 1, 2, 4, 8, then steps of 8 up to it."""
+    padded_decode_on_cpu: bool = setting(False)
+    """Testing aid: run CPU decode steps through the CUDA-graph path's padded buffers.
+
+    Eagerly (there is nothing to capture on a CPU), so the path is tested without a GPU."""
 
 
 class DecodeGraphsPath(ForwardPath):

@@ -41,14 +41,16 @@ CPU_DECODE_MODES = ("auto", "fused", "eager")
 
 @dataclass(frozen=True, slots=True)
 class FusedDecodeSettings:
-    cpu_decode: str = setting(
-        "auto", "CPU decode steps: auto (small fp32 and quantized models in one C++ call, else eager), fused or eager")
-    """auto: the fused step where the model qualifies, else eager; fused: the same, and an
+    cpu_decode: str = setting("auto")
+    """CPU decode steps: auto (small fp32 and quantized models in one C++ call, else eager), fused or eager.
+
+    auto: the fused step where the model qualifies, else eager; fused: the same, and an
     error when the model does not qualify; eager: the PyTorch forward."""
-    cpu_fused_max_tokens: int = setting(
-        64, "CPU, fused step in use: steps with prompt or draft tokens run fused up to this many new tokens "
-            "(0 = decode-only steps alone)")
-    """Each token a row reading the paged cache up to its own position. 64: past it the largest
+    cpu_fused_max_tokens: int = setting(64)
+    """CPU, fused step in use: steps with prompt or draft tokens run fused up to this many new tokens (0 =
+    decode-only steps alone).
+
+    Each token a row reading the paged cache up to its own position. 64: past it the largest
     fp32 model the fused step takes runs faster eagerly (docs/benchmarks.md); stories260K runs
     2-9x faster fused up to there. A quantized model runs fused up to 8 times as many
     (services/runtime/model/fused_decode.py, QUANTIZED_STEP_FACTOR)."""

@@ -29,33 +29,31 @@ MAX_SCHEDULER_STEPS = 64
 class SchedulerLimits:
     """The operator's limits and switches. Checked by ``validate``, once, when the core starts."""
 
-    max_num_seqs: int = setting(256, "most sequences running at once")
+    max_num_seqs: int = setting(256)
     """Most requests running at once (holding blocks, known to the executor)."""
-    max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = setting(2048)
     """Token budget of one step: sum of num_scheduled_tokens over the plan. ``for_executor``
     raises it to max_num_seqs when below, so every running sequence can decode in a step."""
-    max_waiting_requests: int = setting(4096, "waiting queue bound; beyond it Generate returns RESOURCE_EXHAUSTED")
+    max_waiting_requests: int = setting(4096)
     """Most requests waiting to start; beyond it add_request raises QueueFullError."""
-    max_grammar_bytes: int = setting(65536,
-                                     "largest structured output accepted (JSON schema, regex, choices or grammar), "
-                                     "in bytes")
+    max_grammar_bytes: int = setting(65536)
     """A request's structured output (its JSON schema text, regex, choices or Lark grammar) may
     be this long in UTF-8; a longer one is refused at admission (INVALID_ARGUMENT naming it)."""
-    enable_prefix_caching: bool = setting(True, "reuse K/V of shared prompt prefixes")
+    enable_prefix_caching: bool = setting(True)
     """Reuse the K/V of full blocks whose token prefix was computed before."""
-    enable_chunked_prefill: bool = setting(True, "split long prompts over steps")
+    enable_chunked_prefill: bool = setting(True)
     """Split a prompt over several steps when it does not fit the remaining token budget.
     Off: a prompt is scheduled whole or waits for a step with room for all of it."""
-    long_prefill_token_threshold: int = setting(0, "most tokens one request computes in a step (0 = no cap)")
+    long_prefill_token_threshold: int = setting(0)
     """Most tokens one request may compute in a step (long prompts then share steps with
     decodes instead of taking the whole budget); 0 = no per-request cap."""
-    overlap_scheduling: bool = setting(True, "plan the next step while the executor runs the current one")
+    overlap_scheduling: bool = setting(True)
     """Let the scheduler plan step N+1 while the executor runs step N (two steps in flight),
     so the executor does not wait for the scheduler's round trip and bookkeeping. A stop is
     then seen one step late and the extra token dropped. The services and the in-process
     engine (whose model runs on a worker thread) run the same loop. Off: one step at a time."""
 
-    num_scheduler_steps: int = setting(16, "most decode steps a plan asks for while nothing waits (1 = off)")
+    num_scheduler_steps: int = setting(16)
     """Multi-step scheduling: while no request waits to start, a plan of decodes asks the
     executor for up to this many tokens per sequence, each fed back in on the executor's side,
     so the per-step round trip (planning, messages, output processing) is paid once per burst.
@@ -64,17 +62,14 @@ class SchedulerLimits:
     and a request arriving meanwhile waits for the burst to end. Requests that speculate or
     have stop strings (whose text is checked after every token) always run one step. 1 = off."""
 
-    multi_step_max_delay_ms: float = setting(4.0,
-                                             "most a burst of decode steps may hold a token back, in ms; bursts are "
-                                             "sized from the measured step time (0 = always the most steps)")
+    multi_step_max_delay_ms: float = setting(4.0)
     """The length of a burst follows the executor's measured time for a decode step: 1 +
     floor(this / step time), at most num_scheduler_steps (services/scheduler/core/burst.py).
     Where a step is cheap next to the round trip (a small model, a fast GPU) bursts are long;
     where a step takes longer than this, there are none. 0 = every burst is
     num_scheduler_steps long."""
 
-    executor_wait_s: float = setting(30.0, "how long requests wait for an executor to come back when none is left, in "
-                                     "seconds (0 = they end at once with an error)")
+    executor_wait_s: float = setting(30.0)
     """When an executor is lost its requests move to the others (recomputing what they lost)
     and their streams go on. When none is left they wait this long for one to come back (a
     restarted executor) before ending with Finished (error); a client's own deadline still
