@@ -129,7 +129,7 @@ def all_reduce_alone(rank: int, port: int, shapes: list[tuple[int, int]], calls:
     from services.runtime.parallel.collectives import RankGroups
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
-    groups = RankGroups.join(store, rank, 2, torch.device("cpu"), all_reduce="shm")
+    groups = RankGroups.join(store, rank, 2, torch.device("cpu"), all_reduce="shm", secret=bytes(32))
     out: dict[str, dict[str, float]] = {"gloo": {}, "shm": {}}
     for name in out:
         reduce = (lambda t: groups.reduce.allreduce([t]).wait()) if name == "gloo" else groups.shm.all_reduce

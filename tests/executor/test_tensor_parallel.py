@@ -186,6 +186,11 @@ def test_a_killed_rank_fails_the_step_with_its_reason():
         assert stat.S_IMODE(os.stat(store_dir).st_mode) == 0o700
         generate(runner, 2)
         (pid,) = runner.parallel.pids
+        # The rank proved the launch's secret (it joined); it got it on stdin, not where others read.
+        secret = runner.parallel._secret
+        assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert secret.hex() not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+        assert all(secret not in f.read_bytes() for f in Path(store_dir).iterdir() if f.is_file())
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TensorParallelError, match=f"tensor-parallel rank 1 \\(pid {pid}\\) was killed by signal 9"):
             runner.execute(StepPlan(9, running=[RunningSequence(i, 1) for i in range(len(PROMPTS))]))

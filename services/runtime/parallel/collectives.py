@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.runtime.model.attention.base import AttentionMetadata
+from services.runtime.parallel.pair_auth import authenticate
 from services.runtime.parallel.shared_memory import SharedMemoryReducer
 from services.runtime.step_inputs import unpack_step_inputs
 
@@ -81,12 +82,14 @@ class RankGroups:
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world: int, device: torch.device,
-             all_reduce: str = "auto") -> "RankGroups":
-        """Blocks until every rank has joined (each construction is a rendezvous over the store)."""
+             all_reduce: str = "auto", *, secret: bytes) -> "RankGroups":
+        """Blocks until every rank has joined (each construction is a rendezvous over the store);
+        every gloo connection then proves ``secret``, the launch's (pair_auth.py)."""
         if all_reduce not in ALL_REDUCE_BACKENDS:
             raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(ALL_REDUCE_BACKENDS)}, "
                              f"got {all_reduce!r}")
         step = _gloo(store, "step", rank, world, IDLE_TIMEOUT)
+        authenticate(step, "step", rank, world, secret)
         if device.type == "cuda":
             if all_reduce != "auto":
                 raise ValueError(f"tensor_parallel_all_reduce {all_reduce!r} sums CPU tensors; on {device} the "
@@ -98,6 +101,7 @@ class RankGroups:
             reduce = dist.ProcessGroupNCCL(dist.PrefixStore("reduce", store), rank, world, options)
         else:
             reduce = _gloo(store, "reduce", rank, world, REDUCE_TIMEOUT)
+            authenticate(reduce, "reduce", rank, world, secret)
         groups = cls(rank, world, step, reduce)
         if all_reduce != "gloo":
             segment = SharedMemoryReducer.join(store, rank, world, groups.min_int, REDUCE_TIMEOUT.total_seconds(),

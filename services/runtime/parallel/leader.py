@@ -6,8 +6,9 @@ started before rank 0 loads its own shard so that all load at once. They meet at
 in a directory private to the executor's user (mode 0700, removed at close), not at a TCPStore:
 torch.distributed's TCPStore takes no credentials and lists its keys to anyone who connects on
 loopback, who could then read the shared-memory segment's path or write the rendezvous keys
-(gloo's addresses) before the ranks do. A file store is reached only through its directory. A rank that exits while the executor runs
-is a lost executor: the watcher logs which rank and how it ended, calls the ``on_lost``
+(gloo's addresses) before the ranks do. A file store is reached only through its directory, and
+each gloo connection of the group proves a secret made here at launch (pair_auth.py). A rank
+that exits while the executor runs is a lost executor: the watcher logs which rank and how it ended, calls the ``on_lost``
 callbacks (the executor service ends its process there), and every later step raises
 TensorParallelError with that reason, as does the step that was waiting on it. So does a step
 that fails on rank 0 itself (``lose``): the other ranks may be inside that step's collectives,
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.parallel.collectives import STEP, RankGroups
+from services.runtime.parallel.pair_auth import new_secret
 from services.runtime.parallel.rank import RankSpec
 
 _log = structlog.get_logger("tokenmill.parallel")
@@ -73,11 +75,16 @@ class TensorParallelLeader:
         self._closing = False
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[str], None]] = []
-        self._procs = [
-            subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
-                              specs(rank, store_path).to_json()])
-            for rank in range(1, world)
-        ]
+        self._secret = new_secret()
+        """Every gloo connection of the group proves it (pair_auth.py); the ranks read it from
+        their stdin, where no other process can."""
+        self._procs = []
+        for rank in range(1, world):
+            proc = subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
+                                     specs(rank, store_path).to_json()], stdin=subprocess.PIPE)
+            proc.stdin.write(self._secret)
+            proc.stdin.close()
+            self._procs.append(proc)
         atexit.register(self._kill)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True).start()
@@ -141,7 +148,7 @@ class TensorParallelLeader:
                     raise TensorParallelError(f"tensor-parallel rank {rank} did not load its shard within "
                                               f"{LOAD_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
-        self.groups = RankGroups.join(self.store, 0, self.world, device, all_reduce)
+        self.groups = RankGroups.join(self.store, 0, self.world, device, all_reduce, secret=self._secret)
         return self.groups
 
     def _raise_if_lost(self, when: str = "") -> None:

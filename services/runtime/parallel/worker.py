@@ -22,6 +22,7 @@ from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.config import ModelConfig, parse_dtype
 from services.runtime.parallel.collectives import CAPTURE, STEP_FUSED, STEP_GRAPHS, RankGroups
 from services.runtime.parallel.leader import open_store
+from services.runtime.parallel.pair_auth import SECRET_BYTES
 from services.runtime.parallel.rank import KV_DTYPES, RankSpec, agree_on_fused_step, blocks_for_budget, load_shard
 from services.runtime.parallel.shard import plan_shards
 from services.runtime.parallel.vocab_head import VocabParallelHead
@@ -37,7 +38,8 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
-def run(spec: RankSpec) -> None:
+def run(spec: RankSpec, secret: bytes) -> None:
+    """``secret``: the launch's, which every connection of the group proves (pair_auth.py)."""
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -51,7 +53,7 @@ def run(spec: RankSpec) -> None:
                                                   spec.kv_cache_bytes, spec.gpu_memory_utilization)
     store = open_store(spec.store_path, spec.world)
     store.set(f"loaded/{spec.rank}", "1")
-    groups = RankGroups.join(store, spec.rank, spec.world, device, spec.all_reduce)
+    groups = RankGroups.join(store, spec.rank, spec.world, device, spec.all_reduce, secret=secret)
     hooks.groups = groups
     blocks = groups.min_int(blocks)
     scratch = 1 if spec.graphs_max_batch_size else 0  # the decode graphs' padding rows write there
@@ -101,7 +103,10 @@ def main(argv: list[str]) -> int:
     # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    run(spec)
+    secret = sys.stdin.buffer.read(SECRET_BYTES)  # rank 0 writes it there, where no other process reads
+    if len(secret) != SECRET_BYTES:
+        raise SystemExit(f"tensor-parallel rank {spec.rank}: rank 0 wrote no secret on stdin")
+    run(spec, secret)
     return 0
 
 

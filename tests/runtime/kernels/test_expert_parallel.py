@@ -83,7 +83,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cp
         torch.cuda.set_device(on)
     for backend in ("shm", "gloo") if on.type == "cpu" else ("nccl",):
         groups = RankGroups.join(dist.PrefixStore(backend, store), rank, world, on,
-                                 "auto" if backend == "nccl" else backend)
+                                 "auto" if backend == "nccl" else backend, secret=bytes(32))
         assert (groups.shm is not None) == (backend == "shm")
         for name, (matrix, shape, dtype) in CASES.items():
             counts = matrix[rank][:world]

@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, mode: str, timeou
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-    groups = RankGroups.join(store, rank, world, torch.device("cpu"), all_reduce="gloo")
+    groups = RankGroups.join(store, rank, world, torch.device("cpu"), all_reduce="gloo", secret=bytes(32))
     shm = SharedMemoryReducer.join(store, rank, world, groups.min_int, timeout_s, required=True)
     results: dict[str, torch.Tensor] = {}
     if mode == "sums":
