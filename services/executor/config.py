@@ -4,9 +4,10 @@ the settings of each forward path.
 ExecutorConfig is the engine's (ModelRunner, the in-process engine), declared once: the
 executor service's ExecutorServiceConfig embeds it whole, so its fields are the service's
 flags (``--block-size``) and TOKENMILL_EXECUTOR_* variables, with the help text given here.
-Each forward path's settings are a field of their own, named for the path
-(``config.fused_decode.cpu_decode``; services/executor/forward_paths/), whose fields are flags
-of their own names too (``--cpu-decode``).
+Each forward path's settings are a plain dataclass of the path's module, composed here as a
+field of their own named for the path (``config.fused_decode.cpu_decode``;
+services/executor/forward_paths/), whose fields are flags of their own names too
+(``--cpu-decode``). ``validate`` runs the executor's checks and then each path's.
 
 Importable without torch: command lines are built from it.
 """
@@ -16,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.service_config import DEFAULT_MODEL_DIR, service_process_fields
-from services.common.settings import embedded
-from services.executor.forward_paths import path_settings, validate_paths
-from services.executor.forward_paths.base import setting
+from services.common.settings import embedded, setting
+from services.executor.forward_paths import validate_paths
+from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
+from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
+from services.executor.forward_paths.fused_decode import FusedDecodeSettings
 from services.runtime.model.attention.names import KV_CACHE_DTYPE_NAMES
 
 ENV_PREFIX = "TOKENMILL_EXECUTOR_"
@@ -32,7 +35,13 @@ TENSOR_PARALLEL_EXPERTS = ("all_to_all", "all_reduce", "replicated")
 
 
 @dataclass(slots=True)
-class ExecutorConfig(path_settings(ENV_PREFIX)):
+class ExecutorConfig:
+    # Each forward path's settings, whole (forward_paths/; one field per path that has settings,
+    # named for it, as FORWARD_PATHS lists them).
+    compiled_decode: CompiledDecodeSettings = embedded(CompiledDecodeSettings, env_prefix=ENV_PREFIX)
+    decode_graphs: DecodeGraphSettings = embedded(DecodeGraphSettings, env_prefix=ENV_PREFIX)
+    fused_decode: FusedDecodeSettings = embedded(FusedDecodeSettings, env_prefix=ENV_PREFIX)
+
     model: str = setting(str(DEFAULT_MODEL_DIR), env="TOKENMILL_MODEL", path=True)
     """A Hugging Face-style model directory (config.json, *.safetensors, tokenizer.json)."""
     dtype: str = setting("auto")

@@ -45,6 +45,10 @@ def test_every_path_with_settings_is_a_field_of_the_config_and_eager_comes_last(
         if path.settings is not None:
             assert isinstance(getattr(ExecutorConfig(), path.name), path.settings)
             assert config_fields[path.name].metadata["env_prefix"] == "TOKENMILL_EXECUTOR_"
+    # Composed, not generated: the config names each path's settings itself and inherits nothing.
+    assert ExecutorConfig.__mro__[1:] == (object,)
+    assert [f.name for f in fields(ExecutorConfig) if f.metadata.get("embedded")] == \
+        [path.name for path in FORWARD_PATHS if path.settings is not None]
     assert FORWARD_PATHS[-1] is EagerPath
     assert len({path.name for path in FORWARD_PATHS}) == len(FORWARD_PATHS)
 

@@ -9,8 +9,8 @@ runs: the compiled step needs plain weights, the decode graphs a scratch KV bloc
 graphs' memory, and the fused step's LM head serves every step.
 
 Adding a path is one file here, a class of ``ForwardPath`` with its settings dataclass, and
-its place in ``FORWARD_PATHS``: its settings become a field of ExecutorConfig named for it,
-so its flags, TOKENMILL_EXECUTOR_* variables and help exist on every command line built from
+its place in ``FORWARD_PATHS``, and its settings a field of ExecutorConfig named for it
+(services/executor/config.py), so its flags, TOKENMILL_EXECUTOR_* variables and help exist on every command line built from
 the config, and its ``validate`` runs with the config's.
 
 The policy (flags, which steps, warm-up) is here because it is the executor's; the torch code
@@ -21,10 +21,8 @@ here imports torch until a path is set up.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
-from services.common.settings import embedded
 from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement
 from services.executor.forward_paths.compiled_decode import CompiledDecodePath
 from services.executor.forward_paths.decode_graphs import DecodeGraphsPath
@@ -38,14 +36,6 @@ FORWARD_PATHS: tuple[type[ForwardPath], ...] = (CompiledDecodePath, DecodeGraphs
 """In priority order. The compiled step and the decode graphs never meet (the first runs on a
 CPU, the second on CUDA or, padded, on a CPU without ``--compile``); the fused step defers to
 both, as before them it did."""
-
-
-def path_settings(env_prefix: str) -> type:
-    """A dataclass base with one field per path that has settings, named for the path and
-    embedding its settings dataclass (flags of their own names, variables ``env_prefix + NAME``)."""
-    fields = [(path.name, path.settings, embedded(path.settings, env_prefix=env_prefix))
-              for path in FORWARD_PATHS if path.settings is not None]
-    return dataclasses.make_dataclass("ForwardPathSettings", fields, slots=True)
 
 
 def validate_paths(config: ExecutorConfig) -> None:
@@ -70,5 +60,5 @@ def set_up_paths(chosen: type[ForwardPath], config: ExecutorConfig, runtime: Pat
     return tuple(paths)
 
 
-__all__ = ["FORWARD_PATHS", "ForwardPath", "PathRuntime", "Placement", "choose_path", "path_settings",
-           "set_up_paths", "validate_paths"]
+__all__ = ["FORWARD_PATHS", "ForwardPath", "PathRuntime", "Placement", "choose_path", "set_up_paths",
+           "validate_paths"]
