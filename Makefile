@@ -28,7 +28,7 @@ GEMMA3_MODEL       := models/gemma3-270m
 # alone: `make runtime REQUIREMENTS=requirements.txt`, see the Dockerfile).
 REQUIREMENTS ?= requirements.txt requirements-test.txt
 
-.PHONY: install runtime proto docs-config run test llama-cpp-background fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors bench-lora clean
+.PHONY: install runtime proto docs-config run test llama-cpp-background fuzz stress bench bench-quick bench-decode bench-peer bench-smollm2 bench-spec bench-gateway bench-executors bench-lora bench-moe clean
 
 install: runtime $(CHAT_MODEL)/config.json $(CHAT_MODEL_Q4)/config.json $(GEMMA3_MODEL)/config.json
 
@@ -179,6 +179,11 @@ $(LLAMA_CPP_STAMP): $(STAMP)
 
 bench-peer: install $(LLAMA_CPP_STAMP)
 	$(PY) -m benchmarks peer
+
+# A random Q4_K mixture-of-experts GGUF (24 layers, 16 experts top-2, hidden 1024) against llama.cpp
+# on the same file and against a dense model of its active parameters, interleaved (benchmarks/moe.py)
+bench-moe: install $(LLAMA_CPP_STAMP)
+	$(PY) -m benchmarks moe
 
 # The peer benchmark as an AVX2-only CPU runs it, on any x86 machine: llama.cpp built for AVX2
 # (FMA, F16C, BMI2; no AVX-512, no AVX-VNNI) into its own directory, tokenmill's kernels built

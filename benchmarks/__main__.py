@@ -42,6 +42,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "lora-serving": ("benchmarks.lora_serving",
                      "8 LoRA adapters mixed over 32 streams against the base, one adapter's stream, an adapter "
                      "loaded while streams run (make bench-lora)"),
+    "moe": ("benchmarks.moe", "a random Q4_K mixture-of-experts GGUF against llama.cpp on the same file and against "
+                              "a dense model of its active parameters (make bench-moe)"),
     "gpu": ("benchmarks.gpu_check", "one-shot check of the Triton kernels and the stack on a GPU"),
 }
 """The runs: name -> (module, what it measures)."""

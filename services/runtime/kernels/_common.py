@@ -28,6 +28,20 @@ STEP_METADATA_POINTERS = ("block_tables_ptr", "context_lens_ptr", "query_start_l
 NOT_SPECIALIZED = {"do_not_specialize": STEP_LENGTH_INTS, "do_not_specialize_on_alignment": STEP_METADATA_POINTERS}
 """``@triton.jit(**NOT_SPECIALIZED)``: names a kernel does not have are ignored."""
 
+
+def check_devices(anchor: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    """ValueError naming the first of ``tensors`` not on ``device`` (the ``anchor`` argument's)."""
+    for name, tensor in tensors.items():
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on {device} with {anchor}, got {tensor.device}")
+
+
+def check_unit_last_stride(**tensors: torch.Tensor) -> None:
+    """ValueError naming the first of ``tensors`` whose last dimension is not contiguous (a kernel's row loads)."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride, got strides {tensor.stride()}")
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -122,9 +136,7 @@ def check_paged_attention_inputs(
             or not context_lens.is_contiguous()):
         raise ValueError(f"context_lens must be contiguous int32 [{num_seqs}], got {context_lens.dtype} "
                          f"{tuple(context_lens.shape)}")
-    for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if tensor.device != q.device:
-            raise ValueError(f"{name} must be on {q.device}, got {tensor.device}")
+    check_devices("q", q.device, block_tables=block_tables, context_lens=context_lens)
     capacity = block_tables.shape[1] * k_cache.shape[1]
     if not 1 <= max_context_len <= capacity:
         raise ValueError(f"max_context_len must be in [1, {capacity}] (block table width x block size), "

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import FLOAT_DTYPES, dot, dot_flags, round_up
+from services.runtime.kernels._common import (FLOAT_DTYPES, check_devices, check_unit_last_stride, dot, dot_flags,
+                                              round_up)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -56,10 +57,7 @@ def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation) -> N
     if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be float {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
                          f"{tuple(topk_weights.shape)}")
-    for name, tensor in (("w_gate_up", w_gate_up), ("w_down", w_down), ("topk_weights", topk_weights),
-                         ("topk_ids", topk_ids)):
-        if tensor.device != x.device:
-            raise ValueError(f"{name} must be on {x.device}, got {tensor.device}")
+    check_devices("x", x.device, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
 def _activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
@@ -248,9 +246,7 @@ def fused_moe_triton(
     if x.dtype not in FLOAT_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(f"x, w_gate_up and w_down must share one of float16, bfloat16, float32, got "
                          f"{x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
-    for name, tensor in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit last stride, got strides {tensor.stride()}")
+    check_unit_last_stride(x=x, w_gate_up=w_gate_up, w_down=w_down)
     num_tokens, hidden = x.shape
     num_experts, intermediate = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]

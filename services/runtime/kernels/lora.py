@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.runtime.kernels._common import FLOAT_DTYPES
+from services.runtime.kernels._common import FLOAT_DTYPES, check_devices, check_unit_last_stride
 
 _log = structlog.get_logger("tokenmill.kernels")
 
@@ -83,18 +83,19 @@ def check_lora_inputs(
                          f"{tuple(row_slots.shape)}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != (num_slots,):
         raise ValueError(f"scales must be float32 [{num_slots}], got {scales.dtype} {tuple(scales.shape)}")
-    for name, tensor in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b), ("row_slots", row_slots),
-                         ("scales", scales)):
-        if tensor.device != y.device:
-            raise ValueError(f"{name} must be on {y.device} with y, got {tensor.device}")
+    check_devices("y", y.device, x=x, lora_a=lora_a, lora_b=lora_b, row_slots=row_slots, scales=scales)
+
+
+def slot_error(row_slots: torch.Tensor, bad: int, num_slots: int) -> ValueError:
+    """The refusal of ``row_slots[bad]``, outside [-1, num_slots) (the checks' and the CPU kernel's)."""
+    return ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in [0, {num_slots})")
 
 
 def check_slot_values(row_slots: torch.Tensor, num_slots: int) -> None:
     """Every entry of row_slots is -1 or a slot in [0, num_slots)."""
     if row_slots.numel() and (int(row_slots.min()) < -1 or int(row_slots.max()) >= num_slots):
         bad = int(((row_slots < -1) | (row_slots >= num_slots)).nonzero()[0, 0])
-        raise ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in "
-                         f"[0, {num_slots})")
+        raise slot_error(row_slots, bad, num_slots)
 
 
 def lora_reference(
@@ -149,8 +150,7 @@ def lora_apply(
         if ops is not None:
             bad = ops.lora_apply(y, x, lora_a, lora_b, row_slots, scales, list(out_splits or [y.shape[1]]))
             if bad >= 0:
-                raise ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in "
-                                 f"[0, {lora_a.shape[0]})")
+                raise slot_error(row_slots, bad, lora_a.shape[0])
             return y
     return lora_reference(y, x, lora_a, lora_b, row_slots, scales, out_splits)
 
@@ -192,8 +192,7 @@ class LoraStack:
                 and x.device.type == y.device.type == row_slots.device.type == "cpu"):
             bad = _cpu_ops().lora_apply(y, x, a, self.lora_b, row_slots, self.scales, self._splits)
             if bad >= 0:
-                raise ValueError(f"row_slots[{bad}] = {int(row_slots[bad])} must be -1 (no adapter) or a slot in "
-                                 f"[0, {a.shape[0]})")
+                raise slot_error(row_slots, bad, a.shape[0])
             return y
         return lora_apply(y, x, a, self.lora_b, row_slots, self.scales, self.out_splits)
 
@@ -310,8 +309,7 @@ def lora_triton(
     out_splits: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (CUDA, or the interpreter on the CPU); inputs as ``lora_apply``'s."""
-    if x.stride(-1) != 1 or y.stride(-1) != 1:
-        raise ValueError(f"x and y need a unit last stride, got {x.stride()} and {y.stride()}")
+    check_unit_last_stride(x=x, y=y)
     num_slots, rank, in_features = lora_a.shape
     if rank > MAX_RANK:
         raise ValueError(f"the adapters' rank must be <= {MAX_RANK}, got {rank}")
