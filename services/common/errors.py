@@ -68,6 +68,12 @@ class NotFoundError(TokenmillError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExistsError(TokenmillError):
+    """The name asked for is taken (an adapter loaded under it)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ResourceExhaustedError(TokenmillError):
     """A capacity limit was hit (queue full, a tenant's token budget spent).
 
@@ -108,8 +114,8 @@ class DeadlineExceededError(TokenmillError):
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[TokenmillError]] = {
     cls.code: cls
-    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, DeadlineExceededError,
-                UnauthenticatedError, PermissionDeniedError)
+    for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError, UnavailableError,
+                DeadlineExceededError, UnauthenticatedError, PermissionDeniedError)
 }
 
 

@@ -5,10 +5,12 @@
     [{"token": "s3cret-a", "tenant": "team-a"},
      {"token": "s3cret-b", "tenant": "team-b", "models": ["stories260K"], "max_priority": 0,
       "tokens_per_minute": 20000, "cache_group": "research"},
-     {"token": "s3cret-gw", "tenant": "gateway", "may_set_fairness_key": true}]
+     {"token": "s3cret-gw", "tenant": "gateway", "may_set_fairness_key": true},
+     {"token": "s3cret-ops", "tenant": "ops", "admin": true}]
 
 Clients send ``authorization: Bearer TOKEN`` metadata on every Generation call. No token or an
-unknown one is UNAUTHENTICATED; a tenant asking for what it may not (a model it is not given, a
+unknown one is UNAUTHENTICATED (on the Admin service too, where a tenant without ``"admin": true``
+is PERMISSION_DENIED); a tenant asking for what it may not (a model it is not given, a
 priority more urgent than ``max_priority``, more than ``tokens_per_minute``) is
 PERMISSION_DENIED or RESOURCE_EXHAUSTED. Health and reflection stay open: load balancers and
 grpcurl need them, and they reveal nothing a tenant could misuse.
@@ -41,7 +43,8 @@ from services.scheduler.token_budget import TokenBudget
 
 _log = structlog.get_logger("tokenmill.scheduler.auth")
 
-PROTECTED_SERVICE = "tokenmill.v1.Generation"
+PROTECTED_SERVICES = ("tokenmill.v1.Generation", "tokenmill.v1.Admin")
+"""The services a call needs a token for (Admin also needs an admin tenant: admin_servicer.py)."""
 MAX_TOKEN_CHARS = 4096
 
 current_tenant: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("tokenmill_tenant", default=None)
@@ -66,6 +69,9 @@ class Tenant:
     """Trusted to split its share between its own clients (GenerateRequest.fairness_key, the
     gateway's API keys): each key is then scheduled as a tenant of its own. Off by default: a
     tenant naming fresh keys would otherwise outnumber the others."""
+    admin: bool = False
+    """May call the Admin service (load and unload LoRA adapters for every tenant). Off by
+    default: an adapter changes what every tenant naming it is served."""
 
     @property
     def cache_scope(self) -> str:
@@ -169,7 +175,7 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object")
         unknown = set(item) - {"token", "tenant", "models", "max_priority", "tokens_per_minute", "cache_group",
-                               "may_set_fairness_key"}
+                               "may_set_fairness_key", "admin"}
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
         token, name = item.get("token"), item.get("tenant")
@@ -193,8 +199,11 @@ def load_auth_tokens(path: str | Path) -> AuthTable:
         trusted = item.get("may_set_fairness_key", False)
         if not isinstance(trusted, bool):
             raise ValueError(f"{where}: may_set_fairness_key must be true or false, got {trusted!r}")
+        admin = item.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false, got {admin!r}")
         entries.append((token.encode(), Tenant(name, None if models is None else tuple(models), max_priority,
-                                              tokens_per_minute, cache_group, trusted)))
+                                              tokens_per_minute, cache_group, trusted, admin)))
     return AuthTable(entries)
 
 
@@ -246,7 +255,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{PROTECTED_SERVICE}/"):
+        if handler is None or not details.method.startswith(tuple(f"/{name}/" for name in PROTECTED_SERVICES)):
             return handler
         token = bearer_token(details.invocation_metadata)
         tenant = self.table.authenticate(token) if token else None

@@ -5,8 +5,12 @@ The servicer (servicer.py) calls these and nothing past it sees a protobuf messa
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import PurePath
 
+from services.common.adapters import AdapterInfo
+from services.common.codec.step_codec import adapter_to_proto
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.common.step import ExecutorInfo
 from services.scheduler.request.delta import GenerationDelta
@@ -92,15 +96,17 @@ def _finished_to_proto(delta: GenerationDelta) -> generation_pb2.Finished:
 
 
 def model_info_to_proto(info: ExecutorInfo, model_name: str, eos_token_ids,
-                        tool_call_format: str = "") -> generation_pb2.ModelInfo:
-    """GetModelInfo's answer; ``tool_call_format``: the tokenizer's chat template's tool syntax."""
+                        tool_call_format: str = "", adapters: Sequence[AdapterInfo] = ()) -> generation_pb2.ModelInfo:
+    """GetModelInfo's answer; ``tool_call_format``: the tokenizer's chat template's tool syntax;
+    ``adapters``: those requests may name (their paths are not told)."""
     msg = generation_pb2.ModelInfo(
         model_name=model_name, model_path=PurePath(info.model).name, architecture=info.architecture,
         vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_kv_blocks=info.num_blocks,
         block_size=info.block_size, dtype=info.dtype, device=info.device,
         attention_backend=info.attention_backend, eos_token_ids=list(eos_token_ids),
         kv_cache_dtype=info.kv_cache_dtype, kv_cache_tokens=info.kv_cache_tokens,
-        kv_cache_bytes=info.kv_cache_bytes, tool_call_format=tool_call_format)
+        kv_cache_bytes=info.kv_cache_bytes, tool_call_format=tool_call_format,
+        adapters=[adapter_to_proto(dataclasses.replace(adapter, path="")) for adapter in adapters])
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     return msg

@@ -10,10 +10,11 @@ import structlog
 
 from services.common.malloc import cap_arenas, trim_when_idle
 from services.common.metrics import request_metrics, scheduler_collector, tenant_metrics
-from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
+from services.common.pb.tokenmill.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.common.server import RunningServer
 from services.common.service_main import announce_serving, internal_secret, registrar, service_main, start_service
 from services.common.tls import ClientTLS
+from services.scheduler.admin_servicer import AdminServicer
 from services.scheduler.admission import Admission, DoorInterceptor, per_tenant_bound
 from services.scheduler.auth import AuthInterceptor, load_auth_tokens, reload_auth
 from services.scheduler.config import SchedulerServiceConfig
@@ -74,8 +75,11 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     # body padded with unknown fields is refused before it is parsed.
     message_bytes = min(config.max_message_bytes, servicer.limits().message_bytes())
     _log.info("public_message_limit", max_message_bytes=message_bytes)
-    running = await start_service(dataclasses.replace(config, max_message_bytes=message_bytes), "scheduler", registrar(
-        servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation"),
+    generation = registrar(servicer, generation_pb2_grpc.add_GenerationServicer_to_server, generation_pb2, "Generation")
+    admin = registrar(AdminServicer(supervisor.adapter_admin), admin_pb2_grpc.add_AdminServicer_to_server, admin_pb2,
+                      "Admin")
+    running = await start_service(dataclasses.replace(config, max_message_bytes=message_bytes), "scheduler",
+                                  lambda server: [*generation(server), *admin(server)],
         interceptors=[RequestRelease()],
         # Authentication first (from metadata, bodies undecoded), so the door's answers (queue
         # full, executor away) reach only callers with a token.

@@ -280,7 +280,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         tokenizer = self.supervisor.tokenizers.info
         return model_info_to_proto(self._executor_info(), self.model_name, self.supervisor.core.eos_token_ids,
-                                   tokenizer.tool_call_format if tokenizer is not None else "")
+                                   tokenizer.tool_call_format if tokenizer is not None else "",
+                                   self.supervisor.core.adapters.all())
 
     async def GetProfile(self, request, context):
         if self.profile is None:

@@ -19,6 +19,7 @@ The engine core (engine/core.py) runs the loop; this keeps its gRPC ports alive:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +30,7 @@ import structlog
 from services.common.errors import UnavailableError
 from services.common.sampling_params import SamplingParams
 from services.common.tls import ClientTLS
+from services.scheduler.adapter_admin import AdapterAdmin
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
@@ -116,6 +118,9 @@ class Supervisor:
                         if backends.drafter_address else None)
         self.core = EngineCore(limits, self.tokenizers.links, drafter=self.drafter, speculation=speculation,
                                clock=clock, on_finished=on_finished, on_executor_lost=self._on_executor_lost)
+        self.adapter_admin = AdapterAdmin(self.core.adapters, lambda: [
+            lane.port for lane in self.core.lanes.values() if lane.port.connected and hasattr(lane.port, "load_adapter")])
+        """Adapters loaded and unloaded while serving, on every executor (adapter_admin.py)."""
         self._tasks: list[asyncio.Task] = []
         self._reconnecting: dict[str, asyncio.Task] = {}
         self._tokenizer_reconnects: dict[int, asyncio.Task] = {}
@@ -140,6 +145,7 @@ class Supervisor:
     async def _connect_executor(self, address: str) -> None:
         link = self.executors[address]
         info = await link.connect(self.connect_timeout_s)
+        info = dataclasses.replace(info, adapters=await self.adapter_admin.replay(link, info.adapters))
         tokenizer_eos = self.tokenizers.info.eos_token_ids if self.tokenizers.info else ()
         info = servable_info(info, self.tokenizers.info.vocab_size if self.tokenizers.info else None)
         self.core.attach(address, link, info, tokenizer_eos)

@@ -43,7 +43,8 @@ def test_tokens_map_to_tenants_and_unknown_ones_to_none(tmp_path):
     ([{"token": "x", "tenant": "a", "tokens_per_minute": 0}], r"entry 0: tokens_per_minute must be an integer >= 1"),
     ([{"token": "x", "tenant": "a", "max_priority": "high"}], r"entry 0: max_priority must be an integer"),
     ([{"token": "x", "tenant": "a", "models": "m"}], r"entry 0: models must be a list of model names"),
-    ([{"token": "x", "tenant": "a", "admin": True}], r"entry 0 has unknown fields \['admin'\]"),
+    ([{"token": "x", "tenant": "a", "superuser": True}], r"entry 0 has unknown fields \['superuser'\]"),
+    ([{"token": "x", "tenant": "a", "admin": "yes"}], r"entry 0: admin must be true or false, got 'yes'"),
     ([{"token": "x", "tenant": "a", "may_set_fairness_key": "yes"}], r"may_set_fairness_key must be true or false"),
 ])
 def test_a_bad_tokens_file_is_refused_naming_the_entry(tmp_path, data, message):

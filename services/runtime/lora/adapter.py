@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.adapters import MAX_ADAPTER_NAME_CHARS
+from services.common.adapters import name_problem
 from services.runtime.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -40,7 +40,6 @@ LORA_FAMILIES = ("llama", "qwen3")
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
 class AdapterError(ValueError):
@@ -64,9 +63,9 @@ class LoraAdapter:
 
 
 def check_name(name: str) -> str:
-    if not name or len(name) > MAX_ADAPTER_NAME_CHARS or not _NAME.match(name):
-        raise AdapterError(f"adapter name {name[:MAX_ADAPTER_NAME_CHARS]!r} must be 1-{MAX_ADAPTER_NAME_CHARS} "
-                           f"characters of letters, digits and . _ : / -, starting with a letter or digit")
+    problem = name_problem(name)
+    if problem is not None:
+        raise AdapterError(problem)
     return name
 
 

@@ -31,6 +31,9 @@ class AdapterTable:
     def all(self) -> list[AdapterInfo]:
         return sorted(self._by_name.values(), key=lambda a: a.name)
 
+    def get(self, name: str) -> AdapterInfo | None:
+        return self._by_name.get(name)
+
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
 

@@ -16,7 +16,9 @@ import grpc
 import grpc.aio
 import structlog
 
-from services.common.codec.step_codec import executor_info_from_proto, plan_to_proto, result_from_proto
+from services.common.adapters import AdapterInfo
+from services.common.codec.step_codec import (
+    adapter_from_proto, executor_info_from_proto, plan_to_proto, result_from_proto)
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.internal_secret import call_metadata
@@ -30,6 +32,9 @@ _log = structlog.get_logger("tokenmill.scheduler")
 
 PULL_TIMEOUT_S = 60.0
 REVOKE_TIMEOUT_S = 5.0
+ADAPTER_TIMEOUT_S = 120.0
+"""How long a LoadAdapter may take: the executor reads and checks the adapter's files (a large
+adapter is hundreds of megabytes)."""
 PREPARE_TIMEOUT_S = 10.0
 """How long admission waits for an executor to build a grammar's first mask (bounded by the
 parser limits: milliseconds)."""
@@ -244,6 +249,28 @@ class ExecutorLink:
             _log.warning("prepare_grammar_failed", executor=self.address, code=exc.code().name)
             return ""
         return reply.error
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Have the executor serve the adapter at ``path`` under ``name`` (LoadAdapter);
+        InvalidArgumentError with the executor's reason (file and field) when it cannot."""
+        if self._channel is None:
+            raise UnavailableError(f"executor at {self.address} is not connected")
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        try:
+            reply = await stub.LoadAdapter(executor_pb2.LoadAdapterRequest(name=name, path=path),
+                                           timeout=ADAPTER_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgumentError(exc.details()) from None
+            raise UnavailableError(f"executor at {self.address} did not load adapter {name!r}: "
+                                   f"{exc.code().name}: {exc.details()}") from None
+        return adapter_from_proto(reply)
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Have the executor forget an adapter (UnloadAdapter): whether it had it."""
+        reply = await self._unary(f"did not unload adapter {name!r}", lambda stub: stub.UnloadAdapter(
+            executor_pb2.UnloadAdapterRequest(name=name), timeout=ADAPTER_TIMEOUT_S, metadata=self._metadata))
+        return reply.found
 
     async def close(self) -> None:
         call, self._call = self._call, None  # first, so the watcher sees a closed link
