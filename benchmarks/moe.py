@@ -55,19 +55,32 @@ VOCAB = 512
 
 @dataclass(frozen=True, slots=True)
 class MoeSettings:
-    layers: int = setting(24, "decoder layers of both models")
-    hidden: int = setting(1024, "hidden size (a multiple of 256: Q4_K blocks)")
-    heads: int = setting(16, "query heads")
-    kv_heads: int = setting(4, "key/value heads")
-    experts: int = setting(16, "experts per sparse layer")
-    top_k: int = setting(2, "experts each token is routed to")
-    expert_size: int = setting(1024, "each expert's FFN width (a multiple of 256); the dense MLP is top_k times it")
-    prompt_len: int = setting(16, "prompt tokens of every request")
-    output_len: int = setting(64, "output tokens of every request (EOS ignored)")
-    streams: int = setting(32, "tokenmill's batched MoE run: requests at once")
-    repeats: int = setting(3, "rounds of every cell (medians reported)")
-    threads: int = setting(os.cpu_count() or 1, "threads of both systems")
-    json: Path | None = setting(None, "result file (none: benchmarks/results/moe-DATE.json)")
+    layers: int = setting(24)
+    """Decoder layers of both models."""
+    hidden: int = setting(1024)
+    """Hidden size (a multiple of 256: Q4_K blocks)."""
+    heads: int = setting(16)
+    """Query heads."""
+    kv_heads: int = setting(4)
+    """Key/value heads."""
+    experts: int = setting(16)
+    """Experts per sparse layer."""
+    top_k: int = setting(2)
+    """Experts each token is routed to."""
+    expert_size: int = setting(1024)
+    """Each expert's FFN width (a multiple of 256); the dense MLP is top_k times it."""
+    prompt_len: int = setting(16)
+    """Prompt tokens of every request."""
+    output_len: int = setting(64)
+    """Output tokens of every request (EOS ignored)."""
+    streams: int = setting(32)
+    """tokenmill's batched MoE run: requests at once."""
+    repeats: int = setting(3)
+    """Rounds of every cell (medians reported)."""
+    threads: int = setting(os.cpu_count() or 1)
+    """Threads of both systems."""
+    json: Path | None = setting(None)
+    """Result file (none: benchmarks/results/moe-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "layers", "heads", "kv_heads", "experts", "top_k", "prompt_len", "streams",
