@@ -199,3 +199,30 @@ def test_keep_runs_experts_in_their_gguf_type(tmp_path, name, types):
     assert exact.layers[0].moe.path == "dequantized"
     with torch.no_grad():
         assert_close_to_reference(run_chunks(exact, ids, [12, 1, 7], [2, 0, 1], 8), ref)
+
+
+def _meta(arch: str, **extra) -> dict:
+    return {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+            f"{arch}.block_count": 1, f"{arch}.feed_forward_length": 96, f"{arch}.context_length": 128,
+            f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, f"{arch}.vocab_size": 32, f"{arch}.expert_count": 4,
+            f"{arch}.expert_used_count": 2, f"{arch}.expert_feed_forward_length": 32, **extra}
+
+
+def test_shared_experts_and_biases_are_placed_or_refused_by_name():
+    from services.tools.gguf import hf_tensor_name, llama_config
+
+    shared = {"blk.0.ffn_gate_inp_shexp.weight", "blk.0.ffn_gate_shexp.weight", "blk.0.attn_q.bias"}
+    with pytest.raises(ValueError, match="shared experts .*Qwen3-MoE has no place for"):
+        llama_config(_meta("qwen3moe"), shared, torch.float32)
+    with pytest.raises(ValueError, match="no 'qwen2moe.expert_shared_feed_forward_length'"):
+        llama_config(_meta("qwen2moe"), shared, torch.float32)
+    config = llama_config(_meta("qwen2moe", **{"qwen2moe.expert_shared_feed_forward_length": 48}), shared,
+                          torch.float32)
+    assert (config["architectures"], config["shared_expert_intermediate_size"], config["qkv_bias"],
+            config["norm_topk_prob"]) == (["Qwen2MoeForCausalLM"], 48, True, False)
+    assert llama_config(_meta("qwen2moe"), set(), torch.float32)["shared_expert_intermediate_size"] == 0
+    assert hf_tensor_name("blk.3.attn_k.bias", "qwen2moe") == "model.layers.3.self_attn.k_proj.bias"
+    assert hf_tensor_name("blk.3.ffn_gate_inp_shexp.weight", "qwen2moe") == "model.layers.3.mlp.shared_expert_gate.weight"
+    for name, arch in (("blk.3.attn_k.bias", "llama"), ("blk.3.attn_output.bias", "qwen2moe")):
+        with pytest.raises(ValueError, match="has no place in the"):
+            hf_tensor_name(name, arch)
