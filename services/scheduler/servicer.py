@@ -184,13 +184,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prompt_ids = await self._prompt_ids(request)
         return _Intake(prompt_ids, sampling, stop, priority, spec_k)
 
-    async def Generate(self, request, context):
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgumentError(f"request_id has {len(request.request_id)} characters; the limit is "
+    def _request_key(self, request_id: str, tenant) -> tuple[str, str]:
+        """The call's request id (a fresh one when it gave none) and its key among the running
+        requests (scoped by tenant); refused while the executor is away or the id is in use."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgumentError(f"request_id has {len(request_id)} characters; the limit is "
                                        f"{MAX_REQUEST_ID_CHARS}")
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
         # While the executor is away (restarting), refuse at once: submit would refuse anyway,
         # after a tokenizer round trip for the prompt. The door (DoorInterceptor) refuses such
         # calls before they are decoded; this covers a call that passed it just before.
@@ -198,6 +199,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         key = scoped_request_id(tenant, request_id)
         if self.supervisor.core.requests.get(key) is not None:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
+        return request_id, key
+
+    async def Generate(self, request, context):
+        tenant = current_tenant.get()  # set by the auth interceptor; None without authentication
+        request_id, key = self._request_key(request.request_id, tenant)
         share = scheduling_tenant(tenant, request.fairness_key)
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(share)

@@ -86,7 +86,7 @@ from services.scheduler.core import step_size
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
-from services.scheduler.core.in_flight import StepInFlight, check_output, mark_in_flight
+from services.scheduler.core.in_flight import ScheduledWork, StepInFlight, check_output, mark_in_flight
 from services.scheduler.core.preemption import victim_for
 from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.stats import SchedulerStats
@@ -417,26 +417,7 @@ class Scheduler:
             if result.outputs:
                 raise ValueError(f"step {plan.step_id} scheduled no sequence but the result has outputs")
             return []
-        if not self._in_flight or plan.step_id != self._in_flight[0].step_id:
-            oldest = self._in_flight[0].step_id if self._in_flight else None
-            raise ValueError(
-                f"plan.step_id={plan.step_id} is not the oldest step in flight ({oldest})"
-            )
-        in_flight = self._in_flight[0].scheduled
-        output_seq_ids = [output.seq_id for output in result.outputs]
-        if len(set(output_seq_ids)) != len(output_seq_ids):
-            raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
-        for output in result.outputs:
-            check_output(in_flight, output)
-        answered = set(output_seq_ids)
-        missing = [
-            seq_id
-            for seq_id, scheduled in in_flight.items()
-            if scheduled.is_current and seq_id not in answered
-        ]
-        if missing:
-            raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
-
+        in_flight = self._checked_in_flight(plan, result)
         self._in_flight.popleft()
         if not plan.new and all(seq.num_scheduled_tokens == 1 for seq in plan.running):
             self.burst.observe(result.execute_seconds, max(seq.num_steps for seq in plan.running))
@@ -470,11 +451,8 @@ class Scheduler:
                                           *zip(request.prompt_token_ids[1:], request.prompt_logprobs)]
             self.waiting.charge(request.tenant, len(update.new_token_ids))
             if scheduled.draft_token_ids:
-                num_accepted = len(output.token_ids) - 1
-                self.spec_stats.record(len(scheduled.draft_token_ids), num_accepted)
-                if request.draft_length is not None:
-                    request.draft_length.observe(len(scheduled.draft_token_ids), num_accepted)
-                request.num_accepted_draft_tokens += min(num_accepted, len(update.new_token_ids))
+                self._count_accepted_drafts(request, len(scheduled.draft_token_ids), len(output.token_ids) - 1,
+                                            len(update.new_token_ids))
             # The last sampled token has no K/V yet; with speculation, neither do the rejected
             # drafts beyond the accepted ones.
             request.num_computed_tokens = request.num_tokens - 1
@@ -483,6 +461,38 @@ class Scheduler:
                 self._finish(request, update.finish_reason, update.stop_reason)
             updates.append(update)
         return updates
+
+    def _checked_in_flight(self, plan: StepPlan, result: StepResult) -> dict[int, ScheduledWork]:
+        """The scheduled sequences of ``plan``, the oldest step in flight, once ``result`` is
+        found to answer each of them that is still current exactly once (else ValueError)."""
+        if not self._in_flight or plan.step_id != self._in_flight[0].step_id:
+            oldest = self._in_flight[0].step_id if self._in_flight else None
+            raise ValueError(
+                f"plan.step_id={plan.step_id} is not the oldest step in flight ({oldest})"
+            )
+        in_flight = self._in_flight[0].scheduled
+        output_seq_ids = [output.seq_id for output in result.outputs]
+        if len(set(output_seq_ids)) != len(output_seq_ids):
+            raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
+        for output in result.outputs:
+            check_output(in_flight, output)
+        answered = set(output_seq_ids)
+        missing = [
+            seq_id
+            for seq_id, scheduled in in_flight.items()
+            if scheduled.is_current and seq_id not in answered
+        ]
+        if missing:
+            raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
+        return in_flight
+
+    def _count_accepted_drafts(self, request: Request, num_drafts: int, num_accepted: int, num_new: int) -> None:
+        """Speculation's statistics after a step that verified ``num_drafts`` drafts of ``request``
+        (``num_new``: the tokens it kept, fewer than accepted where a stop cut them)."""
+        self.spec_stats.record(num_drafts, num_accepted)
+        if request.draft_length is not None:
+            request.draft_length.observe(num_drafts, num_accepted)
+        request.num_accepted_draft_tokens += min(num_accepted, num_new)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
         if request.status is RequestStatus.RUNNING:
