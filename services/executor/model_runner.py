@@ -34,6 +34,7 @@ from services.runtime.model.attention.registry import get_attention_backend, res
 from services.runtime.model.config import ModelConfig, dtype_name
 from services.runtime.model.families import load_model, model_class
 from services.runtime.model.llama import LlamaForCausalLM
+from services.runtime.model.olmoe import OlmoeForCausalLM
 from services.runtime.model.qwen3 import Qwen3ForCausalLM
 from services.runtime.model.vocab import sampled_vocab_size
 from services.runtime.parallel.collectives import STEP_KINDS, AllReduceHooks
@@ -88,10 +89,10 @@ class ModelRunner:
             self.kv_groups = KVGroups((tuple(range(mc.num_layers)),), (0,))
         if config.tensor_parallel_size > 1:
             # Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE; Qwen3 and Qwen3-MoE (q/k norms per head, whole on
-            # each rank). Not OLMoE: its q/k norms span every head, so split heads would need their sums.
-            if model_class(mc) not in (LlamaForCausalLM, Qwen3ForCausalLM):
+            # each rank); OLMoE (its q/k norms' sums of squares added over the ranks: olmoe.py).
+            if model_class(mc) not in (LlamaForCausalLM, Qwen3ForCausalLM, OlmoeForCausalLM):
                 raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
-                                 f"Llama and Qwen3 families' models; {mc.architecture} runs on one rank")
+                                 f"Llama, Qwen3 and OLMoE families' models; {mc.architecture} runs on one rank")
             rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
                                         self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
             path = rank_zero.path

@@ -6,7 +6,8 @@ greedy tokens identical, fp32 logprobs within 1e-4, at TP=2 and TP=3.
 Models: a random Mixtral (6 query / 3 KV heads so TP=3 splits whole KV groups; 8 experts top-2:
 runs of 4/4 and 3/3/2), a random Qwen2-MoE (12 experts top-4 beside a sigmoid-gated shared
 expert, which every rank runs whole), a random Qwen3-MoE (64 experts top-8, per-head q/k norms,
-one dense layer split as any MLP), and a Qwen2-MoE GGUF converted with ``--weights keep`` (Q8_0
+one dense layer split as any MLP), a random OLMoE (16 experts top-8, q/k norms over every
+head, their sums of squares added over the ranks), and a Qwen2-MoE GGUF converted with ``--weights keep`` (Q8_0
 experts and shared expert), each rank dequantizing only its run of the experts.
 """
 
@@ -91,6 +92,9 @@ def test_kept_quantized_experts_split_match_one_rank(moe_dirs):
     assert_matches(one, run_split(moe_dirs["qwen2-moe-keep"], 2, "all_reduce"))
 
 
-def test_olmoe_is_refused_with_its_reason(moe_dirs):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: .*OlmoeForCausalLM runs on one rank"):
-        make_runner(moe_dirs["olmoe"], 2)
+def test_olmoe_matches_one_rank_with_its_norms_over_every_head(moe_dirs):
+    """OLMoE's q/k norms span all heads: each rank's share of the sums of squares is added over the ranks."""
+    one, _, _ = run(moe_dirs["olmoe"], 1, 8, logprobs=2)
+    assert_matches(one, run_split(moe_dirs["olmoe"], 2, "all_to_all"))
+    # four ranks over two KV heads: each KV head on two ranks, its sum counted once
+    assert_matches(one, run_split(moe_dirs["olmoe"], 4, "all_reduce"))

@@ -16,6 +16,7 @@ from services.runtime.kv_cache import KVCache, cuda_kv_budget, num_blocks_for_bu
 from services.runtime.model.attention.base import AttentionBackend
 from services.runtime.model.config import ModelConfig
 from services.runtime.model.families import model_class
+from services.runtime.model.olmoe import SpanNorm
 from services.runtime.model.llama import LlamaForCausalLM
 from services.runtime.model.weights import load_checkpoint
 from services.runtime.parallel.collectives import AllReduceHooks, RankGroups
@@ -81,6 +82,11 @@ def load_shard(model_dir: str, config: ModelConfig, backend: AttentionBackend, d
     local = shard_config(config, plan, vocab_parallel)
     model = model_class(config)(local, shard_checkpoint(weights, config, plan, vocab_parallel), backend, device, prepack)
     hooks = AllReduceHooks(model)
+    if config.qk_norm and not config.qk_norm_per_head:  # OLMoE's q/k norms span every rank's heads
+        span = SpanNorm(lambda t: hooks.groups.all_reduce(t), config.num_heads * config.head_dim,
+                        config.num_kv_heads * config.head_dim, max(1, world // config.num_kv_heads))
+        for layer in model.layers:
+            layer.span_norm = span
     if experts != "replicated":
         hooks.expert_layers = split_experts(model, world, rank, experts)
     return model, hooks, plan

@@ -149,6 +149,8 @@ def shard_checkpoint(weights: dict[str, Weight], config: ModelConfig, plan: Shar
     f = (plan.ffn.start, plan.ffn.stop)
     column_parallel = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                        "mlp.gate_proj": f, "mlp.up_proj": f}
+    if config.qk_norm and not config.qk_norm_per_head:  # OLMoE: norm weights over the whole q and k widths
+        column_parallel |= {"self_attn.q_norm": q, "self_attn.k_norm": kv}
     row_parallel = {"self_attn.o_proj.weight": q, "mlp.down_proj.weight": f}
     for name in list(weights):
         weight = weights.pop(name)
