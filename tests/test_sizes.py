@@ -68,7 +68,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/links/tokenizer_link.py::TokenizerLink",
     "services/scheduler/request/output.py::RequestOutput",
     "services/scheduler/request/request.py::Request",
-    "services/scheduler/request/request.py::Request.__init__",
     "services/scheduler/request/stop.py::StopConditions",
     "services/scheduler/servicer.py::GenerationServicer",
     "services/scheduler/structured/compile_workers.py::CompileWorkers",

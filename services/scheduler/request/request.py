@@ -105,6 +105,22 @@ class Request:
         "_all_token_ids",
     )
 
+    seq_id: int
+    """Assigned by Scheduler.add_request; the id the executor knows the sequence by."""
+    tenant: str
+    """Who asked ("" without authentication): admission is fair between tenants
+    (core/fairness.py)."""
+    # What the steps in flight hold (forget_in_flight clears it):
+    num_in_flight_tokens: int
+    """Tokens scheduled in steps whose update() has not come yet (overlapped scheduling:
+    up to two steps). The next step starts at num_planned_tokens."""
+    num_output_placeholders: int
+    """Tokens the steps in flight will sample: not known yet, but a decode step may already
+    be scheduled for them (the executor appends what it samples before the next step)."""
+    drafts_in_flight: bool
+    """A step in flight verifies draft tokens: how many it accepts, hence where the next
+    step starts, is unknown until its update(), so the request waits for it."""
+
     def __init__(
         self,
         request_id: str,
@@ -120,7 +136,6 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.seq_id = -1
-        """Assigned by Scheduler.add_request; the id the executor knows the sequence by."""
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling = sampling if sampling is not None else SamplingParams()
@@ -138,20 +153,10 @@ class Request:
         """The LoRA adapter it runs with ("" = the base model); cache_scope already tells its
         adapter apart, so no prefix computed with other weights serves it."""
         self.tenant = tenant
-        """Who asked ("" without authentication): admission is fair between tenants
-        (core/fairness.py)."""
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
         """Known tokens whose K/V is in the cache, as of the last update() (confirmed)."""
-        self.num_in_flight_tokens = 0
-        """Tokens scheduled in steps whose update() has not come yet (overlapped scheduling:
-        up to two steps). The next step starts at num_planned_tokens."""
-        self.num_output_placeholders = 0
-        """Tokens the steps in flight will sample: not known yet, but a decode step may already
-        be scheduled for them (the executor appends what it samples before the next step)."""
-        self.drafts_in_flight = False
-        """A step in flight verifies draft tokens: how many it accepts, hence where the next
-        step starts, is unknown until its update(), so the request waits for it."""
+        self.forget_in_flight()
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at the first schedule (for usage)."""
         self.block_ids: list[int] = []
