@@ -13,13 +13,16 @@
 
 The adapters are random rank-``--rank`` PEFT adapters of all seven target modules, written as
 PEFT saves them (adapter_config.json, adapter_model.safetensors) into a temporary directory.
-Every run reuses one engine, so the ratios share the machine's state; the machine's other load
-shows in the absolute numbers, not in what the ratios compare.
+Every run reuses one engine, so the ratios share the machine's state; the runs alternate within
+each pass and each figure is the median over ``--repeats`` passes, so the machine's other load
+shows in the absolute numbers more than in what the ratios compare. The load average is printed
+before and after.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -53,8 +56,8 @@ class LoraServingSettings:
     """Tokens generated per stream."""
     single_tokens: int = setting(64)
     """Tokens of the single-stream runs."""
-    repeats: int = setting(2)
-    """Passes of each throughput run (the best is reported)."""
+    repeats: int = setting(3)
+    """Alternating passes of the throughput runs (their medians are reported)."""
 
     def validate(self) -> None:
         flags.check_at_least(self, 1, "streams", "adapters", "rank", "prompt_tokens", "max_tokens",
@@ -149,12 +152,12 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         runs = {"base": ([""] * args.streams, args.max_tokens),
                 "mixed": ([names[i % args.adapters] for i in range(args.streams)], args.max_tokens),
                 "single_base": ([""], args.single_tokens), "single_adapter": ([names[0]], args.single_tokens)}
-        rates = {name: 0.0 for name in runs}
+        load_before = os.getloadavg()
+        rates: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.repeats):
             for name, (adapters, max_tokens) in runs.items():
-                rate = run_streams(engine, prompts(len(adapters)), adapters, max_tokens)[0]
-                rates[name] = max(rates[name], rate)
-        base, mixed, single_base, single_adapter = (rates[name] for name in runs)
+                rates[name].append(run_streams(engine, prompts(len(adapters)), adapters, max_tokens)[0])
+        base, mixed, single_base, single_adapter = (statistics.median(rates[name]) for name in runs)
         adapter_streams = [names[i % args.adapters] for i in range(args.streams)]
         _, quiet = run_streams(engine, prompts(args.streams), adapter_streams, args.max_tokens)
         load_seconds = []
@@ -166,14 +169,20 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
         _, loading = run_streams(engine, prompts(args.streams), adapter_streams, args.max_tokens, beside=load)
         engine.close()
+    load_after = os.getloadavg()
     print(f"model {args.model}, {args.streams} streams x {args.max_tokens} tokens, prompt {args.prompt_tokens} "
-          f"tokens, {args.adapters} adapters of rank {args.rank} (all 7 modules), best of {args.repeats}")
+          f"tokens, {args.adapters} adapters of rank {args.rank} (all 7 modules), medians of {args.repeats} passes")
+    print(f"load average (1, 5, 15 min) before {' '.join(f'{v:.2f}' for v in load_before)}, "
+          f"after {' '.join(f'{v:.2f}' for v in load_after)}")
     print(f"base {args.streams} streams:        {base:8.1f} tok/s")
     print(f"{args.adapters} adapters mixed, {args.streams} streams: {mixed:8.1f} tok/s   ratio {mixed / base:.2f}"
           f" (target >= 0.8)")
     print(f"base 1 stream:          {single_base:8.1f} tok/s")
     print(f"1 adapter 1 stream:     {single_adapter:8.1f} tok/s   ratio {single_adapter / single_base:.2f}"
           f" (target >= 0.9)")
+    print("per pass, mixed / base: " + " ".join(f"{m / b:.2f}" for m, b in zip(rates["mixed"], rates["base"]))
+          + "; 1 adapter / base 1 stream: "
+          + " ".join(f"{a / b:.2f}" for a, b in zip(rates["single_adapter"], rates["single_base"])))
     print(f"largest gap / median gap over {args.streams} adapter streams: {gap_ratio(quiet):.2f} without a load, "
           f"{gap_ratio(loading):.2f} while an adapter loaded ({load_seconds[0] * 1e3:.0f} ms) (target <= 2)")
     return 0
