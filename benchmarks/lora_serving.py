@@ -125,6 +125,15 @@ def gap_ratio(arrivals: dict[int, list[float]]) -> float:
     return worst
 
 
+def print_conditions(rates: dict[str, list[float]], load_before, load_after) -> None:
+    """The load average around the runs, and each pass's ratios (the medians hide their spread)."""
+    print(f"load average (1, 5, 15 min) before {' '.join(f'{v:.2f}' for v in load_before)}, "
+          f"after {' '.join(f'{v:.2f}' for v in load_after)}")
+    print("per pass, mixed / base: " + " ".join(f"{m / b:.2f}" for m, b in zip(rates["mixed"], rates["base"]))
+          + "; 1 adapter / base 1 stream: "
+          + " ".join(f"{a / b:.2f}" for a, b in zip(rates["single_adapter"], rates["single_base"])))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     args = flags.parse(LoraServingSettings, argv, prog=prog, description=__doc__)
     from services.executor.config import ExecutorConfig
@@ -172,17 +181,13 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     load_after = os.getloadavg()
     print(f"model {args.model}, {args.streams} streams x {args.max_tokens} tokens, prompt {args.prompt_tokens} "
           f"tokens, {args.adapters} adapters of rank {args.rank} (all 7 modules), medians of {args.repeats} passes")
-    print(f"load average (1, 5, 15 min) before {' '.join(f'{v:.2f}' for v in load_before)}, "
-          f"after {' '.join(f'{v:.2f}' for v in load_after)}")
+    print_conditions(rates, load_before, load_after)
     print(f"base {args.streams} streams:        {base:8.1f} tok/s")
     print(f"{args.adapters} adapters mixed, {args.streams} streams: {mixed:8.1f} tok/s   ratio {mixed / base:.2f}"
           f" (target >= 0.8)")
     print(f"base 1 stream:          {single_base:8.1f} tok/s")
     print(f"1 adapter 1 stream:     {single_adapter:8.1f} tok/s   ratio {single_adapter / single_base:.2f}"
           f" (target >= 0.9)")
-    print("per pass, mixed / base: " + " ".join(f"{m / b:.2f}" for m, b in zip(rates["mixed"], rates["base"]))
-          + "; 1 adapter / base 1 stream: "
-          + " ".join(f"{a / b:.2f}" for a, b in zip(rates["single_adapter"], rates["single_base"])))
     print(f"largest gap / median gap over {args.streams} adapter streams: {gap_ratio(quiet):.2f} without a load, "
           f"{gap_ratio(loading):.2f} while an adapter loaded ({load_seconds[0] * 1e3:.0f} ms) (target <= 2)")
     return 0
