@@ -276,38 +276,15 @@ async def start_server(
         options=list(options) if options is not None else server_options(),
         maximum_concurrent_rpcs=max_concurrent_rpcs or None,
     )
-    service_names = tuple(add_servicers(server))
-    if not all(isinstance(n, str) and n for n in service_names):
-        raise ValueError(f"add_servicers must return full service names, got {service_names!r}")
-
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if reflection_enabled:
-        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-
-    address = format_address(host, port)
+    service_names, health_servicer = _add_services(server, add_servicers, reflection_enabled)
     certificates = ServerCertificates(tls) if tls is not None else None
-    try:
-        if certificates is not None:
-            bound_port = server.add_secure_port(address, certificates.credentials)
-        else:
-            bound_port = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc raises when the bind fails
-        raise UnavailableError(f"{name}: cannot listen on {address}: {exc}") from exc
-    if bound_port == 0:  # older grpc versions report a failed bind as port 0
-        raise UnavailableError(f"{name}: cannot listen on {address}")
-
+    bound_port = _bind(name, server, format_address(host, port), certificates)
     running = RunningServer(name, server, host, bound_port, health_servicer, service_names, tls=certificates, app=app)
     if health_port >= 0:
-        health_address = format_address(host, health_port)
         running.health_server = grpc.aio.server(options=server_options())
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
-        try:
-            running.health_port = running.health_server.add_insecure_port(health_address)
-        except RuntimeError as exc:
-            raise UnavailableError(f"{name}: cannot listen on {health_address} (health port): {exc}") from exc
-        if running.health_port == 0:
-            raise UnavailableError(f"{name}: cannot listen on {health_address} (health port)")
+        running.health_port = _bind(name, running.health_server, format_address(host, health_port), None,
+                                    note=" (health port)")
     await running.set_serving(False)
     if running.health_server is not None:
         await running.health_server.start()
@@ -317,6 +294,36 @@ async def start_server(
     _log.info("server_started", server=name, address=format_address(host, bound_port), services=list(service_names),
               tls="mtls" if tls is not None and tls.client_ca else "tls" if tls is not None else "off")
     return running
+
+
+def _add_services(server: grpc.aio.Server, add_servicers: Servicers,
+                  reflection_enabled: bool) -> tuple[tuple[str, ...], health.aio.HealthServicer]:
+    """The application's servicers, health and (when enabled) reflection on ``server``: the
+    application's full service names and the health servicer."""
+    service_names = tuple(add_servicers(server))
+    if not all(isinstance(n, str) and n for n in service_names):
+        raise ValueError(f"add_servicers must return full service names, got {service_names!r}")
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflection_enabled:
+        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return service_names, health_servicer
+
+
+def _bind(name: str, server: grpc.aio.Server, address: str, certificates: ServerCertificates | None, *,
+          note: str = "") -> int:
+    """The port ``server`` listens on at ``address`` (TLS with ``certificates``); UnavailableError
+    naming the server, the address and ``note`` when it cannot."""
+    try:
+        if certificates is not None:
+            bound_port = server.add_secure_port(address, certificates.credentials)
+        else:
+            bound_port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises when the bind fails
+        raise UnavailableError(f"{name}: cannot listen on {address}{note}: {exc}") from exc
+    if bound_port == 0:  # older grpc versions report a failed bind as port 0
+        raise UnavailableError(f"{name}: cannot listen on {address}{note}")
+    return bound_port
 
 
 MainFunction = Callable[[], Awaitable[RunningServer]] | Coroutine[Any, Any, RunningServer]
