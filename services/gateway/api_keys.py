@@ -5,11 +5,14 @@
     [{"key": "sk-team-a-...", "tenant": "team-a"},
      {"key": "sk-team-b-...", "tenant": "team-b", "models": ["chat"], "max_concurrent_requests": 8,
       "cache_group": "research", "max_priority": -10,
-      "requests_per_minute": 600, "tokens_per_minute": 200000}]
+      "requests_per_minute": 600, "tokens_per_minute": 200000, "adapters": ["support-v2"]},
+     {"key": "sk-ops-...", "tenant": "ops", "admin": true}]
 
 With it, every ``/v1/`` HTTP request and every Generation call needs ``Authorization: Bearer
 KEY``: no key or an unknown one is 401 (UNAUTHENTICATED), a model the key is not given 403
-(PERMISSION_DENIED), more requests of its tenant in flight than ``max_concurrent_requests``
+(PERMISSION_DENIED), a LoRA adapter (a model id naming one) outside the key's ``adapters`` 404
+as a model that does not exist (a key learns nothing of other tenants' adapters; ``/v1/models``
+lists only its own), the admin endpoints without ``"admin": true`` 403, more requests of its tenant in flight than ``max_concurrent_requests``
 429 (RESOURCE_EXHAUSTED), a body ``priority`` more urgent (lower) than the key's
 ``max_priority`` (default 0, the default priority; ``null`` = any) 400 (INVALID_ARGUMENT) naming
 ``priority`` and the bound, more requests or tokens a minute than its ``requests_per_minute`` or
@@ -45,7 +48,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import FIELDS as LIMIT_FIELDS, Grant, RateLimited, RateLimiter, RateLimits, parse_limits
 
 MAX_KEY_CHARS = 4096
-FIELDS = {"key", "tenant", "models", "max_concurrent_requests", "cache_group", "max_priority", *LIMIT_FIELDS}
+FIELDS = {"key", "tenant", "models", "adapters", "admin", "max_concurrent_requests", "cache_group", "max_priority",
+          *LIMIT_FIELDS}
 DEFAULT_MAX_PRIORITY = 0
 """A key's most urgent priority when its entry names none: the default priority, so no client
 jumps ahead of the others by naming ``"priority": -2147483648`` in its body."""
@@ -68,6 +72,15 @@ class ApiKey:
 
     limits: RateLimits = RateLimits()
     """Its requests and tokens per minute (rate_limits.py); none by default."""
+
+    adapters: tuple[str, ...] | None = None
+    """LoRA adapters (model ids naming one) this key may use; None = every adapter of the models
+    it may use. One it may not use is answered as a model that does not exist."""
+    admin: bool = False
+    """May load and unload adapters through the gateway's admin endpoints."""
+
+    def may_use_adapter(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
     @property
     def cache_salt(self) -> str:
@@ -194,8 +207,15 @@ def load_api_keys(path: str | Path, metrics: GatewayMetrics | None = None) -> Ap
         if max_priority is not None and (not isinstance(max_priority, int) or isinstance(max_priority, bool)
                                          or not -(2**31) <= max_priority < 2**31):
             raise ValueError(f"{where}: max_priority must be a 32-bit integer or null, got {max_priority!r}")
+        adapters = item.get("adapters")
+        if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
+            raise ValueError(f"{where}: adapters must be a list of adapter names")
+        admin = item.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false, got {admin!r}")
         entries.append((key.encode(), ApiKey(tenant, None if models is None else tuple(models), limit, group,
-                                             max_priority, parse_limits(item, where))))
+                                             max_priority, parse_limits(item, where),
+                                             None if adapters is None else tuple(adapters), admin)))
     return ApiKeys(entries, metrics)
 
 

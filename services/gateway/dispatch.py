@@ -25,6 +25,7 @@ engine's retry pushback), which each front end maps to its own statuses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -125,10 +126,37 @@ class Dispatcher:
         """The budgets of the targets that declare one."""
 
     def route(self, model: str) -> Route:
+        """The route of a model id: a routes-file model, or a LoRA adapter one of its engines
+        serves (its parent's route, with ``adapter`` set); NotFoundError naming the routes'
+        models otherwise (never the adapters: an API key may be allowed only some of them)."""
         route = self.routes.get(model)
-        if route is None:
-            raise NotFoundError(f"the model '{model}' does not exist (models: {', '.join(sorted(self.routes))})")
-        return route
+        if route is not None:
+            return route
+        parent = self.adapters().get(model)
+        if parent is None:
+            raise self.unknown_model(model)
+        return dataclasses.replace(self.routes[parent], adapter=model)
+
+    def unknown_model(self, model: str) -> NotFoundError:
+        return NotFoundError(f"the model '{model}' does not exist (models: {', '.join(sorted(self.routes))})")
+
+    def adapters(self) -> dict[str, str]:
+        """Each LoRA adapter an engine target reports serving -> its route's model id (the
+        first route in the routes file's order when several serve one name)."""
+        found: dict[str, str] = {}
+        for model, route in self.routes.items():
+            for leaf in route.node.leaves():
+                info = self.pool.targets[leaf.name].model_info
+                for adapter in info.adapters if info is not None else ():
+                    if adapter.name not in self.routes:
+                        found.setdefault(adapter.name, model)
+        return found
+
+    def _serving(self, route: Route, ranked: Sequence) -> Sequence:
+        """The ranked targets that serve the route's adapter (all of them for the base model)."""
+        if not route.adapter:
+            return ranked
+        return [state for state in ranked if self.pool.serves_adapter(state.name, route.adapter)]
 
     async def generate(self, route: Route, request: RouteRequest, message: generation_pb2.GenerateRequest,
                        metadata: Sequence[tuple[str, str]] | None,
@@ -141,11 +169,14 @@ class Dispatcher:
                 raise InvalidArgumentError(f"no routing rule of model '{route.model}' matches this request and the "
                                            "route has no default")
             raise UnavailableError(f"no healthy target serves model '{route.model}' now")
+        if route.adapter and not self._serving(route, ranking.targets):
+            raise UnavailableError(f"no healthy target of model '{route.model}' serves the model '{route.adapter}' now")
         digest = structured_digest(message)
         if digest is not None and self.quarantine.holds(digest):
             raise InvalidArgumentError("structured_output is quarantined: a target failed while admitting an "
                                        "identical one; it is refused without being sent")
-        ranked = with_room_first(self._within_limits(route, ranking.targets, request.expected_output_tokens))
+        ranked = with_room_first(self._within_limits(route, self._serving(route, ranking.targets),
+                                                     request.expected_output_tokens))
         deadline = self.clock() + timeout_s
         error: TokenmillError | None = None
         order = list(ranked)
@@ -160,8 +191,8 @@ class Dispatcher:
                 if error is None or deadline - self.clock() <= pause:
                     break
                 await asyncio.sleep(pause)
-                order = with_room_first(list(self._within_limits(route, route.node.rank(request).targets,
-                                                                 request.expected_output_tokens)))
+                order = with_room_first(list(self._within_limits(
+                    route, self._serving(route, route.node.rank(request).targets), request.expected_output_tokens)))
                 if not order:
                     break
             state = order.pop(0)

@@ -13,6 +13,8 @@ name); GetProfile sums the live state of the model's healthy targets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import uuid
 from collections.abc import Mapping
 
@@ -74,7 +76,13 @@ class GatewayServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         md = _metadata(context)
         route = self._route(md)
+        # A model id naming an adapter chooses it; so may the body's own field (the Generation
+        # API's), both held to the key's allow-list.
+        request.adapter = route.adapter or request.adapter
+        route = dataclasses.replace(route, adapter=request.adapter) if request.adapter else route
         key, engine_md = self._engine_auth(md, route)
+        if key is not None and route.adapter and not key.may_use_adapter(route.adapter):
+            raise self.dispatcher.unknown_model(route.adapter)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex  # one id on every target tried, and for Abort
         remaining = context.time_remaining()

@@ -47,6 +47,9 @@ READMIT_AFTER = 2
 SLOW_POLLS_TO_LEAVE = 3
 """Polls in a row that time out before a target leaves the pool."""
 MIN_POLL_TIMEOUT_S = 2.0
+MODEL_INFO_REFRESH_S = 2.0
+"""How often an engine's model info is read again: its adapters change while it serves (the
+gateway's own admin endpoint reads it at once after a change)."""
 RECONNECT_OPTIONS = [
     # A target that restarts is found again within a second, not after gRPC's default back-off
     # (up to two minutes).
@@ -64,6 +67,8 @@ class Target:
     stub: generation_pb2_grpc.GenerationStub | None
     health: health_pb2_grpc.HealthStub | None
     model_info: generation_pb2.ModelInfo | None = None
+    model_info_at: float = float("-inf")
+    """When model_info was read (the pool's clock)."""
     successes: int = 0
     """SERVING polls in a row since it last failed."""
     ejected: bool = False
@@ -172,9 +177,8 @@ class TargetPool:
     async def _read_profile(self, target: Target, timeout: float) -> None:
         request = generation_pb2.GetProfileRequest(window_seconds=self.window_s)
         try:
-            if target.model_info is None:
-                target.model_info = await target.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                                                   timeout=timeout, metadata=target.own_metadata)
+            if target.model_info is None or self.clock() - target.model_info_at >= MODEL_INFO_REFRESH_S:
+                await self.read_model_info(target, timeout)
             msg = await target.stub.GetProfile(request, timeout=timeout, metadata=target.own_metadata)
         except grpc.aio.AioRpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -185,6 +189,16 @@ class TargetPool:
             return
         target.refused = ""
         target.state.set_profile(profile_view(msg, self.clock()))
+
+    async def read_model_info(self, target: Target, timeout: float) -> None:
+        target.model_info = await target.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout,
+                                                           metadata=target.own_metadata)
+        target.model_info_at = self.clock()
+
+    def serves_adapter(self, name: str, adapter: str) -> bool:
+        """Whether target ``name`` said (in its last model info) that it serves ``adapter``."""
+        info = self.targets[name].model_info
+        return info is not None and any(a.name == adapter for a in info.adapters)
 
     @staticmethod
     def _refused(target: Target, err: grpc.aio.AioRpcError) -> None:

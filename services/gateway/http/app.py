@@ -28,6 +28,7 @@ from services.gateway.http.errors import install_error_handlers
 from services.gateway.http.messages import count_tokens, create_message
 from services.gateway.http.middleware import GatewayMiddleware
 from services.gateway.http.responses import create_response
+from services.gateway.http.adapter_admin import load_lora_adapter, unload_lora_adapter
 from services.gateway.http.models import list_models, retrieve_model
 from services.gateway.http.protocol import ChatCompletion, Completion, ErrorResponse, Model, ModelList
 
@@ -81,6 +82,10 @@ def build_app(ctx: HttpContext) -> FastAPI:
                       responses=ERRORS)
     app.add_api_route("/v1/responses", create_response, methods=["POST"], response_model=None,
                       responses={200: {"content": STREAM}, **ERRORS})
+    app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"], response_model=None,
+                      responses=ERRORS)
+    app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"], response_model=None,
+                      responses=ERRORS)
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=True)
     app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=True)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)

@@ -8,6 +8,7 @@ The status is the one that makes the official clients raise the matching class:
     401 authentication_error    AuthenticationError    the engine's tenants do not know the token
     403 permission_error        PermissionDeniedError  the tenant may not use that model or priority
     404 invalid_request_error   NotFoundError          unknown model (code model_not_found) or path
+    409 invalid_request_error   ConflictError          an adapter name already loaded (admin endpoint)
     413 invalid_request_error   APIStatusError         body over --max-request-bytes, or a request
                                                        larger than the engine's message limit
     429 rate_limit_error        RateLimitError         queue full or token budget spent; Retry-After
@@ -89,6 +90,7 @@ _BY_CODE: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "already_exists"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),

@@ -365,6 +365,11 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    """As vLLM answers: what the id serves (the model id itself; an adapter's own name, its path
+    on the engine not being told)."""
+    parent: str | None = None
+    """A LoRA adapter's base model id (vLLM's field); null for a base model."""
 
 
 class ModelList(BaseModel):

@@ -31,6 +31,8 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
     api_key = api_key_of(request)
     if api_key is not None:
         api_key.check_model(route.model)
+        if route.adapter and not api_key.may_use_adapter(route.adapter):
+            raise ctx.dispatcher.unknown_model(route.adapter)  # as if absent: other keys' adapters stay unnamed
         api_key.check_priority(body.priority)
     params = body.model_dump(exclude_none=True, exclude={"messages", "prompt"})
     max_tokens = max_output_tokens(getattr(body, "max_completion_tokens", None), body.max_tokens)
@@ -46,6 +48,7 @@ def call_plan(ctx: HttpContext, route: Route, body: SamplingFields, request: Req
             rr.budget = budget
     calls: Calls = []
     for prompt_index, (rr, (_, template)) in enumerate(zip(routed, templates)):
+        template.adapter = route.adapter
         if api_key is not None:
             template.cache_salt = api_key.cache_salt
             template.fairness_key = api_key.tenant

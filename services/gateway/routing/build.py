@@ -57,6 +57,9 @@ class Route:
     """The routes file's setting for this model ("" = the gateway's)."""
     reasoning_parser: str = ""
     """The routes file's setting for this model ("" = the gateway's)."""
+    adapter: str = ""
+    """The LoRA adapter a request of this model id runs with ("" = the base model): a model id
+    naming an adapter is its parent's route with this set (Dispatcher.route)."""
 
 
 class _Builder:
