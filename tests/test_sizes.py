@@ -33,7 +33,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/common/metrics.py::SchedulerCollector",
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
-    "services/common/service_config.py::service_process_fields",
     "services/executor/model_runner.py::ModelRunner.__init__",
     "services/gateway/dispatch.py::Dispatcher._attempt",
     "services/gateway/http/chat.py::create_chat_completion",

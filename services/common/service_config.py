@@ -126,6 +126,36 @@ ALLOW_UNAUTHENTICATED_HELP = {
 }
 
 
+def _with_backend_tls(base: type, service: str) -> type:
+    """``base`` plus the client side of a service that connects to others (--backend-tls-*)."""
+
+    @dataclass(slots=True)
+    class ServiceProcessFields(base):
+        backend_tls_ca: str = path_field(service, "backend_tls_ca", "PEM CA certificate(s) the backends' "
+                                         "certificates must chain to (any --backend-tls-* set: TLS to the "
+                                         "backends; no CA: the system's roots)")
+        backend_tls_cert: str = path_field(service, "backend_tls_cert",
+                                           "PEM client certificate presented to the backends (mTLS)")
+        backend_tls_key: str = path_field(service, "backend_tls_key", "PEM private key of --backend-tls-cert")
+
+    return ServiceProcessFields
+
+
+def _with_internal_secret(base: type, service: str, internal_secret: str) -> type:
+    """``base`` plus --internal-secret-file and its opt-out ("require": callers must present the
+    secret; "present": this service only sends it)."""
+
+    @dataclass(slots=True)
+    class ServiceProcessFields(base):
+        internal_secret_file: str = path_field(service, "internal_secret_file", INTERNAL_SECRET_HELP[internal_secret])
+        allow_unauthenticated: bool = field(default=False, metadata={
+            "help": ALLOW_UNAUTHENTICATED_HELP[internal_secret],
+            "env": _env_prefix(service) + "ALLOW_UNAUTHENTICATED"})
+        internal_secret_required: ClassVar[bool] = internal_secret == "require"
+
+    return ServiceProcessFields
+
+
 def service_process_fields(service: str, default_port: int, message_limit: int = MAX_MESSAGE_BYTES, *,
                            backend_tls: bool = False, internal_secret: str = "") -> type:
     """A dataclass base with the fields every service process has: where it listens, its port
@@ -175,25 +205,9 @@ def service_process_fields(service: str, default_port: int, message_limit: int =
             "env": _env_prefix(service) + "GC_YOUNG_THRESHOLD"})
 
     if backend_tls:
-        @dataclass(slots=True)
-        class ServiceProcessFields(ServiceProcessFields):  # noqa: F811 - the same base, plus the client side
-            backend_tls_ca: str = path_field(service, "backend_tls_ca", "PEM CA certificate(s) the backends' "
-                                             "certificates must chain to (any --backend-tls-* set: TLS to the "
-                                             "backends; no CA: the system's roots)")
-            backend_tls_cert: str = path_field(service, "backend_tls_cert",
-                                               "PEM client certificate presented to the backends (mTLS)")
-            backend_tls_key: str = path_field(service, "backend_tls_key", "PEM private key of --backend-tls-cert")
-
+        ServiceProcessFields = _with_backend_tls(ServiceProcessFields, service)  # noqa: N806
     if internal_secret:
-        help_text = INTERNAL_SECRET_HELP[internal_secret]
-
-        @dataclass(slots=True)
-        class ServiceProcessFields(ServiceProcessFields):  # noqa: F811 - the same base, plus the secret
-            internal_secret_file: str = path_field(service, "internal_secret_file", help_text)
-            allow_unauthenticated: bool = field(default=False, metadata={
-                "help": ALLOW_UNAUTHENTICATED_HELP[internal_secret],
-                "env": _env_prefix(service) + "ALLOW_UNAUTHENTICATED"})
-            internal_secret_required: ClassVar[bool] = internal_secret == "require"
+        ServiceProcessFields = _with_internal_secret(ServiceProcessFields, service, internal_secret)  # noqa: N806
 
     ServiceProcessFields.__name__ = ServiceProcessFields.__qualname__ = f"{service.capitalize()}ProcessFields"
     return ServiceProcessFields
