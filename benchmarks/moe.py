@@ -17,7 +17,7 @@ the head is no part of the question). tokenmill runs each through ``tokenmill co
 --weights keep`` (the experts multiplied in Q4_K by the grouped C++ kernel, int8 activations;
 the dense MLP by the K-quant linear kernels), over the in-process engine (scheduler core and
 model runner); llama.cpp through llama-cpp-python's C API in a decode loop
-(benchmarks/peer/llamacpp.py's DecodeLoop). Greedy, EOS ignored, a prompt of ``--prompt-len``
+(benchmarks/harness/llamacpp.py's DecodeLoop). Greedy, EOS ignored, a prompt of ``--prompt-len``
 random ids, ``--threads`` threads for both systems.
 
 Each round runs every cell once, in the same order (tokenmill MoE, llama.cpp MoE, tokenmill
@@ -110,6 +110,30 @@ def _tokens() -> tuple[list[str], list[str]]:
     return tokens, ["Ġ t"]
 
 
+def _write_metadata(writer, s: MoeSettings, moe: bool) -> None:
+    """The ``llama.*`` settings (Mixtral's with ``expert_count`` where ``moe``) and the vocabulary."""
+    writer.add_context_length(4096)
+    writer.add_embedding_length(s.hidden)
+    writer.add_block_count(s.layers)
+    writer.add_feed_forward_length(s.expert_size if moe else s.top_k * s.expert_size)
+    writer.add_head_count(s.heads)
+    writer.add_head_count_kv(s.kv_heads)
+    writer.add_rope_dimension_count(s.hidden // s.heads)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if moe:
+        writer.add_expert_count(s.experts)
+        writer.add_expert_used_count(s.top_k)
+    tokens, merges = _tokens()
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(0)
+
+
 def write_gguf(path: Path, s: MoeSettings, moe: bool) -> None:
     """A random-weight Mixtral (``moe``) or Llama GGUF of the settings' sizes, written in place."""
     from gguf import GGMLQuantizationType as T, GGUFWriter
@@ -126,26 +150,7 @@ def write_gguf(path: Path, s: MoeSettings, moe: bool) -> None:
 
     tmp = path.with_suffix(".partial")
     writer = GGUFWriter(str(tmp), "llama")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(s.hidden)
-    writer.add_block_count(s.layers)
-    writer.add_feed_forward_length(s.expert_size if moe else dense_ffn)
-    writer.add_head_count(s.heads)
-    writer.add_head_count_kv(s.kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-5)
-    if moe:
-        writer.add_expert_count(s.experts)
-        writer.add_expert_used_count(s.top_k)
-    tokens, merges = _tokens()
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(0)
+    _write_metadata(writer, s, moe)
     writer.add_tensor("token_embd.weight", rand(VOCAB, s.hidden, scale=1.0))
     writer.add_tensor("output_norm.weight", np.ones(s.hidden, dtype=np.float32))
     writer.add_tensor("output.weight", rand(VOCAB, s.hidden))
@@ -213,7 +218,7 @@ class Tokenmill:
 
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
-        from benchmarks.peer import llamacpp
+        from benchmarks.harness import llamacpp
 
         self.llm = llamacpp.load(gguf, threads, n_ctx)
         self.loop = llamacpp.DecodeLoop(self.llm, threads, n_ctx, "f16")

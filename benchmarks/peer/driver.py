@@ -379,7 +379,7 @@ def open_systems(args: PeerSettings, gguf: Path, prompt: list[int], stack: ExitS
 
     systems: dict[str, object] = {}
     if any(s.startswith("llamacpp") for s in args.systems):
-        from benchmarks.peer import llamacpp
+        from benchmarks.harness import llamacpp
 
         llm = llamacpp.load(gguf, args.threads, args.context)
         result["llama_cpp_python"] = llamacpp.version()

@@ -9,19 +9,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One timed run of one system: ``streams`` requests, ``output_tokens`` in all, ``seconds`` wall."""
-
-    streams: int
-    output_tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens / wall time (request sent → last token), prompt processing included."""
-        return self.output_tokens / self.seconds
+from benchmarks.harness.timed_run import Run  # noqa: F401 - the peer run's unit, shared with benchmarks/moe.py
 
 
 def median_rate(runs: Sequence[Run]) -> float:

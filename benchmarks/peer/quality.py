@@ -98,7 +98,7 @@ def llamacpp_perplexity(llm, ids: list[int], threads: int) -> float:
     import llama_cpp
     import numpy as np
 
-    from benchmarks.peer.llamacpp import DecodeLoop
+    from benchmarks.harness.llamacpp import DecodeLoop
 
     loop = DecodeLoop(llm, threads, CONTEXT, "f16")
     try:
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     ppl_ids = None
     for system in systems:
         if system == "llamacpp":
-            from benchmarks.peer import llamacpp
+            from benchmarks.harness import llamacpp
 
             from benchmarks.peer.driver import parse_args, resolve_gguf
 

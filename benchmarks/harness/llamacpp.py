@@ -26,7 +26,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from benchmarks.peer.figures import Run
+from benchmarks.harness.timed_run import Run
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
 FLASH_ATTN = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
