@@ -49,10 +49,9 @@ class FreeBlockQueue:
     """
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinel: _head.next_free is the first free block
-        self._tail = KVBlock(-1)  # sentinel: _tail.prev_free is the last free block
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
+        # Sentinels: _head.next_free is the first free block, _tail.prev_free the last.
+        self._head, self._tail = KVBlock(-1), KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
         self._length = 0
         for block in blocks:
             self.append(block)
@@ -73,8 +72,7 @@ class FreeBlockQueue:
         prev_block, next_block = block.prev_free, block.next_free
         if prev_block is None or next_block is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev_block.next_free = next_block
-        next_block.prev_free = prev_block
+        prev_block.next_free, next_block.prev_free = next_block, prev_block
         block.prev_free = block.next_free = None
         self._length -= 1
 
@@ -85,8 +83,7 @@ class FreeBlockQueue:
         last = self._tail.prev_free
         assert last is not None
         last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
+        block.prev_free, block.next_free = last, self._tail
         self._tail.prev_free = block
         self._length += 1
 

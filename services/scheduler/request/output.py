@@ -66,13 +66,19 @@ class RequestOutput:
         delta.finish_reason = reason
         delta.stop_reason = stop_reason
         delta.usage = Usage(request.num_prompt_tokens, self.num_output_tokens, request.num_cached_tokens)
-        scheduled = request.first_scheduled_time if request.first_scheduled_time is not None else now
-        first = self.first_token_time if self.first_token_time is not None else now
-        ms = 1000.0
-        delta.timings = Timings(
-            queue_time_ms=(scheduled - self.arrival_time) * ms,
-            time_to_first_token_ms=(first - self.arrival_time) * ms,
-            decode_time_ms=(now - first) * ms,
-            e2e_ms=(now - self.arrival_time) * ms,
-            accepted_draft_tokens=request.num_accepted_draft_tokens,
-        )
+        delta.timings = _timings(request, self.arrival_time, self.first_token_time, now)
+
+
+def _timings(request: Request, arrival_time: float, first_token_time: float | None, now: float) -> Timings:
+    """A request's timings as it ends at ``now`` (a first schedule or a first token that never
+    came counts as ``now``)."""
+    scheduled = request.first_scheduled_time if request.first_scheduled_time is not None else now
+    first = first_token_time if first_token_time is not None else now
+    ms = 1000.0
+    return Timings(
+        queue_time_ms=(scheduled - arrival_time) * ms,
+        time_to_first_token_ms=(first - arrival_time) * ms,
+        decode_time_ms=(now - first) * ms,
+        e2e_ms=(now - arrival_time) * ms,
+        accepted_draft_tokens=request.num_accepted_draft_tokens,
+    )
