@@ -182,3 +182,39 @@ def test_adapters_load_and_unload_while_serving_and_one_slot_serves_them_in_turn
     outputs, cached = run(engine, [(prompts[0], "qv")])
     assert outputs[0] == expected["all"][0] and cached == [0]
     engine.close()
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_adapters_on_a_quantized_base_match_peft_on_its_dequantized_weights(tmp_path, scheme):
+    """Q4_1 / Q8_0 base weights (`tokenmill quantize`), fp32 adapters: with exact fp32 activations
+    (quant_activations none) each adapter's greedy tokens equal transformers + peft merged on the
+    dequantized model, which holds exactly the quantized numbers; tolerance: none on the tokens."""
+    import random
+
+    from services.tools.quantize import quantize_model
+    from services.tools.random_model import build_random_model
+    from tests.conftest import STORIES_DIR
+    from tests.helpers.lora_adapters import TINY_SPECS, make_adapters
+    from tests.helpers.parity_specs import PARITY_SPECS
+    from tests.helpers.quant_models import write_dequantized
+
+    float_dir = build_random_model(PARITY_SPECS["llama-gqa-8-2"], tmp_path / "float", tokenizer_from=STORIES_DIR)
+    quant_dir = tmp_path / "quantized"
+    quantize_model(float_dir, quant_dir, scheme)
+    reference_dir = write_dequantized(quant_dir, tmp_path / "dequantized")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 512) for _ in range(2 * BLOCK_SIZE + 5)]]
+    paths, expected = make_adapters(reference_dir, tmp_path / "adapters", TINY_SPECS[:2], prompts, NEW_TOKENS)
+    engine = Engine(EngineConfig(ExecutorConfig(
+        model=str(quant_dir), device="cpu", block_size=BLOCK_SIZE, quant_activations="none",
+        lora=tuple(f"{name}={path}" for name, path in paths.items()))))
+    from services.runtime.model.quant.linear import QuantLinear
+
+    kept = {m.path for m in engine.runner.model.modules() if isinstance(m, QuantLinear)}
+    assert "cpu_kernel" in kept, kept  # the base projections run on their quantized weights
+    names = ["", *paths]
+    outputs, _ = run(engine, [(prompts[0], name) for name in names])
+    engine.close()
+    for name, got in zip(names, outputs):
+        assert got == expected[name][0], f"{scheme}, adapter {name or 'base'}"
+    assert all(expected[name] != expected[""] for name in paths)  # the adapters change the answers
