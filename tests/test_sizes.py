@@ -55,7 +55,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/core/scheduler.py::Scheduler",
     "services/scheduler/core/waiting_queue.py::WaitingQueue",
     "services/scheduler/engine/core.py::EngineCore",
-    "services/scheduler/engine/drafting.py::Drafting",
     "services/scheduler/engine/handoff.py::Handoff",
     "services/scheduler/engine/lane.py::ExecutorLane",
     "services/scheduler/engine/publisher.py::Publisher",

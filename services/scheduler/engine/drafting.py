@@ -49,11 +49,8 @@ class Drafting:
         at most each request's k."""
         if not self.drafter.connected:
             return
-        asks = []
-        for request in scheduler.requests_ready_to_draft():
-            k = request.draft_length.next_k()
-            if k > 0:
-                asks.append((request, k))
+        asks = [(request, k) for request in scheduler.requests_ready_to_draft()
+                if (k := request.draft_length.next_k()) > 0]
         if not asks:
             return
         async with self._turn:
