@@ -50,7 +50,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/admission.py::Admission",
     "services/scheduler/config.py::SchedulerServiceConfig",
     "services/scheduler/core/block_manager.py::BlockManager",
-    "services/scheduler/core/config.py::SchedulerConfig",
     "services/scheduler/core/config.py::SchedulerLimits",
     "services/scheduler/core/scheduler.py::Scheduler",
     "services/scheduler/core/waiting_queue.py::WaitingQueue",

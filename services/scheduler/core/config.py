@@ -152,10 +152,8 @@ class SchedulerConfig:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len < 2:
-            raise ValueError(
-                f"max_model_len must be >= 2 (one prompt token and one output token), "
-                f"got {self.max_model_len}"
-            )
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output token), "
+                             f"got {self.max_model_len}")
         if not self.kv_group_windows or min(self.kv_group_windows) < 0:
             raise ValueError(f"kv_group_windows must be one window >= 0 per KV group, got {self.kv_group_windows}")
         # A sequence holds a block of each KV group per block_size tokens (until windows pass).
@@ -163,14 +161,10 @@ class SchedulerConfig:
         capacity = self.num_blocks // groups * self.block_size
         if capacity < self.max_model_len:
             per_group = f" / {groups} KV groups" if groups > 1 else ""
-            raise ValueError(
-                f"num_blocks={self.num_blocks}{per_group} x block_size={self.block_size} = {capacity} tokens "
-                f"cannot hold one sequence of max_model_len={self.max_model_len}"
-            )
+            raise ValueError(f"num_blocks={self.num_blocks}{per_group} x block_size={self.block_size} = {capacity} "
+                             f"tokens cannot hold one sequence of max_model_len={self.max_model_len}")
         limits = self.limits
         if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
-                f"max_num_batched_tokens={limits.max_num_batched_tokens} < "
-                f"max_model_len={self.max_model_len}: a long prompt could never be scheduled"
-            )
+            raise ValueError(f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
+                             f"max_num_batched_tokens={limits.max_num_batched_tokens} < "
+                             f"max_model_len={self.max_model_len}: a long prompt could never be scheduled")
