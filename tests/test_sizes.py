@@ -62,7 +62,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/links/executor_link.py::ExecutorLink",
     "services/scheduler/links/tokenizer_link.py::TokenizerLink",
     "services/scheduler/request/request.py::Request",
-    "services/scheduler/request/stop.py::StopConditions",
     "services/scheduler/servicer.py::GenerationServicer",
     "services/scheduler/structured/compile_workers.py::CompileWorkers",
     "services/scheduler/structured/grammar_compiler.py::GrammarCompiler",

@@ -24,6 +24,16 @@ MAX_STOP_TOKEN_IDS = 64
 """Upper bound on a request's stop_token_ids, named in the error it produces."""
 
 
+def validate_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise ValueError when there are more than MAX_STOP_TOKEN_IDS or one is outside the vocabulary."""
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(stop_token_ids)} entries; the limit MAX_STOP_TOKEN_IDS is "
+                         f"{MAX_STOP_TOKEN_IDS}")
+    for token_id in stop_token_ids:
+        if not (0 <= token_id < vocab_size):
+            raise ValueError(f"stop_token_ids entry {token_id} is outside [0, {vocab_size})")
+
+
 @dataclass(frozen=True, slots=True)
 class StopConditions:
     """When one request's generation ends. Check with ``validate`` before use."""
@@ -42,10 +52,8 @@ class StopConditions:
     """Keep the matched stop string at the end of the text."""
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
-        """Raise ValueError naming the field, its value and the limit it breaks.
-
-        The one check of the stop rules; the scheduler core runs it when a request is added.
-        """
+        """Raise ValueError naming the field, its value and the limit it breaks: the one check of
+        the stop rules, which the scheduler core runs when a request is added."""
         max_tokens = self.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (or None for no limit), got {max_tokens}")
@@ -56,14 +64,7 @@ class StopConditions:
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={max_tokens}")
         validate_stop_strings(self.stop)
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids has {len(self.stop_token_ids)} entries; the limit MAX_STOP_TOKEN_IDS is "
-                f"{MAX_STOP_TOKEN_IDS}"
-            )
-        for token_id in self.stop_token_ids:
-            if not (0 <= token_id < vocab_size):
-                raise ValueError(f"stop_token_ids entry {token_id} is outside [0, {vocab_size})")
+        validate_stop_token_ids(self.stop_token_ids, vocab_size)
 
     def min_tokens_ban(self, eos_token_ids: Sequence[int]) -> MinTokensBan | None:
         """What the sampler must ban before min_tokens, or None when nothing is banned.
