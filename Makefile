@@ -91,7 +91,12 @@ LLAMA_CPP_BG_PID := $(VENV)/.llama-cpp-python.pid
 LLAMA_CPP_BG_LOG := $(VENV)/llama-cpp-python-build.log
 
 # PYTEST_ARGS narrows the run (e.g. PYTEST_ARGS=tests/gateway).
+# The AVX2-only build of the C++ kernels (tests/runtime/kernels/test_cpu_kernels_avx2.py) also
+# compiles in the background, niced, while the suite runs; that test runs last and its first
+# load waits on the build's flock.
 test: llama-cpp-background install
+	nice -n 10 env TOKENMILL_CPU_KERNEL_MARCH=haswell $(PY) -c "from services.runtime.kernels import cpu; cpu.load()" \
+		</dev/null >$(VENV)/cpu-kernels-haswell-build.log 2>&1 &
 	TOKENMILL_LLAMA_CPP_BUILD_PID=$$(cat $(LLAMA_CPP_BG_PID) 2>/dev/null) \
 	TOKENMILL_LLAMA_CPP_BUILD_LOG=$(abspath $(LLAMA_CPP_BG_LOG)) $(PY) -m pytest -q -rs $(PYTEST_ARGS); status=$$?; \
 	pid=$$(cat $(LLAMA_CPP_BG_PID) 2>/dev/null); \

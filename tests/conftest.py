@@ -28,9 +28,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # `llama_cpp` tests run last: `make test` builds llama-cpp-python in the background meanwhile
-    # (tests/helpers/llama_cpp_build.py). A stable sort keeps every other order as collected.
-    items.sort(key=lambda item: item.get_closest_marker("llama_cpp") is not None)
+    # `llama_cpp` and `background_build` tests run last: `make test` builds llama-cpp-python and the
+    # AVX2-only kernels in the background meanwhile (tests/helpers/llama_cpp_build.py). A stable
+    # sort keeps every other order as collected.
+    items.sort(key=lambda item: any(item.get_closest_marker(name) for name in ("llama_cpp", "background_build")))
     # `gpu` tests need a CUDA device; on a CPU machine they are reported as skipped, with the reason.
     if _has_cuda_device():
         return

@@ -27,11 +27,12 @@ def test_the_wait_returns_when_the_build_process_ends_and_fails_while_it_runs():
     assert time.monotonic() - began > 0.5  # it did wait for the process, then returned
 
 
-def test_llama_cpp_tests_are_ordered_last_and_the_rest_keep_their_order():
-    def item(name, marked):
+def test_tests_waiting_on_background_builds_are_ordered_last_and_the_rest_keep_their_order():
+    def item(name, marker=None):
         return SimpleNamespace(name=name, keywords={},
-                               get_closest_marker=lambda mark: object() if marked and mark == "llama_cpp" else None)
+                               get_closest_marker=lambda mark: object() if mark == marker else None)
 
-    items = [item("a", False), item("up1", True), item("b", False), item("up2", True), item("c", False)]
+    items = [item("a"), item("up1", "llama_cpp"), item("avx2", "background_build"), item("b"),
+             item("up2", "llama_cpp"), item("c")]
     pytest_collection_modifyitems(None, items)
-    assert [i.name for i in items] == ["a", "b", "c", "up1", "up2"]
+    assert [i.name for i in items] == ["a", "b", "c", "up1", "avx2", "up2"]
