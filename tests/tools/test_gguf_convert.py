@@ -57,10 +57,11 @@ def test_config_from_metadata(tiny):
         "num_attention_heads": TINY["heads"], "num_key_value_heads": TINY["kv_heads"], "head_dim": 16,
         "hidden_act": "silu", "max_position_embeddings": TINY["context"], "rms_norm_eps": pytest.approx(1e-5),
         "rope_theta": 100000.0, "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 2,
     }
+    # EOS first, then <|endoftext|>, which llama.cpp also ends on by its text
     assert json.loads((model / "generation_config.json").read_text()) == {
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+        "bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 2}
     assert "sha256" in (model / "PROVENANCE.md").read_text()
 
 
@@ -116,7 +117,7 @@ def test_tokenizer_files(tiny):
     assert config["chat_template"] == CHATML
     assert (config["bos_token"], config["eos_token"], config["unk_token"], config["pad_token"]) == (
         "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, sorted(tokenizer.skipped_special_ids)) == (1, [2], [0, 1, 2])
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, sorted(tokenizer.skipped_special_ids)) == (1, [2, 0], [0, 1, 2])
     # No BOS added; control tokens matched whole; "12" exists as a merge, but digits are split one by one.
     ids = tokenizer.encode("<|im_start|>the 12")
     assert [tokenizer.id_to_token(i) for i in ids] == ["<|im_start|>", "t", "he", "Ġ", "1", "2"]

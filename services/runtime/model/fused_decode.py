@@ -28,6 +28,13 @@ row reads its context again, so the attention grows with the square of the step'
 a bigger model's per-token products cost more here than in MKL's batched kernels: past the
 limit the step runs eagerly.
 
+Gemma 3 (gemma3.py) and sliding-window layers run here too: the decoder is told the layer's
+differences once (``set_gemma``: q/k norms, post-norms, GeGLU, embedding and attention scales,
+the local layers' RoPE tables; ``set_layout``: each layer's window and KV group), and a step
+hands it every KV group's slots and block tables stacked. K-quant weights (``cpu_kquant``) and
+q|k|v of several formats (StackedLinear) are projections like the others. Soft-capped models
+(Gemma 2) keep the eager step.
+
 Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
 order), as the tests check against it over plain and quantized pools.
 
@@ -50,20 +57,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.runtime.kernels import cpu as cpu_kernels
+from services.runtime.kernels.kquant_act import KQUANT_FORMAT_CODES
 from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
+from services.runtime.model.gemma3 import Gemma3ForCausalLM
 from services.runtime.model.linear import Linear
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
 from services.runtime.model.quant.formats import bits
-from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear
+from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear, StackedLinear
 
 if TYPE_CHECKING:
     from services.runtime.lora.batch import LoraBatch
     from services.runtime.lora.stacks import LoraStacks
     from services.runtime.parallel.shared_memory import SharedMemoryReducer
 
-_QUANT_PATHS = ("cpu_int8", "cpu_kernel")
+_QUANT_PATHS = ("cpu_int8", "cpu_kernel", "cpu_kquant")
 """QuantLinear paths the fused step runs (quant/linear.py): the same C++ kernels, called directly."""
 
 QUANTIZED_STEP_FACTOR = 8
@@ -80,12 +89,12 @@ answer than one (from its 5th token) while their 320-token step ran eagerly."""
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
-    if type(model) is not LlamaForCausalLM:
-        return f"the model is {type(model).__name__}; the fused step runs the Llama layer"
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
+        return f"the model is {type(model).__name__}; the fused step runs the Llama and Gemma 3 layers"
     if model.config.moe is not None:
         return "the model routes its MLP through experts; the fused step runs dense layers"
-    if any(layer.window is not None for layer in model.layers):
-        return "the model has sliding-window layers; the fused step attends over the whole context"
+    if model.config.attn_logit_softcapping is not None or model.config.final_logit_softcapping is not None:
+        return "the model soft-caps its scores or logits"
     if not isinstance(model.backend, CpuAttentionBackend):
         return f"the attention backend is {model.backend.name!r}, not the cpu backend"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
@@ -93,7 +102,12 @@ def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            if isinstance(linear, QuantLinear):
+            if isinstance(linear, StackedLinear) and all(
+                    isinstance(p, QuantLinear) and p.bias is None for p in linear.parts):
+                paths = {p.path for p in linear.parts}
+                if not paths <= set(_QUANT_PATHS):
+                    return f"{name} stacks quantized linears on the {sorted(paths)} paths, not CPU kernels'"
+            elif isinstance(linear, QuantLinear):
                 if linear.path not in _QUANT_PATHS:
                     return f"{name} is a quantized linear on the {linear.path!r} path, not a CPU kernel's"
             elif not isinstance(linear, Linear):
@@ -121,8 +135,9 @@ class FusedDecode:
         self.backend: CpuAttentionBackend = model.backend
         norms: list[torch.Tensor] = []
         projections = []
+        gemma = isinstance(model, Gemma3ForCausalLM)
         for layer in model.layers:
-            norms += [layer.input_norm.detach(), layer.post_norm.detach()]
+            norms += [layer.input_norm.detach(), (layer.pre_mlp_norm if gemma else layer.post_norm).detach()]
             projections += [projection(linear) for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         quantized = isinstance(kv_caches[0][0], ScaledCache)
         lm_head = model.lm_head
@@ -140,6 +155,22 @@ class FusedDecode:
             [k.scale for k, _ in kv_caches] if quantized else [], [v.scale for _, v in kv_caches] if quantized else [],
             torch.get_num_threads(),
         )
+        windows = [layer.window or 0 for layer in model.layers]
+        self._groups = model.kv_group_of
+        """Each layer's KV group, or None for one: the step hands the decoder every group's tables."""
+        if self._groups is not None or any(windows):
+            self._decoder.set_layout(windows, self._groups or [0] * len(windows))
+        if gemma:
+            gemma_norms = []
+            empty = torch.empty(0)
+            for layer in model.layers:
+                qk = layer.qk_norm
+                gemma_norms += [layer.post_attn_norm.detach(), layer.post_mlp_norm.detach(),
+                                qk[0].detach() if qk is not None else empty,
+                                qk[model.config.num_heads].detach() if qk is not None else empty]
+            local = model.rotary_local
+            self._decoder.set_gemma(gemma_norms, local.cos_full, local.sin_signed, float(model.embed_scale),
+                                    float(model.layers[0].scale))
         self._reducer = reducer
         """A tensor-parallel rank's all-reduce, which the C++ step sums its o and down outputs over."""
         if reducer is not None:
@@ -173,37 +204,51 @@ class FusedDecode:
             raise ValueError("the fused decode step runs over the KV pools it was built with")
         # Raw pointer reads and writes follow: the tables and slots are checked against the pool
         # first, in one C++ pass each (the kernel's own checks are a second line).
-        self.backend.check_step(meta, self._k_cache)
-        block_tables, context_lens = meta.block_tables, meta.context_lens
+        metas = meta.groups if self._groups is not None else (meta,)
+        for group in metas:
+            self.backend.check_step(group, self._k_cache)
+        tables = [group.block_tables for group in metas]
+        context_lens = meta.context_lens
         if not meta.is_decode_only:
             # One row per new token: its sequence's table, its context up to its own position.
             # Each row's context lies within its sequence's, which check_step just checked.
-            query_lens = torch.tensor(meta.query_lens_cpu, device=block_tables.device)
-            block_tables = block_tables.repeat_interleave(query_lens, dim=0)
+            query_lens = torch.tensor(meta.query_lens_cpu, device=context_lens.device)
+            tables = [table.repeat_interleave(query_lens, dim=0) for table in tables]
             context_lens = (positions + 1).to(torch.int32)
+        if len(metas) == 1:
+            block_tables, slot_mapping = tables[0], meta.slot_mapping
+        else:  # every KV group's rows stacked, group 0's first, tables padded to one width
+            width = max(table.shape[1] for table in tables)
+            block_tables = torch.cat([torch.nn.functional.pad(table, (0, width - table.shape[1])) for table in tables])
+            slot_mapping = torch.cat([group.slot_mapping for group in metas])
         if lora is None:
-            hidden = self._decoder.forward(input_ids, positions, meta.slot_mapping, block_tables, context_lens)
+            hidden = self._decoder.forward(input_ids, positions, slot_mapping, block_tables, context_lens)
         else:
             if lora.stacks is not self._lora_stacks:
                 self._decoder.set_lora(model_loras(lora.stacks))
                 self._lora_stacks = lora.stacks
-            hidden = self._decoder.forward_lora(input_ids, positions, meta.slot_mapping, block_tables, context_lens,
+            hidden = self._decoder.forward_lora(input_ids, positions, slot_mapping, block_tables, context_lens,
                                                 lora.row_slots)
         if self._reducer is not None:
             self._reducer.check()  # an all-reduce that failed inside ended the step early
         return hidden
 
 
-def projection(linear: Linear | QuantLinear):
+def projection(linear: Linear | QuantLinear | StackedLinear):
     """The decoder's handle on one of the model's projections: the weight it multiplies by, as
-    the eager linear holds it (a plain fp32 matrix, or a quantized one on a CPU kernel's path)."""
+    the eager linear holds it (a plain fp32 matrix, a quantized one on a CPU kernel's path, or
+    quantized ones of several formats side by side)."""
     bias = linear.bias.detach() if linear.bias is not None else torch.empty(0)
     cls = torch.classes.tokenmill_cpu.Projection
+    if isinstance(linear, StackedLinear):
+        return cls.stacked([projection(part) for part in linear.parts], bias)
     if isinstance(linear, Linear):
         return cls.plain(linear.weight.detach(), bias)
     w = linear.quantized
     if linear.path == "cpu_int8":
         return cls.int8(linear.packed, INT8_FORMAT_CODES[w.fmt], linear.out_features, linear.in_features, bias)
+    if linear.path == "cpu_kquant":
+        return cls.kquant(linear.packed, KQUANT_FORMAT_CODES[w.fmt], linear.out_features, linear.in_features, bias)
     scales, zeros, group = linear.cpu_operands()
     return cls.exact(w.qweight, scales, zeros, bits(w.fmt), group, bias)
 

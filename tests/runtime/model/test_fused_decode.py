@@ -20,7 +20,7 @@ from services.executor.model_runner import ModelRunner
 from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.model.fused_decode import FusedDecode, why_not
 from services.runtime.model.quant.linear import QuantLinear
-from services.runtime.step_inputs import pack_step_inputs
+from services.runtime.step_inputs import pack_rows, pack_step_inputs
 from services.tools.quantize import quantize_model
 from tests.conftest import STORIES_DIR
 from tests.helpers.forward_paths import fused_decode
@@ -369,3 +369,115 @@ def test_a_quantized_model_runs_steps_fused_up_to_eight_times_the_limit(quantize
     assert not fused.takes(step_inputs(runner, [100, 29], [100, 29], seed=0)[1][2])
     fp32 = make_runner(STORIES_DIR, fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=16))
     assert fused_decode(fp32).max_step_tokens == 16, "fp32: the limit"
+
+
+# Gemma 3's layer through the fused step: q/k norms, pre- and post-norms, GeGLU, scaled
+# embeddings, and local layers with their own window, RoPE base and KV group (the step hands the
+# decoder every group's slots and tables); Mistral's window on every layer of a Llama.
+WINDOWED = ["gemma3", "gemma3-linear-rope", "mistral-window"]
+# (context after the step, new tokens): decode rows at, inside and past the windows (16 and 8
+# keys), a whole prompt longer than the window, and a chunk continuing a cached context.
+WINDOWED_STEPS = ([(n, 1) for n in (1, 8, 9, 15, 16, 17, 33, 50)], [(20, 20), (5, 1), (40, 7), (17, 1)])
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    from services.tools.random_model import build_random_model
+    from tests.helpers.family_specs import FAMILY_SPECS
+
+    root = tmp_path_factory.mktemp("fused_families")
+    return {name: build_random_model(FAMILY_SPECS[name], root / name) for name in WINDOWED}
+
+
+def grouped_step_inputs(runner: ModelRunner, contexts: list[int], query_lens: list[int], seed: int):
+    """step_inputs for a model with KV groups: each sequence's blocks, shuffled, interleave its
+    groups' tables (pack_rows' layout). Returns every group's (table, context) and the step."""
+    n = runner.kv_groups.num_groups
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(runner.num_usable_blocks, generator=gen).tolist()
+    rows, owned = [], []
+    for context, q in zip(contexts, query_lens):
+        width = -(-context // BLOCK_SIZE)
+        blocks, free = free[: width * n], free[width * n:]
+        ids = torch.randint(0, runner.model_config.vocab_size, (q,), generator=gen).tolist()
+        rows.append((ids, context - q, blocks))
+        owned += [(blocks[k::n], context) for k in range(n)]
+    ids, positions, meta, _ = pack_rows(rows, BLOCK_SIZE, runner.device, n)
+    return owned, (ids, positions, meta)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_and_gemma_layers_run_fused_as_they_run_eagerly(name, kv_cache_dtype, family_dirs):
+    runner = make_runner(family_dirs[name], kv_cache_dtype=kv_cache_dtype, num_blocks=160)
+    assert why_not(runner.model, runner.kv_cache.layers) is None
+    fused = fused_decode(runner)
+    assert fused is not None and fused.computes_logits
+    if name.startswith("gemma3"):
+        assert runner.kv_groups.num_groups > 1, "local and global layers in KV groups of their own"
+    caches = runner.kv_cache.layers
+    for seed, step in enumerate(WINDOWED_STEPS):
+        contexts, query_lens = [n for n, _ in step], [q for _, q in step]
+        owned, (ids, positions, meta) = grouped_step_inputs(runner, contexts, query_lens, seed=seed)
+        assert fused.takes(meta)
+        fill_pool(runner, [t for t, _ in owned], [n for _, n in owned], seed=seed + 10)
+        with torch.inference_mode():
+            got = fused(ids, positions, caches, meta)
+            eager = runner.model(ids, positions, caches, meta)
+            assert got.shape == eager.shape == (sum(query_lens), runner.model_config.hidden_size)
+            assert torch.isfinite(got).all()
+            tolerance = 2e-2 if kv_cache_dtype != "auto" else 1e-4
+            torch.testing.assert_close(got, eager, rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(fused.logits(got), runner.model.compute_logits(got), rtol=1e-4, atol=1e-4)
+
+
+def test_soft_capped_models_keep_the_eager_step(tmp_path):
+    from services.tools.random_model import build_random_model
+    from tests.helpers.family_specs import FAMILY_SPECS
+
+    runner = make_runner(build_random_model(FAMILY_SPECS["gemma2"], tmp_path / "gemma2"))
+    assert fused_decode(runner) is None
+    assert "Gemma2ForCausalLM" in why_not(runner.model, runner.kv_cache.layers)
+
+
+def test_a_k_quant_model_runs_fused_as_it_runs_eagerly(tmp_path):
+    """A Q4_K_M-like file kept in its blocks (Q5_0 q, Q5_1 k and Q6_K v stacked side by side, Q4_K,
+    Q5_K and Q6_K elsewhere, a Q6_K head): every product on the K-quant kernels with int8
+    activations, fused as eagerly, and a row's result independent of its batch."""
+    from gguf import GGMLQuantizationType as T
+
+    from services.runtime.model.quant.linear import StackedLinear
+    from services.tools.gguf import convert_gguf
+    from tests.tools.gguf_helpers import write_tiny_llama_gguf
+
+    source = tmp_path / "mix.gguf"
+    write_tiny_llama_gguf(source, untied=True, dims=dict(hidden=256, ffn=512, heads=4, kv_heads=2), qtypes=dict(
+        attn_q=T.Q5_0, attn_k=T.Q5_1, attn_v=T.Q6_K, attn_output=T.Q4_K, ffn_gate=T.Q4_K, ffn_up=T.Q5_K,
+        ffn_down=T.Q6_K, output=T.Q6_K, token_embd=T.Q4_K))
+    convert_gguf(source, tmp_path / "keep", weights="keep")
+    runner = make_runner(tmp_path / "keep", quant_activations="auto")
+    assert isinstance(runner.model.layers[0].qkv, StackedLinear)
+    assert {m.path for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"cpu_kquant"}
+    fused = fused_decode(runner)
+    assert fused is not None and fused.computes_logits
+    caches = runner.kv_cache.layers
+    for contexts, query_lens in ((CONTEXTS, [1] * len(CONTEXTS)), ([n for n, _ in MIXED], [q for _, q in MIXED])):
+        tables, (ids, positions, meta, _) = step_inputs(runner, contexts, query_lens, seed=7)
+        fill_pool(runner, tables, contexts, seed=8)
+        with torch.inference_mode():
+            got = fused(ids, positions, caches, meta)
+            eager = runner.model(ids, positions, caches, meta)
+            torch.testing.assert_close(fused.logits(got), runner.model.compute_logits(got), rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(got).all()
+        # int8 activations: a last-bit difference can round an input to the neighbouring code and
+        # move its row (see the quantized test above); a wiring mistake moves every row.
+        close = ((got - eager).abs() <= 1e-4 + 1e-4 * eager.abs()).all(dim=1)
+        assert close.float().mean() >= 0.75, f"{int((~close).sum())} of {len(close)} rows differ"
+    tables, (ids, positions, meta, _) = decode_inputs(runner, CONTEXTS, seed=3)
+    fill_pool(runner, tables, CONTEXTS, seed=4)
+    with torch.inference_mode():
+        batch = fused(ids, positions, caches, meta)
+        for row, n in enumerate(CONTEXTS):
+            one = pack_step_inputs([int(ids[row])], [n - 1], [int(meta.slot_mapping[row])], [1], [n], [tables[row]],
+                                   BLOCK_SIZE, runner.device)
+            assert torch.equal(fused(one[0], one[1], caches, one[2])[0], batch[row]), f"row {row} moved"

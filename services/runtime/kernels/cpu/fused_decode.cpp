@@ -158,7 +158,9 @@ at::Tensor vector_of(const at::Tensor& v, int64_t n, const char* what) {
 // A projection's reusable buffers: the quantized activations, the exact path's per-32 sums.
 struct Workspace {
   tokenmill_cpu::QuantizedActivations activations;
+  tokenmill_cpu::KquantActivations kquant_activations;
   std::vector<float> xsum;
+  std::vector<float> part;  // a stacked projection's part, before its columns join the output
 };
 
 // One projection y = x W^T (+ bias) of the fused step, [out, in]: a plain fp32 matrix (held
@@ -166,7 +168,7 @@ struct Workspace {
 // kernel, quant_matmul.cpp) or a GGUF block weight repacked for int8 activations
 // (quant_dot.cpp). Built in Python from the model's Linear / QuantLinear (fused_decode.py).
 struct Projection : torch::CustomClassHolder {
-  enum class Kind { kPlain, kExact, kInt8 };
+  enum class Kind { kPlain, kExact, kInt8, kKquant, kStacked };
 
   static c10::intrusive_ptr<Projection> plain(at::Tensor weight, at::Tensor bias) {
     auto p = c10::make_intrusive<Projection>();
@@ -223,14 +225,72 @@ struct Projection : torch::CustomClassHolder {
     return p;
   }
 
+  // packed: kquant_act.pack_tiles' tiles of an [out, in] GGUF K-quant or q5_0/q5_1 weight of
+  // `code` (KQUANT_FORMAT_CODES), multiplied with int8 activations (kquant_dot.cpp).
+  static c10::intrusive_ptr<Projection> kquant(at::Tensor packed, int64_t code, int64_t out, int64_t in,
+                                               at::Tensor bias) {
+    TORCH_CHECK(out > 0 && in > 0 && in % tokenmill_cpu::kquant_block(code) == 0,
+                "in must be a positive multiple of the format's block");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == (out + 15) / 16 * tokenmill_cpu::kquant_tile_bytes(code, in),
+                "packed must be pack_tiles' tensor for this format and shape");
+    auto p = c10::make_intrusive<Projection>();
+    p->kind = Kind::kKquant;
+    p->kquant_code = code;
+    p->tensors = {packed};
+    p->in = in, p->out = out;
+    p->set_bias(bias);
+    return p;
+  }
+
+  // Projections of one input stacked along the output axis (QuantLinear's StackedLinear: a file
+  // mixing formats in q|k|v, as Q4_K_M does), each multiplied by its own kernel.
+  static c10::intrusive_ptr<Projection> stacked(std::vector<c10::intrusive_ptr<Projection>> parts, at::Tensor bias) {
+    TORCH_CHECK(!parts.empty(), "a stacked projection needs parts");
+    auto p = c10::make_intrusive<Projection>();
+    p->kind = Kind::kStacked;
+    p->in = parts[0]->in;
+    for (const auto& part : parts) {
+      TORCH_CHECK(part->in == p->in && part->kind != Kind::kStacked && !part->bias.defined(),
+                  "stacked parts must share the input size, without biases or stacks of their own");
+      p->out += part->out;
+    }
+    p->parts = std::move(parts);
+    p->set_bias(bias);
+    return p;
+  }
+
   // y [T, out] = x [T, in] W^T (+ bias), on `pool`.
   void apply(const float* x, int64_t T, float* y, Workspace& ws, tokenmill_cpu::WorkerPool* pool) const {
+    if (kind == Kind::kStacked) {
+      int64_t offset = 0;
+      for (const auto& part : parts) {
+        ws.part.resize(T * part->out);
+        part->apply(x, T, ws.part.data(), ws, pool);
+        for (int64_t t = 0; t < T; ++t) {
+          std::memcpy(y + t * out + offset, ws.part.data() + t * part->out, sizeof(float) * part->out);
+        }
+        offset += part->out;
+      }
+      add_bias(y, T);
+      return;
+    }
     if (kind == Kind::kPlain) {
       linear_rows(x, T, in, w_t.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, out, y, pool);
       return;
     }
     if (kind == Kind::kInt8) {
       tokenmill_cpu::int8_matmul(int8_weight, x, T, in, y, out, ws.activations, pool);
+    } else if (kind == Kind::kKquant) {
+      tokenmill_cpu::kquant_quantize_rows(x, T, in, in, ws.kquant_activations);
+      const tokenmill_cpu::Isa isa = tokenmill_cpu::active_isa();
+      const uint8_t* packed = tensors[0].data_ptr<uint8_t>();
+      // The grain of kquant_matmul's own loop: ~64k weights a task.
+      const int64_t grain = std::max<int64_t>(1, 65536 / (16 * in));
+      tokenmill_cpu::parallel_for(pool, (out + 15) / 16, grain, [&](int64_t begin, int64_t end) {
+        tokenmill_cpu::kquant_matmul_tiles(packed, kquant_code, out, in, ws.kquant_activations, y, out, begin, end,
+                                           isa);
+      });
     } else {
       const tokenmill_cpu::QuantWeight& w = exact_weight;
       const float* xsum = nullptr;
@@ -248,6 +308,10 @@ struct Projection : torch::CustomClassHolder {
         tokenmill_cpu::quant_matmul_rows(w, x, xsum, T, y, out, begin, end, isa);
       });
     }
+    add_bias(y, T);
+  }
+
+  void add_bias(float* y, int64_t T) const {
     if (bias.defined()) {
       const float* b = bias.data_ptr<float>();
       for (int64_t t = 0; t < T; ++t) {
@@ -261,9 +325,10 @@ struct Projection : torch::CustomClassHolder {
   int64_t out_features() const { return out; }
 
   Kind kind = Kind::kPlain;
-  int64_t in = 0, out = 0;
+  int64_t in = 0, out = 0, kquant_code = 0;
   at::Tensor w_t, bias;
   std::vector<at::Tensor> tensors;  // keeps the quantized parts alive
+  std::vector<c10::intrusive_ptr<Projection>> parts;  // kStacked's
   tokenmill_cpu::QuantWeight exact_weight;
   tokenmill_cpu::PackedInt8Weight int8_weight;
 
@@ -278,7 +343,20 @@ namespace {
 struct Layer {
   at::Tensor input_norm, post_norm;
   c10::intrusive_ptr<Projection> qkv, o, gate_up, down;
+  // Gemma 3 (set_gemma): the norms of the attention's and the MLP's outputs, and q's and k's
+  // per-head norms (undefined where the model has none).
+  at::Tensor post_attn_norm, post_mlp_norm, q_norm, k_norm;
+  int64_t window = 0;  // keys a query sees (0: the whole context); set_layout
+  int64_t group = 0;   // the KV group whose slots and block table the layer reads; set_layout
 };
+
+// GELU with the tanh approximation (Gemma's GeGLU), tanh(u) = 1 - 2 / (1 + e^{2u}) over exp_vec.
+inline float gelu_tanh(float g) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  const float u = kSqrt2OverPi * (g + 0.044715f * g * g * g);
+  const float t = 1.f - 2.f / (1.f + exp_vec(2.f * u));
+  return 0.5f * g * (1.f + t);
+}
 
 }  // namespace
 
@@ -385,7 +463,11 @@ struct LlamaDecoder : torch::CustomClassHolder {
     positions = positions.contiguous();
     slot_mapping = slot_mapping.contiguous();
     const int64_t B = input_ids.numel();
-    TORCH_CHECK(positions.numel() == B && slot_mapping.numel() == B, "one position and slot per token");
+    // With KV groups (set_layout) every group's slots and block table rows are stacked, group 0's first.
+    TORCH_CHECK(positions.numel() == B && slot_mapping.numel() == groups_ * B &&
+                    (B == 0 || block_tables.size(0) == groups_ * B),
+                "one position per token, and one slot and block table row per token and KV group (", groups_,
+                ")");
     const int64_t V = embed_.size(0), P = cos_full_.size(0), D = D_, hd = hd_;
     const int64_t q_size = H_ * hd, kv_size = KH_ * hd, qkv_size = q_size + 2 * kv_size;
     const int64_t* ids = input_ids.data_ptr<int64_t>();
@@ -412,9 +494,22 @@ struct LlamaDecoder : torch::CustomClassHolder {
     float* tp = tmp.data_ptr<float>();
     const float* emb = embed_.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) std::memcpy(h + b * D, emb + ids[b] * D, sizeof(float) * D);
+    if (gemma_) {
+#pragma omp simd
+      for (int64_t i = 0; i < B * D; ++i) h[i] *= embed_scale_;
+    }
     const float* cos_tab = cos_full_.data_ptr<float>();
     const float* sin_tab = sin_signed_.data_ptr<float>();
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    const float* cos_local = gemma_ ? cos_local_.data_ptr<float>() : cos_tab;
+    const float* sin_local = gemma_ ? sin_local_.data_ptr<float>() : sin_tab;
+    const int64_t P_local = gemma_ ? cos_local_.size(0) : P;
+    if (gemma_) {
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(pos[b] < P_local, "positions[", b, "] = ", pos[b], " is outside the local rotary table of ",
+                    P_local);
+      }
+    }
+    const double scale = gemma_ ? attn_scale_ : 1.0 / std::sqrt(static_cast<double>(hd));
     // Views of the fused projection's k and v columns, for the quantized write (plain pools are
     // written here directly).
     at::Tensor k_view, v_view;
@@ -422,19 +517,30 @@ struct LlamaDecoder : torch::CustomClassHolder {
       k_view = qkv.narrow(1, q_size, kv_size).view({B, KH_, hd});
       v_view = qkv.narrow(1, q_size + kv_size, kv_size).view({B, KH_, hd});
     }
+    const int64_t* all_slots = slots;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
+      // This layer's KV group: its rows of the stacked slots and block tables.
+      slots = all_slots + layer.group * B;
+      const at::Tensor group_tables = groups_ > 1 ? block_tables.narrow(0, layer.group * B, B) : block_tables;
       rms_norm_rows(h, B, D, layer.input_norm.data_ptr<float>(), eps_, xp);
       layer.qkv->apply(xp, B, qkvp, workspace_, pool_.get());
       if (lora) lora->apply(l, 0, xp, qkvp, pool_.get());
+      const bool local = layer.window > 0;
+      const float* cos_l = local ? cos_local : cos_tab;
+      const float* sin_l = local ? sin_local : sin_tab;
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkvp + b * qkv_size;
-        rotate_heads(row, H_ + KH_, hd, cos_tab + pos[b] * hd, sin_tab + pos[b] * hd);
+        if (layer.q_norm.defined()) {  // Gemma 3: each q and k head RMS-normed before RoPE
+          rms_norm_rows(row, H_, hd, layer.q_norm.data_ptr<float>(), eps_, row);
+          rms_norm_rows(row + q_size, KH_, hd, layer.k_norm.data_ptr<float>(), eps_, row + q_size);
+        }
+        rotate_heads(row, H_ + KH_, hd, cos_l + pos[b] * hd, sin_l + pos[b] * hd);
         std::memcpy(qp + b * q_size, row, sizeof(float) * q_size);
       }
       if (quantized_) {
         tokenmill_cpu::store_kv(k_view, v_view, k_caches_[l], v_caches_[l], &k_scales_[l], &v_scales_[l],
-                                slot_mapping);
+                                groups_ > 1 ? slot_mapping.narrow(0, layer.group * B, B) : slot_mapping);
       } else {
         float* kc = k_caches_[l].data_ptr<float>();
         float* vc = v_caches_[l].data_ptr<float>();
@@ -448,11 +554,12 @@ struct LlamaDecoder : torch::CustomClassHolder {
         }
       }
       tokenmill_cpu::decode_attention(attn, q, k_caches_[l], v_caches_[l], quantized_ ? &k_scales_[l] : nullptr,
-                                      quantized_ ? &v_scales_[l] : nullptr, block_tables, context_lens, scale,
-                                      pool_.get());
+                                      quantized_ ? &v_scales_[l] : nullptr, group_tables, context_lens, scale,
+                                      pool_.get(), layer.window);
       layer.o->apply(ap, B, tp, workspace_, pool_.get());
       if (lora) lora->apply(l, 1, ap, tp, pool_.get());
       if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
+      if (gemma_) rms_norm_rows(tp, B, D, layer.post_attn_norm.data_ptr<float>(), eps_, tp);
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
       rms_norm_rows(h, B, D, layer.post_norm.data_ptr<float>(), eps_, xp);
@@ -462,12 +569,18 @@ struct LlamaDecoder : torch::CustomClassHolder {
         const float* g = gup + b * 2 * F;
         const float* u = g + F;
         float* a = actp + b * F;
+        if (gemma_) {
 #pragma omp simd
-        for (int64_t f = 0; f < F; ++f) a[f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
+          for (int64_t f = 0; f < F; ++f) a[f] = gelu_tanh(g[f]) * u[f];
+        } else {
+#pragma omp simd
+          for (int64_t f = 0; f < F; ++f) a[f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
+        }
       }
       layer.down->apply(actp, B, tp, workspace_, pool_.get());
       if (lora) lora->apply(l, 3, actp, tp, pool_.get());
       if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
+      if (gemma_) rms_norm_rows(tp, B, D, layer.post_mlp_norm.data_ptr<float>(), eps_, tp);
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
     }
@@ -492,6 +605,48 @@ struct LlamaDecoder : torch::CustomClassHolder {
     return out;
   }
 
+  // Sliding windows and KV groups, per layer: windows[l] keys a query sees (0: the whole context),
+  // groups[l] the KV group whose slots and block table rows the layer reads (forward then takes
+  // every group's, stacked).
+  void set_layout(std::vector<int64_t> windows, std::vector<int64_t> groups) {
+    TORCH_CHECK(windows.size() == layers_.size() && groups.size() == layers_.size(), "one window and group per layer");
+    int64_t num_groups = 1;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      TORCH_CHECK(windows[l] >= 0 && groups[l] >= 0, "windows and groups must be >= 0");
+      layers_[l].window = windows[l];
+      layers_[l].group = groups[l];
+      num_groups = std::max(num_groups, groups[l] + 1);
+    }
+    groups_ = num_groups;
+  }
+
+  // Gemma 3's layer (gemma3.py): norms per layer (attention output, MLP output, then q's and k's
+  // per-head [head_dim] norms, or two empty tensors where the model has none), all already
+  // ``1 + w``; the local layers' rotary tables; the embedding's scale and the attention's.
+  // The MLP becomes GeGLU with tanh GELU.
+  void set_gemma(std::vector<at::Tensor> norms, at::Tensor cos_local, at::Tensor sin_local, double embed_scale,
+                 double attn_scale) {
+    TORCH_CHECK(norms.size() == 4 * layers_.size(), "4 norms per layer");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Layer& layer = layers_[l];
+      layer.post_attn_norm = vector_of(norms[4 * l], D_, "post_attn_norm");
+      layer.post_mlp_norm = vector_of(norms[4 * l + 1], D_, "post_mlp_norm");
+      TORCH_CHECK(norms[4 * l + 2].numel() == norms[4 * l + 3].numel(), "q and k norms: both or neither");
+      if (norms[4 * l + 2].numel() > 0) {
+        layer.q_norm = vector_of(norms[4 * l + 2], hd_, "q_norm");
+        layer.k_norm = vector_of(norms[4 * l + 3], hd_, "k_norm");
+      }
+    }
+    cos_local_ = cos_local.contiguous();
+    sin_local_ = sin_local.contiguous();
+    TORCH_CHECK(cos_local_.dim() == 2 && cos_local_.size(1) == hd_ && sin_local_.sizes() == cos_local_.sizes() &&
+                    cos_local_.scalar_type() == at::kFloat && sin_local_.scalar_type() == at::kFloat,
+                "local rotary tables must be fp32 [P, head_dim]");
+    embed_scale_ = static_cast<float>(embed_scale);
+    attn_scale_ = attn_scale;
+    gemma_ = true;
+  }
+
   // Sum the o and down outputs over a tensor-parallel group's ranks (this decoder holds one shard).
   void set_all_reduce(c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer) { reducer_ = std::move(reducer); }
 
@@ -500,6 +655,11 @@ struct LlamaDecoder : torch::CustomClassHolder {
   c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer_;
   c10::intrusive_ptr<tokenmill_cpu::ModelLoras> lora_;
   at::Tensor embed_, cos_full_, sin_signed_, final_norm_;
+  bool gemma_ = false;  // set_gemma's layer
+  at::Tensor cos_local_, sin_local_;
+  float embed_scale_ = 1.f;
+  double attn_scale_ = 0.0;
+  int64_t groups_ = 1;
   c10::intrusive_ptr<Projection> lm_head_;
   std::vector<Layer> layers_;
   Workspace workspace_;  // one step at a time: the executor never runs two concurrently
@@ -516,6 +676,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       .def_static("plain", &Projection::plain)
       .def_static("exact", &Projection::exact)
       .def_static("int8", &Projection::int8)
+      .def_static("kquant", &Projection::kquant)
+      .def_static("stacked", &Projection::stacked)
       .def("in_features", &Projection::in_features)
       .def("out_features", &Projection::out_features);
   m.class_<LlamaDecoder>("LlamaDecoder")
@@ -526,5 +688,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       .def("forward_lora", &LlamaDecoder::forward_lora)
       .def("set_lora", &LlamaDecoder::set_lora)
       .def("logits", &LlamaDecoder::logits)
+      .def("set_layout", &LlamaDecoder::set_layout)
+      .def("set_gemma", &LlamaDecoder::set_gemma)
       .def("set_all_reduce", &LlamaDecoder::set_all_reduce);
 }
