@@ -55,19 +55,24 @@ class GatewaySettings:
     goodput_warmup_s: float = setting(10.0)
     """Seconds of warm-up requests before each goodput trace (sent, not counted: the routers learn their targets
     first)."""
+    start_timeout: float = setting(600.0)
+    """Seconds the overhead part's stack and gateway may take to start (a service that exits while starting
+    fails at once; a loaded machine can take minutes to start a healthy one)."""
     out: str | None = setting(None)
     """Where the JSON report goes (none: benchmarks/results/gateway-DATE.json)."""
 
     def validate(self) -> None:
         flags.check_choices("parts", self.parts, PARTS)
+        if self.start_timeout <= 0:
+            raise ValueError(f"start_timeout must be > 0 seconds, got {self.start_timeout}")
 
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
 
-def _overhead(quick: bool) -> dict:
-    r = overhead.measure(rounds=2 if quick else 4, ttft_requests=10 if quick else 20)
+def _overhead(quick: bool, start_timeout_s: float) -> dict:
+    r = overhead.measure(rounds=2 if quick else 4, ttft_requests=10 if quick else 20, start_timeout_s=start_timeout_s)
     print(f"\n## HTTP overhead (stories260K, gateway HTTP vs engine gRPC)\n"
           f"TTFT p50: gRPC {r['grpc']['ttft_p50_ms']:.2f} ms, HTTP {r['http']['ttft_p50_ms']:.2f} ms, "
           f"added {r['ttft_p50_added_ms']:+.2f} ms (goal <= +1 ms)\n"
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
               "load_before": _load(), "cpus": os.cpu_count()}
     print(f"# make bench-gateway at {report['commit']}, load average {report['load_before']}, "
           f"{report['cpus']} CPUs", flush=True)
-    runners = {"overhead": lambda: _overhead(args.quick), "policies": lambda: _policies(args.quick, args.rate,
+    runners = {"overhead": lambda: _overhead(args.quick, args.start_timeout), "policies": lambda: _policies(args.quick, args.rate,
                                                                                            args.seconds, args.peers),
                "goodput": lambda: _goodput(args.quick, args.goodput_rates, args.goodput_seconds,
                                                  args.goodput_warmup_s, args.peers),

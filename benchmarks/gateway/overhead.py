@@ -107,11 +107,14 @@ async def _measure(engine: str, http_base: str, pid: int, engine_pids: list[int]
     return out
 
 
-def measure(rounds: int = 3, ttft_requests: int = 20, streams: int = 32, tokens: int = 128) -> dict:
-    with launched(LaunchSpec(str(STORIES), threads=1, quiet=False, metrics=False, log_prefix="tokenmill-bench-gw-")
-                  ) as stack:
+def measure(rounds: int = 3, ttft_requests: int = 20, streams: int = 32, tokens: int = 128,
+            start_timeout_s: float = 600.0) -> dict:
+    """``start_timeout_s``: how long each service and the gateway may take to start (a service that
+    exits while starting fails the run at once; on a loaded machine a healthy start can take minutes)."""
+    with launched(LaunchSpec(str(STORIES), threads=1, quiet=False, metrics=False, log_prefix="tokenmill-bench-gw-",
+                             start_timeout_s=start_timeout_s)) as stack:
         routes = {"targets": [{"name": "engine", "address": stack.address}], "models": {"stories": "engine"}}
         engine_pids = list(stack.pids.values())
-        with gateway(routes) as (_, http_base, pid):
+        with gateway(routes, start_timeout_s=start_timeout_s) as (_, http_base, pid):
             return asyncio.run(_measure(stack.address, http_base, pid, engine_pids, rounds, ttft_requests, streams,
                                         tokens))

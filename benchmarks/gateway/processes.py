@@ -57,8 +57,9 @@ def simulator(engines: list[dict], cpus: str | None = None):
 
 
 @contextmanager
-def gateway(routes: dict, cpus: str | None = None, args: tuple[str, ...] = ()):
-    """A gateway process over ``routes``; yields (grpc address, http base url, pid)."""
+def gateway(routes: dict, cpus: str | None = None, args: tuple[str, ...] = (), start_timeout_s: float = 60.0):
+    """A gateway process over ``routes``; yields (grpc address, http base url, pid). A gateway that
+    exits while starting fails at once; ``start_timeout_s`` bounds one that is merely slow."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-gw-") as tmp:
         config = Path(tmp) / "routes.json"
         config.write_text(json.dumps(routes))
@@ -70,8 +71,8 @@ def gateway(routes: dict, cpus: str | None = None, args: tuple[str, ...] = ()):
                                 cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            grpc_port = _wait_file(grpc_file, proc, "the gateway").strip()
-            http_port = _wait_file(http_file, proc, "the gateway").strip()
+            grpc_port = _wait_file(grpc_file, proc, "the gateway", start_timeout_s).strip()
+            http_port = _wait_file(http_file, proc, "the gateway", start_timeout_s).strip()
             yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", proc.pid
         finally:
             _stop(proc)

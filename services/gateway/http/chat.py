@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
@@ -37,7 +37,7 @@ from services.gateway.http.errors import OpenAIError, bad_request, from_error
 from services.gateway.http.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.http.requests import call_plan
-from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
+from services.gateway.http.streaming import SSE_HEADERS, EventStream, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.structured import OutputPlan, call_readers, plan_output
 from services.gateway.http.tokens import TokenNamer
 from services.gateway import reasoning
@@ -84,7 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         usage_chunks = body.stream_options is not None and bool(body.stream_options.include_usage)
         last = (lambda: sse({**head, "choices": [], "usage": usage_of(states)})) if usage_chunks else (lambda: None)
         chunks = _chunks(streams, states, readers, thinkers, head, body, namer, usage_chunks)
-        return StreamingResponse(event_stream(chunks, streams.close, last), media_type="text/event-stream",
+        return EventStream(event_stream(chunks, streams.close, last), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **streams.target_header})
     thoughts: list[list[str]] = [[] for _ in calls]
     answers: list[list[str]] = [[] for _ in calls]

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
@@ -22,7 +22,7 @@ from services.gateway.http.engine_request import completion_prompts, completion_
 from services.gateway.http.errors import bad_request
 from services.gateway.http.logprobs import completion_logprobs, echo_logprobs, end_offset, joined, vllm_prompt_logprobs
 from services.gateway.http.protocol import CompletionRequest
-from services.gateway.http.streaming import SSE_HEADERS, ChunkFrames, dumps, event_stream, sse
+from services.gateway.http.streaming import SSE_HEADERS, EventStream, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.requests import call_plan
 from services.gateway.http.tokens import TokenNamer
 
@@ -56,7 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     states = [ChoiceState(i, i // body.n) for i in range(len(calls))]
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": body.model}
     if body.stream:
-        return StreamingResponse(_stream(streams, states, head, body, echoes, namer), media_type="text/event-stream",
+        return EventStream(_stream(streams, states, head, body, echoes, namer), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **streams.target_header})
     await unless_disconnected(request, _collect(streams, states))
     choices = []

@@ -12,6 +12,9 @@ more rules, closes:
 - request headers (the request line and header lines) over ``max_header_bytes`` (431);
 - a connection beyond ``max_connections`` open ones, as it arrives (aborted: its descriptor is
   freed at once).
+
+It also writes through a CoalescingTransport (coalescing.py): one socket write per turn of the
+event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.gateway.http.coalescing import CoalescingTransport
 
 _log = structlog.get_logger("tokenmill.gateway.http")
 
@@ -79,7 +84,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._headers_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CoalescingTransport(transport, self.loop))
         if len(self.connections) > self.limits.max_connections:
             transport.abort()
             return

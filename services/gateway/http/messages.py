@@ -26,13 +26,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from services.gateway.http.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from services.gateway.http.chat import create_chat_completion
 from services.gateway.http.context import request_id_of
 from services.gateway.http.errors import OpenAIError
-from services.gateway.http.streaming import SSE_HEADERS, dumps
+from services.gateway.http.streaming import SSE_HEADERS, EventStream, dumps
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -49,9 +49,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
                    **_stop(first, body.stop_sequences),
                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
         return Response(dumps(message), media_type="application/json")
-    assert isinstance(answer, StreamingResponse)
+    assert isinstance(answer, EventStream)
     head["usage"] = {"input_tokens": getattr(request.state, "prompt_tokens", 0), "output_tokens": 0}
-    return StreamingResponse(_events(answer.body_iterator, head, body.stop_sequences), media_type="text/event-stream",
+    return EventStream(_events(answer.body_iterator, head, body.stop_sequences), media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
 

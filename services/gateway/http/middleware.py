@@ -85,10 +85,11 @@ class GatewayMiddleware:
         async def limited_receive() -> dict:
             if body_deadline[0] is None:  # the body is in: what follows is the disconnect
                 return await receive()
-            remaining = body_deadline[0] - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
+                # timeout_at, not wait_for: no task per receive (wait_for wraps the call in one)
+                async with asyncio.timeout_at(body_deadline[0]):
+                    message = await receive()
+            except TimeoutError:
                 raise StarletteHTTPException(
                     408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
             if message["type"] != "http.request" or not message.get("more_body"):

@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from services.gateway.http.chat import create_chat_completion
 from services.gateway.http.errors import bad_request
 from services.gateway.http.protocol import ChatCompletionRequest
-from services.gateway.http.streaming import SSE_HEADERS, dumps
+from services.gateway.http.streaming import SSE_HEADERS, EventStream, dumps
 
 STATEFUL_FIELDS = ("previous_response_id", "conversation")
 
@@ -186,8 +186,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     answer = await create_chat_completion(chat, request)
     headers = {k: v for k, v in answer.headers.items() if k.startswith("x-tokenmill")}
     created = int(time.time())
-    if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(body, answer.body_iterator, created), media_type="text/event-stream",
+    if isinstance(answer, EventStream):
+        return EventStream(_events(body, answer.body_iterator, created), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     completion = json.loads(answer.body)
     rid = "resp_" + completion["id"].removeprefix("chatcmpl-")
