@@ -12,6 +12,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
+from services.gateway.http.engine_request import chat_template
+from services.gateway.http.protocol import ChatCompletionRequest
 from services.gateway.routes_file import SeedProfile, load_routes, parse_routes
 from services.gateway.routing.passive_profile import PassiveProfile
 from services.gateway.upstreams import anthropic as anthropic_dialect
@@ -111,7 +113,13 @@ def test_openai_translation_of_a_conversation_with_calls():
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     assert body["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
     assert body["tools"][0]["function"]["name"] == "get_weather"
+    assert "tool_choice" not in body  # not said by the front end: the server's default
     assert (body["temperature"], body["max_tokens"], body["stop"]) == (0.0, 7, ["\n\n"])
+    for choice in ("auto", "none"):  # said: llama.cpp's server makes calls only when told auto
+        told = chat_request()
+        told.chat.tool_choice = choice
+        assert OpenAIDialect("smol").build(told)[1]["tool_choice"] == choice
+        assert AnthropicDialect("claude").build(told)[1]["tool_choice"] == {"type": choice}
     text = generation_pb2.GenerateRequest(text="Once")
     text.sampling.seed = (1 << 64) - 5  # the front end's wrap of OpenAI's -5
     assert OpenAIDialect("smol").build(text) == ("/completions", {
@@ -281,3 +289,14 @@ def test_a_bad_upstream_tokenizer_is_named(tokenizer, message, tmp_path):
                                        "tokenizer": tokenizer})))
     with pytest.raises(ValueError, match=re.escape(message.format(base=tmp_path))):
         load_routes(str(path))
+
+
+def test_the_front_end_says_tool_choice_auto_or_none_and_leaves_the_constrained_forms_to_structured_output():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    said = {}
+    for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = ChatCompletionRequest.model_validate({**ask, "tools": [tool], "tool_choice": choice})
+        said[json.dumps(choice)] = chat_template(body).chat.tool_choice
+    assert list(said.values()) == ["auto", "auto", "none", "", ""]
+    assert chat_template(ChatCompletionRequest.model_validate(ask)).chat.tool_choice == ""  # no tools

@@ -132,6 +132,8 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
         # objects. Sent whatever tool_choice is: the model knows what it may call.
         message.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
                                              ensure_ascii=False)
+        if body.tool_choice in (None, "auto", "none"):  # OpenAI's default with tools is auto
+            message.chat.tool_choice = body.tool_choice or "auto"
     max_tokens = max_output_tokens(body.max_completion_tokens, body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     _fill_common(message, body, max_tokens, logprobs, body.prompt_logprobs)

@@ -107,6 +107,8 @@ class AnthropicDialect:
             body["messages"] = turns
             if message.chat.tools_json:
                 body["tools"] = _tools(message.chat.tools_json)
+            if message.chat.tool_choice:
+                body["tool_choice"] = {"type": message.chat.tool_choice}  # auto or none, as Anthropic spells them
         elif prompt == "text":
             body["messages"] = [{"role": "user", "content": message.text}]
         else:

@@ -85,6 +85,8 @@ class OpenAIDialect:
             body["messages"] = chat_messages(chat)
             if chat.tools_json:
                 body["tools"] = json.loads(chat.tools_json)
+            if chat.tool_choice:  # said, not left to the server's default (llama.cpp's is none)
+                body["tool_choice"] = chat.tool_choice
             path = "/chat/completions"
         elif prompt == "text":
             body["prompt"] = message.text
