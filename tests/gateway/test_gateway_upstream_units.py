@@ -109,7 +109,7 @@ def chat_request(**stop) -> generation_pb2.GenerateRequest:
 def test_openai_translation_of_a_conversation_with_calls():
     path, body = OpenAIDialect("smol").build(chat_request(max_tokens=7))
     assert path == "/chat/completions" and body["model"] == "smol" and body["stream"] is True
-    assert body["messages"][2] == {"role": "assistant", "content": None, "tool_calls": [
+    assert body["messages"][2] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     assert body["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
     assert body["tools"][0]["function"]["name"] == "get_weather"
@@ -135,7 +135,7 @@ def test_openai_refuses_what_it_cannot_carry():
 
 
 def test_openai_reader_counts_pieces_gathers_calls_and_takes_usage():
-    reader = OpenAIDialect("smol").reader()
+    reader = OpenAIDialect("smol").reader(chat_request())
     reader.feed("", {"choices": [{"delta": {"role": "assistant"}}]})
     reader.feed("", {"choices": [{"delta": {"content": "Hi"}}]})
     reader.feed("", {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f",
@@ -147,6 +147,19 @@ def test_openai_reader_counts_pieces_gathers_calls_and_takes_usage():
     assert reader.finish == common_pb2.FINISH_REASON_EOS
     reader.feed("", {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}})
     assert (reader.prompt_tokens, reader.completion_tokens) == (9, 6)
+
+
+def test_openai_reader_takes_a_call_whose_name_every_delta_repeats():
+    # llama-cpp-python's server (0.3.36) streams a call so: the name in every delta, beside the
+    # legacy function_call, arguments in pieces.
+    reader = OpenAIDialect("smol").reader(chat_request())
+    for piece in ("{", ' "', "city", '":', ' "', "Paris", '"', " }", ""):
+        call = {"name": "get_weather", "arguments": piece}
+        reader.feed("", {"choices": [{"index": 0, "finish_reason": None, "delta": {
+            "role": None, "content": None, "function_call": call,
+            "tool_calls": [{"index": 0, "id": "call__0_get_weather", "type": "function", "function": call}]}}]})
+    reader.feed("", {"choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {"tool_calls": None}}]})
+    assert reader.take() == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
 
 
 def test_anthropic_translation_and_reader():
@@ -163,7 +176,7 @@ def test_anthropic_translation_and_reader():
     seeded.sampling.seed = 3
     with pytest.raises(grpc.aio.AioRpcError, match="seed cannot be sent to an anthropic upstream"):
         AnthropicDialect("claude").build(seeded)
-    reader = AnthropicDialect("claude").reader()
+    reader = AnthropicDialect("claude").reader(chat_request())
     for payload in ({"type": "message_start", "message": {"usage": {"input_tokens": 12}}},
                     {"type": "content_block_start", "content_block": {"type": "text", "text": ""}},
                     {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "It is"}},
@@ -272,7 +285,7 @@ def test_usage_an_upstream_does_not_report_is_counted_with_the_tokenizer_or_esti
     ids = generation_pb2.GenerateRequest()
     ids.token_ids.ids.extend([5, 6, 7])
     assert UsageCounter().prompt_tokens(ids) == 3
-    reader = OpenAIDialect("m").reader()
+    reader = OpenAIDialect("m").reader(ids)
     reader.feed("", {"choices": [{"delta": {"content": "Hi"}}]})
     assert (reader.prompt_reported, reader.completion_reported, reader.completion_tokens) == (False, False, 1)
     reader.feed("", {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}})
@@ -298,5 +311,20 @@ def test_the_front_end_says_tool_choice_auto_or_none_and_leaves_the_constrained_
     for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}):
         body = ChatCompletionRequest.model_validate({**ask, "tools": [tool], "tool_choice": choice})
         said[json.dumps(choice)] = chat_template(body).chat.tool_choice
-    assert list(said.values()) == ["auto", "auto", "none", "", ""]
+    assert list(said.values()) == ["auto", "auto", "none", "", "function"]
     assert chat_template(ChatCompletionRequest.model_validate(ask)).chat.tool_choice == ""  # no tools
+
+
+def test_a_named_tool_choice_is_the_upstreams_own_call_its_arguments_the_reply():
+    message = chat_request()
+    message.structured_output.json_schema = '{"type": "object"}'  # what the front end sets beside it
+    message.chat.tool_choice, message.chat.tool_function = "function", "get_weather"
+    _, body = OpenAIDialect("smol").build(message)
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert "response_format" not in body  # the call obeys the function's parameters itself
+    reader = OpenAIDialect("smol").reader(message)
+    for piece in ("", '{"city"', ': "Paris"}'):
+        reader.feed("", {"choices": [{"delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "get_weather", "arguments": piece}}]}}]})
+    reader.feed("", {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    assert reader.take() == ['{"city"', ': "Paris"}'] and reader.finish == common_pb2.FINISH_REASON_EOS

@@ -57,6 +57,13 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest
 
 LLAMACPP_KEY = "sk-llamacpp-0123456789"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "city": {"type": "string"}}, "required": ["city"]}}}]
+CALLED = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+              "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
 
 
 def start_llamacpp(gguf: Path, log: Path, api_key: str = LLAMACPP_KEY,
@@ -180,6 +187,47 @@ async def test_a_field_an_openai_server_cannot_carry_is_refused_by_name(openai_f
     assert "logprobs" in caught.value.message and "openai upstream" in caught.value.message
 
 
+async def test_tool_calls_reach_llamacpp_and_come_back_as_llamacpps_own(openai_front):
+    """OpenAI tools through the gateway to llama.cpp, with the openai client, streamed and not: a
+    named tool_choice comes back as the call llama.cpp itself answers that tool_choice with (the
+    gateway sends it as the function's schema, and llama.cpp constrains the reply to it), and a
+    conversation carrying a call and its result gets llama.cpp's own answer to it."""
+    front, direct, _ = openai_front
+    ask = {"messages": CALLED[:1], "tools": WEATHER, "temperature": 0, "max_tokens": 40,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    own = (await direct.chat.completions.create(model="smollm2", **ask)).choices[0].message.tool_calls[0]
+    assert own.function.name == "get_weather" and json.loads(own.function.arguments).get("city")
+    answer = await front.chat.completions.create(model="smol", **ask)
+    call = answer.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                          json.loads(own.function.arguments))
+    assert answer.choices[0].finish_reason == "tool_calls" and call.id
+    stream = await front.chat.completions.create(model="smol", stream=True, **ask)
+    names, arguments, finish = [], "", None
+    async for chunk in stream:
+        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert (names, json.loads(arguments), finish) == (["get_weather"], json.loads(own.function.arguments),
+                                                      "tool_calls")
+    # the call and its result, sent back as the openai client sends them (content null beside the
+    # call, which llama.cpp's server itself refuses: the gateway sends it "")
+    with pytest.raises(openai.InternalServerError, match="content"):
+        await direct.chat.completions.create(model="smollm2", messages=CALLED, tools=WEATHER, max_tokens=1)
+    as_llamacpp_takes = [CALLED[0], {**CALLED[1], "content": ""}, CALLED[2]]
+    reference = await direct.chat.completions.create(model="smollm2", messages=as_llamacpp_takes, tools=WEATHER,
+                                                     temperature=0, max_tokens=12)
+    expected = reference.choices[0].message.content
+    assert expected
+    answer = await front.chat.completions.create(model="smol", messages=CALLED, tools=WEATHER, temperature=0,
+                                                 max_tokens=12)
+    assert answer.choices[0].message.content == expected and not answer.choices[0].message.tool_calls
+    stream = await front.chat.completions.create(model="smol", messages=CALLED, tools=WEATHER, temperature=0,
+                                                 max_tokens=12, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+
+
 async def test_a_wrong_key_keeps_the_upstream_out_of_the_pool(llamacpp, tmp_path):
     os.environ["TEST_WRONG_KEY"] = "sk-not-the-key"
     try:
@@ -274,15 +322,6 @@ async def test_a_stop_sequence_comes_back_through_the_anthropic_upstream(anthrop
                                              messages=TALE[1:], stop_sequences=[stop], extra_body={"temperature": 0})
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == reference.choices[0].message.content.split(stop)[0]
-
-
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                              "parameters": {"type": "object", "properties": {
-                                                  "city": {"type": "string"}}, "required": ["city"]}}}]
-CALLED = [{"role": "user", "content": "Weather in Paris?"},
-          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-              "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
 
 
 @pytest.mark.parametrize("model", ["tale", "tale-openai"])

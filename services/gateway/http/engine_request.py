@@ -13,7 +13,7 @@ import json
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.http.errors import bad_request
 from services.gateway.intake import max_output_tokens
-from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
 
 SEED_STRIDE = 0x9E3779B97F4A7C15
 """2^64 / golden ratio: consecutive choices get seeds far apart."""
@@ -134,6 +134,8 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
                                              ensure_ascii=False)
         if body.tool_choice in (None, "auto", "none"):  # OpenAI's default with tools is auto
             message.chat.tool_choice = body.tool_choice or "auto"
+        elif isinstance(body.tool_choice, NamedToolChoice):
+            message.chat.tool_choice, message.chat.tool_function = "function", body.tool_choice.function.name
     max_tokens = max_output_tokens(body.max_completion_tokens, body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     _fill_common(message, body, max_tokens, logprobs, body.prompt_logprobs)

@@ -115,7 +115,7 @@ class AnthropicDialect:
             raise refused(KIND, "a token-id prompt" if prompt == "token_ids" else "a request without a prompt")
         return "/v1/messages", body
 
-    def reader(self) -> StreamReader:
+    def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
         return AnthropicReader()
 
 

@@ -127,7 +127,7 @@ class UpstreamCall:
                                                 headers=upstream.headers)
         request_id = message.request_id
         upstream.live[request_id] = self
-        reader = upstream.dialect.reader()
+        reader = upstream.dialect.reader(message)
         started = False
         try:
             try:

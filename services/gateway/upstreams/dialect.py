@@ -61,7 +61,8 @@ class Dialect(Protocol):
 
     def headers(self, token: str) -> dict[str, str]: ...
 
-    def reader(self) -> StreamReader: ...
+    def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
+        """A reader of the events ``message``'s request streams back."""
 
 
 def hermes_call(name: str, arguments: Any) -> str:

@@ -5,7 +5,8 @@ A conversation goes to ``POST {url}/chat/completions``, a text or token-id promp
 ``POST {url}/completions``, both streamed with ``stream_options.include_usage``. The sampling
 fields OpenAI defines travel under their own names; the engine's extensions that servers commonly
 take (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) only when set. A
-structured output travels as ``response_format`` (a JSON schema or any JSON object); what an
+structured output travels as ``response_format`` (a JSON schema or any JSON object), but a named
+``tool_choice`` as itself, its call's arguments read back as the reply's text; what an
 OpenAI server cannot be asked (logprobs returned per token id, prompt logprobs, a regex, choice or
 Lark grammar, a conversation without the assistant's cue) is refused naming it, never dropped.
 
@@ -53,7 +54,10 @@ def response_format(structured: generation_pb2.StructuredOutput) -> dict[str, An
 def chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, Any]]:
     out = []
     for turn in chat.messages:
-        item: dict[str, Any] = {"role": turn.role, "content": turn.content if turn.HasField("content") else None}
+        # A turn of calls without text: "" rather than OpenAI's null, which llama.cpp's server
+        # refuses (a template renders the two alike).
+        item: dict[str, Any] = {"role": turn.role, "content": turn.content if turn.HasField("content")
+                                else "" if turn.tool_calls else None}
         if turn.tool_calls:
             item["tool_calls"] = [{"id": c.id, "type": "function",
                                    "function": {"name": c.name, "arguments": c.arguments}} for c in turn.tool_calls]
@@ -85,7 +89,11 @@ class OpenAIDialect:
             body["messages"] = chat_messages(chat)
             if chat.tools_json:
                 body["tools"] = json.loads(chat.tools_json)
-            if chat.tool_choice:  # said, not left to the server's default (llama.cpp's is none)
+            if chat.tool_choice == "function":
+                # The upstream's own named call (its arguments read as the constrained reply);
+                # the structured output is that function's parameters, which the call obeys.
+                body["tool_choice"] = {"type": "function", "function": {"name": chat.tool_function}}
+            elif chat.tool_choice:  # said, not left to the server's default (llama.cpp's is none)
                 body["tool_choice"] = chat.tool_choice
             path = "/chat/completions"
         elif prompt == "text":
@@ -97,17 +105,26 @@ class OpenAIDialect:
         else:
             raise refused(KIND, "a request without a prompt")
         body.update(sampling_fields(message))
+        if named_call(message):
+            del body["response_format"]
         return path, body
 
-    def reader(self) -> StreamReader:
-        return OpenAIReader()
+    def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
+        return OpenAIReader(named_call(message))
+
+
+def named_call(message: generation_pb2.GenerateRequest) -> bool:
+    return message.WhichOneof("prompt") == "chat" and message.chat.tool_choice == "function"
 
 
 class OpenAIReader(StreamReader):
-    def __init__(self) -> None:
+    def __init__(self, named: bool = False) -> None:
         super().__init__()
         self._calls: dict[int, list[str]] = {}
         """Streamed tool calls by index: [name, arguments so far]."""
+        self._named = named
+        """A named tool_choice: the call's arguments are the reply's text, as they stream (the
+        front end reads them as it reads an engine's constrained reply)."""
 
     def feed(self, event: str, payload: dict[str, Any]) -> None:
         if "error" in payload and not payload.get("choices"):
@@ -121,9 +138,14 @@ class OpenAIReader(StreamReader):
             if delta is not None:  # chat
                 self.text(delta.get("content") or "")
                 for call in delta.get("tool_calls") or ():
-                    entry = self._calls.setdefault(call.get("index", 0), ["", ""])
                     function = call.get("function") or {}
-                    entry[0] += function.get("name") or ""
+                    if self._named:
+                        self.text(function.get("arguments") or "")
+                        continue
+                    entry = self._calls.setdefault(call.get("index", 0), ["", ""])
+                    # The name comes whole in a call's first delta; llama.cpp's server repeats it
+                    # in every one, which must not make it "get_weatherget_weather...".
+                    entry[0] = entry[0] or function.get("name") or ""
                     entry[1] += function.get("arguments") or ""
             else:  # completions
                 self.text(choice.get("text") or "")
