@@ -416,7 +416,8 @@ async def test_model_info_health_and_reflection(stack) -> None:
     assert (info.device, info.attention_backend, info.dtype) == ("cpu", "torch", "float32")
     assert await health_status(stack.channel) == SERVING
     assert await health_status(stack.channel, GENERATION) == SERVING
-    assert await reflected_services(stack.channel) == standard_services(GENERATION)
+    # the scheduler also serves the adapters' Admin API on its port
+    assert await reflected_services(stack.channel) == standard_services(GENERATION) | {"tokenmill.v1.Admin"}
 
 
 # --- a client in another language ---------------------------------------------------------------
