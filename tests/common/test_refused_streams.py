@@ -16,6 +16,7 @@ import pytest
 
 from services.common.internal_secret import METADATA_KEY, InternalSecretInterceptor
 from services.common.server import create_channel, start_server
+from tests.helpers.service_harness import final_status
 
 SERVICE = "test.Refused"
 
@@ -43,14 +44,7 @@ def add(server: grpc.aio.Server) -> list[str]:
 
 
 async def outcome(call) -> str:
-    try:
-        if hasattr(call, "__aiter__"):
-            [reply async for reply in call]
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name
-    return "OK"
+    return (await final_status(call)).name
 
 
 @pytest.mark.parametrize("message_bytes", [0, 1 << 20])

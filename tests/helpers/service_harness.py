@@ -41,6 +41,18 @@ def standard_services(service_name: str) -> set[str]:
     return {service_name, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 
 
+async def final_status(call: Any) -> grpc.StatusCode:
+    """The status a call ended with (unary awaitable or response stream)."""
+    try:
+        if hasattr(call, "__aiter__"):
+            [reply async for reply in call]
+        else:
+            await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
 async def drain(call: Any) -> list[Any]:
     """Every response of a streaming call (raises its AioRpcError at the end, if any)."""
     return [reply async for reply in call]

@@ -38,7 +38,7 @@ from services.common.pb.tokenmill.v1 import (
 from services.common.server import create_channel
 from services.stack.client import build_request
 from services.stack.launcher import LaunchConfig, Launcher
-from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR
+from tests.helpers.service_harness import REPO_ROOT, STORIES_DIR, final_status
 from tests.helpers.stack_streams import record_stream
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -62,18 +62,6 @@ async def launcher(tmp_path_factory) -> AsyncIterator[Launcher]:
 
 def secret_of(launcher: Launcher) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, launcher.secret_file.read_text().strip()),)
-
-
-async def refused(call) -> grpc.StatusCode:
-    """The status a call ended with (unary awaitable or response stream)."""
-    try:
-        if hasattr(call, "__aiter__"):
-            [reply async for reply in call]
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 def every_method(channel: grpc.aio.Channel, pb2, service: str, metadata=None) -> dict:
@@ -101,7 +89,7 @@ async def test_no_internal_rpc_answers_a_caller_without_the_secret(launcher) -> 
                 calls = every_method(channel, pb2, service, metadata)
                 assert len(calls) >= 2
                 for name, call in calls.items():
-                    assert await refused(call) == grpc.StatusCode.UNAUTHENTICATED, (address, name, metadata)
+                    assert await final_status(call) == grpc.StatusCode.UNAUTHENTICATED, (address, name, metadata)
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     async with create_channel(launcher.services["tokenizer"].address) as channel:
@@ -138,13 +126,13 @@ async def test_with_the_secret_no_block_is_read_without_a_grant(launcher) -> Non
                                           metadata=secret_of(launcher))
         for grant in ("", "forged-grant"):
             read = executor_pb2.ReadKVBlocksRequest(kv_layout=info.kv_layout, block_ids=[0, 1], grant=grant)
-            assert await refused(stub.ReadKVBlocks(read, timeout=5, metadata=secret_of(launcher))) == (
+            assert await final_status(stub.ReadKVBlocks(read, timeout=5, metadata=secret_of(launcher))) == (
                 grpc.StatusCode.PERMISSION_DENIED)
         # A grant for block 1 reads block 1 once, and nothing else.
         grant = (await stub.GrantKVBlocks(executor_pb2.GrantKVBlocksRequest(block_ids=[1]), timeout=5,
                                           metadata=secret_of(launcher))).grant
         wider = executor_pb2.ReadKVBlocksRequest(kv_layout=info.kv_layout, block_ids=[0, 1], grant=grant)
-        assert await refused(stub.ReadKVBlocks(wider, timeout=5, metadata=secret_of(launcher))) == (
+        assert await final_status(stub.ReadKVBlocks(wider, timeout=5, metadata=secret_of(launcher))) == (
             grpc.StatusCode.PERMISSION_DENIED)
 
 
@@ -159,11 +147,11 @@ async def test_with_the_secret_no_pull_reaches_an_address_outside_the_peers(laun
             for source in (bait, decode, f"localhost:{bait.rsplit(':', 1)[1]}"):
                 pull = executor_pb2.PullKVBlocksRequest(source_address=source, source_block_ids=[0], block_ids=[0],
                                                         grant="any")
-                assert await refused(stub.PullKVBlocks(pull, timeout=10, metadata=secret_of(launcher))) == (
+                assert await final_status(stub.PullKVBlocks(pull, timeout=10, metadata=secret_of(launcher))) == (
                     grpc.StatusCode.PERMISSION_DENIED), source
             # Its peer, without a grant there: the peer refuses the read, nothing is written.
             pull = executor_pb2.PullKVBlocksRequest(source_address=prefill, source_block_ids=[0], block_ids=[0])
-            assert await refused(stub.PullKVBlocks(pull, timeout=10, metadata=secret_of(launcher))) == (
+            assert await final_status(stub.PullKVBlocks(pull, timeout=10, metadata=secret_of(launcher))) == (
                 grpc.StatusCode.PERMISSION_DENIED)
         await asyncio.sleep(0.2)
         assert connections == []
