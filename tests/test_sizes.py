@@ -34,7 +34,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
     "services/executor/model_runner.py::ModelRunner.__init__",
-    "services/gateway/dispatch.py::Dispatcher._attempt",
     "services/gateway/http/chat.py::create_chat_completion",
     "services/gateway/http/middleware.py::GatewayMiddleware.__call__",
     "services/gateway/http/responses.py::_events",

@@ -7,9 +7,12 @@ to the client, and a failure whose code the route retries (routing/build.py: UNA
 always; RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED too under a ``fallback`` node), or a Finished
 with reason ERROR (the engine lost its executor), moves the request to the next target, at most
 ``max_attempts`` in all. Once a token went out, a failure ends the stream. A request with a
-structured output whose target failed UNAVAILABLE before Started (while admitting it) is not
-retried: its structured output is quarantined (grammar_quarantine.py) and identical ones are
-refused at once, so one hostile grammar cannot take down every replica in turn.
+structured output whose target went away UNAVAILABLE before Started (while admitting it) is
+not retried: its structured output is quarantined (grammar_quarantine.py) and identical ones are
+refused at once, so one hostile grammar cannot take down every replica in turn. That needs the
+evidence of a death: the target was in the pool and off probation, the call reached it (not a
+refused connection) and it did not answer busy; a target that is simply down is retried past
+like any other failure before the first token.
 
 A target at its rate limit (the routes file's ``requests_per_minute``/``tokens_per_minute``,
 rate_limits.py) is passed over for the next in the ranking; with every ranked target at its
@@ -54,7 +57,7 @@ from services.gateway.routing.breaker import TARGET_FAILURES
 from services.gateway.routing.build import Route
 from services.gateway.routing.request import RouteRequest
 from services.gateway.routing.target import with_room_first
-from services.gateway.upstreams.errors import rpc_error
+from services.gateway.upstreams.errors import UpstreamError, rpc_error
 
 _log = structlog.get_logger("tokenmill.gateway.dispatch")
 
@@ -84,12 +87,58 @@ class Outcome:
 
 
 class _Retry(Exception):
-    def __init__(self, code: str, error: TokenmillError, started: bool = True) -> None:
+    def __init__(self, code: str, error: TokenmillError, admitting: bool = False) -> None:
         super().__init__(code)
         self.code = code
         self.error = error
-        self.started = started
-        """The target had sent Started (it had admitted the request)."""
+        self.admitting = admitting
+        """The target was serving, the request reached it, and it went away before Started: it
+        may have died of the request's structured output."""
+
+
+CONNECT_FAILURES = ("failed to connect to all addresses", "DNS resolution failed", "Connection refused")
+"""What grpc's details say when a call never reached its target (no connection could be made)."""
+
+
+def reached(err: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call got to its target: False for a connection that was never made."""
+    if isinstance(err, UpstreamError):
+        return err.reached
+    details = err.details() or ""
+    return not any(sign in details for sign in CONNECT_FAILURES)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One attempt on one target, from its call's start to its end."""
+
+    target: Target
+    call: object
+    """The engine's Generate call, or an HTTP upstream's equivalent."""
+    request_id: str
+    started_at: float
+    load: float
+    """The target's engine load when the call was sent (for its estimator)."""
+    explore: bool
+    probe: bool
+    """The call is the target's circuit-breaker probe."""
+    grant: object
+    """The target's rate-limit grant, if it declares limits."""
+    was_healthy: bool
+    """The target was in the pool, not on probation, when the call was sent."""
+    ttft_deadline: float | None
+    replies: AsyncIterator = dataclasses.field(init=False)
+    held: generation_pb2.GenerateResponse | None = None
+    """Started, held back until the first Delta or Finished."""
+    first_token_at: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    outcome: str = "cancelled"
+    done: bool = False
+    engine_failed: bool = False
+
+    def __post_init__(self) -> None:
+        self.replies = aiter(self.call)
 
 
 def engine_error(err: grpc.aio.AioRpcError) -> TokenmillError:
@@ -210,7 +259,7 @@ class Dispatcher:
                     yield reply
                 return
             except _Retry as retry:
-                if digest is not None and retry.code == "UNAVAILABLE" and not retry.started:
+                if digest is not None and retry.admitting:
                     self.quarantine.add(digest)
                     raise UnavailableError(f"target {target.name} failed while admitting this request's "
                                            "structured_output; it is not retried on another target, and identical "
@@ -244,20 +293,44 @@ class Dispatcher:
     async def _attempt(self, route: Route, request: RouteRequest, target: Target,
                        message: generation_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]] | None,
                        timeout_s: float, explore: bool, estimate: float | None):
+        call = self._open(request, target, message, metadata, timeout_s, explore)
+        try:
+            async for reply in self._relay(route, request, call, estimate):
+                yield reply
+            self.metrics.requests.labels(route.model, target.name, "ok").inc()
+            call.outcome = "UNAVAILABLE" if call.engine_failed else "ok"  # failed mid-stream: its breaker counts it
+        except grpc.aio.AioRpcError as err:
+            call.done = True
+            code = call.outcome = err.code().name
+            alive = getattr(err, "alive", False)
+            self._failed(route, target, code, err.details() or "", alive)
+            if call.first_token_at is None and code in route.retry_codes:
+                # Only a target that was serving, was reached and went away while admitting the
+                # request may have been killed by it: a refused connection or a busy answer is not.
+                admitting = (code == "UNAVAILABLE" and call.was_healthy and call.held is None and not alive
+                             and reached(err))
+                raise _Retry(code, engine_error(err), admitting) from None
+            raise engine_error(err) from None
+        finally:
+            self._close(route, request, call)
+
+    def _open(self, request: RouteRequest, target: Target, message: generation_pb2.GenerateRequest,
+              metadata: Sequence[tuple[str, str]] | None, timeout_s: float, explore: bool) -> _Call:
+        """Count the attempt on its target (in flight, rate budget, breaker probe) and start its call."""
         state = target.state
+        was_healthy = state.healthy
         load = state.engine_load()
         state.inflight += 1
         state.exploring += explore
         limiter = self.target_limits.get(target.name)
         grant = None if limiter is None else limiter.take(request.expected_output_tokens)
-        prompt_tokens = completion_tokens = 0
-        started_at = self.clock()
         probe = target.breaker.dispatched()
         if probe:
             self.pool.probe_started(target)
         limits = target.spec.timeouts
         if limits.total_s and limits.total_s < timeout_s:
             timeout_s = limits.total_s
+        started_at = self.clock()
         if target.upstream is not None:
             # An HTTP upstream speaks the same events (services/gateway/upstreams); it gets the
             # gateway's own key, never the caller's.
@@ -266,76 +339,73 @@ class Dispatcher:
             # None: the gateway calls as itself (its API keys are on: a key is never an engine's token).
             call = target.stub.Generate(message, metadata=target.own_metadata if metadata is None else tuple(metadata),
                                         timeout=timeout_s)
-        replies = aiter(call)
-        ttft_deadline = started_at + limits.ttft_s if limits.ttft_s else None
-        held: generation_pb2.GenerateResponse | None = None
-        first_token_at: float | None = None
-        done = engine_failed = False
-        request_id = message.request_id
-        self.live[request_id] = target
-        outcome = "cancelled"
+        self.live[message.request_id] = target
+        return _Call(target, call, message.request_id, started_at, load, explore, probe, grant,
+                     was_healthy and not probe, started_at + limits.ttft_s if limits.ttft_s else None)
+
+    async def _next(self, call: _Call) -> generation_pb2.GenerateResponse:
+        """The call's next message; a target's ttft_s bounds the wait for its first token."""
+        if call.ttft_deadline is None or call.first_token_at is not None:
+            return await anext(call.replies)
         try:
-            while True:
-                try:
-                    if ttft_deadline is not None and first_token_at is None:
-                        reply = await asyncio.wait_for(anext(replies), max(ttft_deadline - self.clock(), 0.0))
-                    else:
-                        reply = await anext(replies)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    call.cancel()
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"target {target.name} sent no token within its ttft_s ({limits.ttft_s:g} s)") \
-                        from None
-                kind = reply.WhichOneof("event")
-                if kind == "started":
-                    held = reply
-                    prompt_tokens = reply.started.prompt_tokens
-                    continue
-                if kind == "delta":
-                    completion_tokens += len(reply.delta.token_ids)
-                if kind == "finished":
-                    done = True
-                    finished = reply.finished
-                    prompt_tokens = finished.usage.prompt_tokens or prompt_tokens
-                    completion_tokens = finished.usage.completion_tokens
-                    if first_token_at is None and finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                        outcome = "UNAVAILABLE"
-                        self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
-                        raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
-                    engine_failed = finished.finish_reason == common_pb2.FINISH_REASON_ERROR
-                    if finished.finish_reason in GOOD_FINISHES:
-                        self._observe(route, request, target, load, started_at, first_token_at, finished,
-                                      estimate, explore, request_id)
-                elif first_token_at is None:
-                    first_token_at = self.clock()
-                if held is not None:
-                    yield held
-                    held = None
-                yield reply
-            self.metrics.requests.labels(route.model, target.name, "ok").inc()
-            outcome = "UNAVAILABLE" if engine_failed else "ok"  # an engine that failed mid-stream: its breaker counts it
-        except grpc.aio.AioRpcError as err:
-            done = True
-            code = outcome = err.code().name
-            self._failed(route, target, code, err.details() or "", getattr(err, "alive", False))
-            if first_token_at is None and code in route.retry_codes:
-                raise _Retry(code, engine_error(err), started=held is not None or first_token_at is not None) from None
-            raise engine_error(err) from None
-        finally:
-            state.inflight -= 1
-            state.exploring -= explore
-            self._judge(target, outcome, probe)
-            if first_token_at is None and outcome != "ok":
-                prompt_tokens = completion_tokens = 0  # moved on (or refused): nothing the client used
-            self._count_tokens(request, grant, prompt_tokens, completion_tokens)
-            _log.info("request_routed", request_id=request_id, model=route.model, target=target.name, outcome=outcome,
-                      seconds=round(self.clock() - started_at, 4))
-            if self.live.get(request_id) is target:
-                del self.live[request_id]
-            if not done:
-                call.cancel()  # the client went away: the engine aborts the request at its next step
+            return await asyncio.wait_for(anext(call.replies), max(call.ttft_deadline - self.clock(), 0.0))
+        except TimeoutError:
+            call.call.cancel()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"target {call.target.name} sent no token within "
+                                                               f"its ttft_s ({call.target.spec.timeouts.ttft_s:g} s)") \
+                from None
+
+    async def _relay(self, route: Route, request: RouteRequest, call: _Call, estimate: float | None):
+        """The call's messages, Started held back until the first Delta or Finished; a Finished
+        with ERROR before any token is a _Retry (the engine lost its executor)."""
+        target = call.target
+        while True:
+            try:
+                reply = await self._next(call)
+            except StopAsyncIteration:
+                return
+            kind = reply.WhichOneof("event")
+            if kind == "started":
+                call.held = reply
+                call.prompt_tokens = reply.started.prompt_tokens
+                continue
+            if kind == "delta":
+                call.completion_tokens += len(reply.delta.token_ids)
+            if kind == "finished":
+                call.done = True
+                finished = reply.finished
+                call.prompt_tokens = finished.usage.prompt_tokens or call.prompt_tokens
+                call.completion_tokens = finished.usage.completion_tokens
+                if call.first_token_at is None and finished.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    call.outcome = "UNAVAILABLE"
+                    self._failed(route, target, "UNAVAILABLE", "finished with error before any token")
+                    raise _Retry("UNAVAILABLE", UnavailableError(finished.error_message or "the engine failed"))
+                call.engine_failed = finished.finish_reason == common_pb2.FINISH_REASON_ERROR
+                if finished.finish_reason in GOOD_FINISHES:
+                    self._observe(route, request, target, call.load, call.started_at, call.first_token_at, finished,
+                                  estimate, call.explore, call.request_id)
+            elif call.first_token_at is None:
+                call.first_token_at = self.clock()
+            if call.held is not None:
+                yield call.held
+                call.held = None
+            yield reply
+
+    def _close(self, route: Route, request: RouteRequest, call: _Call) -> None:
+        """The attempt's end, however it ended: its target's counts, breaker verdict, tokens and log line."""
+        target, state = call.target, call.target.state
+        state.inflight -= 1
+        state.exploring -= call.explore
+        self._judge(target, call.outcome, call.probe)
+        if call.first_token_at is None and call.outcome != "ok":
+            call.prompt_tokens = call.completion_tokens = 0  # moved on (or refused): nothing the client used
+        self._count_tokens(request, call.grant, call.prompt_tokens, call.completion_tokens)
+        _log.info("request_routed", request_id=call.request_id, model=route.model, target=target.name,
+                  outcome=call.outcome, seconds=round(self.clock() - call.started_at, 4))
+        if self.live.get(call.request_id) is target:
+            del self.live[call.request_id]
+        if not call.done:
+            call.call.cancel()  # the client went away: the engine aborts the request at its next step
 
     @staticmethod
     def _count_tokens(request: RouteRequest, grant, prompt_tokens: int, completion_tokens: int) -> None:

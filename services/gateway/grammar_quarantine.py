@@ -1,8 +1,9 @@
 """Structured outputs the gateway will not send again for a while: those a target died over.
 
-A target that fails UNAVAILABLE before its Started message was still admitting the request:
-checking and compiling its structured output, which is attacker-chosen input to a native
-library. Retrying such a request on the next target could kill every replica in turn (one
+A target that was serving, took the request and went away (UNAVAILABLE) before its Started
+message was still admitting the request: checking and compiling its structured output, which is
+attacker-chosen input to a native library. (A target that refused the connection, answered busy
+or was already out of the pool is simply down: the request moves on to the next target.) Retrying such a request on the next target could kill every replica in turn (one
 request took down three schedulers in 0.10 s), so the dispatcher does not retry it, and
 refuses identical ones (same structured output, by content hash) for ``QUARANTINE_S`` at once.
 The quarantine expires because a target may also die of something else while a fair request

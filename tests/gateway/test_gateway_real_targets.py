@@ -9,7 +9,8 @@
   launcher, is probed back into the pool.
 - A scheduler dies while admitting a request with a structured output: the request is not
   retried on the other target (a hostile grammar could kill every replica in turn) and an
-  identical one is refused at once.
+  identical one is refused at once. A target that is simply down (its port refuses connections)
+  quarantines nothing: the structured output is served by the other target, and again.
 """
 
 from __future__ import annotations
@@ -220,6 +221,73 @@ async def test_a_target_that_dies_admitting_a_structured_output_is_not_retried_a
         other.structured_output.regex = "(ef|gh)+"
         code, details = await _drain(stub.Generate(other, metadata=metadata, timeout=60))
         assert code == grpc.StatusCode.OK, details
+
+
+class Relay:
+    """A TCP relay in front of an address, closed for good at will: a target whose port then
+    refuses connections, as a machine that went down does."""
+
+    def __init__(self, to: str) -> None:
+        self.host, port = to.rsplit(":", 1)
+        self.port = int(port)
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Relay:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def close(self) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def test_a_target_that_is_down_quarantines_no_structured_output(stacks, tmp_path):
+    fast, cheap = stacks
+    request = generation_pb2.GenerateRequest(text=PROMPT)
+    request.stop.max_tokens = 4
+    request.structured_output.regex = "(ij|kl)+"
+    async with Relay(fast.public_address) as relay:  # two targets, one engine: the relay's goes down
+        routes = write_routes(tmp_path / "routes.json", {
+            "targets": [{"name": "gone", "address": relay.address}, {"name": "fast", "address": fast.public_address}],
+            "models": {"gone-first": {"strategy": "fallback", "targets": ["gone", "fast"]}}})
+        # Polled once at start, then not for a minute: the pool does not see the target go.
+        running = await serve_gateway_for(routes, profile_interval_s=60.0)
+        try:
+            await wait_healthy(running, ["gone", "fast"], timeout_s=90)
+            await relay.close()
+            async with create_channel(running.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                for _ in range(2):
+                    code, details = await _drain(stub.Generate(request, metadata=(("x-tokenmill-model", "gone-first"),),
+                                                               timeout=60))
+                    assert code == grpc.StatusCode.OK, details
+            fallbacks = running.dispatcher.metrics.fallbacks.labels("gone-first", "gone", "UNAVAILABLE")._value.get()
+            assert fallbacks == 1, "the request never met the down target: the test proved nothing"
+        finally:
+            await running.stop(grace=0)
 
 
 async def _drain(call) -> tuple[grpc.StatusCode, str]:

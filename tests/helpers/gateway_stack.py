@@ -59,7 +59,8 @@ def write_routes(path: Path, routes: Mapping[str, Any]) -> str:
 
 async def serve_gateway_for(routes_path: str, **fields: Any) -> RunningServer:
     """The gateway process's serve() in this process: gRPC and HTTP on free ports."""
-    config = GatewayServiceConfig(port=0, http_port=0, config=routes_path, profile_interval_s=0.1, **fields)
+    config = GatewayServiceConfig(**{"port": 0, "http_port": 0, "config": routes_path, "profile_interval_s": 0.1,
+                                     **fields})
     return await serve_gateway(config)
 
 

@@ -133,11 +133,13 @@ class UpstreamCall:
             try:
                 self._response = response = await asyncio.wait_for(upstream.client.send(request, stream=True),
                                                                    deadline - loop.time())
-            except (TimeoutError, httpx2.TimeoutException):
+            except (TimeoutError, httpx2.TimeoutException) as exc:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED if loop.time() >= deadline
-                                else grpc.StatusCode.UNAVAILABLE, f"upstream {name}: no answer in time") from None
+                                else grpc.StatusCode.UNAVAILABLE, f"upstream {name}: no answer in time",
+                                reached=not isinstance(exc, httpx2.ConnectTimeout)) from None
             except httpx2.HTTPError as exc:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}") from None
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}",
+                                reached=not isinstance(exc, httpx2.ConnectError)) from None
             if response.status_code != 200:
                 if response.is_redirect:
                     raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered HTTP {response.status_code} "

@@ -16,19 +16,22 @@ import grpc.aio
 
 class UpstreamError(grpc.aio.AioRpcError):
     """A failure as a gRPC status; ``alive``: the target answered (a 503: busy, not gone), so the
-    dispatcher does not take it out of the pool (its breaker still counts the failure)."""
+    dispatcher does not take it out of the pool (its breaker still counts the failure);
+    ``reached``: the request got to the target (False when no connection could be made)."""
 
-    def __init__(self, code: grpc.StatusCode, trailing: grpc.aio.Metadata, details: str, alive: bool) -> None:
+    def __init__(self, code: grpc.StatusCode, trailing: grpc.aio.Metadata, details: str, alive: bool,
+                 reached: bool = True) -> None:
         super().__init__(code, grpc.aio.Metadata(), trailing, details)
         self.alive = alive
+        self.reached = reached
 
 
 def rpc_error(code: grpc.StatusCode, details: str, retry_after_s: float | None = None,
-              alive: bool = False) -> UpstreamError:
+              alive: bool = False, reached: bool = True) -> UpstreamError:
     trailing = grpc.aio.Metadata()
     if retry_after_s is not None:
         trailing.add("grpc-retry-pushback-ms", str(int(retry_after_s * 1000)))
-    return UpstreamError(code, trailing, details, alive)
+    return UpstreamError(code, trailing, details, alive, reached)
 
 
 def status_error(target: str, status: int, body: str, retry_after: str | None) -> UpstreamError:
