@@ -48,9 +48,9 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     if config.metrics_port >= 0:
         observers.append(request_metrics().observe_finished)
 
-    def on_finished(delta, output_state) -> None:
+    def on_finished(delta, stream) -> None:
         for observe in observers:
-            observe(delta, output_state)
+            observe(delta, stream)
 
     drafting = config.drafter_address and config.num_speculative_tokens > 0
     backends = Backends(config.executor_addresses, config.tokenizer_addresses,

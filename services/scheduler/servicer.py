@@ -216,7 +216,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             budget = self._budget(tenant)
             reservation = budget.reserve(tenant.name, self._most_tokens(intake)) if budget is not None else None
             try:
-                handle = self.supervisor.submit(
+                deltas = self.supervisor.submit(
                     key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
                     num_speculative_tokens=intake.num_speculative_tokens,
                     tenant=share,
@@ -234,9 +234,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield generation_pb2.GenerateResponse(
                     started=generation_pb2.Started(request_id=request_id, prompt_tokens=prompt_tokens))
                 while final is None:
-                    item = await handle.queue.get()
+                    item = await deltas.get()
                     self.admission.leave(place)  # first output: it is no longer queued
-                    coalesce(item, handle.queue)
+                    coalesce(item, deltas)
                     for message in delta_to_protos(item):
                         yield message
                     if item.finished:
@@ -247,7 +247,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if final is None:
                     # The client went away (cancelled, deadline): free its blocks now.
                     self.supervisor.abort(key)
-                    final = _final_delta(handle.queue)  # the abort's, or one that came unread
+                    final = _final_delta(deltas)  # the abort's, or one that came unread
                     _log.info("request_cancelled")
                 self._ended(tenant, reservation, prompt_tokens, final)
         finally:

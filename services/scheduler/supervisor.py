@@ -13,7 +13,7 @@ The engine core (engine/core.py) runs the loop; this keeps its gRPC ports alive:
   itself connected (a missing drafter only costs speed).
 - Health follows ``ready``: NOT_SERVING while no executor takes new requests or every
   tokenizer is away.
-- Each request's deltas go to a queue its Generate handler reads (``RequestHandle``).
+- Each request's deltas go to a queue its Generate handler reads (``Supervisor.submit``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 import gc
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -39,6 +39,7 @@ from services.scheduler.engine.vocab import servable_info
 from services.scheduler.links.drafter_link import DrafterLink
 from services.scheduler.links.executor_link import ExecutorLink
 from services.scheduler.links.tokenizer_link import TokenizerPool
+from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.stop import StopConditions
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -77,14 +78,6 @@ class HealthReport:
             _log.info("serving_changed", serving=self._reported)
             if self._set_serving is not None:
                 await self._set_serving(self._reported)
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    request_id: str
-    prompt_tokens: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    """GenerationDelta items, the last one finished."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +185,14 @@ class Supervisor:
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, stop: StopConditions,
                priority: int, num_speculative_tokens: int | None = None, tenant: str = "",
-               cache_scope: str = "", adapter: str = "") -> RequestHandle:
+               cache_scope: str = "", adapter: str = "") -> asyncio.Queue[GenerationDelta]:
         """Admit a request (EngineCore.submit, which names what it raises); its deltas arrive on
-        the handle's queue."""
+        the queue returned, the last one finished."""
         self.check_accepting()
-        handle = RequestHandle(request_id, len(prompt_ids))
-        self.core.submit(request_id, prompt_ids, sampling, stop, handle.queue.put_nowait, priority,
+        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self.core.submit(request_id, prompt_ids, sampling, stop, queue.put_nowait, priority,
                          num_speculative_tokens, tenant, cache_scope, adapter)
-        return handle
+        return queue
 
     async def prepare_grammar(self, grammar: str) -> str:
         """Have every executor that can build ``grammar``'s matcher and first mask now, at

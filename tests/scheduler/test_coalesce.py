@@ -62,13 +62,13 @@ def test_coalesce_stops_at_the_final_delta_and_leaves_what_follows():
 
 
 def _servicer_with(queued: list):
-    handle = SimpleNamespace(queue=asyncio.Queue())
+    deltas = asyncio.Queue()
     for item in queued:
-        handle.queue.put_nowait(item)
+        deltas.put_nowait(item)
     aborted = []
     core = SimpleNamespace(lanes={"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512))}, requests={})
     supervisor = SimpleNamespace(core=core, tokenizers=None, check_accepting=lambda: None,
-                                 submit=lambda *a, **k: handle, abort=aborted.append)
+                                 submit=lambda *a, **k: deltas, abort=aborted.append)
     return GenerationServicer(supervisor, Admission(4)), aborted
 
 

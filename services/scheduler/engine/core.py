@@ -53,11 +53,10 @@ from services.scheduler.engine.ports import DetokenizerPort, DrafterPort, Execut
 from services.scheduler.engine.publisher import Publisher
 from services.scheduler.engine.request_table import FinishedObserver, RequestTable
 from services.scheduler.engine.step_times import StepTimeTotals
-from services.scheduler.engine.tracked import DeltaSink
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.finish_reason import FinishReason
-from services.scheduler.request.output import RequestOutput
 from services.scheduler.request.request import Request
+from services.scheduler.request.stream import DeltaSink, RequestStream
 from services.scheduler.request.stop import StopConditions
 
 _log = structlog.get_logger("tokenmill.scheduler")
@@ -138,7 +137,7 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: StopConditions,
                sink: DeltaSink, priority: int = 0, num_speculative_tokens: int | None = None,
-               tenant: str = "", cache_scope: str = "", adapter: str = "") -> RequestOutput:
+               tenant: str = "", cache_scope: str = "", adapter: str = "") -> RequestStream:
         """Admit a request on the executor placement chooses; its deltas go to ``sink``, the
         last one finished.
 
@@ -166,16 +165,15 @@ class EngineCore:
             raise ResourceExhaustedError(str(exc)) from None
         if self.drafting is not None:
             request.draft_length = self.drafting.draft_length(num_speculative_tokens)
-        output = RequestOutput(request, now)
-        self.requests.add(output, sink, detokenizer)
+        stream = self.requests.add(request, now, sink, detokenizer)
         lane.wake()
-        return output
+        return stream
 
     def abort(self, request_id: str) -> GenerationDelta | None:
         """End a request from outside (client cancelled, Abort RPC); its blocks are freed now.
         Returns its final delta (also sent to its sink), None for an unknown id."""
-        tracked = self.requests.get(request_id)
-        return self.requests.end(tracked, FinishReason.ABORT) if tracked is not None else None
+        stream = self.requests.get(request_id)
+        return self.requests.end(stream, FinishReason.ABORT) if stream is not None else None
 
     def has_unfinished(self) -> bool:
         return len(self.requests) > 0
@@ -250,9 +248,9 @@ class EngineCore:
         return lane
 
     def _no_executor_left(self, request_id: str) -> None:
-        tracked = self.requests.get(request_id)
-        if tracked is not None:
-            self.requests.end(tracked, FinishReason.ERROR, NO_EXECUTOR_LEFT)
+        stream = self.requests.get(request_id)
+        if stream is not None:
+            self.requests.end(stream, FinishReason.ERROR, NO_EXECUTOR_LEFT)
 
     def _finish_in_core(self, request_id: str, reason: FinishReason, stop_string: str | None) -> None:
         self.parked.forget(request_id)

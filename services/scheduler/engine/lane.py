@@ -166,9 +166,9 @@ class ExecutorLane:
             context.lost(self, f"the executor sent an invalid result for step {plan.step_id}: {exc}")
             return
         for request_id, error in self.scheduler.take_failed():
-            tracked = context.requests.get(request_id)
-            if tracked is not None:
-                context.requests.end(tracked, FinishReason.ERROR, error)
+            stream = context.requests.get(request_id)
+            if stream is not None:
+                context.requests.end(stream, FinishReason.ERROR, error)
         totals = context.totals
         totals.steps += 1
         totals.sequences += len(plan.new) + len(plan.running)
@@ -179,7 +179,7 @@ class ExecutorLane:
         context.updated(self, updates)
         closed = context.requests.take_pending_close()
         for update in updates:
-            tracked = context.requests.get(update.request_id)
-            if update.finish_reason is not None and tracked is not None:
-                closed.append((tracked.stream_id, tracked.detokenizer))
+            stream = context.requests.get(update.request_id)
+            if update.finish_reason is not None and stream is not None:
+                closed.append((stream.stream_id, stream.detokenizer))
         context.publisher.put(updates, closed)

@@ -28,7 +28,7 @@ from services.scheduler.request.update import RequestUpdate
 from services.scheduler.engine.ports import DetokenizerPort
 from services.scheduler.engine.request_table import RequestTable
 from services.scheduler.engine.step_times import StepTimeTotals
-from services.scheduler.engine.tracked import TrackedRequest
+from services.scheduler.request.stream import RequestStream
 
 _log = structlog.get_logger("tokenmill.scheduler")
 
@@ -85,42 +85,42 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001 - the output stage must outlive any one step
                 _log.exception("publish_failed", error=str(exc))
                 for update in (u for item in group for u in item.updates):
-                    tracked = self._requests.get(update.request_id)
-                    if tracked is not None:
-                        self._requests.end(tracked, FinishReason.ERROR, TEXT_FAILED)  # details: logged above
+                    stream = self._requests.get(update.request_id)
+                    if stream is not None:
+                        self._requests.end(stream, FinishReason.ERROR, TEXT_FAILED)  # details: logged above
 
     def _text_can_wait(self, item: _Published) -> bool:
         """No request of `item` has stop strings (whose text must be checked step by step)."""
         for update in item.updates:
             entry = self._requests.get(update.request_id)
-            if entry is not None and entry.output.request.stop.stop:
+            if entry is not None and entry.request.stop.stop:
                 return False
         return True
 
-    def _batches(self, items: list[_Published]) -> tuple[list[DetokenizeBatch], list[tuple[RequestUpdate, TrackedRequest]]]:
+    def _batches(self, items: list[_Published]) -> tuple[list[DetokenizeBatch], list[tuple[RequestUpdate, RequestStream]]]:
         """One batch per detokenizer for ``items`` (a stream's tokens of several steps in one
         entry), and the updates of requests still live, in order."""
         batches = [DetokenizeBatch() for _ in self._detokenizers]
-        live: list[tuple[RequestUpdate, TrackedRequest]] = []
+        live: list[tuple[RequestUpdate, RequestStream]] = []
         entries: dict[int, list[int]] = {}
         """stream id -> its token list in a batch (several steps' tokens appended to one)."""
         for update in (u for item in items for u in item.updates):
-            tracked = self._requests.get(update.request_id)
-            if tracked is None:
+            stream = self._requests.get(update.request_id)
+            if stream is None:
                 continue  # ended meanwhile
-            batch = batches[tracked.detokenizer]
-            if not tracked.stream_opened:
-                tracked.stream_opened = True
-                request = tracked.output.request
+            batch = batches[stream.detokenizer]
+            if not stream.stream_opened:
+                stream.stream_opened = True
+                request = stream.request
                 batch.new_streams.append(NewTextStream(
-                    tracked.stream_id, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], request.stop.stop,
+                    stream.stream_id, request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], request.stop.stop,
                     request.stop.include_stop_str_in_output))
-            if tracked.stream_id in entries:
-                entries[tracked.stream_id].extend(update.new_token_ids)
+            if stream.stream_id in entries:
+                entries[stream.stream_id].extend(update.new_token_ids)
             else:
-                entries[tracked.stream_id] = ids = list(update.new_token_ids)
-                batch.appended.append((tracked.stream_id, ids))
-            live.append((update, tracked))
+                entries[stream.stream_id] = ids = list(update.new_token_ids)
+                batch.appended.append((stream.stream_id, ids))
+            live.append((update, stream))
         for stream_id, index in (c for item in items for c in item.closed):
             batches[index].closed.append(stream_id)
         return batches, live
@@ -158,22 +158,22 @@ class Publisher:
                 failed.update(reply.failed)
         self._deliver(live, texts, stopped, failed)
 
-    def _deliver(self, live: list[tuple[RequestUpdate, TrackedRequest]], texts: dict[int, str],
+    def _deliver(self, live: list[tuple[RequestUpdate, RequestStream]], texts: dict[int, str],
                  stopped: dict[int, str], failed: dict[int, str]) -> None:
         requests = self._requests
         now = self._clock()
-        last = {tracked.stream_id: position for position, (_, tracked) in enumerate(live)}
-        for position, (update, tracked) in enumerate(live):
-            if requests.get(update.request_id) is not tracked:
+        last = {stream.stream_id: position for position, (_, stream) in enumerate(live)}
+        for position, (update, stream) in enumerate(live):
+            if requests.get(update.request_id) is not stream:
                 continue
-            if tracked.stream_id in failed:  # this stream alone: the detokenizer serves the others on
-                _log.error("request_text_failed", request_id=update.request_id, reason=failed[tracked.stream_id])
-                requests.end(tracked, FinishReason.ERROR, TEXT_FAILED)
+            if stream.stream_id in failed:  # this stream alone: the detokenizer serves the others on
+                _log.error("request_text_failed", request_id=update.request_id, reason=failed[stream.stream_id])
+                requests.end(stream, FinishReason.ERROR, TEXT_FAILED)
                 continue
-            is_last = last[tracked.stream_id] == position
-            text = texts.get(tracked.stream_id, "") if is_last else ""
-            stop_string = stopped.get(tracked.stream_id) if is_last else None
-            delta = tracked.output.on_update(update, text, now, stop_string)
+            is_last = last[stream.stream_id] == position
+            text = texts.get(stream.stream_id, "") if is_last else ""
+            stop_string = stopped.get(stream.stream_id) if is_last else None
+            delta = stream.on_update(update, text, now, stop_string)
             if stop_string is not None and update.finish_reason is None:
-                requests.stopped_by_string(tracked, stop_string)  # the core still runs it
-            requests.deliver(tracked, delta)
+                requests.stopped_by_string(stream, stop_string)  # the core still runs it
+            requests.deliver(stream, delta)

@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.scheduler.engine.ports import DetokenizerPort
-from services.scheduler.engine.tracked import DeltaSink, TrackedRequest
 from services.scheduler.request.delta import GenerationDelta
 from services.scheduler.request.finish_reason import FinishReason
-from services.scheduler.request.output import RequestOutput
+from services.scheduler.request.request import Request
+from services.scheduler.request.stream import DeltaSink, RequestStream
 
-FinishedObserver = Callable[[GenerationDelta, RequestOutput], None]
+FinishedObserver = Callable[[GenerationDelta, RequestStream], None]
 FinishInCore = Callable[[str, FinishReason, "str | None"], None]
 """Ends a request in the scheduler core (request id, reason, stop string): blocks freed, the
 executor told at the next plan."""
@@ -31,7 +31,7 @@ class RequestTable:
         self._finish_in_core = finish_in_core
         self._on_finished = on_finished or (lambda delta, output: None)
         self._wake = wake
-        self._tracked: dict[str, TrackedRequest] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._pending_close: list[tuple[int, int]] = []
         """(stream id, detokenizer index) of text streams to close with the next batch."""
         self._turn = itertools.cycle(range(len(detokenizers)))
@@ -42,7 +42,7 @@ class RequestTable:
 
         Raises InvalidArgumentError for a request_id in use, UnavailableError when every
         detokenizer is away."""
-        if request_id in self._tracked:
+        if request_id in self._streams:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by a running request")
         for _ in range(len(self._detokenizers)):
             index = next(self._turn)
@@ -50,51 +50,53 @@ class RequestTable:
                 return index
         raise UnavailableError("every tokenizer is unavailable; retry shortly")
 
-    def add(self, output: RequestOutput, sink: DeltaSink, detokenizer: int) -> None:
-        self._tracked[output.request_id] = TrackedRequest(output, sink, detokenizer, next(self._stream_ids))
+    def add(self, request: Request, arrival_time: float, sink: DeltaSink, detokenizer: int) -> RequestStream:
+        stream = RequestStream(request, arrival_time, sink, detokenizer, next(self._stream_ids))
+        self._streams[request.request_id] = stream
+        return stream
 
-    def get(self, request_id: str) -> TrackedRequest | None:
-        return self._tracked.get(request_id)
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
 
     def __len__(self) -> int:
-        return len(self._tracked)
+        return len(self._streams)
 
-    def __iter__(self) -> Iterator[TrackedRequest]:
-        return iter(list(self._tracked.values()))
+    def __iter__(self) -> Iterator[RequestStream]:
+        return iter(list(self._streams.values()))
 
-    def deliver(self, tracked: TrackedRequest, delta: GenerationDelta) -> None:
+    def deliver(self, stream: RequestStream, delta: GenerationDelta) -> None:
         """Send a delta to its request's sink; a final one ends the request here."""
-        tracked.sink(delta)
+        stream.sink(delta)
         if delta.finished:
-            del self._tracked[delta.request_id]
-            self._on_finished(delta, tracked.output)
+            del self._streams[delta.request_id]
+            self._on_finished(delta, stream)
 
-    def end(self, tracked: TrackedRequest, reason: FinishReason, error: str | None = None,
+    def end(self, stream: RequestStream, reason: FinishReason, error: str | None = None,
             close_stream: bool = True) -> GenerationDelta:
         """End a live request now: in the scheduler core (blocks freed), its text stream closed
         with the next batch, its final delta delivered."""
-        request = tracked.output.request
+        request = stream.request
         self._finish_in_core(request.request_id, reason, None)
-        if tracked.stream_opened and close_stream:
-            self._pending_close.append((tracked.stream_id, tracked.detokenizer))
-        delta = tracked.output.end(self._clock(), reason, error)
-        self.deliver(tracked, delta)
+        if stream.stream_opened and close_stream:
+            self._pending_close.append((stream.stream_id, stream.detokenizer))
+        delta = stream.end(self._clock(), reason, error)
+        self.deliver(stream, delta)
         self._wake()
         return delta
 
     def end_all(self, error: str, detokenizer: int | None = None) -> None:
         """End every request (or those on one detokenizer, whose text state is gone) with a
         final Finished (error): one per stream, whatever it had already received."""
-        for tracked in self:
-            if detokenizer is None or tracked.detokenizer == detokenizer:
-                self.end(tracked, FinishReason.ERROR, error, close_stream=detokenizer is None)
+        for stream in self:
+            if detokenizer is None or stream.detokenizer == detokenizer:
+                self.end(stream, FinishReason.ERROR, error, close_stream=detokenizer is None)
         if detokenizer is not None:
             self._pending_close = [(seq, i) for seq, i in self._pending_close if i != detokenizer]
 
-    def stopped_by_string(self, tracked: TrackedRequest, stop_string: str) -> None:
+    def stopped_by_string(self, stream: RequestStream, stop_string: str) -> None:
         """Its text reached a stop string (the detokenizer closed the stream): end it in the
         scheduler core at the next step boundary; its final delta is the caller's."""
-        self._finish_in_core(tracked.output.request_id, FinishReason.STOP, stop_string)
+        self._finish_in_core(stream.request_id, FinishReason.STOP, stop_string)
         self._wake()
 
     def take_pending_close(self) -> list[tuple[int, int]]:

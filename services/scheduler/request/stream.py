@@ -1,12 +1,15 @@
-"""What a request's client has been told: its deltas, usage and timings.
+"""A request's client-side stream: where its deltas go, its text stream, what it has been told.
 
-One per admitted request, kept by the engine core until the request's final
-delta. The core hands it each step's update with the text the tokenizer made of it (already
-cut at a stop string: the tokenizer matches them, services/common/detokenize.py), and gets
-back the client's GenerationDelta. No I/O, no clock (callers pass ``now``), no torch.
+The one record the engine keeps of a request beside the scheduler core's ``Request`` (which
+it wraps), from admission until the request's final delta. The engine hands it each step's
+update with the text the tokenizer made of it (already cut at a stop string: the tokenizer
+matches them, services/common/detokenize.py), and gets back the client's GenerationDelta.
+No I/O, no clock (callers pass ``now``), no torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.request.finish_reason import FinishReason
@@ -14,13 +17,27 @@ from services.scheduler.request.request import Request
 from services.scheduler.request.update import RequestUpdate
 
 
-class RequestOutput:
-    __slots__ = ("request", "arrival_time", "first_token_time", "num_output_tokens", "token_times")
+DeltaSink = Callable[[GenerationDelta], None]
+"""Where a request's deltas go: the services' per-request queue, the in-process engine's
+outbox. Called on the engine's event loop, once per delta, the last one finished."""
 
-    def __init__(self, request: Request, arrival_time: float) -> None:
+
+class RequestStream:
+    __slots__ = ("request", "sink", "detokenizer", "stream_id", "stream_opened", "arrival_time",
+                 "first_token_time", "num_output_tokens", "token_times")
+
+    def __init__(self, request: Request, arrival_time: float, sink: DeltaSink, detokenizer: int,
+                 stream_id: int) -> None:
         self.request = request
         """The core's request. Kept after the core forgets it: its first schedule time, prefix
         hits and accepted drafts feed the final delta's timings and usage."""
+        self.sink = sink
+        self.detokenizer = detokenizer
+        """Index of the detokenizer its text stream lives on (its state is there)."""
+        self.stream_id = stream_id
+        """Its text stream's id: fixed for the request's life, while its seq id changes when it
+        moves to another executor."""
+        self.stream_opened = False
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.num_output_tokens = 0
@@ -30,10 +47,6 @@ class RequestOutput:
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
 
     def on_update(self, update: RequestUpdate, text: str, now: float,
                   stop_string: str | None = None) -> GenerationDelta:
