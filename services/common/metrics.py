@@ -285,15 +285,7 @@ class SchedulerCollector(Collector):
         stats = source.stats() if source is not None else None
         if stats is None:
             return
-        yield _gauge("num_requests_running", "Requests in the running batch", stats.num_running)
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
-        yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests, in [0, 1]",
-                     stats.kv_cache_usage)
-        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                       stats.prefix_cache_queries)
-        yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", stats.prefix_cache_hits)
-        yield _counter("num_preemptions", "Requests preempted (blocks taken back, recomputed later)",
-                       stats.num_preemptions)
+        yield from _core_stats(stats)
         slots = source.kv_slots()
         if slots is not None:
             yield _gauge("kv_cache_waste_perc",
@@ -301,23 +293,38 @@ class SchedulerCollector(Collector):
                          slots.waste_fraction)
         yield from _kv_capacity([lane.info for lane in source.lanes.values()])
         yield from _per_executor(source.lanes, source.handoff.counters)
-        totals = source.step_times
-        yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
-        yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
-        yield _counter("scheduler_detokenize_rounds",
-                       "Detokenize round trips (fewer than steps when the publisher caught up on several at once)",
-                       totals.detokenize_rounds)
-        phases = CounterMetricFamily(PREFIX + "scheduler_step_phase_seconds",
-                                     "Wall time of the step loop by phase, summed over steps", labels=["phase"])
-        phases.add_metric(["schedule"], totals.schedule_s)
-        phases.add_metric(["executor"], totals.executor_s)
-        phases.add_metric(["update"], totals.update_s)
-        yield phases
+        yield from _step_times(source.step_times)
         yield from _spec_decode(getattr(stats, "spec_decode", None))
         drafting = getattr(source, "drafting", None)
         if drafting is not None:
             yield _counter("spec_decode_invalid_drafts", "Drafts cut at an id outside the vocabulary (dropped there, "
                            "never sent to the executor)", drafting.num_invalid_drafts)
+
+
+def _core_stats(stats) -> Iterable[Metric]:
+    yield _gauge("num_requests_running", "Requests in the running batch", stats.num_running)
+    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
+    yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests, in [0, 1]",
+                 stats.kv_cache_usage)
+    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                   stats.prefix_cache_queries)
+    yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", stats.prefix_cache_hits)
+    yield _counter("num_preemptions", "Requests preempted (blocks taken back, recomputed later)",
+                   stats.num_preemptions)
+
+
+def _step_times(totals) -> Iterable[Metric]:
+    yield _counter("scheduler_steps", "Steps the loop sent to the executor", totals.steps)
+    yield _counter("scheduler_step_sequences", "Sequences scheduled, summed over steps", totals.sequences)
+    yield _counter("scheduler_detokenize_rounds",
+                   "Detokenize round trips (fewer than steps when the publisher caught up on several at once)",
+                   totals.detokenize_rounds)
+    phases = CounterMetricFamily(PREFIX + "scheduler_step_phase_seconds",
+                                 "Wall time of the step loop by phase, summed over steps", labels=["phase"])
+    phases.add_metric(["schedule"], totals.schedule_s)
+    phases.add_metric(["executor"], totals.executor_s)
+    phases.add_metric(["update"], totals.update_s)
+    yield phases
 
 
 def _spec_decode(spec) -> Iterable[Metric]:

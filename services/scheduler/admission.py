@@ -64,6 +64,13 @@ class DrainRate:
         span = max(now - self._times[0], 1.0)
         return len(self._times) / min(span, self.window_s)
 
+    def pushback_s(self, ahead: int, now: float) -> float:
+        """How long ``ahead`` places take to drain at the measured rate (clamped)."""
+        rate = self.per_second(now)
+        if rate is None:
+            return UNMEASURED_PUSHBACK_S
+        return min(max(ahead / rate, MIN_PUSHBACK_S), MAX_PUSHBACK_S)
+
     def _trim(self, now: float) -> None:
         while self._times and self._times[0] < now - self.window_s:
             self._times.popleft()
@@ -83,11 +90,7 @@ class Admission:
 
     def __init__(self, max_queued: int, max_queued_per_tenant: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
-        if max_queued_per_tenant < 0:
-            raise ValueError(f"max_queued_per_tenant must be >= 0 (0 = no per-tenant bound), "
-                             f"got {max_queued_per_tenant}")
+        _check_bounds(max_queued, max_queued_per_tenant)
         self.max_queued = max_queued
         self.max_queued_per_tenant = max_queued_per_tenant
         self.clock = clock
@@ -103,10 +106,8 @@ class Admission:
 
     def refuse_full(self) -> tuple[str, float]:
         """Count a refusal by the overall bound: (message naming the bound, pushback seconds)."""
-        self.rejected += 1
-        retry_s = self.pushback_s(self.queued)
         # The bound, not the depth: the door may answer before the caller is known.
-        return f"the queue is full (max_waiting_requests={self.max_queued}); retry in {retry_s:.2f} s", retry_s
+        return self._refusal(f"the queue is full (max_waiting_requests={self.max_queued})", self.queued)
 
     def enter(self, tenant: str = "") -> Place:
         """Take a place, or raise ResourceExhaustedError naming the bound, with a pushback."""
@@ -115,8 +116,9 @@ class Admission:
             message, retry_s = self.refuse_full()
             raise ResourceExhaustedError(message, retry_after_s=retry_s)
         if tenant and self.max_queued_per_tenant and per_tenant >= self.max_queued_per_tenant:
-            self._refuse(f"tenant {tenant!r} has {per_tenant} requests queued, max_waiting_per_tenant="
-                         f"{self.max_queued_per_tenant}", per_tenant)
+            message, retry_s = self._refusal(f"tenant {tenant!r} has {per_tenant} requests queued, "
+                                             f"max_waiting_per_tenant={self.max_queued_per_tenant}", per_tenant)
+            raise ResourceExhaustedError(message, retry_after_s=retry_s)
         self.queued += 1
         self.per_tenant[tenant] = per_tenant + 1
         return Place(tenant)
@@ -136,15 +138,20 @@ class Admission:
 
     def pushback_s(self, ahead: int) -> float:
         """How long ``ahead`` places take to drain at the measured rate (clamped)."""
-        rate = self.drain.per_second(self.clock())
-        if rate is None:
-            return UNMEASURED_PUSHBACK_S
-        return min(max(ahead / rate, MIN_PUSHBACK_S), MAX_PUSHBACK_S)
+        return self.drain.pushback_s(ahead, self.clock())
 
-    def _refuse(self, message: str, ahead: int) -> None:
+    def _refusal(self, message: str, ahead: int) -> tuple[str, float]:
         self.rejected += 1
         retry_s = self.pushback_s(ahead)
-        raise ResourceExhaustedError(f"{message}; retry in {retry_s:.2f} s", retry_after_s=retry_s)
+        return f"{message}; retry in {retry_s:.2f} s", retry_s
+
+
+def _check_bounds(max_queued: int, max_queued_per_tenant: int) -> None:
+    if max_queued < 1:
+        raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+    if max_queued_per_tenant < 0:
+        raise ValueError(f"max_queued_per_tenant must be >= 0 (0 = no per-tenant bound), "
+                         f"got {max_queued_per_tenant}")
 
 
 AUTO_SHARE_TENANTS = 4

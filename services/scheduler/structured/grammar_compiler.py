@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from services.common.errors import InvalidArgumentError
 from services.scheduler.structured.compile_workers import CompileCrash, CompileWorkers
@@ -42,16 +43,95 @@ def grammar_digest(request: StructuredOutput) -> str:
     return digest.hexdigest()
 
 
+class _Quarantine:
+    """Grammars that crashed a compile worker, by content hash: the latest ``size`` of them."""
+
+    def __init__(self, size: int = QUARANTINE_SIZE) -> None:
+        self._size = size
+        self._signals: OrderedDict[str, str] = OrderedDict()
+
+    def __contains__(self, request: StructuredOutput) -> bool:
+        return grammar_digest(request) in self._signals
+
+    def check(self, request: StructuredOutput) -> None:
+        signal = self._signals.get(grammar_digest(request))
+        if signal is not None:
+            raise InvalidArgumentError(f"{request.field} is quarantined: an identical one crashed the grammar "
+                                       f"compiler ({signal}); it is refused without compiling")
+
+    def add(self, request: StructuredOutput, signal: str) -> InvalidArgumentError:
+        """Quarantine ``request``; the refusal its own request gets."""
+        self._signals[grammar_digest(request)] = signal
+        while len(self._signals) > self._size:
+            self._signals.popitem(last=False)
+        return InvalidArgumentError(f"{request.field} crashed the grammar compiler ({signal}); it is "
+                                    "refused, and so will be every identical one")
+
+
+class _Lru(OrderedDict):
+    """The ``size`` entries used last."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def lookup(self, key):
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def store(self, key, value) -> None:
+        self[key] = value
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+class _Shared:
+    """Concurrent callers asking for one key share one computation."""
+
+    def __init__(self) -> None:
+        self._pending: dict[object, asyncio.Future] = {}
+
+    async def get(self, key, start: Callable[[], Awaitable]):
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(start())
+            self._pending[key] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(key, None))
+        return await asyncio.shield(pending)
+
+
+def _grammar(result: str | InvalidArgumentError) -> str:
+    if isinstance(result, InvalidArgumentError):
+        raise InvalidArgumentError(str(result))
+    return result
+
+
+def _result_of(compile_: Callable[[StructuredOutput], str], request: StructuredOutput) -> str | InvalidArgumentError:
+    try:
+        return compile_(request)
+    except InvalidArgumentError as exc:
+        return exc
+
+
+def check_grammar_size(request: StructuredOutput, max_grammar_bytes: int) -> None:
+    size = request.num_bytes
+    if size > max_grammar_bytes:
+        raise InvalidArgumentError(f"{request.field} has {size} bytes; the limit is max_grammar_bytes="
+                                   f"{max_grammar_bytes}")
+
+
 class GrammarCompiler:
     def __init__(self, max_grammar_bytes: int, cache_size: int = CACHE_SIZE,
                  workers: CompileWorkers | None = None) -> None:
         self.max_grammar_bytes = max_grammar_bytes
-        self.cache_size = cache_size
         self.workers = workers
         """The compile worker processes (None: compile on a thread of this process)."""
-        self._cache: OrderedDict[StructuredOutput, str | InvalidArgumentError] = OrderedDict()
-        self._pending: dict[StructuredOutput, asyncio.Future] = {}
-        self._quarantine: OrderedDict[str, str] = OrderedDict()
+        self._cache: _Lru = _Lru(cache_size)
+        """StructuredOutput -> its grammar, or the InvalidArgumentError that refused it."""
+        self._pending = _Shared()
+        self._quarantine = _Quarantine()
         self._bytes = None
         self.compiled = 0
         """Compilations run (cache misses), for tests and benchmarks."""
@@ -61,70 +141,36 @@ class GrammarCompiler:
         compiles bounded by the workers' per-tenant share. Raises InvalidArgumentError naming
         the field and the problem."""
         self.check_size(request)
-        self._check_quarantine(request)
-        cached = self._lookup(request)
+        self._quarantine.check(request)
+        cached = self._cache.lookup(request)
         if cached is None:
-            pending = self._pending.get(request)
-            if pending is None:
-                pending = asyncio.ensure_future(self._compile_off_loop(request, tenant))
-                self._pending[request] = pending
-                pending.add_done_callback(lambda _: self._pending.pop(request, None))
-            cached = await asyncio.shield(pending)
-        if isinstance(cached, InvalidArgumentError):
-            raise InvalidArgumentError(str(cached))
-        return cached
+            cached = await self._pending.get(request, lambda: self._compile_off_loop(request, tenant))
+        return _grammar(cached)
 
     def compile_now(self, request: StructuredOutput) -> str:
         """``compile`` on the calling thread (the in-process engine, tests)."""
         self.check_size(request)
-        cached = self._lookup(request)
+        cached = self._cache.lookup(request)
         if cached is None:
-            cached = self._store(request, self._compile_here(request))
-        if isinstance(cached, InvalidArgumentError):
-            raise InvalidArgumentError(str(cached))
-        return cached
+            cached = self._store(request, _result_of(self._compile, request))
+        return _grammar(cached)
 
     def check_size(self, request: StructuredOutput) -> None:
-        size = request.num_bytes
-        if size > self.max_grammar_bytes:
-            raise InvalidArgumentError(f"{request.field} has {size} bytes; the limit is max_grammar_bytes="
-                                       f"{self.max_grammar_bytes}")
+        check_grammar_size(request, self.max_grammar_bytes)
 
     def is_quarantined(self, request: StructuredOutput) -> bool:
-        return grammar_digest(request) in self._quarantine
-
-    def _check_quarantine(self, request: StructuredOutput) -> None:
-        signal = self._quarantine.get(grammar_digest(request))
-        if signal is not None:
-            raise InvalidArgumentError(f"{request.field} is quarantined: an identical one crashed the grammar "
-                                       f"compiler ({signal}); it is refused without compiling")
-
-    def _lookup(self, request: StructuredOutput) -> str | InvalidArgumentError | None:
-        cached = self._cache.get(request)
-        if cached is not None:
-            self._cache.move_to_end(request)
-        return cached
+        return request in self._quarantine
 
     async def _compile_off_loop(self, request: StructuredOutput, tenant: str) -> str | InvalidArgumentError:
         if self.workers is None:
-            result = await asyncio.get_running_loop().run_in_executor(None, self._compile_here, request)
+            result = await asyncio.get_running_loop().run_in_executor(None, _result_of, self._compile, request)
             return self._store(request, result)
         result = await self.workers.run(request, tenant)
         if isinstance(result, CompileCrash):
-            self._quarantine[grammar_digest(request)] = result.signal
-            while len(self._quarantine) > QUARANTINE_SIZE:
-                self._quarantine.popitem(last=False)
-            return InvalidArgumentError(f"{request.field} crashed the grammar compiler ({result.signal}); it is "
-                                        "refused, and so will be every identical one")
+            return self._quarantine.add(request, result.signal)
         if isinstance(result, InvalidArgumentError) and "grammar_compile_timeout_s" in str(result):
             return result  # not cached: under load a fair grammar may take longer once
         return self._store(request, result)
-
-    def _compile_here(self, request: StructuredOutput) -> str | InvalidArgumentError:
-        try:
-            return self._compile(request)
-        except InvalidArgumentError as exc:
-            return exc
 
     def _compile(self, request: StructuredOutput) -> str:
         if self._bytes is None:
@@ -133,7 +179,5 @@ class GrammarCompiler:
 
     def _store(self, request: StructuredOutput, result: str | InvalidArgumentError) -> str | InvalidArgumentError:
         self.compiled += 1
-        self._cache[request] = result
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        self._cache.store(request, result)
         return result
