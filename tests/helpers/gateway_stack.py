@@ -37,15 +37,17 @@ def stories_with_chat_template(root: Path) -> Path:
 
 async def serve_engine(*, model: str | Path = STORIES_DIR, auth_tokens_file: str = "", num_blocks: int = 256,
                        scheduler: Mapping[str, Any] | None = None, max_model_len: int = 0,
-                       tokenizer_flags: Sequence[str] = ()) -> list[RunningServer]:
+                       tokenizer_flags: Sequence[str] = (),
+                       executor: Mapping[str, Any] | None = None) -> list[RunningServer]:
     """A model's tokenizer, executor and scheduler in this process (stories260K by default); the
-    scheduler is last. ``tokenizer_flags``: more of the tokenizer's flags, as typed."""
+    scheduler is last. ``tokenizer_flags``: more of the tokenizer's flags, as typed; ``executor``:
+    more ExecutorConfig fields (LoRA slots and ranks)."""
     model = str(model)
     tokenizer = await serve_tokenizer(parse_config(TokenizerConfig, ["--port=0", f"--model={model}",
                                                                      *tokenizer_flags], env={}))
     executor = await serve_executor(ExecutorServiceConfig(port=0, executor=ExecutorConfig(
         model=model, num_blocks=num_blocks, dtype="fp32", device="cpu", attention_backend="torch",
-        max_model_len=max_model_len)))
+        max_model_len=max_model_len, **dict(executor or {}))))
     sched = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
         auth_tokens_file=auth_tokens_file, **dict(scheduler or {})))
