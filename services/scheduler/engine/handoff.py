@@ -66,64 +66,12 @@ class HandoffContext:
     """Queue a request that left its executor on another (a failed copy recomputes there)."""
 
 
-class Handoff:
-    def __init__(self, context: HandoffContext) -> None:
-        self._context = context
-        self._moving: dict[str, asyncio.Task] = {}
+class KVCopier:
+    """Copies a request's KV blocks from a prefill executor's pool to a decode executor's."""
+
+    def __init__(self) -> None:
         self.counters: dict[str, TransferCounters] = {}
         """By decode executor name."""
-
-    @property
-    def num_moving(self) -> int:
-        return len(self._moving)
-
-    def after_update(self, lane: ExecutorLane, updates: list[RequestUpdate]) -> None:
-        """Hand the requests whose first token this prefill executor just produced to a decode one."""
-        if lane.role != "prefill":
-            return
-        decoders = [other for other in self._context.lanes.values() if other.role in ROLES_FOR_DECODE]
-        if not decoders:
-            return
-        for update in updates:
-            request = lane.scheduler.requests.get(update.request_id)
-            if update.finish_reason is not None or request is None:
-                continue
-            if request.num_output_tokens != len(update.new_token_ids):
-                continue  # not its first tokens: it already decodes here
-            target = choose_lane(request, decoders, ROLES_FOR_DECODE)
-            held = lane.scheduler.detach_request(request.request_id)
-            self._moving[request.request_id] = asyncio.create_task(
-                self._move(request, lane, held, target), name=f"kv-handoff-{request.request_id}")
-
-    def forget(self, request_id: str) -> None:
-        """The request ended (abort, stop string, error) while it moved: the move gives up."""
-        task = self._moving.get(request_id)
-        if task is not None:
-            task.cancel()
-
-    async def _move(self, request: Request, source: ExecutorLane, held: list[int], target: ExecutorLane) -> None:
-        try:
-            copied = await self._copy(request, source, held, target)
-        except asyncio.CancelledError:
-            target.scheduler.block_manager.free(request)
-            raise
-        finally:
-            self._moving.pop(request.request_id, None)
-            if self._context.lanes.get(source.name) is source:
-                source.scheduler.block_manager.release(held)
-                source.wake()
-        context = self._context
-        if context.requests.get(request.request_id) is None:  # ended meanwhile
-            target.scheduler.block_manager.free(request)
-            return
-        if copied and context.lanes.get(target.name) is target:
-            target.scheduler.add_request(request, moved=True)
-            target.wake()
-            return
-        if context.lanes.get(target.name) is target:
-            target.scheduler.block_manager.free(request)
-        request.leave_executor()
-        context.requeue(request)
 
     @staticmethod
     async def _revoke(source: ExecutorLane, grant: str) -> None:
@@ -134,7 +82,7 @@ class Handoff:
         except Exception as exc:  # noqa: BLE001 - the copy's outcome stands either way
             _log.warning("kv_grant_not_revoked", source=source.name, error=str(exc))
 
-    async def _copy(self, request: Request, source: ExecutorLane, held: list[int], target: ExecutorLane) -> bool:
+    async def copy(self, request: Request, source: ExecutorLane, held: list[int], target: ExecutorLane) -> bool:
         """Copy the KV of every token but the last into ``target``'s pool; True when done
         (``request`` then holds its blocks there, those tokens computed)."""
         counters = self.counters.setdefault(target.name, TransferCounters())
@@ -178,3 +126,64 @@ class Handoff:
         counters.reused_blocks += len(hit_ids)
         request.num_computed_tokens = num_tokens
         return True
+
+
+class Handoff:
+    def __init__(self, context: HandoffContext) -> None:
+        self._context = context
+        self._moving: dict[str, asyncio.Task] = {}
+        self._copier = KVCopier()
+        self.counters = self._copier.counters
+        """By decode executor name."""
+
+    @property
+    def num_moving(self) -> int:
+        return len(self._moving)
+
+    def after_update(self, lane: ExecutorLane, updates: list[RequestUpdate]) -> None:
+        """Hand the requests whose first token this prefill executor just produced to a decode one."""
+        if lane.role != "prefill":
+            return
+        decoders = [other for other in self._context.lanes.values() if other.role in ROLES_FOR_DECODE]
+        if not decoders:
+            return
+        for update in updates:
+            request = lane.scheduler.requests.get(update.request_id)
+            if update.finish_reason is not None or request is None:
+                continue
+            if request.num_output_tokens != len(update.new_token_ids):
+                continue  # not its first tokens: it already decodes here
+            target = choose_lane(request, decoders, ROLES_FOR_DECODE)
+            held = lane.scheduler.detach_request(request.request_id)
+            self._moving[request.request_id] = asyncio.create_task(
+                self._move(request, lane, held, target), name=f"kv-handoff-{request.request_id}")
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (abort, stop string, error) while it moved: the move gives up."""
+        task = self._moving.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _move(self, request: Request, source: ExecutorLane, held: list[int], target: ExecutorLane) -> None:
+        try:
+            copied = await self._copier.copy(request, source, held, target)
+        except asyncio.CancelledError:
+            target.scheduler.block_manager.free(request)
+            raise
+        finally:
+            self._moving.pop(request.request_id, None)
+            if self._context.lanes.get(source.name) is source:
+                source.scheduler.block_manager.release(held)
+                source.wake()
+        context = self._context
+        if context.requests.get(request.request_id) is None:  # ended meanwhile
+            target.scheduler.block_manager.free(request)
+            return
+        if copied and context.lanes.get(target.name) is target:
+            target.scheduler.add_request(request, moved=True)
+            target.wake()
+            return
+        if context.lanes.get(target.name) is target:
+            target.scheduler.block_manager.free(request)
+        request.leave_executor()
+        context.requeue(request)

@@ -113,7 +113,7 @@ class ExecutorLane:
         if not self.attached:
             return True
         if not self.sent:
-            closed = self.context.requests.take_pending_close()
+            closed = self.context.requests.text.take_closed()
             if closed:
                 self.context.publisher.put([], closed)
             return False
@@ -177,7 +177,7 @@ class ExecutorLane:
         totals.execute_s += result.execute_seconds
         totals.update_s += time.perf_counter() - stepped
         context.updated(self, updates)
-        closed = context.requests.take_pending_close()
+        closed = context.requests.text.take_closed()
         for update in updates:
             stream = context.requests.get(update.request_id)
             if update.finish_reason is not None and stream is not None:
