@@ -29,7 +29,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "benchmarks/serving/driver.py::run_systems",
     "benchmarks/stress.py::run",
     "benchmarks/tensor_parallel.py::main",
-    "services/common/latency_profile.py::LatencyProfileRecorder",
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
     "services/executor/model_runner.py::ModelRunner.__init__",

@@ -84,68 +84,45 @@ DEFAULT_CAPACITY = 65_536
 """Samples the ring holds: 2.5 MiB. Over a 60 s window that is 1,092 finished requests a second."""
 
 
-class LatencyProfileRecorder:
-    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 retention_s: float | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
-        if window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {window_s}")
+class _SampleRing:
+    """The finished samples as five columns of a ring of ``capacity`` slots, in finish order;
+    samples older than ``retention_s`` expire, and the oldest live ones are overwritten when full."""
+
+    def __init__(self, capacity: int, retention_s: float) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.window_s = window_s
-        self.retention_s = max(window_s, retention_s if retention_s is not None else window_s)
-        self.clock = clock
-        self.started_at = clock()
         self.capacity = capacity
+        self.retention_s = retention_s
         # One column per field; the repeat writes every element, so the pages are touched now.
         zeros = array("d", [0.0]) * capacity
-        self._finish, self._ttft, self._decode, self._tokens, self._e2e = (array("d", zeros) for _ in range(5))
-        self._count = 0
+        self.finish, self.ttft, self.decode, self.tokens, self.e2e = (array("d", zeros) for _ in range(5))
+        self.count = 0
         """Samples ever recorded: sample i sits in slot i % capacity until sample i + capacity overwrites it."""
-        self._oldest = 0
+        self.oldest = 0
         """The first sample neither expired by the retention nor overwritten."""
-        self._lost_until = -math.inf
+        self.lost_until = -math.inf
         """Finish time of the newest sample overwritten before it expired: windows reaching back
         past it are incomplete."""
 
-    def __len__(self) -> int:
-        return self._count - self._oldest
+    def append(self, finish: float, ttft: float, decode: float, tokens: int, e2e: float) -> None:
+        self.expire(finish)
+        slot = self.count % self.capacity
+        if self.count - self.capacity >= self.oldest:  # the slot's sample is still live: it is lost
+            self.lost_until = self.finish[slot]
+            self.oldest = self.count - self.capacity + 1
+        self.finish[slot], self.ttft[slot], self.decode[slot] = finish, ttft, decode
+        self.tokens[slot], self.e2e[slot] = float(tokens), e2e
+        self.count += 1
 
-    @property
-    def recorded(self) -> int:
-        """Samples ever recorded (a snapshot taken at the same count and time would be equal)."""
-        return self._count
-
-    # ------------------------------------------------------------------ feeding
-    def record(self, sample: FinishedSample) -> None:
-        self._append(sample.finish_time, sample.ttft_s, sample.decode_s, sample.completion_tokens, sample.e2e_s)
-
-    def _append(self, finish: float, ttft: float, decode: float, tokens: int, e2e: float) -> None:
-        self._expire(finish)
-        slot = self._count % self.capacity
-        if self._count - self.capacity >= self._oldest:  # the slot's sample is still live: it is lost
-            self._lost_until = self._finish[slot]
-            self._oldest = self._count - self.capacity + 1
-        self._finish[slot], self._ttft[slot], self._decode[slot] = finish, ttft, decode
-        self._tokens[slot], self._e2e[slot] = float(tokens), e2e
-        self._count += 1
-
-    def on_finished(self, delta, output_state=None) -> None:
-        """The scheduler loop's on_finished callback."""
-        usage, timings = delta.usage, delta.timings
-        if usage is None or timings is None or usage.completion_tokens == 0:
-            return
-        self._append(self.clock(), timings.time_to_first_token_ms / 1000.0, timings.decode_time_ms / 1000.0,
-                     usage.completion_tokens, timings.e2e_ms / 1000.0)
-
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         horizon = now - self.retention_s
-        finish, capacity = self._finish, self.capacity
-        while self._oldest < self._count and finish[self._oldest % capacity] < horizon:
-            self._oldest += 1
+        finish, capacity = self.finish, self.capacity
+        while self.oldest < self.count and finish[self.oldest % capacity] < horizon:
+            self.oldest += 1
 
-    def _first_since(self, start: float) -> int:
+    def first_since(self, start: float) -> int:
         """The first live sample (absolute index) that finished at or after ``start``: bisection."""
-        lo, hi, finish, capacity = self._oldest, self._count, self._finish, self.capacity
+        lo, hi, finish, capacity = self.oldest, self.count, self.finish, self.capacity
         while lo < hi:
             mid = (lo + hi) // 2
             if finish[mid % capacity] < start:
@@ -154,12 +131,48 @@ class LatencyProfileRecorder:
                 hi = mid
         return lo
 
-    def _column(self, column: array, first: int) -> array:
+    def column(self, column: array, first: int) -> array:
         """Samples first..newest of one column, in finish order (two slices when the ring wraps)."""
-        begin, n = first % self.capacity, self._count - first
+        begin, n = first % self.capacity, self.count - first
         if begin + n <= self.capacity:
             return column[begin:begin + n]
         return column[begin:] + column[:begin + n - self.capacity]
+
+
+class LatencyProfileRecorder:
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 retention_s: float | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self.retention_s = max(window_s, retention_s if retention_s is not None else window_s)
+        self.clock = clock
+        self.started_at = clock()
+        self._ring = _SampleRing(capacity, self.retention_s)
+
+    @property
+    def capacity(self) -> int:
+        return self._ring.capacity
+
+    def __len__(self) -> int:
+        return self._ring.count - self._ring.oldest
+
+    @property
+    def recorded(self) -> int:
+        """Samples ever recorded (a snapshot taken at the same count and time would be equal)."""
+        return self._ring.count
+
+    # ------------------------------------------------------------------ feeding
+    def record(self, sample: FinishedSample) -> None:
+        self._ring.append(sample.finish_time, sample.ttft_s, sample.decode_s, sample.completion_tokens, sample.e2e_s)
+
+    def on_finished(self, delta, output_state=None) -> None:
+        """The scheduler loop's on_finished callback."""
+        usage, timings = delta.usage, delta.timings
+        if usage is None or timings is None or usage.completion_tokens == 0:
+            return
+        self._ring.append(self.clock(), timings.time_to_first_token_ms / 1000.0, timings.decode_time_ms / 1000.0,
+                          usage.completion_tokens, timings.e2e_ms / 1000.0)
 
     # ------------------------------------------------------------------ reading
     def snapshot(self, window_s: float | None = None) -> LatencySnapshot:
@@ -168,32 +181,36 @@ class LatencyProfileRecorder:
         if not math.isfinite(window_s) or window_s <= 0:
             raise InvalidArgumentError(f"window_seconds must be a positive number, got {window_s}")
         window_s = min(window_s, self.retention_s)
-        now = self.clock()
-        self._expire(now)
+        now, ring = self.clock(), self._ring
+        ring.expire(now)
         start = now - window_s
         covered = min(window_s, now - self.started_at)
-        if self._lost_until >= start:  # the ring wrapped inside the window: say what it covers
-            window_s = covered = now - self._lost_until
-        first = self._first_since(start)
-        ttfts = sorted(x * 1000.0 for x in self._column(self._ttft, first))
-        tokens = self._column(self._tokens, first)
-        decodes = self._column(self._decode, first)
-        tpots, rates = [], []
-        for n, decode in zip(tokens, decodes):
-            if n > 1:
-                tpots.append(decode * 1000.0 / (n - 1))
-                if decode > 0:
-                    rates.append((n - 1) / decode)
-        tpots.sort()
-        rates.sort()
-        return LatencySnapshot(
-            window_s=window_s,
-            num_requests=len(tokens),
-            ttft_p50_ms=sorted_percentile(ttfts, 50),
-            ttft_p99_ms=sorted_percentile(ttfts, 99),
-            tpot_p50_ms=sorted_percentile(tpots, 50),
-            tpot_p99_ms=sorted_percentile(tpots, 99),
-            tokens_per_s_per_stream=sorted_percentile(rates, 50),
-            tokens_per_s_total=sum(tokens) / covered if covered > 0 else 0.0,
-            max_output_tokens=int(max(tokens, default=0)),
-        )
+        if ring.lost_until >= start:  # the ring wrapped inside the window: say what it covers
+            window_s = covered = now - ring.lost_until
+        first = ring.first_since(start)
+        return _summary(window_s, covered, ring.column(ring.ttft, first), ring.column(ring.tokens, first),
+                        ring.column(ring.decode, first))
+
+
+def _summary(window_s: float, covered: float, ttfts_s, tokens, decodes) -> LatencySnapshot:
+    """The snapshot of one window's samples (columns in finish order), ``covered`` seconds of it observed."""
+    ttfts = sorted(x * 1000.0 for x in ttfts_s)
+    tpots, rates = [], []
+    for n, decode in zip(tokens, decodes):
+        if n > 1:
+            tpots.append(decode * 1000.0 / (n - 1))
+            if decode > 0:
+                rates.append((n - 1) / decode)
+    tpots.sort()
+    rates.sort()
+    return LatencySnapshot(
+        window_s=window_s,
+        num_requests=len(tokens),
+        ttft_p50_ms=sorted_percentile(ttfts, 50),
+        ttft_p99_ms=sorted_percentile(ttfts, 99),
+        tpot_p50_ms=sorted_percentile(tpots, 50),
+        tpot_p99_ms=sorted_percentile(tpots, 99),
+        tokens_per_s_per_stream=sorted_percentile(rates, 50),
+        tokens_per_s_total=sum(tokens) / covered if covered > 0 else 0.0,
+        max_output_tokens=int(max(tokens, default=0)),
+    )
