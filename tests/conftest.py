@@ -8,6 +8,7 @@ loading it. What torch and Triton need is set through the environment before eit
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+_module_began: dict[str, float] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # When each module's first test began: its stacks' logs are those written since (minus the
+    # file systems' coarse mtimes).
+    _module_began.setdefault(item.nodeid.split("::")[0], time.time() - 2.0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # A failed test's report carries its stacks' service logs (tests/helpers/stack_logs.py).
+    report = yield
+    if report.failed:
+        from tests.helpers import stack_logs
+
+        factory = getattr(item.config, "_tmp_path_factory", None)
+        since = _module_began.get(item.nodeid.split("::")[0], time.time() - 600)
+        try:
+            temp_root = factory.getbasetemp() if factory is not None else None
+        except Exception:  # noqa: BLE001 - no temporary root yet: no logs under it
+            temp_root = None
+        for title, text in stack_logs.sections(temp_root, since):
+            report.sections.append((title, text))
+    return report
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STORIES_DIR = REPO_ROOT / "models" / "stories260K"

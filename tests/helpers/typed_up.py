@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import stack_logs
 from tests.helpers.service_harness import REPO_ROOT
 
 SERVING = "Ctrl-C to stop"
@@ -102,6 +103,8 @@ def start_up(command: str | list[str], env: Mapping[str, str], cwd: Path = REPO_
 
     threading.Thread(target=read, args=(process.stderr, up.lines), daemon=True).start()
     threading.Thread(target=read, args=(process.stdout, up.stdout), daemon=True).start()
+    stack_logs.remember(f"`{command if shell else ' '.join(command)}` (stderr, then stdout)",
+                        lambda: up.text + "".join(up.stdout))
     return up
 
 
