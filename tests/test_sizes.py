@@ -48,7 +48,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/core/block_manager.py::BlockManager",
     "services/scheduler/core/config.py::SchedulerLimits",
     "services/scheduler/core/scheduler.py::Scheduler",
-    "services/scheduler/core/waiting_queue.py::WaitingQueue",
     "services/scheduler/engine/core.py::EngineCore",
     "services/scheduler/engine/lane.py::ExecutorLane",
     "services/scheduler/engine/publisher.py::Publisher",
