@@ -50,7 +50,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/core/scheduler.py::Scheduler",
     "services/scheduler/engine/core.py::EngineCore",
     "services/scheduler/engine/lane.py::ExecutorLane",
-    "services/scheduler/engine/publisher.py::Publisher",
     "services/scheduler/links/drafter_link.py::DrafterLink",
     "services/scheduler/links/executor_link.py::ExecutorLink",
     "services/scheduler/links/tokenizer_link.py::TokenizerLink",
