@@ -304,14 +304,14 @@ def test_a_bad_upstream_tokenizer_is_named(tokenizer, message, tmp_path):
         load_routes(str(path))
 
 
-def test_the_front_end_says_tool_choice_auto_or_none_and_leaves_the_constrained_forms_to_structured_output():
+def test_the_front_end_says_each_tool_choice_and_the_constrained_forms_also_go_as_structured_output():
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     ask = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     said = {}
     for choice in (None, "auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}):
         body = ChatCompletionRequest.model_validate({**ask, "tools": [tool], "tool_choice": choice})
         said[json.dumps(choice)] = chat_template(body).chat.tool_choice
-    assert list(said.values()) == ["auto", "auto", "none", "", "function"]
+    assert list(said.values()) == ["auto", "auto", "none", "required", "function"]
     assert chat_template(ChatCompletionRequest.model_validate(ask)).chat.tool_choice == ""  # no tools
 
 
@@ -328,3 +328,31 @@ def test_a_named_tool_choice_is_the_upstreams_own_call_its_arguments_the_reply()
             {"index": 0, "function": {"name": "get_weather", "arguments": piece}}]}}]})
     reader.feed("", {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
     assert reader.take() == ['{"city"', ': "Paris"}'] and reader.finish == common_pb2.FINISH_REASON_EOS
+
+
+def test_a_required_tool_choice_is_the_upstreams_own_call_in_the_constrained_replys_shape():
+    message = chat_request()
+    message.structured_output.grammar = 'start: "{"'  # what the front end sets beside it: not sendable
+    message.chat.tool_choice = "required"
+    _, body = OpenAIDialect("smol").build(message)
+    # one tool: as that tool named (servers that ignore "required" honour it)
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert "response_format" not in body
+    two = json.loads(message.chat.tools_json) * 2
+    two[1] = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    message.chat.tools_json = json.dumps(two)
+    assert OpenAIDialect("smol").build(message)[1]["tool_choice"] == "required"
+    reader = OpenAIDialect("smol").reader(message)
+    reader.feed("", {"choices": [{"delta": {"content": "Sure: "}}]})  # no content beside a call
+    for piece in ('{"city"', ': "Paris"}'):
+        reader.feed("", {"choices": [{"delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "get_time", "arguments": piece}}]}}]})
+    reader.feed("", {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    assert "".join(reader.take()) == '{"name": "get_time", "arguments": {"city": "Paris"}}'
+    text_only = OpenAIDialect("smol").reader(message)
+    text_only.feed("", {"choices": [{"delta": {"content": "Paris is sunny."}}]})
+    with pytest.raises(grpc.aio.AioRpcError, match="answered text, not a tool call, to tool_choice required"):
+        text_only.feed("", {"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    cut = OpenAIDialect("smol").reader(message)  # cut by max_tokens before the call began: empty, as an engine's
+    cut.feed("", {"choices": [{"delta": {}, "finish_reason": "length"}]})
+    assert cut.take() == [] and cut.finish == common_pb2.FINISH_REASON_LENGTH

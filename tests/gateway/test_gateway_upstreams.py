@@ -60,6 +60,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                               "parameters": {"type": "object", "properties": {
                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+TWO_TOOLS = [*WEATHER, {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                                         "parameters": {"type": "object", "properties": {
+                                                             "city": {"type": "string"}}, "required": ["city"]}}}]
 CALLED = [{"role": "user", "content": "Weather in Paris?"},
           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
               "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -228,6 +231,44 @@ async def test_tool_calls_reach_llamacpp_and_come_back_as_llamacpps_own(openai_f
     assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
 
 
+async def streamed_call(client: openai.AsyncOpenAI, **ask) -> tuple[list[str], str, str | None]:
+    """The names, the arguments and the finish_reason of a streamed reply's tool calls."""
+    stream = await client.chat.completions.create(stream=True, **ask)
+    names, arguments, finish = [], "", None
+    async for chunk in stream:
+        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    return names, arguments, finish
+
+
+async def test_tool_choice_required_reaches_llamacpp_as_it_can_take_it(openai_front):
+    """``required`` over one tool travels as that tool named (llama-cpp-python's server ignores
+    ``required``, honours a named choice): the call comes back, streamed and not, as llama.cpp
+    answers the named choice. Over two tools llama.cpp answers text: an error saying so, never
+    that text passed off as the reply."""
+    front, direct, _ = openai_front
+    ask = {"messages": CALLED[:1], "tools": WEATHER, "temperature": 0, "max_tokens": 40}
+    own = (await direct.chat.completions.create(
+        model="smollm2", tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **ask)).choices[0].message.tool_calls[0]
+    answer = await front.chat.completions.create(model="smol", tool_choice="required", **ask)
+    call = answer.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                          json.loads(own.function.arguments))
+    assert answer.choices[0].finish_reason == "tool_calls" and answer.choices[0].message.content is None
+    names, arguments, finish = await streamed_call(front, model="smol", tool_choice="required", **ask)
+    assert (names, json.loads(arguments), finish) == (["get_weather"], json.loads(own.function.arguments),
+                                                      "tool_calls")
+    two = {**ask, "tools": TWO_TOOLS, "tool_choice": "required"}
+    assert not (await direct.chat.completions.create(model="smollm2", **two)).choices[0].message.tool_calls
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError, match="answered text, not a tool call, to tool_choice "
+                                                             "required: the server does not enforce it"):
+            await front.chat.completions.create(model="smol", stream=stream, **two)
+
+
 async def test_a_wrong_key_keeps_the_upstream_out_of_the_pool(llamacpp, tmp_path):
     os.environ["TEST_WRONG_KEY"] = "sk-not-the-key"
     try:
@@ -365,6 +406,23 @@ async def test_a_named_tool_choice_through_an_openai_upstream_comes_back_as_the_
     assert (names, arguments) == (["get_weather"], reference.function.arguments)
     with pytest.raises(openai.BadRequestError, match="cannot be sent to an anthropic upstream"):
         await chat.chat.completions.create(model="tale", **ask)
+
+
+async def test_tool_choice_required_over_two_tools_travels_as_itself(anthropic_front):
+    """An OpenAI-compatible upstream that enforces ``required`` (a tokenmill gateway) gets it as
+    itself with both tools, and its call comes back as the upstream answers it, streamed and not."""
+    chat, _, upstream = anthropic_front
+    ask = {"messages": CALLED[:1], "tools": TWO_TOOLS, "tool_choice": "required", "temperature": 0,
+           "max_tokens": 40}
+    direct = (await upstream.chat.completions.create(model="stories", **ask)).choices[0]
+    reference = direct.message.tool_calls[0]
+    answer = await chat.chat.completions.create(model="tale-openai", **ask)
+    call = answer.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == (reference.function.name, reference.function.arguments)
+    assert answer.choices[0].finish_reason == direct.finish_reason
+    names, arguments, finish = await streamed_call(chat, model="tale-openai", **ask)
+    assert (names, arguments, finish) == ([reference.function.name], reference.function.arguments,
+                                          direct.finish_reason)
 
 
 # ---------------------------------------------------------------- reliability

@@ -132,7 +132,7 @@ def chat_template(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest
         # objects. Sent whatever tool_choice is: the model knows what it may call.
         message.chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools],
                                              ensure_ascii=False)
-        if body.tool_choice in (None, "auto", "none"):  # OpenAI's default with tools is auto
+        if body.tool_choice in (None, "auto", "none", "required"):  # OpenAI's default with tools is auto
             message.chat.tool_choice = body.tool_choice or "auto"
         elif isinstance(body.tool_choice, NamedToolChoice):
             message.chat.tool_choice, message.chat.tool_function = "function", body.tool_choice.function.name

@@ -6,9 +6,13 @@ A conversation goes to ``POST {url}/chat/completions``, a text or token-id promp
 fields OpenAI defines travel under their own names; the engine's extensions that servers commonly
 take (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) only when set. A
 structured output travels as ``response_format`` (a JSON schema or any JSON object), but a named
-``tool_choice`` as itself, its call's arguments read back as the reply's text; what an
-OpenAI server cannot be asked (logprobs returned per token id, prompt logprobs, a regex, choice or
-Lark grammar, a conversation without the assistant's cue) is refused naming it, never dropped.
+or ``required`` ``tool_choice`` as itself (``required`` over one tool as that tool named: servers
+that ignore ``required``, llama-cpp-python's, honour a named one), its call read back as the
+reply's text in the shape the front end reads a constrained reply in (the arguments, or
+``{"name": ..., "arguments": ...}``); a server that answers ``required`` with text and no call
+is an error naming it, not a reply. What an OpenAI server cannot be asked (logprobs returned per
+token id, prompt logprobs, a regex, choice or Lark grammar, a conversation without the
+assistant's cue) is refused naming it, never dropped.
 
 Replies: ``finish_reason`` "length" is LENGTH, anything else EOS (OpenAI does not say whether a
 stop string matched); streamed ``tool_calls`` are gathered and written as ``hermes`` text at the
@@ -25,6 +29,7 @@ import grpc
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
 from services.gateway.upstreams.dialect import StreamReader, hermes_call
 from services.gateway.upstreams.errors import refused, rpc_error
+from services.gateway.tool_calls.constrained import ToolCallShape
 from services.gateway.upstreams.sampling import FIELDS, sampling_body
 
 KIND = "openai"
@@ -37,7 +42,8 @@ take) but logprobs: an OpenAI server's come back per token text, not per token i
 
 def sampling_fields(message: generation_pb2.GenerateRequest) -> dict[str, Any]:
     body = sampling_body(KIND, message, SAMPLING)
-    if message.HasField("structured_output"):
+    # A call's constraint (the front end's) travels as the tool_choice itself instead.
+    if message.HasField("structured_output") and not call_choice(message):
         body["response_format"] = response_format(message.structured_output)
     return body
 
@@ -87,14 +93,10 @@ class OpenAIDialect:
             if chat.HasField("add_generation_prompt") and not chat.add_generation_prompt:
                 raise refused(KIND, "add_generation_prompt false (its chat API always cues the assistant's turn)")
             body["messages"] = chat_messages(chat)
-            if chat.tools_json:
-                body["tools"] = json.loads(chat.tools_json)
-            if chat.tool_choice == "function":
-                # The upstream's own named call (its arguments read as the constrained reply);
-                # the structured output is that function's parameters, which the call obeys.
-                body["tool_choice"] = {"type": "function", "function": {"name": chat.tool_function}}
-            elif chat.tool_choice:  # said, not left to the server's default (llama.cpp's is none)
-                body["tool_choice"] = chat.tool_choice
+            tools = json.loads(chat.tools_json) if chat.tools_json else []
+            if tools:
+                body["tools"] = tools
+            body.update(tool_choice(chat, tools))
             path = "/chat/completions"
         elif prompt == "text":
             body["prompt"] = message.text
@@ -105,26 +107,44 @@ class OpenAIDialect:
         else:
             raise refused(KIND, "a request without a prompt")
         body.update(sampling_fields(message))
-        if named_call(message):
-            del body["response_format"]
         return path, body
 
     def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
-        return OpenAIReader(named_call(message))
+        return OpenAIReader(call_choice(message), self.model)
 
 
-def named_call(message: generation_pb2.GenerateRequest) -> bool:
-    return message.WhichOneof("prompt") == "chat" and message.chat.tool_choice == "function"
+def tool_choice(chat: generation_pb2.ChatMessages, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The upstream's tool_choice: always said, never left to the server's default (llama.cpp's
+    is none)."""
+    if chat.tool_choice == "function" or (chat.tool_choice == "required" and len(tools) == 1):
+        # The upstream's own named call (its arguments read as the constrained reply); the
+        # structured output is that function's parameters, which the call obeys.
+        name = chat.tool_function or tools[0].get("function", {}).get("name", "")
+        return {"tool_choice": {"type": "function", "function": {"name": name}}}
+    return {"tool_choice": chat.tool_choice} if chat.tool_choice else {}
+
+
+def call_choice(message: generation_pb2.GenerateRequest) -> str:
+    """"function" (a named tool_choice) or "required": the reply must be a call; "" otherwise."""
+    if message.WhichOneof("prompt") != "chat" or message.chat.tool_choice not in ("function", "required"):
+        return ""
+    return message.chat.tool_choice
 
 
 class OpenAIReader(StreamReader):
-    def __init__(self, named: bool = False) -> None:
+    def __init__(self, choice: str = "", model: str = "") -> None:
         super().__init__()
         self._calls: dict[int, list[str]] = {}
         """Streamed tool calls by index: [name, arguments so far]."""
-        self._named = named
-        """A named tool_choice: the call's arguments are the reply's text, as they stream (the
-        front end reads them as it reads an engine's constrained reply)."""
+        self._choice = choice
+        """"function": the call's arguments are the reply's text, as they stream; "required":
+        ``{"name": ..., "arguments": ...}`` is (the front end reads either as it reads an
+        engine's constrained reply, which makes one call, and no content); "": calls are gathered
+        into text."""
+        self._model = model
+        self._called = False
+        self._wrote = False
+        """The upstream wrote content where a call was asked for."""
 
     def feed(self, event: str, payload: dict[str, Any]) -> None:
         if "error" in payload and not payload.get("choices"):
@@ -136,11 +156,14 @@ class OpenAIReader(StreamReader):
         for choice in payload.get("choices") or ():
             delta = choice.get("delta")
             if delta is not None:  # chat
-                self.text(delta.get("content") or "")
+                if not self._choice:
+                    self.text(delta.get("content") or "")
+                elif delta.get("content"):
+                    self._wrote = True
                 for call in delta.get("tool_calls") or ():
                     function = call.get("function") or {}
-                    if self._named:
-                        self.text(function.get("arguments") or "")
+                    if self._choice:
+                        self._constrained(call, function)
                         continue
                     entry = self._calls.setdefault(call.get("index", 0), ["", ""])
                     # The name comes whole in a call's first delta; llama.cpp's server repeats it
@@ -152,7 +175,33 @@ class OpenAIReader(StreamReader):
             reason = choice.get("finish_reason")
             if reason:
                 self.finish = common_pb2.FINISH_REASON_LENGTH if reason == "length" else common_pb2.FINISH_REASON_EOS
+                self._end_call(reason)
                 for index in sorted(self._calls):
                     name, arguments = self._calls[index]
                     self.text(hermes_call(name, arguments))
                 self._calls.clear()
+
+    def _constrained(self, call: dict[str, Any], function: dict[str, Any]) -> None:
+        """A call to a named or required tool_choice, written as the constrained reply's text;
+        only the first (index 0): the constrained reply is one call."""
+        if call.get("index", 0) != 0:
+            return
+        if self._choice == "required" and not self._called and function.get("name"):
+            self.text(ToolCallShape(None).prefix_of(function["name"]))
+        self._called = self._called or bool(function.get("name")) or self._choice == "function"
+        self.text(function.get("arguments") or "")
+
+    def _end_call(self, reason: str) -> None:
+        """Close the wrapper of a required call that ended by itself; a reply that was to be a
+        call and wrote text instead (a server that ignores the tool_choice) is an error."""
+        if not self._choice:
+            return
+        if self._called:
+            if self._choice == "required" and reason != "length":
+                self.text("}")
+            return
+        if reason == "length" and not self._wrote:
+            return  # cut before the call began, as an engine's constrained reply can be
+        asked = "required" if self._choice == "required" else "naming a function"
+        raise rpc_error(grpc.StatusCode.INTERNAL, f"the upstream's model {self._model!r} answered text, not a tool "
+                                                  f"call, to tool_choice {asked}: the server does not enforce it")
