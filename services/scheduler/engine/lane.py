@@ -66,6 +66,24 @@ class LaneContext:
     updated: Callable[[ExecutorLane, list[RequestUpdate]], None] = lambda lane, updates: None
     """Called after each update, before the updates are published (prefill hand-off)."""
 
+    def publish(self, lane: ExecutorLane, updates: list[RequestUpdate]) -> None:
+        """Hand a step's updates to the output stage, with the text streams that close after it
+        (those of requests it finished, and those ended meanwhile)."""
+        self.updated(lane, updates)
+        closed = self.requests.text.take_closed()
+        for update in updates:
+            stream = self.requests.get(update.request_id)
+            if update.finish_reason is not None and stream is not None:
+                closed.append((stream.stream_id, stream.detokenizer))
+        self.publisher.put(updates, closed)
+
+    def fail(self, failed: list[tuple[str, str]]) -> None:
+        """End each (request id, error) the scheduler core gave up on."""
+        for request_id, error in failed:
+            stream = self.requests.get(request_id)
+            if stream is not None:
+                self.requests.end(stream, FinishReason.ERROR, error)
+
 
 @dataclass(eq=False)
 class ExecutorLane:
@@ -138,8 +156,7 @@ class ExecutorLane:
             try:
                 await self.port.send(plan)
             except EXECUTOR_LOST as exc:
-                _log.error("executor_step_failed", executor=self.name, error=str(exc), step_id=plan.step_id)
-                context.lost(self, str(exc))
+                self._step_failed(plan, exc)
                 return
             if self.sent:
                 context.totals.overlapped += 1
@@ -153,8 +170,7 @@ class ExecutorLane:
         try:
             result = await self.port.receive(plan.step_id)
         except EXECUTOR_LOST as exc:
-            _log.error("executor_step_failed", executor=self.name, error=str(exc), step_id=plan.step_id)
-            context.lost(self, str(exc))
+            self._step_failed(plan, exc)
             return
         if not self.attached:
             return
@@ -165,21 +181,11 @@ class ExecutorLane:
             _log.error("executor_result_invalid", executor=self.name, error=str(exc), step_id=plan.step_id)
             context.lost(self, f"the executor sent an invalid result for step {plan.step_id}: {exc}")
             return
-        for request_id, error in self.scheduler.take_failed():
-            stream = context.requests.get(request_id)
-            if stream is not None:
-                context.requests.end(stream, FinishReason.ERROR, error)
-        totals = context.totals
-        totals.steps += 1
-        totals.sequences += len(plan.new) + len(plan.running)
-        totals.schedule_s += sent.schedule_s
-        totals.executor_s += sent.send_s + stepped - waited
-        totals.execute_s += result.execute_seconds
-        totals.update_s += time.perf_counter() - stepped
-        context.updated(self, updates)
-        closed = context.requests.text.take_closed()
-        for update in updates:
-            stream = context.requests.get(update.request_id)
-            if update.finish_reason is not None and stream is not None:
-                closed.append((stream.stream_id, stream.detokenizer))
-        context.publisher.put(updates, closed)
+        context.fail(self.scheduler.take_failed())
+        context.totals.add_step(len(plan.new) + len(plan.running), sent.schedule_s, sent.send_s + stepped - waited,
+                                result.execute_seconds, time.perf_counter() - stepped)
+        context.publish(self, updates)
+
+    def _step_failed(self, plan: StepPlan, exc: BaseException) -> None:
+        _log.error("executor_step_failed", executor=self.name, error=str(exc), step_id=plan.step_id)
+        self.context.lost(self, str(exc))

@@ -27,3 +27,12 @@ class StepTimeTotals:
     detokenize_rounds: int = 0
     """Detokenize round trips of the publisher: fewer than steps when it caught up on several
     steps at once (see engine/publisher.py)."""
+
+    def add_step(self, sequences: int, schedule_s: float, executor_s: float, execute_s: float,
+                 update_s: float) -> None:
+        self.steps += 1
+        self.sequences += sequences
+        self.schedule_s += schedule_s
+        self.executor_s += executor_s
+        self.execute_s += execute_s
+        self.update_s += update_s
