@@ -26,6 +26,71 @@ from services.common.tls import ClientTLS
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, map_rpc_error, run_to_end, wait_ready
 
 
+class _Session:
+    """One Detokenize stream: the text state of every request pinned to its tokenizer. Watched,
+    so its end (the tokenizer died or restarted) is reported once, at once, to ``on_end``."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, metadata, address: str,
+                 on_end: Callable[[_Session], None]) -> None:
+        self.call = stub.Detokenize(metadata=metadata)
+        self._address = address
+        self._on_end = on_end
+        self._step_ids = itertools.count()
+        self._watcher = asyncio.create_task(self._watch(), name="tokenizer-session-watch")
+
+    async def _watch(self) -> None:
+        await self.call.code()  # returns when the call ends, whoever ends it
+        self._on_end(self)
+
+    async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
+        call = self.call
+        try:
+            await call.write(batch_to_proto(batch, next(self._step_ids)))
+            reply = await call.read()
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            # InvalidStateError: the call had already ended (grpc's "RPC already finished"):
+            # what a client must hear is that the tokenizer went away, not that text.
+            self._on_end(self)
+            raise UnavailableError(f"tokenizer at {self._address} went away: {await ended(call, exc)}") from None
+        if reply is grpc.aio.EOF:
+            self._on_end(self)
+            raise UnavailableError(f"tokenizer at {self._address} ended the detokenize stream: "
+                                   f"{await ended(call, None)}")
+        return result_from_proto(reply)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._watcher.cancel()
+
+
+class _HealthWatch:
+    """Follows a tokenizer's overall health (grpc.health Watch): ``draining`` while it reports
+    anything but SERVING. A watch that fails (an old tokenizer without the health service, the
+    channel closing) leaves it as it is: the session's own watch still notices a tokenizer
+    that goes away."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._task: asyncio.Task | None = None
+
+    def start(self, channel: grpc.aio.Channel) -> None:
+        self.draining = False
+        self._task = asyncio.create_task(self._watch(channel), name="tokenizer-health-watch")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
+                self.draining = reply.status != serving
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass
+
+
 class TokenizerLink:
     """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream.
 
@@ -35,10 +100,10 @@ class TokenizerLink:
     requests pinned to it and reconnect. The stream is watched, so a tokenizer that dies
     while the scheduler is idle is noticed at once, not when the next step needs it.
 
-    The tokenizer's health is watched too (grpc.health Watch): a tokenizer that is stopping
-    (SIGTERM, a pod's drain) reports NOT_SERVING and refuses new calls while it serves its open
-    session to the end, so from then on the link takes no new request (``accepting`` is
-    False) and the requests already pinned to it keep their text stream.
+    The tokenizer's health is watched too: a tokenizer that is stopping (SIGTERM, a pod's
+    drain) reports NOT_SERVING and refuses new calls while it serves its open session to the
+    end, so from then on the link takes no new request (``accepting`` is False) and the
+    requests already pinned to it keep their text stream.
     """
 
     def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None,
@@ -49,27 +114,26 @@ class TokenizerLink:
         """The deployment's internal secret, sent on every call (services/common/internal_secret.py)."""
         self._channel = create_channel(address, tls=tls, options=BACKEND_CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
-        self._detok = None
-        self._watcher: asyncio.Task | None = None
-        self._health_watch: asyncio.Task | None = None
-        self._draining = False
-        self._step_ids = itertools.count()
+        self._session: _Session | None = None
+        self._sessions = 0
+        """Sessions opened: every one after the first gets a fresh channel."""
+        self._health = _HealthWatch()
         self._on_lost = on_lost
         """Called once each time a connected Detokenize session ends."""
 
     @property
     def connected(self) -> bool:
-        return self._detok is not None
+        return self._session is not None
 
     @property
     def accepting(self) -> bool:
         """Connected and not draining: a new request may be pinned here."""
-        return self._detok is not None and not self._draining
+        return self._session is not None and not self._health.draining
 
     async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
         """Open a new Detokenize session (on a fresh channel after the first, so a restarted
         tokenizer is reached without waiting out the old channel's reconnect back-off)."""
-        if self._detok is not None or self._watcher is not None:
+        if self._sessions:
             await self._drop_session()
             old, self._channel = self._channel, create_channel(self.address, tls=self.tls,
                                                                options=BACKEND_CHANNEL_OPTIONS)
@@ -81,82 +145,46 @@ class TokenizerLink:
                                                      metadata=self._metadata)
         except grpc.RpcError as exc:
             raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
-        call = self._stub.Detokenize(metadata=self._metadata)
-        self._step_ids = itertools.count()
-        self._detok = call
-        self._watcher = asyncio.create_task(self._watch(call), name="tokenizer-session-watch")
-        self._draining = False
-        self._health_watch = asyncio.create_task(self._watch_health(), name="tokenizer-health-watch")
+        self._session = _Session(self._stub, self._metadata, self.address, self._lost)
+        self._sessions += 1
+        self._health.start(self._channel)
         return info
 
-    async def _watch(self, call) -> None:
-        await call.code()  # returns when the call ends, whoever ends it
-        self._lost(call)
-
-    async def _watch_health(self) -> None:
-        """Follow the tokenizer's overall health; a watch that fails (an old tokenizer without
-        the health service, the channel closing) leaves the link as it is: the session's own
-        watch still notices a tokenizer that goes away."""
-        serving = health_pb2.HealthCheckResponse.SERVING
-        try:
-            async for reply in health_pb2_grpc.HealthStub(self._channel).Watch(health_pb2.HealthCheckRequest()):
-                self._draining = reply.status != serving
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            pass
-
-    def _lost(self, call) -> None:
-        if self._detok is call and call is not None:  # once per session, and not after close()
-            self._detok = None
+    def _lost(self, session: _Session) -> None:
+        if self._session is session:  # once per session, and not after close()
+            self._session = None
             self._on_lost()
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        try:
-            reply = await run_to_end(self._stub.Encode(
-                tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30,
-                metadata=self._metadata))
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc, "tokenizer", self.address) from None
-        return list(reply.token_ids)
+        return await self._prompt(self._stub.Encode(
+            tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30,
+            metadata=self._metadata))
 
     async def render_chat(self, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
         """Token ids of the rendered conversation (the template's special tokens recognised;
         ``tools_json``: the template's ``tools``, "" for none)."""
+        return await self._prompt(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30,
+            metadata=self._metadata))
+
+    async def _prompt(self, call) -> list[int]:
         try:
-            reply = await run_to_end(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30,
-                metadata=self._metadata))
+            reply = await run_to_end(call)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, "tokenizer", self.address) from None
         return list(reply.token_ids)
 
     async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
-        call = self._detok
-        if call is None:
+        session = self._session
+        if session is None:
             raise UnavailableError(f"tokenizer at {self.address} is not connected")
-        try:
-            await call.write(batch_to_proto(batch, next(self._step_ids)))
-            reply = await call.read()
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            # InvalidStateError: the call had already ended (grpc's "RPC already finished"):
-            # what a client must hear is that the tokenizer went away, not that text.
-            self._lost(call)
-            raise UnavailableError(f"tokenizer at {self.address} went away: {await ended(call, exc)}") from None
-        if reply is grpc.aio.EOF:
-            self._lost(call)
-            raise UnavailableError(f"tokenizer at {self.address} ended the detokenize stream: "
-                                   f"{await ended(call, None)}")
-        return result_from_proto(reply)
+        return await session.detokenize(batch)
 
     async def _drop_session(self) -> None:
-        call, self._detok = self._detok, None  # first, so the watcher does not report it
-        if call is not None:
-            call.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
-        if self._health_watch is not None:
-            self._health_watch.cancel()
-            self._health_watch = None
+        session, self._session = self._session, None  # first, so its watcher does not report it
+        if session is not None:
+            session.cancel()
+        self._health.stop()
 
     async def close(self) -> None:
         await self._drop_session()
