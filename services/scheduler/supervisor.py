@@ -36,6 +36,7 @@ from services.scheduler.core.speculation import SpeculationConfig
 from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE, EngineCore
 from services.scheduler.engine.request_table import FinishedObserver
 from services.scheduler.engine.vocab import servable_info
+from services.scheduler.links.backoff import retry_until_connected
 from services.scheduler.links.drafter_link import DrafterLink
 from services.scheduler.links.executor_link import ExecutorLink
 from services.scheduler.links.tokenizer_link import TokenizerPool
@@ -230,17 +231,13 @@ class Supervisor:
         # runs), not at some later full collection, so the next core's blocks and the load that
         # resumes can reuse its memory. One full collection per executor loss.
         gc.collect()
-        delay = 0.2
-        while not self._stopping:
-            try:
-                await self._connect_executor(address)
-            except Exception as exc:  # noqa: BLE001 - e.g. a config the core refuses: keep trying, loudly
-                _log.warning("executor_reconnect_failed", address=address, error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
+        # Any failure, e.g. a config the core refuses: keep trying, loudly.
+        if await retry_until_connected(
+                lambda: self._connect_executor(address), first_delay_s=0.2, max_delay_s=2.0,
+                failed=lambda exc, delay: _log.warning("executor_reconnect_failed", address=address, error=str(exc),
+                                                       retry_in_s=delay),
+                stopped=lambda: self._stopping):
             self.health.changed()
-            return
 
     def _on_tokenizer_lost(self, index: int) -> None:
         """A tokenizer's Detokenize session ended: end the requests whose text state lived
@@ -255,19 +252,13 @@ class Supervisor:
 
     async def _reconnect_tokenizer(self, index: int) -> None:
         link = self.tokenizers.links[index]
-        delay = 0.1
         try:
-            while not self._stopping:
-                try:
-                    await link.connect(min(self.connect_timeout_s, 2.0))
-                except Exception as exc:  # noqa: BLE001 - keep trying, loudly
-                    _log.warning("tokenizer_reconnect_failed", address=link.address, error=str(exc),
-                                 retry_in_s=delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
+            if await retry_until_connected(
+                    lambda: link.connect(min(self.connect_timeout_s, 2.0)), first_delay_s=0.1, max_delay_s=1.0,
+                    failed=lambda exc, delay: _log.warning("tokenizer_reconnect_failed", address=link.address,
+                                                           error=str(exc), retry_in_s=delay),
+                    stopped=lambda: self._stopping):
                 _log.info("tokenizer_reconnected", address=link.address)
-                return
         finally:
             self._tokenizer_reconnects.pop(index, None)
             self.health.changed()

@@ -31,6 +31,7 @@ from services.common.server import create_channel
 from services.common.tls import ClientTLS
 from services.scheduler.engine.draft_mirror import DraftMirror
 from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS
+from services.scheduler.links.backoff import retry_until_connected
 from services.scheduler.request.request import Request
 
 _log = structlog.get_logger("tokenmill.scheduler.drafter")
@@ -80,18 +81,15 @@ class DrafterLink:
             self._maintainer = asyncio.create_task(self._maintain(), name="drafter-link")
 
     async def _maintain(self) -> None:
-        delay = 0.1
         while True:
             if self.connected:
                 await self._lost.wait()
                 continue
-            try:
-                await self._connect(timeout=2.0)
-                delay = 0.1
-            except Exception as exc:  # noqa: BLE001 - a missing drafter only costs speed: keep trying
-                _log.debug("drafter_connect_failed", address=self.address, error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+            # A missing drafter only costs speed: keep trying, quietly.
+            await retry_until_connected(
+                lambda: self._connect(timeout=2.0), first_delay_s=0.1, max_delay_s=1.0,
+                failed=lambda exc, delay: _log.debug("drafter_connect_failed", address=self.address,
+                                                     error=str(exc), retry_in_s=delay))
 
     async def _connect(self, timeout: float) -> None:
         await self._drop_channel()

@@ -1,0 +1,26 @@
+"""Reconnecting with exponential back-off: the one loop every backend link's reconnect runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+
+async def retry_until_connected(connect: Callable[[], Awaitable[object]], *, first_delay_s: float,
+                                max_delay_s: float, failed: Callable[[Exception, float], None],
+                                stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Await ``connect()`` until it returns (True) or ``stopped()`` (False). After each failure
+    ``failed(error, delay)`` is told (to log it) and the next try waits ``delay``, which starts
+    at ``first_delay_s`` and doubles up to ``max_delay_s``: a backend that is back within a
+    second is found within a second, one that stays away is not hammered."""
+    delay = first_delay_s
+    while not stopped():
+        try:
+            await connect()
+        except Exception as exc:  # noqa: BLE001 - whatever the backend did, the link keeps trying
+            failed(exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+            continue
+        return True
+    return False
