@@ -86,34 +86,46 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         chunks = _chunks(streams, states, readers, thinkers, head, body, namer, usage_chunks)
         return EventStream(event_stream(chunks, streams.close, last), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **streams.target_header})
-    thoughts: list[list[str]] = [[] for _ in calls]
-    answers: list[list[str]] = [[] for _ in calls]
+    return await _whole_reply(request, streams, states, readers, thinkers, head, body, namer)
+
+
+async def _whole_reply(request: Request, streams: ChoiceStreams, states: list[ChoiceState],
+                       readers: list[ReplyReader | None], thinkers: list[ThinkParser | None], head: dict,
+                       body: ChatCompletionRequest, namer: TokenNamer) -> Response:
+    """The non-streamed answer: every choice collected, then read into its message."""
+    thoughts: list[list[str]] = [[] for _ in states]
+    answers: list[list[str]] = [[] for _ in states]
     await unless_disconnected(request, _collect(streams, states, readers, thinkers, thoughts, answers))
-    choices = []
-    for s, reader, thinker in zip(states, readers, thinkers):
-        if thinker is not None:
-            thought, text = thinker.finish()
-            thoughts[s.index].append(thought)
-            answers[s.index].append(text)
-            if reader is not None:
-                reader.feed(text)
-        message, finish_reason = ({"role": "assistant", "content": "".join(s.text)}, s.finish_reason) \
-            if reader is None else _read_message(s, reader)
-        if thinker is not None:
-            if reader is None:
-                message["content"] = "".join(answers[s.index])
-            message["reasoning_content"] = "".join(thoughts[s.index]) or None
-        choice = {"index": s.index, "message": message,
-                  "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
-                  "finish_reason": finish_reason}
-        if s.stop_string is not None and finish_reason == "stop":
-            choice["stop_reason"] = s.stop_string  # vLLM's: the stop string that matched
-        choices.append(choice)
+    choices = [_choice(s, reader, thinker, thoughts[s.index], answers[s.index], body, namer)
+               for s, reader, thinker in zip(states, readers, thinkers)]
     payload = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(states),
                "system_fingerprint": None}
     if body.prompt_logprobs is not None:  # vLLM's: the conversation's prompt is every choice's
         payload["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs, namer, body.prompt_logprobs)
     return Response(dumps(payload), media_type="application/json", headers=streams.target_header)
+
+
+def _choice(s: ChoiceState, reader: ReplyReader | None, thinker: ThinkParser | None, thoughts: list[str],
+            answers: list[str], body: ChatCompletionRequest, namer: TokenNamer) -> dict:
+    """One collected choice as a chat.completion choice: its message, reasoning, logprobs and finish."""
+    if thinker is not None:
+        thought, text = thinker.finish()
+        thoughts.append(thought)
+        answers.append(text)
+        if reader is not None:
+            reader.feed(text)
+    message, finish_reason = ({"role": "assistant", "content": "".join(s.text)}, s.finish_reason) \
+        if reader is None else _read_message(s, reader)
+    if thinker is not None:
+        if reader is None:
+            message["content"] = "".join(answers)
+        message["reasoning_content"] = "".join(thoughts) or None
+    choice = {"index": s.index, "message": message,
+              "logprobs": chat_logprobs(s.logprobs, namer) if body.logprobs else None,
+              "finish_reason": finish_reason}
+    if s.stop_string is not None and finish_reason == "stop":
+        choice["stop_reason"] = s.stop_string  # vLLM's: the stop string that matched
+    return choice
 
 
 async def _collect(streams: ChoiceStreams, states: list[ChoiceState], readers: list[ReplyReader | None],

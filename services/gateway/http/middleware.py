@@ -47,18 +47,11 @@ class GatewayMiddleware:
             return
         path = scope.get("path", "")
         endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
-        rid = ""
-        authorization = x_api_key = None
-        for key, value in scope.get("headers", ()):
-            if key == b"x-request-id":
-                rid = value.decode("latin-1")
-            elif key == b"authorization":
-                authorization = value.decode("latin-1")
-            elif key == b"x-api-key":  # Anthropic's clients send their key so
-                x_api_key = value.decode("latin-1")
-            elif key == b"content-length" and value.isdigit() and int(value) > self.max_request_bytes:
-                await self._refuse(send, endpoint, rid, _too_large(self.max_request_bytes))
-                return
+        headers = _Headers.read(scope, self.max_request_bytes)
+        rid = headers.request_id
+        if headers.too_large:
+            await self._refuse(send, endpoint, rid, _too_large(self.max_request_bytes))
+            return
         if rid and (len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable() or not rid.isascii()):
             await self._refuse(send, endpoint, "", OpenAIError(
                 400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters", param=None))
@@ -68,8 +61,7 @@ class GatewayMiddleware:
         held = contextlib.nullcontext()
         if self.api_keys is not None and path.startswith("/v1/"):
             try:
-                api_key = self.api_keys.authenticate(
-                    authorization if authorization is not None or x_api_key is None else f"Bearer {x_api_key}")
+                api_key = self.api_keys.authenticate(headers.bearer())
                 held = self.api_keys.in_flight(api_key)
                 held.__enter__()
             except TokenmillError as exc:
@@ -78,29 +70,6 @@ class GatewayMiddleware:
             scope["state"]["api_key"] = api_key
         header = (b"x-request-id", rid.encode())
         status = [500]
-        seen = [0]
-        limit = self.max_request_bytes
-        body_deadline = [asyncio.get_running_loop().time() + self.body_timeout_s]
-
-        async def limited_receive() -> dict:
-            if body_deadline[0] is None:  # the body is in: what follows is the disconnect
-                return await receive()
-            try:
-                # timeout_at, not wait_for: no task per receive (wait_for wraps the call in one)
-                async with asyncio.timeout_at(body_deadline[0]):
-                    message = await receive()
-            except TimeoutError:
-                raise StarletteHTTPException(
-                    408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
-            if message["type"] != "http.request" or not message.get("more_body"):
-                body_deadline[0] = None
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > limit:
-                    # An HTTPException: FastAPI lets it through its body parsing to the handler
-                    # (errors.py), which answers 413 in the envelope.
-                    raise StarletteHTTPException(413, _too_large(limit).message)
-            return message
 
         async def tagged_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -109,7 +78,7 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tagged_send)
+            await self.app(scope, _LimitedReceive(receive, self.max_request_bytes, self.body_timeout_s), tagged_send)
         finally:
             held.__exit__(None, None, None)
             if (budget := scope["state"].get("budget")) is not None:
@@ -126,3 +95,66 @@ class GatewayMiddleware:
 
 def _too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than max_request_bytes={limit}", code="request_too_large")
+
+
+class _Headers:
+    """What the middleware reads of a request's headers, in one pass."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.authorization: str | None = None
+        self.x_api_key: str | None = None
+        self.too_large = False
+
+    @classmethod
+    def read(cls, scope: dict, max_request_bytes: int) -> _Headers:
+        """The headers up to the end, or up to a Content-Length over ``max_request_bytes``."""
+        headers = cls()
+        for key, value in scope.get("headers", ()):
+            if key == b"x-request-id":
+                headers.request_id = value.decode("latin-1")
+            elif key == b"authorization":
+                headers.authorization = value.decode("latin-1")
+            elif key == b"x-api-key":  # Anthropic's clients send their key so
+                headers.x_api_key = value.decode("latin-1")
+            elif key == b"content-length" and value.isdigit() and int(value) > max_request_bytes:
+                headers.too_large = True
+                break
+        return headers
+
+    def bearer(self) -> str | None:
+        """The Authorization header, or Anthropic's x-api-key as one when that is all there is."""
+        if self.authorization is not None or self.x_api_key is None:
+            return self.authorization
+        return f"Bearer {self.x_api_key}"
+
+
+class _LimitedReceive:
+    """The ASGI receive with the body limit and the body's deadline (408/413 as HTTPExceptions)."""
+
+    def __init__(self, receive: Any, limit: int, body_timeout_s: float) -> None:
+        self.receive = receive
+        self.limit = limit
+        self.body_timeout_s = body_timeout_s
+        self.seen = 0
+        self.body_deadline: float | None = asyncio.get_running_loop().time() + body_timeout_s
+
+    async def __call__(self) -> dict:
+        if self.body_deadline is None:  # the body is in: what follows is the disconnect
+            return await self.receive()
+        try:
+            # timeout_at, not wait_for: no task per receive (wait_for wraps the call in one)
+            async with asyncio.timeout_at(self.body_deadline):
+                message = await self.receive()
+        except TimeoutError:
+            raise StarletteHTTPException(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+        if message["type"] != "http.request" or not message.get("more_body"):
+            self.body_deadline = None
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                # An HTTPException: FastAPI lets it through its body parsing to the handler
+                # (errors.py), which answers 413 in the envelope.
+                raise StarletteHTTPException(413, _too_large(self.limit).message)
+        return message

@@ -217,29 +217,49 @@ async def _chat_chunks(frames: AsyncIterator[bytes]) -> AsyncIterator[dict]:
                 yield json.loads(data)
 
 
-async def _events(body: ResponsesRequest, frames: AsyncIterator[bytes], created: int) -> AsyncIterator[bytes]:
-    """The chat stream read back as the Responses API's event sequence."""
-    seq = 0
-    rid = ""
-    output: list[dict] = []
-    open_item: dict | None = None  # the item whose deltas are arriving
-    calls: dict[int, dict] = {}  # tool call index -> its item
-    finish_reason = None
-    usage = None
+class _EventWriter:
+    """The Responses event sequence of one stream: its numbering, its output items and the one open."""
 
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\n".encode() + b"data: " + dumps({"type": kind, "sequence_number": seq - 1,
-                                                                 **fields}) + b"\n\n"
+    def __init__(self, body: ResponsesRequest, created: int) -> None:
+        self.body = body
+        self.created = created
+        self.seq = 0
+        self.rid = ""
+        self.output: list[dict] = []
+        self.open_item: dict | None = None  # the item whose deltas are arriving
+        self.calls: dict[int, dict] = {}  # tool call index -> its item
 
-    def close_item() -> list[bytes]:
-        nonlocal open_item
-        item, open_item = open_item, None
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return f"event: {kind}\n".encode() + b"data: " + dumps({"type": kind, "sequence_number": self.seq - 1,
+                                                                  **fields}) + b"\n\n"
+
+    def started(self, chat_id: str) -> list[bytes]:
+        self.rid = "resp_" + chat_id.removeprefix("chatcmpl-")
+        start = _response(self.body, self.rid, self.created, "in_progress", [], None)
+        return [self.event("response.created", response=start), self.event("response.in_progress", response=start)]
+
+    def failed(self, error: dict) -> list[bytes]:
+        """A failure reported in-band by the chat stream."""
+        response = _response(self.body, self.rid or "resp_failed", self.created, "failed", self.output, None)
+        response["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
+        return [self.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param")),
+                self.event("response.failed", response=response)]
+
+    def completed(self, usage: dict | None, finish_reason: str | None) -> list[bytes]:
+        frames = self.close_item()
+        final = _response(self.body, self.rid, self.created, "completed", self.output, _usage(usage), finish_reason)
+        # response.completed even when cut (its status says incomplete): the SDK's stream helper builds
+        # its final response from that event alone.
+        return [*frames, self.event("response.completed", response=final)]
+
+    def close_item(self) -> list[bytes]:
+        item, self.open_item = self.open_item, None
         if item is None:
             return []
-        index = output.index(item)
+        index = self.output.index(item)
         item["status"] = "completed"
+        event = self.event
         if item["type"] == "message":
             part = item["content"][0]
             return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
@@ -256,69 +276,81 @@ async def _events(body: ResponsesRequest, frames: AsyncIterator[bytes], created:
                       name=item["name"], arguments=item["arguments"]),
                 event("response.output_item.done", output_index=index, item=item)]
 
-    def open_new(item: dict) -> list[bytes]:
-        nonlocal open_item
-        frames_ = close_item()
-        output.append(item)
-        open_item = item
-        index = len(output) - 1
-        frames_.append(event("response.output_item.added", output_index=index, item={**item, "status":
-                                                                                     "in_progress"}))
+    def open_new(self, item: dict) -> list[bytes]:
+        frames = self.close_item()
+        self.output.append(item)
+        self.open_item = item
+        index = len(self.output) - 1
+        frames.append(self.event("response.output_item.added", output_index=index,
+                                 item={**item, "status": "in_progress"}))
         if item["type"] == "message":
-            frames_.append(event("response.content_part.added", item_id=item["id"], output_index=index,
-                                 content_index=0, part={**item["content"][0], "text": ""}))
-        return frames_
+            frames.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part={**item["content"][0], "text": ""}))
+        return frames
 
+    def reasoning_delta(self, text: str) -> list[bytes]:
+        frames = []
+        if self.open_item is None or self.open_item["type"] != "reasoning":
+            frames = self.open_new(_reasoning_item(self.rid, "", "in_progress"))
+        self.open_item["content"][0]["text"] += text
+        return [*frames, self.event("response.reasoning_text.delta", item_id=self.open_item["id"],
+                                    output_index=self.output.index(self.open_item), content_index=0, delta=text)]
+
+    def text_delta(self, text: str) -> list[bytes]:
+        frames = []
+        if self.open_item is None or self.open_item["type"] != "message":
+            frames = self.open_new(_message_item(self.rid, "", "in_progress"))
+        self.open_item["content"][0]["text"] += text
+        return [*frames, self.event("response.output_text.delta", item_id=self.open_item["id"],
+                                    output_index=self.output.index(self.open_item), content_index=0, delta=text,
+                                    logprobs=[])]
+
+    def call_delta(self, call: dict) -> list[bytes]:
+        frames = []
+        item = self.calls.get(call.get("index", 0))
+        if item is None:
+            function = call.get("function") or {}
+            item = _call_item(call.get("id") or f"call_{self.rid}_{len(self.calls)}", function.get("name", ""), "",
+                              "in_progress")
+            self.calls[call.get("index", 0)] = item
+            frames = self.open_new(item)
+        arguments = (call.get("function") or {}).get("arguments") or ""
+        if arguments:
+            item["arguments"] += arguments
+            frames.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=self.output.index(item), delta=arguments))
+        return frames
+
+    def delta(self, delta: dict) -> list[bytes]:
+        frames = []
+        if delta.get("reasoning_content"):
+            frames += self.reasoning_delta(delta["reasoning_content"])
+        if delta.get("content"):
+            frames += self.text_delta(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            frames += self.call_delta(call)
+        return frames
+
+
+async def _events(body: ResponsesRequest, frames: AsyncIterator[bytes], created: int) -> AsyncIterator[bytes]:
+    """The chat stream read back as the Responses API's event sequence."""
+    writer = _EventWriter(body, created)
+    finish_reason = None
+    usage = None
     async for chunk in _chat_chunks(frames):
-        if "error" in chunk:  # a failure reported in-band by the chat stream
-            error = chunk["error"]
-            yield event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
-            response = _response(body, rid or "resp_failed", created, "failed", output, None)
-            response["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
-            yield event("response.failed", response=response)
+        if "error" in chunk:
+            for frame in writer.failed(chunk["error"]):
+                yield frame
             return
-        if not rid:
-            rid = "resp_" + chunk["id"].removeprefix("chatcmpl-")
-            start = _response(body, rid, created, "in_progress", [], None)
-            yield event("response.created", response=start)
-            yield event("response.in_progress", response=start)
+        if not writer.rid:
+            for frame in writer.started(chunk["id"]):
+                yield frame
         if chunk.get("usage"):
             usage = chunk["usage"]
         for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                if open_item is None or open_item["type"] != "reasoning":
-                    for f in open_new(_reasoning_item(rid, "", "in_progress")):
-                        yield f
-                open_item["content"][0]["text"] += delta["reasoning_content"]
-                yield event("response.reasoning_text.delta", item_id=open_item["id"],
-                            output_index=output.index(open_item), content_index=0, delta=delta["reasoning_content"])
-            if delta.get("content"):
-                if open_item is None or open_item["type"] != "message":
-                    for f in open_new(_message_item(rid, "", "in_progress")):
-                        yield f
-                open_item["content"][0]["text"] += delta["content"]
-                yield event("response.output_text.delta", item_id=open_item["id"], output_index=output.index(
-                    open_item), content_index=0, delta=delta["content"], logprobs=[])
-            for call in delta.get("tool_calls") or []:
-                item = calls.get(call.get("index", 0))
-                if item is None:
-                    function = call.get("function") or {}
-                    item = _call_item(call.get("id") or f"call_{rid}_{len(calls)}", function.get("name", ""), "",
-                                      "in_progress")
-                    calls[call.get("index", 0)] = item
-                    for f in open_new(item):
-                        yield f
-                arguments = (call.get("function") or {}).get("arguments") or ""
-                if arguments:
-                    item["arguments"] += arguments
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=output.index(item), delta=arguments)
+            for frame in writer.delta(choice.get("delta") or {}):
+                yield frame
             if choice.get("finish_reason"):
                 finish_reason = choice["finish_reason"]
-    for f in close_item():
-        yield f
-    final = _response(body, rid, created, "completed", output, _usage(usage), finish_reason)
-    # response.completed even when cut (its status says incomplete): the SDK's stream helper builds
-    # its final response from that event alone.
-    yield event("response.completed", response=final)
+    for frame in writer.completed(usage, finish_reason):
+        yield frame

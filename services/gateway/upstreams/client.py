@@ -14,6 +14,7 @@ import asyncio
 import json
 import ssl
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx2
@@ -119,70 +120,15 @@ class UpstreamCall:
 
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         upstream, message = self.upstream, self.message
-        name = upstream.spec.name
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        path, body = upstream.dialect.build(message)
-        request = upstream.client.build_request("POST", upstream.spec.address + path, json=body,
-                                                headers=upstream.headers)
         request_id = message.request_id
         upstream.live[request_id] = self
         reader = upstream.dialect.reader(message)
         started = False
         try:
-            try:
-                self._response = response = await asyncio.wait_for(upstream.client.send(request, stream=True),
-                                                                   deadline - loop.time())
-            except (TimeoutError, httpx2.TimeoutException) as exc:
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED if loop.time() >= deadline
-                                else grpc.StatusCode.UNAVAILABLE, f"upstream {name}: no answer in time",
-                                reached=not isinstance(exc, httpx2.ConnectTimeout)) from None
-            except httpx2.HTTPError as exc:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}",
-                                reached=not isinstance(exc, httpx2.ConnectError)) from None
-            if response.status_code != 200:
-                if response.is_redirect:
-                    raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered HTTP {response.status_code} "
-                                    f"to {response.headers.get('location', '')[:200]!r}; redirects are not followed "
-                                    f"(set the target's url to where it serves)")
-                said = await _error_body(response)
-                raise status_error(name, response.status_code, said, response.headers.get("retry-after"))
-            content_type = response.headers.get("content-type", "")
-            if not content_type.startswith("text/event-stream"):
-                raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered {content_type[:100]!r}, not "
-                                                          f"an event stream (text/event-stream)")
-            lines = sse_lines(response, name)
-            event = ""
-            while not reader.done:
-                try:
-                    # timeout_at, not wait_for: no task made per line (one event-loop turn less a token)
-                    async with asyncio.timeout_at(deadline):
-                        line = await anext(lines)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"upstream {name}: the request took more than {self.timeout_s:g} s") from None
-                except (httpx2.HTTPError, RuntimeError) as exc:  # aclose() by abort: httpx's StreamClosed
-                    if self._aborted:
-                        break
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} broke off the stream: {exc!r}") \
-                        from None
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                    continue
-                if not line.startswith("data:"):
-                    if not line:
-                        event = ""
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    payload = json.loads(data)
-                except ValueError:
-                    raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} sent an event that is not JSON: "
-                                                              f"{data[:200]!r}") from None
+            response = await self._send(deadline)
+            async for event, payload in self._payloads(response, reader, deadline):
                 reader.feed(event, payload)
                 for text in reader.take():
                     if not started:
@@ -192,27 +138,99 @@ class UpstreamCall:
             if self._aborted:
                 reader.finish = common_pb2.FINISH_REASON_ABORT
             elif reader.finish is None:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} ended the stream before its end")
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                f"upstream {upstream.spec.name} ended the stream before its end")
             for text in reader.take():
                 yield generation_pb2.GenerateResponse(delta=generation_pb2.Delta(text=text))
             if not started:
                 yield _started(request_id, reader)
-            finished = generation_pb2.Finished(finish_reason=reader.finish, usage=common_pb2.Usage(
-                prompt_tokens=reader.prompt_tokens, completion_tokens=reader.completion_tokens,
-                cached_tokens=reader.cached_tokens))
-            if not reader.prompt_reported:
-                finished.usage.prompt_tokens = upstream.usage.prompt_tokens(message)
-                finished.usage.estimated = True
-            if not reader.completion_reported:  # counted one a streamed piece (usage.py)
-                finished.usage.estimated = True
-            if reader.stop_reason is not None:
-                finished.stop_reason = reader.stop_reason
-            yield generation_pb2.GenerateResponse(finished=finished)
+            yield generation_pb2.GenerateResponse(finished=self._finished(reader))
         finally:
             if upstream.live.get(request_id) is self:
                 del upstream.live[request_id]
             if self._response is not None:
                 await self._response.aclose()
+
+    async def _send(self, deadline: float) -> httpx2.Response:
+        """The upstream's answer once it is a 200 event stream; anything else a gRPC status."""
+        upstream, name = self.upstream, self.upstream.spec.name
+        loop = asyncio.get_running_loop()
+        path, body = upstream.dialect.build(self.message)
+        request = upstream.client.build_request("POST", upstream.spec.address + path, json=body,
+                                                headers=upstream.headers)
+        try:
+            response = await asyncio.wait_for(upstream.client.send(request, stream=True), deadline - loop.time())
+        except (TimeoutError, httpx2.TimeoutException) as exc:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED if loop.time() >= deadline
+                            else grpc.StatusCode.UNAVAILABLE, f"upstream {name}: no answer in time",
+                            reached=not isinstance(exc, httpx2.ConnectTimeout)) from None
+        except httpx2.HTTPError as exc:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} cannot be reached: {exc!r}",
+                            reached=not isinstance(exc, httpx2.ConnectError)) from None
+        self._response = response  # closed by _run whatever is raised below
+        if response.status_code != 200:
+            if response.is_redirect:
+                raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered HTTP {response.status_code} "
+                                f"to {response.headers.get('location', '')[:200]!r}; redirects are not followed "
+                                f"(set the target's url to where it serves)")
+            said = await _error_body(response)
+            raise status_error(name, response.status_code, said, response.headers.get("retry-after"))
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered {content_type[:100]!r}, not "
+                                                      f"an event stream (text/event-stream)")
+        return response
+
+    async def _payloads(self, response: httpx2.Response, reader: StreamReader,
+                        deadline: float) -> AsyncIterator[tuple[str, Any]]:
+        """(event name, decoded JSON) of each data line, until [DONE], the reader's end or an abort."""
+        name = self.upstream.spec.name
+        lines = sse_lines(response, name)
+        event = ""
+        while not reader.done:
+            try:
+                # timeout_at, not wait_for: no task made per line (one event-loop turn less a token)
+                async with asyncio.timeout_at(deadline):
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"upstream {name}: the request took more than {self.timeout_s:g} s") from None
+            except (httpx2.HTTPError, RuntimeError) as exc:  # aclose() by abort: httpx's StreamClosed
+                if self._aborted:
+                    return
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"upstream {name} broke off the stream: {exc!r}") \
+                    from None
+            if line.startswith("event:"):
+                event = line[6:].strip()
+                continue
+            if not line.startswith("data:"):
+                if not line:
+                    event = ""
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} sent an event that is not JSON: "
+                                                          f"{data[:200]!r}") from None
+            yield event, payload
+
+    def _finished(self, reader: StreamReader) -> generation_pb2.Finished:
+        finished = generation_pb2.Finished(finish_reason=reader.finish, usage=common_pb2.Usage(
+            prompt_tokens=reader.prompt_tokens, completion_tokens=reader.completion_tokens,
+            cached_tokens=reader.cached_tokens))
+        if not reader.prompt_reported:
+            finished.usage.prompt_tokens = self.upstream.usage.prompt_tokens(self.message)
+            finished.usage.estimated = True
+        if not reader.completion_reported:  # counted one a streamed piece (usage.py)
+            finished.usage.estimated = True
+        if reader.stop_reason is not None:
+            finished.stop_reason = reader.stop_reason
+        return finished
 
 
 def _started(request_id: str, reader: StreamReader) -> generation_pb2.GenerateResponse:
