@@ -27,6 +27,7 @@ services inside (d).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import shlex
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,13 +403,13 @@ runner_step_ms: dict[tuple[str, int], float] = {}
 
 
 def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) -> None:
-    try:
+    try:  # the whole engine API this section needs, checked before the model is built
         from services.tools.random_model import PRESETS, build_random_model
-        from services.common.sampling_params import SamplingParams
-        from services.common.step import NewSequence, RunningSequence, StepPlan
-        from services.executor.config import ExecutorConfig
-        from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
-        from services.executor.model_runner import ModelRunner
+        from services.common.sampling_params import SamplingParams  # noqa: F401
+        from services.common.step import NewSequence, RunningSequence, StepPlan  # noqa: F401
+        from services.executor.config import ExecutorConfig  # noqa: F401
+        from services.executor.forward_paths.decode_graphs import DecodeGraphSettings  # noqa: F401
+        from services.executor.model_runner import ModelRunner  # noqa: F401
     except Exception as error:  # the engine API is still moving; say so and carry on
         report.note(f"skipped: the engine API is not importable here ({type(error).__name__}: {error})")
         return
@@ -426,58 +427,79 @@ def bench_end_to_end(report: Report, shapes: Shapes, device, deadline: float) ->
             if time.perf_counter() > deadline:
                 rows.append([label, "", "skipped: section time budget spent", "", ""])
                 continue
-            max_batch = max(shapes.e2e_batches)
-            tokens_per_seq = shapes.e2e_prompt_len + shapes.e2e_decode_steps + 1
-            blocks_per_seq = math.ceil(tokens_per_seq / 16)
-            runner = ModelRunner(ExecutorConfig(
-                model=model_dir, dtype=shapes.e2e_dtype, device=str(device), attention_backend=backend,
-                block_size=16, num_blocks=max_batch * blocks_per_seq + 1, max_model_len=tokens_per_seq + 16,
-                decode_graphs=DecodeGraphSettings(enforce_eager=eager, cuda_graph_max_batch_size=max_batch),
-            ))
-            graphs = any(path.name == "decode_graphs" for path in runner.paths)
-            if not eager and not graphs:
-                label += " (no graphs: eager on this device)"
-            if graphs:
-                from services.executor.warmup import warm_up
-
-                warmed = warm_up(runner)
-                captured = warmed.path_facts
-                report.note(f"{label}: warm-up {warmed.seconds:.1f} s, of which capturing "
-                            f"{len(captured.get('graph_batch_sizes', []))} decode graphs "
-                            f"{captured.get('graph_seconds', 0.0):.1f} s")
-            step_id = 0
+            runner, label = _e2e_runner(report, shapes, device, model_dir, label, backend, eager)
+            steps = itertools.count(1)
             for batch in shapes.e2e_batches:
                 if time.perf_counter() > deadline:
                     rows.append([label, batch, "skipped: section time budget spent", "", ""])
                     continue
-                seq_ids = [1000 * batch + i for i in range(batch)]
-                new = [NewSequence(seq_id=seq_id,
-                                   token_ids=[(7 * seq_id + j) % 300 + 3 for j in range(shapes.e2e_prompt_len)],
-                                   prompt_len=shapes.e2e_prompt_len, num_computed_tokens=0,
-                                   num_scheduled_tokens=shapes.e2e_prompt_len,
-                                   block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
-                                   sampling=SamplingParams(temperature=0.0))
-                       for i, seq_id in enumerate(seq_ids)]
-                step_id += 1
-                start = time.perf_counter()
-                runner.execute(StepPlan(step_id=step_id, new=new))
-                prefill_s = time.perf_counter() - start
-                decode = [RunningSequence(seq_id=seq_id, num_scheduled_tokens=1) for seq_id in seq_ids]
-                step_id += 1
-                runner.execute(StepPlan(step_id=step_id, running=decode))  # warm-up: compiles decode kernels
-                start = time.perf_counter()
-                for _ in range(shapes.e2e_decode_steps):
-                    step_id += 1
-                    runner.execute(StepPlan(step_id=step_id, running=decode))
-                decode_s = time.perf_counter() - start
-                step_id += 1
-                runner.execute(StepPlan(step_id=step_id, finished_seq_ids=seq_ids))
+                prefill_s, decode_s = _time_batch(runner, shapes, batch, steps)
                 step_ms = decode_s / shapes.e2e_decode_steps * 1e3
                 runner_step_ms[(label, batch)] = step_ms
                 rows.append([label, batch, batch * shapes.e2e_decode_steps / decode_s, step_ms, prefill_s * 1e3])
             del runner
             _free(device)
     report.table(["backend", "batch", "decode tokens/s", "ms / decode step", "prefill step ms (incl. compile)"], rows)
+
+
+def _e2e_blocks_per_seq(shapes: Shapes) -> int:
+    return math.ceil((shapes.e2e_prompt_len + shapes.e2e_decode_steps + 1) / 16)
+
+
+def _e2e_runner(report: Report, shapes: Shapes, device, model_dir: str, label: str, backend: str, eager: bool):
+    """A ModelRunner over the random model with room for the largest batch, warmed up (its
+    decode graphs captured) when it replays graphs; and the row label, saying when it cannot."""
+    from services.executor.config import ExecutorConfig
+    from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
+    from services.executor.model_runner import ModelRunner
+
+    max_batch = max(shapes.e2e_batches)
+    tokens_per_seq = shapes.e2e_prompt_len + shapes.e2e_decode_steps + 1
+    runner = ModelRunner(ExecutorConfig(
+        model=model_dir, dtype=shapes.e2e_dtype, device=str(device), attention_backend=backend,
+        block_size=16, num_blocks=max_batch * _e2e_blocks_per_seq(shapes) + 1, max_model_len=tokens_per_seq + 16,
+        decode_graphs=DecodeGraphSettings(enforce_eager=eager, cuda_graph_max_batch_size=max_batch),
+    ))
+    graphs = any(path.name == "decode_graphs" for path in runner.paths)
+    if not eager and not graphs:
+        label += " (no graphs: eager on this device)"
+    if graphs:
+        from services.executor.warmup import warm_up
+
+        warmed = warm_up(runner)
+        captured = warmed.path_facts
+        report.note(f"{label}: warm-up {warmed.seconds:.1f} s, of which capturing "
+                    f"{len(captured.get('graph_batch_sizes', []))} decode graphs "
+                    f"{captured.get('graph_seconds', 0.0):.1f} s")
+    return runner, label
+
+
+def _time_batch(runner, shapes: Shapes, batch: int, steps: Iterator[int]) -> tuple[float, float]:
+    """Seconds of one prefill step of ``batch`` prompts and of their e2e_decode_steps decode
+    steps (after one untimed, which compiles the decode kernels); the sequences finished after."""
+    from services.common.sampling_params import SamplingParams
+    from services.common.step import NewSequence, RunningSequence, StepPlan
+
+    blocks_per_seq = _e2e_blocks_per_seq(shapes)
+    seq_ids = [1000 * batch + i for i in range(batch)]
+    new = [NewSequence(seq_id=seq_id,
+                       token_ids=[(7 * seq_id + j) % 300 + 3 for j in range(shapes.e2e_prompt_len)],
+                       prompt_len=shapes.e2e_prompt_len, num_computed_tokens=0,
+                       num_scheduled_tokens=shapes.e2e_prompt_len,
+                       block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
+                       sampling=SamplingParams(temperature=0.0))
+           for i, seq_id in enumerate(seq_ids)]
+    start = time.perf_counter()
+    runner.execute(StepPlan(step_id=next(steps), new=new))
+    prefill_s = time.perf_counter() - start
+    decode = [RunningSequence(seq_id=seq_id, num_scheduled_tokens=1) for seq_id in seq_ids]
+    runner.execute(StepPlan(step_id=next(steps), running=decode))  # warm-up: compiles decode kernels
+    start = time.perf_counter()
+    for _ in range(shapes.e2e_decode_steps):
+        runner.execute(StepPlan(step_id=next(steps), running=decode))
+    decode_s = time.perf_counter() - start
+    runner.execute(StepPlan(step_id=next(steps), finished_seq_ids=seq_ids))
+    return prefill_s, decode_s
 
 
 # ---------------------------------------------------------------------------------------- (d)
@@ -572,6 +594,48 @@ class GpuCheckSettings:
         flags.check_choices("sections", self.sections, SECTIONS)
 
 
+def _header(report: Report, device, on_gpu: bool, prog: str, argv: list[str]) -> None:
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if on_gpu else "CPU (dry run: Triton interpreter, tiny shapes)"
+    git = git_revision()
+    report.note(f"# tokenmill GPU check\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}; "
+                f"commit {git['short']}{' (tracked files changed)' if git['dirty'] else ''}; "
+                f"`{command_line(prog, argv)}`")
+
+
+def _section(report: Report, title: str, body: Callable[[], object]) -> object:
+    """A section's result, or None with its traceback in the report: one failing section does
+    not cost the others."""
+    report.heading(title)
+    section_start = time.perf_counter()
+    try:
+        return body()
+    except Exception:
+        report.note("**section failed:**\n```\n" + traceback.format_exc()[-4000:] + "```")
+        return None
+    finally:
+        report.note(f"_{time.perf_counter() - section_start:.1f} s_")
+
+
+def _kernel_sections(report: Report, shapes: Shapes, device, timer: Timer, end: float) -> None:
+    ceilings = _section(report, "(b) ceilings", lambda: measure_ceilings(report, shapes, device, timer))
+    if ceilings is None:
+        ceilings = Ceilings(bytes_per_s=4.3e12, flops_per_s=790e12)  # earlier H200 readings
+        report.note("using earlier H200 readings as ceilings: 4.3 TB/s, 790 TFLOP/s")
+    remaining = end - time.perf_counter()
+    decode_deadline = time.perf_counter() + 0.3 * remaining
+    _section(report, "(b) paged decode attention",
+             lambda: bench_decode(report, shapes, device, timer, ceilings, decode_deadline))
+    prefill_deadline = time.perf_counter() + 0.4 * (end - time.perf_counter())
+    _section(report, "(b) prefill attention",
+             lambda: bench_prefill(report, shapes, device, timer, ceilings, prefill_deadline))
+    _section(report, "(b) weight-only quantized matmul",
+             lambda: bench_quant_matmul(report, shapes, device, timer, ceilings))
+    _section(report, "(b) fused mixture-of-experts", lambda: bench_fused_moe(report, shapes, device, timer, ceilings))
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = flags.parse(GpuCheckSettings, argv, prog=prog, description=__doc__)
@@ -592,47 +656,18 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     end = start + args.budget
 
     report = Report()
-    import triton
-
-    gpu = torch.cuda.get_device_name(device) if on_gpu else "CPU (dry run: Triton interpreter, tiny shapes)"
-    git = git_revision()
-    report.note(f"# tokenmill GPU check\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}; "
-                f"commit {git['short']}{' (tracked files changed)' if git['dirty'] else ''}; "
-                f"`{command_line(prog, argv)}`")
-
-    def section(title: str, body: Callable[[], object]) -> object:
-        report.heading(title)
-        section_start = time.perf_counter()
-        try:
-            return body()
-        except Exception:
-            report.note("**section failed:**\n```\n" + traceback.format_exc()[-4000:] + "```")
-            return None
-        finally:
-            report.note(f"_{time.perf_counter() - section_start:.1f} s_")
-
+    _header(report, device, on_gpu, prog, argv)
     if "tests" in sections:
-        section("(a) kernel tests on the device",
-                lambda: run_kernel_tests(report, shapes, on_gpu, min(args.test_timeout, end - time.perf_counter())))
+        _section(report, "(a) kernel tests on the device",
+                 lambda: run_kernel_tests(report, shapes, on_gpu, min(args.test_timeout, end - time.perf_counter())))
     if "kernels" in sections:
-        ceilings = section("(b) ceilings", lambda: measure_ceilings(report, shapes, device, timer))
-        if ceilings is None:
-            ceilings = Ceilings(bytes_per_s=4.3e12, flops_per_s=790e12)  # earlier H200 readings
-            report.note("using earlier H200 readings as ceilings: 4.3 TB/s, 790 TFLOP/s")
-        remaining = end - time.perf_counter()
-        decode_deadline = time.perf_counter() + 0.3 * remaining
-        section("(b) paged decode attention",
-                lambda: bench_decode(report, shapes, device, timer, ceilings, decode_deadline))
-        prefill_deadline = time.perf_counter() + 0.4 * (end - time.perf_counter())
-        section("(b) prefill attention",
-                lambda: bench_prefill(report, shapes, device, timer, ceilings, prefill_deadline))
-        section("(b) weight-only quantized matmul", lambda: bench_quant_matmul(report, shapes, device, timer, ceilings))
-        section("(b) fused mixture-of-experts", lambda: bench_fused_moe(report, shapes, device, timer, ceilings))
+        _kernel_sections(report, shapes, device, timer, end)
     if "e2e" in sections:
         services_reserve = 120.0 if "services" in sections else 10.0
-        section("(c) end-to-end decode", lambda: bench_end_to_end(report, shapes, device, end - services_reserve))
+        _section(report, "(c) end-to-end decode",
+                 lambda: bench_end_to_end(report, shapes, device, end - services_reserve))
     if "services" in sections:
-        section("(d) through the services", lambda: bench_services(report, shapes, device, end - 5))
+        _section(report, "(d) through the services", lambda: bench_services(report, shapes, device, end - 5))
     report.note(f"\ntotal {time.perf_counter() - start:.0f} s")
     Path(args.out).write_text(report.render())
     return 0

@@ -364,63 +364,61 @@ async def wait_idle(stub, timeout: float = 30.0):
         await asyncio.sleep(0.1)
 
 
-async def run(launcher: StressLauncher, args) -> int:
-    tally = Tally()
+def readings(launcher: Launcher) -> dict[str, ProcStatus]:
+    return {name: proc_status(launcher.pid(name)) for name in launcher.services}
+
+
+async def warm_up(stub, refs, launcher: StressLauncher, args, tally: Tally) -> None:
+    """The same load for a while first: the allocators' high-water mark for this load (pymalloc
+    arenas, gRPC's buffers) is reached before the baseline is read, so the growth measured after
+    is what further load adds, which is what a leak is."""
     address = launcher.public_address
-    async with generation_stub(address) as stub:
-        refs = await solo_runs(stub)
-        await settle_and_trace(launcher, args)
-        cold = {name: proc_status(launcher.pid(name)) for name in launcher.services}
-        if args.warmup_seconds > 0:
-            # The same load for a while first: the allocators' high-water mark for this load
-            # (pymalloc arenas, gRPC's buffers) is reached before the baseline is read, so the
-            # growth below is what further load adds, which is what a leak is.
-            warm_tally = Tally()
-            warm_stop = time.monotonic() + args.warmup_seconds
-            side = [asyncio.create_task(overload_bursts(stub, address, args.burst,
-                                                        min(args.burst_every, args.warmup_seconds / 2), warm_stop,
-                                                        warm_tally, args.burst_client == "same"))]
-            await asyncio.gather(*(client(stub, refs, -1 - seed, warm_stop, warm_tally) for seed in range(args.streams)))
-            await asyncio.gather(*side)
-            tally.crashes += [f"warm-up: {crash}" for crash in warm_tally.crashes]
-            tally.lost_or_duplicated += warm_tally.lost_or_duplicated
-            await wait_idle(stub)
+    warm_tally = Tally()
+    warm_stop = time.monotonic() + args.warmup_seconds
+    side = [asyncio.create_task(overload_bursts(stub, address, args.burst,
+                                                min(args.burst_every, args.warmup_seconds / 2), warm_stop,
+                                                warm_tally, args.burst_client == "same"))]
+    await asyncio.gather(*(client(stub, refs, -1 - seed, warm_stop, warm_tally) for seed in range(args.streams)))
+    await asyncio.gather(*side)
+    tally.crashes += [f"warm-up: {crash}" for crash in warm_tally.crashes]
+    tally.lost_or_duplicated += warm_tally.lost_or_duplicated
+    await wait_idle(stub)
+    await settle_and_trace(launcher, args)
+
+
+async def load_rounds(stub, refs, launcher: StressLauncher, args, tally: Tally):
+    """The measured load in --rounds: (seconds under load, each round's idle reading but the
+    last, the scheduler's profile once idle after the last)."""
+    address = launcher.public_address
+    round_s = args.seconds / args.rounds
+    kill_round, kill_at = kill_placement(args.seconds, args.rounds, args.kill_executor_at)
+    load_s = 0.0
+    between: list[dict[str, ProcStatus]] = []
+    for index in range(args.rounds):
+        round_start = time.monotonic()
+        stop_at = round_start + round_s
+        side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
+                                                    args.burst_client == "same")),
+                asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
+                *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at, tally))]
+                  if index == kill_round else [])]
+        await asyncio.gather(*(client(stub, refs, seed + index * args.streams, stop_at, tally)
+                               for seed in range(args.streams)))
+        await asyncio.gather(*side)
+        load_s += time.monotonic() - round_start
+        # The executor's restart must be done and every stream gone before the leak check.
+        deadline = time.monotonic() + 60
+        while health_status(address, "tokenmill.v1.Generation") != "SERVING" and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        profile = await wait_idle(stub)
+        if index < args.rounds - 1:
             await settle_and_trace(launcher, args)
-        before = {name: proc_status(launcher.pid(name)) for name in launcher.services}
-        started = time.monotonic()
-        round_s = args.seconds / args.rounds
-        kill_round, kill_at = kill_placement(args.seconds, args.rounds, args.kill_executor_at)
-        load_s = 0.0
-        between: list[dict[str, ProcStatus]] = []
-        """Each round's idle reading but the last (that one is ``after``)."""
-        for index in range(args.rounds):
-            round_start = time.monotonic()
-            stop_at = round_start + round_s
-            side = [asyncio.create_task(overload_bursts(stub, address, args.burst, args.burst_every, stop_at, tally,
-                                                        args.burst_client == "same")),
-                    asyncio.create_task(killed_clients(address, args.kill_client_every, stop_at, tally)),
-                    *([asyncio.create_task(kill_executor_at(launcher, round_start + kill_at, tally))]
-                      if index == kill_round else [])]
-            await asyncio.gather(*(client(stub, refs, seed + index * args.streams, stop_at, tally)
-                                   for seed in range(args.streams)))
-            await asyncio.gather(*side)
-            load_s += time.monotonic() - round_start
-            # The executor's restart must be done and every stream gone before the leak check.
-            deadline = time.monotonic() + 60
-            while health_status(address, "tokenmill.v1.Generation") != "SERVING" and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            profile = await wait_idle(stub)
-            if index < args.rounds - 1:
-                await settle_and_trace(launcher, args)
-                between.append({name: proc_status(launcher.pid(name)) for name in launcher.services})
-        leaked = round(profile.kv_cache_usage * NUM_BLOCKS)
-        if profile.num_running or profile.num_waiting:
-            tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
-                                 f"{profile.num_waiting} waiting")
-        elapsed = load_s
-        await settle_and_trace(launcher, args)
-        after = {name: proc_status(launcher.pid(name)) for name in launcher.services}
-        await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
+            between.append(readings(launcher))
+    return load_s, between, profile
+
+
+def check_exits(launcher: StressLauncher, args, tally: Tally) -> int:
+    """Crashes for every exit but the planned executor kills; the number of planned kills."""
     for event in launcher.events:
         if "exited" in event and not event.startswith("executor"):
             tally.crashes.append(event)
@@ -428,9 +426,10 @@ async def run(launcher: StressLauncher, args) -> int:
     planned = 1 if args.kill_executor_at >= 0 else 0
     if executor_exits != planned:
         tally.crashes.append(f"the executor exited {executor_exits} times ({planned} expected: the planned kills)")
+    return planned
 
-    print(f"\nstress: {elapsed:.0f} s, {args.streams} concurrent clients, stories260K, "
-          f"{os.cpu_count()} CPUs (shared machine: absolute figures are noisy)")
+
+def print_outcomes(tally: Tally, started: float) -> None:
     print(f"{'outcome':<52}{'streams':>10}")
     for outcome, n in sorted(tally.outcomes.items()):
         print(f"{outcome:<52}{n:>10}")
@@ -446,6 +445,9 @@ async def run(launcher: StressLauncher, args) -> int:
                   if tally.executor_killed_at is not None else "")
         print("  ... slowest bursts (sent at, slowest refusal): "
               + ", ".join(f"{at - started:.0f} s {slow:.0f} ms" for at, slow in slowest) + killed)
+
+
+def print_memory(cold: dict, before: dict, after: dict, between: list[dict], args, planned: int) -> None:
     print(f"RSS once idle: cold = after the solo runs; before = after {args.warmup_seconds:.0f} s of warm-up load; "
           f"after = after the {args.seconds:.0f} s run")
     print(f"{'service':<12}{'RSS cold MiB':>14}{'RSS before MiB':>16}{'RSS after MiB':>16}{'growth':>9}"
@@ -461,25 +463,54 @@ async def run(launcher: StressLauncher, args) -> int:
     if between:
         # A leak grows by about as much in every round; allocators reaching their high-water
         # mark grow in the first rounds and then level off.
-        readings = [*between, after]
-        print(f"RSS once idle after each of {args.rounds} rounds of {round_s:.0f} s, MiB (growth over before):")
+        print(f"RSS once idle after each of {args.rounds} rounds of {args.seconds / args.rounds:.0f} s, "
+              f"MiB (growth over before):")
         for name in before:
             cells = "  ".join(f"{r[name][0] / 1024:.1f} ({(r[name][0] - before[name][0]) / before[name][0] * 100:+.1f}%)"
-                              for r in readings)
+                              for r in [*between, after])
             print(f"  {name:<10}{cells}")
-    completed = sum(n for outcome, n in tally.outcomes.items() if outcome.startswith("completed"))
-    scheduler_cpu = after["scheduler"][2] - before["scheduler"][2]
-    print(f"throughput: {tally.tokens / elapsed:.0f} tokens/s to the clients, {completed / elapsed:.1f} completed "
-          f"streams/s; scheduler CPU {scheduler_cpu:.1f} s = {scheduler_cpu / max(tally.tokens, 1) * 1e6:.0f} us "
-          f"a token received")
+
+
+def print_traces(args) -> None:
     if args.trace_memory:
         print(f"memory trace of the {args.trace_service}: {args.trace_memory} (benchmarks/memtrace/show.py prints it)")
     if args.heaptrack:
         print(f"heaptrack profile of the {args.trace_service}: {args.heaptrack} (written when it stops; "
               f"heaptrack_print reads it; its RSS above includes heaptrack's own)")
+
+
+async def run(launcher: StressLauncher, args) -> int:
+    tally = Tally()
+    async with generation_stub(launcher.public_address) as stub:
+        refs = await solo_runs(stub)
+        await settle_and_trace(launcher, args)
+        cold = readings(launcher)
+        if args.warmup_seconds > 0:
+            await warm_up(stub, refs, launcher, args, tally)
+        before = readings(launcher)
+        started = time.monotonic()
+        elapsed, between, profile = await load_rounds(stub, refs, launcher, args, tally)
+        leaked = round(profile.kv_cache_usage * NUM_BLOCKS)
+        if profile.num_running or profile.num_waiting:
+            tally.crashes.append(f"not idle after the load: {profile.num_running} running, "
+                                 f"{profile.num_waiting} waiting")
+        await settle_and_trace(launcher, args)
+        after = readings(launcher)
+        await trace_memory(launcher, args, signal.SIGUSR1)  # what malloc_trim(0) gives back now
+    planned = check_exits(launcher, args, tally)
+    print(f"\nstress: {elapsed:.0f} s, {args.streams} concurrent clients, stories260K, "
+          f"{os.cpu_count()} CPUs (shared machine: absolute figures are noisy)")
+    print_outcomes(tally, started)
+    print_memory(cold, before, after, between, args, planned)
+    completed = sum(n for outcome, n in tally.outcomes.items() if outcome.startswith("completed"))
+    scheduler_cpu = after["scheduler"][2] - before["scheduler"][2]
+    print(f"throughput: {tally.tokens / elapsed:.0f} tokens/s to the clients, {completed / elapsed:.1f} completed "
+          f"streams/s; scheduler CPU {scheduler_cpu:.1f} s = {scheduler_cpu / max(tally.tokens, 1) * 1e6:.0f} us "
+          f"a token received")
+    print_traces(args)
     for crash in tally.crashes[:20]:
         print("crash:", crash)
-    p99 = percentile(ms, 99)
+    p99 = percentile(tally.overload.refused_ms, 99)
     print(f"stress: {tally.streams} streams, {len(tally.crashes)} crashes, {leaked} leaked blocks, "
           f"{tally.lost_or_duplicated} lost or duplicated tokens, overload p99 {p99:.1f} ms")
     return 1 if tally.crashes or leaked or tally.lost_or_duplicated else 0

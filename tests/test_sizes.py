@@ -21,13 +21,7 @@ MAX_LINES = 60
 CLASS_ROOTS = ("services/scheduler/", "services/common/")
 
 OVER_LIMIT: frozenset[str] = frozenset({
-    "benchmarks/gpu_check.py::bench_end_to_end",
-    "benchmarks/gpu_check.py::main",
-    "benchmarks/micro/lora_products.py::main",
-    "benchmarks/peer/driver.py::run_benchmark",
     "benchmarks/peer/quality.py::main",
-    "benchmarks/serving/driver.py::run_systems",
-    "benchmarks/stress.py::run",
     "benchmarks/tensor_parallel.py::main",
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",

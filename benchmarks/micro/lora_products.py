@@ -73,6 +73,59 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def base_products(kind: str):
+    """Per layer the four products as callables x -> y, and the head's."""
+    import torch
+
+    from services.runtime.model.linear import Linear
+    from services.runtime.model.quant.formats import quantize
+    from services.runtime.model.quant.linear import INT8_FORMAT_CODES
+
+    ops = torch.ops.tokenmill_quant
+
+    def make(out_features: int, in_features: int, fmt: str):
+        weight = torch.randn(out_features, in_features) * 0.05
+        if kind == "fp32":
+            linear = Linear(weight)
+            linear.prepack()
+            return linear
+        q = quantize(weight, fmt)
+        code = INT8_FORMAT_CODES[fmt]
+        mins = q.mins if q.mins is not None else torch.empty(0, dtype=torch.half)
+        packed = ops.repack_int8(q.qweight, q.scales, mins, code)
+        return lambda x: ops.quant_matmul_int8(x, packed, code, out_features, in_features)
+    layers = [[make(n, k, "q4_1") for n, k in PRODUCTS] for _ in range(LAYERS)]
+    return layers, make(VOCAB, HIDDEN, "q8_0")
+
+
+def adapter_stacks(args: LoraProductsSettings, dtype):
+    """Per layer and product a LoraStack: A [S, k * R, in], B the transposed view of [S, R, out]."""
+    import torch
+
+    from services.runtime.kernels import lora
+
+    stacks = []
+    for _ in range(LAYERS):
+        layer = []
+        for (out_features, in_features), splits in zip(PRODUCTS, SPLITS):
+            a = (torch.randn(args.slots, len(splits) * args.rank, in_features) / in_features**0.5).to(dtype)
+            b = (torch.randn(args.slots, args.rank, out_features) * 0.01).to(dtype).transpose(1, 2)
+            layer.append(lora.LoraStack(a, b, torch.full((args.slots,), 2.0), splits))
+        stacks.append(layer)
+    return stacks
+
+
+def products_step(layers, head, x: dict, slots, stacks) -> None:
+    """A step's products, each followed by its adapters' updates when ``stacks`` is given."""
+    for layer, layer_stacks in zip(layers, stacks or [None] * LAYERS):
+        outs = [product(x[k]) for product, (_, k) in zip(layer, PRODUCTS)]
+        if layer_stacks is None:
+            continue
+        for y, (_, in_features), stack in zip(outs, PRODUCTS, layer_stacks):
+            stack.apply(y, x[in_features], slots)
+    head(x[HIDDEN])  # a decode step: every row's logits
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = flags.parse(LoraProductsSettings, argv, prog=prog, description=__doc__)
@@ -80,45 +133,13 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     import torch
 
     from services.runtime.kernels import lora
-    from services.runtime.model.linear import Linear
-    from services.runtime.model.quant.formats import quantize
-    from services.runtime.model.quant.linear import INT8_FORMAT_CODES
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     assert lora._cpu_ops() is not None, "the C++ CPU kernels did not build"
-    ops = torch.ops.tokenmill_quant
-
-    def base_products(kind: str):
-        """Per layer the four products as callables x -> y, and the head's."""
-        def make(out_features: int, in_features: int, fmt: str):
-            weight = torch.randn(out_features, in_features) * 0.05
-            if kind == "fp32":
-                linear = Linear(weight)
-                linear.prepack()
-                return linear
-            q = quantize(weight, fmt)
-            code = INT8_FORMAT_CODES[fmt]
-            mins = q.mins if q.mins is not None else torch.empty(0, dtype=torch.half)
-            packed = ops.repack_int8(q.qweight, q.scales, mins, code)
-            return lambda x: ops.quant_matmul_int8(x, packed, code, out_features, in_features)
-        layers = [[make(n, k, "q4_1") for n, k in PRODUCTS] for _ in range(LAYERS)]
-        return layers, make(VOCAB, HIDDEN, "q8_0")
-
-    def adapter_stacks(dtype: torch.dtype):
-        """Per layer and product a LoraStack: A [S, k * R, in], B the transposed view of [S, R, out]."""
-        stacks = []
-        for _ in range(LAYERS):
-            layer = []
-            for (out_features, in_features), splits in zip(PRODUCTS, SPLITS):
-                a = (torch.randn(args.slots, len(splits) * args.rank, in_features) / in_features**0.5).to(dtype)
-                b = (torch.randn(args.slots, args.rank, out_features) * 0.01).to(dtype).transpose(1, 2)
-                layer.append(lora.LoraStack(a, b, torch.full((args.slots,), 2.0), splits))
-            stacks.append(layer)
-        return stacks
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    all_stacks = {name: adapter_stacks(dtypes[name]) for name in args.adapter_dtypes}
+    all_stacks = {name: adapter_stacks(args, dtypes[name]) for name in args.adapter_dtypes}
     print(f"one thread, ms per step (thread CPU time), best of {args.repeats}; {args.slots} adapters of rank "
           f"{args.rank} on q,k,v,o,gate,up,down")
     for kind in args.weights:
@@ -126,20 +147,10 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         for rows in args.rows:
             x = {HIDDEN: torch.randn(rows, HIDDEN), INTERMEDIATE: torch.randn(rows, INTERMEDIATE)}
             slots = (torch.arange(rows) % args.slots).to(torch.int32)
-
-            def step(stacks) -> None:
-                for layer, layer_stacks in zip(layers, stacks or [None] * LAYERS):
-                    outs = [product(x[k]) for product, (_, k) in zip(layer, PRODUCTS)]
-                    if layer_stacks is None:
-                        continue
-                    for y, (_, in_features), stack in zip(outs, PRODUCTS, layer_stacks):
-                        stack.apply(y, x[in_features], slots)
-                head(x[HIDDEN])  # a decode step: every row's logits
-
-            base = best_seconds(lambda: step(None), args.repeats)
+            base = best_seconds(lambda: products_step(layers, head, x, slots, None), args.repeats)
             used = min(rows, args.slots)
             for name, stacks in all_stacks.items():
-                with_lora = best_seconds(lambda: step(stacks), args.repeats)
+                with_lora = best_seconds(lambda: products_step(layers, head, x, slots, stacks), args.repeats)
                 megabytes = sum(st.lora_a[:used].nbytes + st.lora_b[:used].nbytes for layer in stacks for st in layer) / 1e6
                 print(f"{kind:>5} rows {rows:>3} over {used} {name} adapters ({megabytes:5.1f} MB): base "
                       f"{base * 1e3:7.2f}  + lora {with_lora * 1e3:7.2f} ms  (lora {(with_lora - base) * 1e3:6.2f} ms, "

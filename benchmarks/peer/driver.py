@@ -301,6 +301,36 @@ def run_benchmark(args: PeerSettings, command: str) -> dict:
                          f"{args.context}-token context")
     configurations = cells(args.systems, args.streams)
     load = report.LoadWatch()
+    result = run_record(args, command, prompt, gguf)
+    with ExitStack() as stack:
+        systems = open_systems(args, gguf, prompt, stack, result)
+        print_setup(args, prompt, result)
+        warm_up_and_check(systems, configurations, prompt, args, tokenizer.decode, result)
+        timings, loads = timed_repeats(systems, configurations, prompt, args)
+    load.stop()
+
+    rates = table_rates({c: median_rate(t) for c, t in timings.items()}, args.systems, args.streams)
+    measured = ratios(rates, ratio_specs(args.streams))
+    print(f"\ntokens/s, median of {args.repeats} (1-minute load average {loads['before']:.2f} before, "
+          f"{loads['after']:.2f} after)")
+    print(format_table(rates, args.systems, args.streams))
+    print()
+    for r in measured:
+        print(format_ratio(r))
+    result |= {
+        "load_average": [loads["before"], loads["after"]],
+        "load_average_whole_run": [load.before, load.after],
+        "load_average_per_repeat": loads["per_repeat"],
+        "runs": {f"{s}/{n}": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in t]
+                 for (s, n), t in timings.items()},
+        "tokens_per_s": {f"{s}/{n}": v for (s, n), v in rates.items()},
+        "ratios": [ratio_json(r) for r in measured],
+    }
+    return result
+
+
+def run_record(args: PeerSettings, command: str, prompt: list[int], gguf: Path) -> dict:
+    """The result's provenance and settings, before anything is measured."""
     result: dict = report.provenance(command) | {
         "threads": args.threads, "streams": args.streams, "output_len": args.output_len, "repeats": args.repeats,
         "prompt": args.prompt, "prompt_ids": prompt, "compile": args.compile,
@@ -311,66 +341,55 @@ def run_benchmark(args: PeerSettings, command: str) -> dict:
         "quant_activations": args.quant_activations, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
     result["machine"]["tokenmill_isa"] = tokenmill_isa()
-
-    with ExitStack() as stack:
-        systems = open_systems(args, gguf, prompt, stack, result)
-        print(f"prompt {prompt} ({args.prompt!r}), {args.output_len} new tokens, greedy, EOS ignored; "
-              f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; "
-              f"at most {args.engine.limits.num_scheduler_steps} scheduler steps, "
-              f"{args.engine.limits.multi_step_max_delay_ms} ms burst delay; commit {result['git']['short']}"
-              + (" (tracked files changed)" if result["git"]["dirty"] else ""), flush=True)
-        print(f"OpenMP wait policy: {result['omp_wait_policy']}; quant activations: {args.quant_activations}; "
-              f"tokenmill's quantized CPU kernels: {result['machine']['tokenmill_isa']}; llama.cpp: "
-              f"{result.get('llama_cpp_system_info', '(not run)')}", flush=True)
-        if "prompt_tokenization_matches_llama_cpp" in result:
-            print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
-
-        # Warm-up: every configuration WARMUP_ROUNDS times, untimed; the first round's tokens are the greedy check.
-        outputs = {(s, n): systems[s].run(prompt, n, args.output_len)[1] for s, n in configurations}
-        for _ in range(WARMUP_ROUNDS - 1):
-            for s, n in configurations:
-                systems[s].run(prompt, n, args.output_len)
-        result["greedy_check"] = greedy_report(outputs)
-        for key, check in result["greedy_check"].items():
-            where = "identical" if check["first_divergence"] is None else (
-                f"first divergence at token {check['first_divergence']} ({check['streams_diverging']} of "
-                f"{check['streams']} streams; token {check['token']}, the reference {check['reference_token']})")
-            print(f"  greedy {key} vs inprocess/1: {where}")
-        if REFERENCE in outputs:
-            result["greedy_reference_tokens"] = reference = outputs[REFERENCE][0]
-            result["greedy_reference_text"] = tokenizer.decode(reference)
-            print(f"  reference text: {result['greedy_reference_text'][:120]!r}...")
-
-        timings: dict[tuple[str, int], list[Run]] = {c: [] for c in configurations}
-        load_before = report.load_average()
-        load_per_repeat = []
-        for repeat in range(args.repeats):
-            for system, n in run_order(configurations, repeat):
-                timings[(system, n)].append(systems[system].run(prompt, n, args.output_len)[0])
-            load_per_repeat.append(report.load_average())
-            print(f"  run {repeat + 1}/{args.repeats} (load {load_per_repeat[-1]:.2f}): " + ", ".join(
-                f"{s}/{n} {t[-1].tokens_per_s:,.0f}" for (s, n), t in timings.items()), flush=True)
-        load_after = report.load_average()
-    load.stop()
-
-    rates = table_rates({c: median_rate(t) for c, t in timings.items()}, args.systems, args.streams)
-    measured = ratios(rates, ratio_specs(args.streams))
-    print(f"\ntokens/s, median of {args.repeats} (1-minute load average {load_before:.2f} before, "
-          f"{load_after:.2f} after)")
-    print(format_table(rates, args.systems, args.streams))
-    print()
-    for r in measured:
-        print(format_ratio(r))
-    result |= {
-        "load_average": [load_before, load_after],
-        "load_average_whole_run": [load.before, load.after],
-        "load_average_per_repeat": load_per_repeat,
-        "runs": {f"{s}/{n}": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in t]
-                 for (s, n), t in timings.items()},
-        "tokens_per_s": {f"{s}/{n}": v for (s, n), v in rates.items()},
-        "ratios": [ratio_json(r) for r in measured],
-    }
     return result
+
+
+def print_setup(args: PeerSettings, prompt: list[int], result: dict) -> None:
+    print(f"prompt {prompt} ({args.prompt!r}), {args.output_len} new tokens, greedy, EOS ignored; "
+          f"{args.threads} threads; {args.repeats} repeats; compile {args.compile}; "
+          f"at most {args.engine.limits.num_scheduler_steps} scheduler steps, "
+          f"{args.engine.limits.multi_step_max_delay_ms} ms burst delay; commit {result['git']['short']}"
+          + (" (tracked files changed)" if result["git"]["dirty"] else ""), flush=True)
+    print(f"OpenMP wait policy: {result['omp_wait_policy']}; quant activations: {args.quant_activations}; "
+          f"tokenmill's quantized CPU kernels: {result['machine']['tokenmill_isa']}; llama.cpp: "
+          f"{result.get('llama_cpp_system_info', '(not run)')}", flush=True)
+    if "prompt_tokenization_matches_llama_cpp" in result:
+        print(f"llama.cpp tokenizes the prompt the same: {result['prompt_tokenization_matches_llama_cpp']}")
+
+
+def warm_up_and_check(systems: dict, configurations: list[tuple[str, int]], prompt: list[int], args: PeerSettings,
+                      decode, result: dict) -> None:
+    """Every configuration WARMUP_ROUNDS times, untimed; the first round's tokens are the greedy check."""
+    outputs = {(s, n): systems[s].run(prompt, n, args.output_len)[1] for s, n in configurations}
+    for _ in range(WARMUP_ROUNDS - 1):
+        for s, n in configurations:
+            systems[s].run(prompt, n, args.output_len)
+    result["greedy_check"] = greedy_report(outputs)
+    for key, check in result["greedy_check"].items():
+        where = "identical" if check["first_divergence"] is None else (
+            f"first divergence at token {check['first_divergence']} ({check['streams_diverging']} of "
+            f"{check['streams']} streams; token {check['token']}, the reference {check['reference_token']})")
+        print(f"  greedy {key} vs inprocess/1: {where}")
+    if REFERENCE in outputs:
+        result["greedy_reference_tokens"] = reference = outputs[REFERENCE][0]
+        result["greedy_reference_text"] = decode(reference)
+        print(f"  reference text: {result['greedy_reference_text'][:120]!r}...")
+
+
+def timed_repeats(systems: dict, configurations: list[tuple[str, int]], prompt: list[int], args: PeerSettings
+                  ) -> tuple[dict[tuple[str, int], list[Run]], dict]:
+    """--repeats timed runs of every configuration, in an order that changes each repeat; the
+    runs, and the load average before, after and after each repeat."""
+    timings: dict[tuple[str, int], list[Run]] = {c: [] for c in configurations}
+    loads: dict = {"before": report.load_average(), "per_repeat": []}
+    for repeat in range(args.repeats):
+        for system, n in run_order(configurations, repeat):
+            timings[(system, n)].append(systems[system].run(prompt, n, args.output_len)[0])
+        loads["per_repeat"].append(report.load_average())
+        print(f"  run {repeat + 1}/{args.repeats} (load {loads['per_repeat'][-1]:.2f}): " + ", ".join(
+            f"{s}/{n} {t[-1].tokens_per_s:,.0f}" for (s, n), t in timings.items()), flush=True)
+    loads["after"] = report.load_average()
+    return timings, loads
 
 
 def open_systems(args: PeerSettings, gguf: Path, prompt: list[int], stack: ExitStack, result: dict) -> dict:

@@ -191,7 +191,6 @@ def run_systems(settings: ServingSettings, command: str, prog: str, model_dir: s
 
     from benchmarks.harness.records import summarize
     from benchmarks.serving.report import build_result, write_plot
-    from services.runtime.model.attention.registry import resolve_backend_name
 
     engine, slo = settings.engine, settings.slo()
     executor = engine.executor_config(model_dir, settings.pool_bytes())
@@ -220,10 +219,32 @@ def run_systems(settings: ServingSettings, command: str, prog: str, model_dir: s
         runs[run.name] = run
         summaries[run.name] = summarize(run, slo)
     load.stop()
-    preset = settings.preset_config
-    meta = {
+    meta = _run_meta(settings, executor, model_dir, spec, requests, hf_seq_n)
+    result = build_result(runs, summaries, harness_report.provenance(command, load) | meta)
+    out_dir = Path(settings.out_dir) if settings.out_dir else None
+    stem = settings.name or f"bench-{settings.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    json_path = harness_report.write_result(result, harness_report.result_path("bench", out_dir=out_dir, name=stem))
+    print(format_table(summaries))
+    print(f"wrote {json_path}")
+    if settings.plot:
+        png_path = json_path.with_suffix(".png")
+        write_plot(runs, png_path, f"{prog} --preset {settings.preset} ({Path(model_dir).name})")
+        print(f"wrote {png_path}")
+    print(result["summary"])
+    return result
+
+
+def _run_meta(settings: ServingSettings, executor: ExecutorConfig, model_dir: str, spec: WorkloadSpec, requests,
+              hf_seq_n: int | None) -> dict:
+    """The result's record of what ran: preset, workload, engine options, SLO."""
+    import torch
+
+    from services.runtime.model.attention.registry import resolve_backend_name
+
+    engine = settings.engine
+    return {
         "preset": settings.preset,
-        "preset_description": preset.description,
+        "preset_description": settings.preset_config.description,
         "model": model_dir,
         "workload": {"num_requests": spec.num_requests, "concurrency": spec.concurrency,
                      "request_rate": spec.request_rate, "prompt_len": str(spec.prompt_len),
@@ -239,24 +260,12 @@ def run_systems(settings: ServingSettings, command: str, prog: str, model_dir: s
                                                                               torch.device("cpu")),
                            "dtype": executor.dtype, "device": executor.device, "compile": executor.compiled_decode.compile,
                            "scheduler_flags": engine.scheduler_flags()},
-        "slo": slo.as_dict(),
+        "slo": settings.slo().as_dict(),
         "torch_threads": settings.torch_threads,
         "hf_sequential_requests": hf_seq_n,
         "hf_sequential_subset": hf_seq_n is not None,
         "address": settings.address,
     }
-    result = build_result(runs, summaries, harness_report.provenance(command, load) | meta)
-    out_dir = Path(settings.out_dir) if settings.out_dir else None
-    stem = settings.name or f"bench-{settings.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    json_path = harness_report.write_result(result, harness_report.result_path("bench", out_dir=out_dir, name=stem))
-    print(format_table(summaries))
-    print(f"wrote {json_path}")
-    if settings.plot:
-        png_path = json_path.with_suffix(".png")
-        write_plot(runs, png_path, f"{prog} --preset {settings.preset} ({Path(model_dir).name})")
-        print(f"wrote {png_path}")
-    print(result["summary"])
-    return result
 
 
 def _run_one(system: str, settings: ServingSettings, executor: ExecutorConfig, spec: WorkloadSpec, requests,
