@@ -195,66 +195,85 @@ def make_runner(args: TensorParallelSettings, model: str, tp: int, blocks: int, 
                                       decode_graphs=DecodeGraphSettings(enforce_eager=True)))
 
 
-def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    args = flags.parse(TensorParallelSettings, argv, prog=prog, description=__doc__)
-    model = resolve_model(args.model)
-    load = LoadWatch()
-    width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
-    blocks = max(args.batches) * width + 1
+def build_systems(args: TensorParallelSettings, model, blocks: int) -> list[System]:
+    """One rank with one and with two threads, then --tp ranks over each all-reduce this device has."""
     one = make_runner(args, model, 1, blocks, 1)
     systems = [System("TP=1, 1 thread", one, 1), System("TP=1, 2 threads", one, 2)]
-    if args.device == "cpu":
-        if args.cpu_decode == "eager":  # the fused step sums through shared memory only
-            systems.append(System(f"TP={args.tp} gloo, 1 thread",
-                                  make_runner(args, model, args.tp, blocks, 1, "gloo", "replicated"), 1))
-        systems += [System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm",
-                                                                       "replicated"), 1),
-                    System(f"TP={args.tp} shm vocab, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm",
-                                                                             "vocab"), 1)]
-    else:
-        systems.append(System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1))
-    vocab = one.model_config.vocab_size
-    try:
-        for system in systems:  # a warm-up round: first-call allocations and oneDNN's caches
-            for batch in args.batches:
-                system.round(batch, 2, vocab)
-            system.step_ms.clear()
-            system.reduce_share.clear()
-        for _ in range(args.rounds):
-            for batch in args.batches:
-                for system in systems:
-                    system.round(batch, args.steps, vocab)
-    finally:
-        for system in systems[2:]:
-            system.runner.close()
-    result: dict = {"model": args.model, "dtype": args.dtype, "device": args.device, "batches": list(args.batches),
-                    "steps": args.steps, "rounds": args.rounds, "systems": {}}
-    path = args.cpu_decode if args.device == "cpu" else "eager"
-    result["cpu_decode"] = path
-    print(f"{args.model}, {args.dtype} on {args.device}, {path}, prompts of {PROMPT_LEN}, {args.steps} decode steps "
-          f"x {args.rounds} rounds (median ms per decode step); {cpu_model_name()}")
+    if args.device != "cpu":
+        return [*systems, System(f"TP={args.tp}, 1 thread a rank", make_runner(args, model, args.tp, blocks, 1), 1)]
+    if args.cpu_decode == "eager":  # the fused step sums through shared memory only
+        systems.append(System(f"TP={args.tp} gloo, 1 thread",
+                              make_runner(args, model, args.tp, blocks, 1, "gloo", "replicated"), 1))
+    return systems + [
+        System(f"TP={args.tp} shm, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm", "replicated"), 1),
+        System(f"TP={args.tp} shm vocab, 1 thread", make_runner(args, model, args.tp, blocks, 1, "shm", "vocab"), 1)]
+
+
+def measure(systems: list[System], args: TensorParallelSettings, vocab: int) -> None:
+    """A warm-up round (first-call allocations and oneDNN's caches), then --rounds of every
+    batch, the systems interleaved within each."""
+    for system in systems:
+        for batch in args.batches:
+            system.round(batch, 2, vocab)
+        system.step_ms.clear()
+        system.reduce_share.clear()
+    for _ in range(args.rounds):
+        for batch in args.batches:
+            for system in systems:
+                system.round(batch, args.steps, vocab)
+
+
+def report_systems(systems: list[System], args: TensorParallelSettings) -> dict:
+    """The table of median step times; the same as the result's ``systems``."""
     print(f"{'system':<26}" + "".join(f"{f'batch {b}':>14}{'vs TP=1/1t':>12}" for b in args.batches)
           + "".join(f"{f'all-reduce b{b}':>16}" for b in args.batches))
     base = {b: statistics.median(systems[0].step_ms[b]) for b in args.batches}
+    reported = {}
     for system in systems:
         ms = {b: statistics.median(system.step_ms[b]) for b in args.batches}
         share = {b: statistics.median(system.reduce_share[b]) for b in system.reduce_share}
         line = f"{system.name:<26}" + "".join(f"{ms[b]:>14.2f}{base[b] / ms[b]:>11.2f}x" for b in args.batches)
         print(line + "".join(f"{share[b]:>15.0%} " for b in share))
-        result["systems"][system.name] = {"ms_per_step": ms, "vs_one_rank_one_thread": {b: base[b] / ms[b] for b in ms},
-                                          "all_reduce_share": share}
+        reported[system.name] = {"ms_per_step": ms, "vs_one_rank_one_thread": {b: base[b] / ms[b] for b in ms},
+                                 "all_reduce_share": share}
+    return reported
+
+
+def report_all_reduce(config, args: TensorParallelSettings) -> dict:
+    """The all-reduce (and the fused step's hand-off) timed alone between two processes."""
+    alone = measure_all_reduce(config.hidden_size, args.batches, args.all_reduce_calls)
+    per_step = 2 * config.num_layers
+    for name, times in alone.items():
+        if name.startswith("step"):
+            print(f"step hand-off and first sum, two processes, {name.removeprefix('step ')}: "
+                  + ", ".join(f"batch {shape.split('x')[0]} {us:.1f} us" for shape, us in times.items()))
+            continue
+        print(f"all-reduce alone, two processes, {name}: "
+              + ", ".join(f"[{shape}] {us:.1f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
+                          for shape, us in times.items()))
+    return alone
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    args = flags.parse(TensorParallelSettings, argv, prog=prog, description=__doc__)
+    model = resolve_model(args.model)
+    load = LoadWatch()
+    width = -(-(PROMPT_LEN + args.steps + 1) // BLOCK_SIZE)
+    systems = build_systems(args, model, max(args.batches) * width + 1)
+    config = systems[0].runner.model_config
+    try:
+        measure(systems, args, config.vocab_size)
+    finally:
+        for system in systems[2:]:
+            system.runner.close()
+    path = args.cpu_decode if args.device == "cpu" else "eager"
+    result: dict = {"model": args.model, "dtype": args.dtype, "device": args.device, "batches": list(args.batches),
+                    "steps": args.steps, "rounds": args.rounds, "systems": {}, "cpu_decode": path}
+    print(f"{args.model}, {args.dtype} on {args.device}, {path}, prompts of {PROMPT_LEN}, {args.steps} decode steps "
+          f"x {args.rounds} rounds (median ms per decode step); {cpu_model_name()}")
+    result["systems"] = report_systems(systems, args)
     if args.device == "cpu" and args.all_reduce_calls:
-        alone = measure_all_reduce(one.model_config.hidden_size, args.batches, args.all_reduce_calls)
-        per_step = 2 * one.model_config.num_layers
-        for name, times in alone.items():
-            if name.startswith("step"):
-                print(f"step hand-off and first sum, two processes, {name.removeprefix('step ')}: "
-                      + ", ".join(f"batch {shape.split('x')[0]} {us:.1f} us" for shape, us in times.items()))
-                continue
-            print(f"all-reduce alone, two processes, {name}: "
-                  + ", ".join(f"[{shape}] {us:.1f} us ({per_step} a step: {per_step * us / 1000:.2f} ms)"
-                              for shape, us in times.items()))
-        result["all_reduce_alone_us"] = alone
+        result["all_reduce_alone_us"] = report_all_reduce(config, args)
     result |= provenance(command_line(prog, argv or []), load)
     load.stop()
     path = write_result(result, result_path("tensor-parallel", args.out or None))

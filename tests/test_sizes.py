@@ -21,8 +21,6 @@ MAX_LINES = 60
 CLASS_ROOTS = ("services/scheduler/", "services/common/")
 
 OVER_LIMIT: frozenset[str] = frozenset({
-    "benchmarks/peer/quality.py::main",
-    "benchmarks/tensor_parallel.py::main",
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
     "services/executor/model_runner.py::ModelRunner.__init__",
@@ -31,7 +29,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/runtime/kernels/paged_kv_tiles.py::attend_kv_tiles",
     "services/runtime/kernels/prefill_attention.py::_prefill_attention_kernel",
     "services/runtime/kernels/prefill_attention.py::prefill_attention",
-    "services/runtime/model/config.py::ModelConfig.from_dict",
     "services/runtime/sampling/batch.py::SamplingBatch.build",
     "services/scheduler/config.py::SchedulerServiceConfig",
     "services/scheduler/core/block_manager.py::BlockManager",

@@ -139,6 +139,51 @@ def compare(answers: dict[str, list[list[int]]], eos: Sequence[int] = ()) -> dic
     return report
 
 
+def run_llamacpp(args: QualitySettings, text, prompts: Sequence[list[int]], ppl_ids: list[int] | None,
+                 result: dict) -> None:
+    """llama.cpp on the packaged GGUF: its perplexity (over tokenmill's tokens of the text when a
+    tokenmill system ran first) and its answers, into ``result``."""
+    from benchmarks.harness import llamacpp
+
+    from benchmarks.peer.driver import parse_args, resolve_gguf
+
+    gguf = resolve_gguf(parse_args(["--preset", "smollm2"]))
+    llm = llamacpp.load(gguf, args.threads, CONTEXT)
+    result["gguf"], result["llama_cpp_python"] = str(gguf), llamacpp.version()
+    ids = ppl_ids or text.encode(PERPLEXITY_FILE.read_text(), add_special_tokens=True)
+    result["perplexity"]["llamacpp"] = llamacpp_perplexity(llm, ids, args.threads)
+    loop = llamacpp.DecodeLoop(llm, args.threads, CONTEXT, "f16")
+    result["answers"]["llamacpp"] = [loop.run(prompt, 1, args.max_tokens)[1][0] for prompt in prompts]
+    loop.close()
+
+
+def run_tokenmill(system: str, args: QualitySettings, prompts: Sequence[list[int]], result: dict) -> list[int]:
+    """One of tokenmill's systems: its perplexity and answers into ``result``; the perplexity
+    text's tokens."""
+    engine = (tokenmill_system(args.fp32_model, "none") if system == "fp32"
+              else tokenmill_system(args.model, "none" if system == "exact" else "int8"))
+    ppl, _ = perplexity(engine, PERPLEXITY_FILE.read_text())
+    result["perplexity"][system] = ppl
+    result["answers"][system] = tokenmill_answers(engine, prompts, args.max_tokens)
+    return engine.encode_prompt(PERPLEXITY_FILE.read_text())
+
+
+def print_summary(result: dict, args: QualitySettings) -> None:
+    base = next((s for s in ("fp32", "exact") if s in result["perplexity"]), None)
+    if base is not None:
+        for system, ppl in result["perplexity"].items():
+            print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity'][base] - 1:+.2%} vs {base})")
+    for pair, c in result["comparisons"].items():
+        print(f"  {pair}: {c['identical_turns']} of {c['answers']} answers identical to the end of the turn, "
+              f"{c['identical']} over all {args.max_tokens} tokens, {c['agreeing_tokens']} of {c['tokens']} tokens "
+              f"agree before the first divergence; first divergences {c['first_divergence']}")
+    for system, texts in result["texts"].items():
+        print(f"  {system} answers the demo: {texts[0][:120]!r}")
+    before, after = result["load_average"]
+    print(f"  load average {before:.2f} before, {after:.2f} after; "
+          f"quantized kernels: {result['machine']['tokenmill_isa']}")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = flags.parse(QualitySettings, argv, prog=prog, description=__doc__)
@@ -160,25 +205,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     ppl_ids = None
     for system in systems:
         if system == "llamacpp":
-            from benchmarks.harness import llamacpp
-
-            from benchmarks.peer.driver import parse_args, resolve_gguf
-
-            gguf = resolve_gguf(parse_args(["--preset", "smollm2"]))
-            llm = llamacpp.load(gguf, args.threads, CONTEXT)
-            result["gguf"], result["llama_cpp_python"] = str(gguf), llamacpp.version()
-            ids = ppl_ids or text.encode(PERPLEXITY_FILE.read_text(), add_special_tokens=True)
-            result["perplexity"][system] = llamacpp_perplexity(llm, ids, args.threads)
-            loop = llamacpp.DecodeLoop(llm, args.threads, CONTEXT, "f16")
-            result["answers"][system] = [loop.run(prompt, 1, args.max_tokens)[1][0] for prompt in prompts]
-            loop.close()
+            run_llamacpp(args, text, prompts, ppl_ids, result)
         else:
-            engine = (tokenmill_system(args.fp32_model, "none") if system == "fp32"
-                      else tokenmill_system(args.model, "none" if system == "exact" else "int8"))
-            ppl, _ = perplexity(engine, PERPLEXITY_FILE.read_text())
-            ppl_ids = engine.encode_prompt(PERPLEXITY_FILE.read_text())
-            result["perplexity"][system] = ppl
-            result["answers"][system] = tokenmill_answers(engine, prompts, args.max_tokens)
+            ppl_ids = run_tokenmill(system, args, prompts, result)
         print(f"{system}: perplexity {result['perplexity'][system]:.3f}", flush=True)
     result["comparisons"] = compare(result["answers"], text.facts.eos_token_ids)
     result["turn_lengths"] = {s: [turn_length(a, text.facts.eos_token_ids) for a in answers]
@@ -187,19 +216,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                        for s, answers in result["answers"].items()}
     load.stop()
     result["load_average"] = [load.before, load.after]
-
-    base = next((s for s in ("fp32", "exact") if s in result["perplexity"]), None)
-    if base is not None:
-        for system, ppl in result["perplexity"].items():
-            print(f"  perplexity {system:<9} {ppl:8.3f}  ({ppl / result['perplexity'][base] - 1:+.2%} vs {base})")
-    for pair, c in result["comparisons"].items():
-        print(f"  {pair}: {c['identical_turns']} of {c['answers']} answers identical to the end of the turn, "
-              f"{c['identical']} over all {args.max_tokens} tokens, {c['agreeing_tokens']} of {c['tokens']} tokens "
-              f"agree before the first divergence; first divergences {c['first_divergence']}")
-    for system, texts in result["texts"].items():
-        print(f"  {system} answers the demo: {texts[0][:120]!r}")
-    print(f"  load average {load.before:.2f} before, {load.after:.2f} after; "
-          f"quantized kernels: {result['machine']['tokenmill_isa']}")
+    print_summary(result, args)
     path = report.write_result(result, report.result_path("peer-quality", args.json))
     print(f"result: {path}")
     return 0

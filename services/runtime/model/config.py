@@ -123,63 +123,14 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        if len(archs) != 1:
-            raise ValueError(f"config.json 'architectures' must name exactly one architecture, got {archs!r}")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; tokenmill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture(raw)
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-        # transformers >= 5 writes RoPE settings under "rope_parameters" (per layer type for
-        # Gemma 3); older configs use "rope_theta" plus an optional "rope_scaling" (and Gemma 3's
-        # "rope_local_base_freq"). rope.py implements each scaling type.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        local_rope: dict | None = None
-        if "full_attention" in rope or "sliding_attention" in rope:
-            local_rope = dict(rope.get("sliding_attention") or {})
-            rope = dict(rope.get("full_attention") or {})
-        rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         max_positions = int(raw.get("max_position_embeddings", 2048))
-        if raw.get("original_max_position_embeddings") and "original_max_position_embeddings" not in rope:
-            rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3 keeps it here
-        if raw.get("partial_rotary_factor") is not None:
-            rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
-        rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
-        rope_local = None
-        if arch == "Gemma3ForCausalLM":
-            local_rope = local_rope or {}
-            local_theta = float(raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
-            rope_local = RopeScaling.from_dict(local_rope, local_theta, max_positions)
-        if raw.get("mlp_bias") or raw.get("attention_out_bias"):
-            raise ValueError("mlp_bias / attention_out_bias are not supported")
-        if arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM") and raw.get("attention_bias"):
-            raise ValueError(f"attention_bias (which {arch} puts on o_proj too) is not supported")
-        if raw.get("clip_qkv") is not None:
-            raise ValueError(f"clip_qkv {raw['clip_qkv']!r} is not supported (only null)")
-        hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
-        if hidden_act != ("gelu_pytorch_tanh" if gemma else "silu"):
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported for {arch} "
-                             f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})")
-        if arch != "Gemma2ForCausalLM":
-            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-                if raw.get(key) is not None:
-                    raise ValueError(f"{key} is supported for Gemma2ForCausalLM only, not {arch}")
-        softcaps = {}
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if raw.get(key) is not None:
-                softcaps[key] = float(raw[key])
-                if not softcaps[key] > 0:
-                    raise ValueError(f"{key} must be > 0 (or null for none), got {raw[key]!r}")
-
-        def need(key: str):
-            if key not in raw:
-                raise ValueError(f"config.json is missing required field {key!r}")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        rope_theta, rope_scaling, rope_local = _rope(raw, arch, max_positions)
+        hidden_act = _checked_activation(raw, arch, gemma)
+        softcaps = _softcaps(raw, arch)
+        hidden = int(_need(raw, "hidden_size"))
+        heads = int(_need(raw, "num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads != 0:
@@ -188,7 +139,7 @@ class ModelConfig:
             )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        num_layers = int(need("num_hidden_layers"))
+        num_layers = int(_need(raw, "num_hidden_layers"))
         sliding = raw.get("sliding_window")
         if arch in QWEN_ARCHITECTURES and not raw.get("use_sliding_window", False):
             sliding = None
@@ -196,9 +147,9 @@ class ModelConfig:
         dtype_str = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=int(_need(raw, "vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=int(_need(raw, "intermediate_size")),
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -260,3 +211,75 @@ def _layer_windows(raw: dict, arch: str, num_layers: int, window: int | None) ->
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers
+
+
+def _need(raw: dict, key: str):
+    if key not in raw:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    return raw[key]
+
+
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    if len(archs) != 1:
+        raise ValueError(f"config.json 'architectures' must name exactly one architecture, got {archs!r}")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; tokenmill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _rope(raw: dict, arch: str, max_positions: int) -> tuple[float, RopeScaling, RopeScaling | None]:
+    """(rope_theta, the global layers' RoPE, Gemma 3's local layers' RoPE or None)."""
+    # transformers >= 5 writes RoPE settings under "rope_parameters" (per layer type for
+    # Gemma 3); older configs use "rope_theta" plus an optional "rope_scaling" (and Gemma 3's
+    # "rope_local_base_freq"). rope.py implements each scaling type.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    local_rope: dict | None = None
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local_rope = dict(rope.get("sliding_attention") or {})
+        rope = dict(rope.get("full_attention") or {})
+    rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    if raw.get("original_max_position_embeddings") and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3 keeps it here
+    if raw.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    rope_scaling = RopeScaling.from_dict(rope, rope_theta, max_positions)
+    rope_local = None
+    if arch == "Gemma3ForCausalLM":
+        local_rope = local_rope or {}
+        local_theta = float(raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0)
+        rope_local = RopeScaling.from_dict(local_rope, local_theta, max_positions)
+    return rope_theta, rope_scaling, rope_local
+
+
+def _checked_activation(raw: dict, arch: str, gemma: bool) -> str:
+    """The MLP's activation, once the biases and clipping the runtime has no code for are refused."""
+    if raw.get("mlp_bias") or raw.get("attention_out_bias"):
+        raise ValueError("mlp_bias / attention_out_bias are not supported")
+    if arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM") and raw.get("attention_bias"):
+        raise ValueError(f"attention_bias (which {arch} puts on o_proj too) is not supported")
+    if raw.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv {raw['clip_qkv']!r} is not supported (only null)")
+    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if hidden_act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise ValueError(f"hidden_act {hidden_act!r} is not supported for {arch} "
+                         f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})")
+    return hidden_act
+
+
+def _softcaps(raw: dict, arch: str) -> dict[str, float]:
+    """Gemma 2's attention and final logit soft-caps, as ModelConfig's fields."""
+    if arch != "Gemma2ForCausalLM":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise ValueError(f"{key} is supported for Gemma2ForCausalLM only, not {arch}")
+    softcaps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            softcaps[key] = float(raw[key])
+            if not softcaps[key] > 0:
+                raise ValueError(f"{key} must be > 0 (or null for none), got {raw[key]!r}")
+    return softcaps
