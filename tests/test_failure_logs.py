@@ -24,6 +24,10 @@ def test_a_stack_that_loses_its_executor(tmp_path):
 
 def test_a_passing_neighbour():
     pass
+
+
+def test_a_second_failure_of_the_module():
+    assert False, "the next request saw a 503 too"
 '''
 
 
@@ -34,7 +38,8 @@ def test_a_failed_report_shows_the_tail_of_each_service_log_and_the_up_output(tm
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
                          text=True, timeout=120)
     out = run.stdout
-    assert run.returncode == 1 and "1 failed, 1 passed" in out, out
+    assert run.returncode == 1 and "2 failed, 1 passed" in out, out
     assert "service log" in out and "executor.log" in out and "killed: boom" in out, out
     assert "step 199" in out and "step 0\n" not in out and "lines before" in out, out  # the tail, not all of it
     assert "output of `echo replica-0 restarting >&2`" in out and "replica-0 restarting" in out, out
+    assert out.count("executor.log -") == 1, out  # the second failure does not repeat unchanged logs

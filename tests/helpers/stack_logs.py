@@ -22,6 +22,9 @@ MAX_LOGS = 24
 """Logs shown at most (the newest), so one report stays readable."""
 
 _outputs: list[tuple[float, str, Callable[[], str]]] = []
+_shown: set[tuple[str, int]] = set()
+"""Sections already in a report: the next failure of a module (each test of a failed fixture) shows
+only what changed."""
 
 
 def remember(name: str, output: Callable[[], str]) -> None:
@@ -50,7 +53,15 @@ def _logs(roots: list[Path], since: float) -> list[Path]:
 
 
 def sections(temp_root: Path | None, since: float) -> Iterator[tuple[str, str]]:
-    """(title, tail) for each log and remembered output written since ``since`` (epoch seconds)."""
+    """(title, tail) for each log and remembered output written since ``since`` (epoch seconds),
+    leaving out those already shown in an earlier report unchanged."""
+    for title, text in _sections(temp_root, since):
+        if (title, hash(text)) not in _shown:
+            _shown.add((title, hash(text)))
+            yield title, text
+
+
+def _sections(temp_root: Path | None, since: float) -> Iterator[tuple[str, str]]:
     del _outputs[:-MAX_LOGS]
     for started, name, output in _outputs:
         if started >= since:
