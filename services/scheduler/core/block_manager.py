@@ -3,16 +3,12 @@
 The scheduler owns block accounting, the executor owns the memory: this class decides block
 ids; the executor writes K/V where the plan says.
 
-Prefix caching: once every token of a full block has been computed, the block is registered
-under a hash of its token ids chained with the hash of the block before it, so a hash names
-the whole prefix up to the end of the block. The first block's parent is the request's cache
-scope (``Request.cache_scope``: by default its tenant, see services/scheduler/auth.py), so a
-tenant can neither reuse another's K/V nor learn from ``cached_tokens`` or its time to first
-token that another tenant sent a prefix; tenants share only when their operator puts them in
-one cache group. A later request whose prompt starts with the same
-full blocks reuses them (ref counts > 1) instead of recomputing. When a request finishes, its
-blocks go back to the free queue but keep their hash: they stay reusable until the allocator
-needs them for something else (eviction, least recently freed first).
+Two collaborators hold the state: the pool (block_pool.py: ref counts and the free queue) and
+the prefix cache's index (prefix_cache.py: which block caches which prefix). A request whose
+prompt starts with full blocks another computed reuses them (ref counts > 1) instead of
+recomputing. When a request finishes, its blocks go back to the free queue but keep their
+hash: they stay reusable until the pool needs them for something else (eviction, least
+recently freed first).
 
 Block 0 is an ordinary block. No "null" block is reserved: padding entries of a block table
 are never read (context lengths bound every gather) and padded slots use slot id -1, so the
@@ -32,34 +28,18 @@ holds.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from services.common.kv_groups import first_needed_block
-from services.scheduler.core.free_block_queue import FreeBlockQueue, KVBlock
+from services.scheduler.core.block_pool import BlockPool
+from services.scheduler.core.free_block_queue import KVBlock
+from services.scheduler.core.prefix_cache import PrefixCache, hash_block_tokens, scope_root_hash
 
 if TYPE_CHECKING:
     from services.scheduler.request.request import Request
 
-
-def scope_root_hash(cache_scope: str) -> bytes:
-    """The parent hash of a prefix's first block: empty for the shared scope (""), else a digest
-    of the scope, so two scopes never name the same prefix and never share its blocks."""
-    if not cache_scope:
-        return b""
-    return hashlib.sha256(b"tokenmill prefix scope\0" + cache_scope.encode("utf-8", "surrogatepass")).digest()
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Hash of (parent hash, token ids of one full block): names the whole prefix.
-
-    SHA-256 rather than Python's hash(): hash() of int tuples is not randomized, so a client
-    could craft a prompt colliding with another client's prefix and read attention over K/V it
-    never sent. The digest is process-local (native byte order), never persisted.
-    """
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+__all__ = ["PLACEHOLDER", "BlockManager", "hash_block_tokens", "scope_root_hash"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,14 +73,9 @@ class BlockManager:
         self.num_groups = len(self.group_windows)
         self._window_start: dict[str, int] = {}
         """Per request with window groups: its first block whose window-group entries it holds."""
-        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self._free_queue = FreeBlockQueue(self.blocks)
-        self._cached_blocks: dict[bytes, KVBlock] = {}
-        """Prefix hash -> the block holding that prefix's last block of K/V."""
-        self._block_hashes: dict[str, list[bytes]] = {}
-        """Per request: hash chain of its full blocks, computed lazily as tokens arrive."""
-        self._num_registered_blocks: dict[str, int] = {}
-        """Per request: how many leading blocks cache_full_blocks already handled."""
+        self._prefixes = PrefixCache(block_size)
+        self._pool = BlockPool(num_blocks, self._prefixes.evict)
+        self.blocks = self._pool.blocks
         self.prefix_cache_queries = 0
         """Tokens looked up in the prefix cache (request length at each first allocation)."""
         self.prefix_cache_hits = 0
@@ -111,20 +86,20 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached ones included: they can be evicted)."""
-        return len(self._free_queue)
+        return self._pool.num_free
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
-        return (self.num_blocks - len(self._free_queue)) / self.num_blocks
+        return (self.num_blocks - self._pool.num_free) / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached_blocks)
+        return len(self._prefixes)
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (next handed out first). O(n): tests, debugging."""
-        return self._free_queue.block_ids()
+        return self._pool.free_block_ids()
 
     # ---- prefix cache --------------------------------------------------------------------
 
@@ -139,15 +114,9 @@ class BlockManager:
         if not self.enable_prefix_caching or request.block_ids or request.needs_prompt_logprobs:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._hashes_for(request, max_hit_blocks)
         n = self.num_groups
         full = [k for k, w in enumerate(self.group_windows) if not w]
-        hits: list[list[KVBlock | None]] = []  # per block, per group: the cached block or None
-        for block_hash in hashes[:max_hit_blocks]:
-            row = [self._cached_blocks.get(self._key(block_hash, k)) for k in range(n)]
-            if any(row[k] is None for k in full):
-                break
-            hits.append(row)
+        hits = self._prefixes.cached_rows(request, max_hit_blocks, n, full)
         # The longest prefix whose window groups hold every block their last window reads.
         num_hit = len(hits)
         while num_hit > 0 and not self._window_blocks_cached(hits, num_hit):
@@ -172,10 +141,6 @@ class BlockManager:
         return min((first_needed_block(num_computed_tokens, w, self.block_size) for w in self.group_windows if w),
                    default=0)
 
-    def _key(self, block_hash: bytes, group: int) -> bytes:
-        """A group's blocks are cached apart: one prefix names a block in each group."""
-        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
-
     def _holds(self, request_id: str, index: int) -> list[int]:
         """The groups whose entries of block ``index`` the request holds."""
         start = self._window_start.get(request_id, 0)
@@ -194,20 +159,12 @@ class BlockManager:
             return
         n = self.num_groups
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids) // n)
-        start = self._num_registered_blocks.get(request.request_id, 0)
+        start = self._prefixes.registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._hashes_for(request, num_full)
-        for index in range(start, num_full):
-            for k in self._holds(request.request_id, index):
-                block = self.blocks[request.block_ids[index * n + k]]
-                if block.block_hash is not None:
-                    continue  # a prefix hit: already cached under this very hash
-                key = self._key(hashes[index], k)
-                if key not in self._cached_blocks:
-                    block.block_hash = key
-                    self._cached_blocks[key] = block
-        self._num_registered_blocks[request.request_id] = num_full
+        self._prefixes.register(request, num_full, (
+            (index, k, self.blocks[request.block_ids[index * n + k]])
+            for index in range(start, num_full) for k in self._holds(request.request_id, index)))
 
     def computed(self, request: Request) -> None:
         """After request.num_computed_tokens advanced: cache its full blocks, then give back the
@@ -226,16 +183,6 @@ class BlockManager:
                     for k, w in enumerate(self.group_windows) if w]
         self._window_start[request.request_id] = first
         self.release(released[::-1])  # release() appends in reverse: the oldest is evicted first
-
-    def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
-        hashes = self._block_hashes.setdefault(request.request_id, [])
-        token_ids = request.all_token_ids
-        size = self.block_size
-        while len(hashes) < num_blocks:
-            index = len(hashes)
-            parent = hashes[-1] if hashes else scope_root_hash(request.cache_scope)
-            hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
-        return hashes
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -270,18 +217,12 @@ class BlockManager:
                    enumerate(computed_block_ids[index * n:(index + 1) * n])
                    if not self.group_windows[k] or index >= window_start]
         # A hit on a free (cached, unreferenced) block takes it out of the free pool too.
-        num_free_hits = sum(1 for b in claimed if self.blocks[b].ref_count == 0)
-        if num_to_allocate + num_free_hits > len(self._free_queue):
+        if num_to_allocate + self._pool.num_free_among(claimed) > self._pool.num_free:
             return None
-
-        for block_id in claimed:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self._free_queue.remove(block)
-            block.ref_count += 1
+        self._pool.claim(claimed)
         if is_first_allocation and window_start:
             self._window_start[request.request_id] = window_start
-        new_block_ids = [self._take_free_block().block_id for _ in range(num_to_allocate)]
+        new_block_ids = self._pool.take(num_to_allocate)
         request.block_ids.extend(computed_block_ids)
         request.block_ids.extend(new_block_ids)
 
@@ -289,15 +230,6 @@ class BlockManager:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_blocks * self.block_size
         return new_block_ids
-
-    def _take_free_block(self) -> KVBlock:
-        block = self._free_queue.popleft()
-        if block.block_hash is not None:  # evict: its prefix is no longer cached
-            if self._cached_blocks.get(block.block_hash) is block:
-                del self._cached_blocks[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; blocks nobody else holds return to the free queue.
@@ -315,32 +247,15 @@ class BlockManager:
         n = self.num_groups
         block_ids = [table[index * n + k] for index in range(len(table) // n)
                      for k in self._holds(request.request_id, index)]
-        self._block_hashes.pop(request.request_id, None)
-        self._num_registered_blocks.pop(request.request_id, None)
+        self._prefixes.forget(request.request_id)
         self._window_start.pop(request.request_id, None)
         return block_ids
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one hold on each block (see ``free``); those nobody holds become free."""
-        for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_queue.append(block)
+        self._pool.release(block_ids)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_scope: str = "") -> int:
         """Tokens of ``token_ids`` this pool's prefix cache holds for ``cache_scope``, in full
         blocks (never the last token): a placement probe that records nothing."""
-        if not self.enable_prefix_caching:
-            return 0
-        size = self.block_size
-        parent = scope_root_hash(cache_scope)
-        hits = 0
-        for index in range((len(token_ids) - 1) // size):
-            parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size])
-            if parent not in self._cached_blocks:  # group 0: a full group when there is one
-                break
-            hits += 1
-        return hits * size
+        return self._prefixes.cached_prefix_tokens(token_ids, cache_scope) if self.enable_prefix_caching else 0
