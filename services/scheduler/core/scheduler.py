@@ -87,7 +87,7 @@ from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.in_flight import ScheduledWork, StepInFlight, check_output, mark_in_flight
-from services.scheduler.core.preemption import victim_for
+from services.scheduler.core.preemption import Preemption
 from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.stats import SchedulerStats
 from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
@@ -112,7 +112,7 @@ class Scheduler:
         """Requests known to the executor, sorted by Request.sort_key (most urgent first)."""
         self.requests: dict[str, Request] = {}
         """Every unfinished request by request_id."""
-        self.num_preemptions = 0
+        self.preemption = Preemption(self.running, self.waiting, self.block_manager, config)
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._next_step_id = 0
         self._finished_seq_ids: list[int] = []
@@ -125,6 +125,10 @@ class Scheduler:
         limits = config.limits
         self.burst = BurstLength(limits.num_scheduler_steps, limits.multi_step_max_delay_ms / 1000)
         """Decode steps per burst while nobody waits (core/burst.py)."""
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.count
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -250,7 +254,7 @@ class Scheduler:
         step = StepInFlight(plan.step_id)
         budget = self.config.limits.max_num_batched_tokens
         self.waiting.set_running({request.tenant for request in self.running})
-        self._preempt_for_priority(plan)
+        self.preemption.for_waiting_head(plan)
         # Preempting for the waiting head made room for it: it starts in this step (waiting a
         # step here was most of a quiet tenant's extra TTFT under a flood). Only running out
         # of blocks below holds new work back.
@@ -282,7 +286,7 @@ class Scheduler:
             num_new, draft_token_ids = step_size.running_tokens(request, budget, limits, max_model_len)
             num_steps = (step_size.decode_steps(request, num_new, draft_token_ids, max_steps, max_model_len)
                          if max_steps > 1 else 1)
-            new_block_ids = self._allocate_or_preempt(request, num_new + num_steps - 1, plan)
+            new_block_ids = self.preemption.allocate_or_preempt(request, num_new + num_steps - 1, plan)
             if new_block_ids is None:
                 break  # the request preempted itself: nobody less urgent was left
             request.spec_token_ids = []
@@ -293,19 +297,6 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
-        while True:
-            new_block_ids = self.block_manager.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
-            # self.running is sorted most urgent first, and requests before `request` were
-            # already scheduled this step, so the victim is the last one (maybe `request`).
-            victim = self.running.pop()
-            self._preempt(victim)
-            plan.finished_seq_ids.append(victim.seq_id)
-            if victim is request:
-                return None
 
     def _schedule_waiting(self, plan: StepPlan, step: StepInFlight, budget: int, now: float | None,
                           victims: set[int] = frozenset()) -> None:
@@ -357,47 +348,6 @@ class Scheduler:
                 adapters.add(request.adapter)
             mark_in_flight(step, request, num_new)
             budget -= num_new
-
-    def _preempt_for_priority(self, plan: StepPlan) -> None:
-        """Make room for the waiting head when it has none (blocks or max_num_seqs), by
-        preempting running requests (recompute: they restart later from their known tokens,
-        so their outputs are unchanged). The head starts in the same step; the victims wait
-        at least until the next.
-
-        Victims, one at a time until the head fits: the least urgent running request if it is
-        less urgent than the head (priority), else a request of the running tenant served the
-        most, if that is more than FAIR_PREEMPTION_MARGIN tokens ahead of the head's tenant
-        (fairness: a tenant flooding the batch gives a slot to one that waits). Done before
-        anything is planned, so no victim is also in this plan."""
-        head = self.waiting.peek()
-        if head is None or not self.running:
-            return
-        block_size = self.config.block_size
-        # The blocks its prompt needs plus one token (no prefix hit assumed: cautious).
-        needed = -(-(head.num_tokens + 1) // block_size)
-        while self.running and (len(self.running) >= self.config.limits.max_num_seqs
-                                or self.block_manager.num_free_blocks < needed):
-            victim = victim_for(head, self.running, self.waiting.served, self.config.max_model_len)
-            if victim is None:
-                break
-            self.running.remove(victim)
-            self._preempt(victim)
-            plan.finished_seq_ids.append(victim.seq_id)
-
-    def _preempt(self, request: Request) -> None:
-        """Recompute-mode preemption: drop its blocks; it restarts from its known tokens.
-
-        Its full blocks keep their prefix-cache hashes, so unless evicted meanwhile the restart
-        is mostly prefix hits.
-        """
-        self.block_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.forget_in_flight()  # a step in flight for it is ignored at its update()
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.push(request)
 
     # ---- update ------------------------------------------------------------------------
 
