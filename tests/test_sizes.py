@@ -42,10 +42,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/request/request.py::Request",
     "services/scheduler/servicer.py::GenerationServicer",
     "services/scheduler/supervisor.py::Supervisor",
-    "services/tools/gguf.py::llama_config",
-    "services/tools/llama2c_tokenizer.py::build_tokenizer",
-    "services/tools/random_model.py::_config_json",
-    "services/tools/random_model.py::build_random_model",
 })
 
 

@@ -275,67 +275,26 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
     ``SETTINGS_TENSORS`` among the file's tensors (name -> values): a Llama file's rope_freqs.weight
     (llama3 RoPE scaling), a Phi-3 file's longrope factors."""
     settings = dict(settings or {})
-    arch = meta.get("general.architecture")
-    if arch not in LAYER_TENSORS:
-        raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the "
-                         f"{', '.join(repr(a) for a in LAYER_TENSORS)} architectures")
-
-    def need(key: str) -> Any:
-        if f"{arch}.{key}" not in meta:
-            raise ValueError(f"GGUF metadata has no '{arch}.{key}'")
-        return meta[f"{arch}.{key}"]
-
-    experts = int(meta.get(f"{arch}.expert_count") or 0)
-    if arch in ("qwen3moe", "olmoe", "qwen2moe") and not experts:
-        raise ValueError(f"GGUF metadata has no '{arch}.expert_count' (a {ARCH_NAMES[arch]} file routes experts)")
-    if experts and arch not in ("llama", "qwen3moe", "olmoe", "qwen2moe"):
-        raise ValueError(f"{arch}.expert_count is {experts}: mixture-of-experts {ARCH_NAMES[arch]} files are not "
-                         "converted (llama, i.e. Mixtral, qwen3moe, olmoe and qwen2moe are)")
-    shared = any(name.split(".")[2:3] == ["ffn_gate_inp_shexp"] for name in tensor_names)
-    if experts and arch != "qwen2moe" and any(name.split(".")[2:3] in (["ffn_gate_shexp"], ["ffn_gate_inp_shexp"])
-                                              for name in tensor_names):
-        raise ValueError(f"the file has shared experts (ffn_*_shexp), which {ARCH_NAMES[arch]} has no place for; "
-                         "only qwen2moe files' are converted")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    allowed = {"llama": ("none",), "gemma2": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
-               "phi3": ("none", "longrope"), "qwen3moe": ("none", "yarn"), "olmoe": ("none",),
-               "qwen2moe": ("none",)}[arch]
-    if scaling not in allowed:
-        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
-                         f"{', '.join(allowed)}")
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    for key in ("attention.value_length", "rope.dimension_count"):
-        value = meta.get(f"{arch}.{key}", head_dim)
-        if int(value) != head_dim:
-            raise ValueError(f"{arch}.{key} is {value}, not the head size {head_dim}: not a plain attention")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-    if vocab_size <= 0:
-        raise ValueError(f"GGUF metadata gives no vocabulary size (neither {arch}.vocab_size nor "
-                         "tokenizer.ggml.tokens)")
-    special = special_token_ids(meta) if tokens is not None else {}
-    ends = end_token_ids(meta) if tokens is not None else []
-    block_count = int(need("block_count"))
-    for name in tensor_names:
-        match = _LAYER_NAME.fullmatch(name)
-        if match and int(match.group(1)) >= block_count:
-            # Loops over layers are bounded by block_count, never by a name a file chose.
-            raise ValueError(f"GGUF tensor {name!r} names layer {match.group(1)}, past {arch}.block_count={block_count}")
+    arch = _gguf_architecture(meta)
+    experts = _checked_experts(meta, arch, tensor_names)
+    scaling = _checked_rope_scaling(meta, arch)
+    hidden, heads, kv_heads, head_dim = _attention_shape(meta, arch)
+    vocab_size, token_ids = _vocab_size(meta, arch), _token_ids(meta)
+    block_count = int(_need(meta, arch, "block_count"))
+    _check_layer_names(tensor_names, arch, block_count)
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(_need(meta, arch, "feed_forward_length")),
         "num_hidden_layers": block_count,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(need("context_length")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(_need(meta, arch, "context_length")),
+        "rms_norm_eps": float(_need(meta, arch, "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
@@ -352,65 +311,156 @@ def llama_config(meta: Mapping[str, Any], tensor_names: set[str], dtype: torch.d
         if f"{arch}.attention.sliding_window" in meta:
             config["sliding_window"] = int(meta[f"{arch}.attention.sliding_window"])
         config |= _phi3_longrope(meta, settings, head_dim, config["max_position_embeddings"])
-    if arch == "gemma3":
-        del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
-        config |= {
-            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
-            "sliding_window": int(need("attention.sliding_window")), "sliding_window_pattern": 6,
-            "rope_local_base_freq": 10000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
-        }
-        if scaling == "linear":
-            config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-    if arch == "gemma2":
-        del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
-        config |= {
-            "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": hidden // heads if block_count == 46 else head_dim,
-            "sliding_window": int(need("attention.sliding_window")),
-            "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
-            "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
-        }
+    if arch in ("gemma2", "gemma3"):
+        _as_gemma(config, meta, arch, scaling)
     if experts:
-        used = int(need("expert_used_count"))
-        if arch == "llama":
-            config |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
-                       "num_experts_per_tok": used, "sliding_window": None}
-        else:
-            # llama.cpp renormalizes Qwen3-MoE's top-k weights and not OLMoE's or Qwen2-MoE's unless the file says
-            # otherwise
-            norm = bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
-            config |= {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": norm}
-        if arch == "qwen3moe":
-            config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                       "moe_intermediate_size": int(need("expert_feed_forward_length")), "decoder_sparse_step": 1,
-                       "mlp_only_layers": [], "use_sliding_window": False}
-        if arch == "olmoe":
-            config |= {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "clip_qkv": None}
-        if arch == "qwen2moe":
-            # Qwen1.5-MoE: every layer sparse (llama.cpp has no dense qwen2moe layer), a sigmoid-gated shared
-            # expert where the file has one, q/k/v biases where it has them
-            config |= {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-                       "moe_intermediate_size": int(need("expert_feed_forward_length")), "decoder_sparse_step": 1,
-                       "mlp_only_layers": [], "use_sliding_window": False,
-                       "shared_expert_intermediate_size": int(need("expert_shared_feed_forward_length"))
-                       if shared else 0,
-                       "qkv_bias": any(name.endswith(".attn_q.bias") for name in tensor_names)}
+        config |= _expert_fields(meta, arch, experts, tensor_names)
     if arch in ("qwen3", "qwen3moe"):
         if arch == "qwen3":
             config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         if scaling == "yarn":
             config["rope_scaling"] = {
-                "rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
-                "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))}
+                "rope_type": "yarn", "factor": float(_need(meta, arch, "rope.scaling.factor")),
+                "original_max_position_embeddings": int(_need(meta, arch, "rope.scaling.original_context_length"))}
+    return config | token_ids
+
+
+def _need(meta: Mapping[str, Any], arch: str, key: str) -> Any:
+    if f"{arch}.{key}" not in meta:
+        raise ValueError(f"GGUF metadata has no '{arch}.{key}'")
+    return meta[f"{arch}.{key}"]
+
+
+def _gguf_architecture(meta: Mapping[str, Any]) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in LAYER_TENSORS:
+        raise ValueError(f"general.architecture is {arch!r}; tokenmill converts GGUF files of the "
+                         f"{', '.join(repr(a) for a in LAYER_TENSORS)} architectures")
+    return arch
+
+
+def _checked_experts(meta: Mapping[str, Any], arch: str, tensor_names: set[str]) -> int:
+    """The file's expert count (0: dense), once it is one the conversion has a layout for."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if arch in ("qwen3moe", "olmoe", "qwen2moe") and not experts:
+        raise ValueError(f"GGUF metadata has no '{arch}.expert_count' (a {ARCH_NAMES[arch]} file routes experts)")
+    if experts and arch not in ("llama", "qwen3moe", "olmoe", "qwen2moe"):
+        raise ValueError(f"{arch}.expert_count is {experts}: mixture-of-experts {ARCH_NAMES[arch]} files are not "
+                         "converted (llama, i.e. Mixtral, qwen3moe, olmoe and qwen2moe are)")
+    if experts and arch != "qwen2moe" and any(name.split(".")[2:3] in (["ffn_gate_shexp"], ["ffn_gate_inp_shexp"])
+                                              for name in tensor_names):
+        raise ValueError(f"the file has shared experts (ffn_*_shexp), which {ARCH_NAMES[arch]} has no place for; "
+                         "only qwen2moe files' are converted")
+    return experts
+
+
+def _checked_rope_scaling(meta: Mapping[str, Any], arch: str) -> str:
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    allowed = {"llama": ("none",), "gemma2": ("none",), "gemma3": ("none", "linear"), "qwen3": ("none", "yarn"),
+               "phi3": ("none", "longrope"), "qwen3moe": ("none", "yarn"), "olmoe": ("none",),
+               "qwen2moe": ("none",)}[arch]
+    if scaling not in allowed:
+        raise ValueError(f"{arch}.rope.scaling.type is {scaling!r}; the {ARCH_NAMES[arch]} conversion takes "
+                         f"{', '.join(allowed)}")
+    return scaling
+
+
+def _attention_shape(meta: Mapping[str, Any], arch: str) -> tuple[int, int, int, int]:
+    """(hidden size, heads, KV heads, head size) of a plain attention (values and RoPE the head's size)."""
+    hidden, heads = int(_need(meta, arch, "embedding_length")), int(_need(meta, arch, "attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        value = meta.get(f"{arch}.{key}", head_dim)
+        if int(value) != head_dim:
+            raise ValueError(f"{arch}.{key} is {value}, not the head size {head_dim}: not a plain attention")
+    return hidden, heads, kv_heads, head_dim
+
+
+def _vocab_size(meta: Mapping[str, Any], arch: str) -> int:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    if vocab_size <= 0:
+        raise ValueError(f"GGUF metadata gives no vocabulary size (neither {arch}.vocab_size nor "
+                         "tokenizer.ggml.tokens)")
+    return vocab_size
+
+
+def _check_layer_names(tensor_names: set[str], arch: str, block_count: int) -> None:
+    for name in tensor_names:
+        match = _LAYER_NAME.fullmatch(name)
+        if match and int(match.group(1)) >= block_count:
+            # Loops over layers are bounded by block_count, never by a name a file chose.
+            raise ValueError(f"GGUF tensor {name!r} names layer {match.group(1)}, past {arch}.block_count={block_count}")
+
+
+def _as_gemma(config: dict[str, Any], meta: Mapping[str, Any], arch: str, scaling: str) -> None:
+    """Gemma 2's or 3's fields in place of Llama's: GELU, the query scale, sliding windows, soft-caps."""
+    del config["hidden_act"], config["attention_bias"], config["mlp_bias"]
+    head_dim = config["head_dim"]
+    if arch == "gemma3":
+        config |= {
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
+            "sliding_window": int(_need(meta, arch, "attention.sliding_window")), "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        }
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(_need(meta, arch, "rope.scaling.factor"))}
+        return
+    config |= {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
+                                  if config["num_hidden_layers"] == 46 else head_dim),
+        "sliding_window": int(_need(meta, arch, "attention.sliding_window")),
+        "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
+    }
+
+
+def _expert_fields(meta: Mapping[str, Any], arch: str, experts: int, tensor_names: set[str]) -> dict[str, Any]:
+    """A mixture-of-experts file's fields: Mixtral's for llama, else the family's own."""
+    used = int(_need(meta, arch, "expert_used_count"))
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+                "num_experts_per_tok": used, "sliding_window": None}
+    # llama.cpp renormalizes Qwen3-MoE's top-k weights and not OLMoE's or Qwen2-MoE's unless the file says
+    # otherwise
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    fields = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": norm}
+    if arch == "qwen3moe":
+        fields |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                   "moe_intermediate_size": int(_need(meta, arch, "expert_feed_forward_length")),
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False}
+    if arch == "olmoe":
+        fields |= {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "clip_qkv": None}
+    if arch == "qwen2moe":
+        # Qwen1.5-MoE: every layer sparse (llama.cpp has no dense qwen2moe layer), a sigmoid-gated shared
+        # expert where the file has one, q/k/v biases where it has them
+        shared = any(name.split(".")[2:3] == ["ffn_gate_inp_shexp"] for name in tensor_names)
+        fields |= {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                   "moe_intermediate_size": int(_need(meta, arch, "expert_feed_forward_length")),
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                   "shared_expert_intermediate_size": int(_need(meta, arch, "expert_shared_feed_forward_length"))
+                   if shared else 0,
+                   "qkv_bias": any(name.endswith(".attn_q.bias") for name in tensor_names)}
+    return fields
+
+
+def _token_ids(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """bos, eos (one or a list) and pad ids, those the tokenizer metadata names."""
+    if meta.get("tokenizer.ggml.tokens") is None:
+        return {}
+    special, ends = special_token_ids(meta), end_token_ids(meta)
+    ids: dict[str, Any] = {}
     if special.get("bos") is not None:
-        config["bos_token_id"] = special["bos"]
+        ids["bos_token_id"] = special["bos"]
     if ends:
-        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+        ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     if special.get("pad") is not None:
-        config["pad_token_id"] = special["pad"]
-    return config
+        ids["pad_token_id"] = special["pad"]
+    return ids
 
 
 def dequantized_state_dict(reader: GGUFReader, config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -232,23 +232,12 @@ def build_tokenizer(vocab: Llama2cVocab, whitespace: WhitespaceHandling = Whites
     `Tokenizer.encode_special_tokens = True`; sentencepiece always reads it as text.
     """
     if whitespace.remove_extra_whitespaces:
-        for token_id in range(FIRST_NORMAL_ID, vocab.size):
-            if vocab.pieces[token_id].startswith(SPACE_SYMBOL * 2):
-                raise ValueError(
-                    f"piece {token_id} {vocab.pieces[token_id]!r} is whitespace that remove_extra_whitespaces "
-                    "would never produce: pass the sentencepiece model so its settings are read"
-                )
+        _check_no_double_spaces(vocab)
     token_ids = {piece: token_id for token_id, piece in enumerate(vocab.pieces)}
     tokenizer = Tokenizer(
         BPE(vocab=token_ids, merges=bpe_merges(vocab), unk_token=UNK, byte_fallback=True, fuse_unk=False)
     )
-    escape = [normalizers.Prepend(SPACE_SYMBOL), normalizers.Replace(" ", SPACE_SYMBOL)]  # Prepend skips ""
-    if whitespace.remove_extra_whitespaces:
-        squeeze = [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(r" {2,}"), " ")]
-        trailing = [normalizers.Replace(Regex(SPACE_SYMBOL + r"+\z"), "")]  # literal "▁" too, as sentencepiece
-        tokenizer.normalizer = normalizers.Sequence(squeeze + escape + trailing)
-    else:
-        tokenizer.normalizer = normalizers.Sequence(escape)
+    tokenizer.normalizer = _normalizer(whitespace)
     tokenizer.pre_tokenizer = None
     tokenizer.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in (UNK, BOS, EOS)])
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -256,14 +245,38 @@ def build_tokenizer(vocab: Llama2cVocab, whitespace: WhitespaceHandling = Whites
         pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
         special_tokens=[(BOS, token_ids[BOS])],
     )
+    tokenizer.decoder = _decoder(whitespace)
+    return tokenizer
+
+
+def _check_no_double_spaces(vocab: Llama2cVocab) -> None:
+    for token_id in range(FIRST_NORMAL_ID, vocab.size):
+        if vocab.pieces[token_id].startswith(SPACE_SYMBOL * 2):
+            raise ValueError(
+                f"piece {token_id} {vocab.pieces[token_id]!r} is whitespace that remove_extra_whitespaces "
+                "would never produce: pass the sentencepiece model so its settings are read"
+            )
+
+
+def _normalizer(whitespace: WhitespaceHandling) -> normalizers.Normalizer:
+    escape = [normalizers.Prepend(SPACE_SYMBOL), normalizers.Replace(" ", SPACE_SYMBOL)]  # Prepend skips ""
+    if not whitespace.remove_extra_whitespaces:
+        return normalizers.Sequence(escape)
+    squeeze = [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(r" {2,}"), " ")]
+    trailing = [normalizers.Replace(Regex(SPACE_SYMBOL + r"+\z"), "")]  # literal "▁" too, as sentencepiece
+    return normalizers.Sequence(squeeze + escape + trailing)
+
+
+def _decoder(whitespace: WhitespaceHandling) -> decoders.Decoder:
     # sentencepiece drops the leading "▁" of the first piece. With remove_extra_whitespaces it does
     # so for every piece while the decoded text is still empty; no piece starts with "▁▁" (checked
-    # above), so that is exactly "strip every leading ▁": a run of "▁" pieces plus the dummy prefix
-    # of the first word. Without it (Llama 2 style, pieces such as "▁▁▁") only one "▁" goes.
-    # Strip runs after ByteFallback and Fuse, on the whole text and before "▁" becomes " ", so it
-    # only ever removes piece spaces: a leading <0x20> byte is a space in sentencepiece's output too.
+    # by _check_no_double_spaces), so that is exactly "strip every leading ▁": a run of "▁" pieces
+    # plus the dummy prefix of the first word. Without it (Llama 2 style, pieces such as "▁▁▁") only
+    # one "▁" goes. Strip runs after ByteFallback and Fuse, on the whole text and before "▁" becomes
+    # " ", so it only ever removes piece spaces: a leading <0x20> byte is a space in sentencepiece's
+    # output too.
     leading = _ALL_LEADING if whitespace.remove_extra_whitespaces else 1
-    tokenizer.decoder = decoders.Sequence(
+    return decoders.Sequence(
         [
             decoders.ByteFallback(),
             decoders.Fuse(),
@@ -271,4 +284,3 @@ def build_tokenizer(vocab: Llama2cVocab, whitespace: WhitespaceHandling = Whites
             decoders.Replace(SPACE_SYMBOL, " "),
         ]
     )
-    return tokenizer

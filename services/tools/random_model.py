@@ -131,6 +131,16 @@ def _config_json(spec: RandomModelSpec) -> dict:
         if "original_max_position_embeddings" in scaling:  # Phi-3 writes it beside rope_scaling
             cfg["original_max_position_embeddings"] = scaling.pop("original_max_position_embeddings")
             cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
+    if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        _as_gemma(spec, cfg)
+    if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        cfg["use_sliding_window"] = False
+    cfg |= _expert_fields(spec)
+    return cfg
+
+
+def _as_gemma(spec: RandomModelSpec, cfg: dict) -> None:
+    """Gemma 2's or 3's fields in place of Llama's: GELU, the query scale, layer types, RoPE per layer type."""
     if spec.architecture == "Gemma3ForCausalLM":
         del cfg["hidden_act"], cfg["rope_theta"]
         layer_types = ["full_attention" if (i + 1) % spec.sliding_window_pattern == 0 else "sliding_attention"
@@ -143,30 +153,33 @@ def _config_json(spec: RandomModelSpec) -> dict:
                                        **dict(spec.rope_scaling)},
                     "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta}}}
         cfg.pop("rope_scaling", None)
-    if spec.architecture == "Gemma2ForCausalLM":
-        del cfg["hidden_act"], cfg["rope_theta"]
-        cfg |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": spec.head_dim,
-                "sliding_window": spec.sliding_window, "rms_norm_eps": 1e-6,
-                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
-                "attn_logit_softcapping": spec.attn_logit_softcapping,
-                "final_logit_softcapping": spec.final_logit_softcapping,
-                "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
-    if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        cfg["use_sliding_window"] = False
+        return
+    del cfg["hidden_act"], cfg["rope_theta"]
+    cfg |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": spec.head_dim,
+            "sliding_window": spec.sliding_window, "rms_norm_eps": 1e-6,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+            "attn_logit_softcapping": spec.attn_logit_softcapping,
+            "final_logit_softcapping": spec.final_logit_softcapping,
+            "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
+
+
+def _expert_fields(spec: RandomModelSpec) -> dict:
+    """A mixture-of-experts architecture's fields (none for a dense one)."""
+    fields: dict = {}
     if spec.architecture == "MixtralForCausalLM":
-        cfg |= {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
-                "sliding_window": spec.sliding_window}
+        fields |= {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                   "sliding_window": spec.sliding_window}
     if spec.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
-        cfg |= {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
-                "norm_topk_prob": spec.norm_topk_prob}
+        fields |= {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+                   "norm_topk_prob": spec.norm_topk_prob}
     if spec.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        cfg |= {"moe_intermediate_size": spec.expert_size, "decoder_sparse_step": 1,
-                "mlp_only_layers": list(spec.mlp_only_layers)}
+        fields |= {"moe_intermediate_size": spec.expert_size, "decoder_sparse_step": 1,
+                   "mlp_only_layers": list(spec.mlp_only_layers)}
     if spec.architecture == "Qwen2MoeForCausalLM":
-        cfg |= {"shared_expert_intermediate_size": spec.shared_expert_intermediate_size, "qkv_bias": True}
+        fields |= {"shared_expert_intermediate_size": spec.shared_expert_intermediate_size, "qkv_bias": True}
     if spec.architecture == "OlmoeForCausalLM":
-        cfg |= {"clip_qkv": None, "pad_token_id": 0}
-    return cfg
+        fields |= {"clip_qkv": None, "pad_token_id": 0}
+    return fields
 
 
 SPACE = "\u2581"  # sentencepiece's word-boundary marker
@@ -221,65 +234,78 @@ def _expert_tensors(spec: RandomModelSpec, p: str, rand) -> dict[str, torch.Tens
     return out
 
 
+class _Draws:
+    """The model's random tensors, drawn in order from one seeded generator."""
+
+    def __init__(self, spec: RandomModelSpec) -> None:
+        self.gen = torch.Generator().manual_seed(spec.seed)
+        self.std = spec.init_std
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * self.std).to(self.dtype)
+
+    def ones(self, n: int) -> torch.Tensor:
+        # Around 1 but not exactly, so a norm weight that is dropped or misplaced shows.
+        return (1.0 + 0.1 * torch.randn(n, generator=self.gen)).to(self.dtype)
+
+
+def _layer_tensors(spec: RandomModelSpec, i: int, draws: _Draws) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s weights under transformers' names for the architecture (unfused)."""
+    d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    rand, ones = draws.rand, draws.ones
+    p = f"model.layers.{i}."
+    tensors = {
+        p + "self_attn.q_proj.weight": rand(spec.num_heads * hd, d),
+        p + "self_attn.k_proj.weight": rand(spec.num_kv_heads * hd, d),
+        p + "self_attn.v_proj.weight": rand(spec.num_kv_heads * hd, d),
+        p + "self_attn.o_proj.weight": rand(d, spec.num_heads * hd),
+        p + "mlp.gate_proj.weight": rand(f, d),
+        p + "mlp.up_proj.weight": rand(f, d),
+        p + "mlp.down_proj.weight": rand(d, f),
+        p + "input_layernorm.weight": ones(d),
+        p + "post_attention_layernorm.weight": ones(d),
+    }
+    if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"):
+        tensors |= {p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)}
+    if spec.architecture == "OlmoeForCausalLM":  # over the whole q and k widths
+        tensors |= {p + "self_attn.q_norm.weight": ones(spec.num_heads * hd),
+                    p + "self_attn.k_norm.weight": ones(spec.num_kv_heads * hd)}
+    if spec.sparse(i):  # the routed experts replace the MLP
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[p + f"mlp.{name}.weight"]
+        tensors |= _expert_tensors(spec, p, rand)
+    if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        tensors |= {p + "pre_feedforward_layernorm.weight": ones(d), p + "post_feedforward_layernorm.weight": ones(d)}
+    if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        tensors |= {
+            p + "self_attn.q_proj.bias": rand(spec.num_heads * hd) * 10,
+            p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,
+            p + "self_attn.v_proj.bias": rand(spec.num_kv_heads * hd) * 10,
+        }
+    if spec.architecture == "Phi3ForCausalLM":  # q|k|v and gate|up in one matrix each
+        tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [tensors.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+        tensors[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")])
+    return tensors
+
+
 def build_random_model(spec: RandomModelSpec, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """Write config.json and model.safetensors, plus tokenizer files: copied from
     ``tokenizer_from`` when given, else a synthetic tokenizer (when the vocabulary has room for one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(spec.seed)
-    d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * spec.init_std).to(dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        # Around 1 but not exactly, so a norm weight that is dropped or misplaced shows.
-        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
-
-    tensors = {"model.embed_tokens.weight": rand(spec.vocab_size, d), "model.norm.weight": ones(d)}
+    draws = _Draws(spec)
+    tensors = {"model.embed_tokens.weight": draws.rand(spec.vocab_size, spec.hidden_size),
+               "model.norm.weight": draws.ones(spec.hidden_size)}
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": rand(spec.num_heads * hd, d),
-            p + "self_attn.k_proj.weight": rand(spec.num_kv_heads * hd, d),
-            p + "self_attn.v_proj.weight": rand(spec.num_kv_heads * hd, d),
-            p + "self_attn.o_proj.weight": rand(d, spec.num_heads * hd),
-            p + "mlp.gate_proj.weight": rand(f, d),
-            p + "mlp.up_proj.weight": rand(f, d),
-            p + "mlp.down_proj.weight": rand(d, f),
-            p + "input_layernorm.weight": ones(d),
-            p + "post_attention_layernorm.weight": ones(d),
-        }
-        if spec.architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"):
-            tensors |= {p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd)}
-        if spec.architecture == "OlmoeForCausalLM":  # over the whole q and k widths
-            tensors |= {p + "self_attn.q_norm.weight": ones(spec.num_heads * hd),
-                        p + "self_attn.k_norm.weight": ones(spec.num_kv_heads * hd)}
-        if spec.sparse(i):  # the routed experts replace the MLP
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                del tensors[p + f"mlp.{name}.weight"]
-            tensors |= _expert_tensors(spec, p, rand)
-        if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-            tensors |= {p + "pre_feedforward_layernorm.weight": ones(d), p + "post_feedforward_layernorm.weight": ones(d)}
-        if spec.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-            tensors |= {
-                p + "self_attn.q_proj.bias": rand(spec.num_heads * hd) * 10,
-                p + "self_attn.k_proj.bias": rand(spec.num_kv_heads * hd) * 10,
-                p + "self_attn.v_proj.bias": rand(spec.num_kv_heads * hd) * 10,
-            }
-    if spec.architecture == "Phi3ForCausalLM":  # q|k|v and gate|up in one matrix each
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [tensors.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
-            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")])
+        tensors |= _layer_tensors(spec, i, draws)
     if spec.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         # Gemma's norms scale by 1 + w: stored weights around 0, not 1
         tensors |= {name: t - 1.0 for name, t in tensors.items() if name.endswith("norm.weight")}
     if not spec.tie_word_embeddings:
-        tensors["lm_head.weight"] = rand(spec.vocab_size, d)
+        tensors["lm_head.weight"] = draws.rand(spec.vocab_size, spec.hidden_size)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(_config_json(spec), indent=2) + "\n")
