@@ -142,6 +142,11 @@ class TargetSpec:
     tokenizer: str = ""
     """openai/anthropic: the served model's tokenizer (a model directory or tokenizer.json), to
     count the usage an upstream does not report; without it that usage is estimated."""
+    stream_tools: bool = True
+    """openai: false asks for a whole reply (``stream: false``) when a chat request offers tools
+    with tool_choice auto, relayed as one piece: for a server that makes such calls only
+    unstreamed (llama-cpp-python's ``chatml-function-calling`` format). That reply's first token
+    then waits for its last."""
 
     @property
     def http(self) -> bool:
@@ -186,7 +191,10 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
         raise ValueError(f"{where}.kind must be one of {list(KINDS)}, got {kind!r}")
     common = {"name", "kind", "model", "cost", "tags", "tls", "token_env", "timeouts", "seed_profile", "breaker",
               "max_concurrency", *LIMIT_FIELDS}
-    _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url", "tokenizer"}), where)
+    _check_keys(item, common | ({"address"} if kind == "tokenmill" else {"url", "tokenizer"})
+                | ({"stream_tools"} if kind == "openai" else set()), where)
+    if not isinstance(item.get("stream_tools", True), bool):
+        raise ValueError(f"{where}.stream_tools must be true or false, got {item['stream_tools']!r}")
     name = item.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name must be a non-empty string")
@@ -218,7 +226,7 @@ def _target(item: Any, where: str, base: Path) -> TargetSpec:
                       _timeouts(item.get("timeouts"), f"{where}.timeouts"),
                       _seed(item.get("seed_profile"), f"{where}.seed_profile"),
                       _breaker(item.get("breaker"), f"{where}.breaker"), _max_concurrency(item, where),
-                      _tokenizer(item, where, base))
+                      _tokenizer(item, where, base), item.get("stream_tools", True))
 
 
 def _tokenizer(item: dict, where: str, base: Path) -> str:

@@ -269,6 +269,55 @@ async def test_tool_choice_required_reaches_llamacpp_as_it_can_take_it(openai_fr
             await front.chat.completions.create(model="smol", stream=stream, **two)
 
 
+@pytest.fixture
+def llamacpp_functions(tmp_path_factory) -> Iterator[int]:
+    """llama.cpp's server with its chatml-function-calling format: tool_choice auto makes calls."""
+    process, port = start_llamacpp(packaged_file(), tmp_path_factory.mktemp("llamacpp-fc") / "server.log",
+                                   extra=("--chat_format", "chatml-function-calling"))
+    yield port
+    process.terminate()
+    process.wait(timeout=30)
+
+
+async def test_tool_choice_auto_calls_come_back_from_llamacpp_asked_whole(llamacpp_functions, tmp_path):
+    """llama-cpp-python's chatml-function-calling format makes tool_choice auto calls only
+    unstreamed (streamed, its event stream ends empty); a target with ``stream_tools: false`` asks
+    such requests whole, and the call comes back through the gateway, streamed and not, as
+    llama.cpp answers it."""
+    direct = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{llamacpp_functions}/v1", api_key=LLAMACPP_KEY,
+                                max_retries=0, timeout=120)
+    ask = {"messages": [{"role": "user", "content": "What is the weather in Paris? Use the tool."}],
+           "tools": WEATHER, "tool_choice": "auto", "temperature": 0, "max_tokens": 30}
+    own = (await direct.chat.completions.create(model="smollm2", **ask)).choices[0]
+    assert own.finish_reason == "tool_calls" and own.message.tool_calls[0].function.name == "get_weather"
+    assert [chunk async for chunk in await direct.chat.completions.create(model="smollm2", stream=True, **ask)] == []
+    await direct.close()
+    os.environ["TEST_LLAMACPP_FC_KEY"] = LLAMACPP_KEY
+    routes = write_routes(tmp_path / "routes.json", {
+        "targets": [{"name": "llamacpp", "kind": "openai", "url": f"http://127.0.0.1:{llamacpp_functions}/v1",
+                     "model": "smollm2", "token_env": "TEST_LLAMACPP_FC_KEY", "stream_tools": False}],
+        "models": {"smol": "llamacpp"}})
+    gateway = await serve_gateway_for(routes)
+    del os.environ["TEST_LLAMACPP_FC_KEY"]
+    try:
+        await wait_healthy(gateway, ["llamacpp"])
+        front = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="unused",
+                                   max_retries=0, timeout=120)
+        expected = json.loads(own.message.tool_calls[0].function.arguments)
+        answer = (await front.chat.completions.create(model="smol", **ask)).choices[0]
+        call = answer.message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments), answer.finish_reason) == (
+            "get_weather", expected, "tool_calls")
+        names, arguments, finish = await streamed_call(front, model="smol", **ask)
+        assert (names, json.loads(arguments), finish) == (["get_weather"], expected, "tool_calls")
+        # without tools the target still streams
+        stream = await front.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, stream=True)
+        assert len([c async for c in stream if c.choices and c.choices[0].delta.content]) >= 2
+        await front.close()
+    finally:
+        await stop_all([gateway])
+
+
 async def test_a_wrong_key_keeps_the_upstream_out_of_the_pool(llamacpp, tmp_path):
     os.environ["TEST_WRONG_KEY"] = "sk-not-the-key"
     try:

@@ -14,5 +14,5 @@ from services.gateway.upstreams.openai import OpenAIDialect
 
 
 def http_upstream(spec: TargetSpec) -> HttpUpstream:
-    dialect = OpenAIDialect(spec.model) if spec.kind == "openai" else AnthropicDialect(spec.model)
+    dialect = OpenAIDialect(spec.model, spec.stream_tools) if spec.kind == "openai" else AnthropicDialect(spec.model)
     return HttpUpstream(spec, dialect)

@@ -1,8 +1,9 @@
 """One HTTP upstream: its client (credentials, TLS, connect timeout), its calls, its health probe.
 
 A call sends the GenerateRequest translated by the target's dialect (openai.py, anthropic.py),
-always streamed (so the gateway sees each token arrive and can measure the upstream: the passive
-profile), and yields the engines' events: Started once the upstream answered 200, a Delta per
+streamed (so the gateway sees each token arrive and can measure the upstream: the passive
+profile; a target's ``stream_tools: false`` asks for tool-offering requests whole, read as one
+chunk), and yields the engines' events: Started once the upstream answered 200, a Delta per
 piece of text, Finished with the upstream's finish reason and usage. Anything that goes wrong
 leaves as a gRPC status (errors.py); a stream that breaks off before its end is UNAVAILABLE, which
 the dispatcher retries only while no token was sent.
@@ -33,6 +34,8 @@ MAX_ERROR_BODY = 4096
 MAX_EVENT_BYTES = 1 << 20
 """Bytes of one line of an upstream's event stream: a line growing past this (an upstream that
 never sends a newline) ends the call, instead of the gateway buffering it without bound."""
+MAX_WHOLE_BYTES = 16 << 20
+"""Bytes of a whole (unstreamed) reply (a target's ``stream_tools: false``)."""
 
 
 def _verify(spec: TargetSpec) -> ssl.SSLContext | bool:
@@ -103,6 +106,8 @@ class UpstreamCall:
         self.message = message
         self.timeout_s = timeout_s
         self._response: httpx2.Response | None = None
+        self._streamed = True
+        """False: the dialect asked for the whole reply (a target's stream_tools: false)."""
         self._aborted = False
         self._events = self._run()
 
@@ -156,6 +161,7 @@ class UpstreamCall:
         upstream, name = self.upstream, self.upstream.spec.name
         loop = asyncio.get_running_loop()
         path, body = upstream.dialect.build(self.message)
+        self._streamed = body.get("stream", True)
         request = upstream.client.build_request("POST", upstream.spec.address + path, json=body,
                                                 headers=upstream.headers)
         try:
@@ -176,16 +182,16 @@ class UpstreamCall:
             said = await _error_body(response)
             raise status_error(name, response.status_code, said, response.headers.get("retry-after"))
         content_type = response.headers.get("content-type", "")
-        if not content_type.startswith("text/event-stream"):
-            raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered {content_type[:100]!r}, not "
-                                                      f"an event stream (text/event-stream)")
+        if not content_type.startswith("text/event-stream" if self._streamed else "application/json"):
+            wanted = "an event stream (text/event-stream)" if self._streamed else "JSON"
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered {content_type[:100]!r}, not {wanted}")
         return response
 
     async def _payloads(self, response: httpx2.Response, reader: StreamReader,
                         deadline: float) -> AsyncIterator[tuple[str, Any]]:
         """(event name, decoded JSON) of each data line, until [DONE], the reader's end or an abort."""
         name = self.upstream.spec.name
-        lines = sse_lines(response, name)
+        lines = sse_lines(response, name) if self._streamed else whole_lines(response, name, self.upstream.dialect)
         event = ""
         while not reader.done:
             try:
@@ -253,6 +259,23 @@ async def sse_lines(response: httpx2.Response, name: str) -> AsyncIterator[str]:
             raise _too_long(name)
     if buffer:
         yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
+async def whole_lines(response: httpx2.Response, name: str, dialect) -> AsyncIterator[str]:
+    """A whole (unstreamed) reply as the event lines of one chunk that says it all."""
+    body = b""
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_WHOLE_BYTES:
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered more than {MAX_WHOLE_BYTES} bytes "
+                                                      f"(MAX_WHOLE_BYTES)")
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise rpc_error(grpc.StatusCode.INTERNAL, f"upstream {name} answered a body that is not JSON: "
+                                                  f"{body[:200]!r}") from None
+    yield "data: " + json.dumps(dialect.whole_chunk(payload))
+    yield "data: [DONE]"
 
 
 def _too_long(name: str) -> grpc.aio.AioRpcError:

@@ -14,6 +14,10 @@ is an error naming it, not a reply. What an OpenAI server cannot be asked (logpr
 token id, prompt logprobs, a regex, choice or Lark grammar, a conversation without the
 assistant's cue) is refused naming it, never dropped.
 
+A target with ``stream_tools: false`` asks for a request with tools and tool_choice auto whole
+(``stream: false``; llama-cpp-python's ``chatml-function-calling`` format makes such calls only
+so): the reply is read as one streamed chunk (``whole_chunk``).
+
 Replies: ``finish_reason`` "length" is LENGTH, anything else EOS (OpenAI does not say whether a
 stop string matched); streamed ``tool_calls`` are gathered and written as ``hermes`` text at the
 end, which the front ends read back into calls.
@@ -79,8 +83,9 @@ class OpenAIDialect:
     kind = KIND
     health_path = "/models"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, stream_tools: bool = True) -> None:
         self.model = model
+        self.stream_tools = stream_tools
 
     def headers(self, token: str) -> dict[str, str]:
         return {"authorization": f"Bearer {token}"} if token else {}
@@ -97,6 +102,9 @@ class OpenAIDialect:
             if tools:
                 body["tools"] = tools
             body.update(tool_choice(chat, tools))
+            if tools and chat.tool_choice == "auto" and not self.stream_tools:
+                body["stream"] = False
+                del body["stream_options"]
             path = "/chat/completions"
         elif prompt == "text":
             body["prompt"] = message.text
@@ -111,6 +119,18 @@ class OpenAIDialect:
 
     def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
         return OpenAIReader(call_choice(message), self.model)
+
+    @staticmethod
+    def whole_chunk(payload: dict[str, Any]) -> dict[str, Any]:
+        """A whole (``stream: false``) chat reply as the one streamed chunk that says it all."""
+        choices = []
+        for choice in payload.get("choices") or ():
+            message = choice.get("message") or {}
+            calls = [{"index": i, "function": call.get("function") or {}}
+                     for i, call in enumerate(message.get("tool_calls") or ())]
+            choices.append({"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason"),
+                            "delta": {"content": message.get("content"), "tool_calls": calls}})
+        return {"choices": choices, "usage": payload.get("usage")}
 
 
 def tool_choice(chat: generation_pb2.ChatMessages, tools: list[dict[str, Any]]) -> dict[str, Any]:
