@@ -9,9 +9,10 @@ anything is applied.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.step import SequenceOutput
+from services.common.step import SequenceOutput, StepPlan, StepResult
 from services.scheduler.request.request import Request
 
 
@@ -113,3 +114,28 @@ def check_output(in_flight: dict[int, ScheduledWork], output: SequenceOutput) ->
             f"seq id {output.seq_id}: {len(output.logprobs)} logprobs for {num_tokens} tokens"
         )
 
+
+def checked_in_flight(steps: deque[StepInFlight], plan: StepPlan,
+                      result: StepResult) -> dict[int, ScheduledWork]:
+    """The scheduled sequences of ``plan``, the oldest step in flight, once ``result`` is
+    found to answer each of them that is still current exactly once (else ValueError)."""
+    if not steps or plan.step_id != steps[0].step_id:
+        oldest = steps[0].step_id if steps else None
+        raise ValueError(
+            f"plan.step_id={plan.step_id} is not the oldest step in flight ({oldest})"
+        )
+    in_flight = steps[0].scheduled
+    output_seq_ids = [output.seq_id for output in result.outputs]
+    if len(set(output_seq_ids)) != len(output_seq_ids):
+        raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
+    for output in result.outputs:
+        check_output(in_flight, output)
+    answered = set(output_seq_ids)
+    missing = [
+        seq_id
+        for seq_id, scheduled in in_flight.items()
+        if scheduled.is_current and seq_id not in answered
+    ]
+    if missing:
+        raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
+    return in_flight

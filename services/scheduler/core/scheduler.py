@@ -81,12 +81,12 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from services.common.step import NewSequence, RunningSequence, StepPlan, StepResult, TokenLogprobs
+from services.common.step import RunningSequence, StepPlan, StepResult, TokenLogprobs
 from services.scheduler.core import step_size
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
-from services.scheduler.core.in_flight import ScheduledWork, StepInFlight, check_output, mark_in_flight
+from services.scheduler.core.in_flight import StepInFlight, checked_in_flight, mark_in_flight
 from services.scheduler.core.preemption import Preemption
 from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.stats import SchedulerStats
@@ -313,13 +313,9 @@ class Scheduler:
                 hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            if limits.long_prefill_token_threshold > 0:
-                num_new = min(num_new, limits.long_prefill_token_threshold)
-            if num_new > budget:
-                if not limits.enable_chunked_prefill:
-                    break  # wait for a step with room for the whole prompt; keep arrival order
-                num_new = budget
+            num_new = step_size.starting_tokens(request.num_tokens - num_hit_tokens, budget, limits)
+            if num_new is None:
+                break  # wait for a step with room for the whole prompt; keep arrival order
             new_block_ids = manager.allocate_slots(request, num_new, hit_block_ids)
             if new_block_ids is None:
                 break  # out of blocks: later requests must not overtake this one
@@ -331,19 +327,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             bisect.insort(self.running, request, key=_sort_key)
-            plan.new.append(
-                NewSequence(
-                    seq_id=request.seq_id,
-                    token_ids=list(request.all_token_ids),
-                    prompt_len=request.num_prompt_tokens,
-                    num_computed_tokens=num_hit_tokens,
-                    num_scheduled_tokens=num_new,
-                    block_ids=list(request.block_ids),
-                    sampling=request.sampling,
-                    min_tokens_ban=request.min_tokens_ban,
-                    adapter=request.adapter,
-                )
-            )
+            plan.new.append(step_size.new_sequence(request, num_new))
             if request.adapter:
                 adapters.add(request.adapter)
             mark_in_flight(step, request, num_new)
@@ -367,7 +351,7 @@ class Scheduler:
             if result.outputs:
                 raise ValueError(f"step {plan.step_id} scheduled no sequence but the result has outputs")
             return []
-        in_flight = self._checked_in_flight(plan, result)
+        in_flight = checked_in_flight(self._in_flight, plan, result)
         self._in_flight.popleft()
         if not plan.new and all(seq.num_scheduled_tokens == 1 for seq in plan.running):
             self.burst.observe(result.execute_seconds, max(seq.num_steps for seq in plan.running))
@@ -411,30 +395,6 @@ class Scheduler:
                 self._finish(request, update.finish_reason, update.stop_reason)
             updates.append(update)
         return updates
-
-    def _checked_in_flight(self, plan: StepPlan, result: StepResult) -> dict[int, ScheduledWork]:
-        """The scheduled sequences of ``plan``, the oldest step in flight, once ``result`` is
-        found to answer each of them that is still current exactly once (else ValueError)."""
-        if not self._in_flight or plan.step_id != self._in_flight[0].step_id:
-            oldest = self._in_flight[0].step_id if self._in_flight else None
-            raise ValueError(
-                f"plan.step_id={plan.step_id} is not the oldest step in flight ({oldest})"
-            )
-        in_flight = self._in_flight[0].scheduled
-        output_seq_ids = [output.seq_id for output in result.outputs]
-        if len(set(output_seq_ids)) != len(output_seq_ids):
-            raise ValueError(f"step {plan.step_id}: duplicate seq ids in outputs {output_seq_ids}")
-        for output in result.outputs:
-            check_output(in_flight, output)
-        answered = set(output_seq_ids)
-        missing = [
-            seq_id
-            for seq_id, scheduled in in_flight.items()
-            if scheduled.is_current and seq_id not in answered
-        ]
-        if missing:
-            raise ValueError(f"step {plan.step_id}: no output for scheduled seq ids {missing}")
-        return in_flight
 
     def _count_accepted_drafts(self, request: Request, num_drafts: int, num_accepted: int, num_new: int) -> None:
         """Speculation's statistics after a step that verified ``num_drafts`` drafts of ``request``

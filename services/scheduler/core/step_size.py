@@ -4,6 +4,7 @@ rules of overlap, speculation and multi-step they follow)."""
 
 from __future__ import annotations
 
+from services.common.step import NewSequence
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.request.request import Request
 
@@ -61,3 +62,32 @@ def decode_steps(request: Request, num_new: int, draft_token_ids: list[int], max
     if request.stop.max_tokens is not None:
         room = min(room, request.stop.max_tokens - request.num_output_tokens - request.num_output_placeholders)
     return max(1, min(max_steps, room))
+
+
+def starting_tokens(num_uncomputed: int, budget: int, limits: SchedulerLimits) -> int | None:
+    """Tokens a waiting request computes in the plan that starts it, its ``num_uncomputed``
+    (after a prefix hit) cut at long_prefill_token_threshold and, with chunked prefill, at the
+    ``budget``; None when it must wait for a step with room for its whole prompt."""
+    num_new = num_uncomputed
+    if limits.long_prefill_token_threshold > 0:
+        num_new = min(num_new, limits.long_prefill_token_threshold)
+    if num_new > budget:
+        if not limits.enable_chunked_prefill:
+            return None
+        num_new = budget
+    return num_new
+
+
+def new_sequence(request: Request, num_new: int) -> NewSequence:
+    """The plan's entry of a request it starts: in full, from its computed tokens on."""
+    return NewSequence(
+        seq_id=request.seq_id,
+        token_ids=list(request.all_token_ids),
+        prompt_len=request.num_prompt_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        num_scheduled_tokens=num_new,
+        block_ids=list(request.block_ids),
+        sampling=request.sampling,
+        min_tokens_ban=request.min_tokens_ban,
+        adapter=request.adapter,
+    )
