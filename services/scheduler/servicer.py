@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
 
 import structlog
 
-from services.common.codec.step_codec import sampling_from_proto
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import InvalidArgumentError
 from services.common.metrics import TenantMetrics
-from services.common.sampling_params import SamplingParams
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.step import ExecutorInfo
 from services.scheduler.admission import Admission
 from services.scheduler.auth import AuthTable, Tenant, current_tenant, salted_scope
-from services.scheduler.engine.core import EXECUTOR_UNAVAILABLE
-from services.scheduler.generation_codec import (
-    delta_to_protos, model_info_to_proto, profile_to_proto, stop_from_proto, structured_output_from_proto)
+from services.scheduler.generation_codec import delta_to_protos, model_info_to_proto, profile_to_proto
+from services.scheduler.intake import GenerateIntake
 from services.common.latency_profile import LatencyProfileRecorder
 from services.scheduler.profile_cache import ProfileCache
 from services.scheduler.request.delta import GenerationDelta
-from services.scheduler.request.stop import StopConditions
-from services.scheduler.request_limits import MAX_FAIRNESS_KEY_CHARS, MAX_REQUEST_ID_CHARS, RequestLimits, check_sizes
+from services.scheduler.request_limits import MAX_FAIRNESS_KEY_CHARS, MAX_REQUEST_ID_CHARS, RequestLimits
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.structured.grammar_compiler import GrammarCompiler
 from services.scheduler.supervisor import Supervisor
@@ -73,17 +68,6 @@ def _final_delta(queue: asyncio.Queue) -> GenerationDelta | None:
     return final
 
 
-@dataclass(slots=True)
-class _Intake:
-    """What a Generate call keeps of its request once the fields are taken."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stop: StopConditions
-    priority: int
-    num_speculative_tokens: int | None
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, supervisor: Supervisor, admission: Admission, *, max_prompt_chars: int = 0,
                  profile: LatencyProfileRecorder | None = None, model_name: str = "",
@@ -92,8 +76,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.supervisor = supervisor
         self.admission = admission
         """The bounded queue at the door: refuses a request before it is tokenized."""
-        self.max_prompt_chars = max_prompt_chars
-        """0 = CHARS_PER_TOKEN_BOUND characters per token of the model's context (request_limits.py)."""
         self.profile = profile
         self._profiles = ProfileCache(profile) if profile is not None else None
         """GetProfile's snapshots, cached and capped (profile_cache.py)."""
@@ -103,86 +85,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.grammar_compiler = grammar_compiler or GrammarCompiler(SchedulerLimits().max_grammar_bytes)
         """Structured outputs, compiled at admission off the event loop (in the service, on its
         compile worker processes) and cached by content."""
-        """With authentication on: the tenants' token budgets."""
+        self.intake = GenerateIntake(supervisor, self.grammar_compiler, max_prompt_chars, model_name)
 
     def _executor_info(self) -> ExecutorInfo:
-        """The model's facts, as the first attached executor reports them (every executor of
-        an engine serves the same model)."""
-        lane = next(iter(self.supervisor.core.lanes.values()), None)
-        if lane is None:
-            raise UnavailableError(EXECUTOR_UNAVAILABLE)
-        return lane.info
-
-    def _context_limit(self) -> int:
-        return self._executor_info().max_model_len
+        return self.intake.executor_info()
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(self._context_limit(), self.max_prompt_chars, self.grammar_compiler.max_grammar_bytes)
-
-    def _check_prompt_tokens(self, field: str, what: str, count: int) -> None:
-        # The prompt must leave room for one generated token: refused here, by the field the
-        # client set, before the ids are copied or queued.
-        limit = self._context_limit()
-        if count >= limit:
-            raise InvalidArgumentError(f"prompt {field} {what} {count} tokens; the context limit is max_model_len="
-                                       f"{limit} (prompt + at least one generated token)")
-
-    async def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise InvalidArgumentError("prompt is empty: set one of text, token_ids or chat")
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
-        if add_special and kind != "text":
-            raise InvalidArgumentError(f"add_special_tokens=true applies to text prompts only; a {kind} prompt is "
-                                       "used as sent (token_ids) or as its chat template writes it (chat)")
-        tokenizers = self.supervisor.tokenizers
-        if kind == "text":
-            if not request.text:
-                raise InvalidArgumentError("prompt text is empty")
-            ids = await tokenizers.encode(request.text, True if add_special is None else add_special)
-            self._check_prompt_tokens("text", "encodes to", len(ids))
-            return ids
-        if kind == "token_ids":
-            count = len(request.token_ids.ids)  # counted in place: the ids are copied only if they fit
-            if not count:
-                raise InvalidArgumentError("prompt token_ids is empty")
-            self._check_prompt_tokens("token_ids", "has", count)
-            return list(request.token_ids.ids)
-        chat = request.chat
-        if not chat.messages:
-            raise InvalidArgumentError("prompt chat has no messages")
-        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        # The template writes its own BOS and turn markers; its ids come back as rendered.
-        ids = await tokenizers.render_chat(chat.messages, add_prompt, chat.tools_json)
-        self._check_prompt_tokens("chat", "renders to", len(ids))
-        return ids
-
-    async def _intake(self, request: generation_pb2.GenerateRequest, tenant: Tenant | None,
-                      share: str) -> _Intake:
-        """Every field the request's life needs, taken from the message: sizes checked in place
-        first (request_limits.py), then copied, then the prompt tokenized."""
-        check_sizes(request, self.limits())
-        sampling = sampling_from_proto(request.sampling)
-        stop = stop_from_proto(request.stop)
-        structured = structured_output_from_proto(request)
-        if tenant is not None:
-            # Before any compile: a caller the tenant's permissions refuse costs no grammar work.
-            tenant.check_request(self.model_name, request.priority)
-        if structured is not None:
-            # Before the prompt: a bad schema costs no tokenizer call, and the request
-            # reaches the waiting queue only with its grammar ready.
-            sampling.grammar = await self.grammar_compiler.compile(structured, share)
-            # The executors build its matcher and first mask now, over the model's vocabulary,
-            # off their step threads: no step pays for a new grammar.
-            error = await self.supervisor.prepare_grammar(sampling.grammar)
-            if error:
-                raise InvalidArgumentError(f"{structured.field} cannot run on the model's vocabulary: {error}")
-        spec_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
-        if spec_k is not None and spec_k < 0:
-            raise InvalidArgumentError(f"num_speculative_tokens must be >= 0 (0 = no speculation), got {spec_k}")
-        priority = request.priority
-        prompt_ids = await self._prompt_ids(request)
-        return _Intake(prompt_ids, sampling, stop, priority, spec_k)
+        return self.intake.limits()
 
     def _request_key(self, request_id: str, tenant) -> tuple[str, str]:
         """The call's request id (a fresh one when it gave none) and its key among the running
@@ -208,13 +117,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # The door first: a full queue is refused before anything is parsed or tokenized.
         place = self.admission.enter(share)
         try:
-            intake = await self._intake(request, tenant, share)
+            intake = await self.intake.take(request, tenant, share)
             salt, adapter = request.cache_salt, request.adapter
             # The stream may last minutes: hold what was taken, not the message (the server's own
             # reference goes with RequestRelease, request_release.py).
             del request
             budget = self._budget(tenant)
-            reservation = budget.reserve(tenant.name, self._most_tokens(intake)) if budget is not None else None
+            reservation = budget.reserve(tenant.name, self.intake.most_tokens(intake)) if budget is not None else None
             try:
                 deltas = self.supervisor.submit(
                     key, intake.prompt_ids, intake.sampling, intake.stop, intake.priority,
@@ -252,12 +161,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self._ended(tenant, reservation, prompt_tokens, final)
         finally:
             self.admission.leave(place)
-
-    def _most_tokens(self, intake: _Intake) -> int:
-        """What a request may use at most: its prompt and max_tokens (or the rest of the context)."""
-        prompt = len(intake.prompt_ids)
-        max_tokens = intake.stop.max_tokens
-        return prompt + (max_tokens if max_tokens is not None else max(self._context_limit() - prompt, 0))
 
     def _budget(self, tenant: Tenant | None) -> TokenBudget | None:
         table = self.auth_table
