@@ -356,3 +356,19 @@ def test_a_required_tool_choice_is_the_upstreams_own_call_in_the_constrained_rep
     cut = OpenAIDialect("smol").reader(message)  # cut by max_tokens before the call began: empty, as an engine's
     cut.feed("", {"choices": [{"delta": {}, "finish_reason": "length"}]})
     assert cut.take() == [] and cut.finish == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_call_that_never_reached_its_target_is_told_from_one_that_died_there():
+    """The evidence the dispatcher's grammar quarantine needs (dispatch.reached): a refused
+    connection (grpc's words for it, an upstream's ConnectError) is not a death while admitting."""
+    from services.gateway.dispatch import reached
+    from services.gateway.upstreams.errors import rpc_error
+
+    def grpc_error(details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    assert not reached(grpc_error("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
+                                  "Failed to connect to remote host: Connection refused"))
+    assert reached(grpc_error("Stream removed (Socket closed)"))
+    assert not reached(rpc_error(grpc.StatusCode.UNAVAILABLE, "upstream u cannot be reached", reached=False))
+    assert reached(rpc_error(grpc.StatusCode.UNAVAILABLE, "upstream u broke off the stream"))
