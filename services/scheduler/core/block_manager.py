@@ -14,16 +14,9 @@ Block 0 is an ordinary block. No "null" block is reserved: padding entries of a 
 are never read (context lengths bound every gather) and padded slots use slot id -1, so the
 executor needs no dummy block.
 
-Sliding windows (services/common/kv_groups.py): a model mixing window and full-attention layers
-has several KV groups, and a request's block table interleaves them (entry ``i * num_groups +
-k`` is group ``k``'s block for the ``i``-th ``block_size`` tokens). Once a window group's block
-lies wholly before the window of the request's next query, the request gives it back
-(``computed``); its entry stays in the table (the executor never reads it again: every backend
-attends within the window) but the block is free, and keeps its prefix hash until evicted. A
-prefix hit then needs the full groups' blocks of the whole prefix but the window groups' blocks
-of its last window only; the entries before that are ``PLACEHOLDER``, held by no one and never
-read. ``_window_start`` records, per request, the first block whose window-group entries it
-holds.
+Sliding windows: the rules over a table whose KV groups include window groups (entries given
+back once the window passes them, placeholders before a prefix hit's last window) are
+window_tables.py's.
 """
 
 from __future__ import annotations
@@ -31,10 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from services.common.kv_groups import first_needed_block
 from services.scheduler.core.block_pool import BlockPool
-from services.scheduler.core.free_block_queue import KVBlock
 from services.scheduler.core.prefix_cache import PrefixCache, hash_block_tokens, scope_root_hash
+from services.scheduler.core.window_tables import PLACEHOLDER, WindowTables
 
 if TYPE_CHECKING:
     from services.scheduler.request.request import Request
@@ -46,11 +38,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-PLACEHOLDER = 0
-"""A window group's table entry the request does not hold (before its window since a prefix
-hit): any valid id, never read."""
-
-
 class BlockManager:
     """Allocates blocks to requests, shares cached prefix blocks, evicts LRU cached blocks.
 
@@ -59,20 +46,14 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  group_windows: Sequence[int] = (0,)) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not group_windows or min(group_windows) < 0:
-            raise ValueError(f"group_windows must be one window >= 0 per KV group, got {list(group_windows)}")
+        _check(num_blocks, block_size, group_windows)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.group_windows = tuple(group_windows)
-        """Per KV group, its sliding window in tokens (0: full attention); see the module docstring."""
-        self.num_groups = len(self.group_windows)
-        self._window_start: dict[str, int] = {}
-        """Per request with window groups: its first block whose window-group entries it holds."""
+        self._windows = WindowTables(block_size, group_windows)
+        self.group_windows = self._windows.group_windows
+        """Per KV group, its sliding window in tokens (0: full attention); see window_tables.py."""
+        self.num_groups = self._windows.num_groups
         self._prefixes = PrefixCache(block_size)
         self._pool = BlockPool(num_blocks, self._prefixes.evict)
         self.blocks = self._pool.blocks
@@ -114,37 +95,9 @@ class BlockManager:
         if not self.enable_prefix_caching or request.block_ids or request.needs_prompt_logprobs:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        n = self.num_groups
-        full = [k for k, w in enumerate(self.group_windows) if not w]
-        hits = self._prefixes.cached_rows(request, max_hit_blocks, n, full)
-        # The longest prefix whose window groups hold every block their last window reads.
-        num_hit = len(hits)
-        while num_hit > 0 and not self._window_blocks_cached(hits, num_hit):
-            num_hit -= 1
-        first = self._first_needed(num_hit * self.block_size)
-        table: list[int] = []
-        for index in range(num_hit):
-            for k in range(n):
-                block = hits[index][k]
-                held = not self.group_windows[k] or index >= first
-                table.append(block.block_id if held else PLACEHOLDER)
-        return table, num_hit * self.block_size
-
-    def _window_blocks_cached(self, hits: list[list[KVBlock | None]], num_hit: int) -> bool:
-        first = self._first_needed(num_hit * self.block_size)
-        return all(hits[index][k] is not None for index in range(first, num_hit)
-                   for k, window in enumerate(self.group_windows) if window)
-
-    def _first_needed(self, num_computed_tokens: int) -> int:
-        """The first block whose window-group entries a request with this many computed tokens
-        still reads: one bound for every window group, that of the widest window."""
-        return min((first_needed_block(num_computed_tokens, w, self.block_size) for w in self.group_windows if w),
-                   default=0)
-
-    def _holds(self, request_id: str, index: int) -> list[int]:
-        """The groups whose entries of block ``index`` the request holds."""
-        start = self._window_start.get(request_id, 0)
-        return [k for k, w in enumerate(self.group_windows) if not w or index >= start]
+        hits = self._prefixes.cached_rows(request, max_hit_blocks, self.num_groups, self._windows.full_groups)
+        table = self._windows.hit_table(hits)
+        return table, len(table) // self.num_groups * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's fully computed blocks in the prefix cache.
@@ -164,7 +117,7 @@ class BlockManager:
             return
         self._prefixes.register(request, num_full, (
             (index, k, self.blocks[request.block_ids[index * n + k]])
-            for index in range(start, num_full) for k in self._holds(request.request_id, index)))
+            for index in range(start, num_full) for k in self._windows.holds(request.request_id, index)))
 
     def computed(self, request: Request) -> None:
         """After request.num_computed_tokens advanced: cache its full blocks, then give back the
@@ -172,17 +125,9 @@ class BlockManager:
         reusable by a later prefix until evicted). Queries of steps in flight come later still,
         so they read none of them; nothing writes them again."""
         self.cache_full_blocks(request)
-        if not any(self.group_windows):
-            return
-        first = min(self._first_needed(request.num_computed_tokens), len(request.block_ids) // self.num_groups)
-        start = self._window_start.get(request.request_id, 0)
-        if first <= start:
-            return
-        n = self.num_groups
-        released = [request.block_ids[index * n + k] for index in range(start, first)
-                    for k, w in enumerate(self.group_windows) if w]
-        self._window_start[request.request_id] = first
-        self.release(released[::-1])  # release() appends in reverse: the oldest is evicted first
+        if any(self.group_windows):
+            passed = self._windows.passed(request.request_id, request.block_ids, request.num_computed_tokens)
+            self.release(passed[::-1])  # release() appends in reverse: the oldest is evicted first
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -212,16 +157,13 @@ class BlockManager:
         num_required = _cdiv(num_planned + num_new_tokens, self.block_size)
         num_to_allocate = n * max(0, num_required - len(request.block_ids) // n - num_hit_blocks)
         # The hit's entries the request holds (not a window group's placeholders before its window).
-        window_start = self._first_needed(num_hit_blocks * self.block_size)
-        claimed = [block_id for index in range(num_hit_blocks) for k, block_id in
-                   enumerate(computed_block_ids[index * n:(index + 1) * n])
-                   if not self.group_windows[k] or index >= window_start]
+        claimed, window_start = self._windows.claimed(computed_block_ids)
         # A hit on a free (cached, unreferenced) block takes it out of the free pool too.
         if num_to_allocate + self._pool.num_free_among(claimed) > self._pool.num_free:
             return None
         self._pool.claim(claimed)
         if is_first_allocation and window_start:
-            self._window_start[request.request_id] = window_start
+            self._windows.set_start(request.request_id, window_start)
         new_block_ids = self._pool.take(num_to_allocate)
         request.block_ids.extend(computed_block_ids)
         request.block_ids.extend(new_block_ids)
@@ -244,11 +186,9 @@ class BlockManager:
         another executor, and the blocks must not be handed out before ``release``. Returns the
         blocks it holds (its table without the window entries it gave back)."""
         table, request.block_ids = request.block_ids, []
-        n = self.num_groups
-        block_ids = [table[index * n + k] for index in range(len(table) // n)
-                     for k in self._holds(request.request_id, index)]
+        block_ids = self._windows.held_ids(request.request_id, table)
         self._prefixes.forget(request.request_id)
-        self._window_start.pop(request.request_id, None)
+        self._windows.forget(request.request_id)
         return block_ids
 
     def release(self, block_ids: list[int]) -> None:
@@ -259,3 +199,12 @@ class BlockManager:
         """Tokens of ``token_ids`` this pool's prefix cache holds for ``cache_scope``, in full
         blocks (never the last token): a placement probe that records nothing."""
         return self._prefixes.cached_prefix_tokens(token_ids, cache_scope) if self.enable_prefix_caching else 0
+
+
+def _check(num_blocks: int, block_size: int, group_windows: Sequence[int]) -> None:
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not group_windows or min(group_windows) < 0:
+        raise ValueError(f"group_windows must be one window >= 0 per KV group, got {list(group_windows)}")
