@@ -433,43 +433,38 @@ async def test_a_conversation_with_tool_calls_and_results_crosses_either_dialect
     assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
 
 
-async def test_a_named_tool_choice_through_an_openai_upstream_comes_back_as_the_call(anthropic_front):
-    """A named tool_choice travels as the function's JSON schema (response_format); the upstream's
-    constrained JSON comes back as that function's call, as the upstream itself answers the call.
-    The Messages dialect cannot carry the schema and says so."""
+@pytest.mark.parametrize("model", ["tale-openai", "tale"])
+async def test_a_named_tool_choice_through_either_dialect_comes_back_as_the_call(anthropic_front, model):
+    """A named tool_choice travels as itself (OpenAI's function, Anthropic's tool); the upstream's
+    call comes back as that function's call, as the upstream itself answers it."""
     chat, _, upstream = anthropic_front
     ask = {"messages": CALLED[:1], "tools": WEATHER, "temperature": 0, "max_tokens": 40,
            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     direct = (await upstream.chat.completions.create(model="stories", **ask)).choices[0]
     reference = direct.message.tool_calls[0]
-    answer = await chat.chat.completions.create(model="tale-openai", **ask)
+    answer = await chat.chat.completions.create(model=model, **ask)
     call = answer.choices[0].message.tool_calls[0]
     assert (call.function.name, call.function.arguments) == ("get_weather", reference.function.arguments)
     assert answer.choices[0].finish_reason == direct.finish_reason
-    stream = await chat.chat.completions.create(model="tale-openai", stream=True, **ask)
-    names, arguments = [], ""
-    async for chunk in stream:
-        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
-            names += [delta.function.name] if delta.function.name else []
-            arguments += delta.function.arguments or ""
-    assert (names, arguments) == (["get_weather"], reference.function.arguments)
-    with pytest.raises(openai.BadRequestError, match="cannot be sent to an anthropic upstream"):
-        await chat.chat.completions.create(model="tale", **ask)
+    names, arguments, finish = await streamed_call(chat, model=model, **ask)
+    assert (names, arguments, finish) == (["get_weather"], reference.function.arguments, direct.finish_reason)
 
 
-async def test_tool_choice_required_over_two_tools_travels_as_itself(anthropic_front):
-    """An OpenAI-compatible upstream that enforces ``required`` (a tokenmill gateway) gets it as
-    itself with both tools, and its call comes back as the upstream answers it, streamed and not."""
+@pytest.mark.parametrize("model", ["tale-openai", "tale"])
+async def test_tool_choice_required_over_two_tools_travels_as_itself(anthropic_front, model):
+    """An upstream that enforces ``required`` (a tokenmill gateway) gets it with both tools (OpenAI's
+    ``required``, Anthropic's ``any``), and its call comes back as the upstream answers it,
+    streamed and not."""
     chat, _, upstream = anthropic_front
     ask = {"messages": CALLED[:1], "tools": TWO_TOOLS, "tool_choice": "required", "temperature": 0,
            "max_tokens": 40}
     direct = (await upstream.chat.completions.create(model="stories", **ask)).choices[0]
     reference = direct.message.tool_calls[0]
-    answer = await chat.chat.completions.create(model="tale-openai", **ask)
+    answer = await chat.chat.completions.create(model=model, **ask)
     call = answer.choices[0].message.tool_calls[0]
     assert (call.function.name, call.function.arguments) == (reference.function.name, reference.function.arguments)
     assert answer.choices[0].finish_reason == direct.finish_reason
-    names, arguments, finish = await streamed_call(chat, model="tale-openai", **ask)
+    names, arguments, finish = await streamed_call(chat, model=model, **ask)
     assert (names, arguments, finish) == ([reference.function.name], reference.function.arguments,
                                           direct.finish_reason)
 

@@ -4,8 +4,12 @@ A conversation's system turns become ``system``; an assistant turn's calls becom
 blocks and tool turns ``tool_result`` blocks of a user turn (consecutive turns of one role are
 merged, as the API wants them alternating); tools become Anthropic's ``{name, description,
 input_schema}``. A text prompt is sent as one user turn. ``max_tokens`` is required by the API:
-absent, ``DEFAULT_MAX_TOKENS`` is sent. What the API cannot be asked (token-id prompts, logprobs,
-penalties, seeds, logit bias, structured outputs, stop token ids) is refused naming it.
+absent, ``DEFAULT_MAX_TOKENS`` is sent. ``tool_choice`` auto and none travel as themselves,
+``required`` as ``any`` and a named function as ``tool`` (the structured output the front end set
+beside them stays here: the call obeys its tool's schema), the first ``tool_use`` block read back
+as the reply an engine constrains to that choice (dialect.ConstrainedCall). What the API cannot be
+asked (token-id prompts, logprobs, penalties, seeds, logit bias, other structured outputs, stop
+token ids) is refused naming it.
 
 Replies: ``end_turn`` and ``tool_use`` are EOS, ``max_tokens`` LENGTH, ``stop_sequence`` STOP with
 the sequence; ``tool_use`` blocks are written as ``hermes`` text, which the front ends read back
@@ -20,7 +24,7 @@ from typing import Any
 import grpc
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
-from services.gateway.upstreams.dialect import StreamReader, hermes_call
+from services.gateway.upstreams.dialect import ConstrainedCall, StreamReader, call_choice, hermes_call
 from services.gateway.upstreams.errors import refused, rpc_error
 from services.gateway.upstreams.sampling import sampling_body
 
@@ -93,7 +97,7 @@ class AnthropicDialect:
         return headers
 
     def build(self, message: generation_pb2.GenerateRequest) -> tuple[str, dict[str, Any]]:
-        if message.HasField("structured_output"):
+        if message.HasField("structured_output") and not call_choice(message):
             raise refused(KIND, "structured output")
         body: dict[str, Any] = {"model": self.model, "stream": True, "max_tokens": DEFAULT_MAX_TOKENS,
                                 **sampling_body(KIND, message, SAMPLING)}
@@ -108,7 +112,7 @@ class AnthropicDialect:
             if message.chat.tools_json:
                 body["tools"] = _tools(message.chat.tools_json)
             if message.chat.tool_choice:
-                body["tool_choice"] = {"type": message.chat.tool_choice}  # auto or none, as Anthropic spells them
+                body["tool_choice"] = _tool_choice(message.chat)
         elif prompt == "text":
             body["messages"] = [{"role": "user", "content": message.text}]
         else:
@@ -116,14 +120,22 @@ class AnthropicDialect:
         return "/v1/messages", body
 
     def reader(self, message: generation_pb2.GenerateRequest) -> StreamReader:
-        return AnthropicReader()
+        return AnthropicReader(call_choice(message), self.model)
+
+
+def _tool_choice(chat: generation_pb2.ChatMessages) -> dict[str, Any]:
+    if chat.tool_choice == "function":
+        return {"type": "tool", "name": chat.tool_function}
+    return {"type": "any" if chat.tool_choice == "required" else chat.tool_choice}  # auto, none: the same words
 
 
 class AnthropicReader(StreamReader):
-    def __init__(self) -> None:
+    def __init__(self, choice: str = "", model: str = "") -> None:
         super().__init__()
         self._call: list[str] | None = None
         """The tool_use block being streamed: [name, input JSON so far]."""
+        self._constrained = ConstrainedCall(self, choice, model) if choice else None
+        """A named or required tool_choice: the reply is the first tool_use block, as it streams."""
 
     def feed(self, event: str, payload: dict[str, Any]) -> None:
         kind = payload.get("type", event)
@@ -134,14 +146,20 @@ class AnthropicReader(StreamReader):
             block = payload.get("content_block") or {}
             if block.get("type") == "tool_use":
                 self._call = [block.get("name", ""), ""]
+                if self._constrained is not None:
+                    self._constrained.open(block.get("name", ""))
             elif block.get("type") == "text":
-                self.text(block.get("text") or "")
+                self._text(block.get("text") or "")
         elif kind == "content_block_delta":
             delta = payload.get("delta") or {}
             if delta.get("type") == "text_delta":
-                self.text(delta.get("text") or "")
+                self._text(delta.get("text") or "")
             elif delta.get("type") == "input_json_delta" and self._call is not None:
                 self._call[1] += delta.get("partial_json") or ""
+                if self._constrained is not None:
+                    self._constrained.arguments(delta.get("partial_json") or "")
+        elif kind == "content_block_stop" and self._call is not None and self._constrained is not None:
+            self._call = None
         elif kind == "content_block_stop" and self._call is not None:
             name, arguments = self._call
             self._call = None
@@ -151,6 +169,8 @@ class AnthropicReader(StreamReader):
             reason = delta.get("stop_reason")
             if reason:
                 self.finish = STOP_REASONS.get(reason, common_pb2.FINISH_REASON_EOS)
+                if self._constrained is not None:
+                    self._constrained.close(reason == "max_tokens")
                 if reason == "stop_sequence" and delta.get("stop_sequence") is not None:
                     self.stop_reason = delta["stop_sequence"]
             usage = payload.get("usage") or {}
@@ -161,3 +181,9 @@ class AnthropicReader(StreamReader):
             error = payload.get("error") or {}
             code = grpc.StatusCode.UNAVAILABLE if error.get("type") == "overloaded_error" else grpc.StatusCode.INTERNAL
             raise rpc_error(code, f"the upstream failed: {error.get('type')}: {error.get('message', '')}"[:500])
+
+    def _text(self, piece: str) -> None:
+        if self._constrained is None:
+            self.text(piece)
+        else:
+            self._constrained.text(piece)

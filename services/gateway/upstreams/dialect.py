@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
+import grpc
+
 from services.common.pb.tokenmill.v1 import generation_pb2
+from services.gateway.tool_calls.constrained import ToolCallShape
+from services.gateway.upstreams.errors import rpc_error
 
 
 class StreamReader:
@@ -74,3 +78,54 @@ def hermes_call(name: str, arguments: Any) -> str:
         except ValueError:
             pass
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def call_choice(message: generation_pb2.GenerateRequest) -> str:
+    """"function" (a named tool_choice) or "required": the reply must be a call; "" otherwise."""
+    if message.WhichOneof("prompt") != "chat" or message.chat.tool_choice not in ("function", "required"):
+        return ""
+    return message.chat.tool_choice
+
+
+class ConstrainedCall:
+    """An upstream's call to a named or required tool_choice, written as the text of the reply an
+    engine constrains to it (the arguments, or ``{"name": ..., "arguments": ...}``: the shape the
+    front end reads, tool_calls/constrained.py). The first call only (that reply is one call); the
+    upstream's text beside it is no part of it. A reply that wrote text and no call (a server that
+    ignores the choice) is an error, not a reply."""
+
+    def __init__(self, reader: StreamReader, choice: str, model: str) -> None:
+        self.reader = reader
+        self.choice = choice
+        self.model = model
+        self.state = "before"
+        """before the call, in it, or after it (a later call is dropped)."""
+        self.wrote = False
+
+    def text(self, piece: str) -> None:
+        self.wrote = self.wrote or bool(piece)
+
+    def open(self, name: str) -> None:
+        if self.state != "before":
+            self.state = "after"
+            return
+        self.state = "in"
+        if self.choice == "required":
+            self.reader.text(ToolCallShape(None).prefix_of(name))
+
+    def arguments(self, piece: str) -> None:
+        if self.state == "in":
+            self.reader.text(piece)
+
+    def close(self, cut: bool) -> None:
+        """The reply's end (``cut``: by max_tokens): the wrapper closed, or the missing call said."""
+        if self.state != "before":
+            if self.choice == "required" and not cut and self.state == "in":
+                self.reader.text("}")
+            self.state = "after"
+            return
+        if cut and not self.wrote:
+            return  # cut before the call began, as an engine's constrained reply can be
+        asked = "required" if self.choice == "required" else "naming a function"
+        raise rpc_error(grpc.StatusCode.INTERNAL, f"the upstream's model {self.model!r} answered text, not a tool "
+                                                  f"call, to tool_choice {asked}: the server does not enforce it")

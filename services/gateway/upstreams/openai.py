@@ -31,9 +31,8 @@ from typing import Any
 import grpc
 
 from services.common.pb.tokenmill.v1 import common_pb2, generation_pb2
-from services.gateway.upstreams.dialect import StreamReader, hermes_call
+from services.gateway.upstreams.dialect import ConstrainedCall, StreamReader, call_choice, hermes_call
 from services.gateway.upstreams.errors import refused, rpc_error
-from services.gateway.tool_calls.constrained import ToolCallShape
 from services.gateway.upstreams.sampling import FIELDS, sampling_body
 
 KIND = "openai"
@@ -144,27 +143,13 @@ def tool_choice(chat: generation_pb2.ChatMessages, tools: list[dict[str, Any]]) 
     return {"tool_choice": chat.tool_choice} if chat.tool_choice else {}
 
 
-def call_choice(message: generation_pb2.GenerateRequest) -> str:
-    """"function" (a named tool_choice) or "required": the reply must be a call; "" otherwise."""
-    if message.WhichOneof("prompt") != "chat" or message.chat.tool_choice not in ("function", "required"):
-        return ""
-    return message.chat.tool_choice
-
-
 class OpenAIReader(StreamReader):
     def __init__(self, choice: str = "", model: str = "") -> None:
         super().__init__()
         self._calls: dict[int, list[str]] = {}
         """Streamed tool calls by index: [name, arguments so far]."""
-        self._choice = choice
-        """"function": the call's arguments are the reply's text, as they stream; "required":
-        ``{"name": ..., "arguments": ...}`` is (the front end reads either as it reads an
-        engine's constrained reply, which makes one call, and no content); "": calls are gathered
-        into text."""
-        self._model = model
-        self._called = False
-        self._wrote = False
-        """The upstream wrote content where a call was asked for."""
+        self._call = ConstrainedCall(self, choice, model) if choice else None
+        """A named or required tool_choice: the reply is the call; None: calls are gathered into text."""
 
     def feed(self, event: str, payload: dict[str, Any]) -> None:
         if "error" in payload and not payload.get("choices"):
@@ -176,13 +161,13 @@ class OpenAIReader(StreamReader):
         for choice in payload.get("choices") or ():
             delta = choice.get("delta")
             if delta is not None:  # chat
-                if not self._choice:
+                if self._call is None:
                     self.text(delta.get("content") or "")
-                elif delta.get("content"):
-                    self._wrote = True
+                else:
+                    self._call.text(delta.get("content") or "")
                 for call in delta.get("tool_calls") or ():
                     function = call.get("function") or {}
-                    if self._choice:
+                    if self._call is not None:
                         self._constrained(call, function)
                         continue
                     entry = self._calls.setdefault(call.get("index", 0), ["", ""])
@@ -195,33 +180,18 @@ class OpenAIReader(StreamReader):
             reason = choice.get("finish_reason")
             if reason:
                 self.finish = common_pb2.FINISH_REASON_LENGTH if reason == "length" else common_pb2.FINISH_REASON_EOS
-                self._end_call(reason)
+                if self._call is not None:
+                    self._call.close(reason == "length")
                 for index in sorted(self._calls):
                     name, arguments = self._calls[index]
                     self.text(hermes_call(name, arguments))
                 self._calls.clear()
 
     def _constrained(self, call: dict[str, Any], function: dict[str, Any]) -> None:
-        """A call to a named or required tool_choice, written as the constrained reply's text;
-        only the first (index 0): the constrained reply is one call."""
+        """A delta of a call to a named or required tool_choice: the name comes in a call's first
+        delta (llama.cpp's server repeats it in every one)."""
         if call.get("index", 0) != 0:
             return
-        if self._choice == "required" and not self._called and function.get("name"):
-            self.text(ToolCallShape(None).prefix_of(function["name"]))
-        self._called = self._called or bool(function.get("name")) or self._choice == "function"
-        self.text(function.get("arguments") or "")
-
-    def _end_call(self, reason: str) -> None:
-        """Close the wrapper of a required call that ended by itself; a reply that was to be a
-        call and wrote text instead (a server that ignores the tool_choice) is an error."""
-        if not self._choice:
-            return
-        if self._called:
-            if self._choice == "required" and reason != "length":
-                self.text("}")
-            return
-        if reason == "length" and not self._wrote:
-            return  # cut before the call began, as an engine's constrained reply can be
-        asked = "required" if self._choice == "required" else "naming a function"
-        raise rpc_error(grpc.StatusCode.INTERNAL, f"the upstream's model {self._model!r} answered text, not a tool "
-                                                  f"call, to tool_choice {asked}: the server does not enforce it")
+        if self._call.state == "before" and (function.get("name") or self._call.choice == "function"):
+            self._call.open(function.get("name") or "")
+        self._call.arguments(function.get("arguments") or "")
