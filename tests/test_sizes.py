@@ -23,13 +23,6 @@ CLASS_ROOTS = ("services/scheduler/", "services/common/")
 OVER_LIMIT: frozenset[str] = frozenset({
     "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
-    "services/executor/model_runner.py::ModelRunner.__init__",
-    "services/runtime/kernels/paged_decode.py::_paged_decode_partition_kernel",
-    "services/runtime/kernels/paged_decode.py::paged_decode_attention",
-    "services/runtime/kernels/paged_kv_tiles.py::attend_kv_tiles",
-    "services/runtime/kernels/prefill_attention.py::_prefill_attention_kernel",
-    "services/runtime/kernels/prefill_attention.py::prefill_attention",
-    "services/runtime/sampling/batch.py::SamplingBatch.build",
     "services/scheduler/config.py::SchedulerServiceConfig",
     "services/scheduler/core/block_manager.py::BlockManager",
     "services/scheduler/core/config.py::SchedulerLimits",

@@ -17,7 +17,7 @@ import torch
 from services.common.adapters import AdapterInfo
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult, TokenLogprobs
 from services.executor.config import ExecutorConfig
-from services.executor.forward_paths import PathRuntime, Placement, choose_path, set_up_paths
+from services.executor.forward_paths import ForwardPath, PathRuntime, Placement, choose_path, set_up_paths
 from services.executor.forward_paths.step import ForwardStep
 from services.executor.sequences import PoolLimits, Scheduled, SequenceState, apply_plan
 from services.executor.tensor_parallel import start_rank_zero, tensor_parallel_path
@@ -81,47 +81,20 @@ class ModelRunner:
         """Rank 0's hold on the other ranks of a tensor-parallel executor (None: one rank)."""
         self.all_reduces: AllReduceHooks | None = None
         """Its all-reduces, timed when asked (benchmarks/tensor_parallel.py)."""
-        vocab: list[range] | None = None
         self.kv_groups = model_kv_groups(mc)
         """Window and full-attention layers in groups of their own blocks (services/common/kv_groups.py)."""
-        if config.tensor_parallel_size > 1 and self.kv_groups.num_groups > 1:
-            # The ranks' pools are one per layer: every layer keeps every block (no window freeing).
-            self.kv_groups = KVGroups((tuple(range(mc.num_layers)),), (0,))
+        vocab: list[range] | None = None
         if config.tensor_parallel_size > 1:
-            # Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE; Qwen3 and Qwen3-MoE (q/k norms per head, whole on
-            # each rank); OLMoE (its q/k norms' sums of squares added over the ranks: olmoe.py).
-            if model_class(mc) not in (LlamaForCausalLM, Qwen3ForCausalLM, OlmoeForCausalLM):
-                raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
-                                 f"Llama, Qwen3 and OLMoE families' models; {mc.architecture} runs on one rank")
-            rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
-                                        self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
-            path = rank_zero.path
-            self.parallel, self.model = rank_zero.leader, rank_zero.model
-            self.all_reduces = rank_zero.hooks
-            vocab = rank_zero.vocab  # the rows of each rank's share of a vocab-parallel head
-            self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
+            path, vocab = self._start_ranks(path)
         else:
-            self.model = load_model(config.model, self.backend, self.device, self.dtype, mc,
-                                    prepack_cpu_weights=not path.plain_weights,
-                                    quant_activations=self._quant_activations())
-            self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device,
-                                                                             self.kv_groups)
-            # A path's scratch blocks lie past the pool the scheduler is told about.
-            self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
-                                             self.kv_dtype, self.device, self.kv_groups)
+            self._load_one_rank(path)
         self.paths = set_up_paths(path, config, PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks,
             all_reduce=self.parallel.groups.shm if self.parallel is not None else None,
             capture_with=self.parallel.capture if self.parallel is not None else None))
         """The forward paths a step is offered to, in order; eager, the last, takes every step."""
-        self._lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
-        """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
-        never depend on their batch), else the model's; under tensor parallelism with a
-        vocab-parallel head, that over rank 0's share, gathered with the other ranks'."""
-        if vocab is not None:
-            head = VocabParallelHead(self.parallel.groups, self._lm_head, vocab)
-            self._lm_head = lambda hidden: self.parallel.collective(lambda: head(hidden))
+        self._lm_head = self._lm_head_over(vocab)
         self.vocab_size = sampled_vocab_size(config.model, mc.vocab_size)
         """Ids it may sample: the LM head's rows past the tokenizer's ids are masked (vocab.py)."""
         self.sampler = Sampler(seed=config.seed)
@@ -134,6 +107,46 @@ class ModelRunner:
         """The LoRA adapters it serves (services/runtime/lora/); their slots fill at first use."""
         for entry in config.lora:
             self.load_adapter(*parse_lora_flag(entry))
+
+    def _start_ranks(self, path: type[ForwardPath]) -> tuple[type[ForwardPath], list[range] | None]:
+        """Rank 0 here and the other ranks started: the model, its pool and the path as tensor
+        parallelism runs it; and the rows of each rank's share of a vocab-parallel head."""
+        config, mc = self.config, self.model_config
+        if self.kv_groups.num_groups > 1:
+            # The ranks' pools are one per layer: every layer keeps every block (no window freeing).
+            self.kv_groups = KVGroups((tuple(range(mc.num_layers)),), (0,))
+        # Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE; Qwen3 and Qwen3-MoE (q/k norms per head, whole on
+        # each rank); OLMoE (its q/k norms' sums of squares added over the ranks: olmoe.py).
+        if model_class(mc) not in (LlamaForCausalLM, Qwen3ForCausalLM, OlmoeForCausalLM):
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: tensor parallelism runs the "
+                             f"Llama, Qwen3 and OLMoE families' models; {mc.architecture} runs on one rank")
+        rank_zero = start_rank_zero(config, mc, self.device, self.dtype, self.backend_name, self.backend,
+                                    self.kv_dtype, tensor_parallel_path(path), self.max_model_len)
+        self.parallel, self.model = rank_zero.leader, rank_zero.model
+        self.all_reduces = rank_zero.hooks
+        self.num_usable_blocks, self.kv_cache = rank_zero.num_blocks, rank_zero.kv_cache
+        return rank_zero.path, rank_zero.vocab
+
+    def _load_one_rank(self, path: type[ForwardPath]) -> None:
+        config, mc = self.config, self.model_config
+        self.model = load_model(config.model, self.backend, self.device, self.dtype, mc,
+                                prepack_cpu_weights=not path.plain_weights,
+                                quant_activations=self._quant_activations())
+        self.num_usable_blocks = config.num_blocks or _blocks_for_budget(config, mc, self.kv_dtype, self.device,
+                                                                         self.kv_groups)
+        # A path's scratch blocks lie past the pool the scheduler is told about.
+        self.kv_cache = KVCache.allocate(mc, self.num_usable_blocks + path.scratch_blocks, self.block_size,
+                                         self.kv_dtype, self.device, self.kv_groups)
+
+    def _lm_head_over(self, vocab: list[range] | None):
+        """[N, D] -> fp32 [N, V]: a path's LM head where it has one (the fused step's, whose rows
+        never depend on their batch), else the model's; under tensor parallelism with a
+        vocab-parallel head, that over rank 0's share, gathered with the other ranks'."""
+        lm_head = next((p.lm_head for p in self.paths if p.lm_head is not None), self.model.compute_logits)
+        if vocab is None:
+            return lm_head
+        head = VocabParallelHead(self.parallel.groups, lm_head, vocab)
+        return lambda hidden: self.parallel.collective(lambda: head(hidden))
 
     # ------------------------------------------------------------------ LoRA adapters
     def load_adapter(self, name: str, path: str) -> AdapterInfo:

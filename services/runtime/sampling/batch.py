@@ -181,17 +181,9 @@ class SamplingBatch:
         greedy = [p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
         rows = _StageRows.of(params, bans, positions, greedy)
         index_parts = rows.flat_indices(params, bans, prompt_token_ids, output_token_ids, positions, vocab_size)
-        bias_values = np.fromiter(
-            chain.from_iterable(params[row].logit_bias.values() for row in rows.bias), dtype=np.float32
-        )
-        scalars_dev = _upload(np.concatenate([_scalars(params, greedy, vocab_size).reshape(-1), bias_values]), device)
-        indices_dev = _upload(np.concatenate(index_parts), device)
-        (temperature, top_k, top_p, min_p, repetition, presence, frequency, is_greedy) = (
-            scalars_dev[: 8 * size].view(8, size).unbind(0)
-        )
-        bias_index, ban_index, seen_index, output_index, top_p_row_index = _split(
-            indices_dev, [len(part) for part in index_parts]
-        )
+        scalars = _scalar_fields(params, greedy, rows, vocab_size, device)
+        indices = dict(zip(("bias_index", "ban_index", "seen_index", "output_index", "top_p_rows"),
+                           _split(_upload(np.concatenate(index_parts), device), [len(part) for part in index_parts])))
         top_k_max = min(max((params[row].top_k for row in rows.sampling), default=0), vocab_size)
         seeded_rows = tuple(row for row in rows.sampling if params[row].seed is not None)
         grammar_rows = token_bitmask = None
@@ -206,28 +198,33 @@ class SamplingBatch:
             vocab_size=vocab_size,
             device=device,
             flags=flags,
-            temperature=temperature,
-            top_k=top_k.to(torch.int64),
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            is_greedy=is_greedy > 0.5,
-            bias_index=bias_index,
-            bias_value=scalars_dev[8 * size :] if rows.bias else None,
-            ban_index=ban_index,
-            seen_index=seen_index,
-            output_index=output_index,
+            **scalars,
+            **indices,
             grammar_rows=grammar_rows,
             token_bitmask=token_bitmask,
-            top_p_rows=top_p_row_index,
             positions=positions,
             seeded_rows=seeded_rows,
             seeded_row_seeds=tuple(derive_row_seed(params[row].seed, positions[row]) for row in seeded_rows),
             logprobs_per_row=tuple(p.logprobs for p in params),
             top_k_max=top_k_max,
         )
+
+
+def _scalar_fields(params: list[SamplingParams], greedy: list[bool], rows: _StageRows, vocab_size: int,
+                   device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The per-row scalars and the logit biases' values, uploaded as one tensor; the batch's
+    fields as views into it."""
+    size = len(params)
+    bias_values = np.fromiter(
+        chain.from_iterable(params[row].logit_bias.values() for row in rows.bias), dtype=np.float32
+    )
+    scalars_dev = _upload(np.concatenate([_scalars(params, greedy, vocab_size).reshape(-1), bias_values]), device)
+    (temperature, top_k, top_p, min_p, repetition, presence, frequency, is_greedy) = (
+        scalars_dev[: 8 * size].view(8, size).unbind(0)
+    )
+    return {"temperature": temperature, "top_k": top_k.to(torch.int64), "top_p": top_p, "min_p": min_p,
+            "repetition_penalty": repetition, "presence_penalty": presence, "frequency_penalty": frequency,
+            "is_greedy": is_greedy > 0.5, "bias_value": scalars_dev[8 * size:] if rows.bias else None}
 
 
 def _checked_bans(
