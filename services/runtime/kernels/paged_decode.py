@@ -76,15 +76,8 @@ def _paged_decode_partition_kernel(
         if WINDOWED:  # the query at context_len - 1 sees the last `window` keys
             key_start = tl.minimum(tl.maximum(part_start, context_len - window), part_end)
 
-        head_in_group = tl.arange(0, HEADS_PAD)  # [M]
-        head_valid = head_in_group < QUERIES_PER_KV
-        heads = kv_head * QUERIES_PER_KV + head_in_group
-        dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
-        dim_valid = dims < HEAD_DIM
-
-        # q: [M, D_PAD]; padded heads and dims load as 0 and are never stored
-        q_offsets = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=head_valid[:, None] & dim_valid[None, :], other=0.0)
+        q, heads, head_valid, dims, dim_valid = _load_group_queries(
+            q_ptr, seq, kv_head, stride_qb, stride_qh, HEAD_DIM, HEAD_DIM_PAD, QUERIES_PER_KV, HEADS_PAD)
 
         m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
@@ -100,18 +93,44 @@ def _paged_decode_partition_kernel(
             BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
             softcap=softcap, SOFTCAPPED=SOFTCAPPED)
 
-        store_mask = head_valid[:, None] & dim_valid[None, :]
-        if SINGLE_PARTITION:
-            o_offsets = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-            tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
-        else:
-            po_offsets = (seq.to(tl.int64) * stride_pob + heads[:, None] * stride_poh + part * stride_pop
-                          + dims[None, :])
-            # a partition wholly before the window has l = 0 and weight 0 in the reduction: store 0, not NaN
-            tl.store(part_out_ptr + po_offsets, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=store_mask)
-            pm_offsets = seq.to(tl.int64) * stride_pmb + heads * stride_pmh + part
-            tl.store(part_max_ptr + pm_offsets, m_i, mask=head_valid)
-            tl.store(part_sum_ptr + pm_offsets, l_i, mask=head_valid)
+        _store_partition(acc, l_i, m_i, seq, part, heads, head_valid, dims, dim_valid,
+                         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ob, stride_oh,
+                         stride_pob, stride_poh, stride_pop, stride_pmb, stride_pmh, SINGLE_PARTITION)
+
+
+@triton.jit
+def _load_group_queries(q_ptr, seq, kv_head, stride_qb, stride_qh, HEAD_DIM: tl.constexpr,
+                        HEAD_DIM_PAD: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """The query heads of one KV group as the rows of q [M, D_PAD]; the heads, dims and their masks."""
+    head_in_group = tl.arange(0, HEADS_PAD)  # [M]
+    head_valid = head_in_group < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + head_in_group
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    dim_valid = dims < HEAD_DIM
+    # padded heads and dims load as 0 and are never stored
+    q_offsets = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=head_valid[:, None] & dim_valid[None, :], other=0.0)
+    return q, heads, head_valid, dims, dim_valid
+
+
+@triton.jit
+def _store_partition(acc, l_i, m_i, seq, part, heads, head_valid, dims, dim_valid,
+                     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ob, stride_oh,
+                     stride_pob, stride_poh, stride_pop, stride_pmb, stride_pmh, SINGLE_PARTITION: tl.constexpr):
+    """One partition's result: the output itself when it is the only one, else its normalized
+    output, running max and sum for the reduction."""
+    store_mask = head_valid[:, None] & dim_valid[None, :]
+    if SINGLE_PARTITION:
+        o_offsets = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        po_offsets = (seq.to(tl.int64) * stride_pob + heads[:, None] * stride_poh + part * stride_pop
+                      + dims[None, :])
+        # a partition wholly before the window has l = 0 and weight 0 in the reduction: store 0, not NaN
+        tl.store(part_out_ptr + po_offsets, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=store_mask)
+        pm_offsets = seq.to(tl.int64) * stride_pmb + heads * stride_pmh + part
+        tl.store(part_max_ptr + pm_offsets, m_i, mask=head_valid)
+        tl.store(part_sum_ptr + pm_offsets, l_i, mask=head_valid)
 
 
 @triton.jit(**NOT_SPECIALIZED)
@@ -177,14 +196,8 @@ def paged_decode_attention(
     a device sync. ``num_partitions`` > 1 enables split-K; see ``choose_num_partitions``.
     """
     num_seqs, num_heads, head_dim = q.shape
-    check_paged_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, num_seqs, max_context_len)
-    if num_partitions < 1:
-        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    out = _checked_out(q, k_cache, v_cache, block_tables, context_lens, max_context_len, num_partitions, out)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_out(out, q)
     if num_seqs == 0:
         return out
     k_cache, v_cache, k_scale, v_scale, quantized = kv_quant_args(k_cache, v_cache)
@@ -194,14 +207,7 @@ def paged_decode_attention(
     num_partitions = math.ceil(max_context_len / partition_tokens)
     single = num_partitions == 1
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    if single:  # stage 1 writes out directly; the partial buffers are never touched
-        part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        part_max = part_sum = out.new_empty((1, 1, 1), dtype=torch.float32)
-    else:
-        part_out = torch.empty((num_seqs, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
-        part_max = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-
+    part_out, part_max, part_sum = _partials(out, num_partitions)
     _paged_decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
         out, part_out, part_max, part_sum,
@@ -224,17 +230,49 @@ def paged_decode_attention(
         num_warps=4,
     )
     if not single:
-        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, context_lens,
-            out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_max.stride(0), part_max.stride(1),
-            partition_tokens,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
-            num_warps=4,
-        )
+        _reduce_partitions(out, part_out, part_max, part_sum, context_lens, partition_tokens, head_dim_pad)
     return out
+
+
+def _checked_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, max_context_len: int, num_partitions: int,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """The output buffer (``out`` checked, or a new one) once the inputs are checked."""
+    check_paged_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, q.shape[0], max_context_len)
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    if out is None:
+        return torch.empty_like(q)
+    check_out(out, q)
+    return out
+
+
+def _partials(out: torch.Tensor, num_partitions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's per-partition output [B, H, P, D], max and sum [B, H, P] (fp32); with one
+    partition stage 1 writes ``out`` directly and these are never touched."""
+    if num_partitions == 1:
+        part_max = out.new_empty((1, 1, 1), dtype=torch.float32)
+        return out.new_empty((1, 1, 1, 1), dtype=torch.float32), part_max, part_max
+    num_seqs, num_heads, head_dim = out.shape
+    part_out = torch.empty((num_seqs, num_heads, num_partitions, head_dim), dtype=torch.float32, device=out.device)
+    part_max = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def _reduce_partitions(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                       context_lens: torch.Tensor, partition_tokens: int, head_dim_pad: int) -> None:
+    """Stage 2: each (sequence, head)'s partitions combined into ``out``."""
+    num_seqs, num_heads, num_partitions, head_dim = part_out.shape
+    _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+        out, part_out, part_max, part_sum, context_lens,
+        out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        partition_tokens,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
+        num_warps=4,
+    )
 
 
 def paged_decode_reference(

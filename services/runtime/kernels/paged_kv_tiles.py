@@ -45,43 +45,15 @@ def attend_kv_tiles(
     against 0 instead, so such a tile adds p = 0 and scales nothing."""
     for tile_start in range(key_start, key_end, TILE_N):
         keys = tile_start + tl.arange(0, TILE_N)  # [N]
-        if MASKED:
-            key_valid = keys < key_end
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-        else:
-            key_valid = keys >= 0
-            kv_mask = dim_valid[None, :]
-        # int64 before multiplying by the block stride: a large pool overflows int32
-        block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        in_block = (keys % BLOCK_SIZE).to(tl.int64)
-        k_offsets = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh  # [N]
-        k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
-        v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
-            scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
-            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
-            k = k.to(tl.float32).to(q.dtype)
-            v = v.to(tl.float32).to(q.dtype)
-
+        k, v, key_valid, k_scale, v_scale = _load_kv_tile(
+            keys, key_end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dims, dim_valid, q.dtype,
+            BLOCK_SIZE, MASKED, KV_QUANT, NUM_KV_HEADS)
         scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N]
         if KV_QUANT:
             scores = scores * k_scale[None, :]
-        if SOFTCAPPED:
-            # tanh(x) = 2 sigmoid(2x) - 1, on the scaled score, then into exp2's base
-            capped = scores * (qk_scale_log2 * LN2) / softcap
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * LOG2E
-        else:
-            scores = scores * qk_scale_log2
-        if MASKED:
-            if CAUSAL:
-                visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
-                if WINDOWED:
-                    visible = visible & (keys[None, :] > query_pos[:, None] - window)
-            else:
-                visible = key_valid[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
+        scores = _log2_scores(scores, keys, key_valid, query_pos, qk_scale_log2, window, softcap,
+                              MASKED, CAUSAL, WINDOWED, SOFTCAPPED)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         if WINDOWED:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: p = 0, alpha = 0
@@ -93,3 +65,59 @@ def attend_kv_tiles(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _load_kv_tile(
+    keys, key_end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dims, dim_valid, q_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+):
+    """The tile's K and V [N, D_PAD] read through the block table (in q's dtype), which of its
+    keys lie before key_end, and with KV_QUANT each key's K and V scale [N] (else 1.0, unread)."""
+    if MASKED:
+        key_valid = keys < key_end
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+    else:
+        key_valid = keys >= 0
+        kv_mask = dim_valid[None, :]
+    # int64 before multiplying by the block stride: a large pool overflows int32
+    block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    in_block = (keys % BLOCK_SIZE).to(tl.int64)
+    k_offsets = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh  # [N]
+    k = tl.load(k_cache_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D_PAD]
+    v_offsets = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_QUANT:  # scales [NB, BS, KH] contiguous; values widen exactly (via fp32: see kv_quant)
+        scale_offsets = (block_ids * BLOCK_SIZE + in_block) * NUM_KV_HEADS + kv_head  # [N]
+        k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0).to(tl.float32)
+        k = k.to(tl.float32).to(q_dtype)
+        v = v.to(tl.float32).to(q_dtype)
+    return k, v, key_valid, k_scale, v_scale
+
+
+@triton.jit
+def _log2_scores(
+    scores, keys, key_valid, query_pos, qk_scale_log2, window, softcap,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+):
+    """q.k [M, N] scaled into exp2's base (soft-capped first with SOFTCAPPED), -inf where a row
+    may not see the key (see attend_kv_tiles)."""
+    if SOFTCAPPED:
+        # tanh(x) = 2 sigmoid(2x) - 1, on the scaled score, then into exp2's base
+        capped = scores * (qk_scale_log2 * LN2) / softcap
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * LOG2E
+    else:
+        scores = scores * qk_scale_log2
+    if MASKED:
+        if CAUSAL:
+            visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+            if WINDOWED:
+                visible = visible & (keys[None, :] > query_pos[:, None] - window)
+        else:
+            visible = key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores

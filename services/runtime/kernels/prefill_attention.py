@@ -84,34 +84,52 @@ def _prefill_attention_kernel(
 
         # the tile's last real query sees up to its own position
         key_end = tl.minimum(prefix_len + tile_first_query + BLOCK_Q, context_len)
-        if WINDOWED:
-            # A sliding window: keys from the tile's first query's window on, every tile masked
-            # (the window's lower edge differs per row, as the causal edge does).
-            key_start = tl.maximum(prefix_len + tile_first_query - window + 1, 0)
-            acc, l_i, m_i = attend_kv_tiles(
-                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
-                kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                key_start, key_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, window, True,
-                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
-        else:
-            # keys <= the tile's first query position are visible to every row of the tile
-            unmasked_end = (prefix_len + tile_first_query + 1) // TILE_N * TILE_N
-            acc, l_i, m_i = attend_kv_tiles(
-                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                0, unmasked_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
-                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
-            acc, l_i, m_i = attend_kv_tiles(
-                acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
-                BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
-                softcap=softcap, SOFTCAPPED=SOFTCAPPED)
+        acc, l_i, m_i = _attend_visible_keys(
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            prefix_len + tile_first_query, key_end, qk_scale_log2, dims, dim_valid, window, softcap,
+            BLOCK_SIZE, TILE_N, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, WINDOWED, SOFTCAPPED)
 
         o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _attend_visible_keys(
+    acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    first_query_pos, key_end, qk_scale_log2, dims, dim_valid, window, softcap,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+):
+    """A query tile's rows attended over the keys up to ``key_end`` that each may see; the
+    tile's first query sits at ``first_query_pos``."""
+    if WINDOWED:
+        # A sliding window: keys from the tile's first query's window on, every tile masked
+        # (the window's lower edge differs per row, as the causal edge does).
+        key_start = tl.maximum(first_query_pos - window + 1, 0)
+        acc, l_i, m_i = attend_kv_tiles(
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row,
+            kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            key_start, key_end, qk_scale_log2, dims, dim_valid,
+            BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS, window, True,
+            softcap=softcap, SOFTCAPPED=SOFTCAPPED)
+    else:
+        # keys <= the tile's first query position are visible to every row of the tile
+        unmasked_end = (first_query_pos + 1) // TILE_N * TILE_N
+        acc, l_i, m_i = attend_kv_tiles(
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            0, unmasked_end, qk_scale_log2, dims, dim_valid,
+            BLOCK_SIZE, TILE_N, False, False, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
+            softcap=softcap, SOFTCAPPED=SOFTCAPPED)
+        acc, l_i, m_i = attend_kv_tiles(
+            acc, l_i, m_i, q, query_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            unmasked_end, key_end, qk_scale_log2, dims, dim_valid,
+            BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION, DOT_UPCAST, KV_QUANT, NUM_KV_HEADS,
+            softcap=softcap, SOFTCAPPED=SOFTCAPPED)
+    return acc, l_i, m_i
 
 
 def tile_rows(max_query_len: int, queries_per_kv: int, head_dim: int) -> int:
@@ -147,16 +165,10 @@ def prefill_attention(
     ``max_query_len`` and ``max_context_len`` are host ints (>= the per-sequence values) that
     size the grid without a device sync. Requires query_len <= context_len per sequence.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
     check_paged_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, num_seqs, max_context_len)
-    if (query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (num_seqs + 1,)
-            or not query_start_loc.is_contiguous() or query_start_loc.device != q.device):
-        raise ValueError(f"query_start_loc must be contiguous int32 [{num_seqs + 1}] on {q.device}, got "
-                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)} on {query_start_loc.device}")
-    if not 1 <= max_query_len <= min(num_tokens, max_context_len):
-        raise ValueError(f"max_query_len must be in [1, min(tokens={num_tokens}, max_context_len="
-                         f"{max_context_len})], got {max_query_len}")
+    _check_new_tokens(q, query_start_loc, num_seqs, max_query_len, max_context_len)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -190,6 +202,19 @@ def prefill_attention(
         num_warps=8 if block_m >= 128 else 4,
     )
     return out
+
+
+def _check_new_tokens(q: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int, max_query_len: int,
+                      max_context_len: int) -> None:
+    """ValueError naming query_start_loc or max_query_len when they do not fit ``q``'s tokens."""
+    num_tokens = q.shape[0]
+    if (query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (num_seqs + 1,)
+            or not query_start_loc.is_contiguous() or query_start_loc.device != q.device):
+        raise ValueError(f"query_start_loc must be contiguous int32 [{num_seqs + 1}] on {q.device}, got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)} on {query_start_loc.device}")
+    if not 1 <= max_query_len <= min(num_tokens, max_context_len):
+        raise ValueError(f"max_query_len must be in [1, min(tokens={num_tokens}, max_context_len="
+                         f"{max_context_len})], got {max_query_len}")
 
 
 def prefill_attention_reference(
