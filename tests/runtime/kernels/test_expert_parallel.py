@@ -12,7 +12,6 @@ token routed to one rank's experts, k = 1 and 8; both exchanges (all-to-all, all
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import socket
 from datetime import timedelta
@@ -23,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from services.runtime.kernels.fused_moe import fused_moe_reference
 from services.runtime.parallel.shared_memory import CAPACITY
+from tests.helpers.rank_processes import rank_context
 
 CASES = {  # name -> (counts[src][dst] for world 3, the row shape, dtype); world 2 uses the top-left 2x2
     "nothing": ([[0, 0, 0], [0, 0, 0], [0, 0, 0]], (4,), torch.float32),
@@ -101,7 +101,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, device: str = "cp
 
 
 def run_ranks(world: int, tmp_path, device: str) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context(__name__, "services.runtime.parallel.collectives")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path), device)) for r in range(world)]
     for p in procs:

@@ -9,7 +9,6 @@ and still ends when rank 0 dies.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import time
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.runtime.parallel.shared_memory import CAPACITY
+from tests.helpers.rank_processes import rank_context
 
 SIZES = [1, 17, 769, 32 * 768, CAPACITY, CAPACITY + 1, 3 * CAPACITY + 5]
 BROADCAST_INTS = [1, 5, CAPACITY // 2, CAPACITY // 2 + 1, 3 * CAPACITY + 7]
@@ -103,7 +103,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, mode: str, timeou
 
 
 def run_ranks(world: int, tmp_path: Path, mode: str = "sums", timeout_s: float = 60.0) -> list:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context(__name__, "services.runtime.parallel.collectives")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path), mode, timeout_s))
              for r in range(world)]
