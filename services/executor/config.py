@@ -128,12 +128,20 @@ class ExecutorConfig:
     when a request needs them (LRU).
 
     Each slot holds a max_lora_rank copy of every adapted projection, in fp32."""
+    lora_dir: str = setting("", env="TOKENMILL_LORA_DIR", path=True)
+    """The directory adapters loaded while serving (LoadAdapter) must lie in, symlinks and .. resolved first; a
+    relative path is taken inside it. Empty = LoadAdapter is refused (FAILED_PRECONDITION); --lora at start needs
+    none."""
+    max_lora_file_bytes: int = setting(1 << 30)
+    """Largest adapter_model.safetensors read (bytes); a larger file is refused before it is read."""
     max_lora_rank: int = setting(16)
     """Largest LoRA rank served; an adapter of a higher rank is refused.
 
     Smaller ranks are padded with zeros to it, so it sizes the slots and each low-rank product."""
 
     def validate(self) -> None:
+        if self.max_lora_file_bytes < 1:
+            raise ValueError(f"max_lora_file_bytes must be >= 1, got {self.max_lora_file_bytes}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
                              f"{self.max_lora_rank}")

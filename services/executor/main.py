@@ -42,7 +42,8 @@ async def serve(config: ExecutorServiceConfig) -> RunningServer:
     observe_step = executor_step_histogram().observe if config.metrics_port >= 0 else None
     servicer = ExecutorServicer(worker, loaded, observe_step, role=config.role,
                                 peer_tls=ClientTLS.for_backends(config), idle_timeout_s=config.step_idle_timeout_s,
-                                peer_secret=internal_secret(config), kv_peers=config.kv_peers)
+                                peer_secret=internal_secret(config), kv_peers=config.kv_peers,
+                                lora_dir=config.executor.lora_dir)
     try:
         running = await start_service(config, "executor", registrar(
             servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, executor_pb2, "Executor"),

@@ -103,7 +103,8 @@ class ModelRunner:
         self._limits = PoolLimits(self.num_usable_blocks, self.block_size, self.vocab_size)
         self.adapters = AdapterRegistry(
             lambda: LoraStacks(mc, config.max_loras, config.max_lora_rank, self.device), config.max_loras,
-            lambda adapter: load_adapter(adapter.name, adapter.path, mc, config.max_lora_rank))
+            lambda adapter: load_adapter(adapter.name, adapter.path, mc, config.max_lora_rank,
+                                          config.max_lora_file_bytes))
         """The LoRA adapters it serves (services/runtime/lora/); their slots fill at first use."""
         for entry in config.lora:
             self.load_adapter(*parse_lora_flag(entry))
@@ -157,7 +158,8 @@ class ModelRunner:
         if self.parallel is not None:
             raise AdapterError(f"adapter {name!r}: adapters run on one rank; this executor has "
                                f"tensor_parallel_size {self.config.tensor_parallel_size}")
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank,
+                               self.config.max_lora_file_bytes)
         self.adapters.register(adapter)
         return _adapter_info(adapter)
 

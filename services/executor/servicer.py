@@ -38,6 +38,7 @@ from typing import Protocol
 import grpc
 import structlog
 
+from services.common.adapter_paths import resolve_in_lora_dir
 from services.common.codec.step_codec import adapter_to_proto, executor_info_to_proto, plan_from_proto, result_to_proto
 from services.common.errors import InvalidArgumentError, TokenmillError, UnavailableError
 from services.common.stream_session import logged_stream
@@ -76,7 +77,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, worker: Executor, runner: asyncio.Future[StepRunner],
                  observe_step: Callable[[float], None] | None = None, role: str = "mixed",
                  peer_tls: ClientTLS | None = None, idle_timeout_s: float = 0.0, peer_secret: str = "",
-                 kv_peers: tuple[str, ...] = ()) -> None:
+                 kv_peers: tuple[str, ...] = (), lora_dir: str = "") -> None:
         self._worker = worker
         self._runner = runner
         self._observe_step = observe_step
@@ -86,6 +87,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """How this executor reaches another to pull KV blocks from it."""
         self._kv_peers = kv_peers
         """The executors it may pull KV blocks from (--kv-peers)."""
+        self._lora_dir = lora_dir
+        """Where LoadAdapter may read adapters (--lora-dir; empty: it is refused)."""
         self._kv_transfer: KVTransfer | None = None
         self._info: executor_pb2.ExecutorInfo | None = None
         self._facts: ExecutorInfo | None = None
@@ -155,9 +158,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """Read and check a PEFT adapter (on a thread: its files may be large) and serve it;
         INVALID_ARGUMENT naming the file and field when it cannot be served here."""
         runner = self._require_runner()
+        path = resolve_in_lora_dir(self._lora_dir, request.path)
         try:
-            info = await asyncio.get_running_loop().run_in_executor(None, runner.load_adapter, request.name,
-                                                                    request.path)
+            info = await asyncio.get_running_loop().run_in_executor(None, runner.load_adapter, request.name, path)
         except ValueError as exc:  # AdapterError, and a bad NAME
             raise InvalidArgumentError(str(exc)) from None
         self._info = None  # its report lists the adapters

@@ -16,8 +16,10 @@ from typing import Protocol
 
 import structlog
 
+from services.common.adapter_paths import resolve_in_lora_dir
 from services.common.adapters import MAX_ADAPTER_PATH_CHARS, AdapterInfo, name_problem
-from services.common.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from services.common.errors import (
+    AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, UnavailableError)
 from services.scheduler.engine.adapters import AdapterTable
 
 _log = structlog.get_logger("tokenmill.scheduler.adapters")
@@ -34,8 +36,9 @@ class AdapterPort(Protocol):
 
 
 class AdapterAdmin:
-    def __init__(self, table: AdapterTable, executors: Callable[[], Sequence[AdapterPort]]) -> None:
+    def __init__(self, table: AdapterTable, executors: Callable[[], Sequence[AdapterPort]], lora_dir: str = "") -> None:
         self.table = table
+        self.lora_dir = lora_dir  # --lora-dir, where loads may name adapters ("": loads are refused)
         self._executors = executors
         """The executors connected now."""
         self.loaded: dict[str, str] = {}
@@ -50,6 +53,7 @@ class AdapterAdmin:
     async def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """Serve the adapter at ``path`` under ``name`` on every executor (see the module)."""
         _check_load(name, path)
+        resolve_in_lora_dir(self.lora_dir, path)  # the executor resolves it again, on its own filesystem
         async with self._lock:
             previous = self.table.get(name)
             if previous is not None and not replace:
@@ -60,7 +64,7 @@ class AdapterAdmin:
                 raise UnavailableError(NO_EXECUTOR)
             results = await asyncio.gather(*(e.load_adapter(name, path) for e in executors), return_exceptions=True)
             took = [e for e, r in zip(executors, results) if isinstance(r, AdapterInfo)]
-            refused = next((r for r in results if isinstance(r, InvalidArgumentError)), None)
+            refused = next((r for r in results if isinstance(r, (InvalidArgumentError, FailedPreconditionError))), None)
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             if refused is not None or not took:
                 await _undo(name, previous, took)

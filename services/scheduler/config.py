@@ -64,6 +64,11 @@ class SchedulerServiceConfig(service_process_fields("scheduler", DEFAULT_PORT, M
     restarted."""
     connect_timeout_s: float = setting(60.0, env="TOKENMILL_CONNECT_TIMEOUT_S")
     """How long to wait for the executor and tokenizers at start."""
+    lora_dir: str = setting("", env="TOKENMILL_LORA_DIR", path=True)
+    """The directory LoRA adapters may be loaded from while serving (the Admin API's LoadAdapter, the gateway's
+    /v1/load_lora_adapter): a relative path is taken inside it, and one that resolves outside it (.., an absolute
+    path elsewhere, a symlink out) is refused. Empty = loading while serving is refused (FAILED_PRECONDITION);
+    the executors' --lora NAME=PATH at start needs none. Give the executors the same directory."""
     auth_tokens_file: str = setting("", env="TOKENMILL_AUTH_TOKENS_FILE", path=True)
     """JSON list of {token, tenant, models?, max_priority?, tokens_per_minute?}; clients then send 'authorization:
     Bearer TOKEN' (empty = no authentication)."""

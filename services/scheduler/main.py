@@ -58,6 +58,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
                         ClientTLS.for_backends(config), internal_secret(config))
     supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=config.speculation(),
                             on_finished=on_finished)
+    supervisor.adapter_admin.lora_dir = config.lora_dir
     await supervisor.start()
     auth_table = load_auth_tokens(config.auth_tokens_file) if config.auth_tokens_file else None
     per_tenant = per_tenant_bound(config.max_waiting_per_tenant, config.limits.max_waiting_requests,

@@ -1,8 +1,11 @@
 """The executor's LoadAdapter / UnloadAdapter RPCs on a real server (port 0, stories260K): an
 adapter loaded while serving is reported by GetExecutorInfo, a bad one is refused with
-INVALID_ARGUMENT naming the file and field, and unloading says whether it was loaded."""
+INVALID_ARGUMENT naming the file and field (a weights file over --max-lora-file-bytes before it
+is read), and unloading says whether it was loaded."""
 
 from __future__ import annotations
+
+import os
 
 import grpc
 import pytest
@@ -17,7 +20,8 @@ from tests.helpers.service_harness import STORIES_DIR
 
 async def test_adapters_load_and_unload_through_the_executor_rpcs(tmp_path):
     server = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
-        model=str(STORIES_DIR), dtype="fp32", device="cpu", num_blocks=64, max_loras=2, max_lora_rank=8)))
+        model=str(STORIES_DIR), dtype="fp32", device="cpu", num_blocks=64, max_loras=2, max_lora_rank=8,
+        lora_dir=str(tmp_path))))
     try:
         async with create_channel(server.address) as channel:
             stub = executor_pb2_grpc.ExecutorStub(channel)
@@ -37,6 +41,14 @@ async def test_adapters_load_and_unload_through_the_executor_rpcs(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await stub.LoadAdapter(executor_pb2.LoadAdapterRequest(name="gone", path=str(tmp_path / "nowhere")))
             assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in missing.value.details()
+
+            # A file far over the bound (sparse: 4 GiB on paper) is refused from its size alone.
+            huge = write_adapter(tmp_path / "huge", rank=4)
+            os.truncate(huge / "adapter_model.safetensors", 4 << 30)
+            with pytest.raises(grpc.aio.AioRpcError) as oversized:
+                await stub.LoadAdapter(executor_pb2.LoadAdapterRequest(name="huge", path="huge"), timeout=10)
+            assert oversized.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"is {4 << 30} bytes, over max_lora_file_bytes={1 << 30}" in oversized.value.details()
 
             assert (await stub.UnloadAdapter(executor_pb2.UnloadAdapterRequest(name="support"))).found
             assert not (await stub.UnloadAdapter(executor_pb2.UnloadAdapterRequest(name="support"))).found

@@ -1,7 +1,8 @@
 """The scheduler's Admin API for LoRA adapters, through real servers on loopback: two executors
 (one with a smaller --max-lora-rank), tenants from an auth tokens file. Loads fan out to every
 executor or to none, bad input is refused naming the field and the limit, only an admin tenant
-may call it, and requests see the set change."""
+may call it, and requests see the set change. Loads name adapters inside --lora-dir only (the
+scheduler and each executor check), and without it they are refused."""
 
 from __future__ import annotations
 
@@ -47,16 +48,18 @@ async def stack(tmp_path_factory) -> AsyncIterator[AdminStack]:
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(TENANTS))
     tokens.chmod(0o600)
-    adapters = {"r4": str(write_adapter(root / "r4", rank=4)), "r8": str(write_adapter(root / "r8", rank=8)),
+    outside = write_adapter(tmp_path_factory.mktemp("elsewhere") / "secret", rank=4)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    adapters = {"r4": str(write_adapter(root / "r4", rank=4)), "outside": str(outside), "r8": str(write_adapter(root / "r8", rank=8)),
                 "other": str(write_adapter(root / "other", rank=2, targets=("o_proj",)))}
     model = str(STORIES_DIR)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model, allow_unauthenticated=True))
     executors = [await serve_executor(ExecutorServiceConfig(port=0, allow_unauthenticated=True, executor=ExecutorConfig(
         model=model, num_blocks=64, dtype="fp32", device="cpu", attention_backend="torch", max_loras=2,
-        max_lora_rank=rank))) for rank in (8, 4)]
+        max_lora_rank=rank, lora_dir=str(root)))) for rank in (8, 4)]
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=tuple(e.address for e in executors), tokenizer_addresses=(tokenizer.address,),
-        connect_timeout_s=10, auth_tokens_file=str(tokens), allow_unauthenticated=True))
+        connect_timeout_s=10, auth_tokens_file=str(tokens), allow_unauthenticated=True, lora_dir=str(root)))
     async with create_channel(scheduler.address) as channel:
         yield AdminStack([scheduler, *executors, tokenizer], channel, [e.address for e in executors], adapters)
     for running in (scheduler, *executors, tokenizer):
@@ -130,7 +133,7 @@ async def test_load_serve_refuse_and_unload(stack):
     assert [await executor_adapters(a) for a in stack.executors] == [["r4"], ["r4"]]
     assert await generate(stack, "r8") == grpc.StatusCode.NOT_FOUND
 
-    missing = await refused(load("x", str(STORIES_DIR / "no-such-adapter")))
+    missing = await refused(load("x", "no-such-adapter"))
     assert missing.code() == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in missing.details()
     bad_name = await refused(load("-x", stack.adapters["r4"]))
     assert bad_name.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_name.details().startswith("name: adapter name")
@@ -143,3 +146,47 @@ async def test_load_serve_refuse_and_unload(stack):
     assert (await admin.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=as_(OPS))).adapters == []
     assert [await executor_adapters(a) for a in stack.executors] == [[], []]
     assert await generate(stack, "r4") == grpc.StatusCode.NOT_FOUND
+
+
+async def test_loads_only_from_inside_the_lora_dir(stack):
+    admin = admin_pb2_grpc.AdminStub(stack.channel)
+    load = lambda path: admin.LoadAdapter(  # noqa: E731
+        admin_pb2.AdminLoadAdapterRequest(name="x", path=path), metadata=as_(OPS))
+    for path in ("../elsewhere0/secret", stack.adapters["outside"], "link", "r4/../..", str(STORIES_DIR)):
+        error = await refused(load(path))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, error.details())
+        assert error.details().startswith("path: ") and "outside the adapter directory --lora-dir=" in error.details()
+    # The executor checks again (a caller that reaches it past the scheduler).
+    async with create_channel(stack.executors[0]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as escaped:
+            await executor_pb2_grpc.ExecutorStub(channel).LoadAdapter(
+                executor_pb2.LoadAdapterRequest(name="x", path="link"), metadata=call_metadata(""))
+    assert escaped.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the adapter directory" in escaped.value.details()
+    assert [await executor_adapters(a) for a in stack.executors] == [[], []]
+    # A relative name inside it loads.
+    info = await load("r4")
+    assert info.path == stack.adapters["r4"] and info.rank == 4
+    await admin.UnloadAdapter(admin_pb2.AdminUnloadAdapterRequest(name="x"), metadata=as_(OPS))
+
+
+async def test_without_a_lora_dir_loading_while_serving_is_refused(stack, tmp_path):
+    adapter = str(write_adapter(tmp_path / "r4", rank=4))
+    executor = await serve_executor(ExecutorServiceConfig(port=0, allow_unauthenticated=True, executor=ExecutorConfig(
+        model=str(STORIES_DIR), num_blocks=64, dtype="fp32", device="cpu", attention_backend="torch", max_loras=2)))
+    scheduler = await serve_scheduler(SchedulerServiceConfig(
+        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(stack.servers[-1].address,),
+        connect_timeout_s=10, allow_unauthenticated=True))
+    try:
+        async with create_channel(scheduler.address) as channel:
+            error = await refused(admin_pb2_grpc.AdminStub(channel).LoadAdapter(
+                admin_pb2.AdminLoadAdapterRequest(name="r4", path=adapter)))
+        async with create_channel(executor.address) as channel:
+            direct = await refused(executor_pb2_grpc.ExecutorStub(channel).LoadAdapter(
+                executor_pb2.LoadAdapterRequest(name="r4", path=adapter), metadata=call_metadata("")))
+    finally:
+        await scheduler.stop(grace=0)
+        await executor.stop(grace=0)
+    for refusal in (error, direct):
+        assert refusal.code() == grpc.StatusCode.FAILED_PRECONDITION, refusal.details()
+        assert "--lora-dir (TOKENMILL_LORA_DIR)" in refusal.details()

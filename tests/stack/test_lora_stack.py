@@ -26,7 +26,8 @@ async def test_generate_requests_choose_adapters_mixed_in_one_engine(tmp_path):
     flags = ["--dtype=fp32", f"--block-size={BLOCK_SIZE}", "--max-loras=2", "--max-lora-rank=16",
              *(f"--lora={name}={path}" for name, path in paths.items() if name != "mlp")]
     launcher = Launcher(LaunchConfig(model=str(model), public_port=0, executor_args=flags, log_dir=str(tmp_path / "logs"),
-                                     env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}))
+                                     env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+                                          "TOKENMILL_LORA_DIR": str(tmp_path)}))
     launcher.start()
     try:
         async with generation_stub(launcher) as stub, create_channel(launcher.public_address) as channel:

@@ -44,7 +44,9 @@ def test_openai_model_names_an_adapter_of_a_stack_started_with_lora_flags(tmp_pa
                "--gateway-port", "0", "--no-demo", "--log-dir", "logs", "--gateway-arg=--api-keys-file=keys.json",
                "--executor-arg=--dtype=fp32", f"--executor-arg=--block-size={BLOCK_SIZE}",
                "--executor-arg=--max-loras=2", "--executor-arg=--lora=all=all", "--executor-arg=--lora=qv=qv"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    # Adapters load while serving from the working directory only (the scheduler's and the executor's --lora-dir).
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TOKENMILL_LORA_DIR": "."}
+    (tmp_path / "escape").symlink_to(tmp_path.parent, target_is_directory=True)
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stderr: list[str] = []
     try:
@@ -105,6 +107,10 @@ def test_openai_model_names_an_adapter_of_a_stack_started_with_lora_flags(tmp_pa
         assert too_big.status_code == 400, too_big.text
         assert "field r: rank 32 exceeds max_lora_rank=16" in too_big.json()["error"]["message"]
         assert completion(a, "mlp", 1) == expect("mlp", 1)
+        for path in ("../outside", "/etc", "escape"):
+            escaped = admin.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ops)
+            assert escaped.status_code == 400, escaped.text
+            assert "outside the adapter directory --lora-dir=" in escaped.json()["error"]["message"], escaped.text
         gone = admin.post("/v1/unload_lora_adapter", json={"lora_name": "all"}, headers=ops)
         assert gone.status_code == 200, gone.text
         with pytest.raises(openai.NotFoundError):

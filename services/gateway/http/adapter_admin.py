@@ -41,7 +41,7 @@ class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
-    """The adapter's directory on the engines' executors."""
+    """The adapter's directory on the engines' executors, inside their --lora-dir (relative: taken inside it)."""
     model: str | None = None
     replace: bool = False
 

@@ -30,6 +30,10 @@ from services.runtime.model.config import ModelConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest adapter_config.json read (PEFT writes about a kilobyte)."""
+DEFAULT_MAX_FILE_BYTES = 1 << 30
+"""Largest adapter_model.safetensors read unless the executor says otherwise (--max-lora-file-bytes)."""
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target, by their Hugging Face names."""
@@ -85,8 +89,10 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
 
 
-def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check the adapter at ``path`` against the base model ``model``."""
+def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int,
+                 max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> LoraAdapter:
+    """Read and check the adapter at ``path`` against the base model ``model``; a weights file
+    over ``max_bytes`` or a rank over ``max_rank`` is refused before the weights are read."""
     check_name(name)
     directory = Path(path)
     if model.family not in LORA_FAMILIES:
@@ -104,7 +110,8 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
                                f"loads (unpickling can execute code); save the adapter as {WEIGHTS_FILE} "
                                f"(PEFT's save_pretrained does by default)")
         raise AdapterError(f"adapter {name!r}: {weights_path} is missing")
-    config_bytes, weights_bytes = config_path.read_bytes(), weights_path.read_bytes()
+    _check_sizes(name, config_path, weights_path, max_bytes)
+    config_bytes = config_path.read_bytes()
     try:
         config = json.loads(config_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -112,11 +119,22 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: {config_path} must hold a JSON object")
     rank, alpha, rslora, targets = _check_config(name, config_path, config, max_rank)
+    weights_bytes = weights_path.read_bytes()  # only once its config passed: the rank bounds what it holds
     weights = _read_weights(name, weights_path, weights_bytes, model, rank, targets)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     fingerprint = hashlib.sha256(hashlib.sha256(config_bytes).digest() + hashlib.sha256(weights_bytes).digest())
     return LoraAdapter(name, directory, rank, alpha, scale, tuple(sorted({m for _, m in weights})),
                        fingerprint.hexdigest()[:32], weights)
+
+
+def _check_sizes(name: str, config_path: Path, weights_path: Path, max_bytes: int) -> None:
+    """Refuse files too large to read, by their size on disk (a caller of LoadAdapter must not
+    make the executor read gigabytes into memory)."""
+    for path, limit, setting_name in ((config_path, MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES"),
+                                      (weights_path, max_bytes, "max_lora_file_bytes")):
+        size = path.stat().st_size
+        if size > limit:
+            raise AdapterError(f"adapter {name!r}: {path} is {size} bytes, over {setting_name}={limit}")
 
 
 def _check_config(name: str, path: Path, config: dict, max_rank: int) -> tuple[int, float, bool, set[str]]:

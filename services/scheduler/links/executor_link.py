@@ -19,7 +19,7 @@ import structlog
 from services.common.adapters import AdapterInfo
 from services.common.codec.step_codec import (
     adapter_from_proto, executor_info_from_proto, plan_to_proto, result_from_proto)
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.internal_secret import call_metadata
 from services.common.server import create_channel
@@ -262,6 +262,8 @@ class ExecutorLink:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgumentError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # its --lora-dir is unset
+                raise FailedPreconditionError(f"executor at {self.address}: {exc.details()}") from None
             raise UnavailableError(f"executor at {self.address} did not load adapter {name!r}: "
                                    f"{exc.code().name}: {exc.details()}") from None
         return adapter_from_proto(reply)
