@@ -33,7 +33,16 @@ differences once (``set_gemma``: q/k norms, post-norms, GeGLU, embedding and att
 the local layers' RoPE tables; ``set_layout``: each layer's window and KV group), and a step
 hands it every KV group's slots and block tables stacked. K-quant weights (``cpu_kquant``) and
 q|k|v of several formats (StackedLinear) are projections like the others. Soft-capped models
-(Gemma 2) keep the eager step.
+(Gemma 2) keep the eager step. Qwen3's per-head and OLMoE's whole-projection q/k norms are
+``set_qk_norms``.
+
+Mixture-of-experts layers (moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) run here too
+(``set_moe``): the router, each family's softmax / top-k / renormalisation, the experts grouped
+by expert (each expert with tokens multiplies all its rows at once, through the products its
+eager kernel uses: its packed GGUF tiles with int8 activations, or its fp32 matrices) and
+Qwen2-MoE's sigmoid-gated shared expert. The step adds its tokens per expert to the layer's load
+counter in place, as the eager layer does. Experts split over tensor-parallel ranks keep the
+eager step.
 
 Results equal the eager forward's to ~1e-6 (the same fp32 rounding points, sums in another
 order), as the tests check against it over plain and quantized pools.
@@ -64,6 +73,10 @@ from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
 from services.runtime.model.gemma3 import Gemma3ForCausalLM
 from services.runtime.model.linear import Linear
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
+from services.runtime.model.moe import SparseMoe
+from services.runtime.model.olmoe import OlmoeForCausalLM
+from services.runtime.model.qwen3 import Qwen3ForCausalLM, Qwen3Layer
+from services.runtime.model.moe_config import ROUTER_ORDERS
 from services.runtime.model.quant.formats import bits
 from services.runtime.model.quant.linear import INT8_FORMAT_CODES, QuantLinear, StackedLinear
 
@@ -89,10 +102,8 @@ answer than one (from its 5th token) while their 320-token step ran eagerly."""
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
-    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
-        return f"the model is {type(model).__name__}; the fused step runs the Llama and Gemma 3 layers"
-    if model.config.moe is not None:
-        return "the model routes its MLP through experts; the fused step runs dense layers"
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3ForCausalLM, OlmoeForCausalLM):
+        return f"the model is {type(model).__name__}; the fused step runs the Llama, Qwen3, OLMoE and Gemma 3 layers"
     if model.config.attn_logit_softcapping is not None or model.config.final_logit_softcapping is not None:
         return "the model soft-caps its scores or logits"
     if not isinstance(model.backend, CpuAttentionBackend):
@@ -100,25 +111,48 @@ def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return f"the model runs in {model.embed.dtype} on {model.embed.device}; the fused step is fp32 on a CPU"
     for layer in model.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            linear = getattr(layer, name)
-            if isinstance(linear, StackedLinear) and all(
-                    isinstance(p, QuantLinear) and p.bias is None for p in linear.parts):
-                paths = {p.path for p in linear.parts}
-                if not paths <= set(_QUANT_PATHS):
-                    return f"{name} stacks quantized linears on the {sorted(paths)} paths, not CPU kernels'"
-            elif isinstance(linear, QuantLinear):
-                if linear.path not in _QUANT_PATHS:
-                    return f"{name} is a quantized linear on the {linear.path!r} path, not a CPU kernel's"
-            elif not isinstance(linear, Linear):
-                return f"{name} is {type(linear).__name__}"
-            elif linear.packed is not None:
-                return f"{name} is prepacked for oneDNN: the model is large enough for its products to dominate"
-        if layer.o_proj.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
-            return "biases outside q|k|v"
+        moe: SparseMoe | None = getattr(layer, "moe", None)
+        if getattr(layer, "span_norm", None) is not None:
+            return "the layer's q/k norms span the tensor-parallel ranks"
+        if moe is not None and (reason := _why_not_experts(moe, layer)) is not None:
+            return reason
+        mlp = ("shared_gate_up", "shared_down") if moe is not None else ("gate_up", "down")
+        for name in ("qkv", "o_proj", *mlp):
+            linear = getattr(moe if name.startswith("shared") else layer, name)
+            if linear is None:
+                continue
+            if (reason := _why_not_linear(name, linear)) is not None:
+                return reason
+            if name != "qkv" and linear.bias is not None:
+                return "biases outside q|k|v"
     k_cache = kv_caches[0][0]
     if not isinstance(k_cache, ScaledCache) and k_cache.dtype != torch.float32:
         return f"the KV pool is {k_cache.dtype}, not fp32 or quantized"
+    return None
+
+
+def _why_not_linear(name: str, linear) -> str | None:
+    if isinstance(linear, StackedLinear) and all(isinstance(p, QuantLinear) and p.bias is None for p in linear.parts):
+        paths = {p.path for p in linear.parts}
+        if not paths <= set(_QUANT_PATHS):
+            return f"{name} stacks quantized linears on the {sorted(paths)} paths, not CPU kernels'"
+    elif isinstance(linear, QuantLinear):
+        if linear.path not in _QUANT_PATHS:
+            return f"{name} is a quantized linear on the {linear.path!r} path, not a CPU kernel's"
+    elif not isinstance(linear, Linear):
+        return f"{name} is {type(linear).__name__}"
+    elif linear.packed is not None:
+        return f"{name} is prepacked for oneDNN: the model is large enough for its products to dominate"
+    return None
+
+
+def _why_not_experts(moe: SparseMoe, layer) -> str | None:
+    if moe.expert_parallel is not None or layer.o_proj._forward_hooks:  # the hooks sum a tensor-parallel shard's
+        return "the sparse layers run under tensor parallelism"
+    if moe.path not in ("dense", "dequantized", "cpu_int8"):
+        return f"the layer's experts are on the {moe.path!r} path"
+    if moe.path != "cpu_int8" and moe.w_gate_up.dtype != torch.float32:
+        return f"the layer's experts are {moe.w_gate_up.dtype}, not fp32"
     return None
 
 
@@ -136,9 +170,13 @@ class FusedDecode:
         norms: list[torch.Tensor] = []
         projections = []
         gemma = isinstance(model, Gemma3ForCausalLM)
-        for layer in model.layers:
+        experts = {i: expert_projections(layer.moe) for i, layer in enumerate(model.layers)
+                   if getattr(layer, "moe", None) is not None}
+        for i, layer in enumerate(model.layers):
             norms += [layer.input_norm.detach(), (layer.pre_mlp_norm if gemma else layer.post_norm).detach()]
-            projections += [projection(linear) for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            mlp = experts[i][1][::len(experts[i][1]) // 2] if i in experts else [
+                projection(layer.gate_up), projection(layer.down)]  # a sparse layer's: set_moe's below
+            projections += [projection(layer.qkv), projection(layer.o_proj), *mlp]
         quantized = isinstance(kv_caches[0][0], ScaledCache)
         lm_head = model.lm_head
         self.computes_logits = lm_head.bias is None and (
@@ -171,6 +209,7 @@ class FusedDecode:
             local = model.rotary_local
             self._decoder.set_gemma(gemma_norms, local.cos_full, local.sin_signed, float(model.embed_scale),
                                     float(model.layers[0].scale))
+        self._set_qwen3_layers(model, experts, reducer)
         self._reducer = reducer
         """A tensor-parallel rank's all-reduce, which the C++ step sums its o and down outputs over."""
         if reducer is not None:
@@ -181,6 +220,19 @@ class FusedDecode:
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
         self._lora_stacks: LoraStacks | None = None
         """The adapter stacks handed to the decoder (the registry makes one set, at its first adapter)."""
+
+    def _set_qwen3_layers(self, model: LlamaForCausalLM, experts: dict, reducer) -> None:
+        """Hands the decoder the q/k norms of Qwen3's and OLMoE's layers and the sparse layers'
+        routers and experts (``experts``: layer index -> ``expert_projections``)."""
+        if experts and reducer is not None:
+            raise ValueError("the fused CPU decode step cannot run this model: its experts are sharded")
+        if isinstance(model.layers[0], Qwen3Layer):  # OLMoE's norms span all heads, Qwen3's one head
+            self._decoder.set_qk_norms([n.detach() for layer in model.layers for n in (layer.q_norm, layer.k_norm)],
+                                       isinstance(model, OlmoeForCausalLM))
+        for i, (router, per_expert, shared) in experts.items():
+            moe = model.layers[i].moe
+            self._decoder.set_moe(i, router, per_expert, shared, moe.top_k, moe.renormalize,
+                                  ROUTER_ORDERS.index(moe.router_order), moe.load)
 
     @property
     def isa(self) -> str:
@@ -251,6 +303,31 @@ def projection(linear: Linear | QuantLinear | StackedLinear):
         return cls.kquant(linear.packed, KQUANT_FORMAT_CODES[w.fmt], linear.out_features, linear.in_features, bias)
     scales, zeros, group = linear.cpu_operands()
     return cls.exact(w.qweight, scales, zeros, bits(w.fmt), group, bias)
+
+
+def expert_projections(moe: SparseMoe):
+    """A sparse layer's router, its experts' projections (every gate|up, then every down) and its
+    shared expert's (gate|up, down, gate; or none), as ``set_moe`` takes them."""
+    cls = torch.classes.tokenmill_cpu.Projection
+    empty = torch.empty(0)
+    e_range = range(moe.num_experts)
+    if moe.path == "cpu_int8":
+        hidden, inter = moe.router.shape[1], moe.inter
+
+        def packed(w: torch.Tensor, fmt: str, out: int, in_: int):
+            if fmt in INT8_FORMAT_CODES:
+                return cls.int8(w, INT8_FORMAT_CODES[fmt], out, in_, empty)
+            return cls.kquant(w, KQUANT_FORMAT_CODES[fmt], out, in_, empty)
+
+        experts = ([packed(moe.w13[e], moe.formats[0], 2 * inter, hidden) for e in e_range]
+                   + [packed(moe.w2[e], moe.formats[1], hidden, inter) for e in e_range])
+    else:
+        experts = ([cls.plain(moe.w_gate_up[e].detach(), empty) for e in e_range]
+                   + [cls.plain(moe.w_down[e].detach(), empty) for e in e_range])
+    shared = []
+    if moe.shared_gate_up is not None:
+        shared = [projection(moe.shared_gate_up), projection(moe.shared_down), cls.plain(moe.shared_gate.detach(), empty)]
+    return cls.plain(moe.router.detach(), empty), experts, shared
 
 
 LORA_KINDS = ("qkv", "o_proj", "gate_up", "down")

@@ -83,14 +83,14 @@ def expert_loads(model: nn.Module) -> list[tuple[int, list[int]]]:
     for i, layer in enumerate(model.layers):
         moe = getattr(layer, "moe", None)
         if moe is not None:
-            out.append((i, moe.load.tolist() if moe.load is not None else [0] * moe.num_experts))
+            out.append((i, moe.load.tolist()))
     return out
 
 
 def reset_expert_loads(model: nn.Module) -> None:
     for layer in model.layers:
         if getattr(layer, "moe", None) is not None:
-            layer.moe.load = None
+            layer.moe.load.zero_()  # in place: the fused CPU step adds to this tensor too
 
 
 class SparseMoe(nn.Module):
@@ -137,8 +137,10 @@ class SparseMoe(nn.Module):
         self.expert_parallel = None
         """Under tensor parallelism with split experts: the ExpertParallelMoe holding this rank's
         run of them (services/runtime/parallel/expert_parallel.py); w_gate_up and w_down are None then."""
-        self.load: torch.Tensor | None = None
-        """Tokens routed to each expert since the model was loaded, [E] int64 (the load metric's source)."""
+        with torch.inference_mode(False):  # a normal tensor, which steps in inference mode may add to
+            self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        """Tokens routed to each expert since the model was loaded or reset, [E] int64 (the load metric's
+        source), on the router's device; added to in place, by the fused CPU step (fused_decode.py) too."""
 
     def prepare(self, activations: str = "auto") -> str:
         """Ready quantized experts for the router's device (after the move); returns the path.
@@ -172,7 +174,7 @@ class SparseMoe(nn.Module):
             self.prepare()
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize, self.router_order)
         counts = expert_counts(ids, self.num_experts)
-        self.load = counts if self.load is None else self.load + counts
+        self.load += counts
         if self.expert_parallel is not None:  # tensor parallelism: this rank's run of experts, the tokens exchanged
             out = self.expert_parallel(x, weights, ids)
         elif self.path == "cpu_int8":  # quantized experts, grouped, in C++

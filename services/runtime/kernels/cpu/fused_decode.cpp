@@ -340,6 +340,49 @@ struct Projection : torch::CustomClassHolder {
 
 namespace {
 
+// A sparse layer's MLP (set_moe, services/runtime/model/moe.py): the router [E, D], each expert's
+// gate|up [2I, D] and down [D, I], and Qwen2-MoE's shared expert with its [1, D] sigmoid gate.
+struct Moe {
+  c10::intrusive_ptr<Projection> router;
+  std::vector<c10::intrusive_ptr<Projection>> gate_up, down;
+  c10::intrusive_ptr<Projection> shared_gate_up, shared_down, shared_gate;  // null without one
+  int64_t top_k = 1;
+  bool renormalize = false;
+  bool topk_softmax = false;  // softmax over the k largest logits, not top-k of a softmax over all
+  at::Tensor load;            // [E] int64: tokens routed to each expert, added to in place
+};
+
+// One token's router: the k experts and their weights, as moe.route computes them (the largest
+// first; among equal values the lower expert, as torch.topk).
+void route_row(const float* logits, int64_t E, const Moe& m, float* probs, int64_t* ids, float* weights) {
+  const int64_t k = m.top_k;
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  auto softmax = [](const float* in, int64_t n, float* out) {
+    float mx = in[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, in[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (out[i] = std::exp(in[i] - mx));
+    for (int64_t i = 0; i < n; ++i) out[i] /= sum;
+  };
+  const float* ranked = logits;
+  if (!m.topk_softmax) {
+    softmax(logits, E, probs);
+    ranked = probs;
+  }
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+    return ranked[a] > ranked[b] || (ranked[a] == ranked[b] && a < b);
+  });
+  for (int64_t j = 0; j < k; ++j) ids[j] = order[j], weights[j] = ranked[order[j]];
+  if (m.topk_softmax) {
+    softmax(weights, k, weights);
+  } else if (m.renormalize) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) sum += weights[j];
+    for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+  }
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   c10::intrusive_ptr<Projection> qkv, o, gate_up, down;
@@ -348,6 +391,8 @@ struct Layer {
   at::Tensor post_attn_norm, post_mlp_norm, q_norm, k_norm;
   int64_t window = 0;  // keys a query sees (0: the whole context); set_layout
   int64_t group = 0;   // the KV group whose slots and block table the layer reads; set_layout
+  bool qk_whole = false;  // OLMoE (set_qk_norms): q and k normed over all their heads at once
+  std::shared_ptr<Moe> moe;  // set_moe: the routed experts in place of gate_up and down
 };
 
 // GELU with the tanh approximation (Gemma's GeGLU), tanh(u) = 1 - 2 / (1 + e^{2u}) over exp_vec.
@@ -481,8 +526,9 @@ struct LlamaDecoder : torch::CustomClassHolder {
     at::Tensor hidden = at::empty({B, D}, f32), x = at::empty({B, D}, f32);
     at::Tensor qkv = at::empty({B, qkv_size}, f32);
     at::Tensor q = at::empty({B, H_, hd}, f32), attn = at::empty({B, H_, hd}, f32);
-    const int64_t F = layers_.empty() ? 0 : layers_[0].down->in;
-    at::Tensor gate_up = at::empty({B, 2 * F}, f32), act = at::empty({B, F}, f32);
+    int64_t F_max = 0;  // dense and sparse layers' widths differ (Qwen's mlp_only_layers)
+    for (const Layer& layer : layers_) F_max = std::max(F_max, layer.down->in);
+    at::Tensor gate_up = at::empty({B, 2 * F_max}, f32), act = at::empty({B, F_max}, f32);
     at::Tensor tmp = at::empty({B, D}, f32);
     float* h = hidden.data_ptr<float>();
     float* xp = x.data_ptr<float>();
@@ -531,7 +577,10 @@ struct LlamaDecoder : torch::CustomClassHolder {
       const float* sin_l = local ? sin_local : sin_tab;
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkvp + b * qkv_size;
-        if (layer.q_norm.defined()) {  // Gemma 3: each q and k head RMS-normed before RoPE
+        if (layer.qk_whole) {  // OLMoE: q and k each RMS-normed over all their heads
+          rms_norm_rows(row, 1, q_size, layer.q_norm.data_ptr<float>(), eps_, row);
+          rms_norm_rows(row + q_size, 1, kv_size, layer.k_norm.data_ptr<float>(), eps_, row + q_size);
+        } else if (layer.q_norm.defined()) {  // Gemma 3, Qwen3: each q and k head RMS-normed before RoPE
           rms_norm_rows(row, H_, hd, layer.q_norm.data_ptr<float>(), eps_, row);
           rms_norm_rows(row + q_size, KH_, hd, layer.k_norm.data_ptr<float>(), eps_, row + q_size);
         }
@@ -563,6 +612,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
 #pragma omp simd
       for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
       rms_norm_rows(h, B, D, layer.post_norm.data_ptr<float>(), eps_, xp);
+      if (layer.moe) {
+        moe_mlp(*layer.moe, xp, B, tp);
+#pragma omp simd
+        for (int64_t i = 0; i < B * D; ++i) h[i] += tp[i];
+        continue;
+      }
+      const int64_t F = layer.down->in;
       layer.gate_up->apply(xp, B, gup, workspace_, pool_.get());
       if (lora) lora->apply(l, 2, xp, gup, pool_.get());
       for (int64_t b = 0; b < B; ++b) {
@@ -647,6 +703,56 @@ struct LlamaDecoder : torch::CustomClassHolder {
     gemma_ = true;
   }
 
+  // Per layer q's and k's RMSNorm weights before RoPE (Qwen3, OLMoE; two empty tensors for a layer
+  // without), over each head ([head_dim] norms) or, with whole, over all heads at once (OLMoE).
+  void set_qk_norms(std::vector<at::Tensor> norms, bool whole) {
+    TORCH_CHECK(norms.size() == 2 * layers_.size(), "2 norms per layer");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (norms[2 * l].numel() == 0) continue;
+      layers_[l].q_norm = vector_of(norms[2 * l], whole ? H_ * hd_ : hd_, "q_norm");
+      layers_[l].k_norm = vector_of(norms[2 * l + 1], whole ? KH_ * hd_ : hd_, "k_norm");
+      layers_[l].qk_whole = whole;
+    }
+  }
+
+  // Layer l's MLP becomes routed experts: router [E, D]; experts: every expert's gate|up [2I, D],
+  // then every expert's down [D, I]; shared: none, or the shared expert's gate|up, down and its
+  // [1, D] gate; load [E] int64, which each step adds its tokens per expert to. order: 0 softmax
+  // then top-k, 1 top-k logits then softmax.
+  void set_moe(int64_t l, c10::intrusive_ptr<Projection> router, std::vector<c10::intrusive_ptr<Projection>> experts,
+               std::vector<c10::intrusive_ptr<Projection>> shared, int64_t top_k, bool renormalize, int64_t order,
+               at::Tensor load) {
+    TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "layer ", l, " is outside the model");
+    const int64_t E = router->out;
+    TORCH_CHECK(router->in == D_, "the router must be [E, ", D_, "]");
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, ", E, "]");
+    TORCH_CHECK(static_cast<int64_t>(experts.size()) == 2 * E, "a gate|up and a down per expert");
+    TORCH_CHECK(shared.empty() || shared.size() == 3, "shared: none or gate|up, down and gate");
+    TORCH_CHECK(order == 0 || order == 1, "order must be 0 or 1");
+    TORCH_CHECK(load.dim() == 1 && load.numel() == E && load.scalar_type() == at::kLong && load.is_contiguous(),
+                "load must be [E] int64");
+    auto m = std::make_shared<Moe>();
+    m->router = router;
+    const int64_t I = experts[E]->in;
+    for (int64_t e = 0; e < E; ++e) {
+      TORCH_CHECK(experts[e]->in == D_ && experts[e]->out == 2 * I && experts[E + e]->out == D_ &&
+                      experts[E + e]->in == I,
+                  "expert ", e, ": gate|up must be [", 2 * I, ", ", D_, "] and down [", D_, ", ", I, "]");
+      m->gate_up.push_back(experts[e]);
+      m->down.push_back(experts[E + e]);
+    }
+    if (!shared.empty()) {
+      TORCH_CHECK(shared[0]->in == D_ && shared[1]->out == D_ && shared[0]->out == 2 * shared[1]->in &&
+                      shared[2]->in == D_ && shared[2]->out == 1,
+                  "the shared expert must be gate|up [2S, D], down [D, S] and gate [1, D]");
+      m->shared_gate_up = shared[0], m->shared_down = shared[1], m->shared_gate = shared[2];
+    }
+    m->top_k = top_k, m->renormalize = renormalize, m->topk_softmax = order == 1, m->load = load;
+    layers_[l].moe = std::move(m);
+    layers_[l].gate_up = experts[0];  // the widths the step sizes its buffers by
+    layers_[l].down = experts[E];
+  }
+
   // Sum the o and down outputs over a tensor-parallel group's ranks (this decoder holds one shard).
   void set_all_reduce(c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer) { reducer_ = std::move(reducer); }
 
@@ -667,6 +773,73 @@ struct LlamaDecoder : torch::CustomClassHolder {
   float eps_;
   std::vector<at::Tensor> k_caches_, v_caches_, k_scales_, v_scales_;
   bool quantized_ = false;
+  std::vector<float> moe_buf_;  // a sparse layer's router logits, rows and products (moe_mlp)
+
+  // y [B, D] = the routed experts' weighted sum over x [B, D] (+ the gated shared expert), as
+  // moe.py's SparseMoe: the (token, slot) pairs grouped by expert, each expert with tokens
+  // multiplying all its rows at once through its projections (the eager grouped kernel's
+  // products), so its weights are read once per step and an expert no token chose costs nothing.
+  void moe_mlp(const Moe& m, const float* x, int64_t B, float* y) {
+    const int64_t E = m.router->out, k = m.top_k, D = D_, I = m.down[0]->in, P = B * k;
+    const int64_t S = m.shared_gate_up ? m.shared_down->in : 0;
+    const int64_t width = std::max(2 * I, 2 * S);
+    moe_buf_.resize(B * E * 2 + P + P * D + P * width + P * I + B * (D + 1));
+    float* logits = moe_buf_.data();
+    float* probs = logits + B * E;
+    float* weights = probs + B * E;
+    float* rows = weights + P;    // [P, D]: each pair's input row, grouped by expert; then its output
+    float* gu = rows + P * D;     // [P, 2I]
+    float* act = gu + P * width;  // [P, I]
+    float* shared_gate = act + P * I;
+    std::vector<int64_t> ids(P), count(E, 0), start(E, 0), pos(P);
+    m.router->apply(x, B, logits, workspace_, pool_.get());
+    for (int64_t b = 0; b < B; ++b) route_row(logits + b * E, E, m, probs + b * E, ids.data() + b * k, weights + b * k);
+    for (int64_t i = 0; i < P; ++i) ++count[ids[i]];
+    for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + count[e - 1];
+    std::vector<int64_t> next(start);
+    for (int64_t i = 0; i < P; ++i) {  // stable: an expert's tokens in order
+      pos[i] = next[ids[i]]++;
+      std::memcpy(rows + pos[i] * D, x + (i / k) * D, sizeof(float) * D);
+    }
+    int64_t* load = m.load.data_ptr<int64_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      load[e] += count[e];
+      if (count[e] == 0) continue;
+      const int64_t n = count[e];
+      m.gate_up[e]->apply(rows + start[e] * D, n, gu, workspace_, pool_.get());
+      silu_mul(gu, n, I, act);
+      m.down[e]->apply(act, n, rows + start[e] * D, workspace_, pool_.get());  // its rows are read: reuse them
+    }
+    std::fill(y, y + B * D, 0.f);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = weights[b * k + j];
+        const float* r = rows + pos[b * k + j] * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; ++c) y[b * D + c] += w * r[c];
+      }
+    }
+    if (!m.shared_gate_up) return;
+    m.shared_gate_up->apply(x, B, gu, workspace_, pool_.get());
+    silu_mul(gu, B, S, act);
+    m.shared_down->apply(act, B, rows, workspace_, pool_.get());
+    m.shared_gate->apply(x, B, shared_gate, workspace_, pool_.get());
+    for (int64_t b = 0; b < B; ++b) {
+      const float g = 1.f / (1.f + std::exp(-shared_gate[b]));
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) y[b * D + c] += g * rows[b * D + c];
+    }
+  }
+
+  // a [n, I] = silu(gate) * up over gu [n, 2I] (gate columns first).
+  static void silu_mul(const float* gu, int64_t n, int64_t I, float* a) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* g = gu + r * 2 * I;
+      const float* u = g + I;
+#pragma omp simd
+      for (int64_t f = 0; f < I; ++f) a[r * I + f] = g[f] / (1.f + exp_vec(-g[f])) * u[f];
+    }
+  }
 };
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
@@ -690,5 +863,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       .def("logits", &LlamaDecoder::logits)
       .def("set_layout", &LlamaDecoder::set_layout)
       .def("set_gemma", &LlamaDecoder::set_gemma)
+      .def("set_qk_norms", &LlamaDecoder::set_qk_norms)
+      .def("set_moe", &LlamaDecoder::set_moe)
       .def("set_all_reduce", &LlamaDecoder::set_all_reduce);
 }
