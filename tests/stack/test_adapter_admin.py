@@ -171,22 +171,31 @@ async def test_loads_only_from_inside_the_lora_dir(stack):
 
 
 async def test_without_a_lora_dir_loading_while_serving_is_refused(stack, tmp_path):
+    """The scheduler refuses before any executor is asked (this one would take it), and an
+    executor without --lora-dir refuses a caller that reaches it directly."""
     adapter = str(write_adapter(tmp_path / "r4", rank=4))
-    executor = await serve_executor(ExecutorServiceConfig(port=0, allow_unauthenticated=True, executor=ExecutorConfig(
-        model=str(STORIES_DIR), num_blocks=64, dtype="fp32", device="cpu", attention_backend="torch", max_loras=2)))
+    executors = [await serve_executor(ExecutorServiceConfig(
+        port=0, allow_unauthenticated=True, skip_warmup=True, executor=ExecutorConfig(
+            model=str(STORIES_DIR), num_blocks=64, dtype="fp32", device="cpu", attention_backend="torch", max_loras=2,
+            lora_dir=lora_dir))) for lora_dir in (str(tmp_path), "")]
     scheduler = await serve_scheduler(SchedulerServiceConfig(
-        port=0, executor_addresses=(executor.address,), tokenizer_addresses=(stack.servers[-1].address,),
+        port=0, executor_addresses=(executors[0].address,), tokenizer_addresses=(stack.servers[-1].address,),
         connect_timeout_s=10, allow_unauthenticated=True))
     try:
         async with create_channel(scheduler.address) as channel:
             error = await refused(admin_pb2_grpc.AdminStub(channel).LoadAdapter(
                 admin_pb2.AdminLoadAdapterRequest(name="r4", path=adapter)))
-        async with create_channel(executor.address) as channel:
+        assert await executor_adapters(executors[0].address) == []
+        async with create_channel(executors[1].address) as channel:
             direct = await refused(executor_pb2_grpc.ExecutorStub(channel).LoadAdapter(
                 executor_pb2.LoadAdapterRequest(name="r4", path=adapter), metadata=call_metadata("")))
+        async with create_channel(executors[0].address) as channel:  # the same load where it is allowed
+            await executor_pb2_grpc.ExecutorStub(channel).LoadAdapter(
+                executor_pb2.LoadAdapterRequest(name="r4", path="r4"), metadata=call_metadata(""))
     finally:
         await scheduler.stop(grace=0)
-        await executor.stop(grace=0)
+        for executor in executors:
+            await executor.stop(grace=0)
     for refusal in (error, direct):
         assert refusal.code() == grpc.StatusCode.FAILED_PRECONDITION, refusal.details()
         assert "--lora-dir (TOKENMILL_LORA_DIR)" in refusal.details()
