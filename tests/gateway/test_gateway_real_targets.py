@@ -1,9 +1,11 @@
 """The gateway over two real stories260K stacks (processes, as `tokenmill up` starts them).
 
 - One stack is slowed (its executor stopped and continued on a duty cycle, as a noisy
-  neighbour would slow it): the latency route keeps requests with an SLA on the fast one and
-  sends SLA-free ones to the cheap slow one while it is within the route's cheapest_within of the
-  fast one's estimate, to the fast one beyond (the default 2x).
+  neighbour would slow it, the cycle's stopped part grown until the stack is measured four
+  times slower than the other, however loaded the machine already is): the latency route
+  keeps requests with an SLA on the fast one and sends SLA-free ones to the cheap slow one
+  while it is within the route's cheapest_within of the fast one's estimate, to the fast one
+  beyond (the default 2x).
 - One stack's scheduler is SIGKILLed under load: every request that had not started streaming
   still succeeds (it moves to the other target), and the killed target, restarted by its
   launcher, is probed back into the pool.
@@ -39,15 +41,25 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 EXECUTOR = dict(dtype="fp32", device="cpu", attention_backend="torch", num_blocks=256)
 PROMPT = "Once upon a time"
-STOPPED_S, RUNNING_S = 0.03, 0.01
-"""The slowed executor runs 10 ms of every 40: about four times slower."""
+STOPPED_S = (0.03, 0.06, 0.12, 0.24, 0.48)
+"""The stopped part of each cycle, tried in turn until the stack is slow enough."""
+RUNNING_S = 0.01
+ONE_STEP = ["--num-scheduler-steps=1"]
+"""The slowed stack asks its executor for each token: every token meets the cycle alike. (Bursts of
+steps would meet a stop once per burst: a few long gaps among quick tokens, a slow stream whose
+median time per token, all the latency route goes by, stays quick.)"""
+SLOWER = 4.0
+"""How many times slower than the fast stack the cheap one is made: beyond the "bounded" route's
+2x with margin either way (an SLA of twice the fast time), far within the "stories" route's 20x."""
 
 
 class DutyCycle:
-    """SIGSTOP / SIGCONT a process on a cycle, from a thread, until closed."""
+    """SIGSTOP / SIGCONT a process on a cycle, from a thread, until closed; ``stopped_s`` may be
+    changed while it runs."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, stopped_s: float) -> None:
         self.pid = pid
+        self.stopped_s = stopped_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -56,7 +68,7 @@ class DutyCycle:
         while not self._stop.is_set():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGSTOP)
-            time.sleep(STOPPED_S)
+            time.sleep(self.stopped_s)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGCONT)
             time.sleep(RUNNING_S)
@@ -72,7 +84,7 @@ class DutyCycle:
 def stacks(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with launched_stack(STORIES_DIR, logs / "a", executor=EXECUTOR) as fast, \
-            launched_stack(STORIES_DIR, logs / "b", executor=EXECUTOR) as cheap:
+            launched_stack(STORIES_DIR, logs / "b", executor=EXECUTOR, scheduler_args=ONE_STEP) as cheap:
         yield fast, cheap
 
 
@@ -117,13 +129,41 @@ async def direct_e2e_ms(address: str, n: int, max_tokens: int) -> float:
     return statistics.median(times)
 
 
-async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_on_the_cheap_one(stacks, gateway):
-    fast, cheap = stacks
-    slow = DutyCycle(cheap.services["executor"].process.pid)
-    try:
+async def slow_down(fast, cheap, gateway) -> tuple[DutyCycle, float, float]:
+    """Duty-cycle the cheap stack's executor until the cheap stack takes over SLOWER times as long
+    as the fast one: (the cycle, fast ms, slow ms), measured here and now. A cycle does not slow a
+    stack by a fixed factor: each stop adds a wait to the steps that meet it, while the fast
+    stack's time grows with the machine's load (each step waits for a core), so a cycle that is
+    four times slower on an idle machine is under twice as slow on a loaded one."""
+    fast_ms = await direct_e2e_ms(fast.public_address, 6, 32)
+    cycle = DutyCycle(cheap.services["executor"].process.pid, STOPPED_S[0])
+    for stopped_s in STOPPED_S:
+        cycle.stopped_s = stopped_s
+        slow_ms = await direct_e2e_ms(cheap.public_address, 6, 32)
+        if slow_ms > SLOWER * fast_ms:
+            break
+    else:
+        cycle.close()
+        raise AssertionError(f"a {STOPPED_S[-1]} s stop of every cycle did not make the stack {SLOWER}x slower: "
+                             f"{slow_ms:.0f} vs {fast_ms:.0f} ms")
+    if stopped_s != STOPPED_S[0]:
+        # The gateway's profile of the cheap stack (its last window_s) still holds the faster
+        # requests of the weaker cycles: wait them out, then measure both stacks again (the
+        # fast one's window is empty by then: a target with no data would be ranked last).
+        await asyncio.sleep(gateway.dispatcher.pool.window_s)
         fast_ms = await direct_e2e_ms(fast.public_address, 6, 32)
         slow_ms = await direct_e2e_ms(cheap.public_address, 6, 32)
-        assert slow_ms > 2.5 * fast_ms, (fast_ms, slow_ms)
+    if not slow_ms > 2.5 * fast_ms:
+        cycle.close()
+        raise AssertionError(f"the slowed stack is not 2.5x slower: {slow_ms:.0f} vs {fast_ms:.0f} ms")
+    return cycle, fast_ms, slow_ms
+
+
+async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_on_the_cheap_one(stacks, gateway):
+    fast, cheap = stacks
+    slow, fast_ms, slow_ms = await slow_down(fast, cheap, gateway)
+    try:
+        print(f"fast {fast_ms:.0f} ms, slowed {slow_ms:.0f} ms with {slow.stopped_s} s stops")
         await asyncio.sleep(0.3)  # a poll reads both profiles
         sla = (fast_ms * slow_ms) ** 0.5
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="-", max_retries=0)
@@ -147,7 +187,7 @@ async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_o
         slow.close()
     assert with_sla.get("fast", 0) >= 14, (with_sla, fast_ms, slow_ms, sla)
     assert without_sla.get("cheap", 0) == 8, without_sla
-    # Over 2.5x slower than the fast one: beyond the default bound, so SLA-free traffic goes fast.
+    # Four times slower than the fast one: beyond the default bound, so SLA-free traffic goes fast.
     assert bounded.get("fast", 0) >= 7, (bounded, fast_ms, slow_ms)
 
 
@@ -181,19 +221,31 @@ async def test_a_target_killed_under_load_fails_no_request_that_had_not_streamed
     fallbacks = gateway.dispatcher.metrics.fallbacks.labels("spread", "cheap", "UNAVAILABLE")._value.get()
     assert fallbacks > fallbacks_before or failed, "the kill reached no request: the test proved nothing"
     # The launcher restarts the scheduler on its port; the pool probes it back in.
-    target = gateway.dispatcher.pool.targets["cheap"]
+    await back_in_the_pool(gateway, "cheap")
+
+
+async def back_in_the_pool(gateway, name: str) -> None:
+    """Wait until target ``name`` serves again, then send it one request: its breaker, opened by
+    the failures of a kill and half-open once its open_s has passed, takes that request as its
+    probe and closes. (A target is "healthy" while half-open: the next request sent to it, whatever
+    it is, would be the probe, and a probe's failure says nothing of the request.)"""
+    target = gateway.dispatcher.pool.targets[name]
     deadline = time.monotonic() + 90
     while not target.state.healthy and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert target.state.healthy
-    reply = await client.completions.create(model="spread", prompt=PROMPT, max_tokens=4)
-    assert reply.choices[0].finish_reason == "length"
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="-",
+                                  max_retries=0) as client:
+        raw = await client.completions.with_raw_response.create(model=f"{name}-first", prompt=PROMPT, max_tokens=4)
+    assert raw.headers["x-tokenmill-target"] == name and raw.parse().choices[0].finish_reason == "length"
+    assert target.breaker.state == "closed", target.breaker.state
 
 
 async def test_a_target_that_dies_admitting_a_structured_output_is_not_retried_and_the_grammar_is_quarantined(
         stacks, gateway):
     fast, cheap = stacks
     await wait_healthy(gateway, ["fast", "cheap"], timeout_s=90)
+    await back_in_the_pool(gateway, "cheap")  # not half-open: the request below is not a breaker's probe
     request = generation_pb2.GenerateRequest(text=PROMPT)
     request.stop.max_tokens = 4
     request.structured_output.regex = "(ab|cd)+"
@@ -206,6 +258,9 @@ async def test_a_target_that_dies_admitting_a_structured_output_is_not_retried_a
         scheduler.send_signal(signal.SIGSTOP)
         call = stub.Generate(request, metadata=metadata, timeout=30)
         replies = asyncio.ensure_future(_drain(call))
+        target = gateway.dispatcher.pool.targets["cheap"]
+        while not target.state.inflight and not replies.done():  # sent (a loaded gateway may take a while)
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)
         scheduler.send_signal(signal.SIGKILL)
         code, details = await replies
