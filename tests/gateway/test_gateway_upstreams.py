@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anthropic
+import httpx
 import httpx2
 import openai
 import pytest
@@ -114,8 +115,18 @@ async def openai_front(llamacpp, tmp_path_factory) -> AsyncIterator[tuple[openai
     await wait_healthy(gateway, ["llamacpp"])
     front = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="unused",
                                max_retries=0, timeout=120)
+    async def back_in_the_pool(response: httpx.Response) -> None:
+        # llama-cpp-python answers its model listing (the gateway's health probe) only once the
+        # completion it runs is done, so a direct call over ~6 s (a loaded machine) makes three
+        # probes in a row time out and takes the target out of the pool until the next poll: the
+        # gateway is asked only once the pool holds it again. (Not at a stream's start: the
+        # stream holds the server until it is read.)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            await wait_healthy(gateway, ["llamacpp"])
+
     direct = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{llamacpp}/v1", api_key=LLAMACPP_KEY, max_retries=0,
-                                timeout=120)
+                                timeout=120, http_client=openai.DefaultAsyncHttpxClient(
+                                    event_hooks={"response": [back_in_the_pool]}))
     yield front, direct, gateway
     await front.close()
     await direct.close()
