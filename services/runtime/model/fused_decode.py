@@ -70,6 +70,7 @@ from services.runtime.kernels.kquant_act import KQUANT_FORMAT_CODES
 from services.runtime.kernels.kv_quant import ScaledCache
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.model.attention.cpu_backend import CpuAttentionBackend
+from services.runtime.model.gemma2 import Gemma2ForCausalLM
 from services.runtime.model.gemma3 import Gemma3ForCausalLM
 from services.runtime.model.linear import Linear
 from services.runtime.model.llama import KVCaches, LlamaForCausalLM
@@ -102,10 +103,10 @@ answer than one (from its 5th token) while their 320-token step ran eagerly."""
 
 def why_not(model: LlamaForCausalLM, kv_caches: KVCaches) -> str | None:
     """None when the fused step can run ``model`` over ``kv_caches``, else the reason it cannot."""
-    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3ForCausalLM, OlmoeForCausalLM):
-        return f"the model is {type(model).__name__}; the fused step runs the Llama, Qwen3, OLMoE and Gemma 3 layers"
-    if model.config.attn_logit_softcapping is not None or model.config.final_logit_softcapping is not None:
-        return "the model soft-caps its scores or logits"
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM, Gemma2ForCausalLM, Qwen3ForCausalLM,
+                           OlmoeForCausalLM):
+        return (f"the model is {type(model).__name__}; the fused step runs the Llama, Qwen3, OLMoE and Gemma 2 "
+                f"and 3 layers")
     if not isinstance(model.backend, CpuAttentionBackend):
         return f"the attention backend is {model.backend.name!r}, not the cpu backend"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
@@ -209,6 +210,9 @@ class FusedDecode:
             local = model.rotary_local
             self._decoder.set_gemma(gemma_norms, local.cos_full, local.sin_signed, float(model.embed_scale),
                                     float(model.layers[0].scale))
+        caps = (model.config.attn_logit_softcapping, model.config.final_logit_softcapping)
+        if any(cap is not None for cap in caps):  # Gemma 2
+            self._decoder.set_softcap(*(float(cap or 0.0) for cap in caps))
         self._set_qwen3_layers(model, experts, reducer)
         self._reducer = reducer
         """A tensor-parallel rank's all-reduce, which the C++ step sums its o and down outputs over."""

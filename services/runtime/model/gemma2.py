@@ -6,9 +6,9 @@ local (sliding-window) and global layers alternating from the first, and tanh so
   - logits ``c * tanh(logits / c)`` (``final_logit_softcapping``, 30).
 
 Capped scores need an attention that computes them: the torch backend does (an explicit
-matmul, tanh, softmax), and the cpu backend sends such layers to it (its C++ decode kernel has
-no cap). The Triton kernels have none either, so a capped model refuses them by name, as the
-compiled CPU decode step (its traced attention is the C++ kernel) does.
+matmul, tanh, softmax), the cpu backend's C++ decode kernel and the Triton kernels take the cap,
+and so does the fused C++ decode step (both caps). The compiled CPU decode step refuses a capped
+model by name.
 """
 
 from __future__ import annotations

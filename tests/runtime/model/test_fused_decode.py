@@ -373,8 +373,9 @@ def test_a_quantized_model_runs_steps_fused_up_to_eight_times_the_limit(quantize
 
 # Gemma 3's layer through the fused step: q/k norms, pre- and post-norms, GeGLU, scaled
 # embeddings, and local layers with their own window, RoPE base and KV group (the step hands the
-# decoder every group's slots and tables); Mistral's window on every layer of a Llama.
-WINDOWED = ["gemma3", "gemma3-linear-rope", "mistral-window"]
+# decoder every group's slots and tables); Gemma 2's soft caps on scores and logits (3 and 8, small
+# enough to bite); Mistral's window on every layer of a Llama.
+WINDOWED = ["gemma3", "gemma3-linear-rope", "gemma2", "mistral-window"]
 # (context after the step, new tokens): decode rows at, inside and past the windows (16 and 8
 # keys), a whole prompt longer than the window, and a chunk continuing a cached context.
 WINDOWED_STEPS = ([(n, 1) for n in (1, 8, 9, 15, 16, 17, 33, 50)], [(20, 20), (5, 1), (40, 7), (17, 1)])
@@ -429,15 +430,6 @@ def test_windowed_and_gemma_layers_run_fused_as_they_run_eagerly(name, kv_cache_
             tolerance = 2e-2 if kv_cache_dtype != "auto" else 1e-4
             torch.testing.assert_close(got, eager, rtol=tolerance, atol=tolerance)
             torch.testing.assert_close(fused.logits(got), runner.model.compute_logits(got), rtol=1e-4, atol=1e-4)
-
-
-def test_soft_capped_models_keep_the_eager_step(tmp_path):
-    from services.tools.random_model import build_random_model
-    from tests.helpers.family_specs import FAMILY_SPECS
-
-    runner = make_runner(build_random_model(FAMILY_SPECS["gemma2"], tmp_path / "gemma2"))
-    assert fused_decode(runner) is None
-    assert "Gemma2ForCausalLM" in why_not(runner.model, runner.kv_cache.layers)
 
 
 def test_a_k_quant_model_runs_fused_as_it_runs_eagerly(tmp_path):

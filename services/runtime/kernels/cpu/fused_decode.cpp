@@ -604,7 +604,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
       }
       tokenmill_cpu::decode_attention(attn, q, k_caches_[l], v_caches_[l], quantized_ ? &k_scales_[l] : nullptr,
                                       quantized_ ? &v_scales_[l] : nullptr, group_tables, context_lens, scale,
-                                      pool_.get(), layer.window);
+                                      pool_.get(), layer.window, attn_softcap_);
       layer.o->apply(ap, B, tp, workspace_, pool_.get());
       if (lora) lora->apply(l, 1, ap, tp, pool_.get());
       if (reducer_ && reducer_->reduce(tp, B * D) != tokenmill_cpu::kReduceOk) return x;
@@ -658,6 +658,13 @@ struct LlamaDecoder : torch::CustomClassHolder {
     const int64_t N = hidden.size(0);
     at::Tensor out = at::empty({N, lm_head_->out}, at::TensorOptions().dtype(at::kFloat));
     lm_head_->apply(hidden.data_ptr<float>(), N, out.data_ptr<float>(), workspace_, pool_.get());
+    if (final_softcap_ > 0.f) {
+      float* o = out.data_ptr<float>();
+      const float c = final_softcap_;
+      at::parallel_for(0, out.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) o[i] = c * std::tanh(o[i] / c);
+      });
+    }
     return out;
   }
 
@@ -753,6 +760,15 @@ struct LlamaDecoder : torch::CustomClassHolder {
     layers_[l].down = experts[E];
   }
 
+  // Gemma 2's soft caps, c * tanh(s / c) (0: none): attention's on the scaled scores before the
+  // softmax, final's on the logits.
+  void set_softcap(double attention, double final_logits) {
+    TORCH_CHECK(attention >= 0.0 && final_logits >= 0.0 && std::isfinite(attention) && std::isfinite(final_logits),
+                "soft caps must be finite numbers >= 0 (0: none)");
+    attn_softcap_ = attention;
+    final_softcap_ = static_cast<float>(final_logits);
+  }
+
   // Sum the o and down outputs over a tensor-parallel group's ranks (this decoder holds one shard).
   void set_all_reduce(c10::intrusive_ptr<tokenmill_cpu::ShmAllReduce> reducer) { reducer_ = std::move(reducer); }
 
@@ -765,6 +781,8 @@ struct LlamaDecoder : torch::CustomClassHolder {
   at::Tensor cos_local_, sin_local_;
   float embed_scale_ = 1.f;
   double attn_scale_ = 0.0;
+  double attn_softcap_ = 0.0;   // set_softcap
+  float final_softcap_ = 0.f;  // set_softcap
   int64_t groups_ = 1;
   c10::intrusive_ptr<Projection> lm_head_;
   std::vector<Layer> layers_;
@@ -865,5 +883,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       .def("set_gemma", &LlamaDecoder::set_gemma)
       .def("set_qk_norms", &LlamaDecoder::set_qk_norms)
       .def("set_moe", &LlamaDecoder::set_moe)
+      .def("set_softcap", &LlamaDecoder::set_softcap)
       .def("set_all_reduce", &LlamaDecoder::set_all_reduce);
 }

@@ -769,8 +769,9 @@ namespace tokenmill_cpu {
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, double scale, WorkerPool* pool, int64_t window) {
-  run_decode(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, pool, window);
+                      const at::Tensor& context_lens, double scale, WorkerPool* pool, int64_t window,
+                      double softcap) {
+  run_decode(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, pool, window, softcap);
 }
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor* k_scale,

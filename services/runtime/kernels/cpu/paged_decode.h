@@ -11,10 +11,11 @@ class WorkerPool;
 
 // Decode attention, one query per sequence: out, q [B, H, D] over the pool through block_tables;
 // the sequences on `pool` (worker_pool.h), or on OpenMP's threads when null; window: 0, or a
-// sliding window of that many keys per query.
+// sliding window of that many keys per query; softcap: 0, or Gemma 2's cap c on the scaled scores.
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor* k_scale, const at::Tensor* v_scale, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, double scale, WorkerPool* pool = nullptr, int64_t window = 0);
+                      const at::Tensor& context_lens, double scale, WorkerPool* pool = nullptr, int64_t window = 0,
+                      double softcap = 0.0);
 
 // Stores k, v [T, KH, D] (unit last stride) at slot_mapping [T] int64 of the pools.
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor* k_scale,
