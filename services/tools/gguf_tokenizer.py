@@ -93,6 +93,23 @@ GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?((?=[\p{{L}}])([^a-z]))*((?=[\p{{L}}])([
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 """llama.cpp's ``gpt-4o`` split (o200k: Phi-4-mini, Llama 4), rewritten the same way."""
 
+_DEEPSEEK_LETTERS = (
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚ"
+    # Greek Extended and letterlike symbols in escapes: several of them normalize (NFC) to other letters
+    "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+    "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d"
+    "\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e"
+    "Ⰰ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+    "\U000118a0-\U000118df\U0001e900-\U0001e943")
+"""deepseek-llm's letters: the cased letters of several scripts, listed (no CJK, no \\p{L})."""
+
+DEEPSEEK_V3_SPLIT = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""llama.cpp's ``deepseek-v3`` third split: an ASCII punctuation mark may lead ASCII letters,
+other letters take combining marks, punctuation and symbols group."""
+
 _BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 
@@ -119,6 +136,10 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "falcon": _splits(r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]"),
     "default": _splits(r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "deepseek-coder": _splits("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"),
+    "deepseek-llm": _splits("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", _CJK,
+                            r"\p{N}+"),
+    "deepseek-v3": _splits(r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", DEEPSEEK_V3_SPLIT),
+    "chatglm-bpe": _splits(LLAMA3_SPLIT),
     "bloom": _splits(_BLOOM), "poro-chat": _splits(_BLOOM), "viking": _splits(_BLOOM, r"\p{N}"),
 }
 """llama.cpp's ``tokenizer.ggml.pre`` name -> the equivalent `tokenizers` pre-tokenizer (llama.cpp
