@@ -25,7 +25,8 @@ from tests.conftest import REPO_ROOT
 # by hand) on a loaded 2-core machine (13 minutes measured) plus the rerun.
 pytestmark = [pytest.mark.slow, pytest.mark.background_build, pytest.mark.timeout(1800)]
 
-KERNEL_TESTS = ["tests/runtime/kernels/test_cpu_paged_decode.py", "tests/runtime/kernels/test_kv_quant.py",
+KERNEL_TESTS = ["tests/runtime/kernels/test_cpu_paged_decode.py", "tests/runtime/kernels/test_softcap.py",
+                "tests/runtime/kernels/test_kv_quant.py",
                 "tests/runtime/kernels/test_shm_all_reduce.py",
                 "tests/runtime/kernels/test_quant_dot.py", "tests/runtime/kernels/test_kquant_dot.py",
                 "tests/runtime/kernels/test_moe_experts.py",

@@ -661,7 +661,7 @@ struct LlamaDecoder : torch::CustomClassHolder {
     if (final_softcap_ > 0.f) {
       float* o = out.data_ptr<float>();
       const float c = final_softcap_;
-      at::parallel_for(0, out.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      tokenmill_cpu::parallel_for(pool_.get(), out.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) o[i] = c * std::tanh(o[i] / c);
       });
     }
