@@ -200,19 +200,7 @@ class FusedDecode:
         if self._groups is not None or any(windows):
             self._decoder.set_layout(windows, self._groups or [0] * len(windows))
         if gemma:
-            gemma_norms = []
-            empty = torch.empty(0)
-            for layer in model.layers:
-                qk = layer.qk_norm
-                gemma_norms += [layer.post_attn_norm.detach(), layer.post_mlp_norm.detach(),
-                                qk[0].detach() if qk is not None else empty,
-                                qk[model.config.num_heads].detach() if qk is not None else empty]
-            local = model.rotary_local
-            self._decoder.set_gemma(gemma_norms, local.cos_full, local.sin_signed, float(model.embed_scale),
-                                    float(model.layers[0].scale))
-        caps = (model.config.attn_logit_softcapping, model.config.final_logit_softcapping)
-        if any(cap is not None for cap in caps):  # Gemma 2
-            self._decoder.set_softcap(*(float(cap or 0.0) for cap in caps))
+            self._set_gemma_layers(model)
         self._set_qwen3_layers(model, experts, reducer)
         self._reducer = reducer
         """A tensor-parallel rank's all-reduce, which the C++ step sums its o and down outputs over."""
@@ -224,6 +212,22 @@ class FusedDecode:
         """Steps with several new tokens for a sequence run fused up to this many tokens (0: never)."""
         self._lora_stacks: LoraStacks | None = None
         """The adapter stacks handed to the decoder (the registry makes one set, at its first adapter)."""
+
+    def _set_gemma_layers(self, model: Gemma3ForCausalLM) -> None:
+        """Hands the decoder Gemma's norms, local RoPE tables and scales, and Gemma 2's soft caps."""
+        gemma_norms = []
+        empty = torch.empty(0)
+        for layer in model.layers:
+            qk = layer.qk_norm
+            gemma_norms += [layer.post_attn_norm.detach(), layer.post_mlp_norm.detach(),
+                            qk[0].detach() if qk is not None else empty,
+                            qk[model.config.num_heads].detach() if qk is not None else empty]
+        local = model.rotary_local
+        self._decoder.set_gemma(gemma_norms, local.cos_full, local.sin_signed, float(model.embed_scale),
+                                float(model.layers[0].scale))
+        caps = (model.config.attn_logit_softcapping, model.config.final_logit_softcapping)
+        if any(cap is not None for cap in caps):  # Gemma 2
+            self._decoder.set_softcap(*(float(cap or 0.0) for cap in caps))
 
     def _set_qwen3_layers(self, model: LlamaForCausalLM, experts: dict, reducer) -> None:
         """Hands the decoder the q/k norms of Qwen3's and OLMoE's layers and the sparse layers'
