@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.adapters import MAX_ADAPTER_NAME_CHARS
+from services.common.adapters import MAX_ADAPTER_NAME_CHARS, name_problem
 from services.common.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from services.common.errors import InvalidArgumentError
 from services.common.pb.tokenmill.v1 import generation_pb2
@@ -87,6 +87,8 @@ def check_sizes(request: generation_pb2.GenerateRequest, limits: RequestLimits) 
     _at_most("fairness_key", len(request.fairness_key), MAX_FAIRNESS_KEY_CHARS, "MAX_FAIRNESS_KEY_CHARS",
              unit="characters")
     _at_most("adapter", len(request.adapter), MAX_ADAPTER_NAME_CHARS, "MAX_ADAPTER_NAME_CHARS", unit="characters")
+    if request.adapter and (problem := name_problem(request.adapter)):
+        raise InvalidArgumentError(f"adapter: {problem}")  # no name any load could have given: not NOT_FOUND
     kind = request.WhichOneof("prompt")
     if kind == "text":
         # len() of the field copies the text out of the message; the message limit bounds it.

@@ -146,6 +146,8 @@ async def test_load_serve_refuse_and_unload(stack):
     assert (await admin.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=as_(OPS))).adapters == []
     assert [await executor_adapters(a) for a in stack.executors] == [[], []]
     assert await generate(stack, "r4") == grpc.StatusCode.NOT_FOUND
+    # A name no load could have given is malformed, not missing (found by make fuzz).
+    assert await generate(stack, "\x08\x03") == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_loads_only_from_inside_the_lora_dir(stack):
