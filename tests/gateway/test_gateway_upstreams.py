@@ -216,13 +216,7 @@ async def test_tool_calls_reach_llamacpp_and_come_back_as_llamacpps_own(openai_f
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
                                                                           json.loads(own.function.arguments))
     assert answer.choices[0].finish_reason == "tool_calls" and call.id
-    stream = await front.chat.completions.create(model="smol", stream=True, **ask)
-    names, arguments, finish = [], "", None
-    async for chunk in stream:
-        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
-            names += [delta.function.name] if delta.function.name else []
-            arguments += delta.function.arguments or ""
-        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    names, arguments, finish = await streamed_call(front, model="smol", **ask)
     assert (names, json.loads(arguments), finish) == (["get_weather"], json.loads(own.function.arguments),
                                                       "tool_calls")
     # the call and its result, sent back as the openai client sends them (content null beside the
