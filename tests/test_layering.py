@@ -231,3 +231,16 @@ def test_the_gpu_check_imports_none_of_the_services_dependencies_at_start():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_test_modules_have_unique_names():
+    # tests/ has no __init__.py files (pytest's rootdir import mode), so two test modules with
+    # one basename stop a whole-suite collection while each still passes run alone.
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(tests.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"test modules sharing a name: {clashes}"
