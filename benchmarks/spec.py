@@ -41,7 +41,7 @@ from benchmarks.harness.models import require
 from benchmarks.harness.paths import SMOLLM2
 from benchmarks.harness.scrape import scrape
 from services.drafter.config import DraftModelSettings
-from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.config import SpeculationSettings
 from services.stack.client import build_request
 
 PROG = "python -m benchmarks spec"
@@ -92,7 +92,7 @@ class SpecSettings:
     """Max output tokens per request."""
     draft_layers: int = config_field(DraftModelSettings, "draft_layers", default=4)
     num_speculative_tokens: int = config_field(
-        SchedulerServiceConfig, "num_speculative_tokens", default=8,
+        SpeculationSettings, "num_speculative_tokens", default=8,
         note="Given to the scheduler and the drafter of the ngram and draft systems alike.")
     systems: tuple[str, ...] = setting(SYSTEMS, choices=SYSTEMS)
     """Which systems to run, comma-separated."""

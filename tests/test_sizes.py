@@ -21,11 +21,8 @@ MAX_LINES = 60
 CLASS_ROOTS = ("services/scheduler/", "services/common/")
 
 OVER_LIMIT: frozenset[str] = frozenset({
-    "services/common/sampling_params.py::SamplingParams",
     "services/common/server.py::RunningServer",
-    "services/scheduler/config.py::SchedulerServiceConfig",
     "services/scheduler/core/block_manager.py::BlockManager",
-    "services/scheduler/core/config.py::SchedulerLimits",
     "services/scheduler/core/scheduler.py::Scheduler",
     "services/scheduler/engine/core.py::EngineCore",
     "services/scheduler/engine/lane.py::ExecutorLane",

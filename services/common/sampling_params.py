@@ -59,31 +59,37 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the offending field and the accepted range."""
-        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):  # NaN fails too
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(
-                f"logit_bias has {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}"
-            )
-        for token_id, bias in self.logit_bias.items():
-            if not (0 <= token_id < vocab_size):
-                raise ValueError(f"logit_bias token id {token_id} is outside [0, {vocab_size})")
-            if not (-100.0 <= bias <= 100.0):
-                raise ValueError(f"logit_bias value {bias} for token {token_id} is outside [-100, 100]")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        check_sampling_params(self, vocab_size)
+
+
+def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """The accepted range of every field, checked where a request is admitted (and again by the
+    executor): a ValueError naming the offending field and the range."""
+    if not (0.0 <= params.temperature <= MAX_TEMPERATURE):  # NaN fails too
+        raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {params.temperature}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables), got {params.top_k}")
+    if not (0.0 < params.top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if not (0.0 <= params.min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if not (0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                         f"got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not (-2.0 <= value <= 2.0):
+            raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias has {len(params.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    for token_id, bias in params.logit_bias.items():
+        if not (0 <= token_id < vocab_size):
+            raise ValueError(f"logit_bias token id {token_id} is outside [0, {vocab_size})")
+        if not (-100.0 <= bias <= 100.0):
+            raise ValueError(f"logit_bias value {bias} for token {token_id} is outside [-100, 100]")
+    if params.logprobs is not None and not (0 <= params.logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
+    if params.prompt_logprobs is not None and not (0 <= params.prompt_logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {params.prompt_logprobs}")

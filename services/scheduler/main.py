@@ -42,8 +42,8 @@ environment wins."""
 async def serve(config: SchedulerServiceConfig) -> RunningServer:
     """Connect to the executor and tokenizers, then serve the Generation API."""
     config.validate()  # bad limits fail before anything connects or binds
-    profile = LatencyProfileRecorder(config.profile_window_s, retention_s=PROFILE_RETENTION_S,
-                                     capacity=config.profile_capacity)
+    profile = LatencyProfileRecorder(config.profile.profile_window_s, retention_s=PROFILE_RETENTION_S,
+                                     capacity=config.profile.profile_capacity)
     observers = [profile.on_finished]
     if config.metrics_port >= 0:
         observers.append(request_metrics().observe_finished)
@@ -52,11 +52,11 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
         for observe in observers:
             observe(delta, stream)
 
-    drafting = config.drafter_address and config.num_speculative_tokens > 0
+    speculation = config.speculation
     backends = Backends(config.executor_addresses, config.tokenizer_addresses,
-                        config.drafter_address if drafting else "", config.spec_draft_deadline_ms / 1000,
-                        ClientTLS.for_backends(config), internal_secret(config))
-    supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=config.speculation(),
+                        speculation.drafter_address if speculation.drafting else "",
+                        speculation.spec_draft_deadline_ms / 1000, ClientTLS.for_backends(config), internal_secret(config))
+    supervisor = Supervisor(config.limits, backends, config.connect_timeout_s, speculation=speculation.config(),
                             on_finished=on_finished)
     supervisor.adapter_admin.lora_dir = config.lora_dir
     await supervisor.start()
@@ -105,8 +105,10 @@ def _grammar_compiler(config: SchedulerServiceConfig, supervisor: Supervisor) ->
     vocabulary when its tokenizer.json is readable here (as with ``tokenmill up``), else over bytes."""
     model_dir = Path(next(iter(supervisor.core.lanes.values())).info.model)
     vocabulary = model_dir / "tokenizer.json"
-    workers = CompileWorkers(config.grammar_compile_workers, config.grammar_compile_timeout_s,
-                             config.grammar_compiles_per_tenant, str(vocabulary) if vocabulary.is_file() else "")
+    compile_settings = config.grammar_compile
+    workers = CompileWorkers(compile_settings.grammar_compile_workers, compile_settings.grammar_compile_timeout_s,
+                             compile_settings.grammar_compiles_per_tenant,
+                             str(vocabulary) if vocabulary.is_file() else "")
     return GrammarCompiler(config.limits.max_grammar_bytes, workers=workers)
 
 

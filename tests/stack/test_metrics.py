@@ -21,7 +21,7 @@ from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.server import create_channel
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
-from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.config import ProfileSettings, SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
@@ -52,7 +52,7 @@ async def stack() -> AsyncIterator[dict]:
         model=model, dtype="fp32", device="cpu", attention_backend="torch", block_size=8, num_blocks=128)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), metrics_port=0,
-        profile_window_s=60.0))
+        profile=ProfileSettings(profile_window_s=60.0)))
     yield {"tokenizer": tokenizer, "executor": executor, "scheduler": scheduler}
     for running in (scheduler, executor, tokenizer):
         await running.stop(grace=0)

@@ -31,7 +31,7 @@ from services.drafter.main import serve as serve_drafter
 from services.drafter.proposer import DraftMethod
 from services.executor.config import ExecutorConfig, ExecutorServiceConfig
 from services.executor.main import serve as serve_executor
-from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.config import SchedulerServiceConfig, SpeculationSettings
 from services.scheduler.main import serve as serve_scheduler
 from services.stack.client import build_request
 from services.tokenizer.config import TokenizerConfig
@@ -71,8 +71,10 @@ async def stacks() -> AsyncIterator[dict[str, Stack]]:
     servers = [tokenizer, drafter, draft_model]
     stacks: dict[str, Stack] = {}
     speculation = dict(num_speculative_tokens=4, spec_draft_deadline_ms=2000)
-    for name, spec in (("plain", {}), ("ngram", dict(drafter_address=drafter.address, **speculation)),
-                       ("draft", dict(drafter_address=draft_model.address, **speculation))):
+    for name, spec in (("plain", {}),
+                       ("ngram", dict(speculation=SpeculationSettings(drafter_address=drafter.address, **speculation))),
+                       ("draft", dict(speculation=SpeculationSettings(drafter_address=draft_model.address,
+                                                                      **speculation)))):
         executor = await serve_executor(ExecutorServiceConfig(port=0, skip_warmup=True, executor=ExecutorConfig(
             model=MODEL, block_size=16, num_blocks=NUM_BLOCKS, max_model_len=256, **ENGINE_FLAGS)))
         scheduler = await serve_scheduler(SchedulerServiceConfig(
@@ -185,7 +187,8 @@ async def test_sigkill_of_the_drafter_mid_run_leaves_every_stream_complete_and_c
         model=MODEL, block_size=16, num_blocks=64, **ENGINE_FLAGS)))
     scheduler = await serve_scheduler(SchedulerServiceConfig(
         port=0, executor_addresses=(executor.address,), tokenizer_addresses=(tokenizer.address,), connect_timeout_s=10,
-        drafter_address=f"127.0.0.1:{port}", num_speculative_tokens=4, spec_draft_deadline_ms=2000))
+        speculation=SpeculationSettings(drafter_address=f"127.0.0.1:{port}", num_speculative_tokens=4,
+                                        spec_draft_deadline_ms=2000)))
     channel = create_channel(scheduler.address)
     stub = generation_pb2_grpc.GenerationStub(channel)
     supervisor = scheduler.app

@@ -77,35 +77,41 @@ class SchedulerLimits:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and value(s)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_grammar_bytes"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
-            raise ValueError(
-                f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}"
-            )
-        if not math.isfinite(self.executor_wait_s) or self.executor_wait_s < 0:
-            raise ValueError(f"executor_wait_s must be a finite number >= 0, got {self.executor_wait_s}")
-        if not math.isfinite(self.multi_step_max_delay_ms) or self.multi_step_max_delay_ms < 0:
-            raise ValueError(
-                f"multi_step_max_delay_ms must be a finite number >= 0, got {self.multi_step_max_delay_ms}"
-            )
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
-                f"max_num_seqs={self.max_num_seqs}: not every running sequence could decode in a step"
-            )
-        if not self.enable_chunked_prefill and self.long_prefill_token_threshold > 0:
-            raise ValueError(
-                f"long_prefill_token_threshold={self.long_prefill_token_threshold} splits prompts "
-                f"over steps and needs enable_chunked_prefill=True (got False)"
-            )
+        check_limits(self)
+
+
+def check_limits(limits: SchedulerLimits) -> None:
+    """Each limit's range, and the pairs that contradict each other: a ValueError naming the
+    field(s) and value(s)."""
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_grammar_bytes"):
+        value = getattr(limits, name)
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 1 <= limits.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+        raise ValueError(
+            f"num_scheduler_steps must be in [1, {MAX_SCHEDULER_STEPS}], got {limits.num_scheduler_steps}"
+        )
+    if not math.isfinite(limits.executor_wait_s) or limits.executor_wait_s < 0:
+        raise ValueError(f"executor_wait_s must be a finite number >= 0, got {limits.executor_wait_s}")
+    if not math.isfinite(limits.multi_step_max_delay_ms) or limits.multi_step_max_delay_ms < 0:
+        raise ValueError(
+            f"multi_step_max_delay_ms must be a finite number >= 0, got {limits.multi_step_max_delay_ms}"
+        )
+    if limits.long_prefill_token_threshold < 0:
+        raise ValueError(
+            f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
+            f"got {limits.long_prefill_token_threshold}"
+        )
+    if limits.max_num_batched_tokens < limits.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens={limits.max_num_batched_tokens} is below "
+            f"max_num_seqs={limits.max_num_seqs}: not every running sequence could decode in a step"
+        )
+    if not limits.enable_chunked_prefill and limits.long_prefill_token_threshold > 0:
+        raise ValueError(
+            f"long_prefill_token_threshold={limits.long_prefill_token_threshold} splits prompts "
+            f"over steps and needs enable_chunked_prefill=True (got False)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
