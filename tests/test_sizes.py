@@ -30,7 +30,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/links/executor_link.py::ExecutorLink",
     "services/scheduler/links/tokenizer_link.py::TokenizerLink",
     "services/scheduler/request/request.py::Request",
-    "services/scheduler/servicer.py::GenerationServicer",
     "services/scheduler/supervisor.py::Supervisor",
 })
 

@@ -90,7 +90,7 @@ async def serve(config: SchedulerServiceConfig) -> RunningServer:
     running.on_stopping(supervisor.shutdown)
     running.on_stop(servicer.grammar_compiler.workers.close)
     if auth is not None:
-        running.on_reload(lambda: reload_auth(config.auth_tokens_file, auth, [servicer]))
+        running.on_reload(lambda: reload_auth(config.auth_tokens_file, auth, [servicer.calls]))
     # Free memory back to the system once the load ends (glibc's malloc_trim; with
     # PYTHONMALLOC=malloc that includes the pages of Python objects freed after a peak).
     trimmer = asyncio.create_task(trim_when_idle(lambda: supervisor.core.step_count), name="scheduler-malloc-trim")

@@ -11,7 +11,8 @@ from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.request.finish_reason import FinishReason
 from services.common.step import TokenLogprobs
 from services.scheduler.admission import Admission
-from services.scheduler.servicer import GenerationServicer, coalesce
+from services.scheduler.generate_call import coalesce
+from services.scheduler.servicer import GenerationServicer
 from services.stack.client import build_request
 
 
