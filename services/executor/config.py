@@ -195,7 +195,7 @@ EXECUTOR_ROLES = ("mixed", "prefill", "decode")
 
 
 MIN_STEP_IDLE_TIMEOUT_S = 30.0
-"""Three of the scheduler's idle heartbeats (links/executor_link.py): a live session never times out."""
+"""Three of the scheduler's idle heartbeats (links/step_stream.py): a live session never times out."""
 
 
 @dataclass(slots=True)

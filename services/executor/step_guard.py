@@ -11,7 +11,7 @@ INVALID_ARGUMENT naming the field, and the session ends.
 Who may open the session at all is the port's business (mTLS and --tls-allowed-clients,
 services/common/peer_identity.py); that a session which stops talking cannot hold the only
 executor for good is ``idle_limited``: the scheduler's link sends an empty step while it has
-nothing to run (links/executor_link.py, STEP_HEARTBEAT_S), so only a session that went silent
+nothing to run (links/step_stream.py, STEP_HEARTBEAT_S), so only a session that went silent
 for ``idle_timeout_s`` is ended.
 """
 

@@ -14,7 +14,7 @@ from services.common.pb.tokenmill.v1 import executor_pb2, executor_pb2_grpc
 from services.common.server import create_channel, start_server
 from services.executor import config as executor_config
 from services.executor.servicer import ExecutorServicer
-from services.scheduler.links import executor_link
+from services.scheduler.links import step_stream
 from tests.executor.test_executor_service import SERVICE, BlockingRunner, decode_request
 from tests.helpers.service_harness import StreamSession, expect_status
 from tests.helpers.small_stack import start_small_stack
@@ -55,20 +55,20 @@ async def test_a_silent_session_is_ended_and_the_next_one_starts():
 
 
 async def test_the_schedulers_idle_session_stays_up_on_its_heartbeats(monkeypatch):
-    monkeypatch.setattr(executor_link, "STEP_HEARTBEAT_S", IDLE_S / 4)
+    monkeypatch.setattr(step_stream, "STEP_HEARTBEAT_S", IDLE_S / 4)
     monkeypatch.setattr(executor_config, "MIN_STEP_IDLE_TIMEOUT_S", IDLE_S)  # three heartbeats, scaled down
     # Two executors: the scheduler keeps a session on each, each heartbeats on its own.
     stack = await start_small_stack(executor_overrides=dict(step_idle_timeout_s=IDLE_S), executors=2)
     try:
         links = list(stack.scheduler.app.executors.values())
-        sessions = [link._call for link in links]
+        sessions = [link._stream for link in links]
         assert len(links) == 2 and all(sessions)
         await asyncio.sleep(4 * IDLE_S)  # idle: nothing to plan, only heartbeats
-        assert [link._call for link in links] == sessions, "an idle session was ended (and reconnected)"
+        assert [link._stream for link in links] == sessions, "an idle session was ended (and reconnected)"
         records = await asyncio.gather(*(record_stream(stack.stub, greedy_request(p, 8))
                                          for p in ("Once upon a time", "The cat", "Lily wanted")))
         assert all(r.code == grpc.StatusCode.OK and len(r.token_ids) == 8 for r in records)
-        assert [link._call for link in links] == sessions
+        assert [link._stream for link in links] == sessions
     finally:
         await stack.stop()
 
