@@ -27,7 +27,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/engine/core.py::EngineCore",
     "services/scheduler/engine/lane.py::ExecutorLane",
     "services/scheduler/links/drafter_link.py::DrafterLink",
-    "services/scheduler/links/tokenizer_link.py::TokenizerLink",
     "services/scheduler/request/request.py::Request",
     "services/scheduler/supervisor.py::Supervisor",
 })

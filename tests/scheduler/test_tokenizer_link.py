@@ -55,7 +55,8 @@ async def test_a_unary_call_runs_to_its_end_when_its_caller_is_cancelled(method:
     await server.start()
     link = TokenizerLink(f"127.0.0.1:{port}")
     try:
-        call = link.encode("Once upon a time", True) if method == "encode" else link.render_chat([], True)
+        prompts = link.prompts
+        call = prompts.encode("Once upon a time", True) if method == "encode" else prompts.render_chat([], True)
         caller = asyncio.create_task(call)
         await asyncio.wait_for(tokenizer.received.wait(), 10)
         caller.cancel()  # the client of the Generate call went away

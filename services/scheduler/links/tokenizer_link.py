@@ -20,23 +20,25 @@ from services.common.codec.detokenize_codec import batch_to_proto, result_from_p
 from services.common.detokenize import DetokenizeBatch, DetokenizeResult
 from services.common.errors import UnavailableError
 from services.common.pb.tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.internal_secret import call_metadata
-from services.common.server import create_channel
 from services.common.tls import ClientTLS
-from services.scheduler.links.channel import BACKEND_CHANNEL_OPTIONS, ended, map_rpc_error, run_to_end, wait_ready
+from services.scheduler.links.backend_channel import BackendChannel
+from services.scheduler.links.channel import ended, map_rpc_error, run_to_end
 
 
 class _Session:
     """One Detokenize stream: the text state of every request pinned to its tokenizer. Watched,
-    so its end (the tokenizer died or restarted) is reported once, at once, to ``on_end``."""
+    so its end (the tokenizer died or restarted) is reported once, at once, to ``on_end``; the
+    tokenizer's health is watched beside it (``health``)."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, metadata, address: str,
+    def __init__(self, channel: grpc.aio.Channel, metadata, address: str,
                  on_end: Callable[[_Session], None]) -> None:
-        self.call = stub.Detokenize(metadata=metadata)
+        self.call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(metadata=metadata)
         self._address = address
         self._on_end = on_end
         self._step_ids = itertools.count()
         self._watcher = asyncio.create_task(self._watch(), name="tokenizer-session-watch")
+        self.health = _HealthWatch()
+        self.health.start(channel)
 
     async def _watch(self) -> None:
         await self.call.code()  # returns when the call ends, whoever ends it
@@ -61,6 +63,7 @@ class _Session:
     def cancel(self) -> None:
         self.call.cancel()
         self._watcher.cancel()
+        self.health.stop()
 
 
 class _HealthWatch:
@@ -92,34 +95,23 @@ class _HealthWatch:
 
 
 class TokenizerLink:
-    """One tokenizer service: unary Encode/RenderChat plus one Detokenize stream.
+    """One tokenizer service: unary Encode/RenderChat (``prompts``) plus one Detokenize stream.
 
     The Detokenize stream holds the state of every request's text, so it is a session like
     the executor's: when it ends (the tokenizer died or restarted), the link is down until
     ``connect`` opens a new one, and ``on_lost`` is called once so the owner can end the
-    requests pinned to it and reconnect. The stream is watched, so a tokenizer that dies
-    while the scheduler is idle is noticed at once, not when the next step needs it.
-
-    The tokenizer's health is watched too: a tokenizer that is stopping (SIGTERM, a pod's
-    drain) reports NOT_SERVING and refuses new calls while it serves its open session to the
-    end, so from then on the link takes no new request (``accepting`` is False) and the
-    requests already pinned to it keep their text stream.
+    requests pinned to it and reconnect.
     """
 
     def __init__(self, address: str, tls: ClientTLS | None = None, on_lost: Callable[[], None] = lambda: None,
                  secret: str = "") -> None:
         self.address = address
-        self.tls = tls
-        self._metadata = call_metadata(secret)
-        """The deployment's internal secret, sent on every call (services/common/internal_secret.py)."""
-        self._channel = create_channel(address, tls=tls, options=BACKEND_CHANNEL_OPTIONS)
-        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self.backend = BackendChannel("tokenizer", address, tls, secret)
+        self.prompts = TokenizerPrompts(self.backend)
+        self.backend.open()
         self._session: _Session | None = None
-        self._sessions = 0
-        """Sessions opened: every one after the first gets a fresh channel."""
-        self._health = _HealthWatch()
-        self._on_lost = on_lost
-        """Called once each time a connected Detokenize session ends."""
+        self._sessions = 0  # opened: every one after the first gets a fresh channel
+        self._on_lost = on_lost  # called once each time a connected Detokenize session ends
 
     @property
     def connected(self) -> bool:
@@ -127,68 +119,77 @@ class TokenizerLink:
 
     @property
     def accepting(self) -> bool:
-        """Connected and not draining: a new request may be pinned here."""
-        return self._session is not None and not self._health.draining
+        """Connected and not draining: a new request may be pinned here. A stopping tokenizer (SIGTERM,
+        a pod's drain) reports NOT_SERVING while it serves the requests pinned to it to their end."""
+        return self._session is not None and not self._session.health.draining
 
     async def connect(self, timeout: float) -> tokenizer_pb2.TokenizerInfo:
         """Open a new Detokenize session (on a fresh channel after the first, so a restarted
         tokenizer is reached without waiting out the old channel's reconnect back-off)."""
         if self._sessions:
-            await self._drop_session()
-            old, self._channel = self._channel, create_channel(self.address, tls=self.tls,
-                                                               options=BACKEND_CHANNEL_OPTIONS)
-            self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
-            await old.close()
-        await wait_ready(self._channel, self.address, timeout)
-        try:
-            info = await self._stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout,
-                                                     metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise UnavailableError(f"tokenizer at {self.address}: {exc.code().name}: {exc.details()}") from None
-        self._session = _Session(self._stub, self._metadata, self.address, self._lost)
+            self._drop_session()
+            await self.backend.reopen()
+        await self.backend.ready(timeout)
+        info = await _tokenizer_info(self.backend, timeout)
+        self._session = _Session(self.backend.channel, self.backend.metadata, self.address, self._lost)
         self._sessions += 1
-        self._health.start(self._channel)
         return info
 
     def _lost(self, session: _Session) -> None:
         if self._session is session:  # once per session, and not after close()
             self._session = None
+            session.health.stop()
             self._on_lost()
 
+    async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
+        if self._session is None:
+            raise UnavailableError(f"tokenizer at {self.address} is not connected")
+        return await self._session.detokenize(batch)
+
+    def _drop_session(self) -> None:
+        session, self._session = self._session, None  # first, so its watcher does not report it
+        if session is not None:
+            session.cancel()
+
+    async def close(self) -> None:
+        self._drop_session()
+        await self.backend.close()
+
+
+async def _tokenizer_info(backend: BackendChannel, timeout: float) -> tokenizer_pb2.TokenizerInfo:
+    try:
+        return await tokenizer_pb2_grpc.TokenizerStub(backend.channel).GetTokenizerInfo(
+            tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout, metadata=backend.metadata)
+    except grpc.RpcError as exc:
+        raise UnavailableError(f"tokenizer at {backend.address}: {exc.code().name}: {exc.details()}") from None
+
+
+class TokenizerPrompts:
+    """A tokenizer's unary prompt calls: stateless, so any tokenizer may take any of them."""
+
+    def __init__(self, backend: BackendChannel) -> None:
+        self.backend = backend
+
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self._prompt(self._stub.Encode(
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.backend.required())
+        return await self._prompt(stub.Encode(
             tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens), timeout=30,
-            metadata=self._metadata))
+            metadata=self.backend.metadata))
 
     async def render_chat(self, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
         """Token ids of the rendered conversation (the template's special tokens recognised;
         ``tools_json``: the template's ``tools``, "" for none)."""
-        return await self._prompt(self._stub.RenderChat(tokenizer_pb2.RenderChatRequest(
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.backend.required())
+        return await self._prompt(stub.RenderChat(tokenizer_pb2.RenderChatRequest(
             messages=messages, add_generation_prompt=add_generation_prompt, tools_json=tools_json), timeout=30,
-            metadata=self._metadata))
+            metadata=self.backend.metadata))
 
     async def _prompt(self, call) -> list[int]:
         try:
             reply = await run_to_end(call)
         except grpc.RpcError as exc:
-            raise map_rpc_error(exc, "tokenizer", self.address) from None
+            raise map_rpc_error(exc, "tokenizer", self.backend.address) from None
         return list(reply.token_ids)
-
-    async def detokenize(self, batch: DetokenizeBatch) -> DetokenizeResult:
-        session = self._session
-        if session is None:
-            raise UnavailableError(f"tokenizer at {self.address} is not connected")
-        return await session.detokenize(batch)
-
-    async def _drop_session(self) -> None:
-        session, self._session = self._session, None  # first, so its watcher does not report it
-        if session is not None:
-            session.cancel()
-        self._health.stop()
-
-    async def close(self) -> None:
-        await self._drop_session()
-        await self._channel.close()
 
 
 class TokenizerPool:
@@ -222,10 +223,10 @@ class TokenizerPool:
         raise UnavailableError("every tokenizer is unavailable; retry shortly")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self._pick().encode(text, add_special_tokens)
+        return await self._pick().prompts.encode(text, add_special_tokens)
 
     async def render_chat(self, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
-        return await self._pick().render_chat(messages, add_generation_prompt, tools_json)
+        return await self._pick().prompts.render_chat(messages, add_generation_prompt, tools_json)
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links), return_exceptions=True)
