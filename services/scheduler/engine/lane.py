@@ -15,40 +15,32 @@ scheduler core and plans N+2:
     round: receive N → update N → publish N → schedule N+2, send N+2 → receive N+1 → ...
 
 Stops are then seen a step late (the scheduler core drops the surplus token). Off, it is one
-step at a time. Speculation (drafting.py) keeps one step in flight while drafts pay.
+step at a time. Speculation (drafting.py) keeps one step in flight while drafts pay. The
+steps in flight, a lost executor's report and each step's times are sent_steps.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
-from services.common.step import ExecutorInfo, StepPlan
+from services.common.step import ExecutorInfo, StepResult
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.engine.drafting import Drafting
-from services.scheduler.engine.ports import EXECUTOR_LOST, ExecutorPort
+from services.scheduler.engine.ports import ExecutorPort
 from services.scheduler.engine.publisher import Publisher
 from services.scheduler.engine.request_table import RequestTable
+from services.scheduler.engine.sent_steps import SentStep, SentSteps
 from services.scheduler.engine.step_times import StepTimeTotals
 from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.update import RequestUpdate
 
 _log = structlog.get_logger("tokenmill.scheduler")
-
-
-@dataclass(slots=True)
-class _Sent:
-    """A step sent to the executor whose result the lane has not read yet."""
-
-    plan: StepPlan
-    schedule_s: float
-    send_s: float
 
 
 @dataclass(slots=True)
@@ -77,6 +69,32 @@ class LaneContext:
                 closed.append((stream.stream_id, stream.detokenizer))
         self.publisher.put(updates, closed)
 
+    def publish_closed(self) -> None:
+        """Close the text streams ended while no step was in flight (no step will carry them)."""
+        closed = self.requests.text.take_closed()
+        if closed:
+            self.publisher.put([], closed)
+
+    def depth(self, scheduler: Scheduler) -> int:
+        """Steps a lane keeps in flight: two with overlapped scheduling, one while a request of
+        its scheduler would verify drafts (see drafting.py)."""
+        if self.drafting is not None and self.drafting.speculating(scheduler):
+            return 1
+        return 2 if self.limits.overlap_scheduling else 1
+
+    def apply(self, lane: ExecutorLane, sent: SentStep, result: StepResult) -> None:
+        """Update the lane's scheduler core with a step's result, end the requests it failed and
+        publish its updates; an invalid result loses the lane (its executor cannot be trusted)."""
+        try:
+            updates = lane.scheduler.update(sent.plan, result)
+        except ValueError as exc:
+            step_id = sent.plan.step_id
+            _log.error("executor_result_invalid", executor=lane.name, error=str(exc), step_id=step_id)
+            return self.lost(lane, f"the executor sent an invalid result for step {step_id}: {exc}")
+        self.fail(lane.scheduler.take_failed())
+        lane.sent.applied(sent, result)
+        self.publish(lane, updates)
+
     def fail(self, failed: list[tuple[str, str]]) -> None:
         """End each (request id, error) the scheduler core gave up on."""
         for request_id, error in failed:
@@ -95,10 +113,11 @@ class ExecutorLane:
     scheduler: Scheduler | None
     """None once the lane is dropped (its executor lost)."""
     context: LaneContext
-    sent: deque[_Sent] = field(default_factory=deque)
-    """Steps sent and not yet read, oldest first: one, or two with overlapped scheduling."""
     attached: bool = True
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.sent = SentSteps(self.name, self.port, self.context.totals, lambda error: self.context.lost(self, error))
 
     @property
     def role(self) -> str:
@@ -122,70 +141,26 @@ class ExecutorLane:
         output stage. False when there was nothing to do."""
         if not self.attached:
             return False
-        if not self.port.connected:
-            # The executor went away between steps: handle it as a failed step now, not when
-            # the next request is sent into it.
-            self.context.lost(self, "the executor ended the step stream")
+        if not self.sent.connected():
             return True
         await self._fill()
         if not self.attached:
             return True
         if not self.sent:
-            closed = self.context.requests.text.take_closed()
-            if closed:
-                self.context.publisher.put([], closed)
+            self.context.publish_closed()
             return False
-        await self._receive()
+        received = await self.sent.receive()
+        if received is not None and self.attached:
+            self.context.apply(self, *received)
         return True
 
     async def _fill(self) -> None:
-        context = self.context
-        overlap_depth = 2 if context.limits.overlap_scheduling else 1
-        drafting = context.drafting
-        depth = 1 if drafting is not None and drafting.speculating(self.scheduler) else overlap_depth
-        while len(self.sent) < depth:
+        while len(self.sent) < self.context.depth(self.scheduler):
             started = time.perf_counter()
-            if not self.sent and drafting is not None:
-                await drafting.draft(self.scheduler)
+            if not self.sent and self.context.drafting is not None:
+                await self.context.drafting.draft(self.scheduler)
                 if not self.attached:
                     return
-            plan = self.scheduler.schedule(context.clock())
-            if plan.is_empty and not plan.finished_seq_ids:
+            plan = self.scheduler.schedule(self.context.clock())
+            if (plan.is_empty and not plan.finished_seq_ids) or not await self.sent.send(plan, started):
                 return
-            scheduled = time.perf_counter()
-            try:
-                await self.port.send(plan)
-            except EXECUTOR_LOST as exc:
-                self._step_failed(plan, exc)
-                return
-            if self.sent:
-                context.totals.overlapped += 1
-            self.sent.append(_Sent(plan, scheduled - started, time.perf_counter() - scheduled))
-
-    async def _receive(self) -> None:
-        context = self.context
-        sent = self.sent.popleft()
-        plan = sent.plan
-        waited = time.perf_counter()
-        try:
-            result = await self.port.receive(plan.step_id)
-        except EXECUTOR_LOST as exc:
-            self._step_failed(plan, exc)
-            return
-        if not self.attached:
-            return
-        stepped = time.perf_counter()
-        try:
-            updates = self.scheduler.update(plan, result)
-        except ValueError as exc:  # the executor broke the step contract: it cannot be trusted
-            _log.error("executor_result_invalid", executor=self.name, error=str(exc), step_id=plan.step_id)
-            context.lost(self, f"the executor sent an invalid result for step {plan.step_id}: {exc}")
-            return
-        context.fail(self.scheduler.take_failed())
-        context.totals.add_step(len(plan.new) + len(plan.running), sent.schedule_s, sent.send_s + stepped - waited,
-                                result.execute_seconds, time.perf_counter() - stepped)
-        context.publish(self, updates)
-
-    def _step_failed(self, plan: StepPlan, exc: BaseException) -> None:
-        _log.error("executor_step_failed", executor=self.name, error=str(exc), step_id=plan.step_id)
-        self.context.lost(self, str(exc))
