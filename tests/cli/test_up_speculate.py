@@ -17,6 +17,6 @@ def test_speculate_sets_k_on_both_and_later_flags_win():
     assert scheduler_args(plain) == [] and drafter_args(plain) == []
     # What the services make of them: the flags parse into their configs.
     scheduler = parse_config(SchedulerServiceConfig, scheduler_args(args) + ["--drafter-address", "127.0.0.1:1"], env={})
-    assert scheduler.num_speculative_tokens == 6 and scheduler.speculation().num_speculative_tokens == 6
+    assert scheduler.speculation.num_speculative_tokens == 6 and scheduler.speculation.config().num_speculative_tokens == 6
     drafter = parse_config(DrafterConfig, ["--num-speculative-tokens=6"], env={})
     assert drafter.num_speculative_tokens == 6
