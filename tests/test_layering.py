@@ -19,6 +19,10 @@ The processes that run no model
 them in a fresh interpreter and looks for torch in sys.modules.
 
 Every import counts, including those inside functions: a lazy import is still an arrow.
+
+Nor do arrows go round in a circle, between components or inside one: a module that imports,
+however indirectly, a module that imports it (under TYPE_CHECKING or inside a function too) has
+two jobs that belong apart, or a leaf that belongs below both.
 """
 
 from __future__ import annotations
@@ -121,6 +125,110 @@ def layering_violations(root: Path = REPO_ROOT) -> list[str]:
             elif source == dest == "benchmarks" and benchmark_run(target) not in (benchmark_run(module), "benchmarks"):
                 violations.append(f"{where} (another benchmark run: what runs share belongs in benchmarks/harness)")
     return violations
+
+
+def import_graph(root: Path = REPO_ROOT) -> dict[str, dict[str, int]]:
+    """{module: {imported module of services/ or benchmarks/: line}} over every import a module
+    makes. ``from package import name`` points at package.name where that is a module, else at
+    the package; a package's own __init__ is not counted as imported by importing its modules
+    (a package that re-exports its modules would otherwise circle with each of them)."""
+    modules = {module_name(path, root): path for path in source_files(root)}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        arrows: dict[str, int] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else [])
+                name = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{name}.{alias.name}" if f"{name}.{alias.name}" in modules else name
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != module:
+                    arrows.setdefault(target, node.lineno)
+        graph[module] = arrows
+    return graph
+
+
+def import_cycles(root: Path = REPO_ROOT) -> list[str]:
+    """One circle per strongly connected group of modules, written ``a:line -> b:line -> a``."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return [_one_circle(graph, group) for group in groups]
+
+
+def _one_circle(graph: dict[str, dict[str, int]], group: list[str]) -> str:
+    """The shortest way from the group's first module back to itself, inside the group."""
+    start, members = group[0], set(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while start not in came_from:  # breadth first; the group is strongly connected, so it ends
+        reached = []
+        for module in frontier:
+            for target in sorted(graph[module]):
+                if target in members and target not in came_from:
+                    came_from[target] = module
+                    reached.append(target)
+        frontier = reached
+    path = [start]
+    while len(path) == 1 or path[-1] != start:
+        path.append(came_from[path[-1]])
+    path.reverse()
+    return " -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(path, path[1:])) + f" -> {start}"
+
+
+def test_no_import_circle():
+    cycles = import_cycles()
+    assert not cycles, "modules importing each other (each arrow at the line it is made):\n" + "\n".join(cycles)
+
+
+def test_the_circle_finder_sees_lazy_type_checking_and_package_circles(tmp_path):
+    files = {
+        "services/executor/config.py": "from services.executor.paths import fused\n",
+        "services/executor/paths/__init__.py": "",
+        "services/executor/paths/fused.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                             "    from ..config import ExecutorConfig\n"),
+        "services/drafter/config.py": "def proposer():\n    from services.drafter import model\n",
+        "services/drafter/model.py": "from services.drafter.config import settings\n",
+        "services/gateway/one.py": "from services.gateway import two\n",
+        "services/gateway/two.py": "from services.common import errors\n",
+        "services/common/errors.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert import_cycles(tmp_path) == [
+        "services.drafter.config:2 -> services.drafter.model:1 -> services.drafter.config",
+        "services.executor.config:1 -> services.executor.paths.fused:3 -> services.executor.config",
+    ]
 
 
 def test_imports_point_down_the_layers():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from services.common.service_config import service_process_fields
 from services.common.settings import embedded, setting
 from services.drafter.ngram import MAX_SPECULATIVE_TOKENS, NgramProposer
-from services.drafter.proposer import DraftMethod, Proposer
+from services.drafter.proposer import DraftMethod
 
 DEFAULT_PORT = 50054
 ENV_PREFIX = "TOKENMILL_DRAFTER_"
@@ -99,12 +99,3 @@ class DrafterConfig(service_process_fields("drafter", DEFAULT_PORT, internal_sec
         return NgramProposer(
             max_ngram=self.ngram_max, min_ngram=self.ngram_min, num_speculative_tokens=self.num_speculative_tokens
         )
-
-    def proposer(self) -> Proposer:
-        """The configured proposer; for draft_model this loads the model (imported only then,
-        so an n-gram drafter never imports torch)."""
-        if self.method is DraftMethod.NGRAM:
-            return self.ngram_proposer()
-        from services.drafter.draft_model import DraftModelProposer
-
-        return DraftModelProposer(self.draft, self.num_speculative_tokens)

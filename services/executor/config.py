@@ -7,7 +7,9 @@ flags (``--block-size``) and TOKENMILL_EXECUTOR_* variables, with the help text 
 Each forward path's settings are a plain dataclass of the path's module, composed here as a
 field of their own named for the path (``config.fused_decode.cpu_decode``;
 services/executor/forward_paths/), whose fields are flags of their own names too
-(``--cpu-decode``). ``validate`` runs the executor's checks and then each path's.
+(``--cpu-decode``). ``validate`` runs each path's checks of its own settings, then what one
+path's flags require of the device or of another path, then the executor's own. A path is
+handed only its settings (``path_settings``), so the paths never import this module.
 
 Importable without torch: command lines are built from it.
 """
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 
 from services.common.service_config import DEFAULT_MODEL_DIR, service_process_fields
 from services.common.settings import embedded, setting
-from services.executor.forward_paths import validate_paths
 from services.executor.forward_paths.compiled_decode import CompiledDecodeSettings
 from services.executor.forward_paths.decode_graphs import DecodeGraphSettings
 from services.executor.forward_paths.fused_decode import FusedDecodeSettings
@@ -139,7 +140,31 @@ class ExecutorConfig:
 
     Smaller ranks are padded with zeros to it, so it sizes the slots and each low-rank product."""
 
+    def path_settings(self) -> dict[str, object]:
+        """Each forward path's settings by the path's name: all a path is handed of this config."""
+        return {"compiled_decode": self.compiled_decode, "decode_graphs": self.decode_graphs,
+                "fused_decode": self.fused_decode}
+
     def validate(self) -> None:
+        self._validate_own()
+        self.decode_graphs.validate()
+        self.fused_decode.validate()
+        self._validate_across_paths()
+
+    def _validate_across_paths(self) -> None:
+        if self.compiled_decode.compile and self.kv_cache_dtype != "auto":
+            raise ValueError(f"compile runs the C++ decode ops over a plain KV pool; kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} needs compile off")
+        if self.compiled_decode.compile and (self.device not in ("auto", "cpu")
+                                             or self.attention_backend not in ("auto", "cpu")):
+            raise ValueError(f"compile runs on the CPU with the cpu attention backend; got device {self.device!r}, "
+                             f"attention_backend {self.attention_backend!r}")
+        compile_on = self.compiled_decode.compile
+        if self.fused_decode.cpu_decode == "fused" and (self.device not in ("auto", "cpu") or compile_on):
+            raise ValueError(f"cpu_decode 'fused' runs on the CPU without compile; got device {self.device!r}"
+                             f"{', compile on' if compile_on else ''}")
+
+    def _validate_own(self) -> None:
         if self.max_lora_file_bytes < 1:
             raise ValueError(f"max_lora_file_bytes must be >= 1, got {self.max_lora_file_bytes}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -183,7 +208,6 @@ class ExecutorConfig:
         if self.tensor_parallel_all_reduce not in TENSOR_PARALLEL_ALL_REDUCE:
             raise ValueError(f"tensor_parallel_all_reduce must be one of {', '.join(TENSOR_PARALLEL_ALL_REDUCE)}, "
                              f"got {self.tensor_parallel_all_reduce!r}")
-        validate_paths(self)
 
 
 # --- the executor service's process configuration ------------------------------------------

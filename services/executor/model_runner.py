@@ -72,7 +72,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
         self.backend = get_attention_backend(self.backend_name, self.device)
-        path = choose_path(config, Placement(self.device.type, self.backend_name))
+        path = choose_path(config.path_settings(), Placement(self.device.type, self.backend_name))
         self.block_size = config.block_size
         self.max_model_len = _max_model_len(config, mc)
         # The pool's storage: the model's dtype, or int8 / float8_e4m3fn values with scales.
@@ -88,7 +88,7 @@ class ModelRunner:
             path, vocab = self._start_ranks(path)
         else:
             self._load_one_rank(path)
-        self.paths = set_up_paths(path, config, PathRuntime(
+        self.paths = set_up_paths(path, config.path_settings(), PathRuntime(
             self.model, self.kv_cache.layers, self.device, self.block_size, self.max_model_len,
             scratch_block=self.num_usable_blocks,
             all_reduce=self.parallel.groups.shm if self.parallel is not None else None,

@@ -120,7 +120,8 @@ def test_an_ngram_drafter_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from services.drafter.main import DrafterServicer; from services.drafter.config import "
-            "DrafterConfig; DrafterServicer(DrafterConfig().proposer()); print('torch' in sys.modules)")
+    code = ("import sys; from services.drafter.main import DrafterServicer, build_proposer; from "
+            "services.drafter.config import DrafterConfig; DrafterServicer(build_proposer(DrafterConfig())); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -36,14 +36,17 @@ PADDED = DecodeGraphSettings(padded_decode_on_cpu=True)
      "decode_graphs"),
 ])
 def test_the_first_wanted_path_in_priority_order_is_chosen(placement, settings, chosen):
-    assert choose_path(ExecutorConfig(**settings), placement).name == chosen
+    assert choose_path(ExecutorConfig(**settings).path_settings(), placement).name == chosen
 
 
 def test_every_path_with_settings_is_a_field_of_the_config_and_eager_comes_last():
     config_fields = {f.name: f for f in fields(ExecutorConfig)}
+    handed = ExecutorConfig().path_settings()
+    assert set(handed) == {path.name for path in FORWARD_PATHS if path.settings is not None}
     for path in FORWARD_PATHS:
         if path.settings is not None:
             assert isinstance(getattr(ExecutorConfig(), path.name), path.settings)
+            assert handed[path.name] is not None and isinstance(handed[path.name], path.settings)
             assert config_fields[path.name].metadata["env_prefix"] == "TOKENMILL_EXECUTOR_"
     # Composed, not generated: the config names each path's settings itself and inherits nothing.
     assert ExecutorConfig.__mro__[1:] == (object,)
@@ -53,7 +56,9 @@ def test_every_path_with_settings_is_a_field_of_the_config_and_eager_comes_last(
     assert len({path.name for path in FORWARD_PATHS}) == len(FORWARD_PATHS)
 
 
-def test_each_path_validates_its_own_settings():
+def test_each_path_validates_its_own_settings_and_the_config_what_they_need_of_the_rest():
+    with pytest.raises(ValueError, match="cpu_fused_max_tokens must be >= 0"):
+        FusedDecodeSettings(cpu_fused_max_tokens=-1).validate()
     with pytest.raises(ValueError, match="cuda_graph_max_batch_size must be >= 1, got 0"):
         ExecutorConfig(decode_graphs=DecodeGraphSettings(cuda_graph_max_batch_size=0)).validate()
     with pytest.raises(ValueError, match="compile runs on the CPU with the cpu attention backend; got device 'cuda'"):

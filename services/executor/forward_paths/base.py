@@ -1,12 +1,17 @@
 """What a forward path is: a way to run the model over one step, with its own settings.
 
-A path class speaks twice. Before anything loads, as a class: its ``settings`` (a dataclass
-that ExecutorConfig embeds as ``config.<name>``, so its fields are the executor's flags),
-``validate`` (the flag checks that need no model), and ``wanted`` (whether the flags, the
-device and the attention backend ask for it). Once the model and the KV pool exist, ``set_up``
-builds an instance (or declines, None, when the model does not suit it), and the instance
-answers ``takes(step)`` and ``forward(step)`` for every step, and ``warm_up()`` once before
-the executor serves.
+A path class speaks twice. Before anything loads, as a class: its ``settings`` (a plain leaf
+dataclass, with a ``validate`` of its own fields, that ExecutorConfig embeds as
+``config.<name>``, so its fields are the executor's flags) and ``wanted`` (whether its settings,
+the device and the attention backend ask for it). Once the model and the KV pool exist,
+``set_up`` builds an instance (or declines, None, when the model does not suit it), and the
+instance answers ``takes(step)`` and ``forward(step)`` for every step, and ``warm_up()`` once
+before the executor serves.
+
+A path is handed its own settings and its placement, never the executor's whole config: what
+one path's flags imply for another's, or for the device, is checked once in
+``ExecutorConfig.validate``. So nothing here imports the config, and the config imports the
+settings without a circle.
 
 This module imports no torch: the executor's config (and every command line built from it)
 reads the settings without loading a model runtime. Paths import their torch code inside
@@ -23,7 +28,6 @@ from services.common.settings import setting  # noqa: F401 (each path declares i
 if TYPE_CHECKING:
     import torch
 
-    from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.llama import KVCaches, LlamaForCausalLM
 
@@ -77,15 +81,13 @@ class ForwardPath:
     hidden [N, D] -> fp32 logits [N, V] (None: the model's own)."""
 
     @classmethod
-    def validate(cls, config: ExecutorConfig) -> None:
-        """Raise ValueError naming a bad or conflicting flag (no model loaded yet)."""
-
-    @classmethod
-    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+    def wanted(cls, settings: Any, placement: Placement) -> bool:
+        """Whether ``settings`` (an instance of ``cls.settings``; None where it has none) and the
+        placement ask for this path."""
         raise NotImplementedError
 
     @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> ForwardPath | None:
+    def set_up(cls, settings: Any, runtime: PathRuntime) -> ForwardPath | None:
         """The path over ``runtime``, or None where the model does not suit it (logged)."""
         raise NotImplementedError
 

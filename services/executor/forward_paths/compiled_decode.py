@@ -16,7 +16,6 @@ from services.executor.forward_paths.base import ForwardPath, PathRuntime, Place
 if TYPE_CHECKING:
     import torch
 
-    from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.compiled_decode import CompiledDecode
     from services.runtime.model.llama import KVCaches
@@ -41,22 +40,11 @@ class CompiledDecodePath(ForwardPath):
         self.kv_caches = kv_caches
 
     @classmethod
-    def validate(cls, config: ExecutorConfig) -> None:
-        if not config.compiled_decode.compile:
-            return
-        if config.kv_cache_dtype != "auto":
-            raise ValueError(f"compile runs the C++ decode ops over a plain KV pool; kv_cache_dtype "
-                             f"{config.kv_cache_dtype!r} needs compile off")
-        if config.device not in ("auto", "cpu") or config.attention_backend not in ("auto", "cpu"):
-            raise ValueError(f"compile runs on the CPU with the cpu attention backend; got device {config.device!r}, "
-                             f"attention_backend {config.attention_backend!r}")
+    def wanted(cls, settings: CompiledDecodeSettings, placement: Placement) -> bool:
+        return settings.compile
 
     @classmethod
-    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
-        return config.compiled_decode.compile
-
-    @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> CompiledDecodePath | None:
+    def set_up(cls, settings: CompiledDecodeSettings, runtime: PathRuntime) -> CompiledDecodePath | None:
         if getattr(runtime.model, "kv_group_of", None) is not None:
             # Its step reads one block table; a model with window and full-attention KV groups
             # has one per group (services/common/kv_groups.py): the eager step runs it.

@@ -19,7 +19,6 @@ from services.executor.forward_paths.base import ForwardPath, PathRuntime, Place
 if TYPE_CHECKING:
     import torch
 
-    from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.decode_graphs import DecodeGraphs
 
@@ -43,6 +42,10 @@ class DecodeGraphSettings:
 
     Eagerly (there is nothing to capture on a CPU), so the path is tested without a GPU."""
 
+    def validate(self) -> None:
+        if self.cuda_graph_max_batch_size < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
+
 
 class DecodeGraphsPath(ForwardPath):
     name = "decode_graphs"
@@ -54,19 +57,13 @@ class DecodeGraphsPath(ForwardPath):
         self.capture_with = capture_with
 
     @classmethod
-    def validate(cls, config: ExecutorConfig) -> None:
-        if config.decode_graphs.cuda_graph_max_batch_size < 1:
-            raise ValueError(f"cuda_graph_max_batch_size must be >= 1, "
-                             f"got {config.decode_graphs.cuda_graph_max_batch_size}")
-
-    @classmethod
-    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+    def wanted(cls, settings: DecodeGraphSettings, placement: Placement) -> bool:
         if placement.device_type == "cuda":
-            return not config.decode_graphs.enforce_eager and placement.attention_backend in GRAPH_BACKENDS
-        return config.decode_graphs.padded_decode_on_cpu
+            return not settings.enforce_eager and placement.attention_backend in GRAPH_BACKENDS
+        return settings.padded_decode_on_cpu
 
     @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> DecodeGraphsPath | None:
+    def set_up(cls, settings: DecodeGraphSettings, runtime: PathRuntime) -> DecodeGraphsPath | None:
         if getattr(runtime.model, "kv_group_of", None) is not None:
             # Its step reads one block table; a model with window and full-attention KV groups
             # has one per group (services/common/kv_groups.py): the eager step runs it.
@@ -80,7 +77,7 @@ class DecodeGraphsPath(ForwardPath):
 
         return cls(DecodeGraphs(
             runtime.model, runtime.kv_caches, block_size=runtime.block_size, max_model_len=runtime.max_model_len,
-            max_batch_size=config.decode_graphs.cuda_graph_max_batch_size, scratch_block=runtime.scratch_block,
+            max_batch_size=settings.cuda_graph_max_batch_size, scratch_block=runtime.scratch_block,
             device=runtime.device, capture=runtime.device.type == "cuda",
         ), runtime.capture_with)
 

@@ -3,14 +3,13 @@ last path in the registry, and the one each other path falls back to."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.executor.forward_paths.base import ForwardPath, PathRuntime, Placement
 
 if TYPE_CHECKING:
     import torch
 
-    from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.llama import KVCaches, LlamaForCausalLM
 
@@ -24,11 +23,11 @@ class EagerPath(ForwardPath):
         self.kv_caches = kv_caches
 
     @classmethod
-    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
+    def wanted(cls, settings: Any, placement: Placement) -> bool:
         return True
 
     @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> EagerPath:
+    def set_up(cls, settings: Any, runtime: PathRuntime) -> EagerPath:
         return cls(runtime.model, runtime.kv_caches)
 
     def takes(self, step: ForwardStep) -> bool:

@@ -29,7 +29,6 @@ from services.executor.forward_paths.base import ForwardPath, PathRuntime, Place
 if TYPE_CHECKING:
     import torch
 
-    from services.executor.config import ExecutorConfig
     from services.executor.forward_paths.step import ForwardStep
     from services.runtime.model.fused_decode import FusedDecode
     from services.runtime.model.llama import KVCaches
@@ -55,6 +54,13 @@ class FusedDecodeSettings:
     2-9x faster fused up to there. A quantized model runs fused up to 8 times as many
     (services/runtime/model/fused_decode.py, QUANTIZED_STEP_FACTOR)."""
 
+    def validate(self) -> None:
+        if self.cpu_decode not in CPU_DECODE_MODES:
+            raise ValueError(f"cpu_decode must be one of {', '.join(CPU_DECODE_MODES)}, got {self.cpu_decode!r}")
+        if self.cpu_fused_max_tokens < 0:
+            raise ValueError(f"cpu_fused_max_tokens must be >= 0 (0 = decode-only steps alone), "
+                             f"got {self.cpu_fused_max_tokens}")
+
 
 class FusedDecodePath(ForwardPath):
     name = "fused_decode"
@@ -67,27 +73,13 @@ class FusedDecodePath(ForwardPath):
         self.lm_head = fused.logits if fused.computes_logits else None
 
     @classmethod
-    def validate(cls, config: ExecutorConfig) -> None:
-        settings = config.fused_decode
-        if settings.cpu_decode not in CPU_DECODE_MODES:
-            raise ValueError(f"cpu_decode must be one of {', '.join(CPU_DECODE_MODES)}, got {settings.cpu_decode!r}")
-        compile_on = config.compiled_decode.compile
-        if settings.cpu_decode == "fused" and (config.device not in ("auto", "cpu") or compile_on):
-            raise ValueError(f"cpu_decode 'fused' runs on the CPU without compile; got device {config.device!r}"
-                             f"{', compile on' if compile_on else ''}")
-        if settings.cpu_fused_max_tokens < 0:
-            raise ValueError(f"cpu_fused_max_tokens must be >= 0 (0 = decode-only steps alone), "
-                             f"got {settings.cpu_fused_max_tokens}")
+    def wanted(cls, settings: FusedDecodeSettings, placement: Placement) -> bool:
+        return placement.device_type == "cpu" and settings.cpu_decode != "eager"
 
     @classmethod
-    def wanted(cls, config: ExecutorConfig, placement: Placement) -> bool:
-        return placement.device_type == "cpu" and config.fused_decode.cpu_decode != "eager"
-
-    @classmethod
-    def set_up(cls, config: ExecutorConfig, runtime: PathRuntime) -> FusedDecodePath | None:
+    def set_up(cls, settings: FusedDecodeSettings, runtime: PathRuntime) -> FusedDecodePath | None:
         from services.runtime.model.fused_decode import FusedDecode, why_not
 
-        settings = config.fused_decode
         reason = why_not(runtime.model, runtime.kv_caches)
         if reason is not None:
             if settings.cpu_decode == "fused":
