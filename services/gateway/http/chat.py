@@ -31,12 +31,11 @@ from starlette.responses import Response
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
 from services.gateway.http.disconnect import ClientDisconnected, unless_disconnected
-from services.gateway.http.engine_request import chat_template
+from services.gateway.http.engine_request import call_plan, chat_template
 from services.gateway.http import auto_tools
 from services.gateway.http.errors import OpenAIError, bad_request, from_error
 from services.gateway.http.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.http.protocol import ChatCompletionRequest
-from services.gateway.http.requests import call_plan
 from services.gateway.http.streaming import SSE_HEADERS, EventStream, ChunkFrames, dumps, event_stream, sse
 from services.gateway.http.structured import OutputPlan, call_readers, plan_output
 from services.gateway.http.tokens import TokenNamer

@@ -18,12 +18,11 @@ from starlette.responses import Response
 from services.gateway.http.choices import ChoiceState, ChoiceStreams, usage_of
 from services.gateway.http.context import context_of, request_id_of
 from services.gateway.http.disconnect import unless_disconnected
-from services.gateway.http.engine_request import completion_prompts, completion_template
+from services.gateway.http.engine_request import call_plan, completion_prompts, completion_template
 from services.gateway.http.errors import bad_request
 from services.gateway.http.logprobs import completion_logprobs, echo_logprobs, end_offset, joined, vllm_prompt_logprobs
 from services.gateway.http.protocol import CompletionRequest
 from services.gateway.http.streaming import SSE_HEADERS, EventStream, ChunkFrames, dumps, event_stream, sse
-from services.gateway.http.requests import call_plan
 from services.gateway.http.tokens import TokenNamer
 
 

@@ -9,7 +9,7 @@
   or Anthropic's ``x-api-key`` header): none or an unknown one
   gets 401, a tenant over its ``max_concurrent_requests`` 429; the key is in the scope's state
   for the handlers, and its request counted in flight until the answer is sent, when the
-  request's draw on the key's per-minute budgets (http/requests.py) is settled;
+  request's draw on the key's per-minute budgets (http/engine_request.py) is settled;
 - the count of answers by endpoint and status.
 """
 
