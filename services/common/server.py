@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -48,6 +47,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorMappingInterceptor, UnavailableError
+from services.common.server_hooks import ServerHooks
 from services.common.tls import ClientTLS, ServerCertificates, ServerTLS
 
 _log = structlog.get_logger("tokenmill.server")
@@ -136,10 +136,6 @@ class RunningServer:
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     """The application's services (health and reflection not included)."""
-    _on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
-    _on_stopping: list[Callable[[float], Awaitable[None] | None]] = field(default_factory=list)
-    _on_reload: list[Callable[[], None]] = field(default_factory=list)
-    _stop_task: asyncio.Task | None = None
     tls: ServerCertificates | None = None
     """The server's certificates when it serves TLS (None: plaintext)."""
     app: Any = None
@@ -148,41 +144,27 @@ class RunningServer:
     health_server: grpc.aio.Server | None = None
     """The plaintext health-only server (start_server's health_port), stopped last."""
     health_port: int | None = None
+    hooks: ServerHooks = field(default_factory=ServerHooks)
+    _stop_task: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:  # a service registers its callbacks on the server (server_hooks.py)
+        self.on_stop, self.on_stopping, self.on_reload = self.hooks.on_stop, self.hooks.on_stopping, self.hooks.on_reload
 
     def reload_tls(self) -> bool:
-        """Re-read the certificate files for new connections (SIGHUP); False if there is no TLS
-        or the files are bad (then the current certificate stays, and the error is logged)."""
+        """Re-read the certificate files for new connections; False without TLS or when they are bad
+        (the current certificate stays, the error is logged)."""
         return self.tls.reload() if self.tls is not None else False
 
-    def on_reload(self, callback: Callable[[], None]) -> None:
-        """Run callback on SIGHUP, after the TLS files are re-read (the scheduler re-reads its
-        auth tokens file)."""
-        self._on_reload.append(callback)
-
     def reload(self) -> None:
-        """What SIGHUP does: re-read the TLS files, then run the reload callbacks; a failing one
-        is logged and the others still run."""
+        """What SIGHUP does: re-read the TLS files, then run the reload callbacks."""
         self.reload_tls()
-        for callback in self._on_reload:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one bad file must not stop the other reloads
-                _log.exception("reload_callback_failed", server=self.name, callback=repr(callback))
+        self.hooks.run_reloads(self.name)
 
     @property
     def address(self) -> str:
         """Where clients connect; a wildcard host is reported as loopback."""
         host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         return format_address(host, self.port)
-
-    def on_stop(self, callback: Callable[[], Awaitable[None] | None]) -> None:
-        """Run callback (sync or async) after the server stopped; newest registered runs first."""
-        self._on_stop.append(callback)
-
-    def on_stopping(self, callback: Callable[[float], Awaitable[None] | None]) -> None:
-        """Run callback(grace) when a stop begins, after health turns NOT_SERVING and before
-        the server refuses calls: a service ends its long-lived streams cleanly here."""
-        self._on_stopping.append(callback)
 
     async def set_serving(self, serving: bool = True) -> None:
         """Report every service and "" as SERVING (or NOT_SERVING) to health checks."""
@@ -191,52 +173,37 @@ class RunningServer:
             await self.health.set(service_name, status)
 
     async def stop(self, grace: float = 5.0, *, drain_seconds: float = 0.0) -> None:
-        """Stop gracefully; safe to call more than once (later calls wait for the first).
-
-        drain_seconds: keep accepting calls this long after health turns NOT_SERVING, for
-        load balancers that poll health. grace: how long in-flight calls may still run.
-        """
+        """Stop gracefully (``stop_in_order``); safe to call more than once (later calls wait for the first)."""
         if self._stop_task is None:
-            self._stop_task = asyncio.ensure_future(self._stop(grace, drain_seconds))
+            self._stop_task = asyncio.ensure_future(stop_in_order(self, grace, drain_seconds))
         await asyncio.shield(self._stop_task)
 
-    async def _stop(self, grace: float, drain_seconds: float) -> None:
-        _log.info("server_stopping", server=self.name, grace_s=grace, drain_s=drain_seconds)
-        await self.health.enter_graceful_shutdown()
-        if drain_seconds > 0:
-            await asyncio.sleep(drain_seconds)
-        # One grace for the whole stop: what the on_stopping hooks spend (the scheduler waits
-        # there for its streams to finish) is not given again to the calls, so the process ends
-        # within the grace an orchestrator's termination period was sized for.
-        deadline = time.monotonic() + grace
-        for callback in self._on_stopping:
-            try:
-                result = callback(max(0.0, deadline - time.monotonic()))
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # noqa: BLE001 - a failing hook must not block the stop
-                _log.exception("on_stopping_callback_failed", server=self.name, callback=repr(callback))
-        remaining = deadline - time.monotonic()
-        await self.server.stop(max(remaining, min(grace, FINAL_WRITES_S)))
-        if self.health_server is not None:  # NOT_SERVING to the probes until the calls are over
-            await self.health_server.stop(0)
-        for callback in reversed(self._on_stop):
-            try:
-                result = callback()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # noqa: BLE001 - one failing cleanup must not skip the others
-                _log.exception("on_stop_callback_failed", server=self.name, callback=repr(callback))
-        _log.info("server_stopped", server=self.name)
-
     async def wait_for_termination(self) -> None:
-        """Return once the server stopped. Safe to cancel.
-
-        grpc.aio's own wait_for_termination awaits the server's internal shutdown future
-        directly, so cancelling it cancels that future and makes a later stop() cancel
-        every in-flight call at once; the shield keeps the cancellation out.
-        """
+        """Return once the server stopped. Safe to cancel: grpc.aio's own wait_for_termination awaits
+        the server's internal shutdown future directly, so cancelling it would cancel that future and
+        make a later stop() cancel every in-flight call at once; the shield keeps the cancellation out."""
         await asyncio.shield(self.server.wait_for_termination())
+
+
+async def stop_in_order(running: RunningServer, grace: float, drain_seconds: float) -> None:
+    """Health NOT_SERVING, the drain, the on_stopping hooks, the calls, the health port, the
+    on_stop callbacks. drain_seconds: keep accepting calls this long after health turns
+    NOT_SERVING, for load balancers that poll health. grace: how long in-flight calls may still run."""
+    _log.info("server_stopping", server=running.name, grace_s=grace, drain_s=drain_seconds)
+    await running.health.enter_graceful_shutdown()
+    if drain_seconds > 0:
+        await asyncio.sleep(drain_seconds)
+    # One grace for the whole stop: what the on_stopping hooks spend (the scheduler waits
+    # there for its streams to finish) is not given again to the calls, so the process ends
+    # within the grace an orchestrator's termination period was sized for.
+    deadline = time.monotonic() + grace
+    await running.hooks.run_stopping(running.name, deadline)
+    remaining = deadline - time.monotonic()
+    await running.server.stop(max(remaining, min(grace, FINAL_WRITES_S)))
+    if running.health_server is not None:  # NOT_SERVING to the probes until the calls are over
+        await running.health_server.stop(0)
+    await running.hooks.run_stopped(running.name)
+    _log.info("server_stopped", server=running.name)
 
 
 async def start_server(
