@@ -80,7 +80,7 @@ def run_inprocess(engine: Engine, requests: list[BenchRequest], concurrency: int
                 if progress is not None:
                     progress.update(1)
         slots = kv_slot_usage(engine.scheduler.running, block_size)
-        kv_samples.append(KVSample(done, engine.scheduler.block_manager.usage, slots.waste_fraction,
+        kv_samples.append(KVSample(done, engine.scheduler.block_manager.pool.usage, slots.waste_fraction,
                                    len(engine.scheduler.running)))
     end = time.perf_counter()
     ordered = sorted(records.values(), key=lambda r: r.index)

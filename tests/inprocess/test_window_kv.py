@@ -43,7 +43,7 @@ def poison_free_blocks(engine: Engine) -> None:
     """NaN into every block no request holds and no prefix names: a step that read one (a
     block given back too early, a hit's placeholder) would sample from NaN logits."""
     manager = engine.scheduler.block_manager
-    ids = torch.tensor([b.block_id for b in manager.blocks if not b.ref_count and b.block_hash is None],
+    ids = torch.tensor([b.block_id for b in manager.pool.blocks if not b.ref_count and b.block_hash is None],
                        dtype=torch.long)
     for k, v in engine.runner.kv_cache.slots:
         k[ids] = float("nan")
@@ -72,16 +72,16 @@ def test_local_layers_hold_the_window_and_generation_stays_exact(gemma3):
     engine = make_engine(model_dir, 64)
     try:
         manager = engine.scheduler.block_manager
-        assert manager.group_windows == (0, WINDOW, WINDOW)
+        assert manager.windows.group_windows == (0, WINDOW, WINDOW)
         # Twice alone: the second is a prefix hit of 40 tokens whose local blocks before its last
         # window were given back during the first (its table has placeholders there).
         assert run(engine, prompts[:1]) == refs[:1]
         assert run(engine, prompts[:1]) == refs[:1]
-        assert manager.prefix_cache_hits == 40
+        assert manager.prefixes.hits == 40
         # All three at once: preempted, their given-back blocks reused by the others.
         assert run(engine, prompts) == refs
         assert engine.scheduler.num_preemptions > 0
-        assert manager.num_free_blocks == manager.num_blocks
+        assert manager.pool.num_free == manager.num_blocks
     finally:
         engine.close()
     # Without the prefix cache every given-back block is poisoned before the next step.
@@ -102,7 +102,7 @@ def test_local_layers_hold_the_window_and_generation_stays_exact(gemma3):
             request = engine.scheduler.requests.get("long")
             if request is not None and request.block_ids:
                 rows = len(request.block_ids) // 3
-                held = sum(1 for b in manager.blocks if b.ref_count)
+                held = sum(1 for b in manager.pool.blocks if b.ref_count)
                 most_local = max(most_local, held - rows)
         bound = 2 * (-(-(WINDOW - 1) // BLOCK) + 1 + CHUNK // BLOCK)
         assert 0 < most_local <= bound < 2 * (68 // BLOCK)

@@ -20,11 +20,11 @@ def compute_all(manager: BlockManager, request: Request) -> None:
     new = manager.allocate_slots(request, request.num_tokens - request.num_computed_tokens)
     assert new is not None
     request.num_computed_tokens = request.num_tokens
-    manager.cache_full_blocks(request)
+    manager.prefixes.cache_full_blocks(request)
 
 
 def ref_counts(manager: BlockManager) -> list[int]:
-    return [block.ref_count for block in manager.blocks]
+    return [block.ref_count for block in manager.pool.blocks]
 
 
 # ---- FreeBlockQueue ----------------------------------------------------------------------
@@ -72,8 +72,8 @@ def test_allocate_hands_out_blocks_in_id_order_and_reports_usage():
     request = make_request("a", list(range(10)))
     assert manager.allocate_slots(request, 10) == [0, 1, 2]
     assert request.block_ids == [0, 1, 2]
-    assert manager.num_free_blocks == 7
-    assert manager.usage == pytest.approx(0.3)
+    assert manager.pool.num_free == 7
+    assert manager.pool.usage == pytest.approx(0.3)
     assert ref_counts(manager)[:4] == [1, 1, 1, 0]
 
 
@@ -95,9 +95,9 @@ def test_allocate_returns_none_and_changes_nothing_when_blocks_run_out():
     second = make_request("b", list(range(8)))
     assert manager.allocate_slots(second, 8) is None
     assert second.block_ids == []
-    assert manager.num_free_blocks == 1
-    assert manager.free_block_ids() == [3]
-    assert manager.prefix_cache_queries == 12  # the failed attempt is not counted
+    assert manager.pool.num_free == 1
+    assert manager.pool.free_block_ids() == [3]
+    assert manager.prefixes.queries == 12  # the failed attempt is not counted
 
 
 def test_free_returns_blocks_to_the_tail_in_reverse_order():
@@ -108,11 +108,11 @@ def test_free_returns_blocks_to_the_tail_in_reverse_order():
     manager.allocate_slots(second, 8)  # [3, 4]
     manager.free(first)
     assert first.block_ids == []
-    assert manager.free_block_ids() == [5, 6, 7, 2, 1, 0]
+    assert manager.pool.free_block_ids() == [5, 6, 7, 2, 1, 0]
     manager.free(second)
-    assert manager.free_block_ids() == [5, 6, 7, 2, 1, 0, 4, 3]
-    assert manager.num_free_blocks == 8
-    assert manager.usage == 0.0
+    assert manager.pool.free_block_ids() == [5, 6, 7, 2, 1, 0, 4, 3]
+    assert manager.pool.num_free == 8
+    assert manager.pool.usage == 0.0
     assert ref_counts(manager) == [0] * 8
 
 
@@ -134,27 +134,27 @@ def test_prefix_hit_returns_exact_block_ids_and_shares_them():
     manager = BlockManager(num_blocks=10, block_size=BLOCK_SIZE)
     first = make_request("a", list(range(10)))
     compute_all(manager, first)  # blocks [0, 1, 2]; 0 and 1 are full and cached
-    assert manager.num_cached_blocks == 2
-    assert manager.blocks[0].block_hash == hash_block_tokens(b"", [0, 1, 2, 3])
-    assert manager.blocks[1].block_hash == hash_block_tokens(
-        manager.blocks[0].block_hash, [4, 5, 6, 7]
+    assert len(manager.prefixes.index) == 2
+    assert manager.pool.blocks[0].block_hash == hash_block_tokens(b"", [0, 1, 2, 3])
+    assert manager.pool.blocks[1].block_hash == hash_block_tokens(
+        manager.pool.blocks[0].block_hash, [4, 5, 6, 7]
     )
-    assert manager.blocks[2].block_hash is None  # partial block: never cached
+    assert manager.pool.blocks[2].block_hash is None  # partial block: never cached
 
     second = make_request("b", list(range(8)) + [50, 51, 52])
-    hit_block_ids, num_hit_tokens = manager.get_computed_blocks(second)
+    hit_block_ids, num_hit_tokens = manager.prefixes.get_computed_blocks(second)
     assert (hit_block_ids, num_hit_tokens) == ([0, 1], 8)
     assert manager.allocate_slots(second, 3, hit_block_ids) == [3]
     assert second.block_ids == [0, 1, 3]
     assert ref_counts(manager)[:5] == [2, 2, 1, 1, 0]
-    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (10 + 11, 8)
+    assert (manager.prefixes.queries, manager.prefixes.hits) == (10 + 11, 8)
 
     # The shared blocks survive the first request's end and return only after the second's.
     manager.free(first)
-    assert manager.free_block_ids() == [4, 5, 6, 7, 8, 9, 2]
+    assert manager.pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 2]
     assert ref_counts(manager)[:4] == [1, 1, 0, 1]
     manager.free(second)
-    assert manager.free_block_ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert manager.pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
 
 
 def test_whole_sequence_is_never_a_hit():
@@ -162,18 +162,18 @@ def test_whole_sequence_is_never_a_hit():
     compute_all(manager, make_request("a", list(range(8))))  # two full cached blocks
     same = make_request("b", list(range(8)))
     # 8 tokens, all cached: the last block is left to compute so the step yields logits.
-    assert manager.get_computed_blocks(same) == ([0], 4)
+    assert manager.prefixes.get_computed_blocks(same) == ([0], 4)
     longer = make_request("c", list(range(9)))
-    assert manager.get_computed_blocks(longer) == ([0, 1], 8)
+    assert manager.prefixes.get_computed_blocks(longer) == ([0, 1], 8)
 
 
 def test_hash_chain_needs_the_same_prefix_not_just_the_same_block():
     manager = BlockManager(num_blocks=10, block_size=BLOCK_SIZE)
     compute_all(manager, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other_prefix = make_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])
-    assert manager.get_computed_blocks(other_prefix) == ([], 0)
+    assert manager.prefixes.get_computed_blocks(other_prefix) == ([], 0)
     first_block_only = make_request("c", [1, 2, 3, 4, 0, 6, 7, 8, 9])
-    assert manager.get_computed_blocks(first_block_only) == ([0], 4)
+    assert manager.prefixes.get_computed_blocks(first_block_only) == ([0], 4)
 
 
 def test_hit_on_a_free_cached_block_takes_it_from_the_middle_of_the_queue():
@@ -181,15 +181,15 @@ def test_hit_on_a_free_cached_block_takes_it_from_the_middle_of_the_queue():
     first = make_request("a", list(range(9)))
     compute_all(manager, first)  # [0, 1, 2]
     manager.free(first)
-    assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    assert manager.pool.free_block_ids() == [3, 4, 5, 2, 1, 0]
 
     second = make_request("b", list(range(8)) + [99])
-    hit_block_ids, num_hit_tokens = manager.get_computed_blocks(second)
+    hit_block_ids, num_hit_tokens = manager.prefixes.get_computed_blocks(second)
     assert (hit_block_ids, num_hit_tokens) == ([0, 1], 8)
     assert manager.allocate_slots(second, 1, hit_block_ids) == [3]
     assert second.block_ids == [0, 1, 3]
-    assert manager.free_block_ids() == [4, 5, 2]
-    assert manager.num_free_blocks == 3
+    assert manager.pool.free_block_ids() == [4, 5, 2]
+    assert manager.pool.num_free == 3
 
 
 def test_allocation_counts_free_cached_hits_against_free_blocks():
@@ -199,18 +199,18 @@ def test_allocation_counts_free_cached_hits_against_free_blocks():
     manager.free(first)
     blocker = make_request("x", [70])
     manager.allocate_slots(blocker, 1)  # takes block 3, the head
-    assert manager.free_block_ids() == [2, 1, 0]
+    assert manager.pool.free_block_ids() == [2, 1, 0]
     # Hits on blocks 0 and 1 (both free) plus 3 new blocks: 5 > 3 free blocks.
     second = make_request("b", list(range(8)) + list(range(100, 112)))
-    hit_block_ids, _ = manager.get_computed_blocks(second)
+    hit_block_ids, _ = manager.prefixes.get_computed_blocks(second)
     assert hit_block_ids == [0, 1]
     assert manager.allocate_slots(second, 12, hit_block_ids) is None
     assert ref_counts(manager) == [0, 0, 0, 1]
-    assert manager.free_block_ids() == [2, 1, 0]
+    assert manager.pool.free_block_ids() == [2, 1, 0]
     # One new block fits: hits 0 and 1 plus block 2 (the head; uncached, nothing evicted).
     assert manager.allocate_slots(second, 4, hit_block_ids) == [2]
     assert second.block_ids == [0, 1, 2]
-    assert manager.num_cached_blocks == 2
+    assert len(manager.prefixes.index) == 2
 
 
 def test_eviction_takes_the_least_recently_freed_cached_blocks_first():
@@ -221,16 +221,16 @@ def test_eviction_takes_the_least_recently_freed_cached_blocks_first():
     compute_all(manager, second)
     manager.free(first)
     manager.free(second)
-    assert manager.free_block_ids() == [1, 0, 3, 2]
-    assert manager.num_cached_blocks == 4
+    assert manager.pool.free_block_ids() == [1, 0, 3, 2]
+    assert len(manager.prefixes.index) == 4
 
     # A fresh request needing two blocks evicts 1 then 0: the first request's tail first.
     fresh = make_request("c", list(range(200, 208)))
     assert manager.allocate_slots(fresh, 8) == [1, 0]
-    assert manager.blocks[0].block_hash is None and manager.blocks[1].block_hash is None
-    assert manager.num_cached_blocks == 2
-    assert manager.get_computed_blocks(make_request("d", list(range(9)))) == ([], 0)
-    assert manager.get_computed_blocks(make_request("e", list(range(100, 109)))) == ([2, 3], 8)
+    assert manager.pool.blocks[0].block_hash is None and manager.pool.blocks[1].block_hash is None
+    assert len(manager.prefixes.index) == 2
+    assert manager.prefixes.get_computed_blocks(make_request("d", list(range(9)))) == ([], 0)
+    assert manager.prefixes.get_computed_blocks(make_request("e", list(range(100, 109)))) == ([2, 3], 8)
 
 
 def test_evicting_only_the_tail_keeps_the_prefix_hit():
@@ -238,10 +238,10 @@ def test_evicting_only_the_tail_keeps_the_prefix_hit():
     first = make_request("a", list(range(8)))
     compute_all(manager, first)  # [0, 1]
     manager.free(first)
-    assert manager.free_block_ids() == [2, 1, 0]
+    assert manager.pool.free_block_ids() == [2, 1, 0]
     taker = make_request("t", [90, 91, 92, 93, 94])
     assert manager.allocate_slots(taker, 5) == [2, 1]  # block 1 (the tail) is evicted
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([0], 4)
+    assert manager.prefixes.get_computed_blocks(make_request("b", list(range(9)))) == ([0], 4)
 
 
 def test_same_prefix_computed_twice_keeps_the_first_cached_copy():
@@ -252,13 +252,13 @@ def test_same_prefix_computed_twice_keeps_the_first_cached_copy():
     manager.allocate_slots(second, 5)  # [2, 3]: no hit, nothing was computed yet
     for request in (first, second):
         request.num_computed_tokens = 5
-        manager.cache_full_blocks(request)
-    assert manager.num_cached_blocks == 1
-    assert manager.blocks[0].block_hash is not None
-    assert manager.blocks[2].block_hash is None
+        manager.prefixes.cache_full_blocks(request)
+    assert len(manager.prefixes.index) == 1
+    assert manager.pool.blocks[0].block_hash is not None
+    assert manager.pool.blocks[2].block_hash is None
     manager.free(first)
     manager.free(second)
-    assert manager.get_computed_blocks(make_request("c", list(range(6)))) == ([0], 4)
+    assert manager.prefixes.get_computed_blocks(make_request("c", list(range(6)))) == ([0], 4)
 
 
 def test_cache_full_blocks_follows_num_computed_tokens():
@@ -266,12 +266,12 @@ def test_cache_full_blocks_follows_num_computed_tokens():
     request = make_request("a", list(range(14)))
     manager.allocate_slots(request, 6)  # a first chunk of 6 tokens: blocks [0, 1]
     request.num_computed_tokens = 6
-    manager.cache_full_blocks(request)
-    assert [b.block_hash is not None for b in manager.blocks[:4]] == [True, False, False, False]
+    manager.prefixes.cache_full_blocks(request)
+    assert [b.block_hash is not None for b in manager.pool.blocks[:4]] == [True, False, False, False]
     manager.allocate_slots(request, 8)  # the rest: blocks [2, 3]
     request.num_computed_tokens = 14
-    manager.cache_full_blocks(request)
-    assert [b.block_hash is not None for b in manager.blocks[:4]] == [True, True, True, False]
+    manager.prefixes.cache_full_blocks(request)
+    assert [b.block_hash is not None for b in manager.pool.blocks[:4]] == [True, True, True, False]
 
 
 def test_disabled_prefix_caching_never_hits_nor_counts():
@@ -279,9 +279,9 @@ def test_disabled_prefix_caching_never_hits_nor_counts():
     first = make_request("a", list(range(9)))
     compute_all(manager, first)
     manager.free(first)
-    assert manager.num_cached_blocks == 0
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
-    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (0, 0)
+    assert len(manager.prefixes.index) == 0
+    assert manager.prefixes.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert (manager.prefixes.queries, manager.prefixes.hits) == (0, 0)
 
 
 def test_computed_blocks_only_for_a_request_without_blocks():
@@ -307,10 +307,10 @@ def test_prefixes_are_cached_per_scope():
     owner_blocks = owner.block_ids[:2]
     manager.free(owner)
     # Another tenant's identical prompt finds nothing (no shared block, no cached_tokens to read).
-    assert manager.get_computed_blocks(Request("other", tokens, cache_scope="tenant:b")) == ([], 0)
-    assert manager.get_computed_blocks(Request("unscoped", tokens)) == ([], 0)
-    assert manager.cached_prefix_tokens(tokens, "tenant:b") == 0
+    assert manager.prefixes.get_computed_blocks(Request("other", tokens, cache_scope="tenant:b")) == ([], 0)
+    assert manager.prefixes.get_computed_blocks(Request("unscoped", tokens)) == ([], 0)
+    assert manager.prefixes.index.cached_prefix_tokens(tokens, "tenant:b") == 0
     # The same scope reuses it, as before.
     again = Request("again", tokens, cache_scope="tenant:a")
-    assert manager.get_computed_blocks(again) == (owner_blocks, 8)
-    assert manager.cached_prefix_tokens(tokens, "tenant:a") == 8
+    assert manager.prefixes.get_computed_blocks(again) == (owner_blocks, 8)
+    assert manager.prefixes.index.cached_prefix_tokens(tokens, "tenant:a") == 8

@@ -213,7 +213,7 @@ async def test_greedy_tokens_follow_the_model_with_and_without_overlap(overlap):
     # With overlap the next plan is sent before the previous result is read.
     assert executor.max_in_flight == (2 if overlap else 1)
     assert (core.step_times.overlapped > 0) is overlap
-    assert core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+    assert core.scheduler.block_manager.pool.num_free == INFO.num_blocks
 
 
 async def test_drafts_are_verified_one_step_at_a_time_and_change_nothing():
@@ -256,7 +256,7 @@ async def test_a_stop_string_found_by_the_detokenizer_ends_the_request_in_the_co
     assert (out.text, out.finish_reason, out.stop_reason) == (letters[:3], FinishReason.STOP, stop)
     # Tokens are reported up to the step whose text matched (the stop was seen one step late at most).
     assert out.token_ids == tokens[:len(out.token_ids)] and 5 <= len(out.token_ids) <= 6
-    assert not core.scheduler.requests and core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+    assert not core.scheduler.requests and core.scheduler.block_manager.pool.num_free == INFO.num_blocks
     detokenizer = core.detokenizers[0]
     assert detokenizer.batches[0].new_streams[0].stop == (stop,)
 
@@ -273,7 +273,7 @@ async def test_abort_delivers_one_final_delta_with_the_tokens_so_far_and_frees_t
     assert final.usage == Usage(3, sum(len(d.token_ids) for d in deltas), 0)
     assert core.abort("a") is None and not core.has_unfinished()
     await run_to_end(core)
-    assert core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+    assert core.scheduler.block_manager.pool.num_free == INFO.num_blocks
     await core.step()  # the executor is told to forget it
     assert executor.tokens == {}
 
@@ -304,7 +304,7 @@ async def test_a_lost_executors_requests_move_to_the_other_and_finish_as_if_noth
         out = merged(deltas)  # exactly one final delta
         assert (out.token_ids, out.finish_reason) == (continuation(PROMPT, 20), FinishReason.LENGTH)
     assert lost == [("e0", "the executor went away")] and list(core.lanes) == ["e1"]
-    assert core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+    assert core.scheduler.block_manager.pool.num_free == INFO.num_blocks
 
 
 async def test_with_no_executor_left_requests_wait_then_end_with_one_error():

@@ -44,7 +44,7 @@ async def test_a_stream_the_detokenizer_refuses_ends_that_request_alone():
     assert merged(good).token_ids == continuation(PROMPT, 8) and merged(good).finish_reason is FinishReason.LENGTH
     out = merged(bad)
     assert out.finish_reason is FinishReason.ERROR and out.error_message == TEXT_FAILED
-    assert core.scheduler.block_manager.num_free_blocks == INFO.num_blocks
+    assert core.scheduler.block_manager.pool.num_free == INFO.num_blocks
 
 
 class OutOfVocabDrafter(OracleDrafter):

@@ -138,7 +138,7 @@ def test_eos_is_seen_a_step_late_and_the_surplus_token_is_dropped():
     assert updates == [RequestUpdate("a", 0, [EOS], None, FinishReason.EOS, None),
                        RequestUpdate("b", 1, [21], None, None, None)]
     assert request.status is RequestStatus.FINISHED_STOPPED
-    assert scheduler.block_manager.num_free_blocks == 63  # a's two blocks are free at once
+    assert scheduler.block_manager.pool.num_free == 63  # a's two blocks are free at once
     # Step 2 tells the executor to forget a, whose surplus step 1 is still running.
     plan2 = scheduler.schedule()
     assert plan2.finished_seq_ids == [0] and [s.seq_id for s in plan2.running] == [1]
@@ -192,7 +192,7 @@ def test_abort_with_two_steps_in_flight_frees_blocks_that_only_later_steps_reuse
     plan0, plan1 = scheduler.schedule(), scheduler.schedule()
     assert doomed.block_ids == [0, 1] and kept.block_ids == [2]
     assert scheduler.finish_request("a", FinishReason.ABORT)
-    assert scheduler.block_manager.free_block_ids() == [3, 1, 0]
+    assert scheduler.block_manager.pool.free_block_ids() == [3, 1, 0]
     assert scheduler.update(plan0, out(plan0, {0: [5], 1: [6]})) == [RequestUpdate("b", 1, [6], None, None, None)]
     # Blocks 0 and 1 may still be written by steps 0 and 1 (a's tokens); the first plan that
     # can hand them out is step 2, which the executor runs after both.
@@ -249,16 +249,16 @@ def test_a_block_is_cached_only_once_its_tokens_are_known_and_computed():
     manager = scheduler.block_manager
     plan0, plan1 = scheduler.schedule(), scheduler.schedule()
     scheduler.update(plan0, out(plan0, {0: [11]}))
-    assert manager.num_cached_blocks == 1  # block 0: positions 0-3
+    assert len(manager.prefixes.index) == 1  # block 0: positions 0-3
     plan2 = scheduler.schedule()  # computes position 7, whose token only the executor knows
     scheduler.update(plan1, out(plan1, {0: [12]}))
     # Block 1 (positions 4-7) holds four known tokens now, but step 2, still running, writes
     # position 7's K/V: not cached yet.
     assert request.all_token_ids[4:8] == prompt_for("a", 6)[4:] + [11, 12]
-    assert manager.num_cached_blocks == 1
+    assert len(manager.prefixes.index) == 1
     plan3 = scheduler.schedule()
     scheduler.update(plan2, out(plan2, {0: [13]}))
-    assert manager.num_cached_blocks == 2
+    assert len(manager.prefixes.index) == 2
     scheduler.update(plan3, out(plan3, {0: [14]}))
     # A later prompt with the same 8 tokens starts from both blocks.
     add(scheduler, make_request("b", token_ids=request.all_token_ids[:8] + [5]))
@@ -448,7 +448,7 @@ def run_workload(overlap: bool, seed: int, abort_rate: float = 0.0, num_schedule
             assert len(request.block_ids) * scheduler.config.block_size >= request.num_planned_tokens
             for block_id in request.block_ids:
                 holders[block_id] += 1
-        assert holders == [block.ref_count for block in scheduler.block_manager.blocks]
+        assert holders == [block.ref_count for block in scheduler.block_manager.pool.blocks]
     else:
         raise AssertionError("workload did not finish")
     final = scheduler.schedule()  # tell the executor to forget the last finished sequences
@@ -469,7 +469,7 @@ def test_random_workload_outputs_are_the_same_with_overlap_on_and_off(seed):
         assert tokens, request_id
     assert {reason for _, reason, _ in on.values()} == {FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP}
     assert scheduler_on.num_preemptions > 0  # 16 blocks of 4 tokens force some
-    assert scheduler_on.block_manager.prefix_cache_hits > 0
+    assert scheduler_on.block_manager.prefixes.hits > 0
 
 
 @pytest.mark.parametrize("seed", [4, 5])

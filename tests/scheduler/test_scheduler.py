@@ -113,8 +113,8 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 1000) -> None:
 
 
 def assert_all_blocks_free(scheduler: Scheduler) -> None:
-    assert scheduler.block_manager.num_free_blocks == scheduler.config.num_blocks
-    assert all(block.ref_count == 0 for block in scheduler.block_manager.blocks)
+    assert scheduler.block_manager.pool.num_free == scheduler.config.num_blocks
+    assert all(block.ref_count == 0 for block in scheduler.block_manager.pool.blocks)
 
 
 # ---- one request, then continuous batching ----------------------------------------------
@@ -287,7 +287,7 @@ def _two_requests_filling_six_blocks(enable_prefix_caching: bool) -> tuple[Sched
     assert [s.new_block_ids for s in plan.running] == [[4], [5]]
     for position in range(3, 6):
         step(scheduler, {"a": [position], "b": [100 + position]})
-    assert scheduler.block_manager.num_free_blocks == 0
+    assert scheduler.block_manager.pool.num_free == 0
     return scheduler, first, second
 
 
@@ -297,7 +297,7 @@ def test_out_of_blocks_preempts_the_latest_arrival_and_resumes_it_in_full():
     assert plan.finished_seq_ids == [1]
     assert plan.running == [RunningSequence(0, 1, [5], [])]  # b's blocks went back as 5, 3, 2
     # A step that preempted for blocks starts nothing new (b itself waits at least a step).
-    assert scheduler.block_manager.num_free_blocks == 2
+    assert scheduler.block_manager.pool.num_free == 2
     assert plan.new == []
     assert second.status is RequestStatus.PREEMPTED
     assert (second.block_ids, second.num_computed_tokens) == ([], 0)
@@ -430,7 +430,7 @@ def test_abort_of_a_running_request_frees_its_blocks_at_once():
     request = make_request("a", 9)
     add(scheduler, request)
     step(scheduler)
-    assert scheduler.block_manager.num_free_blocks == 61
+    assert scheduler.block_manager.pool.num_free == 61
     assert scheduler.finish_request("a", FinishReason.ABORT) is True
     assert request.status is RequestStatus.FINISHED_ABORTED
     assert request.finish_reason is FinishReason.ABORT
@@ -458,7 +458,7 @@ def test_outputs_of_a_request_aborted_during_the_step_are_ignored():
     result = StepResult(plan.step_id, [SequenceOutput(0, [5]), SequenceOutput(1, [6])])
     assert scheduler.update(plan, result) == [RequestUpdate("b", 1, [6], None, None, None)]
     assert first.output_token_ids == []
-    assert scheduler.block_manager.num_free_blocks == 63  # only b's block is held
+    assert scheduler.block_manager.pool.num_free == 63  # only b's block is held
     assert scheduler.schedule().finished_seq_ids == [0]
 
 
@@ -841,14 +841,14 @@ def test_random_workload_keeps_every_invariant_and_frees_everything():
         for request in scheduler.running:
             for block_id in request.block_ids:
                 holders[block_id] += 1
-        assert holders == [block.ref_count for block in scheduler.block_manager.blocks]
-        assert scheduler.block_manager.num_free_blocks == holders.count(0)
+        assert holders == [block.ref_count for block in scheduler.block_manager.pool.blocks]
+        assert scheduler.block_manager.pool.num_free == holders.count(0)
     else:
         raise AssertionError("workload did not finish")
 
     assert_all_blocks_free(scheduler)
     assert scheduler.num_preemptions > 0  # the cache is small enough to force some
-    assert scheduler.block_manager.prefix_cache_hits > 0
+    assert scheduler.block_manager.prefixes.hits > 0
     for request in requests:
         if request.finish_reason is not FinishReason.ABORT:
             assert request.finish_reason is FinishReason.LENGTH

@@ -23,7 +23,7 @@ def run_to(manager: BlockManager, request: Request, num_tokens: int) -> list[int
 
 
 def held(manager: BlockManager) -> list[int]:
-    return [b.block_id for b in manager.blocks if b.ref_count]
+    return [b.block_id for b in manager.pool.blocks if b.ref_count]
 
 
 def test_groups_of_gemma3_and_of_uniform_models():
@@ -46,10 +46,10 @@ def test_window_blocks_go_back_as_the_window_passes_and_full_ones_stay():
     # the query at 20 reads keys from 15 on (block 3); the full group holds every block
     assert request.block_ids == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert held(manager) == [0, 2, 4, 6, 7, 8, 9]
-    assert manager.num_free_blocks == 40 - 7
-    assert manager.free_block_ids()[-3:] == [1, 3, 5]  # given back in order: the oldest is evicted first
+    assert manager.pool.num_free == 40 - 7
+    assert manager.pool.free_block_ids()[-3:] == [1, 3, 5]  # given back in order: the oldest is evicted first
     manager.free(request)
-    assert held(manager) == [] and manager.num_free_blocks == 40
+    assert held(manager) == [] and manager.pool.num_free == 40
 
 
 def test_a_prefix_hit_takes_the_window_blocks_of_its_last_window_only():
@@ -58,7 +58,7 @@ def test_a_prefix_hit_takes_the_window_blocks_of_its_last_window_only():
     run_to(manager, a, 20)
     manager.free(a)
     b = Request("b", list(range(100, 116)) + [7, 8])
-    ids, tokens = manager.get_computed_blocks(b)
+    ids, tokens = manager.prefixes.get_computed_blocks(b)
     # 16 tokens hit: the next query (16) reads keys from 11, blocks 2 and 3 of the window group
     assert tokens == 16
     assert ids == [0, PLACEHOLDER, 2, PLACEHOLDER, 4, 5, 6, 7]
@@ -66,23 +66,23 @@ def test_a_prefix_hit_takes_the_window_blocks_of_its_last_window_only():
     b.num_computed_tokens = 16
     assert held(manager) == [0, 2, 4, 5, 6, 7, 10, 11]
     manager.free(b)
-    assert held(manager) == [] and manager.num_free_blocks == 40
+    assert held(manager) == [] and manager.pool.num_free == 40
 
 
 def test_a_prefix_whose_window_blocks_were_evicted_is_not_reused():
     manager = BlockManager(24, BS, group_windows=(0, WINDOW))
     a = Request("a", list(range(100, 120)))
     run_to(manager, a, 20)  # holds 7 blocks, gave back 1, 3, 5 (still cached)
-    assert manager.free_block_ids()[-3:] == [1, 3, 5]
+    assert manager.pool.free_block_ids()[-3:] == [1, 3, 5]
     filler = Request("f", list(range(500, 529)))
     assert run_to(manager, filler, 29)[-2:] == [1, 3]  # the 14 never used, then evicts 1 and 3
     b = Request("b", list(range(100, 116)) + [7, 8])
     # 16 tokens need the window entries of blocks 2 and 3 only (5 cached, 7 held)
-    assert manager.get_computed_blocks(b) == ([0, PLACEHOLDER, 2, PLACEHOLDER, 4, 5, 6, 7], 16)
+    assert manager.prefixes.get_computed_blocks(b) == ([0, PLACEHOLDER, 2, PLACEHOLDER, 4, 5, 6, 7], 16)
     assert run_to(manager, Request("g", list(range(700, 703))), 3)[0] == 5  # evicts 5
     # 16 would read block 2's window entry, gone; 12 blocks 1 and 2, 8 blocks 0 and 1: all gone
-    assert manager.get_computed_blocks(b) == ([], 0)
-    assert manager.cached_prefix_tokens(b.all_token_ids) == 16  # the full group alone still has it
+    assert manager.prefixes.get_computed_blocks(b) == ([], 0)
+    assert manager.prefixes.index.cached_prefix_tokens(b.all_token_ids) == 16  # the full group alone still has it
 
 
 def test_every_layer_windowed_frees_its_one_group():
@@ -91,7 +91,7 @@ def test_every_layer_windowed_frees_its_one_group():
     run_to(manager, request, 20)
     assert request.block_ids == [0, 1, 2, 3, 4] and held(manager) == [3, 4]
     b = Request("b", list(range(100, 116)) + [1])
-    ids, tokens = manager.get_computed_blocks(b)
+    ids, tokens = manager.prefixes.get_computed_blocks(b)
     assert (ids, tokens) == ([PLACEHOLDER, PLACEHOLDER, 2, 3], 16)
 
 
@@ -115,10 +115,10 @@ def test_a_4096_token_prompt_on_gemma3_holds_its_local_layers_at_the_window():
     most = 0
     for end in (2048, 4096):
         manager.allocate_slots(request, end - request.num_computed_tokens)
-        most = max(most, 4096 - manager.num_free_blocks)
+        most = max(most, 4096 - manager.pool.num_free)
         request.num_computed_tokens = end
         manager.computed(request)
-    held = 4096 - manager.num_free_blocks
+    held = 4096 - manager.pool.num_free
     # the full group: 256 blocks; each of 5 local groups: the 32 blocks of its last 512 tokens
     assert held == 256 + 5 * 32
     assert held * page_bytes // 4096 == 9_984  # bytes a token, against 36,864 with every block kept

@@ -24,6 +24,11 @@ class BlockPool:
         """Blocks no request holds (cached ones included: they can be evicted)."""
         return len(self._free)
 
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+        return (len(self.blocks) - len(self._free)) / len(self.blocks)
+
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (next handed out first). O(n): tests, debugging."""
         return self._free.block_ids()

@@ -68,7 +68,7 @@ class Preemption:
         # The blocks its prompt needs plus one token (no prefix hit assumed: cautious).
         needed = -(-(head.num_tokens + 1) // self._config.block_size)
         while running and (len(running) >= self._config.limits.max_num_seqs
-                           or self._block_manager.num_free_blocks < needed):
+                           or self._block_manager.pool.num_free < needed):
             victim = victim_for(head, running, self._waiting.served, self._config.max_model_len)
             if victim is None:
                 break

@@ -162,7 +162,7 @@ class Scheduler:
     def detach_request(self, request_id: str) -> list[int]:
         """Hand a running request over to another executor: it leaves this scheduler (the
         executor forgets it in the next plan) and its blocks stay held, returned, until
-        ``block_manager.release``: its KV is being copied from them."""
+        ``block_manager.pool.release``: its KV is being copied from them."""
         request = self.requests.pop(request_id)
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request_id!r} is not running here (status {request.status.name})")
@@ -207,11 +207,11 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
-            kv_cache_usage=manager.usage,
-            num_free_blocks=manager.num_free_blocks,
+            kv_cache_usage=manager.pool.usage,
+            num_free_blocks=manager.pool.num_free,
             num_blocks=manager.num_blocks,
-            prefix_cache_queries=manager.prefix_cache_queries,
-            prefix_cache_hits=manager.prefix_cache_hits,
+            prefix_cache_queries=manager.prefixes.queries,
+            prefix_cache_hits=manager.prefixes.hits,
             spec_decode=SpecDecodeStats(
                 *(getattr(self.spec_stats, name) for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
                 list(self.spec_stats.accepted_per_position), list(self.spec_stats.drafted_per_position),
@@ -312,7 +312,7 @@ class Scheduler:
             if request.block_ids:  # its KV was copied here from the executor that computed it
                 hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
             else:
-                hit_block_ids, num_hit_tokens = manager.get_computed_blocks(request)
+                hit_block_ids, num_hit_tokens = manager.prefixes.get_computed_blocks(request)
             num_new = step_size.starting_tokens(request.num_tokens - num_hit_tokens, budget, limits)
             if num_new is None:
                 break  # wait for a step with room for the whole prompt; keep arrival order

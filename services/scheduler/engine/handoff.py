@@ -90,13 +90,13 @@ class KVCopier:
             counters.failures += 1
             return False  # pools of different layouts: the decode side recomputes the prompt
         manager = target.scheduler.block_manager
-        if any(manager.group_windows):
+        if any(manager.windows.group_windows):
             # Sliding-window tables, whose entries behind the window the source gave back: not
             # copied as a run of blocks; the decode side recomputes the prompt.
             counters.failures += 1
             return False
         num_tokens = request.num_tokens - 1
-        hit_ids, hit_tokens = manager.get_computed_blocks(request)
+        hit_ids, hit_tokens = manager.prefixes.get_computed_blocks(request)
         if manager.allocate_slots(request, num_tokens - hit_tokens, hit_ids) is None:
             counters.failures += 1
             return False  # no room on the decode side now: it waits there and recomputes
@@ -173,7 +173,7 @@ class Handoff:
         finally:
             self._moving.pop(request.request_id, None)
             if self._context.lanes.get(source.name) is source:
-                source.scheduler.block_manager.release(held)
+                source.scheduler.block_manager.pool.release(held)
                 source.wake()
         context = self._context
         if context.requests.get(request.request_id) is None:  # ended meanwhile

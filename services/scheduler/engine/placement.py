@@ -32,8 +32,8 @@ def choose_lane(request: Request, lanes: Sequence[ExecutorLane], roles: Sequence
             continue
         scheduler = lane.scheduler
         manager = scheduler.block_manager
-        key = (-manager.cached_prefix_tokens(request.all_token_ids, request.cache_scope), len(scheduler.running) + len(scheduler.waiting),
-               -manager.num_free_blocks)
+        cached = manager.prefixes.index.cached_prefix_tokens(request.all_token_ids, request.cache_scope)
+        key = (-cached, len(scheduler.running) + len(scheduler.waiting), -manager.pool.num_free)
         if best_key is None or key < best_key:
             best, best_key = lane, key
     return best
