@@ -25,7 +25,6 @@ OVER_LIMIT: frozenset[str] = frozenset({
     "services/scheduler/core/scheduler.py::Scheduler",
     "services/scheduler/engine/core.py::EngineCore",
     "services/scheduler/request/request.py::Request",
-    "services/scheduler/supervisor.py::Supervisor",
 })
 
 

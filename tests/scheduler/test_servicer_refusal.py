@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import pytest
 
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.scheduler.admission import Admission
-from services.scheduler.supervisor import Supervisor
+from services.scheduler.request_entry import RequestEntry
 from services.scheduler.servicer import GenerationServicer
 from services.stack.client import build_request
 
@@ -28,10 +27,10 @@ def _servicer(connected: bool):
     port = SimpleNamespace(connected=connected)
     lanes = {"e0": SimpleNamespace(info=SimpleNamespace(max_model_len=512), role="mixed", port=port)} if connected \
         else {}
-    supervisor = SimpleNamespace(core=SimpleNamespace(lanes=lanes, requests={}), tokenizers=tokenizers, _stopping=False,
+    supervisor = SimpleNamespace(core=SimpleNamespace(lanes=lanes, requests={}), tokenizers=tokenizers,
                                  submit=lambda *a, **k: pytest.fail("submitted while the executor is away"))
-    supervisor.unavailable_reason = functools.partial(Supervisor.unavailable_reason, supervisor)  # the real checks
-    supervisor.check_accepting = functools.partial(Supervisor.check_accepting, supervisor)
+    entry = RequestEntry(supervisor.core)  # the real checks
+    supervisor.unavailable_reason, supervisor.check_accepting = entry.unavailable_reason, entry.check_accepting
     admission = Admission(4)
     return GenerationServicer(supervisor, admission), tokenizers, admission
 

@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.scheduler.supervisor import TOKENIZER_LOST
+from services.scheduler.link_keeper import TOKENIZER_LOST
 from services.stack.launcher import LaunchConfig, Launcher, health_status
 from services.common.pb.tokenmill.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.scheduler.supervisor import TOKENIZER_LOST
+from services.scheduler.link_keeper import TOKENIZER_LOST
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
