@@ -103,17 +103,19 @@ class ExecutorConfig:
     where the all-to-all's three exchanges a layer ran 0.5-0.8x (docs/benchmarks.md, "Expert
     parallelism on a CPU")."""
     quant_activations: str = setting("auto")
-    """CPU, quantized weights: auto (exact fp32 activations wherever an exact kernel runs the weight type, int8
-    for the types only the int8 kernels keep, e.g. K-quants), none (exact everywhere: types with no exact
-    kernel are dequantized to fp32 at load) or int8 (activations rounded to int8 per block, integer dot
-    products: llama.cpp's arithmetic, faster, not exact).
+    """CPU, quantized weights: auto (exact fp32 activations for a model whose every weight type an exact kernel
+    runs; int8 for every weight of a model with types only the int8 kernels keep, e.g. K-quants), none (exact
+    everywhere: types with no exact kernel are dequantized to fp32 at load) or int8 (activations rounded to
+    int8 per block, integer dot products: llama.cpp's arithmetic, faster, not exact).
 
-    auto, the default, is faithful first: q4_0/q4_1/q8_0 and tokenmill's own int4/int8 weights
-    take fp32 activations (the dequantized model's numbers up to the order of sums, so a kept GGUF
-    answers as its fp32 twin does), and only the types that have no exact kernel (K-quants,
-    q5_0/q5_1) take int8 activations rather than a dequantized fp32 copy 4-8x their size; none on
-    CUDA and on a tensor-parallel executor's ranks. none: fp32 activations for every type (those
-    without an exact kernel dequantized at load). int8: activations rounded to int8 per block of
+    auto, the default, is faithful first: a model of q4_0/q4_1/q8_0 and tokenmill's own int4/int8
+    weights takes fp32 activations (the dequantized model's numbers up to the order of sums, so a
+    kept GGUF answers as its fp32 twin does). A model with types that have no exact kernel
+    (K-quants, q5_0/q5_1, GGUF experts) takes int8 activations for those rather than a dequantized
+    fp32 copy 4-8x their size, and then for all its weights, LM head included, as llama.cpp does:
+    its int8 layers move the logits already, and an exact Q8_0 head was 77-85% of Gemma 3 270M
+    Q4_K_M's step. auto is none on CUDA and on a tensor-parallel executor's ranks. none: fp32
+    activations for every type (those without an exact kernel dequantized at load). int8: activations rounded to int8 per block of
     32 (K-quants too) and multiplied by integer dot products, llama.cpp's arithmetic,
     for every GGUF block type. int8 everywhere was the default until it was found to flip
     SmolLM2's greedy answer to make run's demo question into a loop; the exact path still decodes

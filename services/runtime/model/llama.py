@@ -24,7 +24,7 @@ from services.runtime.model.linear import Linear, worth_prepacking
 from services.runtime.model.moe import SparseMoe
 from services.runtime.model.ops import TorchOps, get_model_ops
 from services.runtime.model.quant.formats import QuantizedWeight, dequantize
-from services.runtime.model.quant.linear import QuantLinear, build_linear
+from services.runtime.model.quant.linear import QuantLinear, build_linear, model_activations
 from services.runtime.model.weights import load_checkpoint
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -144,10 +144,10 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear) and worth_prepacking(module.weight):
                     module.prepack()
-        for module in list(self.modules()):
-            if isinstance(module, (QuantLinear, SparseMoe)):
-                # after the move: each device packs its own way (quant/linear.py, moe.py)
-                module.prepare(quant_activations if device.type == "cpu" else "none")
+        quantized = [m for m in self.modules() if isinstance(m, (QuantLinear, SparseMoe))]
+        activations = model_activations(quant_activations if device.type == "cpu" else "none", quantized)
+        for module in quantized:
+            module.prepare(activations)  # after the move: each device packs its own way (quant/linear.py, moe.py)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device,
                                       config.rope)
 

@@ -142,6 +142,11 @@ class SparseMoe(nn.Module):
         """Tokens routed to each expert since the model was loaded or reset, [E] int64 (the load metric's
         source), on the router's device; added to in place, by the fused CPU step (fused_decode.py) too."""
 
+    def int8_under_auto(self) -> bool:
+        """Whether ``prepare("auto")`` runs these experts on the grouped int8-activation kernel."""
+        return (self.quantized is not None and self.router.device.type == "cpu" and experts_fit(self.quantized[0])
+                and experts_fit(self.quantized[1]) and cpu_kernels_ready())
+
     def prepare(self, activations: str = "auto") -> str:
         """Ready quantized experts for the router's device (after the move); returns the path.
 
@@ -153,8 +158,7 @@ class SparseMoe(nn.Module):
             return self.path
         w13, w2 = self.quantized
         device = self.router.device
-        if (device.type == "cpu" and activations in ("int8", "auto") and experts_fit(w13) and experts_fit(w2)
-                and cpu_kernels_ready()):
+        if activations in ("int8", "auto") and self.int8_under_auto():
             self.w13, self.w2 = pack_experts(w13), pack_experts(w2)
             self.formats = (w13[0].fmt, w2[0].fmt)
             self.path = "cpu_int8"

@@ -473,3 +473,50 @@ def test_a_k_quant_model_runs_fused_as_it_runs_eagerly(tmp_path):
             one = pack_step_inputs([int(ids[row])], [n - 1], [int(meta.slot_mapping[row])], [1], [n], [tables[row]],
                                    BLOCK_SIZE, runner.device)
             assert torch.equal(fused(one[0], one[1], caches, one[2])[0], batch[row]), f"row {row} moved"
+
+
+def test_a_k_quant_models_tied_q8_0_head_takes_int8_activations_by_default(tmp_path, quantized_dirs):
+    """Gemma 3 Q4_K_M's mix in small (Q5_0 q, k and gate|up, a Q8_0 v, Q4_K o, Q6_K down, the tied
+    Q8_0 embedding as its head): under the default (auto) a model whose layers take int8
+    activations takes them at its head too, llama.cpp's arithmetic, where the exact head was most
+    of the step. The fused step's logits equal the PyTorch reference of that product over a vocabulary
+    of 263 (a partial tile of 16) at 1, 3 and 7 rows on every instruction set, each row's bits
+    independent of its batch; ``none`` keeps the exact head; an all-exact model keeps auto exact."""
+    from gguf import GGMLQuantizationType as T
+
+    from services.runtime.kernels import cpu
+    from services.runtime.kernels.quant_act import int8_matmul_reference
+    from services.runtime.model.config import ModelConfig
+    from services.runtime.model.weights import load_checkpoint
+    from services.tools.gguf import convert_gguf
+    from tests.tools.gguf_helpers import write_tiny_llama_gguf
+
+    write_tiny_llama_gguf(tmp_path / "mix.gguf", dims=dict(hidden=256, ffn=512, heads=4, kv_heads=1), qtypes=dict(
+        attn_q=T.Q5_0, attn_k=T.Q5_0, attn_v=T.Q8_0, attn_output=T.Q4_K, ffn_gate=T.Q5_0, ffn_up=T.Q5_0,
+        ffn_down=T.Q6_K, token_embd=T.Q8_0))
+    keep = tmp_path / "keep"
+    convert_gguf(tmp_path / "mix.gguf", keep, weights="keep")
+    runner = make_runner(keep)  # --quant-activations auto, the default
+    assert runner.model.lm_head.path == "cpu_int8"
+    assert {m.path for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"cpu_kquant", "cpu_int8"}
+    assert make_runner(keep, quant_activations="none").model.lm_head.path == "cpu_kernel"
+    assert {m.path for m in make_runner(quantized_dirs["llama-gqa-8-2"]).model.modules()
+            if isinstance(m, QuantLinear)} == {"cpu_kernel"}, "q4_1 with a q8_0 head: exact"
+    head = load_checkpoint(keep, ModelConfig.from_model_dir(keep), torch.float32)["model.embed_tokens.weight"]
+    assert head.fmt == "q8_0" and head.shape == (263, 256)
+    fused = fused_decode(runner)
+    assert fused is not None and fused.computes_logits
+    gen = torch.Generator().manual_seed(5)
+    previous = cpu.isa()
+    try:
+        for isa in cpu.supported_isas():
+            cpu.set_isa(isa)
+            for rows in (1, 3, 7):
+                hidden = torch.randn(rows, 256, generator=gen) * torch.logspace(-2, 1, 256)
+                logits = fused.logits(hidden)
+                expected = int8_matmul_reference(hidden, head)
+                torch.testing.assert_close(logits, expected, atol=2e-6 * expected.abs().max().item(), rtol=1e-5)
+                alone = torch.cat([fused.logits(hidden[i:i + 1]) for i in range(rows)])
+                assert torch.equal(logits, alone), f"{isa}: a row's logits moved with its batch of {rows}"
+    finally:
+        cpu.set_isa(previous)

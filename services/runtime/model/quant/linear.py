@@ -93,6 +93,19 @@ def panel_columns(in_features: int) -> int:
 _log = structlog.get_logger("tokenmill.model")
 
 
+def model_activations(requested: str, modules) -> str:
+    """``requested`` (``ACTIVATIONS``) for one model whose quantized linears and experts are
+    ``modules``: ``auto`` becomes ``int8`` for all of them where any takes int8 activations under
+    auto (``int8_under_auto``), so a model runs one arithmetic, llama.cpp's where it already runs
+    it at some weights. Mixing bought no faithfulness (the int8 layers move the logits already)
+    and cost most of the step: Gemma 3 270M Q4_K_M's tied Q8_0 head (262,144 x 640) on the exact
+    kernel took 77% of a one-row fused step and 85% of a 32-row one (docs/benchmarks.md). A model
+    every weight of which has an exact kernel keeps ``auto`` (exact: SmolLM2's Q4_1)."""
+    if requested == "auto" and any(m.int8_under_auto() for m in modules):
+        return "int8"
+    return requested
+
+
 def cpu_kernel_fits(w: QuantizedWeight) -> bool:
     return w.fmt not in BLOCK_FORMATS and w.in_features % 32 == 0 and (w.fmt == "int8" or w.group_size % 32 == 0)
 
@@ -138,12 +151,20 @@ class QuantLinear(nn.Module):
             self.path = "unprepared"
         return self
 
+    def int8_under_auto(self) -> bool:
+        """Whether ``prepare("auto")`` on a CPU gives this weight int8 activations: a type no
+        exact kernel runs (K-quants, q5_0/q5_1) that an int8 kernel keeps."""
+        w = self.quantized
+        return (_cpu_kernel_available() and not cpu_kernel_fits(w)
+                and (w.fmt in KQUANT_FORMAT_CODES or int8_kernel_fits(w)))
+
     def prepare(self, activations: str = "none") -> str:
         """Choose and build this device's path (see the module docstring); returns its name.
 
         ``activations``: on a CPU, ``int8`` runs GGUF block weights with int8-quantized inputs;
         ``auto`` fp32 inputs where the exact kernel runs this weight, else int8 ones (K-quants,
-        q5_0/q5_1: no exact kernel, and int8 keeps their blocks where none dequantizes them)."""
+        q5_0/q5_1: no exact kernel, and int8 keeps their blocks where none dequantizes them). A
+        model settles auto for all its weights first (``model_activations``)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         w = self.quantized
