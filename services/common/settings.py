@@ -198,7 +198,8 @@ def attribute_docs(config_cls: type) -> dict[str, str]:
 
 def field_help(config_cls: type, field: dataclasses.Field, *, first_paragraph: bool = False) -> str:
     """A field's one description, on one line as ``--help`` shows it: the docstring under it, else
-    its metadata's help (the fields that helper functions make for several services)."""
+    its metadata's help (benchmarks/harness/flags.py copies an engine setting's help into a run's
+    flag that way)."""
     text = attribute_docs(config_cls).get(field.name) or field.metadata.get("help", "")
     if first_paragraph:
         text = text.split("\n\n")[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.service_config import model_field, service_process_fields
+from services.common.service_config import DEFAULT_MODEL_DIR, service_process_fields
 from services.common.settings import setting
 from services.tokenizer.text_tokenizer import read_chat_template_option
 
@@ -15,7 +15,8 @@ DEFAULT_PORT = 50052
 class TokenizerConfig(service_process_fields("tokenizer", DEFAULT_PORT, internal_secret="require")):
     """tokenmill tokenizer: text <-> token ids, chat templates and streaming detokenization."""
 
-    model: str = model_field("model directory holding tokenizer.json (and tokenizer_config.json)")
+    model: str = setting(str(DEFAULT_MODEL_DIR), env="TOKENMILL_MODEL", path=True)
+    """model directory holding tokenizer.json (and tokenizer_config.json)"""
     chat_template_timeout_s: float = setting(2.0, env="TOKENMILL_TOKENIZER_CHAT_TEMPLATE_TIMEOUT_S")
     """Longest a chat template may take to render one conversation; past it the call is interrupted and answered
     DEADLINE_EXCEEDED (a template is code shipped with the model)."""
