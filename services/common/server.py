@@ -148,7 +148,8 @@ class RunningServer:
     _stop_task: asyncio.Task | None = None
 
     def __post_init__(self) -> None:  # a service registers its callbacks on the server (server_hooks.py)
-        self.on_stop, self.on_stopping, self.on_reload = self.hooks.on_stop, self.hooks.on_stopping, self.hooks.on_reload
+        hooks = self.hooks
+        self.on_stop, self.on_stopping, self.on_reload = hooks.on_stop, hooks.on_stopping, hooks.on_reload
 
     def reload_tls(self) -> bool:
         """Re-read the certificate files for new connections; False without TLS or when they are bad
