@@ -87,7 +87,9 @@ from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.burst import BurstLength
 from services.scheduler.core.config import SchedulerConfig
 from services.scheduler.core.in_flight import StepInFlight, checked_in_flight, mark_in_flight
+from services.scheduler.core.model_fit import check_fits_model
 from services.scheduler.core.preemption import Preemption
+from services.scheduler.core.sampled_tokens import append_sampled
 from services.scheduler.core.speculation import SpecDecodeStats
 from services.scheduler.core.stats import SchedulerStats
 from services.scheduler.core.waiting_queue import QueueFullError, WaitingQueue
@@ -148,7 +150,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if moved != (request.status is RequestStatus.PREEMPTED) or request.seq_id != -1:
             raise ValueError(f"request {request.request_id!r} was already added to a scheduler")
-        request.validate(self.config.max_model_len, self.config.vocab_size)
+        check_fits_model(request, self.config.max_model_len, self.config.vocab_size)
         max_waiting = self.config.limits.max_waiting_requests
         if not moved and len(self.waiting) >= max_waiting:
             raise QueueFullError(
@@ -379,7 +381,7 @@ class Scheduler:
                 self.block_manager.computed(request)
                 continue
             first = request.num_output_tokens == 0
-            update = request.append_outputs(output.token_ids, output.logprobs, self.config.max_model_len)
+            update = append_sampled(request, output.token_ids, output.logprobs, self.config.max_model_len)
             if first and request.sampling.prompt_logprobs is not None:
                 update.prompt_logprobs = [(request.prompt_token_ids[0], TokenLogprobs(0.0)),
                                           *zip(request.prompt_token_ids[1:], request.prompt_logprobs)]

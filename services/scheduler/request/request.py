@@ -3,7 +3,7 @@
 Its life: admitted (the engine core's ``submit``) → WAITING → RUNNING (→ PREEMPTED → RUNNING ...) → finished,
 with one FinishReason (finish_reason.py). The stop rules are the request's StopConditions
 plus the model's EOS ids: the token rules (max_tokens, stop_token_ids, EOS, min_tokens) are
-applied here to every token a step brings (``append_outputs``); the stop strings travel with
+applied to every token a step brings (core/sampled_tokens.py); the stop strings travel with
 its text stream to the tokenizer, which matches them where the text is made.
 
 A request's progress is a single number, ``num_computed_tokens``: how many of its known tokens
@@ -25,7 +25,6 @@ from services.common.sampling_params import SamplingParams
 from services.common.step import MinTokensBan, TokenLogprobs
 from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.stop import StopConditions
-from services.scheduler.request.update import RequestUpdate
 
 
 class RequestStatus(enum.Enum):
@@ -249,66 +248,6 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.spec_token_ids = []
-
-    def append_outputs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
-                       max_model_len: int) -> RequestUpdate:
-        """Append one step's sampled tokens one by one, checking the stop rules after each
-        (``StopConditions.token_stop``, then max_model_len: LENGTH); the rest after a stop are
-        cut (never reported). Returns the update the caller hears of."""
-        stop = self.stop
-        reason: FinishReason | None = None
-        stop_reason: int | None = None
-        num_appended = 0
-        for token_id in token_ids:
-            self.append_output_token(token_id, logprobs[num_appended] if logprobs is not None else None)
-            num_appended += 1
-            ended = stop.token_stop(token_id, len(self.output_token_ids), self.eos_token_ids)
-            if ended is None and len(self._all_token_ids) >= max_model_len:
-                ended = FinishReason.LENGTH, None
-            if ended is not None:
-                reason, stop_reason = ended
-                break
-        return RequestUpdate(
-            request_id=self.request_id,
-            seq_id=self.seq_id,
-            new_token_ids=list(token_ids[:num_appended]),
-            new_logprobs=list(logprobs[:num_appended]) if logprobs is not None else None,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-        )
-
-    def validate(self, max_model_len: int, vocab_size: int) -> None:
-        """Raise ValueError naming the field and the limit when the request cannot be served.
-
-        The one check of a request: its sampling parameters and stop conditions (each type's
-        own validate), then the prompt and the EOS ids against the model's limits.
-        """
-        self.sampling.validate(vocab_size)
-        self.stop.validate(vocab_size, max_model_len)
-        prompt_len = len(self.prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
-        if prompt_len >= max_model_len:
-            raise ValueError(
-                f"prompt length {prompt_len} (prompt_token_ids) must be below "
-                f"max_model_len={max_model_len} to leave room for one output token"
-            )
-        max_tokens = self.stop.max_tokens
-        if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-            raise ValueError(
-                f"prompt length {prompt_len} + max_tokens={max_tokens} = {prompt_len + max_tokens} "
-                f"exceeds max_model_len={max_model_len}"
-            )
-        # min/max run in C; the per-token loop only runs to name the offending id.
-        if min(self.prompt_token_ids) < 0 or max(self.prompt_token_ids) >= vocab_size:
-            for index, token_id in enumerate(self.prompt_token_ids):
-                if not (0 <= token_id < vocab_size):
-                    raise ValueError(
-                        f"prompt_token_ids[{index}] = {token_id} is outside [0, {vocab_size})"
-                    )
-        for token_id in self.eos_token_ids:
-            if not (0 <= token_id < vocab_size):
-                raise ValueError(f"eos_token_ids entry {token_id} is outside [0, {vocab_size})")
 
     def __repr__(self) -> str:
         return (
