@@ -25,6 +25,7 @@ class PrefixReuse:
     def __init__(self, enabled: bool, windows: WindowTables, index: PrefixCache, pool: BlockPool) -> None:
         self.enabled = enabled
         self._windows = windows
+        self._num_groups, self._block_size = windows.num_groups, windows.block_size  # read every step
         self.index = index
         """Which block caches which prefix; its probe (cached_prefix_tokens) is 0 while disabled,
         as nothing is ever cached."""
@@ -59,7 +60,7 @@ class PrefixReuse:
                 self._windows.set_start(request.request_id, window_start)
             if self.enabled:
                 self.queries += request.num_tokens
-                self.hits += len(hit_block_ids) // self._windows.num_groups * self._windows.block_size
+                self.hits += len(hit_block_ids) // self._num_groups * self._block_size
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -68,7 +69,7 @@ class PrefixReuse:
         Where two requests computed one prefix at once, the first block stays its cached copy."""
         if not self.enabled:
             return
-        n, size = self._windows.num_groups, self._windows.block_size
+        n, size = self._num_groups, self._block_size
         num_full = min(request.num_computed_tokens // size, len(request.block_ids) // n)
         start = self.index.registered.get(request.request_id, 0)
         if num_full <= start:

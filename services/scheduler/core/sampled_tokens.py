@@ -20,7 +20,9 @@ def append_sampled(request: Request, token_ids: Sequence[int], logprobs: Sequenc
                    max_model_len: int) -> RequestUpdate:
     """Append one step's sampled tokens one by one, checking the stop rules after each; returns
     the update the caller hears of."""
-    stop, outputs, known = request.stop, request.output_token_ids, request.all_token_ids  # live lists
+    stop = request.stop
+    outputs = request.output_token_ids  # the live lists: they grow as tokens are appended
+    known = request.all_token_ids
     reason: FinishReason | None = None
     stop_reason: int | None = None
     num_appended = 0
