@@ -1,9 +1,11 @@
 """``make bench-gateway``: the gateway's four questions, answered in one run with ratios.
 
     python -m benchmarks gateway [--parts overhead,policies,goodput,decision,throughput] [--quick] [--no-peers]
+                                 [--overhead-engine stories|sim]
 
-1. overhead    HTTP through the gateway against the engine's gRPC API directly (stories260K):
-               TTFT p50 added, 32-stream tokens/s ratio, the gateway's CPU per token.
+1. overhead    HTTP through the gateway against the engine's gRPC API directly (stories260K, or one
+               simulated engine): TTFT p50 and p99 added (and the gateway's gRPC API's, the hop
+               alone), 32-stream tokens/s ratio, the gateway's CPU per token, the load average.
 2. policies    five routing policies and the real peers (peers.py: LiteLLM's Router with four
                strategies, Portkey's gateway with two weightings) on one simulated heterogeneous
                pool, one Poisson trace: SLA attainment, cost, response times (SLA-free too), the
@@ -58,6 +60,9 @@ class GatewaySettings:
     start_timeout: float = setting(600.0)
     """Seconds the overhead part's stack and gateway may take to start (a service that exits while starting
     fails at once; a loaded machine can take minutes to start a healthy one)."""
+    overhead_engine: str = setting("stories", choices=("stories", "sim"))
+    """The overhead part's engine: the stories260K stack, or one simulated engine (no model: the gateway's
+    share of the TTFT without the engine's CPU and variance beside it)."""
     out: str | None = setting(None)
     """Where the JSON report goes (none: benchmarks/results/gateway-DATE.json)."""
 
@@ -71,11 +76,16 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
 
-def _overhead(quick: bool, start_timeout_s: float) -> dict:
-    r = overhead.measure(rounds=2 if quick else 4, ttft_requests=10 if quick else 20, start_timeout_s=start_timeout_s)
-    print(f"\n## HTTP overhead (stories260K, gateway HTTP vs engine gRPC)\n"
-          f"TTFT p50: gRPC {r['grpc']['ttft_p50_ms']:.2f} ms, HTTP {r['http']['ttft_p50_ms']:.2f} ms, "
-          f"added {r['ttft_p50_added_ms']:+.2f} ms (goal <= +1 ms)\n"
+def _overhead(quick: bool, start_timeout_s: float, engine: str) -> dict:
+    r = overhead.measure(rounds=2 if quick else 4, ttft_requests=10 if quick else 20, start_timeout_s=start_timeout_s,
+                         engine=engine)
+    print(f"\n## HTTP overhead ({engine} engine, gateway HTTP vs engine gRPC; load average "
+          f"{' '.join(f'{x:.1f}' for x in r['load_before'])} -> {' '.join(f'{x:.1f}' for x in r['load_after'])})\n"
+          f"TTFT p50: gRPC {r['grpc']['ttft_p50_ms']:.2f} ms, gateway gRPC {r['gateway_grpc']['ttft_p50_ms']:.2f} ms, "
+          f"HTTP {r['http']['ttft_p50_ms']:.2f} ms, added {r['ttft_p50_added_ms']:+.2f} ms (goal <= +1 ms; the hop "
+          f"alone {r['hop_p50_added_ms']:+.2f} ms)\n"
+          f"TTFT p99: gRPC {r['grpc']['ttft_p99_ms']:.2f} ms, gateway gRPC {r['gateway_grpc']['ttft_p99_ms']:.2f} ms, "
+          f"HTTP {r['http']['ttft_p99_ms']:.2f} ms, added {r['ttft_p99_added_ms']:+.2f} ms\n"
           f"32 streams: gRPC {r['grpc']['tokens_per_s']:.0f} tok/s, HTTP {r['http']['tokens_per_s']:.0f} tok/s, "
           f"ratio {r['tokens_per_s_ratio']:.2f}x (goal >= 0.95x); per token: gateway CPU "
           f"{r['gateway_cpu_us_per_token']:.0f} us, engine CPU {r['engine_cpu_us_per_token']:.0f} us (CPU-bound ratio "
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
               "load_before": _load(), "cpus": os.cpu_count()}
     print(f"# make bench-gateway at {report['commit']}, load average {report['load_before']}, "
           f"{report['cpus']} CPUs", flush=True)
-    runners = {"overhead": lambda: _overhead(args.quick, args.start_timeout), "policies": lambda: _policies(args.quick, args.rate,
+    runners = {"overhead": lambda: _overhead(args.quick, args.start_timeout, args.overhead_engine), "policies": lambda: _policies(args.quick, args.rate,
                                                                                            args.seconds, args.peers),
                "goodput": lambda: _goodput(args.quick, args.goodput_rates, args.goodput_seconds,
                                                  args.goodput_warmup_s, args.peers),
