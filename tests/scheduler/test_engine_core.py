@@ -21,7 +21,8 @@ from services.common.sampling_params import SamplingParams
 from services.common.step import ExecutorInfo, SequenceOutput, StepPlan, StepResult
 from services.scheduler.core.config import SchedulerLimits
 from services.scheduler.core.speculation import SpeculationConfig
-from services.scheduler.engine.core import NO_EXECUTOR_LEFT, EngineCore, model_eos_token_ids
+from services.scheduler.engine.core import EngineCore, model_eos_token_ids
+from services.scheduler.engine.failover import NO_EXECUTOR_LEFT
 from services.scheduler.request.delta import GenerationDelta, Timings, Usage
 from services.scheduler.request.finish_reason import FinishReason
 from services.scheduler.request.stop import StopConditions
@@ -317,7 +318,7 @@ async def test_with_no_executor_left_requests_wait_then_end_with_one_error():
     for _ in range(4):
         await core.step()
         await core.publisher.drain()
-    assert not core.lanes and len(core.parked) == 2
+    assert not core.lanes and len(core.failover.parked) == 2
     assert all(not d.finished for deltas in streams.values() for d in deltas)  # a pause, not an error yet
     with pytest.raises(UnavailableError, match="executor is unavailable"):
         core.submit("c", PROMPT, GREEDY, StopConditions(max_tokens=2), lambda d: None)
@@ -325,7 +326,7 @@ async def test_with_no_executor_left_requests_wait_then_end_with_one_error():
     for deltas in streams.values():
         assert [d.finished for d in deltas].count(True) == 1
         assert deltas[-1].finish_reason is FinishReason.ERROR and deltas[-1].error_message == NO_EXECUTOR_LEFT
-    assert not core.has_unfinished() and not core.parked
+    assert not core.has_unfinished() and not core.failover.parked
 
 
 async def test_a_parked_request_resumes_when_an_executor_comes_back():
@@ -337,7 +338,7 @@ async def test_a_parked_request_resumes_when_an_executor_comes_back():
     for _ in range(4):
         await core.step()
         await core.publisher.drain()
-    assert not core.lanes and len(core.parked) == 1
+    assert not core.lanes and len(core.failover.parked) == 1
     core.attach("e0", CountingExecutor(), INFO)  # the executor restarted
     await run_to_end(core)
     out = merged(deltas)

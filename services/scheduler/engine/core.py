@@ -16,7 +16,8 @@ When an executor is lost, its requests move to the others as a preemption by rec
 the engine knows every token of every request, so each restarts from its known tokens and
 its stream goes on (the client sees a pause; greedy and seeded tokens are those of a run
 without the loss, since seeded draws depend on the position only). With no executor left
-they wait ``executor_wait_s`` for one to come back, then end with one Finished (error).
+they wait ``executor_wait_s`` for one to come back, then end with one Finished (error)
+(failover.py; each lane's task is lane_tasks.py's).
 
 Executors may take a role (prefill, decode, mixed): handoff.py moves a request whose prompt a
 prefill executor computed to a decode executor, its KV blocks copied executor to executor.
@@ -32,8 +33,6 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-import structlog
-
 from services.common.errors import ResourceExhaustedError, UnavailableError
 from services.common.sampling_params import SamplingParams
 from services.common.step import ExecutorInfo
@@ -45,10 +44,11 @@ from services.scheduler.core.stats import SchedulerStats, combined_stats
 from services.scheduler.core.waiting_queue import QueueFullError
 from services.scheduler.engine.adapters import AdapterTable, adapter_scope
 from services.scheduler.engine.drafting import Drafting
+from services.scheduler.engine.failover import Failover
 from services.scheduler.engine.handoff import Handoff, HandoffContext
 from services.scheduler.engine.lane import ExecutorLane, LaneContext
-from services.scheduler.engine.parking import ParkedRequests
-from services.scheduler.engine.placement import ANY_ROLE, ROLES_FOR_DECODE, ROLES_FOR_NEW, choose_lane
+from services.scheduler.engine.lane_tasks import LaneTasks
+from services.scheduler.engine.placement import ANY_ROLE, ROLES_FOR_NEW, choose_lane
 from services.scheduler.engine.ports import DetokenizerPort, DrafterPort, ExecutorPort
 from services.scheduler.engine.publisher import Publisher
 from services.scheduler.engine.request_table import FinishedObserver, RequestTable
@@ -59,12 +59,9 @@ from services.scheduler.request.request import Request
 from services.scheduler.request.stream import DeltaSink, RequestStream
 from services.scheduler.request.stop import StopConditions
 
-_log = structlog.get_logger("tokenmill.scheduler")
-
 EXECUTOR_UNAVAILABLE = "the executor is unavailable (restarting or unreachable); retry shortly"
 """What a request hears while no executor is attached. No address: the door sends it before
 authentication, to any caller."""
-NO_EXECUTOR_LEFT = "no executor came back within executor_wait_s"
 
 
 def model_eos_token_ids(tokenizer_eos_token_ids: Sequence[int], info: ExecutorInfo) -> tuple[int, ...]:
@@ -83,25 +80,23 @@ class EngineCore:
         self.limits = limits
         self.detokenizers = list(detokenizers)
         self.clock = clock
-        self._on_executor_lost = on_executor_lost or (lambda name, error: None)
         self.lanes: dict[str, ExecutorLane] = {}
         self.eos_token_ids: tuple[int, ...] = ()
         self._seq_ids = itertools.count()
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._running = False
+        self.tasks = LaneTasks()
         self.requests = RequestTable(self.detokenizers, clock, self._finish_in_core, on_finished, self.wake)
-        self.parked = ParkedRequests(limits.executor_wait_s, self._no_executor_left)
-        """Requests whose executor was lost with no other to take them, waiting for one."""
+        self.failover = Failover(self.lanes, self.requests, self.tasks, limits.executor_wait_s,
+                                 on_executor_lost or (lambda name, error: None))
         self.step_times = StepTimeTotals()
         self.publisher = Publisher(self.requests, self.detokenizers, clock, self.step_times)
         live = lambda: [r.seq_id for lane in self.lanes.values() for r in lane.scheduler.running]  # noqa: E731
         drafting = Drafting(drafter, speculation or SpeculationConfig(), live) if drafter else None
         self.drafting = drafting
-        self.handoff = Handoff(HandoffContext(self.lanes, self.requests, self.requeue))
+        self.handoff = Handoff(HandoffContext(self.lanes, self.requests, self.failover.requeue))
         self.adapters = AdapterTable()
         """The LoRA adapters requests may name (services/scheduler/engine/adapters.py)."""
         self._context = LaneContext(limits, clock, self.requests, self.publisher, self.step_times, drafting,
-                                    self._lost, self.handoff.after_update)
+                                    self.failover.lost, self.handoff.after_update)
 
     # ------------------------------------------------------------------ executors
     def attach(self, name: str, port: ExecutorPort, info: ExecutorInfo,
@@ -116,10 +111,9 @@ class EngineCore:
         self.adapters.learn(info.adapters)
         lane = ExecutorLane(name, port, info, scheduler, self._context)
         self.lanes[name] = lane
-        if self._running:
-            self._tasks[name] = asyncio.create_task(lane.run(), name=f"engine-lane-{name}")
-        for request in self.parked.take_all():
-            self.requeue(request)
+        self.tasks.start(lane)
+        for request in self.failover.parked.take_all():
+            self.failover.requeue(request)
         lane.wake()
         return lane
 
@@ -193,16 +187,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
         """Each executor's rounds as a task of its own, until cancelled."""
-        self._running = True
-        for lane in self.lanes.values():
-            self._tasks[lane.name] = asyncio.create_task(lane.run(), name=f"engine-lane-{lane.name}")
-        try:
-            await asyncio.Event().wait()
-        finally:
-            self._running = False
-            for task in self._tasks.values():
-                task.cancel()
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self.tasks.run(list(self.lanes.values()))
 
     async def step(self) -> bool:
         """One round of every executor, concurrently. False when none had anything to do."""
@@ -211,49 +196,8 @@ class EngineCore:
             return False
         return any(await asyncio.gather(*(lane.round() for lane in lanes)))
 
-    # ------------------------------------------------------------------ requests that move
-    def _lost(self, lane: ExecutorLane, error: str) -> None:
-        """Drop the lane (its scheduler core described the lost executor's memory) and move
-        each of its requests to another executor, or park it until one comes back."""
-        if self.lanes.get(lane.name) is not lane:
-            return
-        _log.error("executor_lost", executor=lane.name, error=error, requests=len(lane.scheduler.requests))
-        del self.lanes[lane.name]
-        lane.attached = False
-        lane.wake()
-        task = self._tasks.pop(lane.name, None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-        for request in sorted(lane.scheduler.requests.values(), key=lambda r: r.sort_key):
-            if self.requests.get(request.request_id) is not None:
-                request.leave_executor()
-                self.requeue(request)
-        # The lane's task may still be on its way out; its scheduler core (whose free-block
-        # list is a cycle) becomes garbage now, for the owner's next collection.
-        lane.scheduler = None
-        self._on_executor_lost(lane.name, error)
-
-    def requeue(self, request: Request) -> ExecutorLane | None:
-        """Queue a request that left its executor (Request.leave_executor) on another, to
-        recompute what it lost (a decode executor once it has outputs); park it when none is
-        attached. Returns the lane it went to. (A failed copy of its KV ends here too.)"""
-        lanes = list(self.lanes.values())
-        roles = ROLES_FOR_DECODE if request.num_output_tokens else ROLES_FOR_NEW
-        lane = choose_lane(request, lanes, roles) or choose_lane(request, lanes, ANY_ROLE)
-        if lane is None:
-            self.parked.park(request)
-            return None
-        lane.scheduler.add_request(request, moved=True)
-        lane.wake()
-        return lane
-
-    def _no_executor_left(self, request_id: str) -> None:
-        stream = self.requests.get(request_id)
-        if stream is not None:
-            self.requests.end(stream, FinishReason.ERROR, NO_EXECUTOR_LEFT)
-
     def _finish_in_core(self, request_id: str, reason: FinishReason, stop_string: str | None) -> None:
-        self.parked.forget(request_id)
+        self.failover.parked.forget(request_id)
         self.handoff.forget(request_id)
         for lane in self.lanes.values():
             if lane.scheduler.finish_request(request_id, reason, stop_string):
