@@ -12,7 +12,8 @@ benchmarks/.cache/moe/, keyed by the sizes):
     dense   the same model with one SwiGLU MLP of ``top_k * expert_size`` in Q4_K: the parameters a
             MoE token reads, so a grouped expert path as fast as a dense one decodes as fast
 
-Attention projections are Q8_0 in both, the embedding and LM head F32 (a 512-token vocabulary:
+Attention projections are Q8_0 in both (on int8 activations in tokenmill, as its experts are, under
+the default ``--quant-activations auto``), the embedding and LM head F32 (a 512-token vocabulary:
 the head is no part of the question). tokenmill runs each through ``tokenmill convert gguf
 --weights keep`` (the experts multiplied in Q4_K by the grouped C++ kernel, int8 activations;
 the dense MLP by the K-quant linear kernels), over the in-process engine (scheduler core and
