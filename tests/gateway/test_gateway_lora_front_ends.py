@@ -57,7 +57,9 @@ async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     adapters = {"r4": str(write_adapter(root / "r4", rank=4)), "r8": str(write_adapter(root / "r8", rank=8)),
                 "r2": str(write_adapter(root / "r2", rank=2, targets=("o_proj",)))}
     model = stories_with_chat_template(root)
-    engines = [await serve_engine(model=model, num_blocks=64, executor={"max_loras": 2, "max_lora_rank": rank})
+    # Loads while serving name adapters inside --lora-dir only, as an operator starts the engines.
+    engines = [await serve_engine(model=model, num_blocks=64, scheduler={"lora_dir": str(root)},
+                                  executor={"max_loras": 2, "max_lora_rank": rank, "lora_dir": str(root)})
                for rank in (16, 4)]
     routes = write_routes(root / "routes.json", {
         "targets": [{"name": "e1", "address": engines[0][-1].address},

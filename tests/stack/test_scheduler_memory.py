@@ -19,8 +19,9 @@ from tests.helpers.small_stack import start_small_stack
 
 pytestmark = pytest.mark.asyncio
 
-BLOCK_FILES = [tracemalloc.Filter(True, "*/scheduler/core/block_manager.py"),
-               tracemalloc.Filter(True, "*/scheduler/core/free_block_queue.py")]
+# The block manager's collaborators (pool, free queue, prefix reuse, windows) all live here; the
+# test's lower bound on what a fresh core holds fails if a move takes the blocks elsewhere.
+BLOCK_FILES = [tracemalloc.Filter(True, "*/scheduler/core/*.py")]
 
 
 def block_bytes() -> int:

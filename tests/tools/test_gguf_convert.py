@@ -128,7 +128,7 @@ def test_tokenizer_files(tiny):
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(arch="qwen2"), r"general.architecture is 'qwen2'"),
     (dict(tokenizer_model="t5"), r"tokenizer.ggml.model is 't5'"),
-    (dict(pre="deepseek-llm"), r"tokenizer.ggml.pre is .deepseek-llm.; the pre-tokenizers converted are .*llama-bpe"),
+    (dict(pre="seed-coder"), r"tokenizer.ggml.pre is .seed-coder.; the pre-tokenizers converted are .*llama-bpe"),
     (dict(extra_tensor="blk.0.attn_q_norm.weight"), r"'blk.0.attn_q_norm.weight' has no place in the Llama layout"),
     # A layer index the file chose must not size a loop (in keep mode it drove a ~7e9-step one).
     (dict(extra_tensor="blk.999999999.attn_q.weight"),
