@@ -129,6 +129,23 @@ async def direct_e2e_ms(address: str, n: int, max_tokens: int) -> float:
     return statistics.median(times)
 
 
+async def gateway_sees(gateway, sla_ms: float, timeout_s: float = 20.0) -> None:
+    """Wait until the gateway's own estimates put the fast stack within ``sla_ms`` and the slowed
+    one past it, as the stacks were just measured: a poll of each profile has to land first, and
+    on a loaded machine one can take longer than any fixed pause."""
+    states = gateway.dispatcher.pool.states
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = time.monotonic()
+        fast, cheap = (states[name].estimate_ms(32, False, now) for name in ("fast", "cheap"))
+        if fast is not None and cheap is not None and fast < sla_ms < cheap:
+            return
+        if now > deadline:
+            raise AssertionError(f"after {timeout_s} s the gateway estimates fast {fast} ms and cheap {cheap} ms "
+                                 f"against an SLA of {sla_ms:.0f} ms")
+        await asyncio.sleep(0.05)
+
+
 async def slow_down(fast, cheap, gateway) -> tuple[DutyCycle, float, float]:
     """Duty-cycle the cheap stack's executor until the cheap stack takes over SLOWER times as long
     as the fast one: (the cycle, fast ms, slow ms), measured here and now. A cycle does not slow a
@@ -164,8 +181,8 @@ async def test_latency_route_keeps_sla_requests_on_the_fast_stack_and_the_rest_o
     slow, fast_ms, slow_ms = await slow_down(fast, cheap, gateway)
     try:
         print(f"fast {fast_ms:.0f} ms, slowed {slow_ms:.0f} ms with {slow.stopped_s} s stops")
-        await asyncio.sleep(0.3)  # a poll reads both profiles
         sla = (fast_ms * slow_ms) ** 0.5
+        await gateway_sees(gateway, sla)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="-", max_retries=0)
         before = served(gateway, "stories")
         for i in range(16):
