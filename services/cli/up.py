@@ -190,11 +190,12 @@ def drafter_args(args: UpConfig) -> list[str]:
     return own + list(args.drafter_arg)
 
 
-def _launchers(args: UpConfig) -> list[Launcher]:
-    """One Launcher per replica: the first on --port (and the fixed internal ports), the others on
-    free ports; with several replicas each logs into its own LOG_DIR/replica-N."""
+def _launchers(args: UpConfig, launchers: list[Launcher]) -> None:
+    """One Launcher per replica, appended to ``launchers`` as each is made (each owns a run
+    directory, which the caller removes however this ends): the first on --port (and the fixed
+    internal ports), the others on free ports; with several replicas each logs into its own
+    LOG_DIR/replica-N."""
     ports = {"tokenizer": args.tokenizer_port, "executor": args.executor_port, "drafter": args.drafter_port}
-    launchers = []
     for i in range(args.replicas):
         log_dir = args.log_dir if args.replicas == 1 or not args.log_dir else str(Path(args.log_dir) / f"replica-{i}")
         launchers.append(Launcher(LaunchConfig(
@@ -203,7 +204,6 @@ def _launchers(args: UpConfig) -> list[Launcher]:
             executor_args=executor_args(args), executor_roles=args.executor_roles,
             scheduler_args=scheduler_args(args), drafter_args=drafter_args(args), tokenizer_args=tokenizer_args(args),
             log_dir=log_dir, on_event=_print_event, tls=args.tls)))
-    return launchers
 
 
 def _start_all(launchers: list[Launcher]) -> None:
@@ -219,8 +219,15 @@ def _start_all(launchers: list[Launcher]) -> None:
     threads = [threading.Thread(target=start, args=(launcher,)) for launcher in launchers]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:  # Ctrl-C / SIGTERM: stop them here, where the signal arrived, and wait for the starts to end
+        for launcher in launchers:
+            launcher.stop()
+        for thread in threads:
+            thread.join()
+        raise
     if errors:
         for launcher in launchers:
             launcher.stop()
@@ -319,23 +326,11 @@ def _demo(args: UpConfig, address: str, chat: bool, launcher: Launcher, auth_fil
     return True
 
 
-def _start(args: UpConfig, launchers: list[Launcher]) -> GatewayProcess | None:
-    """The engines, then the gateway in front of them (unless --no-gateway); stops what started on failure."""
-    _start_all(launchers)
-    if not args.gateway:
-        return None
-    gateway = _gateway(args, launchers)
-    try:
-        gateway.start()
-    except BaseException:
-        for launcher in launchers:
-            launcher.stop()
-        raise
-    return gateway
-
-
 def _stop(gateway: GatewayProcess | None, launchers: list[Launcher]) -> None:
-    """The gateway first (client streams end cleanly), then the engines; then their run directories."""
+    """The gateway first (client streams end cleanly), then the engines; then their run directories.
+    A signal meanwhile is told to wait (an interrupted stop would leave processes and files)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: _print_event("still shutting down ..."))
     if gateway is not None:
         gateway.stop()
     for launcher in launchers:
@@ -343,18 +338,43 @@ def _stop(gateway: GatewayProcess | None, launchers: list[Launcher]) -> None:
         launcher.remove_run_dir()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM while starting: as Ctrl-C, unwinds to main's clean-up."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str]) -> int:
     args = parse_up_config(argv)
-    launchers = _launchers(args)
-    engines = "an engine" if args.replicas == 1 else f"{args.replicas} engines"
-    print(f"[tokenmill up] starting {engines} (tokenizer, executor, drafter and scheduler) with {args.model}"
-          + (" and the gateway" if args.gateway else "") + " ...", file=sys.stderr)
+    # From here every way out stops what was started: Ctrl-C raises KeyboardInterrupt, SIGTERM
+    # too, and main's finally stops the services and removes their run directories. (The
+    # services also end by themselves if this process dies unstopped: parent_watch.py.)
+    signal.signal(signal.SIGTERM, _interrupt)
+    launchers: list[Launcher] = []
+    gateway: GatewayProcess | None = None
     try:
-        gateway = _start(args, launchers)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"[tokenmill up] failed to start: {exc}", file=sys.stderr)
-        _stop(None, launchers)
-        return 1
+        _launchers(args, launchers)
+        engines = "an engine" if args.replicas == 1 else f"{args.replicas} engines"
+        print(f"[tokenmill up] starting {engines} (tokenizer, executor, drafter and scheduler) with {args.model}"
+              + (" and the gateway" if args.gateway else "") + " ...", file=sys.stderr)
+        try:
+            _start_all(launchers)
+            if args.gateway:
+                gateway = _gateway(args, launchers)
+                gateway.start()
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"[tokenmill up] failed to start: {exc}", file=sys.stderr)
+            return 1
+        return _serve(args, launchers, gateway)
+    except KeyboardInterrupt:
+        print("\n[tokenmill up] interrupted while starting", file=sys.stderr)
+        return 130
+    finally:
+        print("[tokenmill up] shutting down ...", file=sys.stderr)
+        _stop(gateway, launchers)
+
+
+def _serve(args: UpConfig, launchers: list[Launcher], gateway: GatewayProcess | None) -> int:
+    """Print where the stack serves, stream the demo, serve until Ctrl-C / SIGTERM; the exit status."""
     for index, launcher in enumerate(launchers):
         tag = "" if len(launchers) == 1 else f"[{index}]"
         for name, svc in launcher.services.items():
@@ -367,21 +387,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     status = 0
-    try:
-        chat = bool(args.chat_template) or has_chat_template(args.model)
-        auth_file = auth_tokens_file(args)
-        if gateway is not None:
-            _print_examples(gateway, Path(args.model).name, chat, auth_file)
-        if args.demo and not _demo(args, address, chat, launchers[0], auth_file):
-            status = 1
-        if not args.exit_after_demo:
-            status = 0
-            example = '--chat "Tell me a joke"' if chat else '"Once upon"'
-            print(f"[tokenmill up] serving on {address}; try `{_tokenmill()} generate --address {address} {example}`"
-                  + (" with TOKENMILL_TOKEN set" if auth_file else "")
-                  + ". Ctrl-C to stop.", file=sys.stderr)
-            stop.wait()
-    finally:
-        print("[tokenmill up] shutting down ...", file=sys.stderr)
-        _stop(gateway, launchers)
+    chat = bool(args.chat_template) or has_chat_template(args.model)
+    auth_file = auth_tokens_file(args)
+    if gateway is not None:
+        _print_examples(gateway, Path(args.model).name, chat, auth_file)
+    if args.demo and not _demo(args, address, chat, launchers[0], auth_file):
+        status = 1
+    if not args.exit_after_demo:
+        status = 0
+        example = '--chat "Tell me a joke"' if chat else '"Once upon"'
+        print(f"[tokenmill up] serving on {address}; try `{_tokenmill()} generate --address {address} {example}`"
+              + (" with TOKENMILL_TOKEN set" if auth_file else "")
+              + ". Ctrl-C to stop.", file=sys.stderr)
+        stop.wait()
     return status

@@ -32,6 +32,7 @@ from services.common.gc_thresholds import check_gc_young_threshold, set_gc_thres
 from services.common.internal_secret import InternalSecretInterceptor, load_secret
 from services.common.logging import configure_logging
 from services.common.metrics import rpc_interceptors, serve_metrics
+from services.common.parent_watch import end_with_parent
 from services.common.peer_identity import PeerIdentityInterceptor
 from services.common.server import RunningServer, run_service, server_options, start_server
 from services.common.service_config import publish_port
@@ -184,6 +185,8 @@ def service_main(
     """
     prog = f"tokenmill serve {name}"
     config = parse_config(config_type, argv, prog=prog)
+    # Started by `tokenmill up` (or a test's launcher): end when it does, however it ended.
+    end_with_parent(grace_s=config.shutdown_grace_seconds + 5.0)
     validate = getattr(config, "validate", None)
     try:
         check_process_fields(config)

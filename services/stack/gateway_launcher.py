@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.parent_watch import child_env
 from services.common.service_config import read_port_file
 
 
@@ -54,7 +55,7 @@ class GatewayProcess:
             [sys.executable, "-m", "services.gateway", "--config", str(config), "--host", self.host,
              "--port", str(self.grpc_port), "--port-file", str(grpc_file), "--http-port", str(self.http_port),
              "--http-port-file", str(http_file), *self.extra_args],
-            env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+            env=child_env({**os.environ, **self.env}), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         if log is not None:
             log.close()  # the child holds its own descriptor
         deadline = time.monotonic() + timeout_s

@@ -20,6 +20,10 @@ executors present it. A local process that is not the stack's own cannot drive a
 
 With prefill executors, the others may pull a prompt's KV from them, and from them alone
 (``--kv-peers``): they start once the prefill executors serve, whose addresses they are then told.
+
+``stop()`` may be called from another thread while ``start()`` runs (Ctrl-C during start-up):
+no process starts after it, and ``start()`` raises StartInterrupted. Each service also watches
+this process and ends if it dies unstopped (services/common/parent_watch.py).
 """
 
 from __future__ import annotations
@@ -40,10 +44,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.internal_secret import write_secret_file
+from services.common.parent_watch import child_env
 from services.common.tls import ClientTLS
 from services.stack.client import open_channel
 from services.stack.dev_ca import EXECUTOR_IDENTITY, SCHEDULER_IDENTITY, DevCertificates, write_dev_certificates
 
+
+class StartInterrupted(RuntimeError):
+    """``stop()`` was called while ``start()`` was still starting the stack (from another thread)."""
 
 
 @dataclass
@@ -182,7 +190,7 @@ class Launcher:
 
     def _spawn(self, svc: ServiceProcess) -> None:
         svc.port_file.unlink(missing_ok=True)
-        env = {**os.environ, **self.config.env}
+        env = child_env({**os.environ, **self.config.env})  # it ends when we do, however we end
         stderr = None
         if svc.log_handle is not None:
             svc.log_handle.close()  # the previous (dead) process's handle
@@ -195,6 +203,8 @@ class Launcher:
     def _wait_serving(self, svc: ServiceProcess, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise StartInterrupted(f"stopped while {svc.name} was starting")
             if svc.process.poll() is not None:
                 raise RuntimeError(f"{svc.name} exited with code {svc.process.returncode} while starting"
                                    + (f"; see {svc.log_path}" if svc.log_path else ""))
@@ -234,10 +244,10 @@ class Launcher:
             # those have their ports); the scheduler needs every address.
             for wave in (first, [n for n in backends if n not in first]):
                 for name in wave:
-                    self._spawn(self.services[name])
+                    self._spawn_unless_stopping(self.services[name])
                 for name in wave:
                     self._wait_serving(self.services[name], self.config.start_timeout_s)
-            self._spawn(self.services["scheduler"])
+            self._spawn_unless_stopping(self.services["scheduler"])
             self._wait_serving(self.services["scheduler"], self.config.start_timeout_s)
         except BaseException:
             self.stop()
@@ -245,6 +255,14 @@ class Launcher:
         if self.config.restart:
             self._monitor = threading.Thread(target=self._supervise, name="tokenmill-supervisor", daemon=True)
             self._monitor.start()
+
+    def _spawn_unless_stopping(self, svc: ServiceProcess) -> None:
+        """Spawn, unless stop() (from another thread: Ctrl-C during start-up) went first; under the
+        lock stop() sets its flag under, so it either sees this process or this never starts."""
+        with self._spawn_lock:
+            if self._stopping.is_set():
+                raise StartInterrupted(f"stopped before {svc.name} started")
+            self._spawn(svc)
 
     @property
     def public_address(self) -> str:
@@ -278,6 +296,8 @@ class Launcher:
                     # Forget the back-off (not 0.0: the doubling above would keep 0 forever).
                     backoff.pop(svc.name, None)
                     self._event(f"{svc.name} restarted")
+                except StartInterrupted:
+                    return
                 except (RuntimeError, TimeoutError) as exc:
                     self._event(f"{svc.name} restart failed: {exc}")
 

@@ -33,6 +33,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from services.common.parent_watch import child_env
 from services.runtime.model.attention.base import AttentionMetadata
 from services.runtime.parallel.collectives import STEP, RankGroups
 from services.runtime.parallel.pair_auth import new_secret
@@ -81,7 +82,8 @@ class TensorParallelLeader:
         self._procs = []
         for rank in range(1, world):
             proc = subprocess.Popen([sys.executable, "-m", "services.runtime.parallel.worker",
-                                     specs(rank, store_path).to_json()], stdin=subprocess.PIPE)
+                                     specs(rank, store_path).to_json()], stdin=subprocess.PIPE,
+                                    env=child_env())
             proc.stdin.write(self._secret)
             proc.stdin.close()
             self._procs.append(proc)

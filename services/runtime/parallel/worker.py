@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
-import time
 
 import structlog
 import torch
 
 from services.common.logging import configure_logging
+from services.common.parent_watch import end_with_parent
 from services.runtime.kv_cache import KVCache
 from services.runtime.model.attention.registry import get_attention_backend
 from services.runtime.model.config import ModelConfig, parse_dtype
@@ -28,14 +27,6 @@ from services.runtime.parallel.shard import plan_shards
 from services.runtime.parallel.vocab_head import VocabParallelHead
 
 _log = structlog.get_logger("tokenmill.parallel")
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    # A SIGKILLed rank 0 may leave this rank waiting in a collective on a socket that stays open.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(3)
 
 
 def run(spec: RankSpec, secret: bytes) -> None:
@@ -102,7 +93,8 @@ def main(argv: list[str]) -> int:
     configure_logging(f"executor-rank{spec.rank}", spec.log_level)
     # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    # A SIGKILLed rank 0 may leave this rank waiting in a collective on a socket that stays open.
+    end_with_parent(on_orphaned=lambda: os._exit(3))
     secret = sys.stdin.buffer.read(SECRET_BYTES)  # rank 0 writes it there, where no other process reads
     if len(secret) != SECRET_BYTES:
         raise SystemExit(f"tensor-parallel rank {spec.rank}: rank 0 wrote no secret on stdin")
