@@ -13,7 +13,6 @@ to 4 only) behind API keys:
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,13 +21,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-import torch
 
 from services.common.pb.tokenmill.v1 import admin_pb2, admin_pb2_grpc
 from services.common.server import RunningServer, create_channel
 from tests.helpers.gateway_stack import (serve_engine, serve_gateway_for, stop_all, stories_with_chat_template,
                                          wait_healthy, write_routes)
-from tests.helpers.lora_adapters import write_adapter
+from tests.helpers.lora_adapters import write_adapter_set, write_private_json
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -50,12 +48,8 @@ class Stack:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(tmp_path_factory) -> AsyncIterator[Stack]:
     root = tmp_path_factory.mktemp("lora-front-ends")
-    keys = root / "keys.json"
-    keys.write_text(json.dumps(KEYS))
-    keys.chmod(0o600)
-    torch.manual_seed(7)
-    adapters = {"r4": str(write_adapter(root / "r4", rank=4)), "r8": str(write_adapter(root / "r8", rank=8)),
-                "r2": str(write_adapter(root / "r2", rank=2, targets=("o_proj",)))}
+    keys = write_private_json(root / "keys.json", KEYS)
+    adapters = write_adapter_set(root)
     model = stories_with_chat_template(root)
     # Loads while serving name adapters inside --lora-dir only, as an operator starts the engines.
     engines = [await serve_engine(model=model, num_blocks=64, scheduler={"lora_dir": str(root)},

@@ -124,3 +124,18 @@ def write_adapter(directory: Path, rank: int = 4, targets=("q_proj", "v_proj", "
             "bias": "none", **(config or {})}
     (directory / "adapter_config.json").write_text(json.dumps(body))
     return directory
+
+
+def write_adapter_set(root: Path, seed: int = 7) -> dict[str, str]:
+    """The adapters the admin front ends load, under ``root`` (name -> path): r4 and r8 on q, v and
+    down, and r2 on o_proj alone (another shape, to replace one of the others)."""
+    torch.manual_seed(seed)
+    return {"r4": str(write_adapter(root / "r4", rank=4)), "r8": str(write_adapter(root / "r8", rank=8)),
+            "r2": str(write_adapter(root / "r2", rank=2, targets=("o_proj",)))}
+
+
+def write_private_json(path: Path, value: object) -> Path:
+    """A credentials file (API keys, engine tokens): JSON, mode 0600, as the services demand."""
+    path.write_text(json.dumps(value))
+    path.chmod(0o600)
+    return path

@@ -6,7 +6,6 @@ scheduler and each executor check), and without it they are refused."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.main import serve as serve_scheduler
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import serve as serve_tokenizer
-from tests.helpers.lora_adapters import write_adapter
+from tests.helpers.lora_adapters import write_adapter, write_adapter_set, write_private_json
 from tests.helpers.service_harness import STORIES_DIR
 from tests.helpers.stack_streams import greedy_request
 
@@ -45,13 +44,10 @@ class AdminStack:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(tmp_path_factory) -> AsyncIterator[AdminStack]:
     root = tmp_path_factory.mktemp("admin")
-    tokens = root / "tokens.json"
-    tokens.write_text(json.dumps(TENANTS))
-    tokens.chmod(0o600)
+    tokens = write_private_json(root / "tokens.json", TENANTS)
     outside = write_adapter(tmp_path_factory.mktemp("elsewhere") / "secret", rank=4)
     (root / "link").symlink_to(outside, target_is_directory=True)
-    adapters = {"r4": str(write_adapter(root / "r4", rank=4)), "outside": str(outside), "r8": str(write_adapter(root / "r8", rank=8)),
-                "other": str(write_adapter(root / "other", rank=2, targets=("o_proj",)))}
+    adapters = {**write_adapter_set(root), "outside": str(outside)}
     model = str(STORIES_DIR)
     tokenizer = await serve_tokenizer(TokenizerConfig(port=0, model=model, allow_unauthenticated=True))
     executors = [await serve_executor(ExecutorServiceConfig(port=0, allow_unauthenticated=True, executor=ExecutorConfig(
@@ -119,10 +115,10 @@ async def test_load_serve_refuse_and_unload(stack):
         generation_pb2.GetModelInfoRequest(), metadata=as_(USER))
     assert [(a.name, a.rank, a.path) for a in model_info.adapters] == [("r4", 4, "")]
 
-    clash = await refused(load("r4", stack.adapters["other"]))
+    clash = await refused(load("r4", stack.adapters["r2"]))
     assert clash.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "name: an adapter named 'r4' is already loaded" in clash.details() and "replace=true" in clash.details()
-    replaced = await load("r4", stack.adapters["other"], replace=True)
+    replaced = await load("r4", stack.adapters["r2"], replace=True)
     assert replaced.fingerprint != info.fingerprint and list(replaced.target_modules) == ["o_proj"]
 
     # Rank 8 fits the first executor (max 8) but not the second (max 4): refused, and the first
