@@ -424,6 +424,13 @@ class LocalCluster:
         names = list(pod_names) if pod_names is not None else list(self.pods)
         self._log_dir = log_dir or self.workdir / "logs"
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start(names, startup_timeout_s)
+        except BaseException:
+            self.stop()  # a pod that failed to start leaves none of the others running
+            raise
+
+    def _start(self, names: list[str], startup_timeout_s: float) -> None:
         for name in names:
             pod = self.pods[name]
             self._rewrite_files(pod, self._mounts(pod, pod.containers[0]))

@@ -34,7 +34,8 @@ from services.common.metrics import parse_samples
 from services.common.pb.tokenmill.v1 import generation_pb2_grpc
 from services.common.server import create_channel
 from tests.deploy.manifests import (
-    KUSTOMIZE_ROOT, LocalCluster, by_kind, pod_spec, prestop_seconds, probe_targets, render, render_variant,
+    KUSTOMIZE_ROOT, LocalCluster, ManifestError, by_kind, pod_spec, prestop_seconds, probe_targets, render,
+    render_variant,
 )
 from tests.helpers.stack_streams import greedy_request, record_stream
 
@@ -60,14 +61,17 @@ MODEL = "tokenmill"
 """The model id of the gateway's routes file (base/gateway-routes.yaml)."""
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LocalCluster:
-    workdir = tmp_path_factory.mktemp("cluster")
+def _local_cluster(workdir) -> LocalCluster:
     docs = render_variant("cpu+auth", workdir)
     secrets = {"tokenmill-auth": {"tokens.json": json.dumps([{"token": TOKEN, "tenant": "deploy-test"}])},
                "tokenmill-internal": {"secret": INTERNAL_SECRET}}
     # One OpenMP thread a process (the manifest asks for 4 cores; this machine has 2 in all).
-    local = LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
+    return LocalCluster(docs, workdir, secrets=secrets, extra_env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> LocalCluster:
+    local = _local_cluster(tmp_path_factory.mktemp("cluster"))
     local.start(startup_timeout_s=START_TIMEOUT_S)
     yield local
     local.stop()
@@ -358,3 +362,13 @@ async def test_sigterm_drains_the_engine_pod(serving: LocalCluster, engine):
     last_stream = max(r.ended_at for r in records) - signalled[0]
     print(f"drain: {DRAIN_STREAMS} streams in flight at SIGTERM finished within {last_stream:.2f} s; "
           f"(exit status, seconds after SIGTERM): {exits}")
+
+
+def test_a_cluster_whose_start_fails_leaves_no_process_running(tmp_path):
+    # A start that times out (here at once: no probe can answer in 0 s) stops the pods it spawned,
+    # so a failed fixture leaves no services running beside the rest of the suite.
+    local = _local_cluster(tmp_path)
+    with pytest.raises(ManifestError, match="probe still"):
+        local.start(startup_timeout_s=0.0)
+    spawned = [process for pod in local.pods.values() for process in pod.processes.values()]
+    assert spawned and all(process.poll() is not None for process in spawned), [p.args[:3] for p in spawned]
