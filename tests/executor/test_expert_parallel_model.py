@@ -21,7 +21,7 @@ from services.tools.gguf import convert_gguf
 from services.tools.random_model import build_random_model
 from tests.executor.test_tensor_parallel import generate, make_runner, run, tokens
 from tests.helpers.moe_specs import MOE_SPECS
-from tests.tools.test_gguf_moe import _gguf_spec, write_moe_gguf
+from tests.helpers.moe_gguf import gguf_spec, write_moe_gguf
 
 # slow: every runner starts its other ranks as processes
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def moe_dirs(tmp_path_factory) -> dict:
         "olmoe": MOE_SPECS["olmoe"],
     }
     dirs = {name: build_random_model(spec, root / name) for name, spec in specs.items()}
-    spec = dataclasses.replace(_gguf_spec("qwen2-moe"), vocab_size=512)  # the prompts' ids: more rows than TOKENS
+    spec = dataclasses.replace(gguf_spec("qwen2-moe"), vocab_size=512)  # the prompts' ids: more rows than TOKENS
     write_moe_gguf(build_random_model(spec, root / "qwen2-moe-gguf"), root / "qwen2-moe.gguf", spec)
     convert_gguf(root / "qwen2-moe.gguf", root / "qwen2-moe-keep", weights="keep")
     return dirs | {"qwen2-moe-keep": root / "qwen2-moe-keep"}

@@ -288,22 +288,18 @@ class _EventWriter:
                                      content_index=0, part={**item["content"][0], "text": ""}))
         return frames
 
-    def reasoning_delta(self, text: str) -> list[bytes]:
+    def part_delta(self, kind: str, text: str) -> list[bytes]:
+        """``text`` onto the open item of ``kind`` (reasoning or message), opening one if another
+        kind is open; its delta event (reasoning_text, or output_text with its logprobs)."""
         frames = []
-        if self.open_item is None or self.open_item["type"] != "reasoning":
-            frames = self.open_new(_reasoning_item(self.rid, "", "in_progress"))
+        if self.open_item is None or self.open_item["type"] != kind:
+            make = _reasoning_item if kind == "reasoning" else _message_item
+            frames = self.open_new(make(self.rid, "", "in_progress"))
         self.open_item["content"][0]["text"] += text
-        return [*frames, self.event("response.reasoning_text.delta", item_id=self.open_item["id"],
-                                    output_index=self.output.index(self.open_item), content_index=0, delta=text)]
-
-    def text_delta(self, text: str) -> list[bytes]:
-        frames = []
-        if self.open_item is None or self.open_item["type"] != "message":
-            frames = self.open_new(_message_item(self.rid, "", "in_progress"))
-        self.open_item["content"][0]["text"] += text
-        return [*frames, self.event("response.output_text.delta", item_id=self.open_item["id"],
-                                    output_index=self.output.index(self.open_item), content_index=0, delta=text,
-                                    logprobs=[])]
+        name, extra = (("response.reasoning_text.delta", {}) if kind == "reasoning"
+                       else ("response.output_text.delta", {"logprobs": []}))
+        return [*frames, self.event(name, item_id=self.open_item["id"], output_index=self.output.index(self.open_item),
+                                    content_index=0, delta=text, **extra)]
 
     def call_delta(self, call: dict) -> list[bytes]:
         frames = []
@@ -324,9 +320,9 @@ class _EventWriter:
     def delta(self, delta: dict) -> list[bytes]:
         frames = []
         if delta.get("reasoning_content"):
-            frames += self.reasoning_delta(delta["reasoning_content"])
+            frames += self.part_delta("reasoning", delta["reasoning_content"])
         if delta.get("content"):
-            frames += self.text_delta(delta["content"])
+            frames += self.part_delta("message", delta["content"])
         for call in delta.get("tool_calls") or []:
             frames += self.call_delta(call)
         return frames

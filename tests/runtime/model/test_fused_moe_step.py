@@ -9,8 +9,6 @@ their GGUF blocks (Q8_0, Q4_K/Q6_K) on the int8-activation products.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -78,17 +76,9 @@ def test_a_sparse_model_serves_the_eager_runners_greedy_tokens(name, moe_dirs):
 @pytest.mark.parametrize("name,types", [("mixtral", ("q8_0", "q8_0")), ("qwen2-moe", ("q4_k", "q6_k")),
                                         ("olmoe", ("q4_k", "q6_k"))])
 def test_experts_kept_in_their_gguf_blocks_run_fused_as_eagerly(name, types, tmp_path):
-    from services.tools.gguf import convert_gguf
-    from tests.tools.test_gguf_moe import _gguf_spec, write_moe_gguf
+    from tests.helpers.moe_gguf import kept_moe_model
 
-    spec = _gguf_spec(name)
-    if types[0] != "q8_0":  # K-quant blocks hold 256 values
-        spec = dataclasses.replace(spec, hidden_size=256, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                                   moe_intermediate_size=256 if spec.moe_intermediate_size else 0,
-                                   shared_expert_intermediate_size=256 if spec.shared_expert_intermediate_size else 0)
-    ref_dir = build_random_model(spec, tmp_path / "ref")
-    write_moe_gguf(ref_dir, tmp_path / "moe.gguf", spec, types)
-    convert_gguf(tmp_path / "moe.gguf", tmp_path / "keep", weights="keep")
+    kept_moe_model(name, types, tmp_path)
     runner = make_runner(tmp_path / "keep", quant_activations="auto",
                          fused_decode=FusedDecodeSettings(cpu_fused_max_tokens=64))
     assert {layer.moe.path for layer in runner.model.layers} == {"cpu_int8"}
