@@ -349,6 +349,9 @@ def main(argv: list[str]) -> int:
     # too, and main's finally stops the services and removes their run directories. (The
     # services also end by themselves if this process dies unstopped: parent_watch.py.)
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C is handled here whatever up inherited: started as a shell's background job (or by a
+    # runner that ignores SIGINT) it would otherwise ignore the interrupt until it serves.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     launchers: list[Launcher] = []
     gateway: GatewayProcess | None = None
     try:

@@ -46,16 +46,21 @@ def _wait_for(predicate, timeout_s: float, what: str, up) -> None:
     raise AssertionError(f"{what} within {timeout_s:.0f}s:\n{up.text}")
 
 
-@pytest.mark.parametrize("moment, sig", [
-    ("services", signal.SIGINT),   # Ctrl-C while the backends load
-    ("gateway", signal.SIGTERM),   # SIGTERM while the gateway starts, the engine up
-    ("services", signal.SIGKILL),  # killed outright: the services see their parent gone
+@pytest.mark.parametrize("moment, sig, inherited", [
+    ("services", signal.SIGINT, "default"),   # Ctrl-C while the backends load
+    # Ctrl-C reaching an up whose shell ignored SIGINT (a background job, a CI runner): it once
+    # went on to serve, since Python leaves an inherited SIG_IGN in place.
+    ("services", signal.SIGINT, "ignored"),
+    ("gateway", signal.SIGTERM, "default"),   # SIGTERM while the gateway starts, the engine up
+    ("services", signal.SIGKILL, "default"),  # killed outright: the services see their parent gone
 ])
-def test_up_stopped_while_starting_leaves_no_process_and_no_run_directory(tmp_path, moment, sig):
+def test_up_stopped_while_starting_leaves_no_process_and_no_run_directory(tmp_path, moment, sig, inherited):
     tmp = tmp_path / "tmp"  # up's temporary directories land here: they and their users are this test's
     tmp.mkdir()
     # The engine need not be warm to show the gateway's moment (start-up is minutes on a loaded machine).
     command = UP + (" --executor-arg=--skip-warmup" if moment == "gateway" else "")
+    if inherited == "ignored":
+        command = ["bash", "-c", f"trap '' INT; exec {command}"]
     up = start_up(command, user_env(**moved_ports(), TMPDIR=str(tmp), TOKENMILL_LOG_DIR=str(tmp_path / "logs")))
     ours = f" {tmp}/"
     try:
