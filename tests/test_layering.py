@@ -210,6 +210,13 @@ def test_no_import_circle():
     assert not cycles, "modules importing each other (each arrow at the line it is made):\n" + "\n".join(cycles)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """A made-up repository for the checkers' own tests: path -> text."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_the_circle_finder_sees_lazy_type_checking_and_package_circles(tmp_path):
     files = {
         "services/executor/config.py": "from services.executor.paths import fused\n",
@@ -222,9 +229,7 @@ def test_the_circle_finder_sees_lazy_type_checking_and_package_circles(tmp_path)
         "services/gateway/two.py": "from services.common import errors\n",
         "services/common/errors.py": "",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     assert import_cycles(tmp_path) == [
         "services.drafter.config:2 -> services.drafter.model:1 -> services.drafter.config",
         "services.executor.config:1 -> services.executor.paths.fused:3 -> services.executor.config",
@@ -290,9 +295,7 @@ def test_the_checker_sees_upward_sideways_lazy_and_torch_imports(tmp_path):
         "benchmarks/micro/one.py": "from benchmarks.micro.two import x\n",
         "benchmarks/serving/driver.py": "from benchmarks.serving import presets\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     found = layering_violations(tmp_path)
     assert [v.split(" (")[0] for v in found] == [
         "services/common/bad_up.py:2 imports services.scheduler.supervisor",
